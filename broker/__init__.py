@@ -1,0 +1,1 @@
+"""The flowbroker daemon: listeners, connections, exchanges, queues with watermarks, delivery, admin, CLI."""

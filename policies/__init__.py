@@ -1,0 +1,1 @@
+"""Credit policies and queue overflow policies: pure functions of quota, connections and usage."""

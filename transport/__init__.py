@@ -1,0 +1,1 @@
+"""Aeron-compatible UDP transport. Sans-IO except for the one socket module."""
