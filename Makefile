@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/flowbroker serve
 
+# mypy cannot follow setuptools' editable finder for the package-dir mapping, so it checks a
+# symlinked view of the flowbroker namespace, by package name.
+PACKAGES := broker client policies protocol transport
 typecheck: $(STAMP)
-	$(BIN)/mypy broker client policies protocol transport
+	@mkdir -p build/typecheck/flowbroker
+	@for p in $(PACKAGES); do ln -sfn ../../../$$p build/typecheck/flowbroker/$$p; done
+	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p flowbroker.,$(PACKAGES))
 
 unit: $(STAMP)
 	$(BIN)/pytest

@@ -1,0 +1,113 @@
+"""Length-prefixed msgpack framing: a 4-byte big-endian length, then the msgpack body.
+
+The decoder checks the length prefix against `max_frame_size` *before* buffering the body, so an
+oversize frame costs four bytes of memory, not the frame. Its buffer never holds more than one
+partial frame plus what the last read returned. msgpack's exceptions are caught here and turned
+into `RemoteProtocolError`; nothing else leaves this module.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from flowbroker.protocol.errors import ErrorCode, FrameTooLarge, LocalProtocolError, RemoteProtocolError
+from flowbroker.protocol.frames import Frame, decode_body, frame_to_wire
+
+__all__ = ["FrameDecoder", "encode_frame", "encode_frames", "LENGTH_PREFIX", "DEFAULT_MAX_FRAME_SIZE"]
+
+LENGTH_PREFIX = struct.Struct(">I")
+DEFAULT_MAX_FRAME_SIZE = 8 * 1024 * 1024
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """One frame with its length prefix. Raises LocalProtocolError for values msgpack cannot carry."""
+    try:
+        body: bytes = msgpack.packb(frame_to_wire(frame), use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise LocalProtocolError(f"cannot encode {type(frame).__name__}: {exc}") from None
+    return LENGTH_PREFIX.pack(len(body)) + body
+
+
+def encode_frames(frames: list[Frame]) -> bytes:
+    """Several frames in one buffer, for a single socket write."""
+    return b"".join(encode_frame(f) for f in frames)
+
+
+class FrameDecoder:
+    """Incremental decoder: `feed()` bytes, then `next_frame()` until it returns None."""
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+        if max_frame_size < 64:
+            raise ValueError(f"max_frame_size must be at least 64 bytes, got {max_frame_size}")
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+        self._pos = 0
+        self.frames_decoded = 0
+        self._eof = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet decoded."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            self._eof = True
+            return
+        if self._pos:
+            # Compact before growing: keeps the buffer bounded by one partial frame plus one read.
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None if more data is needed.
+
+        Raises FrameTooLarge or RemoteProtocolError (MALFORMED_FRAME, naming the frame's sequence
+        number); after an error the decoder must not be used again.
+        """
+        buf, pos = self._buf, self._pos
+        available = len(buf) - pos
+        if available < 4:
+            self._check_truncated(available)
+            return None
+        (length,) = LENGTH_PREFIX.unpack_from(buf, pos)
+        seq = self.frames_decoded + 1
+        if length > self.max_frame_size:
+            raise FrameTooLarge(length, self.max_frame_size, seq)
+        if length == 0:
+            raise RemoteProtocolError("empty frame", ErrorCode.MALFORMED_FRAME, seq)
+        if available < 4 + length:
+            self._check_truncated(available)
+            return None
+        start = pos + 4
+        self._pos = start + length
+        self.frames_decoded = seq
+        try:
+            obj = msgpack.unpackb(
+                memoryview(buf)[start : start + length],
+                raw=False,
+                use_list=True,
+                strict_map_key=True,
+                ext_hook=_no_ext,
+            )
+        except Exception as exc:  # msgpack raises many types: ExtraData, FormatError, StackError, ...
+            raise RemoteProtocolError(
+                f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
+            ) from None
+        return decode_body(obj, seq)
+
+    def _check_truncated(self, available: int) -> None:
+        if self._eof and available:
+            raise RemoteProtocolError(
+                f"connection closed inside a frame ({available} bytes of it received)",
+                ErrorCode.MALFORMED_FRAME,
+                self.frames_decoded + 1,
+            )

@@ -1,0 +1,158 @@
+"""The connection state machine, without I/O (in the manner of h11).
+
+The shell feeds received bytes in with `receive_data()`, takes validated frames out with
+`next_frame()`, and turns frames it wants to send into bytes with `send()`. The state machine
+checks direction (a client never sends DELIVER, a broker never sends TRANSFER) and phase (HELLO
+first, nothing after CLOSE) for both sides, so a misbehaving peer and a buggy caller fail the same
+way, with a typed error that names the frame.
+
+Theory of operation: states move only through the table `_TRANSITIONS`, keyed by
+(role that sent the frame, frame type). A frame that is not in `_ALLOWED[sender role][state]`
+is an UNEXPECTED_FRAME error.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from flowbroker.protocol.codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
+from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from flowbroker.protocol.frames import PROTOCOL_VERSION, Frame, FrameType
+
+__all__ = ["Role", "State", "Connection"]
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    BROKER = "broker"
+
+
+class State(enum.Enum):
+    AWAIT_HELLO = "await-hello"  # nothing exchanged yet
+    AWAIT_WELCOME = "await-welcome"  # HELLO sent, WELCOME not yet
+    OPEN = "open"
+    CLOSED = "closed"  # CLOSE sent or received, or the byte stream ended
+    ERROR = "error"  # a protocol error: the shell must close the transport
+
+
+_SESSION = frozenset({FrameType.NOOP, FrameType.ERROR, FrameType.CLOSE})
+_CLIENT_OPEN = _SESSION | {
+    FrameType.DECLARE_QUEUE,
+    FrameType.DECLARE_EXCHANGE,
+    FrameType.BIND,
+    FrameType.UNBIND,
+    FrameType.DELETE_QUEUE,
+    FrameType.PURGE_QUEUE,
+    FrameType.TRANSFER,
+    FrameType.BUFFER_CONTROL,
+    FrameType.BUFFER_ACK,
+    FrameType.SUBSCRIBE,
+    FrameType.CANCEL,
+    FrameType.SETTLE,
+}
+_BROKER_OPEN = _SESSION | {
+    FrameType.OK,
+    FrameType.COMPLETE,
+    FrameType.BUFFER_CONTROL,
+    FrameType.BUFFER_ACK,
+    FrameType.FLOW_STOPPED,
+    FrameType.FLOW_RESUMED,
+    FrameType.DELIVER,
+}
+
+_ALLOWED: dict[Role, dict[State, frozenset[FrameType]]] = {
+    Role.CLIENT: {
+        State.AWAIT_HELLO: frozenset({FrameType.HELLO}),
+        State.AWAIT_WELCOME: frozenset({FrameType.CLOSE}),
+        State.OPEN: frozenset(_CLIENT_OPEN),
+    },
+    Role.BROKER: {
+        # The broker may refuse a HELLO with ERROR + CLOSE.
+        State.AWAIT_WELCOME: frozenset({FrameType.WELCOME, FrameType.ERROR, FrameType.CLOSE}),
+        State.OPEN: frozenset(_BROKER_OPEN),
+    },
+}
+
+_TRANSITIONS: dict[tuple[State, FrameType], State] = {
+    (State.AWAIT_HELLO, FrameType.HELLO): State.AWAIT_WELCOME,
+    (State.AWAIT_WELCOME, FrameType.WELCOME): State.OPEN,
+    (State.AWAIT_HELLO, FrameType.CLOSE): State.CLOSED,
+    (State.AWAIT_WELCOME, FrameType.CLOSE): State.CLOSED,
+    (State.OPEN, FrameType.CLOSE): State.CLOSED,
+}
+
+
+class Connection:
+    """One end of a flowbroker connection. `role` is the side this object speaks for."""
+
+    def __init__(self, role: Role, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+        self.role = role
+        self.peer_role = Role.BROKER if role is Role.CLIENT else Role.CLIENT
+        self.state = State.AWAIT_HELLO
+        self._decoder = FrameDecoder(max_frame_size)
+        self.frames_sent = 0
+
+    @property
+    def frames_received(self) -> int:
+        return self._decoder.frames_decoded
+
+    @property
+    def max_frame_size(self) -> int:
+        return self._decoder.max_frame_size
+
+    def set_max_frame_size(self, size: int) -> None:
+        """Adopt the size negotiated in WELCOME."""
+        self._decoder.max_frame_size = size
+
+    def receive_data(self, data: bytes) -> None:
+        """Bytes from the transport; b"" means the peer closed its end."""
+        self._decoder.feed(data)
+
+    def next_frame(self) -> Frame | None:
+        """The next validated frame from the peer, or None when more data is needed.
+
+        Raises RemoteProtocolError (and moves to ERROR) for malformed, oversize, truncated or
+        unexpected frames. A clean end of stream moves to CLOSED and returns None.
+        """
+        if self.state is State.ERROR:
+            raise LocalProtocolError("connection is in ERROR state; close the transport")
+        try:
+            frame = self._decoder.next_frame()
+            if frame is None:
+                if self._decoder._eof and self.state is not State.CLOSED:
+                    self.state = State.CLOSED
+                return None
+            self._advance(self.peer_role, frame, RemoteProtocolError)
+        except RemoteProtocolError:
+            self.state = State.ERROR
+            raise
+        return frame
+
+    def send(self, frame: Frame) -> bytes:
+        """Bytes for `frame`, checked against our role and the state; raises LocalProtocolError."""
+        self._advance(self.role, frame, LocalProtocolError)
+        self.frames_sent += 1
+        return encode_frame(frame)
+
+    def _advance(
+        self, sender: Role, frame: Frame, error: type[LocalProtocolError] | type[RemoteProtocolError]
+    ) -> None:
+        ftype = frame.TYPE
+        state = self.state
+        # Before WELCOME the client side of the table applies to both ends: the client says HELLO,
+        # the broker answers WELCOME. After CLOSE nothing more may be sent.
+        allowed = _ALLOWED[sender].get(state, frozenset())
+        if ftype not in allowed:
+            seq = self._decoder.frames_decoded if sender is self.peer_role else None
+            raise error(
+                f"{ftype.name} frame from the {sender.value} is not allowed in state {state.value}",
+                ErrorCode.UNEXPECTED_FRAME,
+                seq,
+            )
+        if ftype is FrameType.HELLO and frame.version != PROTOCOL_VERSION:  # type: ignore[union-attr]
+            raise error(
+                f"protocol version {frame.version} is not supported (this end speaks {PROTOCOL_VERSION})",  # type: ignore[union-attr]
+                ErrorCode.UNSUPPORTED_VERSION,
+                self._decoder.frames_decoded if sender is self.peer_role else None,
+            )
+        self.state = _TRANSITIONS.get((state, ftype), state)

@@ -1,0 +1,578 @@
+"""The frames of the flowbroker wire protocol, as frozen dataclasses.
+
+On the wire each frame is a msgpack array `[type, field1, field2, ...]` in the field order of its
+dataclass (see docs/protocol.md). Arrays rather than maps keep a batch of 100 transfers small and
+fast to decode. `decode_body` validates every field's type and range so that nothing malformed
+reaches the broker: a bad frame becomes a `RemoteProtocolError` naming the frame and field.
+
+Credit frames follow Couchbase DCP with one change: BUFFER_ACK carries the *absolute* number of
+bytes acknowledged so far (`acked_total`) beside DCP's delta, so a lost, duplicated or reordered
+acknowledgement can neither stall a sender nor let it overrun (see protocol/credit.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable, ClassVar, NamedTuple, Union
+
+from flowbroker.protocol.errors import ErrorCode, RemoteProtocolError
+
+__all__ = [
+    "FrameType",
+    "Headers",
+    "Range",
+    "Outcome",
+    "TransferEntry",
+    "DeliveryEntry",
+    "Hello",
+    "Welcome",
+    "DeclareQueue",
+    "DeclareExchange",
+    "Bind",
+    "Unbind",
+    "DeleteQueue",
+    "PurgeQueue",
+    "Ok",
+    "Transfer",
+    "Complete",
+    "BufferControl",
+    "BufferAck",
+    "FlowStopped",
+    "FlowResumed",
+    "Subscribe",
+    "Cancel",
+    "Deliver",
+    "Settle",
+    "Noop",
+    "Error",
+    "Close",
+    "Frame",
+    "PROTOCOL_VERSION",
+    "decode_body",
+    "frame_to_wire",
+]
+
+PROTOCOL_VERSION = 1
+
+HeaderValue = Union[str, int, float, bool, bytes, None]
+Headers = dict[str, HeaderValue]
+Range = tuple[int, int]
+"""An inclusive range of ids `(first, last)`."""
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    DECLARE_QUEUE = 3
+    DECLARE_EXCHANGE = 4
+    BIND = 5
+    UNBIND = 6
+    DELETE_QUEUE = 7
+    PURGE_QUEUE = 8
+    OK = 9
+    TRANSFER = 10
+    COMPLETE = 11
+    BUFFER_CONTROL = 12
+    BUFFER_ACK = 13
+    FLOW_STOPPED = 14
+    FLOW_RESUMED = 15
+    SUBSCRIBE = 16
+    CANCEL = 17
+    DELIVER = 18
+    SETTLE = 19
+    NOOP = 20
+    ERROR = 21
+    CLOSE = 22
+
+
+class Outcome(enum.IntEnum):
+    """How a consumer settles deliveries (SETTLE frame)."""
+
+    ACK = 0  # processed: dequeue
+    REJECT = 1  # unprocessable: dequeue and discard
+    REQUEUE = 2  # give it back: ready again, marked redelivered
+
+
+class TransferEntry(NamedTuple):
+    """One message in a TRANSFER frame. `producer_id`/`sequence` are carried for idempotent producers."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: Headers | None = None
+    producer_id: str | None = None
+    sequence: int | None = None
+
+
+class DeliveryEntry(NamedTuple):
+    """One message in a DELIVER frame; `delivery_tag` is per connection and strictly increasing."""
+
+    delivery_tag: int
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: Headers | None
+    redelivered: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Client -> broker, first frame. `flow_control`: the client honours producer credit."""
+
+    TYPE: ClassVar[FrameType] = FrameType.HELLO
+    version: int
+    client_name: str
+    flow_control: bool
+    capabilities: list[str]
+    auth: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Broker -> client, answer to HELLO. `buffer_size` is the producer byte buffer (0 = not paced)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.WELCOME
+    version: int
+    connection_id: int
+    server_name: str
+    max_frame_size: int
+    max_message_size: int
+    idle_timeout_ms: int
+    buffer_size: int
+    identity: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareQueue:
+    TYPE: ClassVar[FrameType] = FrameType.DECLARE_QUEUE
+    request_id: int
+    queue: str
+    durable: bool = False
+    arguments: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareExchange:
+    TYPE: ClassVar[FrameType] = FrameType.DECLARE_EXCHANGE
+    request_id: int
+    exchange: str
+    kind: str  # direct | fanout | topic
+
+
+@dataclass(frozen=True, slots=True)
+class Bind:
+    TYPE: ClassVar[FrameType] = FrameType.BIND
+    request_id: int
+    queue: str
+    exchange: str
+    binding_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unbind:
+    TYPE: ClassVar[FrameType] = FrameType.UNBIND
+    request_id: int
+    queue: str
+    exchange: str
+    binding_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteQueue:
+    TYPE: ClassVar[FrameType] = FrameType.DELETE_QUEUE
+    request_id: int
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeQueue:
+    TYPE: ClassVar[FrameType] = FrameType.PURGE_QUEUE
+    request_id: int
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    """Broker -> client: the request `request_id` succeeded; `result` holds what it returned."""
+
+    TYPE: ClassVar[FrameType] = FrameType.OK
+    request_id: int
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Client -> broker: messages with transfer ids first_id, first_id + 1, ... (contiguous per connection)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.TRANSFER
+    first_id: int
+    entries: list[TransferEntry]
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """Broker -> client: every transfer id <= `cumulative_id` is complete, and so are those in `ranges`."""
+
+    TYPE: ClassVar[FrameType] = FrameType.COMPLETE
+    cumulative_id: int
+    ranges: list[Range]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferControl:
+    """Sets the byte buffer the *sender* of data may fill (DCP_CONTROL `connection_buffer_size`).
+
+    Sent by whoever receives the data: the broker tells a producer its buffer, a consumer tells the broker.
+    `opaque` 0 is the connection level; otherwise a subscription id (`stream_buffer_size`). 0 = no flow control.
+    """
+
+    TYPE: ClassVar[FrameType] = FrameType.BUFFER_CONTROL
+    opaque: int
+    buffer_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BufferAck:
+    """The receiver of data frees buffer space. `acked_total` is absolute, `freed` the DCP-style delta."""
+
+    TYPE: ClassVar[FrameType] = FrameType.BUFFER_ACK
+    opaque: int
+    freed: int
+    acked_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlowStopped:
+    """Broker -> producer: transfers to `destination` are held (QPID-942's "hold it").
+
+    `threshold` names what tripped (flow_stop_count, flow_stop_size, admin), `limit` its value and
+    `value` the queue's figure when it tripped.
+    """
+
+    TYPE: ClassVar[FrameType] = FrameType.FLOW_STOPPED
+    destination: str
+    threshold: str
+    limit: int
+    value: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlowResumed:
+    TYPE: ClassVar[FrameType] = FrameType.FLOW_RESUMED
+    destination: str
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Client -> broker. `prefetch` bounds unsettled deliveries (0 = unbounded); `buffer_size` bytes
+    is the subscription's stream buffer (0 = no byte flow control at this level)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.SUBSCRIBE
+    request_id: int
+    subscription_id: int
+    queue: str
+    prefetch: int
+    buffer_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    TYPE: ClassVar[FrameType] = FrameType.CANCEL
+    request_id: int
+    subscription_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    TYPE: ClassVar[FrameType] = FrameType.DELIVER
+    subscription_id: int
+    entries: list[DeliveryEntry]
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Client -> broker: settle the delivery tags in `ranges` with `outcome`."""
+
+    TYPE: ClassVar[FrameType] = FrameType.SETTLE
+    outcome: Outcome
+    ranges: list[Range]
+
+
+@dataclass(frozen=True, slots=True)
+class Noop:
+    """Liveness probe; `reply` false asks, true answers. Never counted against any credit."""
+
+    TYPE: ClassVar[FrameType] = FrameType.NOOP
+    nonce: int
+    reply: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """An error about one frame (`frame_seq`, 1-based count of frames the sender of the bad frame sent),
+    optionally one transfer or request (`ref_id`) and a destination it concerns."""
+
+    TYPE: ClassVar[FrameType] = FrameType.ERROR
+    code: ErrorCode
+    text: str
+    frame_seq: int | None = None
+    ref_id: int | None = None
+    destination: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    TYPE: ClassVar[FrameType] = FrameType.CLOSE
+    code: ErrorCode
+    reason: str
+
+
+Frame = Union[
+    Hello,
+    Welcome,
+    DeclareQueue,
+    DeclareExchange,
+    Bind,
+    Unbind,
+    DeleteQueue,
+    PurgeQueue,
+    Ok,
+    Transfer,
+    Complete,
+    BufferControl,
+    BufferAck,
+    FlowStopped,
+    FlowResumed,
+    Subscribe,
+    Cancel,
+    Deliver,
+    Settle,
+    Noop,
+    Error,
+    Close,
+]
+
+_U64 = 2**64 - 1
+_I64_MIN = -(2**63)
+
+
+def frame_to_wire(frame: Frame) -> list[Any]:
+    """The msgpack array for `frame`. Slots dataclasses have no __dict__, so read fields in order."""
+    return [frame.TYPE, *(getattr(frame, name) for name in _FIELD_NAMES[frame.TYPE])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding with validation. Each field has a checker that returns the (possibly converted) value
+# or raises _Bad with a short description; decode_body turns that into a RemoteProtocolError.
+
+
+class _Bad(Exception):
+    pass
+
+
+Checker = Callable[[Any], Any]
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:
+        raise _Bad(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _uint(v: Any) -> int:
+    if type(v) is not int or v < 0:
+        raise _Bad(f"expected a non-negative integer, got {v!r}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if type(v) is not str:
+        raise _Bad(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _name(v: Any) -> str:
+    if type(v) is not str or len(v) > 255:
+        raise _Bad("expected a name of at most 255 characters")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise _Bad(f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def _opt(check: Checker) -> Checker:
+    def checker(v: Any) -> Any:
+        return None if v is None else check(v)
+
+    return checker
+
+
+def _str_list(v: Any) -> list[str]:
+    if not isinstance(v, (list, tuple)) or any(type(s) is not str for s in v):
+        raise _Bad("expected a list of strings")
+    return list(v)
+
+
+def _map(v: Any) -> dict[str, Any]:
+    if type(v) is not dict or any(type(k) is not str for k in v):
+        raise _Bad("expected a map with string keys")
+    return v
+
+
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _headers(v: Any) -> Headers | None:
+    if v is None:
+        return None
+    if type(v) is not dict:
+        raise _Bad("headers must be a map")
+    for k, val in v.items():
+        if type(k) is not str or type(val) not in _SCALARS:
+            raise _Bad("headers must map strings to scalars")
+    return v
+
+
+def _ranges(v: Any) -> list[Range]:
+    if not isinstance(v, (list, tuple)):
+        raise _Bad("expected a list of [first, last] ranges")
+    out: list[Range] = []
+    for r in v:
+        if (
+            not isinstance(r, (list, tuple))
+            or len(r) != 2
+            or type(r[0]) is not int
+            or type(r[1]) is not int
+            or not 0 < r[0] <= r[1]
+        ):
+            raise _Bad(f"bad range {r!r}: expected [first, last] with 0 < first <= last")
+        out.append((r[0], r[1]))
+    return out
+
+
+def _enum(enum_type: type[enum.IntEnum]) -> Checker:
+    def checker(v: Any) -> Any:
+        try:
+            return enum_type(v)
+        except (ValueError, TypeError):
+            raise _Bad(f"{v!r} is not a valid {enum_type.__name__}") from None
+
+    return checker
+
+
+def _transfer_entries(v: Any) -> list[TransferEntry]:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise _Bad("entries must be a non-empty list")
+    out = []
+    for e in v:
+        # hot path: one tuple check and a few type() comparisons per message
+        if not isinstance(e, (list, tuple)) or not 3 <= len(e) <= 6:
+            raise _Bad("each entry must be [exchange, routing_key, body, headers?, producer_id?, sequence?]")
+        if type(e[0]) is not str or type(e[1]) is not str or type(e[2]) is not bytes:
+            raise _Bad("entry fields exchange and routing_key must be strings, body must be bytes")
+        entry = TransferEntry(*e)
+        if entry.headers is not None:
+            _headers(entry.headers)
+        if entry.producer_id is not None and type(entry.producer_id) is not str:
+            raise _Bad("producer_id must be a string")
+        if entry.sequence is not None and (type(entry.sequence) is not int or entry.sequence < 0):
+            raise _Bad("sequence must be a non-negative integer")
+        out.append(entry)
+    return out
+
+
+def _delivery_entries(v: Any) -> list[DeliveryEntry]:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise _Bad("entries must be a non-empty list")
+    out = []
+    for e in v:
+        if not isinstance(e, (list, tuple)) or len(e) != 6:
+            raise _Bad("each entry must be [tag, exchange, routing_key, body, headers, redelivered]")
+        if (
+            type(e[0]) is not int
+            or type(e[1]) is not str
+            or type(e[2]) is not str
+            or type(e[3]) is not bytes
+            or type(e[5]) is not bool
+        ):
+            raise _Bad("delivery entry has a field of the wrong type")
+        _headers(e[4])
+        out.append(DeliveryEntry(*e))
+    return out
+
+
+_SCHEMA: dict[FrameType, tuple[type[Any], tuple[Checker, ...], int]] = {}
+"""type -> (class, field checkers, number of required fields)."""
+
+_FIELD_NAMES: dict[FrameType, tuple[str, ...]] = {}
+
+
+def _register(cls: type[Any], *checkers: Checker) -> None:
+    names = tuple(f.name for f in fields(cls))
+    assert len(names) == len(checkers), cls
+    required = sum(1 for f in fields(cls) if f.default is MISSING)
+    _SCHEMA[cls.TYPE] = (cls, checkers, required)
+    _FIELD_NAMES[cls.TYPE] = names
+
+
+_register(Hello, _uint, _str, _bool, _str_list, _opt(_map))
+_register(Welcome, _uint, _uint, _str, _uint, _uint, _uint, _uint, _str)
+_register(DeclareQueue, _uint, _name, _bool, _opt(_map))
+_register(DeclareExchange, _uint, _name, _name)
+_register(Bind, _uint, _name, _name, _name)
+_register(Unbind, _uint, _name, _name, _name)
+_register(DeleteQueue, _uint, _name)
+_register(PurgeQueue, _uint, _name)
+_register(Ok, _uint, _map)
+_register(Transfer, _uint, _transfer_entries)
+_register(Complete, _uint, _ranges)
+_register(BufferControl, _uint, _uint)
+_register(BufferAck, _uint, _uint, _uint)
+_register(FlowStopped, _name, _str, _uint, _uint, _str)
+_register(FlowResumed, _name)
+_register(Subscribe, _uint, _uint, _name, _uint, _uint)
+_register(Cancel, _uint, _uint)
+_register(Deliver, _uint, _delivery_entries)
+_register(Settle, _enum(Outcome), _ranges)
+_register(Noop, _uint, _bool)
+_register(Error, _enum(ErrorCode), _str, _opt(_uint), _opt(_uint), _opt(_str))
+_register(Close, _enum(ErrorCode), _str)
+
+
+def decode_body(obj: Any, frame_seq: int) -> Frame:
+    """Validate an unpacked msgpack value and build its frame.
+
+    Raises RemoteProtocolError(MALFORMED_FRAME) naming the frame type and field at fault.
+    """
+    if not isinstance(obj, (list, tuple)) or not obj:
+        raise RemoteProtocolError("frame is not a non-empty msgpack array", ErrorCode.MALFORMED_FRAME, frame_seq)
+    type_code = obj[0]
+    if type(type_code) is not int or type_code not in _SCHEMA_BY_INT:
+        raise RemoteProtocolError(f"unknown frame type {type_code!r}", ErrorCode.MALFORMED_FRAME, frame_seq)
+    ftype = _SCHEMA_BY_INT[type_code]
+    cls, checkers, required = _SCHEMA[ftype]
+    values = obj[1:]
+    if not required <= len(values) <= len(checkers):
+        raise RemoteProtocolError(
+            f"{ftype.name} frame has {len(values)} fields, expected {required}..{len(checkers)}",
+            ErrorCode.MALFORMED_FRAME,
+            frame_seq,
+        )
+    args = []
+    for name, check, value in zip(_FIELD_NAMES[ftype], checkers, values):
+        try:
+            args.append(check(value))
+        except _Bad as exc:
+            raise RemoteProtocolError(
+                f"{ftype.name} frame, field {name}: {exc}", ErrorCode.MALFORMED_FRAME, frame_seq
+            ) from None
+    frame: Frame = cls(*args)
+    return frame
+
+
+_SCHEMA_BY_INT: dict[int, FrameType] = {int(t): t for t in _SCHEMA}
