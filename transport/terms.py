@@ -1,0 +1,404 @@
+"""Three-partition term buffers: the publication's appender and the image's rebuilder and reader.
+
+A stream lives in a log of three terms of ``term_length`` bytes each, used round-robin (term id modulo 3).
+The bytes in a term are exactly the bytes on the wire: frames at 32-byte aligned term offsets, each
+``align(frame_length)`` long, a PAD frame filling the end of a term a message did not fit in. So the
+sender transmits straight out of the term (``scan_for_availability``), the receiver copies a datagram in
+at its term offset (``TermRebuilder.insert``), and "frame_length == 0" means "not here yet": that is how
+the receiver finds gaps to NAK and where a reader stops.
+
+A partition is reused for term N+3, so it must be zeroed before that. Both classes zero the partition they
+move into (everything two terms behind the new term) and offer ``clean_to(position)`` for the owner to clean
+earlier, behind its sender or slowest subscriber, as Aeron's conductor does.
+
+Sans-IO: no sockets, no clock. The publication/image state machines (flow control, NAK timing) live in
+their own modules and call these.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from flowbroker.transport.frames import (
+    BEGIN_FLAG,
+    DATA_HEADER_LENGTH,
+    END_FLAG,
+    FRAME_ALIGNMENT,
+    MAX_MTU,
+    MIN_MTU,
+    UNFRAGMENTED,
+    FrameType,
+    write_data_header,
+)
+from flowbroker.transport.positions import (
+    PARTITION_COUNT,
+    check_term_length,
+    compute_max_message_length,
+    compute_term_id_from_position,
+    term_count,
+    wrap_int32,
+)
+
+_INT32: Final = struct.Struct("<i")
+_TYPE: Final = struct.Struct("<H")
+_HEADER: Final = struct.Struct("<iBBH")
+_TYPE_OFFSET: Final = 6
+_ALIGN_MASK: Final = FRAME_ALIGNMENT - 1
+_ZEROS: Final = bytes(64 * 1024)
+
+Buffer = bytes | bytearray | memoryview
+FragmentHandler = Callable[[memoryview, int], None]
+"""Called with (payload, flags) per DATA fragment; the payload aliases the term until it is cleaned."""
+MessageHandler = Callable[[memoryview | bytes], None]
+
+
+def _aligned(length: int) -> int:
+    return (length + _ALIGN_MASK) & ~_ALIGN_MASK
+
+
+def check_mtu(mtu: int) -> None:
+    """Raise ValueError unless ``mtu`` is a multiple of 32 in [32, 65504] (the driver's rule)."""
+    if not MIN_MTU <= mtu <= MAX_MTU or mtu % FRAME_ALIGNMENT:
+        raise ValueError(f"mtu {mtu} must be a multiple of {FRAME_ALIGNMENT} in [{MIN_MTU}, {MAX_MTU}]")
+
+
+class TermLog:
+    """Three partitions of one stream plus the geometry to find a position in them."""
+
+    __slots__ = ("term_length", "initial_term_id", "position_bits_to_shift", "_log", "partitions",
+                 "clean_position")
+
+    def __init__(self, term_length: int, initial_term_id: int, clean_position: int = 0) -> None:
+        check_term_length(term_length)
+        self.term_length = term_length
+        self.initial_term_id = wrap_int32(initial_term_id)
+        self.position_bits_to_shift = term_length.bit_length() - 1
+        self._log = bytearray(PARTITION_COUNT * term_length)
+        view = memoryview(self._log)
+        self.partitions: tuple[memoryview, ...] = tuple(
+            view[i * term_length:(i + 1) * term_length] for i in range(PARTITION_COUNT)
+        )
+        # Everything below clean_position is known to be zero or already reusable.
+        self.clean_position = clean_position
+
+    def partition_for_term(self, term_id: int) -> memoryview:
+        return self.partitions[term_count(term_id, self.initial_term_id) % PARTITION_COUNT]
+
+    def partition_for_position(self, position: int) -> memoryview:
+        return self.partitions[(position >> self.position_bits_to_shift) % PARTITION_COUNT]
+
+    def term_id_for_position(self, position: int) -> int:
+        return compute_term_id_from_position(position, self.position_bits_to_shift, self.initial_term_id)
+
+    def term_offset_for_position(self, position: int) -> int:
+        return position & (self.term_length - 1)
+
+    def position_of(self, term_id: int, term_offset: int) -> int:
+        return (term_count(term_id, self.initial_term_id) << self.position_bits_to_shift) + term_offset
+
+    def clean_to(self, position: int) -> None:
+        """Zero the log from ``clean_position`` up to ``position`` so its partitions can be reused."""
+        position = max(position, self.clean_position)
+        start = self.clean_position
+        # More than a whole log behind: only the last PARTITION_COUNT terms matter.
+        start = max(start, position - PARTITION_COUNT * self.term_length)
+        mask = self.term_length - 1
+        while start < position:
+            term = self.partition_for_position(start)
+            offset = start & mask
+            length = min(position - start, self.term_length - offset)
+            end = offset + length
+            while offset < end:
+                chunk = min(end - offset, len(_ZEROS))
+                term[offset:offset + chunk] = _ZEROS[:chunk]
+                offset += chunk
+            start += length
+        self.clean_position = position
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """A hole in the rebuilt term: what a NAK asks for."""
+
+    term_id: int
+    term_offset: int
+    length: int
+
+
+class TermAppender(TermLog):
+    """Publication side: writes messages as DATA frames at the tail, fragmenting and padding as needed.
+
+    ``position`` is the tail: where the next frame will start. The caller (the publication) bounds how far
+    the tail may run ahead of the sender with ``space_needed`` before it appends.
+    """
+
+    __slots__ = ("session_id", "stream_id", "mtu", "max_payload_length", "max_message_length",
+                 "term_id", "term_offset", "_term_count", "_term")
+
+    def __init__(
+        self,
+        term_length: int,
+        initial_term_id: int,
+        session_id: int,
+        stream_id: int,
+        mtu: int,
+        active_term_id: int | None = None,
+        term_offset: int = 0,
+    ) -> None:
+        check_mtu(mtu)
+        active = initial_term_id if active_term_id is None else active_term_id
+        count = term_count(active, initial_term_id)
+        if count < 0:
+            raise ValueError(f"active term id {active} is before initial term id {initial_term_id}")
+        if not 0 <= term_offset <= term_length or term_offset & _ALIGN_MASK:
+            raise ValueError(f"term offset {term_offset} is not an aligned offset inside the term")
+        begin = count * term_length
+        super().__init__(term_length, initial_term_id, clean_position=begin)
+        self.session_id = session_id
+        self.stream_id = stream_id
+        self.mtu = mtu
+        self.max_payload_length = mtu - DATA_HEADER_LENGTH
+        self.max_message_length = compute_max_message_length(term_length)
+        self.term_id = wrap_int32(active)
+        self.term_offset = term_offset
+        self._term_count = count
+        self._term = self.partition_for_term(self.term_id)
+
+    @property
+    def position(self) -> int:
+        return (self._term_count << self.position_bits_to_shift) + self.term_offset
+
+    def frame_space(self, length: int) -> int:
+        """Term bytes a message of ``length`` occupies as frames (without any end-of-term padding)."""
+        if length <= self.max_payload_length:
+            return _aligned(length + DATA_HEADER_LENGTH)
+        full, last = divmod(length, self.max_payload_length)
+        space = full * self.mtu
+        if last:
+            space += _aligned(last + DATA_HEADER_LENGTH)
+        return space
+
+    def space_needed(self, length: int) -> int:
+        """How far ``append(length)`` will move the tail, padding to the next term included."""
+        space = self.frame_space(length)
+        if self.term_offset + space > self.term_length:
+            return self.term_length - self.term_offset + space
+        return space
+
+    def append(self, message: Buffer, reserved_value: int = 0) -> int:
+        """Write ``message`` at the tail and return the new tail position.
+
+        A message that does not fit in the rest of the term makes the term end with a PAD frame and goes
+        at the start of the next term (all fragments of a message stay in one term, as in Aeron).
+        Raises ValueError for a message over ``max_message_length`` (a caller error, not back pressure).
+        """
+        length = len(message)
+        if length > self.max_message_length:
+            raise ValueError(
+                f"message length {length} exceeds max message length {self.max_message_length}"
+            )
+        space = self.frame_space(length)
+        if self.term_offset + space > self.term_length:
+            self._pad_and_rotate()
+        term = self._term
+        offset = self.term_offset
+        if length <= self.max_payload_length:
+            frame_length = length + DATA_HEADER_LENGTH
+            term[offset + DATA_HEADER_LENGTH:offset + frame_length] = message
+            write_data_header(term, offset, frame_length, UNFRAGMENTED, offset,
+                              self.session_id, self.stream_id, self.term_id, reserved_value)
+            self.term_offset = offset + ((frame_length + _ALIGN_MASK) & ~_ALIGN_MASK)
+            return (self._term_count << self.position_bits_to_shift) + self.term_offset
+        view = memoryview(message)
+        chunk_size = self.max_payload_length
+        remaining = length
+        src = 0
+        flags = BEGIN_FLAG
+        while remaining > 0:
+            chunk = min(remaining, chunk_size)
+            remaining -= chunk
+            if remaining == 0:
+                flags |= END_FLAG
+            frame_length = chunk + DATA_HEADER_LENGTH
+            term[offset + DATA_HEADER_LENGTH:offset + frame_length] = view[src:src + chunk]
+            write_data_header(term, offset, frame_length, flags, offset,
+                              self.session_id, self.stream_id, self.term_id, reserved_value)
+            src += chunk
+            offset += _aligned(frame_length)
+            flags = 0
+        self.term_offset = offset
+        return self.position
+
+    def _pad_and_rotate(self) -> None:
+        offset = self.term_offset
+        if offset < self.term_length:
+            write_data_header(self._term, offset, self.term_length - offset, UNFRAGMENTED, offset,
+                              self.session_id, self.stream_id, self.term_id, 0, FrameType.PAD)
+        self._term_count += 1
+        self.term_id = wrap_int32(self.term_id + 1)
+        self.term_offset = 0
+        # The partition we move into last held the term two before the previous one: zero it.
+        begin = self._term_count * self.term_length
+        self.clean_to(begin - 2 * self.term_length)
+        self._term = self.partition_for_term(self.term_id)
+
+    def rotate_if_full(self) -> None:
+        """Move to the next term when the tail sits exactly at the end (nothing to pad)."""
+        if self.term_offset >= self.term_length:
+            self._pad_and_rotate()
+
+
+def scan_for_availability(term: memoryview, term_offset: int, max_length: int) -> tuple[int, int]:
+    """Bytes the sender may put in one datagram from ``term_offset``, and the padding it then skips.
+
+    Walks whole frames while they fit in ``max_length`` (the MTU, or less of a window); stops after a PAD,
+    of which only the 32-byte header is sent (the receiver learns the rest from its frame_length). Returns
+    ``(available, padding)``: send ``term[term_offset:term_offset + available]``, then advance the sender
+    position by ``available + padding``.
+    """
+    limit = min(max_length, len(term) - term_offset)
+    available = 0
+    padding = 0
+    unpack = _INT32.unpack_from
+    while available < limit:
+        frame_offset = term_offset + available
+        frame_length = unpack(term, frame_offset)[0]
+        if frame_length <= 0:
+            break
+        aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+        if _TYPE.unpack_from(term, frame_offset + _TYPE_OFFSET)[0] == FrameType.PAD:
+            padding = aligned - DATA_HEADER_LENGTH
+            aligned = DATA_HEADER_LENGTH
+        if available + aligned > limit:
+            padding = 0
+            break
+        available += aligned
+        if padding:
+            break
+    return available, padding
+
+
+class TermRebuilder(TermLog):
+    """Image side: datagrams inserted at their term offset rebuild the publication's log.
+
+    The caller (the image) decides whether a datagram is inside its window before inserting: inserting
+    into a term moves the cleaning up to two terms behind it.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, term_length: int, initial_term_id: int, join_position: int = 0) -> None:
+        mask = term_length - 1
+        super().__init__(term_length, initial_term_id, clean_position=join_position & ~mask)
+
+    def insert(self, term_id: int, term_offset: int, datagram: Buffer) -> bool:
+        """Copy a validated DATA/PAD datagram into its term; False if that slot was already filled.
+
+        Like Aeron, a slot whose frame_length is non-zero is not overwritten (duplicates and retransmits
+        of data already here cost nothing) and the frame_length is written last.
+        """
+        begin = term_count(term_id, self.initial_term_id) << self.position_bits_to_shift
+        if begin - 2 * self.term_length > self.clean_position:
+            self.clean_to(begin - 2 * self.term_length)
+        term = self.partition_for_term(term_id)
+        if _INT32.unpack_from(term, term_offset)[0] != 0:
+            return False
+        n = len(datagram)
+        if n <= 4:
+            return False
+        term[term_offset + 4:term_offset + n] = datagram[4:n]
+        term[term_offset:term_offset + 4] = datagram[:4]
+        return True
+
+    def rebuild_position(self, position: int, limit_position: int) -> int:
+        """Advance ``position`` over contiguous frames up to ``limit_position`` (within its term)."""
+        term = self.partition_for_position(position)
+        mask = self.term_length - 1
+        offset = position & mask
+        limit = min(offset + (limit_position - position), self.term_length)
+        unpack = _INT32.unpack_from
+        start = offset
+        while offset < limit:
+            frame_length = unpack(term, offset)[0]
+            if frame_length <= 0:
+                break
+            offset += (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+        return position + (offset - start)
+
+    def scan_for_gap(self, rebuild_position: int, hwm_position: int) -> tuple[int, Gap | None]:
+        """New rebuild position, and the first gap before ``hwm_position`` in the rebuild term, if any."""
+        new_position = self.rebuild_position(rebuild_position, hwm_position)
+        if new_position >= hwm_position:
+            return new_position, None
+        mask = self.term_length - 1
+        gap_offset = new_position & mask
+        term_end_position = new_position - gap_offset + self.term_length
+        limit = min(hwm_position, term_end_position) - new_position + gap_offset
+        term = self.partition_for_position(new_position)
+        offset = gap_offset + FRAME_ALIGNMENT
+        unpack = _INT32.unpack_from
+        while offset < limit and unpack(term, offset)[0] == 0:
+            offset += FRAME_ALIGNMENT
+        end = min(offset, limit)
+        return new_position, Gap(self.term_id_for_position(new_position), gap_offset, end - gap_offset)
+
+    def read(
+        self, position: int, limit_position: int, handler: FragmentHandler, fragment_limit: int = 1 << 30
+    ) -> tuple[int, int]:
+        """Deliver contiguous DATA fragments from ``position``; return (new position, fragments read).
+
+        Stops at the first missing frame, at ``limit_position``, at the end of the term, or after
+        ``fragment_limit`` fragments. PAD frames are skipped (they advance the position, deliver nothing).
+        """
+        term = self.partition_for_position(position)
+        mask = self.term_length - 1
+        offset = position & mask
+        start = offset
+        limit = min(offset + (limit_position - position), self.term_length)
+        fragments = 0
+        header = _HEADER.unpack_from
+        while offset < limit and fragments < fragment_limit:
+            frame_length, _v, flags, ftype = header(term, offset)
+            if frame_length <= 0:
+                break
+            aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+            if offset + aligned > limit and ftype != FrameType.PAD:
+                break
+            if ftype != FrameType.PAD:
+                fragments += 1
+                handler(term[offset + DATA_HEADER_LENGTH:offset + frame_length], flags)
+            offset += aligned
+        return position + (offset - start), fragments
+
+
+class FragmentAssembler:
+    """Joins B..E fragments into whole messages for one subscription (Aeron's FragmentAssembler).
+
+    An unfragmented message is passed on without a copy (a memoryview into the term); a fragmented one as
+    bytes. Fragments seen without their BEGIN (joined mid-message) are dropped.
+    """
+
+    __slots__ = ("_handler", "_buffer")
+
+    def __init__(self, handler: MessageHandler) -> None:
+        self._handler = handler
+        self._buffer: bytearray | None = None
+
+    def __call__(self, payload: memoryview, flags: int) -> None:
+        if flags & UNFRAGMENTED == UNFRAGMENTED:
+            self._handler(payload)
+        elif flags & BEGIN_FLAG:
+            self._buffer = bytearray(payload)
+        elif self._buffer is not None:
+            self._buffer += payload
+            if flags & END_FLAG:
+                message = bytes(self._buffer)
+                self._buffer = None
+                self._handler(message)
+
+    @property
+    def in_progress(self) -> bool:
+        return self._buffer is not None
