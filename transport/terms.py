@@ -200,9 +200,8 @@ class TermAppender(TermLog):
             raise ValueError(
                 f"message length {length} exceeds max message length {self.max_message_length}"
             )
-        space = self.frame_space(length)
-        if self.term_offset + space > self.term_length:
-            self._pad_and_rotate()
+        if self.term_offset + self.frame_space(length) > self.term_length:
+            self.pad_and_rotate()
         term = self._term
         offset = self.term_offset
         if length <= self.max_payload_length:
@@ -232,7 +231,16 @@ class TermAppender(TermLog):
         self.term_offset = offset
         return self.position
 
-    def _pad_and_rotate(self) -> None:
+    def needs_rotation(self, length: int) -> bool:
+        """True if a message of ``length`` does not fit in the rest of the active term.
+
+        A publication that wants Aeron's ADMIN_ACTION behaviour calls ``pad_and_rotate`` itself when this is
+        true and reports ADMIN_ACTION; ``append`` would otherwise pad and rotate on its own.
+        """
+        return self.term_offset + self.frame_space(length) > self.term_length
+
+    def pad_and_rotate(self) -> int:
+        """End the active term with a PAD frame (if any room is left), move to the next; return the tail."""
         offset = self.term_offset
         if offset < self.term_length:
             write_data_header(self._term, offset, self.term_length - offset, UNFRAGMENTED, offset,
@@ -244,11 +252,7 @@ class TermAppender(TermLog):
         begin = self._term_count * self.term_length
         self.clean_to(begin - 2 * self.term_length)
         self._term = self.partition_for_term(self.term_id)
-
-    def rotate_if_full(self) -> None:
-        """Move to the next term when the tail sits exactly at the end (nothing to pad)."""
-        if self.term_offset >= self.term_length:
-            self._pad_and_rotate()
+        return self.position
 
 
 def scan_for_availability(term: memoryview, term_offset: int, max_length: int) -> tuple[int, int]:

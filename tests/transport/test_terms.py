@@ -262,3 +262,15 @@ def test_lossy_round_trip_across_rotations_and_wrap() -> None:
     assert sub_pos == app.position
     assert received == sent
     assert app.term_id < 0  # wrapped past INT32_MAX
+
+
+def test_needs_rotation_and_explicit_pad_and_rotate() -> None:
+    app = appender()
+    app.append(bytes(TERM // 8 - 32))  # fragmented, lands well inside the term
+    assert not app.needs_rotation(100)
+    while not app.needs_rotation(TERM // 8):
+        app.append(bytes(TERM // 8))
+    tail = app.term_offset
+    assert app.pad_and_rotate() == TERM and app.term_id == 6
+    assert headers(app.partitions[0], tail)[:4] == (TERM - tail, 0, 0xC0, FrameType.PAD)
+    assert not app.needs_rotation(TERM // 8)
