@@ -1,0 +1,63 @@
+"""The flowbroker client SDK.
+
+Trio: `async with await flowbroker.client.connect(url) as conn:` then `conn.producer(...)` and
+`conn.consumer(...)`. Plain Python (threads, scripts, Spark executors): `flowbroker.client.blocking`.
+Every wait takes a deadline; every error is a `FlowbrokerError`. See docs/client.md.
+"""
+
+from flowbroker.client.connection import Connection, connect
+from flowbroker.client.consumer import Consumer, Message
+from flowbroker.client.errors import (
+    AlreadySettled,
+    BrokerConnectionError,
+    ConnectionClosed,
+    FlowbrokerError,
+    FlowControlled,
+    FlowControlTimeout,
+    HandshakeError,
+    MessageTooLarge,
+    NotFound,
+    ProtocolViolation,
+    PublishError,
+    QueueFull,
+    ReceiveTimeout,
+    RequestError,
+    RequestTimeout,
+)
+from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState, FlowStop
+from flowbroker.client.producer import Producer, ProducerStats
+from flowbroker.client.url import DEFAULT_URL, BrokerAddress, parse_url
+from flowbroker.protocol import ErrorCode, Outcome
+
+__all__ = [
+    "connect",
+    "Connection",
+    "Producer",
+    "ProducerStats",
+    "Consumer",
+    "Message",
+    "FlowState",
+    "FlowStop",
+    "FlowEvent",
+    "FlowEvents",
+    "DEFAULT_URL",
+    "BrokerAddress",
+    "parse_url",
+    "ErrorCode",
+    "Outcome",
+    "FlowbrokerError",
+    "BrokerConnectionError",
+    "HandshakeError",
+    "ConnectionClosed",
+    "ProtocolViolation",
+    "FlowControlled",
+    "FlowControlTimeout",
+    "PublishError",
+    "QueueFull",
+    "MessageTooLarge",
+    "NotFound",
+    "RequestError",
+    "RequestTimeout",
+    "ReceiveTimeout",
+    "AlreadySettled",
+]

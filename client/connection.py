@@ -1,0 +1,752 @@
+"""The trio connection: one TCP stream, three tasks, every queue bounded.
+
+Why it is shaped this way:
+
+- **Sans-IO underneath.** Framing, validation and the state machine are `flowbroker.protocol.Connection`;
+  credit arithmetic is `BufferLog` (producer bytes) and `AckScheduler` (consumer buffer acks). This module
+  only moves bytes and wakes tasks.
+- **One writer task** owns the socket's send side. Producers, settlements, buffer acks, requests and noop
+  replies put work in small queues and wake it; it writes control traffic first (acks, settlements, noops:
+  never stuck behind data) and then up to `TRANSFER_BATCH` messages per TRANSFER frame, several frames per
+  write. Batching is what makes Python fast here: one msgpack call and one `send_all` per batch.
+- **One reader task** never stops reading, so completions, credit and flow notices always get through.
+- **One timer task** sends noops when we have been quiet for a third of the idle timeout, declares the
+  broker dead after a whole idle timeout of silence, and re-advertises buffer acks every 5 s.
+- **Structured concurrency.** The tasks live in a nursery opened by `async with conn`; leaving the block
+  sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it.
+- **Bounded.** Transfers waiting for the writer are bounded by the producers' windows; settlements by the
+  unsettled deliveries; buffer acks coalesce to one per buffer (they are absolute); noop replies keep the
+  newest 16; requests are one per awaiting task; deliveries wait in each consumer's bounded channel.
+
+Request ids are drawn from 2**62 upward so that an ERROR's `ref_id` is never ambiguous between a request
+and a transfer id (transfer ids count messages from 1 and cannot get there).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from flowbroker.client.errors import (
+    BrokerConnectionError,
+    ConnectionClosed,
+    FlowbrokerError,
+    HandshakeError,
+    ProtocolViolation,
+    RequestError,
+    RequestTimeout,
+    publish_error,
+)
+from flowbroker.client.flow import FlowEvents, FlowState, FlowTracker
+from flowbroker.client.url import DEFAULT_URL, parse_url
+from flowbroker.protocol import (
+    PROTOCOL_VERSION,
+    AckScheduler,
+    Bind,
+    BufferAck,
+    BufferControl,
+    BufferLog,
+    Cancel,
+    Close,
+    Complete,
+    CreditError,
+    DeclareExchange,
+    DeclareQueue,
+    DeleteQueue,
+    Deliver,
+    Error,
+    ErrorCode,
+    FlowResumed,
+    FlowStopped,
+    Frame,
+    Hello,
+    LocalProtocolError,
+    Noop,
+    Ok,
+    Outcome,
+    PurgeQueue,
+    RemoteProtocolError,
+    Role,
+    Settle,
+    State,
+    Subscribe,
+    Transfer,
+    TransferEntry,
+    Unbind,
+    Welcome,
+)
+from flowbroker.protocol import Connection as ProtocolConnection
+
+if TYPE_CHECKING:
+    from flowbroker.client.consumer import Consumer
+    from flowbroker.client.producer import Producer
+
+__all__ = ["Connection", "connect", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
+
+log = logging.getLogger("flowbroker.client")
+
+TRANSFER_BATCH = 256
+"""Most messages in one TRANSFER frame."""
+WRITE_FRAMES = 8
+"""Most TRANSFER frames in one socket write, so control traffic never waits long behind data."""
+RECEIVE_SIZE = 256 * 1024
+REQUEST_ID_BASE = 2**62
+NOOP_REPLIES_KEPT = 16
+ENTRY_OVERHEAD = 24
+"""Estimated msgpack bytes per transfer entry beyond body, names and headers (for the frame-size budget)."""
+
+
+def _now_ns() -> int:
+    return int(trio.current_time() * 1e9)
+
+
+@dataclass
+class _PendingRequest:
+    event: trio.Event = field(default_factory=trio.Event)
+    result: dict[str, Any] | None = None
+    error: FlowbrokerError | None = None
+
+
+@dataclass
+class _BufferAccount:
+    """A consumer-side byte buffer (connection level or one subscription) and its ack schedule.
+
+    `epoch` changes when accounting restarts (the buffer goes from 0 to a size); a message is counted
+    only against the epoch it arrived in, so bytes delivered while flow control was off are never
+    acknowledged against a buffer that did not count them.
+    """
+
+    scheduler: AckScheduler
+    epoch: int = 0
+
+    def set_size(self, size: int, now_ns: int) -> BufferAck | None:
+        """Resize; returns an acknowledgement of pending bytes to send first, if any."""
+        sched = self.scheduler
+        pending = sched.flush(now_ns)
+        if size and not sched.buffer_size:
+            self.epoch += 1
+            self.scheduler = AckScheduler(size, opaque=sched.opaque, last_sent_ns=now_ns)
+        else:
+            sched.buffer_size = size
+        return pending
+
+    def processed(self, nbytes: int, epoch: int, now_ns: int) -> BufferAck | None:
+        if epoch != self.epoch or not self.scheduler.buffer_size:
+            return None
+        return self.scheduler.on_processed(nbytes, now_ns)
+
+    @property
+    def live_epoch(self) -> int:
+        """The epoch a message arriving now is counted in (-1: not counted, flow control is off)."""
+        return self.epoch if self.scheduler.buffer_size else -1
+
+
+class Connection:
+    """A client connection to a flowbroker broker. Create it with `await connect(...)`, use it with
+    `async with`. All methods are trio methods of the task that runs the `async with` block or its
+    children."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        proto: ProtocolConnection,
+        welcome: Welcome,
+        *,
+        request_timeout: float = 30.0,
+        close_timeout: float = 5.0,
+    ) -> None:
+        self._stream = stream
+        self._proto = proto
+        self.welcome = welcome
+        self.request_timeout = request_timeout
+        self.close_timeout = close_timeout
+        self.credit = BufferLog(welcome.buffer_size)
+        """Producer byte credit for this connection, shared by its producers (DCP: one buffer per connection)."""
+        self._flow = FlowTracker()
+        self._closed: BrokerConnectionError | ProtocolViolation | None = None
+        self._graceful = False
+        self._entered = False
+        self._nursery: trio.Nursery | None = None
+        self._nursery_cm: Any = None
+        # writer queues
+        self._wake = trio.Event()
+        self._transfers: collections.deque[tuple[int, TransferEntry, int]] = collections.deque()
+        self._control: collections.deque[Frame] = collections.deque()
+        self._settle: dict[Outcome, list[int]] = {}
+        self._acks: dict[int, BufferAck] = {}
+        self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
+        self._writer_done = trio.Event()
+        self._final_frames: list[Frame] = []
+        # producer side
+        self._next_transfer_id = 1
+        self._inflight: dict[int, Producer] = {}
+        self._cumulative = 0
+        self._credit_lot = trio.lowlevel.ParkingLot()
+        # requests and consumers
+        self._next_request_id = REQUEST_ID_BASE
+        self._requests: dict[int, _PendingRequest] = {}
+        self._consumers: dict[int, Consumer] = {}
+        self._next_subscription_id = 1
+        now = trio.current_time()
+        self._buffer = _BufferAccount(AckScheduler(0, opaque=0, last_sent_ns=int(now * 1e9)))
+        self._last_received = now
+        self._last_sent = now
+        self._noop_nonce = 0
+        self.connection_errors: collections.deque[Error] = collections.deque(maxlen=32)
+        """Connection-level ERROR frames the broker sent without closing (newest 32)."""
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def connection_id(self) -> int:
+        return self.welcome.connection_id
+
+    @property
+    def server_name(self) -> str:
+        return self.welcome.server_name
+
+    @property
+    def max_message_size(self) -> int:
+        return self.welcome.max_message_size
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed is not None
+
+    @property
+    def close_error(self) -> BrokerConnectionError | ProtocolViolation | None:
+        """Why the connection is closed (None while open)."""
+        return self._closed
+
+    @property
+    def flow_state(self) -> FlowState:
+        return self._flow.snapshot(trio.current_time())
+
+    def flow_events(self, max_buffered: int = 256) -> FlowEvents:
+        """Watch flow-stopped/resumed events for the whole connection (see `Producer.flow_events`)."""
+        watcher = self._flow.watch(max_buffered)
+        if self._closed is not None:
+            watcher._close()
+        return watcher
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Connection:
+        if self._entered:
+            raise RuntimeError("a Connection can be entered once")
+        self._entered = True
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        self._nursery.start_soon(self._reader)
+        self._nursery.start_soon(self._writer)
+        self._nursery.start_soon(self._timer)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Errors of the block pass through untouched (the nursery sees none): our tasks never raise.
+        with trio.CancelScope(shield=True):
+            await self.aclose()
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+            await self._nursery_cm.__aexit__(None, None, None)
+            await self._stream.aclose()
+
+    async def aclose(self) -> None:
+        """Close in order: queued messages and settlements are written, then CLOSE(NORMAL). Waits at most
+        `close_timeout`. Completions not yet received are not waited for: call `producer.flush()` first."""
+        if self._closed is None:
+            self._shutdown(ConnectionClosed(ErrorCode.NORMAL, "closed by the application"), graceful=True)
+            self._final_frames.append(Close(ErrorCode.NORMAL, "client closing"))
+        if self._nursery is not None:
+            with trio.move_on_after(self.close_timeout):
+                await self._writer_done.wait()
+        await trio.lowlevel.checkpoint()
+
+    def _shutdown(self, error: BrokerConnectionError | ProtocolViolation, *, graceful: bool = False) -> None:
+        """Mark closed and wake everyone who waits on the connection. The writer sends what `_final_frames`
+        holds (after the queued data only if `graceful`) and exits."""
+        if self._closed is not None:
+            return
+        self._closed = error
+        self._graceful = graceful
+        for pending in self._requests.values():
+            pending.error = error
+            pending.event.set()
+        for consumer in list(self._consumers.values()):
+            consumer._on_connection_closed()
+        self._flow.close()
+        self._credit_lot.unpark_all()
+        self._wake.set()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+        if self._nursery is None:
+            raise RuntimeError("use the connection as `async with await connect(...) as conn:`")
+
+    # ------------------------------------------------------------------ requests
+
+    async def _request(self, make: Callable[[int], Frame], timeout: float | None) -> dict[str, Any]:
+        self._check_open()
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        pending = _PendingRequest()
+        self._requests[request_id] = pending
+        self._queue_control(make(request_id))
+        limit = self.request_timeout if timeout is None else timeout
+        try:
+            with trio.move_on_after(limit):
+                await pending.event.wait()
+        finally:
+            del self._requests[request_id]
+        if pending.error is not None:
+            raise pending.error
+        if pending.result is None:
+            raise RequestTimeout(ErrorCode.INTERNAL_ERROR, f"no answer within {limit} s", request_id)
+        return pending.result
+
+    async def declare_queue(
+        self,
+        name: str,
+        *,
+        durable: bool = False,
+        flow_stop_count: int | None = None,
+        flow_resume_count: int | None = None,
+        flow_stop_size: int | None = None,
+        flow_resume_size: int | None = None,
+        max_count: int | None = None,
+        max_size: int | None = None,
+        overflow: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Declare a queue; arguments left as None take the broker's defaults (Qpid's: max size 100 MiB,
+        stop at 80 %, resume at 70 %, overflow "reject"). Returns the broker's OK result."""
+        given = {
+            "flow_stop_count": flow_stop_count,
+            "flow_resume_count": flow_resume_count,
+            "flow_stop_size": flow_stop_size,
+            "flow_resume_size": flow_resume_size,
+            "max_count": max_count,
+            "max_size": max_size,
+            "overflow": overflow,
+        }
+        if overflow is not None and overflow not in ("reject", "drop-head"):
+            raise ValueError(f"overflow must be 'reject' or 'drop-head', not {overflow!r}")
+        arguments = {k: v for k, v in given.items() if v is not None} or None
+        return await self._request(lambda rid: DeclareQueue(rid, name, durable, arguments), timeout)
+
+    async def declare_exchange(self, name: str, kind: str = "direct", *, timeout: float | None = None) -> dict[str, Any]:
+        if kind not in ("direct", "fanout", "topic"):
+            raise ValueError(f"exchange kind must be direct, fanout or topic, not {kind!r}")
+        return await self._request(lambda rid: DeclareExchange(rid, name, kind), timeout)
+
+    async def bind(self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._request(lambda rid: Bind(rid, queue, exchange, binding_key), timeout)
+
+    async def unbind(
+        self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return await self._request(lambda rid: Unbind(rid, queue, exchange, binding_key), timeout)
+
+    async def delete_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._request(lambda rid: DeleteQueue(rid, name), timeout)
+
+    async def purge_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._request(lambda rid: PurgeQueue(rid, name), timeout)
+
+    # ------------------------------------------------------------------ producers
+
+    def producer(
+        self, exchange: str = "", routing_key: str = "", *, window: int = 1000, send_timeout: float = 60.0
+    ) -> Producer:
+        """A producer on this connection. `window` bounds its uncompleted transfers (Qpid's capacity);
+        `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever)."""
+        from flowbroker.client.producer import Producer
+
+        return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout)
+
+    def _enqueue_transfer(self, producer: Producer, entry: TransferEntry, size: int) -> int:
+        """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
+        transfer_id = self._next_transfer_id
+        self._next_transfer_id += 1
+        self.credit.on_sent(size)
+        self._inflight[transfer_id] = producer
+        self._transfers.append((transfer_id, entry, size))
+        self._wake.set()
+        return transfer_id
+
+    async def _wait_credit(self) -> None:
+        await self._credit_lot.park()
+
+    def _on_complete(self, frame: Complete) -> None:
+        inflight = self._inflight
+        completed = 0
+        if frame.cumulative_id > self._cumulative:
+            for transfer_id in range(self._cumulative + 1, frame.cumulative_id + 1):
+                producer = inflight.pop(transfer_id, None)
+                if producer is not None:
+                    producer._on_completed()
+                    completed += 1
+            self._cumulative = frame.cumulative_id
+        for first, last in frame.ranges:
+            for transfer_id in range(max(first, self._cumulative + 1), last + 1):
+                producer = inflight.pop(transfer_id, None)
+                if producer is not None:
+                    producer._on_completed()
+                    completed += 1
+        if completed:
+            self._credit_lot.unpark_all()
+
+    # ------------------------------------------------------------------ consumers
+
+    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0) -> Consumer:
+        """A consumer of `queue`; use it as `async with conn.consumer(...) as c: async for msg in c`.
+        `prefetch` bounds unsettled deliveries (0 = unbounded); `buffer_size` is the subscription's byte
+        buffer (0 = off); the SDK returns its buffer acknowledgements by itself."""
+        from flowbroker.client.consumer import Consumer
+
+        subscription_id = self._next_subscription_id
+        self._next_subscription_id += 1
+        return Consumer(self, queue, subscription_id, prefetch=prefetch, buffer_size=buffer_size)
+
+    async def _subscribe(self, consumer: Consumer, timeout: float | None) -> None:
+        self._consumers[consumer.subscription_id] = consumer
+        try:
+            await self._request(
+                lambda rid: Subscribe(
+                    rid, consumer.subscription_id, consumer.queue, consumer.prefetch, consumer.buffer_size
+                ),
+                timeout,
+            )
+        except BaseException:
+            self._consumers.pop(consumer.subscription_id, None)
+            raise
+
+    async def _cancel(self, consumer: Consumer, timeout: float | None) -> None:
+        try:
+            if self._closed is None:
+                await self._request(lambda rid: Cancel(rid, consumer.subscription_id), timeout)
+        finally:
+            self._consumers.pop(consumer.subscription_id, None)
+
+    async def set_buffer_size(self, size: int) -> None:
+        """Set the connection-level consumer byte buffer (DCP `connection_buffer_size`; 0 = off).
+        Best set before subscribing: see docs/client.md on changing it mid-stream."""
+        if size < 0:
+            raise ValueError("buffer size must be >= 0")
+        self._check_open()
+        self._set_buffer(self._buffer, size)
+        await trio.lowlevel.checkpoint()
+
+    def _set_buffer(self, account: _BufferAccount, size: int) -> None:
+        ack = account.set_size(size, _now_ns())
+        if ack is not None:
+            self._queue_ack(ack)
+        self._queue_control(BufferControl(account.scheduler.opaque, size))
+
+    def _processed(self, nbytes: int, conn_epoch: int, sub_account: _BufferAccount | None, sub_epoch: int) -> None:
+        """A delivery was processed (settled, or its handler returned): count it against its buffers."""
+        now_ns = _now_ns()
+        ack = self._buffer.processed(nbytes, conn_epoch, now_ns)
+        if ack is not None:
+            self._queue_ack(ack)
+        if sub_account is not None:
+            ack = sub_account.processed(nbytes, sub_epoch, now_ns)
+            if ack is not None:
+                self._queue_ack(ack)
+
+    def _settle_tag(self, outcome: Outcome, tag: int) -> None:
+        self._check_open()
+        self._settle.setdefault(outcome, []).append(tag)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ writer
+
+    def _queue_control(self, frame: Frame) -> None:
+        self._control.append(frame)
+        self._wake.set()
+
+    def _queue_ack(self, ack: BufferAck) -> None:
+        self._acks[ack.opaque] = ack  # absolute: a newer ack supersedes an unsent older one
+        self._wake.set()
+
+    def _encode_control(self, out: list[bytes]) -> None:
+        send = self._proto.send
+        if self._acks:
+            acks, self._acks = self._acks, {}
+            out.extend(send(ack) for ack in acks.values())
+        if self._settle:
+            settle, self._settle = self._settle, {}
+            for outcome, tags in settle.items():
+                out.append(send(Settle(outcome, coalesce(tags))))
+        while self._noop_replies:
+            out.append(send(Noop(self._noop_replies.popleft(), True)))
+        while self._control:
+            out.append(send(self._control.popleft()))
+
+    def _encode_transfers(self, out: list[bytes]) -> None:
+        transfers = self._transfers
+        budget = self._proto.max_frame_size - 64
+        for _ in range(WRITE_FRAMES):
+            if not transfers:
+                return
+            first_id = transfers[0][0]
+            entries: list[TransferEntry] = []
+            nbytes = 0
+            while transfers and len(entries) < TRANSFER_BATCH:
+                _, entry, size = transfers[0]
+                cost = size + len(entry.exchange) + len(entry.routing_key) + ENTRY_OVERHEAD
+                if entries and nbytes + cost > budget:
+                    break
+                transfers.popleft()
+                entries.append(entry)
+                nbytes += cost
+            out.append(self._proto.send(Transfer(first_id, entries)))
+
+    async def _writer(self) -> None:
+        try:
+            while self._closed is None:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while self._closed is None and (
+                    self._transfers or self._control or self._settle or self._acks or self._noop_replies
+                ):
+                    out: list[bytes] = []
+                    self._encode_control(out)
+                    self._encode_transfers(out)
+                    await self._stream.send_all(b"".join(out))
+                    self._last_sent = trio.current_time()
+            out = []
+            if self._graceful:
+                self._encode_control(out)
+                while self._transfers:
+                    self._encode_transfers(out)
+            if self._proto.state is State.OPEN:
+                out.extend(self._proto.send(frame) for frame in self._final_frames)
+            if out:
+                await self._stream.send_all(b"".join(out))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
+        except LocalProtocolError as exc:  # a bug in the SDK or a frame the caller built wrongly
+            log.error("flowbroker connection %s: cannot send: %s", self.connection_id, exc)
+            self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"cannot send: {exc}"))
+        finally:
+            self._writer_done.set()
+
+    # ------------------------------------------------------------------ reader
+
+    async def _reader(self) -> None:
+        proto = self._proto
+        try:
+            while self._closed is None:
+                data = await self._stream.receive_some(RECEIVE_SIZE)
+                self._last_received = trio.current_time()
+                proto.receive_data(bytes(data))
+                while (frame := proto.next_frame()) is not None:
+                    await self._dispatch(frame)
+                    if self._closed is not None:
+                        return
+                if not data:
+                    self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "the broker closed the connection"))
+        except RemoteProtocolError as exc:
+            self._protocol_violation(str(exc), exc.code, exc.frame_seq)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"read failed: {exc!r}"))
+
+    def _protocol_violation(self, text: str, code: ErrorCode, frame_seq: int | None = None) -> None:
+        log.warning("flowbroker connection %s: protocol violation by the broker: %s", self.connection_id, text)
+        if self._proto.state is State.OPEN:
+            self._final_frames += [Error(code, text, frame_seq), Close(code, text)]
+        self._shutdown(ProtocolViolation(text, code))
+
+    async def _dispatch(self, frame: Frame) -> None:
+        if isinstance(frame, Complete):
+            self._on_complete(frame)
+        elif isinstance(frame, BufferAck):
+            self._on_buffer_ack(frame)
+        elif isinstance(frame, Deliver):
+            consumer = self._consumers.get(frame.subscription_id)
+            if consumer is not None:
+                await consumer._on_deliver(frame.entries)
+            else:
+                self._drop_deliveries(frame)
+        elif isinstance(frame, Ok):
+            pending = self._requests.get(frame.request_id)
+            if pending is not None:
+                pending.result = frame.result
+                pending.event.set()
+        elif isinstance(frame, FlowStopped):
+            self._flow.on_stopped(frame, trio.current_time())
+        elif isinstance(frame, FlowResumed):
+            self._flow.on_resumed(frame.destination, trio.current_time())
+        elif isinstance(frame, BufferControl):
+            if frame.opaque == 0:
+                self.credit.resize(frame.buffer_size)
+                self._credit_lot.unpark_all()
+        elif isinstance(frame, Noop):
+            if not frame.reply:
+                self._noop_replies.append(frame.nonce)
+                self._wake.set()
+        elif isinstance(frame, Error):
+            self._on_error(frame)
+        elif isinstance(frame, Close):
+            self._shutdown(ConnectionClosed(frame.code, frame.reason))
+        else:  # the state machine lets only broker frames through; anything else is a bug here
+            raise AssertionError(f"unhandled frame {frame!r}")
+
+    def _on_buffer_ack(self, frame: BufferAck) -> None:
+        if frame.opaque != 0:
+            self._protocol_violation(
+                f"BUFFER_ACK for opaque {frame.opaque}: producer credit is per connection", ErrorCode.UNEXPECTED_FRAME
+            )
+            return
+        try:
+            freed = self.credit.on_ack(frame.acked_total)
+        except CreditError as exc:
+            self._protocol_violation(str(exc), ErrorCode.INVALID_ARGUMENT, self._proto.frames_received)
+            return
+        if freed:
+            self._credit_lot.unpark_all()
+
+    def _on_error(self, frame: Error) -> None:
+        ref = frame.ref_id
+        if ref is not None and ref >= REQUEST_ID_BASE:
+            pending = self._requests.get(ref)
+            if pending is not None:
+                pending.error = RequestError(frame.code, frame.text, ref, frame.destination)
+                pending.event.set()
+                return
+        elif ref is not None:
+            producer = self._inflight.get(ref)
+            if producer is not None:
+                producer._on_error(publish_error(frame.code, frame.text, frame.destination, ref))
+                return
+        log.warning(
+            "flowbroker connection %s: broker error %s: %s (ref %s, destination %s)",
+            self.connection_id,
+            frame.code.name,
+            frame.text,
+            ref,
+            frame.destination,
+        )
+        self.connection_errors.append(frame)
+
+    def _drop_deliveries(self, frame: Deliver) -> None:
+        """Deliveries for a subscription we no longer have: count them as processed for the connection
+        buffer (they will never be processed), and leave settlement to the broker's cancel."""
+        from flowbroker.protocol import message_size
+
+        epoch = self._buffer.live_epoch
+        for entry in frame.entries:
+            self._processed(message_size(entry.body, entry.headers), epoch, None, -1)
+
+    # ------------------------------------------------------------------ timer
+
+    async def _timer(self) -> None:
+        idle = self.welcome.idle_timeout_ms / 1000
+        tick = min(1.0, max(0.01, idle / 6)) if idle else 1.0
+        while self._closed is None:
+            await trio.sleep(tick)
+            now = trio.current_time()
+            if idle:
+                if now - self._last_received >= idle:
+                    text = f"no frame from the broker for {idle:g} s"
+                    if self._proto.state is State.OPEN:
+                        self._final_frames.append(Close(ErrorCode.IDLE_TIMEOUT, text))
+                    self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
+                    return
+                if now - self._last_sent >= idle / 3 and not self._control:
+                    self._noop_nonce += 1
+                    self._queue_control(Noop(self._noop_nonce, False))
+            now_ns = int(now * 1e9)
+            accounts = [self._buffer] + [c._buffer for c in self._consumers.values()]
+            for account in accounts:
+                ack = account.scheduler.poll(now_ns)
+                if ack is not None:
+                    self._queue_ack(ack)
+
+
+def coalesce(tags: list[int]) -> list[tuple[int, int]]:
+    """Sorted inclusive ranges covering `tags` (duplicates allowed): [1, 2, 3, 7] -> [(1, 3), (7, 7)]."""
+    ranges: list[tuple[int, int]] = []
+    for tag in sorted(tags):
+        if ranges and tag <= ranges[-1][1] + 1:
+            if tag > ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], tag)
+        else:
+            ranges.append((tag, tag))
+    return ranges
+
+
+async def connect(
+    url: str = DEFAULT_URL,
+    *,
+    client_name: str = "flowbroker-python",
+    flow_control: bool = True,
+    timeout: float = 10.0,
+    auth: dict[str, Any] | None = None,
+    request_timeout: float = 30.0,
+    close_timeout: float = 5.0,
+) -> Connection:
+    """Open TCP and do the HELLO/WELCOME handshake, all within `timeout` seconds.
+
+    Returns a Connection to use as `async with await connect(...) as conn`. Raises HandshakeError
+    (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
+    """
+    address = parse_url(url)
+    stream: trio.SocketStream | None = None
+    proto = ProtocolConnection(Role.CLIENT)
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(address.host, address.port)
+            await stream.send_all(proto.send(Hello(PROTOCOL_VERSION, client_name, flow_control, [], auth)))
+            welcome = await _await_welcome(stream, proto)
+    except trio.TooSlowError:
+        await _close_quietly(stream)
+        raise HandshakeError(f"no WELCOME from {address} within {timeout} s") from None
+    except OSError as exc:
+        await _close_quietly(stream)
+        raise HandshakeError(f"cannot connect to {address}: {exc}") from exc
+    except (HandshakeError, RemoteProtocolError, trio.BrokenResourceError) as exc:
+        await _close_quietly(stream)
+        if isinstance(exc, HandshakeError):
+            raise
+        raise HandshakeError(f"handshake with {address} failed: {exc}") from exc
+    except BaseException:
+        await _close_quietly(stream)
+        raise
+    proto.set_max_frame_size(max(64, welcome.max_frame_size))
+    return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
+
+
+async def _await_welcome(stream: trio.SocketStream, proto: ProtocolConnection) -> Welcome:
+    error: Error | None = None
+    while True:
+        data = await stream.receive_some(RECEIVE_SIZE)
+        proto.receive_data(bytes(data))
+        while (frame := proto.next_frame()) is not None:
+            if isinstance(frame, Welcome):
+                return frame
+            if isinstance(frame, Error):
+                error = frame
+            elif isinstance(frame, Close):
+                code = error.code if error is not None else frame.code
+                text = f"{error.text}; " if error is not None else ""
+                raise HandshakeError(f"broker refused the connection: {text}{frame.reason}", code)
+        if not data:
+            raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
+
+
+async def _close_quietly(stream: trio.SocketStream | None) -> None:
+    if stream is not None:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+

@@ -1,0 +1,168 @@
+"""The SDK's one error hierarchy, rooted at `FlowbrokerError`.
+
+Why typed errors: the user complaints this project answers (publishers that hang with no error,
+rejections nobody can attribute to a queue) come down to errors that carry no facts. Every error here
+carries the protocol's `code` and, where there is one, the `destination` (queue) it concerns, as
+attributes a program can match on, not only text.
+
+    FlowbrokerError
+    ├── BrokerConnectionError          the connection is unusable
+    │   ├── HandshakeError             TCP connect or HELLO/WELCOME failed or timed out
+    │   └── ConnectionClosed           closed by either side; `code`, `reason`
+    ├── ProtocolViolation              the broker sent something we cannot accept
+    ├── FlowControlled                 no credit and the caller chose not to wait (block=False)
+    │   └── FlowControlTimeout         no credit before the deadline (also a TimeoutError)
+    ├── PublishError                   the broker refused a message; `destination`, `transfer_id`
+    │   ├── QueueFull                  hard limit reached with overflow "reject"
+    │   ├── MessageTooLarge            above the broker's max_message_size
+    │   └── NotFound                   no such queue/exchange
+    ├── RequestError                   a declare/bind/... request failed; `request_id`
+    │   └── RequestTimeout             no answer before the deadline (also a TimeoutError)
+    ├── ReceiveTimeout                 no message before the deadline (also a TimeoutError)
+    └── AlreadySettled                 a message was acked/rejected/requeued twice
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flowbroker.protocol import ErrorCode
+
+__all__ = [
+    "FlowbrokerError",
+    "BrokerConnectionError",
+    "HandshakeError",
+    "ConnectionClosed",
+    "ProtocolViolation",
+    "FlowControlled",
+    "FlowControlTimeout",
+    "PublishError",
+    "QueueFull",
+    "MessageTooLarge",
+    "NotFound",
+    "RequestError",
+    "RequestTimeout",
+    "ReceiveTimeout",
+    "AlreadySettled",
+    "publish_error",
+]
+
+
+class FlowbrokerError(Exception):
+    """Base of every error the SDK raises on purpose."""
+
+
+class BrokerConnectionError(FlowbrokerError):
+    """The connection cannot be used (any more)."""
+
+
+class HandshakeError(BrokerConnectionError):
+    """Connecting or the HELLO/WELCOME handshake failed. `code` is the broker's, if it sent one."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class ConnectionClosed(BrokerConnectionError):
+    """The connection is closed. `code`/`reason` come from the CLOSE (or ERROR) frame that ended it,
+    or describe why this side ended it (IDLE_TIMEOUT, NORMAL for a close the application asked for)."""
+
+    def __init__(self, code: ErrorCode, reason: str):
+        super().__init__(f"connection closed ({code.name}): {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class ProtocolViolation(FlowbrokerError):
+    """The broker broke the protocol (a malformed or unexpected frame, an acknowledgement of bytes never
+    sent). The SDK answered with ERROR + CLOSE; the connection is gone."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED_FRAME):
+        super().__init__(message)
+        self.code = code
+
+
+class FlowControlled(FlowbrokerError):
+    """No producer credit right now. `destinations` are the queues currently flow-stopped (may be empty
+    when only the byte buffer or the window is exhausted); `limit` says which credit ran out:
+    "window" (outstanding transfers), "buffer" (unacknowledged bytes) or "closed"."""
+
+    def __init__(self, message: str, destinations: Iterable[str] = (), limit: str = "buffer"):
+        super().__init__(message)
+        self.destinations: tuple[str, ...] = tuple(destinations)
+        self.limit = limit
+
+    @property
+    def destination(self) -> str | None:
+        """The first blocking queue, or None if no queue is flow-stopped."""
+        return self.destinations[0] if self.destinations else None
+
+
+class FlowControlTimeout(FlowControlled, TimeoutError):
+    """The deadline passed while waiting for producer credit (or, from `flush`, for completions)."""
+
+    def __init__(self, message: str, destinations: Iterable[str] = (), limit: str = "buffer", timeout: float = 0.0):
+        super().__init__(message, destinations, limit)
+        self.timeout = timeout
+
+
+class PublishError(FlowbrokerError):
+    """The broker refused a message (it still completed the transfer, so credit kept flowing)."""
+
+    def __init__(self, code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None):
+        where = f" (queue {destination!r})" if destination else ""
+        super().__init__(f"{code.name}{where}: {text}")
+        self.code = code
+        self.text = text
+        self.destination = destination
+        self.transfer_id = transfer_id
+
+
+class QueueFull(PublishError):
+    """The queue is at its hard limit and its overflow policy is `reject`."""
+
+
+class MessageTooLarge(PublishError):
+    """The message is larger than the broker's `max_message_size`."""
+
+
+class NotFound(PublishError):
+    """The destination does not exist (e.g. the default exchange's routing key names no queue)."""
+
+
+_PUBLISH_ERRORS: dict[ErrorCode, type[PublishError]] = {
+    ErrorCode.QUEUE_FULL: QueueFull,
+    ErrorCode.MESSAGE_TOO_LARGE: MessageTooLarge,
+    ErrorCode.NOT_FOUND: NotFound,
+}
+
+
+def publish_error(
+    code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None
+) -> PublishError:
+    """The most specific PublishError for `code`."""
+    return _PUBLISH_ERRORS.get(code, PublishError)(code, text, destination, transfer_id)
+
+
+class RequestError(FlowbrokerError):
+    """A request (declare, bind, subscribe, ...) failed with ERROR."""
+
+    def __init__(self, code: ErrorCode, text: str, request_id: int | None = None, destination: str | None = None):
+        super().__init__(f"{code.name}: {text}")
+        self.code = code
+        self.text = text
+        self.request_id = request_id
+        self.destination = destination
+
+
+class RequestTimeout(RequestError, TimeoutError):
+    """The broker did not answer a request before the deadline."""
+
+
+class ReceiveTimeout(FlowbrokerError, TimeoutError):
+    """No message arrived before the deadline."""
+
+
+class AlreadySettled(FlowbrokerError):
+    """A message can be acked, rejected or requeued once."""

@@ -1,0 +1,207 @@
+"""The producer: sends paced by broker credit, with a deadline on every wait.
+
+Two credits pace a flow-controlled producer, as in the architecture:
+
+- the connection's **byte buffer** (`BufferLog`, DCP semantics): messages may start while unacknowledged
+  bytes are under the buffer size, so one message may overflow it; the broker frees space with BUFFER_ACK;
+- the producer's **window** of uncompleted transfers (Qpid's capacity): a transfer routed to a saturated
+  queue is not completed, so a stopped queue closes the window of exactly the producers that feed it.
+
+`send` waits for both, never forever: `timeout` (default: the producer's `send_timeout`) ends in
+`FlowControlTimeout`, naming the queues that are flow-stopped; `block=False` raises `FlowControlled` at
+once. A message the broker refuses is still completed (credit keeps flowing); the refusal is kept and
+raised by `flush`, typed (`QueueFull`, `MessageTooLarge`, `NotFound`) and naming the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from flowbroker.client.errors import FlowControlled, FlowControlTimeout, MessageTooLarge, PublishError
+from flowbroker.client.flow import FlowEvents, FlowState
+from flowbroker.protocol import ErrorCode, Headers, TransferEntry, message_size
+
+if TYPE_CHECKING:
+    from flowbroker.client.connection import Connection
+
+__all__ = ["Producer", "ProducerStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """Counters for monitoring: transitions and time, not a sampled "blocked" boolean."""
+
+    sent: int
+    completed: int
+    failed: int
+    outstanding: int
+    blocked_count: int
+    """Sends that had to wait for credit (or were refused with block=False)."""
+    blocked_seconds: float
+    """Total time sends spent waiting for credit."""
+
+
+class Producer:
+    """Publishes to one exchange (default "" routes by queue name) with a default routing key."""
+
+    def __init__(
+        self, conn: Connection, exchange: str, routing_key: str, *, window: int = 1000, send_timeout: float = 60.0
+    ) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        if send_timeout < 0:
+            raise ValueError("send_timeout must be >= 0")
+        self._conn = conn
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.window = window
+        self.send_timeout = send_timeout
+        self._outstanding = 0
+        self._sent = 0
+        self._completed = 0
+        self._failed = 0
+        self._blocked_count = 0
+        self._blocked_seconds = 0.0
+        self._first_error: PublishError | None = None
+
+    # -------------------------------------------------------------- state
+
+    @property
+    def outstanding(self) -> int:
+        """Messages sent and not yet completed by the broker."""
+        return self._outstanding
+
+    @property
+    def flow_state(self) -> FlowState:
+        """Which destinations are flow-stopped on this connection, since when, by which threshold.
+
+        Flow stops arrive per connection: with fanout or topic exchanges the client cannot know which
+        queues a producer's messages reach, so every producer of a connection sees the same state."""
+        return self._conn.flow_state
+
+    def flow_events(self, max_buffered: int = 256) -> FlowEvents:
+        """`async with producer.flow_events() as events: async for event in events: ...`"""
+        return self._conn.flow_events(max_buffered)
+
+    @property
+    def stats(self) -> ProducerStats:
+        return ProducerStats(
+            self._sent,
+            self._completed,
+            self._failed,
+            self._outstanding,
+            self._blocked_count,
+            self._blocked_seconds,
+        )
+
+    def has_credit(self) -> bool:
+        """True when a send would not wait."""
+        return self._outstanding < self.window and self._conn.credit.may_send()
+
+    # -------------------------------------------------------------- sending
+
+    async def send(
+        self,
+        body: bytes,
+        headers: Headers | None = None,
+        routing_key: str | None = None,
+        *,
+        timeout: float | None = None,
+        block: bool = True,
+    ) -> int:
+        """Queue one message for the writer once credit allows; returns its transfer id.
+
+        Waits at most `timeout` seconds (None: `send_timeout`; math.inf: no deadline) and then raises
+        `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
+        Raises `MessageTooLarge` before sending a body above the broker's `max_message_size`, and
+        `ConnectionClosed` if the connection is or becomes closed.
+        """
+        conn = self._conn
+        await trio.lowlevel.checkpoint_if_cancelled()
+        conn._check_open()
+        if not isinstance(body, bytes):
+            raise TypeError(f"body must be bytes, not {type(body).__name__}")
+        key = self.routing_key if routing_key is None else routing_key
+        if conn.max_message_size and len(body) > conn.max_message_size:
+            raise MessageTooLarge(
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"{len(body)} bytes is above max_message_size {conn.max_message_size}",
+                key if self.exchange == "" else None,
+            )
+        size = message_size(body, headers)
+        if not self.has_credit():
+            if not block:
+                self._blocked_count += 1
+                raise FlowControlled(
+                    f"no credit ({self._describe_wait()})", conn.flow_state.destinations, self._limit_name()
+                )
+            await self._wait_for(self.has_credit, self.send_timeout if timeout is None else timeout, "send")
+        transfer_id = conn._enqueue_transfer(self, TransferEntry(self.exchange, key, body, headers), size)
+        self._outstanding += 1
+        self._sent += 1
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return transfer_id
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until every message sent so far is complete, then raise the first publish error since the
+        last flush, if any (and forget it). Raises `FlowControlTimeout` naming the flow-stopped queues if
+        completions do not arrive in time: a saturated queue holds them."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._outstanding:
+            self._conn._check_open()
+            await self._wait_for(lambda: self._outstanding == 0, self.send_timeout if timeout is None else timeout, "flush")
+        error, self._first_error = self._first_error, None
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        if error is not None:
+            raise error
+
+    async def _wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        conn = self._conn
+        start = trio.current_time()
+        if what == "send":
+            self._blocked_count += 1
+        try:
+            with trio.move_on_after(timeout):
+                while not ready():
+                    conn._check_open()
+                    await conn._wait_credit()
+                conn._check_open()
+                return
+        finally:
+            if what == "send":
+                self._blocked_seconds += trio.current_time() - start
+        destinations = conn.flow_state.destinations
+        stopped = f"; flow-stopped: {', '.join(destinations)}" if destinations else ""
+        raise FlowControlTimeout(
+            f"{what} timed out after {timeout:g} s ({self._describe_wait()}{stopped})",
+            destinations,
+            self._limit_name(),
+            timeout,
+        )
+
+    def _limit_name(self) -> str:
+        if self._conn.is_closed:
+            return "closed"
+        return "window" if self._outstanding >= self.window else "buffer"
+
+    def _describe_wait(self) -> str:
+        credit = self._conn.credit
+        return (
+            f"{self._outstanding}/{self.window} transfers outstanding, "
+            f"{credit.outstanding}/{credit.max_bytes} bytes unacknowledged"
+        )
+
+    # -------------------------------------------------------------- called by the connection
+
+    def _on_completed(self) -> None:
+        self._outstanding -= 1
+        self._completed += 1
+
+    def _on_error(self, error: PublishError) -> None:
+        self._failed += 1
+        if self._first_error is None:
+            self._first_error = error
