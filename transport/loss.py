@@ -1,12 +1,11 @@
-"""Loss detection on the receiver: find the first gap in a term and decide when to NAK it.
+"""Loss detection on the receiver: decide when to NAK the gap a scan found.
 
 Aeron recovers loss with negative acknowledgements sent by the receiver. Two concerns, kept apart as
 in Aeron's ``TermGapScanner`` and ``LossDetector``:
 
-* ``scan_for_gap`` walks a term buffer from the rebuild position (the end of contiguous data) towards
-  the high-water mark and reports the first hole. Unfilled slots are zero, so the hole ends at the next
-  32-byte-aligned slot whose frame length is non-zero.
-* ``LossDetector`` turns "there is a gap" into NAKs: a new gap is NAK'd after ``nak_delay`` (unicast
+* ``TermRebuilder.scan_for_gap`` (terms.py) walks a term from the rebuild position (the end of contiguous
+  data) towards the high-water mark and reports the first hole.
+* ``LossDetector`` (here) turns "there is a gap" into NAKs: a new gap is NAK'd after ``nak_delay`` (unicast
   100 us; multicast a random backoff so that many receivers do not all NAK the same loss), and again
   every ``retry_delay`` (unicast 100 x delay = 10 ms) while the same gap persists. It never sends
   anything itself; it returns the NAK to send.
@@ -15,8 +14,9 @@ in Aeron's ``TermGapScanner`` and ``LossDetector``:
 from __future__ import annotations
 
 import random
-import struct
 from typing import NamedTuple
+
+from flowbroker.transport.terms import Gap
 
 __all__ = [
     "DEFAULT_NAK_UNICAST_DELAY_NS",
@@ -25,7 +25,6 @@ __all__ = [
     "Gap",
     "LossDetector",
     "LossScan",
-    "scan_for_gap",
 ]
 
 #: ``AERON_NAK_UNICAST_DELAY`` default.
@@ -35,51 +34,12 @@ DEFAULT_NAK_RETRY_RATIO = 100
 #: ``AERON_NAK_MULTICAST_MAX_BACKOFF`` default.
 DEFAULT_NAK_MULTICAST_MAX_BACKOFF_NS = 10_000_000
 
-FRAME_ALIGNMENT = 32
-_FRAME_LENGTH = struct.Struct("<i")
-
-
-class Gap(NamedTuple):
-    """A missing range of one term: what a NAK asks for."""
-
-    term_id: int
-    term_offset: int
-    length: int
-
 
 class LossScan(NamedTuple):
     """The detector's verdict for one scan: a NAK to send now (if any) and whether a *new* gap appeared."""
 
     nak: Gap | None
     loss_found: bool
-
-
-def _align(value: int) -> int:
-    return (value + FRAME_ALIGNMENT - 1) & ~(FRAME_ALIGNMENT - 1)
-
-
-def scan_for_gap(term: bytes | bytearray | memoryview, term_id: int, rebuild_offset: int, limit_offset: int) -> Gap | None:
-    """Return the first gap in ``term`` between ``rebuild_offset`` and ``limit_offset``, or ``None``.
-
-    Frames are walked by their aligned length (a PAD jumps to the end of the term); the gap is the run of
-    zero slots from the first empty frame to the next slot that holds a frame.
-    """
-    offset = rebuild_offset
-    while offset < limit_offset:
-        frame_length = _FRAME_LENGTH.unpack_from(term, offset)[0]
-        if frame_length <= 0:
-            break
-        offset += _align(frame_length)
-    if offset >= limit_offset:
-        return None
-    gap_begin = offset
-    limit = limit_offset - FRAME_ALIGNMENT
-    while offset < limit:
-        offset += FRAME_ALIGNMENT
-        if _FRAME_LENGTH.unpack_from(term, offset)[0] != 0:
-            offset -= FRAME_ALIGNMENT
-            break
-    return Gap(term_id, gap_begin, offset - gap_begin + FRAME_ALIGNMENT)
 
 
 class LossDetector:

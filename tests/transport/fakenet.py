@@ -11,11 +11,11 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 Address = tuple[str, int]
 
-__all__ = ["Address", "FakeNetwork", "NetStats"]
+__all__ = ["Address", "Endpoint", "FakeNetwork", "NetStats", "pump"]
 
 
 @dataclass(slots=True)
@@ -122,3 +122,29 @@ class FakeNetwork:
     @property
     def in_flight(self) -> int:
         return len(self._queue)
+
+
+class Endpoint(Protocol):
+    """Anything with the sans-IO duty-cycle shape of a publication or a receive channel."""
+
+    def on_datagram(self, data: bytes, source: Address, now_ns: int) -> None: ...
+
+    def do_work(self, now_ns: int) -> list[tuple[bytes, Address]]: ...
+
+
+def pump(net: FakeNetwork, endpoints: dict[Address, Endpoint], now_ns: int) -> int:
+    """One round: every endpoint's duty cycle onto the network, then every due datagram to its endpoint.
+
+    Returns how many datagrams were delivered. Datagrams for an address with no endpoint vanish, like
+    UDP to a closed port.
+    """
+    for address, endpoint in endpoints.items():
+        for data, destination in endpoint.do_work(now_ns):
+            assert isinstance(destination, tuple)
+            net.send(address, destination, data, now_ns)
+    delivered = net.deliver(now_ns)
+    for destination, source, data in delivered:
+        target = endpoints.get(destination)
+        if target is not None:
+            target.on_datagram(data, source, now_ns)
+    return len(delivered)

@@ -1,41 +1,10 @@
-"""Gap scanning and NAK timing."""
+"""NAK timing for the gaps the term scan reports (unicast delay and retry, multicast backoff)."""
 
 from __future__ import annotations
 
 import random
-import struct
 
-from flowbroker.transport.loss import Gap, LossDetector, scan_for_gap
-
-TERM = 64 * 1024
-
-
-def term_with(frames: list[tuple[int, int]]) -> bytearray:
-    """A term holding frames given as (offset, frame_length); everything else zero."""
-    term = bytearray(TERM)
-    for offset, length in frames:
-        struct.pack_into("<i", term, offset, length)
-    return term
-
-
-def test_no_gap_in_contiguous_frames() -> None:
-    term = term_with([(0, 40), (64, 33), (128, 32)])
-    assert scan_for_gap(term, 5, 0, 160) is None
-
-
-def test_gap_between_frames_is_reported_from_rebuild_to_next_frame() -> None:
-    term = term_with([(0, 64), (64, 64), (256, 64)])
-    assert scan_for_gap(term, 5, 0, 320) == Gap(5, 128, 128)
-
-
-def test_gap_at_the_tail_runs_to_the_limit() -> None:
-    term = term_with([(0, 64)])
-    assert scan_for_gap(term, -7, 0, 1024) == Gap(-7, 64, 960)
-
-
-def test_pad_jumps_to_end_of_term() -> None:
-    term = term_with([(TERM - 96, 32), (TERM - 64, 64)])
-    assert scan_for_gap(term, 1, TERM - 96, TERM) is None
+from flowbroker.transport.loss import Gap, LossDetector
 
 
 def test_unicast_nak_after_delay_then_retry_every_ten_ms() -> None:

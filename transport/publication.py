@@ -1,0 +1,498 @@
+"""The sending half of a stream: Aeron's network publication as a sans-IO state machine.
+
+The application ``offer``s messages; they are appended to a three-partition term log (``terms``) at the
+publication's tail position. The *sender* side of the same object copies runs of frames out of the log into
+datagrams when ``do_work(now_ns)`` is called and hands them back as ``(datagram, address)`` pairs; the I/O
+shell (``udp.py``) sends them and feeds received control frames to ``on_datagram``. Nothing here reads a
+clock or touches a socket.
+
+Positions (Aeron's counters, snake_case):
+
+* ``position``: the tail; where the next message will be appended.
+* ``sender_position``: everything before it has been sent at least once.
+* ``sender_limit``: from status messages through the flow-control strategy; the sender never sends past it.
+* ``publication_limit``: ``sender_position + publication_window`` while connected. ``offer`` succeeds only
+  below it, so the application can run at most one window ahead of the network; beyond it ``offer`` returns
+  ``BACK_PRESSURED`` (a return value, never an exception). The window is at most half a term, which is what
+  keeps unsent and retransmittable data from ever being overwritten in the three partitions.
+
+Protocol behaviour follows the C driver (reference/aeron-wire.md section 2): SETUP every 100 ms until the
+first SM and again when an SM asks for it; no data before an SM; a heartbeat after 100 ms without data; on
+``close`` the remaining data drains, then end-of-stream heartbeats go out while the publication lingers;
+NAKs are served at once and then ignored for the same range for the retransmit linger, with at most
+``max_resend`` retransmits in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Hashable
+
+from flowbroker.transport.flow_control import FlowControl, MaxFlowControl
+from flowbroker.transport.frames import (
+    DATA_HEADER_LENGTH,
+    ErrorFrame,
+    Nak,
+    RttMeasurement,
+    Setup,
+    StatusMessage,
+    decode_datagram,
+    encode_heartbeat,
+    encode_rttm,
+    encode_setup,
+)
+from flowbroker.transport.positions import (
+    compute_max_message_length,
+    compute_position,
+    compute_term_id_from_position,
+    max_possible_position,
+    position_bits_to_shift,
+)
+from flowbroker.transport.terms import TermAppender, scan_for_availability
+
+__all__ = ["OfferResult", "Publication", "PublicationConfig", "PublicationStats"]
+
+Address = Hashable
+
+#: Bound on control replies (RTTM) queued between duty cycles; a flood of probes cannot grow memory.
+_MAX_PENDING_CONTROL = 64
+
+
+
+class OfferResult(enum.IntEnum):
+    """Aeron's ``Publication.offer`` failure codes; a successful offer returns a position (> 0)."""
+
+    NOT_CONNECTED = -1
+    BACK_PRESSURED = -2
+    ADMIN_ACTION = -3
+    CLOSED = -4
+    MAX_POSITION_EXCEEDED = -5
+
+
+class _State(enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"  # closed by the application; unsent data still going out
+    LINGER = "linger"  # all sent; EOS heartbeats and retransmits for linger_ns
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationConfig:
+    """Stream identity, term geometry and timers (defaults are the C driver's)."""
+
+    session_id: int
+    stream_id: int
+    term_length: int = 16 * 1024 * 1024
+    mtu: int = 1408
+    initial_term_id: int = 0
+    active_term_id: int | None = None  # with term_offset: start mid-stream (init-term-id/term-id/term-offset)
+    term_offset: int = 0
+    publication_window: int | None = None  # pub-wnd; default and maximum term_length / 2
+    ttl: int = 0
+    setup_interval_ns: int = 100_000_000
+    heartbeat_interval_ns: int = 100_000_000
+    connection_timeout_ns: int = 5_000_000_000
+    linger_ns: int = 5_000_000_000
+    retransmit_delay_ns: int = 0
+    retransmit_linger_ns: int = 10_000_000
+    max_resend: int = 16
+    max_messages_per_send: int = 2
+    reserved_value: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mtu < 64 or self.mtu > 65504 or self.mtu % 32:
+            raise ValueError(f"mtu={self.mtu}: must be a multiple of 32 in [64, 65504]")
+        position_bits_to_shift(self.term_length)  # raises on a bad term length
+        if self.term_offset < 0 or self.term_offset >= self.term_length or self.term_offset % 32:
+            raise ValueError(f"term-offset={self.term_offset}: must be 32-aligned and inside the term")
+        if self.publication_window is not None and self.publication_window <= 0:
+            raise ValueError(f"pub-wnd={self.publication_window}: must be > 0")
+        if not 1 <= self.max_resend <= 256:
+            raise ValueError(f"max-resend={self.max_resend}: must be in [1, 256]")
+        if self.max_messages_per_send < 1:
+            raise ValueError("max_messages_per_send must be >= 1")
+
+
+@dataclass(slots=True)
+class PublicationStats:
+    """Counters, named after the driver's where one exists."""
+
+    setups_sent: int = 0
+    data_datagrams_sent: int = 0
+    bytes_sent: int = 0
+    heartbeats_sent: int = 0
+    status_messages_received: int = 0
+    naks_received: int = 0
+    naks_ignored: int = 0
+    retransmits_sent: int = 0
+    retransmitted_bytes: int = 0
+    back_pressure_events: int = 0
+    invalid_packets: int = 0
+    errors_received: int = 0
+    rttm_replies_sent: int = 0
+
+
+@dataclass(slots=True)
+class _Resend:
+    position: int
+    length: int
+    due_ns: int
+    lingering: bool = False
+
+
+@dataclass(slots=True)
+class _Receiver:
+    address: Address
+    last_sm_ns: int
+    window: int = 0
+
+
+class Publication:
+    """One Aeron stream's sender: ``offer`` on the application side, ``do_work``/``on_datagram`` on the wire.
+
+    Args:
+        config: session, stream, term geometry and timers.
+        now_ns: creation time (starts the SETUP timer).
+        destination: where data goes (the channel endpoint: unicast or multicast group). ``None`` with
+            ``dynamic=True`` means multi-destination-cast: every receiver that sends an SM becomes a
+            destination; with ``add_destination`` a manual multi-destination-cast.
+        flow_control: the strategy from ``fc=`` (default ``max``).
+        dynamic: learn destinations from SMs (``control-mode=dynamic``).
+    """
+
+    def __init__(
+        self,
+        config: PublicationConfig,
+        now_ns: int,
+        *,
+        destination: Address | None = None,
+        flow_control: FlowControl | None = None,
+        dynamic: bool = False,
+    ) -> None:
+        self.config = config
+        self.session_id = config.session_id
+        self.stream_id = config.stream_id
+        self.term_length = config.term_length
+        self.mtu = config.mtu
+        self.initial_term_id = config.initial_term_id
+        self.position_bits_to_shift = position_bits_to_shift(config.term_length)
+        self.max_message_length = compute_max_message_length(config.term_length)
+        self.max_possible_position = max_possible_position(config.term_length)
+        window = config.publication_window or config.term_length // 2
+        self.publication_window = min(window, config.term_length // 2)
+        self.flow_control: FlowControl = flow_control if flow_control is not None else MaxFlowControl()
+        self.dynamic = dynamic
+        active_term_id = config.initial_term_id if config.active_term_id is None else config.active_term_id
+        self.appender = TermAppender(
+            config.term_length,
+            config.initial_term_id,
+            config.session_id,
+            config.stream_id,
+            config.mtu,
+            active_term_id=active_term_id,
+            term_offset=config.term_offset,
+        )
+        start = compute_position(
+            active_term_id, config.term_offset, self.position_bits_to_shift, config.initial_term_id
+        )
+        self.start_position = start
+        self.sender_position = start
+        self.sender_limit = start
+        self.publication_limit = start
+        self.stats = PublicationStats()
+        self._state = _State.ACTIVE
+        self._destinations: dict[Address, int | None] = {}
+        if destination is not None:
+            self._destinations[destination] = None
+        self._receivers: dict[int, _Receiver] = {}
+        self._has_initial_connection = False
+        self._setup_due_ns: int | None = now_ns
+        self._time_of_last_send_ns = now_ns
+        self._linger_deadline_ns = 0
+        self._resends: dict[int, _Resend] = {}
+        self._receiver_window = 0
+        self._pending_control: list[tuple[bytes, Address]] = []
+        self._eos_sent = False
+
+    # ------------------------------------------------------------------------------------ application side
+
+    @property
+    def position(self) -> int:
+        """The tail position: where the next offered message will start."""
+        return self.appender.position
+
+    @property
+    def is_closed(self) -> bool:
+        return self._state is not _State.ACTIVE
+
+    @property
+    def is_done(self) -> bool:
+        """Closed, drained and lingered: the I/O shell may drop this publication."""
+        return self._state is _State.DONE
+
+    @property
+    def is_connected(self) -> bool:
+        """At least one live receiver, and as many as the flow-control strategy requires."""
+        return bool(self._receivers) and self.flow_control.has_required_receivers()
+
+    def offer(self, payload: bytes | bytearray | memoryview) -> int:
+        """Append one message; return the new position, or an ``OfferResult`` (negative) saying why not."""
+        if self._state is not _State.ACTIVE:
+            return OfferResult.CLOSED
+        length = len(payload)
+        if length > self.max_message_length:
+            raise ValueError(
+                f"message length {length} exceeds max message length {self.max_message_length}"
+            )
+        position = self.appender.position
+        if position < self.publication_limit:
+            if position + length + DATA_HEADER_LENGTH >= self.max_possible_position:
+                return OfferResult.MAX_POSITION_EXCEEDED
+            return self.appender.append(payload, self.config.reserved_value)
+        self.stats.back_pressure_events += 1
+        if position + length >= self.max_possible_position:
+            return OfferResult.MAX_POSITION_EXCEEDED
+        return OfferResult.BACK_PRESSURED if self.is_connected else OfferResult.NOT_CONNECTED
+
+    def close(self, now_ns: int) -> None:
+        """Stop accepting offers; drain what is appended, then linger with end-of-stream heartbeats."""
+        if self._state is _State.ACTIVE:
+            self._state = _State.DRAINING
+
+    # ------------------------------------------------------------------------------------ destinations
+
+    def add_destination(self, address: Address) -> None:
+        """Manual multi-destination-cast: send to ``address`` too."""
+        self._destinations[address] = None
+
+    def remove_destination(self, address: Address) -> None:
+        self._destinations.pop(address, None)
+
+    @property
+    def destinations(self) -> list[Address]:
+        return list(self._destinations)
+
+    # ------------------------------------------------------------------------------------ control frames in
+
+    def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:
+        """A datagram arrived on the control address (SM, NAK, ERR, RTTM); anything else is counted."""
+        frames, reason = decode_datagram(data, self.term_length)
+        if reason is not None or not frames:
+            self.stats.invalid_packets += 1
+            return
+        frame = frames[0]
+        if isinstance(frame, StatusMessage):
+            self._on_status_message(frame, source, now_ns)
+        elif isinstance(frame, Nak):
+            self._on_nak(frame, now_ns)
+        elif isinstance(frame, RttMeasurement):
+            self._on_rttm(frame, source)
+        elif isinstance(frame, ErrorFrame):
+            if frame.session_id == self.session_id and frame.stream_id == self.stream_id:
+                self.stats.errors_received += 1
+                self.flow_control.on_error(frame.receiver_id, now_ns)
+                self._receivers.pop(frame.receiver_id, None)
+        else:
+            self.stats.invalid_packets += 1
+
+    def _on_status_message(self, sm: StatusMessage, source: Address, now_ns: int) -> None:
+        if sm.is_setup_request and sm.session_id in (0, self.session_id) and sm.stream_id in (0, self.stream_id):
+            # A receiver without an image (or an MDC receiver announcing itself) asks for SETUP.
+            self._setup_due_ns = now_ns
+            if self.dynamic:
+                self._destinations[source] = now_ns
+            return
+        if sm.session_id != self.session_id or sm.stream_id != self.stream_id:
+            return
+        self.stats.status_messages_received += 1
+        if sm.is_eos:
+            self._receivers.pop(sm.receiver_id, None)
+        else:
+            receiver = self._receivers.get(sm.receiver_id)
+            if receiver is None:
+                if len(self._receivers) >= 1024:
+                    return
+                receiver = self._receivers[sm.receiver_id] = _Receiver(source, now_ns)
+            receiver.last_sm_ns = now_ns
+            receiver.window = sm.receiver_window
+            self._receiver_window = sm.receiver_window
+            self._has_initial_connection = True
+            if self.dynamic:
+                self._destinations[source] = now_ns
+        self.sender_limit = self.flow_control.on_status_message(
+            sm, source, self.sender_limit, self.initial_term_id, self.position_bits_to_shift, now_ns
+        )
+        self._update_publication_limit()
+
+    def _on_nak(self, nak: Nak, now_ns: int) -> None:
+        if nak.session_id != self.session_id or nak.stream_id != self.stream_id:
+            return
+        self.stats.naks_received += 1
+        position = compute_position(nak.term_id, nak.term_offset, self.position_bits_to_shift, self.initial_term_id)
+        bottom = self.sender_position - (self.term_length // 2) - self.max_message_length
+        if not bottom <= position < self.sender_position or nak.length <= 0:
+            self.stats.naks_ignored += 1
+            return
+        existing = self._resends.get(position)
+        if existing is not None or len(self._resends) >= self.config.max_resend:
+            self.stats.naks_ignored += 1  # already resent and lingering, or too many resends in flight
+            return
+        length = self.flow_control.max_retransmission_length(nak.length, max(self._receiver_window, self.mtu))
+        length = min(length, self.term_length - nak.term_offset, self.sender_position - position)
+        self._resends[position] = _Resend(position, length, now_ns + self.config.retransmit_delay_ns)
+
+    def _on_rttm(self, rttm: RttMeasurement, source: Address) -> None:
+        if rttm.session_id != self.session_id or rttm.stream_id != self.stream_id:
+            return
+        if rttm.is_reply_requested:
+            reply = RttMeasurement(self.session_id, self.stream_id, rttm.echo_timestamp, 0, rttm.receiver_id, 0)
+            if len(self._pending_control) < _MAX_PENDING_CONTROL:
+                self._pending_control.append((encode_rttm(reply), source))
+                self.stats.rttm_replies_sent += 1
+
+    # ------------------------------------------------------------------------------------ duty cycle
+
+    def do_work(self, now_ns: int) -> list[tuple[bytes, Address]]:
+        """One sender duty cycle: control replies, SETUP, resends, new data, heartbeats."""
+        out = self._pending_control
+        self._pending_control = []
+        if self._state is _State.DONE:
+            return out
+        self._expire_receivers(now_ns)
+        if self._setup_due_ns is not None and now_ns >= self._setup_due_ns:
+            self._send_setup(out, now_ns)
+        self._send_resends(out, now_ns)
+        sent = self._send_data(out) if self._has_initial_connection else 0
+        if sent:
+            self._time_of_last_send_ns = now_ns
+        elif self._has_initial_connection and now_ns - self._time_of_last_send_ns >= self.config.heartbeat_interval_ns:
+            self._send_heartbeat(out, now_ns)
+        self._advance_close_state(now_ns)
+        self._update_publication_limit()
+        return out
+
+    def next_deadline_ns(self) -> int:
+        """The latest time ``do_work`` must run again if nothing arrives (timers: SETUP, heartbeat, resend)."""
+        deadline = self._time_of_last_send_ns + self.config.heartbeat_interval_ns
+        if self._setup_due_ns is not None:
+            deadline = min(deadline, self._setup_due_ns)
+        for resend in self._resends.values():
+            deadline = min(deadline, resend.due_ns)
+        return deadline
+
+    def _expire_receivers(self, now_ns: int) -> None:
+        timeout = self.config.connection_timeout_ns
+        for rid in [r for r, rcv in self._receivers.items() if now_ns - rcv.last_sm_ns > timeout]:
+            del self._receivers[rid]
+        if self.dynamic:
+            for address in [a for a, t in self._destinations.items() if t is not None and now_ns - t > timeout]:
+                del self._destinations[address]
+        self.sender_limit = self.flow_control.on_idle(
+            now_ns, self.sender_limit, self.sender_position, self._state is not _State.ACTIVE
+        )
+
+    def _update_publication_limit(self) -> None:
+        if self._state is _State.ACTIVE and self.is_connected:
+            self.publication_limit = self.sender_position + self.publication_window
+        elif self.publication_limit > self.sender_position:
+            # Nobody to send to: let the application run no further ahead (Aeron's "clean" limit).
+            self.publication_limit = self.sender_position
+
+    def _emit(self, out: list[tuple[bytes, Address]], datagram: bytes) -> None:
+        for address in self._destinations:
+            out.append((datagram, address))
+
+    def _send_setup(self, out: list[tuple[bytes, Address]], now_ns: int) -> None:
+        term_id = compute_term_id_from_position(self.sender_position, self.position_bits_to_shift, self.initial_term_id)
+        setup = Setup(
+            self.sender_position & (self.term_length - 1),
+            self.session_id,
+            self.stream_id,
+            self.initial_term_id,
+            term_id,
+            self.term_length,
+            self.mtu,
+            self.config.ttl,
+        )
+        self._emit(out, encode_setup(setup))
+        self.stats.setups_sent += 1
+        self.sender_limit = self.flow_control.on_setup(self.sender_limit, self.sender_position, now_ns)
+        self._setup_due_ns = None if self._has_initial_connection else now_ns + self.config.setup_interval_ns
+
+    def _send_heartbeat(self, out: list[tuple[bytes, Address]], now_ns: int) -> None:
+        eos = self._state is _State.LINGER
+        term_id = compute_term_id_from_position(self.sender_position, self.position_bits_to_shift, self.initial_term_id)
+        datagram = encode_heartbeat(
+            self.sender_position & (self.term_length - 1), self.session_id, self.stream_id, term_id, eos=eos
+        )
+        self._emit(out, datagram)
+        self.stats.heartbeats_sent += 1
+        self._time_of_last_send_ns = now_ns
+        if eos:
+            self._eos_sent = True
+
+    def _scan(self, position: int, limit: int) -> tuple[int, int]:
+        """Bytes to copy and bytes to advance for one datagram of whole frames from ``position``.
+
+        At most one MTU, never across the term end, never past ``limit``. A PAD goes out as its 32-byte
+        header but advances the position to the end of the term.
+        """
+        term = self.appender.partition_for_position(position)
+        available, padding = scan_for_availability(
+            term, position & (self.term_length - 1), min(self.mtu, limit - position)
+        )
+        return available, available + padding
+
+    def _datagram(self, position: int, length: int) -> bytes:
+        term = self.appender.partition_for_position(position)
+        offset = position & (self.term_length - 1)
+        return bytes(term[offset : offset + length])
+
+    def _send_data(self, out: list[tuple[bytes, Address]]) -> int:
+        sent = 0
+        limit = min(self.sender_limit, self.appender.position)
+        for _ in range(self.config.max_messages_per_send):
+            position = self.sender_position
+            if position >= limit:
+                break
+            copy, advance = self._scan(position, limit)
+            if advance == 0:
+                break
+            datagram = self._datagram(position, copy)
+            self._emit(out, datagram)
+            self.sender_position = position + advance
+            self.stats.data_datagrams_sent += 1
+            self.stats.bytes_sent += copy
+            sent += copy
+        return sent
+
+    def _send_resends(self, out: list[tuple[bytes, Address]], now_ns: int) -> None:
+        for key in list(self._resends):
+            resend = self._resends[key]
+            if resend.lingering:
+                if now_ns - resend.due_ns >= 0:
+                    del self._resends[key]
+                continue
+            if now_ns - resend.due_ns < 0:
+                continue
+            position, end = resend.position, resend.position + resend.length
+            while position < end:
+                copy, advance = self._scan(position, end)
+                if advance == 0:
+                    break
+                self._emit(out, self._datagram(position, copy))
+                self.stats.retransmits_sent += 1
+                self.stats.retransmitted_bytes += copy
+                position += advance
+            resend.lingering = True
+            resend.due_ns = now_ns + self.config.retransmit_linger_ns
+
+    def _advance_close_state(self, now_ns: int) -> None:
+        if self._state is _State.DRAINING:
+            if self.sender_position >= self.appender.position or not self.is_connected:
+                self._state = _State.LINGER
+                self._linger_deadline_ns = now_ns + self.config.linger_ns
+                self._time_of_last_send_ns = now_ns - self.config.heartbeat_interval_ns  # EOS at once
+        elif self._state is _State.LINGER and now_ns - self._linger_deadline_ns >= 0:
+            self._state = _State.DONE
