@@ -7,8 +7,17 @@ first, nothing after CLOSE) for both sides, so a misbehaving peer and a buggy ca
 way, with a typed error that names the frame.
 
 Theory of operation: states move only through the table `_TRANSITIONS`, keyed by
-(role that sent the frame, frame type). A frame that is not in `_ALLOWED[sender role][state]`
-is an UNEXPECTED_FRAME error.
+(state, frame type). A frame that is not in `_ALLOWED[sender role][state]` is an UNEXPECTED_FRAME
+error.
+
+Closing is per direction, as in any full-duplex protocol: CLOSE (sent or received) or the end of
+the byte stream moves `state` to CLOSED, but only the side that sent CLOSE falls silent. The other
+side may still send what it had in flight, checked against the phase the connection was in, and
+answer with its own CLOSE; `closed_by_us` / `closed_by_peer` say which ends have finished.
+
+After a RemoteProtocolError the state is ERROR: `next_frame()` raises LocalProtocolError, and
+`send()` accepts only ERROR and CLOSE, so the shell can tell the peer why before it closes the
+transport.
 """
 
 from __future__ import annotations
@@ -73,12 +82,12 @@ _ALLOWED: dict[Role, dict[State, frozenset[FrameType]]] = {
     },
 }
 
+_ERROR_REPLY = frozenset({FrameType.ERROR, FrameType.CLOSE})
+
+# CLOSE moves any state but ERROR to CLOSED (see Connection._close).
 _TRANSITIONS: dict[tuple[State, FrameType], State] = {
     (State.AWAIT_HELLO, FrameType.HELLO): State.AWAIT_WELCOME,
     (State.AWAIT_WELCOME, FrameType.WELCOME): State.OPEN,
-    (State.AWAIT_HELLO, FrameType.CLOSE): State.CLOSED,
-    (State.AWAIT_WELCOME, FrameType.CLOSE): State.CLOSED,
-    (State.OPEN, FrameType.CLOSE): State.CLOSED,
 }
 
 
@@ -91,17 +100,31 @@ class Connection:
         self.state = State.AWAIT_HELLO
         self._decoder = FrameDecoder(max_frame_size)
         self.frames_sent = 0
+        self._closed: set[Role] = set()  # roles that sent CLOSE or ended their byte stream
+        self._phase_at_close = State.AWAIT_HELLO  # the state CLOSED was entered from
 
     @property
     def frames_received(self) -> int:
         return self._decoder.frames_decoded
 
     @property
+    def closed_by_us(self) -> bool:
+        """We sent CLOSE: we may send nothing more."""
+        return self.role in self._closed
+
+    @property
+    def closed_by_peer(self) -> bool:
+        """The peer sent CLOSE or ended its byte stream: nothing more will be accepted from it."""
+        return self.peer_role in self._closed
+
+    @property
     def max_frame_size(self) -> int:
         return self._decoder.max_frame_size
 
     def set_max_frame_size(self, size: int) -> None:
-        """Adopt the size negotiated in WELCOME."""
+        """Adopt the size negotiated in WELCOME (the largest frame this end will accept)."""
+        if size < 64:
+            raise ValueError(f"max_frame_size must be at least 64 bytes, got {size}")
         self._decoder.max_frame_size = size
 
     def receive_data(self, data: bytes) -> None:
@@ -119,8 +142,8 @@ class Connection:
         try:
             frame = self._decoder.next_frame()
             if frame is None:
-                if self._decoder._eof and self.state is not State.CLOSED:
-                    self.state = State.CLOSED
+                if self._decoder._eof and not self.closed_by_peer:
+                    self._close(self.peer_role)
                 return None
             self._advance(self.peer_role, frame, RemoteProtocolError)
         except RemoteProtocolError:
@@ -134,25 +157,46 @@ class Connection:
         self.frames_sent += 1
         return encode_frame(frame)
 
+    def _close(self, sender: Role) -> None:
+        self._closed.add(sender)
+        if self.state is State.ERROR:
+            return
+        if self.state is not State.CLOSED:
+            self._phase_at_close = self.state
+            self.state = State.CLOSED
+
     def _advance(
         self, sender: Role, frame: Frame, error: type[LocalProtocolError] | type[RemoteProtocolError]
     ) -> None:
         ftype = frame.TYPE
         state = self.state
-        # Before WELCOME the client side of the table applies to both ends: the client says HELLO,
-        # the broker answers WELCOME. After CLOSE nothing more may be sent.
-        allowed = _ALLOWED[sender].get(state, frozenset())
+        seq = self._decoder.frames_decoded if sender is self.peer_role else None
+        if sender in self._closed:
+            raise error(
+                f"{ftype.name} frame from the {sender.value} after its CLOSE", ErrorCode.UNEXPECTED_FRAME, seq
+            )
+        if state is State.ERROR:
+            # Only we can still speak, and only to say why we are closing.
+            allowed = _ERROR_REPLY if sender is self.role else frozenset()
+        else:
+            # Before WELCOME the client side of the table applies to both ends: the client says HELLO,
+            # the broker answers WELCOME. After a CLOSE, the end that has not closed may still send
+            # what it could send before.
+            phase = self._phase_at_close if state is State.CLOSED else state
+            allowed = _ALLOWED[sender].get(phase, frozenset())
         if ftype not in allowed:
-            seq = self._decoder.frames_decoded if sender is self.peer_role else None
             raise error(
                 f"{ftype.name} frame from the {sender.value} is not allowed in state {state.value}",
                 ErrorCode.UNEXPECTED_FRAME,
                 seq,
             )
-        if ftype is FrameType.HELLO and frame.version != PROTOCOL_VERSION:  # type: ignore[union-attr]
+        if ftype in (FrameType.HELLO, FrameType.WELCOME) and frame.version != PROTOCOL_VERSION:  # type: ignore[union-attr]
             raise error(
                 f"protocol version {frame.version} is not supported (this end speaks {PROTOCOL_VERSION})",  # type: ignore[union-attr]
                 ErrorCode.UNSUPPORTED_VERSION,
-                self._decoder.frames_decoded if sender is self.peer_role else None,
+                seq,
             )
-        self.state = _TRANSITIONS.get((state, ftype), state)
+        if ftype is FrameType.CLOSE:
+            self._close(sender)
+        else:
+            self.state = _TRANSITIONS.get((state, ftype), state)

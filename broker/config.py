@@ -1,0 +1,173 @@
+"""Broker configuration: embedded defaults, an optional TOML file, command-line overrides.
+
+Every key is documented in docs/configuration.md and in `flowbroker serve --help`. Unknown keys
+and bad values are errors that name the key (`[queues] flow_stop_percent = 120: must be in
+[0, 100]`), because a typo that silently falls back to a default is the worst kind of config bug.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from flowbroker.policies.credit import CreditPolicyConfig, PolicyConfigError
+from flowbroker.policies.overflow import OverflowPolicy, ThresholdDefaults
+
+__all__ = [
+    "ConfigError",
+    "ServerConfig",
+    "QueueDefaults",
+    "BrokerConfig",
+    "load_config",
+    "with_credit",
+    "default_quota",
+]
+
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names `[section] key` and the value."""
+
+    def __init__(self, section: str, key: str, value: object, reason: str):
+        super().__init__(f"[{section}] {key} = {value!r}: {reason}")
+        self.section = section
+        self.key = key
+        self.value = value
+
+
+def default_quota() -> int:
+    """A quarter of physical memory: the broker's memory budget when none is configured."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 4096 * MiB
+    return max(64 * MiB, total // 4)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 5680
+    name: str = "flowbroker"
+    max_frame_size: int = 8 * MiB
+    max_message_size: int = 4 * MiB
+    idle_timeout: float = 60.0
+    handshake_timeout: float = 10.0
+    max_connections: int = 10_000
+    stuck_timeout: float = 720.0
+    disconnect_when_stuck: bool = False
+    memory_quota: int = field(default_factory=default_quota)
+
+    def validate(self) -> None:
+        _int_range("server", "port", self.port, 0, 65535)
+        _int_range("server", "max_frame_size", self.max_frame_size, 4096, 1 << 30)
+        _int_range("server", "max_message_size", self.max_message_size, 1, self.max_frame_size // 2)
+        _positive("server", "idle_timeout", self.idle_timeout)
+        _positive("server", "handshake_timeout", self.handshake_timeout)
+        _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
+        _positive("server", "stuck_timeout", self.stuck_timeout)
+        _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
+
+
+@dataclass(frozen=True)
+class QueueDefaults:
+    """Defaults for queues that do not declare their own thresholds (Qpid's broker-wide defaults)."""
+
+    max_size: int = 100 * MiB
+    flow_stop_percent: float = 80.0
+    flow_resume_percent: float = 70.0
+    overflow: str = "reject"
+    max_prefetch: int = 10_000
+
+    def validate(self) -> None:
+        _int_range("queues", "max_size", self.max_size, 0, 1 << 50)
+        for key in ("flow_stop_percent", "flow_resume_percent"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+                raise ConfigError("queues", key, value, "must be a number in [0, 100]")
+        if self.flow_resume_percent > self.flow_stop_percent:
+            raise ConfigError("queues", "flow_resume_percent", self.flow_resume_percent, "must be <= flow_stop_percent")
+        try:
+            OverflowPolicy.parse(self.overflow)
+        except PolicyConfigError as exc:
+            raise ConfigError("queues", "overflow", self.overflow, exc.reason) from None
+        _int_range("queues", "max_prefetch", self.max_prefetch, 1, 10_000_000)
+
+    def thresholds(self) -> ThresholdDefaults:
+        return ThresholdDefaults(self.max_size, self.flow_stop_percent, self.flow_resume_percent)
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    queues: QueueDefaults = field(default_factory=QueueDefaults)
+    credit: dict[str, Any] = field(default_factory=dict)  # [credit] table, see credit_policy()
+
+    def credit_policy(self) -> CreditPolicyConfig:
+        """The producer credit policy; its quota defaults to the broker's memory quota."""
+        settings = {"quota": self.server.memory_quota, **self.credit}
+        try:
+            return CreditPolicyConfig.from_mapping(settings)
+        except PolicyConfigError as exc:
+            raise ConfigError("credit", exc.key, exc.value, exc.reason) from None
+
+    def validate(self) -> BrokerConfig:
+        self.server.validate()
+        self.queues.validate()
+        self.credit_policy()
+        return self
+
+
+def _int_range(section: str, key: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(section, key, value, f"must be an integer in [{low}, {high}]")
+
+
+def _positive(section: str, key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(section, key, value, "must be a number > 0")
+
+
+def _section(cls: type[Any], name: str, table: object) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(name, "*", table, "must be a table")
+    known = {f.name for f in fields(cls)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(name, key, table[key], f"unknown key; known: {', '.join(sorted(known))}")
+    return cls(**table)
+
+
+def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> BrokerConfig:
+    """Embedded defaults, then the TOML file if given, then overrides (from the command line)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("file", str(path), None, f"not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError("file", str(path), None, f"cannot be read: {exc.strerror}") from None
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    for section in data:
+        if section not in ("server", "queues", "credit"):
+            raise ConfigError(section, "*", None, "unknown section; known: server, queues, credit")
+    server = _section(ServerConfig, "server", data.get("server", {}))
+    queues = _section(QueueDefaults, "queues", data.get("queues", {}))
+    credit = data.get("credit", {})
+    if not isinstance(credit, dict):
+        raise ConfigError("credit", "*", credit, "must be a table")
+    if "policy" in credit:
+        credit = {**credit, "policy": str(credit["policy"])}
+    return BrokerConfig(server, queues, dict(credit)).validate()
+
+
+def with_credit(config: BrokerConfig, **changes: Any) -> BrokerConfig:
+    """A copy with [credit] keys changed (used when the policy is changed while running)."""
+    return replace(config, credit={**config.credit, **changes}).validate()
+

@@ -1,0 +1,459 @@
+"""The broker's state and the rules that act on it, without sockets: `BrokerCore.handle()` takes one
+frame from one session and changes queues, exchanges and sessions; answers go to session outboxes.
+
+Keeping the core free of I/O lets the hypothesis state-machine test drive thousands of random
+send/consume/ack/threshold sequences in memory, and leaves the trio shell (server.py) to read, write
+and keep time. The core never blocks and never stops reading a connection: flow control acts by
+holding completions and credit, not by back-pressuring TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from flowbroker.broker.config import BrokerConfig
+from flowbroker.broker.exchange import Exchange, ExchangeKind
+from flowbroker.broker.message import HeldTransfer, Message
+from flowbroker.broker.queue import Queue, QueueFull
+from flowbroker.broker.session import Session, SessionFault
+from flowbroker.broker.subscription import Subscription
+from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError
+from flowbroker.policies.overflow import OverflowPolicy, Thresholds
+from flowbroker.protocol.credit import CreditError, message_size
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import (
+    Bind,
+    BufferAck,
+    BufferControl,
+    Cancel,
+    Close,
+    DeclareExchange,
+    DeclareQueue,
+    DeleteQueue,
+    Error,
+    Frame,
+    Noop,
+    Ok,
+    Outcome,
+    PurgeQueue,
+    Settle,
+    Subscribe,
+    Transfer,
+    Unbind,
+)
+
+__all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS"]
+
+LOGGER = logging.getLogger("flowbroker.broker")
+
+QUEUE_ARGUMENTS = (
+    "max_count",
+    "max_size",
+    "flow_stop_count",
+    "flow_resume_count",
+    "flow_stop_size",
+    "flow_resume_size",
+    "overflow",
+)
+
+
+class RequestError(Exception):
+    """A request the broker refuses without closing the connection (unknown queue, bad argument)."""
+
+    def __init__(self, code: ErrorCode, text: str, destination: str | None = None):
+        super().__init__(text)
+        self.code = code
+        self.destination = destination
+
+
+class BrokerCore:
+    def __init__(self, config: BrokerConfig, clock_ns: Callable[[], int]):
+        self.config = config
+        self.clock_ns = clock_ns
+        self.queues: dict[str, Queue] = {}
+        self.exchanges: dict[str, Exchange] = {
+            name: Exchange(name, kind)
+            for name, kind in (
+                ("amq.direct", ExchangeKind.DIRECT),
+                ("amq.fanout", ExchangeKind.FANOUT),
+                ("amq.topic", ExchangeKind.TOPIC),
+            )
+        }
+        self.sessions: dict[int, Session] = {}
+        self.credit = CreditAllocator[int](config.credit_policy())
+        self.producers_stopped = False
+        self._admin_held: list[HeldTransfer] = []
+        self._next_conn_id = 1
+        self.unroutable = 0
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open_session(
+        self, client_name: str, identity: str, flow_control: bool, wake: Callable[[], None]
+    ) -> Session:
+        conn_id = self._next_conn_id
+        self._next_conn_id += 1
+        session = Session(
+            conn_id,
+            client_name,
+            identity,
+            flow_control,
+            0,
+            wake,
+            max_delivery_frame_bytes=self.config.server.max_frame_size // 4,
+        )
+        self.sessions[conn_id] = session
+        if flow_control:
+            self._apply_buffer_sizes(self.credit.connect(conn_id), exclude=conn_id)
+            session.resize_buffer(self.credit.size_of(conn_id), self.clock_ns())
+            if self.producers_stopped:
+                session.admin_stopped(True)
+        return session
+
+    def close_session(self, session: Session) -> None:
+        if self.sessions.pop(session.conn_id, None) is None:
+            return
+        session.detach()
+        if session.conn_id in self.credit:
+            self._apply_buffer_sizes(self.credit.disconnect(session.conn_id))
+
+    def _apply_buffer_sizes(self, sizes: dict[int, int], exclude: int | None = None) -> None:
+        """Push recomputed producer buffers to live connections (aggressive policy on connect/disconnect)."""
+        now = self.clock_ns()
+        for conn_id, size in sizes.items():
+            s = self.sessions.get(conn_id)
+            if s is None or conn_id == exclude or size == s.buffer_size:
+                continue
+            s.resize_buffer(size, now)
+            s.send(BufferControl(0, size))
+
+    def set_credit_policy(self, **settings: Any) -> CreditPolicyConfig:
+        """Change the producer credit policy while running; every live buffer is recomputed and pushed."""
+        merged = {"quota": self.config.server.memory_quota, **self.config.credit, **settings}
+        policy = CreditPolicyConfig.from_mapping(merged)
+        self.config = type(self.config)(self.config.server, self.config.queues, {**self.config.credit, **settings})
+        self._apply_buffer_sizes(self.credit.reconfigure(policy))
+        return policy
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def handle(self, session: Session, frame: Frame) -> None:
+        """Act on one frame from a client. Raises SessionFault when the connection must end."""
+        if type(frame) is Transfer:
+            self.on_transfer(session, frame)
+            return
+        if type(frame) is Settle:
+            self.on_settle(session, frame)
+            return
+        if type(frame) is BufferAck:
+            self.on_buffer_ack(session, frame)
+            return
+        if type(frame) is Noop:
+            if not frame.reply:
+                session.send(Noop(frame.nonce, True))
+            return
+        handler = self._requests.get(type(frame))
+        if handler is None:
+            if type(frame) is BufferControl:
+                self.on_buffer_control(session, frame)
+            elif type(frame) is Error:
+                LOGGER.warning("connection %d reported error %s: %s", session.conn_id, frame.code.name, frame.text)
+            elif type(frame) is Close:
+                pass  # the shell ends the connection
+            return
+        request_id: int = frame.request_id  # type: ignore[union-attr]
+        try:
+            result = handler(self, session, frame)
+        except RequestError as exc:
+            session.send(Error(exc.code, str(exc), None, request_id, exc.destination))
+        except PolicyConfigError as exc:
+            session.send(Error(ErrorCode.INVALID_ARGUMENT, str(exc), None, request_id, None))
+        else:
+            session.send(Ok(request_id, result))
+
+    # -- producing ---------------------------------------------------------------------------
+
+    def on_transfer(self, session: Session, frame: Transfer) -> None:
+        tid = frame.first_id
+        if tid != session.next_transfer_id:
+            raise SessionFault(
+                ErrorCode.TRANSFER_ID_GAP, f"transfer id {tid} received, expected {session.next_transfer_id}"
+            )
+        now = self.clock_ns()
+        session.now_ns = now
+        max_message = self.config.server.max_message_size
+        checked = session.flow_control and session.buffer_size > 0
+        admin_hold = self.producers_stopped and session.flow_control
+        queues_by_name = self.queues
+        for entry in frame.entries:
+            body = entry.body
+            size = message_size(body, entry.headers)
+            if checked and session.received_bytes >= session.credit_limit:
+                raise SessionFault(
+                    ErrorCode.CREDIT_VIOLATION,
+                    f"transfer {tid} starts at byte {session.received_bytes}, beyond the credit limit "
+                    f"{session.credit_limit} (buffer {session.buffer_size} bytes): only one message may "
+                    "overflow the buffer",
+                )
+            session.received_bytes += size
+            exchange = entry.exchange
+            if len(body) > max_message:
+                self._refuse(session, tid, size, ErrorCode.MESSAGE_TOO_LARGE,
+                             f"message of {len(body)} bytes exceeds max_message_size {max_message}", None)
+                tid += 1
+                continue
+            if exchange == "":
+                queue = queues_by_name.get(entry.routing_key)
+                if queue is None:
+                    self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
+                                 f"no queue named {entry.routing_key!r}", entry.routing_key)
+                    tid += 1
+                    continue
+                targets = [queue]
+            else:
+                ex = self.exchanges.get(exchange)
+                if ex is None:
+                    self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
+                    tid += 1
+                    continue
+                targets = ex.route(entry.routing_key)
+                if not targets:
+                    self.unroutable += 1
+            held: list[Message] = []
+            for queue in targets:
+                msg = Message(exchange, entry.routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
+                try:
+                    if queue.enqueue(msg, session, now):
+                        held.append(msg)
+                except QueueFull as exc:
+                    session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+            pending = len(held) + admin_hold
+            if pending:
+                transfer = HeldTransfer(session, tid, size, pending)
+                for msg in held:
+                    msg.held = transfer
+                if admin_hold:
+                    self._admin_held.append(transfer)
+                session.transfers_held += 1
+            else:
+                session.complete_transfer(tid, size)
+            tid += 1
+        session.next_transfer_id = tid
+
+    def _refuse(self, session: Session, tid: int, size: int, code: ErrorCode, text: str, dest: str | None) -> None:
+        """A transfer the broker will not enqueue: say why, and complete it so window and credit flow."""
+        session.send(Error(code, text, None, tid, dest))
+        session.complete_transfer(tid, size)
+
+    def stop_all_producers(self) -> None:
+        """Hold every new transfer from flow-controlled producers until start_all_producers()."""
+        if self.producers_stopped:
+            return
+        self.producers_stopped = True
+        for s in self.sessions.values():
+            if s.flow_control:
+                s.admin_stopped(True)
+
+    def start_all_producers(self) -> None:
+        if not self.producers_stopped:
+            return
+        self.producers_stopped = False
+        held, self._admin_held = self._admin_held, []
+        for transfer in held:
+            transfer.release()
+        for s in self.sessions.values():
+            s.admin_stopped(False)
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    def on_settle(self, session: Session, frame: Settle) -> None:
+        requeue = frame.outcome is Outcome.REQUEUE
+        unsettled = session.unsettled
+        unknown = 0
+        touched: dict[Queue, list[Message]] = {}
+        for lo, hi in frame.ranges:
+            # A range wider than what is outstanding is walked over the outstanding tags instead,
+            # so a settle of (1, 2**63) costs what is unsettled, not 2**63 steps.
+            tags = range(lo, hi + 1) if hi - lo < len(unsettled) else sorted(t for t in unsettled if lo <= t <= hi)
+            for tag in tags:
+                item = unsettled.pop(tag, None)
+                if item is None:
+                    unknown += 1
+                    continue
+                sub, msg = item
+                sub.unsettled -= 1
+                queue = sub.queue
+                if queue not in touched:
+                    touched[queue] = []
+                if requeue:
+                    touched[queue].append(msg)
+                else:
+                    queue.settle(msg)
+        for queue, msgs in touched.items():
+            if requeue:
+                queue.requeue_many(msgs)  # in tag order, ahead of everything ready
+            else:
+                queue.settled()
+        if unknown:
+            session.send(
+                Error(ErrorCode.UNKNOWN_DELIVERY, f"{unknown} delivery tag(s) in {frame.ranges[:4]} are not outstanding")
+            )
+
+    def on_buffer_control(self, session: Session, frame: BufferControl) -> None:
+        if frame.opaque == 0:
+            session.consumer_buffer.resize(frame.buffer_size)
+            self._dispatch_session(session)
+            return
+        sub = session.subscriptions.get(frame.opaque)
+        if sub is None:
+            session.send(Error(ErrorCode.NOT_FOUND, f"no subscription {frame.opaque} for BUFFER_CONTROL"))
+            return
+        sub.buffer.resize(frame.buffer_size)
+        sub.queue.dispatch()
+
+    def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:
+        try:
+            if frame.opaque == 0:
+                session.consumer_buffer.on_ack(frame.acked_total)
+                self._dispatch_session(session)
+                return
+            sub = session.subscriptions.get(frame.opaque)
+            if sub is None:
+                return  # a late ack for a cancelled subscription
+            sub.buffer.on_ack(frame.acked_total)
+            sub.queue.dispatch()
+        except CreditError as exc:
+            raise SessionFault(ErrorCode.CREDIT_VIOLATION, f"BUFFER_ACK for opaque {frame.opaque}: {exc}") from None
+
+    def _dispatch_session(self, session: Session) -> None:
+        for sub in list(session.subscriptions.values()):
+            sub.queue.dispatch()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def queue_thresholds(self, arguments: dict[str, Any]) -> tuple[Thresholds, OverflowPolicy]:
+        for key in arguments:
+            if key not in QUEUE_ARGUMENTS:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown queue argument {key!r}; known: {', '.join(QUEUE_ARGUMENTS)}")
+        overflow = OverflowPolicy.parse(arguments.get("overflow", self.config.queues.overflow), "overflow")
+        numeric = {k: v for k, v in arguments.items() if k != "overflow"}
+        thresholds = Thresholds(**numeric, defaults=self.config.queues.thresholds())
+        return thresholds, overflow
+
+    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None, durable: bool = False) -> Queue:
+        if not name:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "queue name must not be empty")
+        thresholds, overflow = self.queue_thresholds(arguments or {})
+        existing = self.queues.get(name)
+        if existing is not None:
+            if arguments and (existing.thresholds != thresholds or existing.overflow is not overflow):
+                raise RequestError(
+                    ErrorCode.ALREADY_EXISTS,
+                    f"queue {name!r} exists with other arguments; change thresholds with a queue set",
+                    name,
+                )
+            return existing
+        queue = self.queues[name] = Queue(name, thresholds, overflow, durable)
+        return queue
+
+    def get_queue(self, name: str) -> Queue:
+        queue = self.queues.get(name)
+        if queue is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no queue named {name!r}", name)
+        return queue
+
+    def set_queue_thresholds(self, name: str, changes: dict[str, Any]) -> Queue:
+        """Change a queue's thresholds while running; saturation is re-evaluated at once."""
+        queue = self.get_queue(name)
+        t = queue.thresholds
+        current: dict[str, Any] = {k: getattr(t, k) for k in QUEUE_ARGUMENTS if k != "overflow"}
+        current["overflow"] = queue.overflow.value
+        # A changed stop threshold without its resume gets resume = stop unless both are given.
+        for dim in ("count", "size"):
+            if f"flow_stop_{dim}" in changes and f"flow_resume_{dim}" not in changes:
+                current[f"flow_resume_{dim}"] = None
+        current.update(changes)
+        thresholds, overflow = self.queue_thresholds(current)
+        queue.overflow = overflow
+        queue.set_thresholds(thresholds, self.clock_ns())
+        return queue
+
+    def delete_queue(self, name: str) -> int:
+        queue = self.get_queue(name)
+        del self.queues[name]
+        for ex in self.exchanges.values():
+            ex.unbind_queue(queue)
+        count = queue.count
+        for sub in queue.delete():
+            sub.session.subscriptions.pop(sub.sub_id, None)
+            sub.session.send(Error(ErrorCode.NOT_FOUND, f"queue {name!r} was deleted", None, None, name))
+        return count
+
+    def _req_declare_queue(self, session: Session, f: DeclareQueue) -> dict[str, Any]:
+        queue = self.declare_queue(f.queue, f.arguments, f.durable)
+        return {"queue": queue.name, "count": queue.count, "size": queue.size}
+
+    def _req_declare_exchange(self, session: Session, f: DeclareExchange) -> dict[str, Any]:
+        try:
+            kind = ExchangeKind(f.kind)
+        except ValueError:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown exchange kind {f.kind!r}; known: direct, fanout, topic") from None
+        if not f.exchange:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the default exchange '' cannot be declared")
+        existing = self.exchanges.get(f.exchange)
+        if existing is not None and existing.kind is not kind:
+            raise RequestError(ErrorCode.ALREADY_EXISTS, f"exchange {f.exchange!r} exists as {existing.kind}", f.exchange)
+        if existing is None:
+            self.exchanges[f.exchange] = Exchange(f.exchange, kind)
+        return {"exchange": f.exchange, "kind": kind.value}
+
+    def _exchange(self, name: str) -> Exchange:
+        ex = self.exchanges.get(name)
+        if ex is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {name!r}", name)
+        return ex
+
+    def _req_bind(self, session: Session, f: Bind) -> dict[str, Any]:
+        created = self._exchange(f.exchange).bind(self.get_queue(f.queue), f.binding_key)
+        return {"created": created}
+
+    def _req_unbind(self, session: Session, f: Unbind) -> dict[str, Any]:
+        removed = self._exchange(f.exchange).unbind(self.get_queue(f.queue), f.binding_key)
+        return {"removed": removed}
+
+    def _req_delete_queue(self, session: Session, f: DeleteQueue) -> dict[str, Any]:
+        return {"deleted": self.delete_queue(f.queue)}
+
+    def _req_purge_queue(self, session: Session, f: PurgeQueue) -> dict[str, Any]:
+        return {"purged": self.get_queue(f.queue).purge()}
+
+    def _req_subscribe(self, session: Session, f: Subscribe) -> dict[str, Any]:
+        queue = self.get_queue(f.queue)
+        if f.subscription_id in session.subscriptions:
+            raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {f.subscription_id} is in use")
+        cap = self.config.queues.max_prefetch
+        prefetch = min(f.prefetch, cap) if f.prefetch else cap
+        sub = Subscription(session, f.subscription_id, queue, prefetch, f.buffer_size)
+        session.subscriptions[f.subscription_id] = sub
+        queue.add_subscription(sub)
+        return {"queue": queue.name, "prefetch": prefetch}
+
+    def _req_cancel(self, session: Session, f: Cancel) -> dict[str, Any]:
+        sub = session.subscriptions.pop(f.subscription_id, None)
+        if sub is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no subscription {f.subscription_id}")
+        sub.queue.remove_subscription(sub)
+        return {"unsettled": sub.unsettled}
+
+    _requests: dict[type[Any], Callable[[BrokerCore, Session, Any], dict[str, Any]]] = {
+        DeclareQueue: _req_declare_queue,
+        DeclareExchange: _req_declare_exchange,
+        Bind: _req_bind,
+        Unbind: _req_unbind,
+        DeleteQueue: _req_delete_queue,
+        PurgeQueue: _req_purge_queue,
+        Subscribe: _req_subscribe,
+        Cancel: _req_cancel,
+    }

@@ -1,0 +1,78 @@
+"""Messages inside the broker, and the pending-completion counter that makes watermarks a brake.
+
+A transfer routed to N queues becomes N `Message`s sharing one body (per-queue state such as
+`redelivered` lives on each). When some of those queues are saturated the transfer is *held*: a
+`HeldTransfer` counts the saturated destinations still holding it, and the producer's transfer
+completes (returning its credit) only when the count reaches zero (Qpid's ingress completion).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flowbroker.protocol.frames import Headers
+
+if TYPE_CHECKING:
+    from flowbroker.broker.session import Session
+
+__all__ = ["Message", "HeldTransfer"]
+
+
+class HeldTransfer:
+    """A transfer whose completion waits for `pending` holders (saturated queues, an admin stop)."""
+
+    __slots__ = ("session", "transfer_id", "size", "pending")
+
+    def __init__(self, session: Session, transfer_id: int, size: int, pending: int):
+        self.session = session
+        self.transfer_id = transfer_id
+        self.size = size
+        self.pending = pending
+
+    def release(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.session.complete_transfer(self.transfer_id, self.size)
+
+
+class Message:
+    """One message in one queue. `held` is set while this queue holds the producer's completion."""
+
+    __slots__ = (
+        "exchange",
+        "routing_key",
+        "body",
+        "headers",
+        "size",
+        "producer_id",
+        "sequence",
+        "redelivered",
+        "held",
+    )
+
+    def __init__(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        headers: Headers | None,
+        size: int,
+        producer_id: str | None = None,
+        sequence: int | None = None,
+    ):
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.body = body
+        self.headers = headers
+        self.size = size
+        self.producer_id = producer_id
+        self.sequence = sequence
+        self.redelivered = False
+        self.held: HeldTransfer | None = None
+
+    def release(self) -> None:
+        """This queue no longer holds the producer's completion (dequeued, queue cleared, purged, deleted)."""
+        held = self.held
+        if held is not None:
+            self.held = None
+            held.release()

@@ -1,0 +1,252 @@
+"""A queue with watermarks that delay completion (Qpid's QueueFlowLimit) and a hard limit.
+
+Depth counts every message the queue still owns: ready ones and those delivered but not yet
+settled, because both sit in the broker's memory. The queue is *saturated* when count OR size is
+over its stop threshold and clears when BOTH are under their resume thresholds. While saturated,
+each enqueued message holds its producer's transfer (no completion, so no credit back) and the
+producer is told, once, that it is flow-stopped on this queue. Clearing releases every held
+transfer and tells those producers they may resume. A held message that is itself dequeued (acked,
+rejected, dropped or purged) is released at once, as in Qpid.
+
+The hard limit (max count/size with overflow `reject` or `drop-head`) protects the broker from
+producers that do not do flow control; flow-controlled producers stop long before it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from flowbroker.broker.message import Message
+from flowbroker.policies.overflow import (
+    Admission,
+    OverflowPolicy,
+    Thresholds,
+    Verdict,
+    admit,
+    is_over_stop,
+    is_under_resume,
+)
+
+if TYPE_CHECKING:
+    from flowbroker.broker.session import Session
+    from flowbroker.broker.subscription import Subscription
+
+__all__ = ["Queue", "QueueFull", "QueueStats"]
+
+
+class QueueFull(Exception):
+    """The hard limit refused a message (overflow policy `reject`, or larger than max_size)."""
+
+    def __init__(self, queue: str, admission: Admission):
+        limit = admission.limit.name.lower() if admission.limit.name else "limit"
+        what = "message larger than max_size" if admission.oversized else f"max_{limit} reached"
+        super().__init__(f"queue {queue!r} is full: {what}")
+        self.queue = queue
+        self.admission = admission
+
+
+class QueueStats:
+    """Counters for management and metrics: transitions and totals, not just sampled booleans."""
+
+    __slots__ = (
+        "enqueued",
+        "dequeued",
+        "rejected",
+        "dropped",
+        "flow_stopped_count",
+        "held_total",
+        "saturated_since_ns",
+    )
+
+    def __init__(self) -> None:
+        self.enqueued = 0
+        self.dequeued = 0
+        self.rejected = 0
+        self.dropped = 0
+        self.flow_stopped_count = 0  # times the queue became saturated
+        self.held_total = 0  # transfers ever held
+        self.saturated_since_ns = 0
+
+
+class Queue:
+    def __init__(
+        self,
+        name: str,
+        thresholds: Thresholds,
+        overflow: OverflowPolicy = OverflowPolicy.REJECT,
+        durable: bool = False,
+    ):
+        self.name = name
+        self.thresholds = thresholds
+        self.overflow = overflow
+        self.durable = durable
+        self.ready: deque[Message] = deque()
+        self.count = 0
+        self.size = 0
+        self.saturated = False
+        self.stop_reason: tuple[str, int, int] = ("", 0, 0)  # threshold, limit, value when it tripped
+        self.held: dict[Message, None] = {}
+        self.stopped_producers: dict[Session, None] = {}
+        self.subscriptions: list[Subscription] = []
+        self.deleted = False
+        self.stats = QueueStats()
+        self._rr = 0
+
+    def __repr__(self) -> str:
+        return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
+
+    # -- enqueue -----------------------------------------------------------------------------
+
+    def enqueue(self, msg: Message, producer: Session | None, now_ns: int) -> bool:
+        """Add a message; True when this queue holds the producer's completion.
+
+        Raises QueueFull when the hard limit refuses it (nothing is enqueued then).
+        """
+        t = self.thresholds
+        if not t.limits.unlimited:
+            admission = admit(
+                self.overflow, self.count, self.size, t.limits, msg.size, (m.size for m in self.ready)
+            )
+            if admission.verdict is Verdict.REJECT:
+                self.stats.rejected += 1
+                raise QueueFull(self.name, admission)
+            if admission.verdict is Verdict.DROP_HEAD:
+                for _ in range(admission.drop_count):
+                    self._remove(self.ready.popleft())
+                self.stats.dropped += admission.drop_count
+        self.ready.append(msg)
+        self.count += 1
+        self.size += msg.size
+        self.stats.enqueued += 1
+        if not self.saturated and is_over_stop(self.count, self.size, t):
+            self._saturate(now_ns)
+        if self.saturated:
+            self.held[msg] = None
+            self.stats.held_total += 1
+            if producer is not None and producer not in self.stopped_producers:
+                self.stopped_producers[producer] = None
+                producer.flow_stopped(self)
+            # Deliver what we can before reporting the hold: dispatch never releases, only settling does.
+            self.dispatch()
+            return True
+        self.dispatch()
+        return False
+
+    def _saturate(self, now_ns: int) -> None:
+        t = self.thresholds
+        if t.flow_stop_count and self.count > t.flow_stop_count:
+            self.stop_reason = ("flow_stop_count", t.flow_stop_count, self.count)
+        else:
+            self.stop_reason = ("flow_stop_size", t.flow_stop_size, self.size)
+        self.saturated = True
+        self.stats.flow_stopped_count += 1
+        self.stats.saturated_since_ns = now_ns
+
+    # -- removal and release -----------------------------------------------------------------
+
+    def _remove(self, msg: Message) -> None:
+        """Account for a message leaving the queue for good; releases its hold if any."""
+        self.count -= 1
+        self.size -= msg.size
+        self.stats.dequeued += 1
+        if msg.held is not None:
+            self.held.pop(msg, None)
+            msg.release()
+
+    def _check_resume(self) -> None:
+        if self.saturated and is_under_resume(self.count, self.size, self.thresholds):
+            self._clear()
+
+    def _clear(self) -> None:
+        """Leave saturation: complete every held transfer, tell each stopped producer to resume."""
+        self.saturated = False
+        self.stats.saturated_since_ns = 0
+        held, self.held = self.held, {}
+        for msg in held:
+            msg.release()
+        stopped, self.stopped_producers = self.stopped_producers, {}
+        for producer in stopped:
+            producer.flow_resumed(self)
+
+    def settle(self, msg: Message) -> None:
+        """A delivery was acked or rejected: it leaves the queue for good, releasing its hold.
+
+        Settlements come in batches (SETTLE carries ranges): call `settled()` once after the batch.
+        Requeued deliveries go back through `requeue_many()`.
+        """
+        if not self.deleted:
+            self._remove(msg)
+
+    def settled(self) -> None:
+        """After a batch of settlements: leave saturation if under resume, deliver what is ready."""
+        self._check_resume()
+        self.dispatch()
+
+    def requeue_many(self, msgs: list[Message]) -> None:
+        """Give back deliveries, in their original order, ahead of everything ready (requeue, or a
+        consumer went away)."""
+        if self.deleted:
+            return
+        for msg in reversed(msgs):
+            msg.redelivered = True
+            self.ready.appendleft(msg)
+        self.dispatch()
+
+    def purge(self) -> int:
+        """Drop every ready message (unsettled deliveries stay); releases what they held."""
+        ready, self.ready = self.ready, deque()
+        for msg in ready:
+            self._remove(msg)
+        self._check_resume()
+        return len(ready)
+
+    def delete(self) -> list[Subscription]:
+        """Release everything and detach; returns the subscriptions the caller must cancel."""
+        self.deleted = True
+        self.ready.clear()
+        if self.saturated or self.held or self.stopped_producers:
+            self._clear()
+        self.count = self.size = 0
+        subs, self.subscriptions = self.subscriptions, []
+        return subs
+
+    def set_thresholds(self, thresholds: Thresholds, now_ns: int) -> None:
+        """Apply new watermarks at once: a raised threshold can release producers, a lowered one stops
+        the next transfers (Broker-J re-checks in bulkChangeEnd; RabbitMQ #12206 is the bug to avoid)."""
+        self.thresholds = thresholds
+        if self.saturated:
+            self._check_resume()
+        elif is_over_stop(self.count, self.size, thresholds):
+            self._saturate(now_ns)
+
+    # -- delivery ----------------------------------------------------------------------------
+
+    def add_subscription(self, sub: Subscription) -> None:
+        self.subscriptions.append(sub)
+        self.dispatch()
+
+    def remove_subscription(self, sub: Subscription) -> None:
+        try:
+            self.subscriptions.remove(sub)
+        except ValueError:
+            pass
+
+    def dispatch(self) -> None:
+        """Hand ready messages to subscriptions with credit, round robin, until none has any."""
+        ready = self.ready
+        subs = self.subscriptions
+        if not ready or not subs:
+            return
+        n = len(subs)
+        i = self._rr
+        idle = 0
+        while ready and idle < n:
+            sub = subs[i % n]
+            i += 1
+            if sub.has_credit():
+                sub.deliver(ready.popleft())
+                idle = 0
+            else:
+                idle += 1
+        self._rr = i % n

@@ -1,0 +1,230 @@
+"""The broker's state for one client connection, and the outbox its writer task drains.
+
+A session may produce and consume at once. As a producer it has contiguous transfer ids, a set of
+completed ids (cumulative point plus ranges), a byte buffer whose acknowledgements it schedules
+(the broker is the DCP *consumer* toward producers) and the destinations it is flow-stopped on.
+As a consumer it has subscriptions, unsettled deliveries by tag, and an optional connection-level
+byte buffer. Nothing here does I/O: queues and the router append to the outbox and call `wake`,
+and the connection's writer task turns the outbox into frames with `collect()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from flowbroker.protocol.credit import AckScheduler, BufferLog
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import (
+    BufferAck,
+    Complete,
+    DeliveryEntry,
+    Deliver,
+    FlowResumed,
+    FlowStopped,
+    Frame,
+)
+from flowbroker.protocol.ranges import IdSet, to_ranges
+
+if TYPE_CHECKING:
+    from flowbroker.broker.message import Message
+    from flowbroker.broker.queue import Queue
+    from flowbroker.broker.subscription import Subscription
+
+__all__ = ["Session", "SessionFault", "ADMIN_DESTINATION"]
+
+ADMIN_DESTINATION = "*"
+"""The destination named in FLOW_STOPPED/FLOW_RESUMED when an operator stops all producers."""
+
+
+class SessionFault(Exception):
+    """The client broke a rule that ends its connection (credit violation, transfer id gap, ...)."""
+
+    def __init__(self, code: ErrorCode, text: str):
+        super().__init__(text)
+        self.code = code
+
+
+class Session:
+    def __init__(
+        self,
+        conn_id: int,
+        client_name: str,
+        identity: str,
+        flow_control: bool,
+        buffer_size: int,
+        wake: Callable[[], None],
+        max_outbox_frames: int = 100_000,
+        max_delivery_frame_bytes: int = 1 << 20,
+    ):
+        self.conn_id = conn_id
+        self.client_name = client_name
+        self.identity = identity
+        self.flow_control = flow_control
+        self.open = True
+        self._wake = wake
+        self._woken = False
+        self.max_outbox_frames = max_outbox_frames
+        self.max_delivery_frame_bytes = max_delivery_frame_bytes
+        # producer side
+        self.next_transfer_id = 1
+        self.completed = IdSet()
+        self._newly_completed: list[int] = []
+        self._sent_cumulative = 0
+        self.received_bytes = 0
+        self.credit = AckScheduler(buffer_size if flow_control else 0)
+        self.credit_limit = self.credit.buffer_size  # highest position ever granted (monotonic)
+        self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
+        self.transfers_held = 0
+        # consumer side
+        self.subscriptions: dict[int, Subscription] = {}
+        self.unsettled: dict[int, tuple[Subscription, Message]] = {}
+        self.next_delivery_tag = 1
+        self.consumer_buffer = BufferLog(0)
+        # outbox
+        self._control: list[Frame] = []
+        self._deliveries: dict[int, list[DeliveryEntry]] = {}  # open DELIVER frame per subscription
+        self._delivery_bytes: dict[int, int] = {}
+        self._sealed: list[Frame] = []  # DELIVER frames that reached the frame size budget
+        self.now_ns = 0  # set by the shell before it hands frames to the core
+
+    def __repr__(self) -> str:
+        return f"<Session {self.conn_id} {self.client_name!r}>"
+
+    @property
+    def buffer_size(self) -> int:
+        return self.credit.buffer_size
+
+    # -- outbox ------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        if not self._woken and self.open:
+            self._woken = True
+            self._wake()
+
+    def send(self, frame: Frame) -> None:
+        """Queue a control frame. A client that lets them pile up without reading is cut off."""
+        if not self.open:
+            return
+        if len(self._control) >= self.max_outbox_frames:
+            raise SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending")
+        self._control.append(frame)
+        self.wake()
+
+    def collect(self, now_ns: int) -> list[Frame]:
+        """Everything due to the client now, in order: control, completions, credit, deliveries."""
+        self._woken = False
+        frames, self._control = self._control, []
+        cumulative = self.completed.cumulative
+        if self._newly_completed or cumulative != self._sent_cumulative:
+            above = [i for i in self._newly_completed if i > cumulative]
+            frames.append(Complete(cumulative, to_ranges(above)))
+            self._newly_completed = []
+            self._sent_cumulative = cumulative
+        credit = self.credit
+        if credit.buffer_size and credit.pending >= credit.threshold():
+            frames.append(self._grant(now_ns))
+        if self._sealed:
+            frames.extend(self._sealed)
+            self._sealed = []
+        if self._deliveries:
+            for sub_id, entries in self._deliveries.items():
+                frames.append(Deliver(sub_id, entries))
+            self._deliveries = {}
+            self._delivery_bytes = {}
+        return frames
+
+    def poll_credit(self, now_ns: int) -> None:
+        """Timer: acknowledge what is pending after the interval and re-advertise the absolute position."""
+        if self.credit.buffer_size and now_ns - self.credit.last_sent_ns >= self.credit.interval_ns:
+            self.send(self._grant(now_ns))
+
+    def _grant(self, now_ns: int) -> BufferAck:
+        ack = self.credit.flush(now_ns) or self.credit.poll(now_ns)
+        if ack is None:  # nothing pending and polled within the interval: re-send the position as is
+            ack = BufferAck(0, 0, self.credit.advertised_total)
+        self.credit_limit = max(self.credit_limit, ack.acked_total + self.credit.buffer_size)
+        return ack
+
+    # -- producer side -----------------------------------------------------------------------
+
+    def complete_transfer(self, transfer_id: int, size: int) -> None:
+        if not self.open:
+            return
+        completed = self.completed
+        if transfer_id == completed.cumulative + 1 and not completed.holes:
+            completed.cumulative = transfer_id  # the common case, without IdSet's bookkeeping
+        else:
+            completed.add(transfer_id)
+            self._newly_completed.append(transfer_id)
+        self.credit.processed_total += size
+        self.wake()
+
+    def resize_buffer(self, size: int, now_ns: int) -> None:
+        """A credit policy changed this producer's buffer. Shrinking below what is in flight loses
+        nothing: the client just waits until acknowledgements bring it under the new size."""
+        self.credit.buffer_size = size
+        self.credit_limit = max(self.credit_limit, self.credit.advertised_total + size)
+
+    def flow_stopped(self, queue: Queue) -> None:
+        threshold, limit, value = queue.stop_reason
+        self.flow_stopped_on[queue.name] = (queue, self.now_ns)
+        self.send(
+            FlowStopped(
+                queue.name,
+                threshold,
+                limit,
+                value,
+                f"queue {queue.name!r} is over {threshold} ({value} > {limit}); transfers are held",
+            )
+        )
+
+    def flow_resumed(self, queue: Queue) -> None:
+        if self.flow_stopped_on.pop(queue.name, None) is not None:
+            self.send(FlowResumed(queue.name))
+
+    def admin_stopped(self, stopped: bool) -> None:
+        if stopped:
+            self.flow_stopped_on[ADMIN_DESTINATION] = (None, self.now_ns)
+            self.send(FlowStopped(ADMIN_DESTINATION, "admin", 0, 0, "an operator stopped all producers"))
+        elif self.flow_stopped_on.pop(ADMIN_DESTINATION, None) is not None:
+            self.send(FlowResumed(ADMIN_DESTINATION))
+
+    # -- consumer side -----------------------------------------------------------------------
+
+    def deliver(self, sub: Subscription, msg: Message) -> None:
+        tag = self.next_delivery_tag
+        self.next_delivery_tag = tag + 1
+        self.unsettled[tag] = (sub, msg)
+        self.consumer_buffer.on_sent(msg.size)
+        sub_id = sub.sub_id
+        entries = self._deliveries.get(sub_id)
+        if entries is None:
+            entries = self._deliveries[sub_id] = []
+            self._delivery_bytes[sub_id] = 0
+        entries.append(DeliveryEntry(tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered))
+        size = self._delivery_bytes[sub_id] + msg.size
+        if size >= self.max_delivery_frame_bytes:
+            # Seal the frame so none exceeds the frame size the client accepts.
+            self._sealed.append(Deliver(sub_id, entries))
+            del self._deliveries[sub_id], self._delivery_bytes[sub_id]
+        else:
+            self._delivery_bytes[sub_id] = size
+        self.wake()
+
+    def detach(self) -> None:
+        """The connection ended: give back unsettled deliveries in order, leave every queue."""
+        self.open = False
+        by_queue: dict[Queue, list[Message]] = {}
+        for sub, msg in self.unsettled.values():
+            by_queue.setdefault(sub.queue, []).append(msg)
+        self.unsettled.clear()
+        for sub in self.subscriptions.values():
+            sub.queue.remove_subscription(sub)
+        self.subscriptions.clear()
+        for queue, msgs in by_queue.items():
+            queue.requeue_many(msgs)
+        for stopped_queue, _ in self.flow_stopped_on.values():
+            if stopped_queue is not None:
+                stopped_queue.stopped_producers.pop(self, None)
+        self.flow_stopped_on.clear()

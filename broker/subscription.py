@@ -1,0 +1,48 @@
+"""A consumer's subscription to a queue: the broker side of consumer credit.
+
+Two limits pace delivery (the broker is in the DCP producer's role): `prefetch`, the number of
+unsettled deliveries, and byte buffers, one per subscription (`stream_buffer_size`) and one per
+connection (`connection_buffer_size`). A buffer lets one more message go while any space is left,
+so a message larger than the whole buffer is still delivered. Each subscription is paced alone: a
+slow one never pauses a fast one on the same connection, unless they share a full connection buffer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flowbroker.protocol.credit import BufferLog
+
+if TYPE_CHECKING:
+    from flowbroker.broker.message import Message
+    from flowbroker.broker.queue import Queue
+    from flowbroker.broker.session import Session
+
+__all__ = ["Subscription"]
+
+
+class Subscription:
+    __slots__ = ("session", "sub_id", "queue", "prefetch", "buffer", "unsettled", "delivered_total")
+
+    def __init__(self, session: Session, sub_id: int, queue: Queue, prefetch: int, buffer_size: int):
+        self.session = session
+        self.sub_id = sub_id
+        self.queue = queue
+        self.prefetch = prefetch
+        self.buffer = BufferLog(buffer_size)
+        self.unsettled = 0
+        self.delivered_total = 0
+
+    def has_credit(self) -> bool:
+        """`prefetch` is always positive here: the broker caps "0 = unbounded" at its own maximum."""
+        return (
+            self.unsettled < self.prefetch
+            and self.buffer.may_send()
+            and self.session.consumer_buffer.may_send()
+        )
+
+    def deliver(self, msg: Message) -> None:
+        self.unsettled += 1
+        self.delivered_total += 1
+        self.buffer.on_sent(msg.size)
+        self.session.deliver(self, msg)
