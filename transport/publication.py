@@ -29,7 +29,8 @@ import enum
 from dataclasses import dataclass
 from typing import Hashable
 
-from flowbroker.transport.flow_control import FlowControl, MaxFlowControl
+from flowbroker.transport.channel import ChannelUri, ControlMode
+from flowbroker.transport.flow_control import FlowControl, MaxFlowControl, flow_control_from_param
 from flowbroker.transport.frames import (
     DATA_HEADER_LENGTH,
     ErrorFrame,
@@ -217,6 +218,40 @@ class Publication:
 
     # ------------------------------------------------------------------------------------ application side
 
+    @classmethod
+    def from_channel(
+        cls, channel: ChannelUri, stream_id: int, session_id: int, now_ns: int, *,
+        destination: Address | None = None, **overrides: int,
+    ) -> Publication:
+        """A publication configured from a parsed ``aeron:udp?...`` URI.
+
+        ``destination`` is the resolved data address (the I/O shell resolves ``endpoint``); with
+        ``control-mode=dynamic`` it may be ``None`` and receivers are learnt from their SMs.
+        ``overrides`` set other ``PublicationConfig`` fields (timers, ``max_messages_per_send``).
+        """
+        initial_term_id = channel.init_term_id if channel.init_term_id is not None else 0
+        config = PublicationConfig(
+            session_id=channel.session_id if channel.session_id is not None else session_id,
+            stream_id=stream_id,
+            term_length=channel.term_length,
+            mtu=channel.mtu,
+            initial_term_id=initial_term_id,
+            active_term_id=channel.term_id,
+            term_offset=channel.term_offset or 0,
+            publication_window=channel.publication_window,
+            ttl=channel.ttl,
+            linger_ns=channel.linger_ns,
+            max_resend=channel.max_resend,
+            **overrides,
+        )
+        return cls(
+            config,
+            now_ns,
+            destination=destination,
+            flow_control=flow_control_from_param(channel.fc),
+            dynamic=channel.control_mode is ControlMode.DYNAMIC,
+        )
+
     @property
     def position(self) -> int:
         """The tail position: where the next offered message will start."""
@@ -249,6 +284,10 @@ class Publication:
         if position < self.publication_limit:
             if position + length + DATA_HEADER_LENGTH >= self.max_possible_position:
                 return OfferResult.MAX_POSITION_EXCEEDED
+            if self.appender.needs_rotation(length):
+                # Aeron's behaviour: pad the term out, rotate, and let the caller retry at once.
+                self.appender.pad_and_rotate()
+                return OfferResult.ADMIN_ACTION
             return self.appender.append(payload, self.config.reserved_value)
         self.stats.back_pressure_events += 1
         if position + length >= self.max_possible_position:

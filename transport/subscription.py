@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from flowbroker.transport.channel import ChannelUri
 from flowbroker.transport.congestion import (
     DEFAULT_INITIAL_WINDOW,
     CongestionParams,
@@ -69,6 +70,29 @@ class ReceiverConfig:
     max_pending_setups: int = 1024
     control_address: Address | None = None  # multicast: SMs/NAKs go to the control group
     seed: int = 0  # NAK backoff randomness (multicast)
+
+    @classmethod
+    def from_channel(
+        cls, channel: ChannelUri, receiver_id: int, *, control_address: Address | None = None, seed: int = 0
+    ) -> ReceiverConfig:
+        """Receiver settings from a parsed subscription URI (``rcv-wnd``, ``cc``, ``gtag``, ...).
+
+        ``control_address``: for multicast, the resolved control group the I/O shell sends SMs/NAKs to.
+        """
+        return cls(
+            receiver_id=receiver_id,
+            receiver_window=channel.rcv_wnd or DEFAULT_INITIAL_WINDOW,
+            congestion_control=channel.cc.value,
+            group_tag=channel.gtag,
+            session_id=channel.session_id,
+            so_rcvbuf=channel.so_rcvbuf,
+            nak_delay_ns=channel.nak_delay_ns,
+            multicast=channel.is_multicast,
+            reliable=channel.reliable,
+            tether=channel.tether,
+            control_address=control_address,
+            seed=seed,
+        )
 
 
 class ReceiveChannel:
