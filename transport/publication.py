@@ -356,7 +356,9 @@ class Publication:
             receiver.last_sm_ns = now_ns
             receiver.window = sm.receiver_window
             self._receiver_window = sm.receiver_window
-            self._has_initial_connection = True
+            if not self._has_initial_connection:
+                self._has_initial_connection = True
+                self._setup_due_ns = None  # SETUP has done its job
             if self.dynamic:
                 self._destinations[source] = now_ns
         self.sender_limit = self.flow_control.on_status_message(
@@ -374,6 +376,9 @@ class Publication:
             self.stats.naks_ignored += 1
             return
         existing = self._resends.get(position)
+        if existing is not None and existing.lingering and now_ns - existing.due_ns >= 0:
+            del self._resends[position]  # its linger is over: this NAK is a new request
+            existing = None
         if existing is not None or len(self._resends) >= self.config.max_resend:
             self.stats.naks_ignored += 1  # already resent and lingering, or too many resends in flight
             return
