@@ -80,6 +80,7 @@ from flowbroker.protocol import (
     TransferEntry,
     Unbind,
     Welcome,
+    encode_frames,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
 
@@ -183,6 +184,7 @@ class Connection:
         self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
         self._writer_done = trio.Event()
         self._final_frames: list[Frame] = []
+        self._final_raw = b""
         # producer side
         self._next_transfer_id = 1
         self._inflight: dict[int, Producer] = {}
@@ -252,12 +254,16 @@ class Connection:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         # Errors of the block pass through untouched (the nursery sees none): our tasks never raise.
-        with trio.CancelScope(shield=True):
-            await self.aclose()
-            assert self._nursery is not None
+        assert self._nursery is not None
+        try:
+            with trio.CancelScope(shield=True):
+                await self.aclose()
             self._nursery.cancel_scope.cancel()
+            # The nursery must be exited in the scope it was entered in, not inside the shield.
             await self._nursery_cm.__aexit__(None, None, None)
-            await self._stream.aclose()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stream.aclose()
 
     async def aclose(self) -> None:
         """Close in order: queued messages and settlements are written, then CLOSE(NORMAL). Waits at most
@@ -531,7 +537,8 @@ class Connection:
                     self._encode_transfers(out)
             if self._proto.state is State.OPEN:
                 out.extend(self._proto.send(frame) for frame in self._final_frames)
-            if out:
+            out.append(self._final_raw)
+            if any(out):
                 await self._stream.send_all(b"".join(out))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
@@ -563,8 +570,10 @@ class Connection:
 
     def _protocol_violation(self, text: str, code: ErrorCode, frame_seq: int | None = None) -> None:
         log.warning("flowbroker connection %s: protocol violation by the broker: %s", self.connection_id, text)
-        if self._proto.state is State.OPEN:
-            self._final_frames += [Error(code, text, frame_seq), Close(code, text)]
+        if self._proto.state in (State.OPEN, State.ERROR):
+            # After a remote error the state machine refuses to send anything (State.ERROR), but the
+            # protocol still wants ERROR + CLOSE on the wire: encode them with the codec directly.
+            self._final_raw = encode_frames([Error(code, text, frame_seq), Close(code, text)])
         self._shutdown(ProtocolViolation(text, code))
 
     async def _dispatch(self, frame: Frame) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from flowbroker.client.connection import TRANSFER_BATCH
 from flowbroker.client.errors import FlowControlled, FlowControlTimeout, MessageTooLarge, PublishError
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, TransferEntry, message_size
@@ -117,6 +118,8 @@ class Producer:
 
         Waits at most `timeout` seconds (None: `send_timeout`; math.inf: no deadline) and then raises
         `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
+        Returns without yielding to other tasks unless a full batch is waiting for the writer (see the
+        comment below), so the writer can batch a burst of sends into one frame.
         Raises `MessageTooLarge` before sending a body above the broker's `max_message_size`, and
         `ConnectionClosed` if the connection is or becomes closed.
         """
@@ -143,7 +146,11 @@ class Producer:
         transfer_id = conn._enqueue_transfer(self, TransferEntry(self.exchange, key, body, headers), size)
         self._outstanding += 1
         self._sent += 1
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if len(conn._transfers) >= TRANSFER_BATCH:
+            # Yield only once a batch is ready: yielding after every message would let the writer run
+            # after every message and send one-entry frames. A send loop still yields at least once per
+            # batch, and whenever it waits for credit.
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return transfer_id
 
     async def flush(self, timeout: float | None = None) -> None:

@@ -1,0 +1,160 @@
+"""Handshake, requests, liveness and closing of the trio client connection, against the fake broker."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import flowbroker.client as fc
+from flowbroker.protocol import Close, DeclareQueue, Error, ErrorCode, Hello, Noop, Ok
+
+
+async def test_connect_handshake_and_declare(start_broker) -> None:
+    broker = await start_broker(buffer_size=4096)
+    async with await fc.connect(broker.url, client_name="t1", timeout=5) as conn:
+        assert conn.credit.max_bytes == 4096
+        assert conn.server_name == "fake"
+        result = await conn.declare_queue("q1", flow_stop_count=10, flow_resume_count=5, overflow="drop-head")
+        assert result == {"name": "q1", "type": "DeclareQueue"}
+        fake = await broker.connection()
+        hello = fake.frames(Hello)[0]
+        assert hello.client_name == "t1" and hello.flow_control is True and hello.version == 1
+        declare = fake.frames(DeclareQueue)[0]
+        assert declare.queue == "q1"
+        assert declare.arguments == {"flow_stop_count": 10, "flow_resume_count": 5, "overflow": "drop-head"}
+        assert declare.request_id >= 2**62
+        for call in (
+            conn.declare_exchange("x", "topic"),
+            conn.bind("q1", "x", "a.*"),
+            conn.unbind("q1", "x", "a.*"),
+            conn.purge_queue("q1"),
+            conn.delete_queue("q1"),
+        ):
+            assert (await call)["name"] in ("x", "q1")
+    await fake.wait_for(lambda: fake.frames(Close) != [])
+    assert fake.frames(Close)[0].code == ErrorCode.NORMAL
+
+
+async def test_request_error_is_typed(start_broker) -> None:
+    broker = await start_broker()
+    broker.missing.add("nope")
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        with pytest.raises(fc.RequestError) as info:
+            await conn.purge_queue("nope")
+        assert info.value.code == ErrorCode.NOT_FOUND and info.value.destination == "nope"
+
+
+async def test_request_timeout(start_broker, io_clock) -> None:
+    broker = await start_broker(answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        start = trio.current_time()
+        with pytest.raises(fc.RequestTimeout):
+            await conn.declare_queue("q", timeout=3)
+        assert trio.current_time() - start == pytest.approx(3, abs=0.1)
+
+
+async def test_connect_refused_port_raises_handshake_error() -> None:
+    # Bind a port and close it again: nothing listens there.
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    with pytest.raises(fc.HandshakeError):
+        await fc.connect(f"flowbroker://127.0.0.1:{port}", timeout=2)
+
+
+async def test_connect_times_out_without_welcome(start_broker, io_clock) -> None:
+    broker = await start_broker(welcome=False)
+    start = trio.current_time()
+    with pytest.raises(fc.HandshakeError, match="no WELCOME"):
+        await fc.connect(broker.url, timeout=2)
+    assert trio.current_time() - start == pytest.approx(2, abs=0.1)
+
+
+async def test_noop_is_answered(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5):
+        fake = await broker.connection()
+        await fake.send(Noop(77, False))
+        await fake.wait_for(lambda: any(f.nonce == 77 and f.reply for f in fake.frames(Noop)))
+
+
+async def test_idle_client_sends_noops_and_declares_silent_broker_dead(start_broker, io_clock) -> None:
+    broker = await start_broker(idle_timeout_ms=3000, answer_noops=False, answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        start = trio.current_time()
+        # Quiet client: a noop after a third of the idle timeout.
+        await fake.wait_for(lambda: len(fake.frames(Noop)) >= 1, timeout=10)
+        assert 1.0 <= trio.current_time() - start <= 1.6
+        with pytest.raises(fc.ConnectionClosed) as info:
+            await conn.declare_queue("q", timeout=10)
+        assert info.value.code == ErrorCode.IDLE_TIMEOUT
+        assert 3.0 <= trio.current_time() - start <= 3.6
+        await fake.wait_for(lambda: fake.frames(Close) != [])
+        assert fake.frames(Close)[0].code == ErrorCode.IDLE_TIMEOUT
+
+
+async def test_answered_noops_keep_the_connection_alive(start_broker, io_clock) -> None:
+    broker = await start_broker(idle_timeout_ms=3000)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await trio.sleep(20)
+        assert not conn.is_closed
+        assert (await conn.declare_queue("q"))["name"] == "q"
+
+
+async def test_broker_close_wakes_waiters_with_code(start_broker) -> None:
+    broker = await start_broker(answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with trio.open_nursery() as nursery:
+
+            async def closer() -> None:
+                await fake.wait_for(lambda: fake.frames(DeclareQueue) != [])
+                await fake.send(Close(ErrorCode.SHUTDOWN, "broker stopping"))
+
+            nursery.start_soon(closer)
+            with pytest.raises(fc.ConnectionClosed) as info:
+                await conn.declare_queue("q", timeout=5)
+        assert info.value.code == ErrorCode.SHUTDOWN and info.value.reason == "broker stopping"
+        assert conn.is_closed
+
+
+async def test_connection_level_error_is_recorded_not_fatal(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        await fake.send(Error(ErrorCode.UNKNOWN_DELIVERY, "tag 5 is not outstanding", 3))
+        assert (await conn.declare_queue("q"))["name"] == "q"
+        assert [e.code for e in conn.connection_errors] == [ErrorCode.UNKNOWN_DELIVERY]
+
+
+async def test_malformed_frame_from_broker_is_a_protocol_violation(start_broker) -> None:
+    broker = await start_broker(answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        await fake.stream.send_all(b"\x00\x00\x00\x02\xc1\xc1")  # 0xc1 is never valid msgpack
+        with pytest.raises(fc.ProtocolViolation):
+            await conn.declare_queue("q", timeout=5)
+        await fake.wait_for(lambda: fake.frames(Error) != [] or fake.closed)
+        assert [e.code for e in fake.frames(Error)] == [ErrorCode.MALFORMED_FRAME]
+
+
+async def test_body_exception_passes_through_and_tasks_end(start_broker) -> None:
+    broker = await start_broker()
+    with pytest.raises(KeyError):
+        async with await fc.connect(broker.url, timeout=5):
+            raise KeyError("mine")
+    fake = await broker.connection()
+    await fake.wait_for(lambda: fake.closed)
+
+
+def test_parse_url() -> None:
+    assert fc.parse_url("flowbroker://example.org:1234") == fc.BrokerAddress("example.org", 1234)
+    assert fc.parse_url("flowbroker://") == fc.BrokerAddress("127.0.0.1", 5680)
+    assert str(fc.parse_url()) == "flowbroker://127.0.0.1:5680"
+    for bad in ("amqp://h:1", "flowbroker://h:99999", "flowbroker://u:p@h:1", "flowbroker://h:1/vhost"):
+        with pytest.raises(ValueError):
+            fc.parse_url(bad)
+    assert Ok(1, {}).request_id == 1

@@ -1,0 +1,242 @@
+"""Producer pacing (byte credit and window), deadlines, batching, publish errors and flow state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+
+import flowbroker.client as fc
+from flowbroker.protocol import BufferAck, BufferControl, Error, ErrorCode, FlowResumed, FlowStopped, Transfer, message_size
+
+BODY = b"x" * 68  # message_size(BODY) == 100
+SIZE = message_size(BODY)
+
+
+def test_body_size_constant() -> None:
+    assert SIZE == 100
+
+
+async def test_sends_are_batched_into_few_transfer_frames(start_broker) -> None:
+    broker = await start_broker(buffer_size=10_000_000)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q", window=5000)
+        for i in range(2000):
+            await producer.send(b"m%d" % i, headers={"i": i} if i % 2 else None)
+        await producer.flush(timeout=10)
+        fake = await broker.connection()
+        frames = fake.transfer_frames
+        ids = [f.first_id + k for f in frames for k in range(len(f.entries))]
+        assert ids == list(range(1, 2001))  # contiguous from 1
+        assert all(len(f.entries) <= 256 for f in frames)
+        assert len(frames) <= 2000 // 50  # batched, not one frame per message
+        bodies = [e.body for f in frames for e in f.entries]
+        assert bodies == [b"m%d" % i for i in range(2000)]
+        assert fake.violations == []
+        assert producer.stats.completed == 2000 and producer.outstanding == 0
+
+
+async def test_send_blocks_at_byte_buffer_one_message_overflow_and_resumes_on_ack(start_broker, io_clock) -> None:
+    broker = await start_broker(buffer_size=250, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q")
+        fake = await broker.connection()
+        # 0, 100, 200 are all under 250: three messages start, the third overflows to 300.
+        for _ in range(3):
+            await producer.send(BODY, block=False)
+        assert conn.credit.outstanding == 300
+        with pytest.raises(fc.FlowControlled) as info:
+            await producer.send(BODY, block=False)
+        assert type(info.value) is fc.FlowControlled and info.value.limit == "buffer"
+
+        sent_after: list[float] = []
+
+        async def blocked_sender() -> None:
+            await producer.send(BODY, timeout=30)
+            sent_after.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(blocked_sender)
+            await trio.sleep(5)
+            assert sent_after == []
+            # A stale and a duplicated ack change nothing.
+            await fake.ack(0)
+            await trio.sleep(1)
+            assert sent_after == [] and conn.credit.acked_total == 0
+            await fake.complete([1])  # completes transfer 1 and acks its 100 bytes
+            await fake.wait_for(lambda: len(fake.transfers) == 4)
+        assert conn.credit.acked_total == 100 and conn.credit.outstanding == 300
+        await fake.ack(100)  # duplicate
+        await trio.sleep(1)
+        assert conn.credit.acked_total == 100
+        assert fake.violations == []
+
+
+async def test_window_limits_outstanding_transfers(start_broker, io_clock) -> None:
+    broker = await start_broker(buffer_size=0, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q", window=10)
+        for _ in range(10):
+            await producer.send(BODY)
+        with pytest.raises(fc.FlowControlled) as info:
+            await producer.send(BODY, block=False)
+        assert info.value.limit == "window"
+        fake = await broker.connection()
+        await fake.wait_for(lambda: len(fake.transfers) == 10)
+        await fake.complete([1, 2, 3])
+        with trio.fail_after(5):
+            for _ in range(3):
+                await producer.send(BODY)
+        with pytest.raises(fc.FlowControlTimeout):
+            await producer.send(BODY, timeout=1)
+
+
+async def test_flow_control_timeout_names_the_stopped_queue(start_broker, io_clock) -> None:
+    broker = await start_broker(buffer_size=1000)
+    broker.held_queues.add("slow")
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        producer = conn.producer(routing_key="slow", window=4)
+        async with producer.flow_events() as events:
+            for _ in range(4):
+                await producer.send(BODY)
+            await fake.wait_for(lambda: len(fake.held) == 4)
+            await fake.send(FlowStopped("slow", "flow_stop_count", 4, 4, "queue over its stop threshold"))
+            event = await events.get()
+            assert event is not None and event.kind == "stopped" and event.destination == "slow"
+            assert event.stop is not None and event.stop.threshold == "flow_stop_count"
+            state = producer.flow_state
+            assert state.is_stopped and state.destinations == ("slow",)
+            assert state.stopped["slow"].limit == 4
+            start = trio.current_time()
+            with pytest.raises(fc.FlowControlTimeout) as info:
+                await producer.send(BODY, timeout=7)
+            assert trio.current_time() - start == pytest.approx(7, abs=0.1)
+            assert info.value.destinations == ("slow",) and info.value.destination == "slow"
+            assert info.value.limit == "window" and info.value.timeout == 7
+            assert isinstance(info.value, TimeoutError) and "slow" in str(info.value)
+            # flush times out the same way while the transfers are held
+            with pytest.raises(fc.FlowControlTimeout) as info:
+                await producer.flush(timeout=2)
+            assert info.value.destinations == ("slow",)
+            # Release: completion, then resume.
+            await fake.release_held()
+            await fake.send(FlowResumed("slow"), FlowResumed("slow"))  # the duplicate changes nothing
+            event = await events.get()
+            assert event is not None and event.kind == "resumed" and event.stopped == frozenset()
+            await producer.flush(timeout=5)
+            await producer.send(BODY, block=False)
+        state = producer.flow_state
+        assert not state.is_stopped and state.stop_count == 1 and state.resume_count == 1
+        assert state.stopped_seconds >= 9
+        assert producer.stats.blocked_count >= 1 and producer.stats.blocked_seconds >= 7
+
+
+async def test_send_default_deadline_is_the_producer_send_timeout(start_broker, io_clock) -> None:
+    broker = await start_broker(buffer_size=100, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q", send_timeout=12)
+        await producer.send(BODY)
+        start = trio.current_time()
+        with pytest.raises(fc.FlowControlTimeout):
+            await producer.send(BODY)
+        assert trio.current_time() - start == pytest.approx(12, abs=0.1)
+
+
+async def test_flush_raises_queue_full_naming_the_queue(start_broker) -> None:
+    broker = await start_broker(buffer_size=1 << 20)
+    broker.full_queues.add("full")
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="ok")
+        await producer.send(b"a")
+        tid = await producer.send(b"b", routing_key="full")
+        await producer.send(b"c")
+        with pytest.raises(fc.QueueFull) as info:
+            await producer.flush(timeout=5)
+        assert info.value.destination == "full" and info.value.transfer_id == tid
+        assert info.value.code == ErrorCode.QUEUE_FULL and isinstance(info.value, fc.PublishError)
+        assert producer.outstanding == 0 and producer.stats.failed == 1
+        await producer.flush(timeout=5)  # reported once
+
+
+async def test_message_above_max_message_size_is_refused_locally(start_broker) -> None:
+    broker = await start_broker(max_message_size=1000)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q")
+        with pytest.raises(fc.MessageTooLarge) as info:
+            await producer.send(b"x" * 1001)
+        assert info.value.destination == "q"
+        await producer.send(b"x" * 1000)
+        await producer.flush(timeout=5)
+
+
+async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> None:
+    broker = await start_broker(buffer_size=100, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q")
+        await producer.send(BODY)
+        assert not producer.has_credit()
+        fake = await broker.connection()
+        fake.credit.resize(1000)
+        await fake.send(BufferControl(0, 1000))
+        with trio.fail_after(5):
+            while conn.credit.max_bytes != 1000:
+                await trio.sleep(0.01)
+        await producer.send(BODY, block=False)
+        fake.credit.resize(0)
+        await fake.send(BufferControl(0, 0))  # 0: no pacing by bytes
+        await fake.wait_for(lambda: len(fake.transfers) == 2)
+        for _ in range(20):
+            await producer.send(BODY, timeout=5)
+        await fake.wait_for(lambda: len(fake.transfers) == 22)
+        assert fake.violations == []
+
+
+async def test_connection_close_fails_blocked_sender(start_broker) -> None:
+    broker = await start_broker(buffer_size=100, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q")
+        await producer.send(BODY)
+        fake = await broker.connection()
+        async with trio.open_nursery() as nursery:
+
+            async def close_soon() -> None:
+                await fake.wait_for(lambda: len(fake.transfers) == 1)
+                await fake.close(ErrorCode.SHUTDOWN, "stopping")
+
+            nursery.start_soon(close_soon)
+            with pytest.raises(fc.ConnectionClosed) as info:
+                await producer.send(BODY, timeout=math.inf)
+        assert info.value.code == ErrorCode.SHUTDOWN
+
+
+async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) -> None:
+    broker = await start_broker(buffer_size=1000, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q", window=1)
+        await producer.send(BODY)
+        fake = await broker.connection()
+        await fake.wait_for(lambda: len(fake.transfers) == 1)
+        await fake.send(BufferAck(0, 500, 500))  # only 100 bytes were sent
+        with pytest.raises(fc.ProtocolViolation):
+            await producer.send(BODY, timeout=5)
+        await fake.wait_for(lambda: fake.frames(Error) != [])
+        assert fake.frames(Error)[0].code == ErrorCode.INVALID_ARGUMENT
+
+
+async def test_throughput_smoke(start_broker) -> None:
+    """Not a benchmark: checks that batching keeps a 20k-message send loop well under a few seconds."""
+    broker = await start_broker(buffer_size=4 << 20)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q")
+        start = trio.current_time()
+        body = b"x" * 1024
+        for _ in range(20_000):
+            await producer.send(body)
+        await producer.flush(timeout=30)
+        elapsed = trio.current_time() - start
+        fake = await broker.connection()
+        assert len(fake.transfers) == 20_000 and fake.violations == []
+    print(f"20k x 1 KiB through the fake broker: {20_000 / elapsed:,.0f} msgs/s")
