@@ -1,0 +1,155 @@
+"""Consumer: delivery, settlement ranges, buffer acknowledgements (20 % / 50 KiB / 5 s timer)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import flowbroker.client as fc
+from flowbroker.protocol import (
+    BufferAck,
+    BufferControl,
+    Cancel,
+    Deliver,
+    DeliveryEntry,
+    Outcome,
+    Settle,
+    Subscribe,
+    message_size,
+)
+
+BODY = b"y" * 68
+SIZE = message_size(BODY)  # 100
+
+
+def entries(first: int, count: int, body: bytes = BODY) -> list[DeliveryEntry]:
+    return [DeliveryEntry(tag, "", "q", body, None, False) for tag in range(first, first + count)]
+
+
+async def test_messages_and_settle_ranges(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q", prefetch=50) as consumer:
+            sub = fake.frames(Subscribe)[0]
+            assert (sub.queue, sub.prefetch, sub.buffer_size) == ("q", 50, 0)
+            await fake.send(
+                Deliver(sub.subscription_id, [DeliveryEntry(1, "ex", "rk", b"hello", {"h": 1}, True)] + entries(2, 6))
+            )
+            got = []
+            for _ in range(7):
+                got.append(await consumer.receive(timeout=5))
+            first = got[0]
+            assert (first.body, first.headers, first.exchange, first.routing_key, first.redelivered) == (
+                b"hello",
+                {"h": 1},
+                "ex",
+                "rk",
+                True,
+            )
+            assert [m.delivery_tag for m in got] == list(range(1, 8))
+            # settle without yielding in between: one SETTLE frame per outcome, coalesced
+            for i in (0, 1, 2, 4):
+                got[i].settle_nowait(Outcome.ACK)
+            got[3].settle_nowait(Outcome.REJECT)
+            await got[5].requeue()
+            await fake.wait_for(lambda: len(fake.frames(Settle)) >= 3)
+            settles = {s.outcome: s.ranges for s in fake.frames(Settle)}
+            assert settles == {Outcome.ACK: [(1, 3), (5, 5)], Outcome.REJECT: [(4, 4)], Outcome.REQUEUE: [(6, 6)]}
+            with pytest.raises(fc.AlreadySettled):
+                await got[0].ack()
+        await fake.wait_for(lambda: fake.frames(Cancel) != [])
+        assert fake.frames(Cancel)[0].subscription_id == sub.subscription_id
+
+
+async def test_async_iteration_and_unhandled_messages_requeued_on_close(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q") as consumer:
+            sub_id = fake.frames(Subscribe)[0].subscription_id
+            await fake.send(Deliver(sub_id, entries(1, 5)))
+            seen = []
+            async for msg in consumer:
+                seen.append(msg.delivery_tag)
+                await msg.ack()
+                if len(seen) == 2:
+                    break
+            # the reader may not have queued all five yet; wait until it has
+            with trio.fail_after(5):
+                while consumer._receive.statistics().current_buffer_used < 3:
+                    await trio.sleep(0.01)
+        await fake.wait_for(lambda: fake.frames(Cancel) != [])
+        ranges = {(s.outcome, r) for s in fake.frames(Settle) for r in s.ranges}
+        assert (Outcome.REQUEUE, (3, 5)) in ranges
+        assert seen == [1, 2]
+
+
+async def test_buffer_acks_after_twenty_percent_and_on_timer(start_broker, io_clock) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q", prefetch=0, buffer_size=1000) as consumer:
+            sub = fake.frames(Subscribe)[0]
+            assert sub.buffer_size == 1000
+            await fake.send(Deliver(sub.subscription_id, entries(1, 5)))
+            m1 = await consumer.receive(timeout=5)
+            await m1.ack()  # 100 processed: under 20 % of 1000
+            await trio.sleep(1)
+            assert fake.frames(BufferAck) == []
+            m2 = await consumer.receive(timeout=5)  # moving on processes m1 only (already counted)
+            await m2.reject()  # 200 = 20 %: an ack is due now
+            await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 1)
+            ack = fake.frames(BufferAck)[0]
+            assert (ack.opaque, ack.freed, ack.acked_total) == (sub.subscription_id, 200, 200)
+            await consumer.receive(timeout=5)  # m3, never settled
+            await consumer.receive(timeout=5)  # asking for m4 means m3 was handled: 300
+            t0 = trio.current_time()
+            # 100 pending: below the threshold, so only the 5 s timer returns it
+            await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 2, timeout=10)
+            assert 3.0 <= trio.current_time() - t0 <= 6.5
+            ack = fake.frames(BufferAck)[1]
+            assert (ack.freed, ack.acked_total) == (100, 300)
+
+
+async def test_buffer_acks_every_fifty_kib_for_large_buffers(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q", prefetch=0, buffer_size=10 * 1024 * 1024) as consumer:
+            sub_id = fake.frames(Subscribe)[0].subscription_id
+            body = b"z" * (1024 - 32)  # 1 KiB charged
+            await fake.send(Deliver(sub_id, entries(1, 120, body)))
+            for _ in range(120):
+                await (await consumer.receive(timeout=5)).ack()
+            await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 2)
+            assert [a.acked_total for a in fake.frames(BufferAck)] == [50 * 1024, 100 * 1024]
+
+
+async def test_connection_level_buffer_and_midstream_resize(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        await conn.set_buffer_size(500)  # threshold 100: every message
+        await fake.wait_for(lambda: fake.frames(BufferControl) != [])
+        assert fake.frames(BufferControl)[0] == BufferControl(0, 500)
+        async with conn.consumer("q") as consumer:
+            sub_id = fake.frames(Subscribe)[0].subscription_id
+            await fake.send(Deliver(sub_id, entries(1, 2)))
+            await (await consumer.receive(timeout=5)).ack()
+            await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 1)
+            assert fake.frames(BufferAck)[0] == BufferAck(0, 100, 100)
+            await consumer.set_buffer_size(2000)
+            await fake.wait_for(lambda: BufferControl(sub_id, 2000) in fake.frames(BufferControl))
+
+
+async def test_connection_failure_ends_iteration_with_the_error(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q") as consumer:
+            await fake.close(fc.ErrorCode.SHUTDOWN, "stopping")
+            with pytest.raises(fc.ConnectionClosed):
+                async for _ in consumer:
+                    pass
