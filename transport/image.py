@@ -294,7 +294,9 @@ class Image:
                 self.rttms_sent += 1
             if self.is_end_of_stream or now_ns - self.time_of_last_packet_ns > self.timers.image_liveness_timeout_ns:
                 self._enter_draining(now_ns)
-            self._send_status_message(out, now_ns)
+                self._emit_sm(out, now_ns, SM_EOS_FLAG)
+            else:
+                self._send_status_message(out, now_ns)
         elif self.state is ImageState.DRAINING:
             if now_ns - self._state_change_ns > self.timers.draining_ns:
                 self.state = ImageState.DONE
@@ -305,7 +307,6 @@ class Image:
     def _enter_draining(self, now_ns: int) -> None:
         self.state = ImageState.DRAINING
         self._state_change_ns = now_ns
-        self._time_of_last_sm_ns = now_ns - self.timers.sm_timeout_ns - 1  # first EOS SM at once
 
     def _consumption_positions(self) -> tuple[int, int]:
         low = high = None
