@@ -1,0 +1,51 @@
+"""The flowbroker wire protocol without I/O: frames, codec, connection state machine, byte credit.
+
+Nothing here reads a socket or a clock; the broker and the client SDK are trio shells around it.
+See docs/protocol.md for every frame and field.
+"""
+
+from flowbroker.protocol.codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame, encode_frames
+from flowbroker.protocol.connection import Connection, Role, State
+from flowbroker.protocol.credit import (
+    ACK_BYTES,
+    ACK_INTERVAL_NS,
+    ACK_RATIO,
+    AckScheduler,
+    BufferLog,
+    BufferState,
+    CreditError,
+    message_size,
+)
+from flowbroker.protocol.errors import (
+    ErrorCode,
+    FrameTooLarge,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from flowbroker.protocol.frames import *  # noqa: F403
+from flowbroker.protocol.frames import __all__ as _frames_all
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "FrameDecoder",
+    "encode_frame",
+    "encode_frames",
+    "Connection",
+    "Role",
+    "State",
+    "ACK_BYTES",
+    "ACK_INTERVAL_NS",
+    "ACK_RATIO",
+    "AckScheduler",
+    "BufferLog",
+    "BufferState",
+    "CreditError",
+    "message_size",
+    "ErrorCode",
+    "FrameTooLarge",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    *_frames_all,
+]

@@ -1,0 +1,166 @@
+"""Byte credit in the manner of Couchbase DCP, with absolute positions so credit cannot stall.
+
+Two halves of one buffer:
+
+- `BufferLog` lives with the *sender* of data (a producer client; the broker delivering to a
+  consumer). It counts bytes sent and bytes the receiver has acknowledged, and says whether it may
+  send: while unacknowledged bytes are under the buffer size, one message may overflow it (DCP's
+  rule, so a message larger than the whole buffer still goes through when the buffer is empty).
+- `AckScheduler` lives with the *receiver*. It counts bytes *processed* (a transfer completed, a
+  delivery settled or handled) and decides when to send a BUFFER_ACK: after 20 % of the buffer or
+  50 KiB, whichever is less, and every 5 s when anything is freed. It also re-advertises the
+  absolute position periodically, so a lost acknowledgement costs at most one interval.
+
+The acknowledgement carries `acked_total`, the absolute byte count processed so far. `BufferLog`
+takes the maximum of what it has seen, so acknowledgements are idempotent and may be duplicated or
+reordered freely. No clocks: time arrives as `now_ns`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from flowbroker.protocol.frames import BufferAck, Headers
+
+__all__ = [
+    "BufferState",
+    "BufferLog",
+    "CreditError",
+    "AckScheduler",
+    "message_size",
+    "ACK_RATIO",
+    "ACK_BYTES",
+    "ACK_INTERVAL_NS",
+    "MESSAGE_OVERHEAD",
+]
+
+ACK_RATIO = 0.2
+ACK_BYTES = 50 * 1024
+ACK_INTERVAL_NS = 5_000_000_000
+MESSAGE_OVERHEAD = 32
+"""Bytes charged per message beyond its body and headers: routing and bookkeeping are not free."""
+
+
+def message_size(body: bytes, headers: Headers | None = None) -> int:
+    """The bytes a message is charged against credit and queue size, on both ends of a connection."""
+    size = len(body) + MESSAGE_OVERHEAD
+    if headers:
+        for key, value in headers.items():
+            size += len(key) + (len(value) if isinstance(value, (str, bytes)) else 8)
+    return size
+
+
+class CreditError(ValueError):
+    """An acknowledgement or size that cannot be right (acknowledging bytes never sent, a negative size)."""
+
+
+class BufferState(enum.Enum):
+    DISABLED = "disabled"  # buffer size 0: no flow control
+    SPACE_AVAILABLE = "space-available"
+    FULL = "full"
+
+
+class BufferLog:
+    """Sender side of a byte buffer: bytes sent vs bytes the receiver acknowledged."""
+
+    __slots__ = ("max_bytes", "sent_total", "acked_total")
+
+    def __init__(self, max_bytes: int = 0):
+        if max_bytes < 0:
+            raise CreditError(f"buffer size must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.sent_total = 0
+        self.acked_total = 0
+
+    @property
+    def outstanding(self) -> int:
+        """Bytes sent and not yet acknowledged. Never negative."""
+        return self.sent_total - self.acked_total
+
+    @property
+    def state(self) -> BufferState:
+        if self.max_bytes == 0:
+            return BufferState.DISABLED
+        return BufferState.SPACE_AVAILABLE if self.outstanding < self.max_bytes else BufferState.FULL
+
+    @property
+    def limit(self) -> int:
+        """The absolute position the sender may start a message below (acked + buffer size)."""
+        return self.acked_total + self.max_bytes
+
+    def may_send(self) -> bool:
+        """True while any space is left (or flow control is off): the next message may overflow."""
+        return self.max_bytes == 0 or self.sent_total < self.acked_total + self.max_bytes
+
+    def on_sent(self, nbytes: int) -> None:
+        self.sent_total += nbytes
+
+    def on_ack(self, acked_total: int) -> int:
+        """Apply an acknowledgement; returns the bytes it newly freed (0 for a stale or duplicate one)."""
+        if acked_total > self.sent_total:
+            raise CreditError(f"acknowledged {acked_total} bytes in total but only {self.sent_total} were sent")
+        freed = acked_total - self.acked_total
+        if freed <= 0:
+            return 0
+        self.acked_total = acked_total
+        return freed
+
+    def resize(self, max_bytes: int) -> None:
+        """Change the buffer size. Shrinking below what is in flight loses nothing: the sender just
+        waits until acknowledgements bring it under the new size. 0 turns flow control off."""
+        if max_bytes < 0:
+            raise CreditError(f"buffer size must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+
+
+@dataclass(slots=True)
+class AckScheduler:
+    """Receiver side: when to return a BUFFER_ACK for processed bytes.
+
+    `opaque` is 0 for the connection-level buffer or a subscription id. `buffer_size` is the size the
+    sender was told; 0 means flow control is off and no acknowledgements are due.
+    """
+
+    buffer_size: int
+    opaque: int = 0
+    ack_ratio: float = ACK_RATIO
+    ack_bytes: int = ACK_BYTES
+    interval_ns: int = ACK_INTERVAL_NS
+    processed_total: int = 0
+    advertised_total: int = 0
+    last_sent_ns: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Processed bytes not yet acknowledged to the sender."""
+        return self.processed_total - self.advertised_total
+
+    def threshold(self) -> int:
+        return max(1, min(int(self.buffer_size * self.ack_ratio), self.ack_bytes))
+
+    def on_processed(self, nbytes: int, now_ns: int) -> BufferAck | None:
+        """Count processed bytes; returns an acknowledgement when one is due."""
+        self.processed_total += nbytes
+        if self.buffer_size and self.pending >= self.threshold():
+            return self._ack(now_ns)
+        return None
+
+    def poll(self, now_ns: int) -> BufferAck | None:
+        """Timer tick: acknowledge anything pending after the interval, and re-advertise the absolute
+        position once per interval even when nothing changed (a lost ack then cannot stall the sender)."""
+        if not self.buffer_size or now_ns - self.last_sent_ns < self.interval_ns:
+            return None
+        return self._ack(now_ns)
+
+    def flush(self, now_ns: int) -> BufferAck | None:
+        """Acknowledge whatever is pending now (used when the buffer is resized or a sender is blocked)."""
+        if not self.buffer_size or not self.pending:
+            return None
+        return self._ack(now_ns)
+
+    def _ack(self, now_ns: int) -> BufferAck:
+        freed = self.pending
+        self.advertised_total = self.processed_total
+        self.last_sent_ns = now_ns
+        return BufferAck(self.opaque, freed, self.processed_total)
