@@ -15,8 +15,9 @@ the byte stream moves `state` to CLOSED, but only the side that sent CLOSE falls
 side may still send what it had in flight, checked against the phase the connection was in, and
 answer with its own CLOSE; `closed_by_us` / `closed_by_peer` say which ends have finished.
 
-After a RemoteProtocolError the state is ERROR: `next_frame()` raises LocalProtocolError, and
-`send()` accepts only ERROR and CLOSE, so the shell can tell the peer why before it closes the
+After a RemoteProtocolError the state is ERROR: `next_frame()` raises LocalProtocolError, but
+only the peer's direction is broken, so `send()` still accepts what this end could send before,
+plus ERROR and CLOSE: the shell can flush what is due and tell the peer why before it closes the
 transport.
 """
 
@@ -101,7 +102,7 @@ class Connection:
         self._decoder = FrameDecoder(max_frame_size)
         self.frames_sent = 0
         self._closed: set[Role] = set()  # roles that sent CLOSE or ended their byte stream
-        self._phase_at_close = State.AWAIT_HELLO  # the state CLOSED was entered from
+        self._phase = State.AWAIT_HELLO  # the state CLOSED or ERROR was entered from
 
     @property
     def frames_received(self) -> int:
@@ -147,6 +148,8 @@ class Connection:
                 return None
             self._advance(self.peer_role, frame, RemoteProtocolError)
         except RemoteProtocolError:
+            if self.state is not State.CLOSED:
+                self._phase = self.state
             self.state = State.ERROR
             raise
         return frame
@@ -162,7 +165,7 @@ class Connection:
         if self.state is State.ERROR:
             return
         if self.state is not State.CLOSED:
-            self._phase_at_close = self.state
+            self._phase = self.state
             self.state = State.CLOSED
 
     def _advance(
@@ -175,15 +178,13 @@ class Connection:
             raise error(
                 f"{ftype.name} frame from the {sender.value} after its CLOSE", ErrorCode.UNEXPECTED_FRAME, seq
             )
+        # Before WELCOME the client side of the table applies to both ends: the client says HELLO,
+        # the broker answers WELCOME. After a CLOSE, the end that has not closed may still send
+        # what it could send before; after an error, so may we, and we may say why.
+        phase = self._phase if state in (State.CLOSED, State.ERROR) else state
+        allowed = _ALLOWED[sender].get(phase, frozenset())
         if state is State.ERROR:
-            # Only we can still speak, and only to say why we are closing.
-            allowed = _ERROR_REPLY if sender is self.role else frozenset()
-        else:
-            # Before WELCOME the client side of the table applies to both ends: the client says HELLO,
-            # the broker answers WELCOME. After a CLOSE, the end that has not closed may still send
-            # what it could send before.
-            phase = self._phase_at_close if state is State.CLOSED else state
-            allowed = _ALLOWED[sender].get(phase, frozenset())
+            allowed = allowed | _ERROR_REPLY if sender is self.role else frozenset()
         if ftype not in allowed:
             raise error(
                 f"{ftype.name} frame from the {sender.value} is not allowed in state {state.value}",

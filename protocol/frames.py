@@ -106,7 +106,7 @@ class TransferEntry(NamedTuple):
 
 
 class DeliveryEntry(NamedTuple):
-    """One message in a DELIVER frame; `delivery_tag` is per connection and strictly increasing."""
+    """One message in a DELIVER frame; `delivery_tag` is positive, per connection and strictly increasing."""
 
     delivery_tag: int
     exchange: str
@@ -203,7 +203,7 @@ class Ok:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """Client -> broker: messages with transfer ids first_id, first_id + 1, ... (contiguous per connection)."""
+    """Client -> broker: messages with transfer ids first_id, first_id + 1, ... (positive, contiguous per connection)."""
 
     TYPE: ClassVar[FrameType] = FrameType.TRANSFER
     first_id: int
@@ -387,6 +387,12 @@ def _uint(v: Any) -> int:
     return v
 
 
+def _pos(v: Any) -> int:
+    if type(v) is not int or v < 1:
+        raise _Bad(f"expected a positive integer, got {v!r}")
+    return v
+
+
 def _str(v: Any) -> str:
     if type(v) is not str:
         raise _Bad(f"expected a string, got {type(v).__name__}")
@@ -418,9 +424,29 @@ def _str_list(v: Any) -> list[str]:
     return list(v)
 
 
+_PLAIN = (str, int, float, bool, bytes, type(None), list, dict)
+
+
 def _map(v: Any) -> dict[str, Any]:
-    if type(v) is not dict or any(type(k) is not str for k in v):
+    """A map with string keys whose values, at any depth, are plain msgpack values.
+
+    The walk is iterative (msgpack allows deeper nesting than Python's recursion limit) and rejects
+    msgpack.Timestamp, which msgpack decodes from ext type -1 without calling the ext hook.
+    """
+    if type(v) is not dict:
         raise _Bad("expected a map with string keys")
+    stack: list[Any] = [v]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            for key, value in item.items():
+                if type(key) is not str:
+                    raise _Bad("expected a map with string keys")
+                stack.append(value)
+        elif type(item) is list:
+            stack.extend(item)
+        elif type(item) not in _PLAIN:
+            raise _Bad(f"{type(item).__name__} values are not allowed")
     return v
 
 
@@ -457,6 +483,8 @@ def _ranges(v: Any) -> list[Range]:
 
 def _enum(enum_type: type[enum.IntEnum]) -> Checker:
     def checker(v: Any) -> Any:
+        if type(v) is not int:  # IntEnum would accept True and 1.0 as 1
+            raise _Bad(f"{v!r} is not a valid {enum_type.__name__}")
         try:
             return enum_type(v)
         except (ValueError, TypeError):
@@ -495,12 +523,13 @@ def _delivery_entries(v: Any) -> list[DeliveryEntry]:
             raise _Bad("each entry must be [tag, exchange, routing_key, body, headers, redelivered]")
         if (
             type(e[0]) is not int
+            or e[0] < 1
             or type(e[1]) is not str
             or type(e[2]) is not str
             or type(e[3]) is not bytes
             or type(e[5]) is not bool
         ):
-            raise _Bad("delivery entry has a field of the wrong type")
+            raise _Bad("delivery entry has a field of the wrong type (delivery_tag must be a positive integer)")
         _headers(e[4])
         out.append(DeliveryEntry(*e))
     return out
@@ -529,7 +558,7 @@ _register(Unbind, _uint, _name, _name, _name)
 _register(DeleteQueue, _uint, _name)
 _register(PurgeQueue, _uint, _name)
 _register(Ok, _uint, _map)
-_register(Transfer, _uint, _transfer_entries)
+_register(Transfer, _pos, _transfer_entries)
 _register(Complete, _uint, _ranges)
 _register(BufferControl, _uint, _uint)
 _register(BufferAck, _uint, _uint, _uint)

@@ -1,0 +1,184 @@
+"""Hypothesis strategies and fixed samples for every flowbroker frame type (test helper, not a test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import strategies as st
+
+from flowbroker.protocol import (
+    Bind,
+    BufferAck,
+    BufferControl,
+    Cancel,
+    Close,
+    Complete,
+    DeclareExchange,
+    DeclareQueue,
+    DeleteQueue,
+    Deliver,
+    DeliveryEntry,
+    Error,
+    ErrorCode,
+    FlowResumed,
+    FlowStopped,
+    Frame,
+    FrameType,
+    Hello,
+    Noop,
+    Ok,
+    Outcome,
+    PurgeQueue,
+    Settle,
+    Subscribe,
+    Transfer,
+    TransferEntry,
+    Unbind,
+    Welcome,
+)
+from flowbroker.protocol.codec import LENGTH_PREFIX
+
+U64 = 2**64 - 1
+I64_MIN = -(2**63)
+
+u64 = st.integers(0, U64)
+pos64 = st.integers(1, U64)
+# msgpack cannot carry surrogates; hypothesis' default text alphabet has none.
+text = st.text(max_size=40)
+names = st.text(max_size=255)
+long_names = st.text(min_size=200, max_size=255)
+msgpack_ints = st.integers(I64_MIN, U64)
+floats = st.floats(allow_nan=False)  # NaN != NaN would spoil the round-trip comparison
+scalars = st.one_of(st.none(), st.booleans(), msgpack_ints, floats, text, st.binary(max_size=40))
+headers = st.one_of(st.none(), st.dictionaries(text, scalars, max_size=5))
+plain_values = st.recursive(
+    scalars, lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=4), max_leaves=20
+)
+plain_maps = st.dictionaries(text, plain_values, max_size=5)
+ranges = st.lists(
+    st.tuples(pos64, st.integers(0, 1000)).map(lambda t: (t[0], min(U64, t[0] + t[1]))), max_size=5
+)
+error_codes = st.sampled_from(list(ErrorCode))
+
+transfer_entries = st.builds(
+    TransferEntry,
+    exchange=names,
+    routing_key=names,
+    body=st.binary(max_size=200),
+    headers=headers,
+    producer_id=st.one_of(st.none(), text),
+    sequence=st.one_of(st.none(), u64),
+)
+delivery_entries = st.builds(
+    DeliveryEntry,
+    delivery_tag=pos64,
+    exchange=names,
+    routing_key=names,
+    body=st.binary(max_size=200),
+    headers=headers,
+    redelivered=st.booleans(),
+)
+
+FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
+    FrameType.HELLO: st.builds(
+        Hello,
+        version=u64,
+        client_name=text,
+        flow_control=st.booleans(),
+        capabilities=st.lists(text, max_size=4),
+        auth=st.one_of(st.none(), plain_maps),
+    ),
+    FrameType.WELCOME: st.builds(
+        Welcome,
+        version=u64,
+        connection_id=u64,
+        server_name=text,
+        max_frame_size=u64,
+        max_message_size=u64,
+        idle_timeout_ms=u64,
+        buffer_size=u64,
+        identity=text,
+    ),
+    FrameType.DECLARE_QUEUE: st.builds(
+        DeclareQueue,
+        request_id=u64,
+        queue=names,
+        durable=st.booleans(),
+        arguments=st.one_of(st.none(), plain_maps),
+    ),
+    FrameType.DECLARE_EXCHANGE: st.builds(
+        DeclareExchange, request_id=u64, exchange=names, kind=st.sampled_from(["direct", "fanout", "topic"])
+    ),
+    FrameType.BIND: st.builds(Bind, request_id=u64, queue=names, exchange=names, binding_key=names),
+    FrameType.UNBIND: st.builds(Unbind, request_id=u64, queue=names, exchange=names, binding_key=names),
+    FrameType.DELETE_QUEUE: st.builds(DeleteQueue, request_id=u64, queue=names),
+    FrameType.PURGE_QUEUE: st.builds(PurgeQueue, request_id=u64, queue=names),
+    FrameType.OK: st.builds(Ok, request_id=u64, result=plain_maps),
+    FrameType.TRANSFER: st.builds(
+        Transfer, first_id=pos64, entries=st.lists(transfer_entries, min_size=1, max_size=5)
+    ),
+    FrameType.COMPLETE: st.builds(Complete, cumulative_id=u64, ranges=ranges),
+    FrameType.BUFFER_CONTROL: st.builds(BufferControl, opaque=u64, buffer_size=u64),
+    FrameType.BUFFER_ACK: st.builds(BufferAck, opaque=u64, freed=u64, acked_total=u64),
+    FrameType.FLOW_STOPPED: st.builds(
+        FlowStopped, destination=names, threshold=text, limit=u64, value=u64, reason=text
+    ),
+    FrameType.FLOW_RESUMED: st.builds(FlowResumed, destination=names),
+    FrameType.SUBSCRIBE: st.builds(
+        Subscribe, request_id=u64, subscription_id=u64, queue=names, prefetch=u64, buffer_size=u64
+    ),
+    FrameType.CANCEL: st.builds(Cancel, request_id=u64, subscription_id=u64),
+    FrameType.DELIVER: st.builds(
+        Deliver, subscription_id=u64, entries=st.lists(delivery_entries, min_size=1, max_size=5)
+    ),
+    FrameType.SETTLE: st.builds(Settle, outcome=st.sampled_from(list(Outcome)), ranges=ranges),
+    FrameType.NOOP: st.builds(Noop, nonce=u64, reply=st.booleans()),
+    FrameType.ERROR: st.builds(
+        Error,
+        code=error_codes,
+        text=text,
+        frame_seq=st.one_of(st.none(), u64),
+        ref_id=st.one_of(st.none(), u64),
+        destination=st.one_of(st.none(), text),
+    ),
+    FrameType.CLOSE: st.builds(Close, code=error_codes, reason=text),
+}
+
+any_frame: st.SearchStrategy[Frame] = st.one_of(*FRAME_STRATEGIES.values())
+
+# One valid frame of each type, for tests that enumerate types rather than sample values.
+SAMPLES: dict[FrameType, Frame] = {
+    FrameType.HELLO: Hello(1, "test-client", True, ["flow-control"], {"user": "u"}),
+    FrameType.WELCOME: Welcome(1, 7, "test-broker", 1 << 20, 1 << 19, 30_000, 10 << 20, "anonymous"),
+    FrameType.DECLARE_QUEUE: DeclareQueue(1, "q", False, {"flow_stop_count": 10}),
+    FrameType.DECLARE_EXCHANGE: DeclareExchange(2, "x", "topic"),
+    FrameType.BIND: Bind(3, "q", "x", "a.*"),
+    FrameType.UNBIND: Unbind(4, "q", "x", "a.*"),
+    FrameType.DELETE_QUEUE: DeleteQueue(5, "q"),
+    FrameType.PURGE_QUEUE: PurgeQueue(6, "q"),
+    FrameType.OK: Ok(1, {"depth": 0}),
+    FrameType.TRANSFER: Transfer(1, [TransferEntry("", "q", b"hello", {"k": "v"}, "p1", 0)]),
+    FrameType.COMPLETE: Complete(1, [(3, 4)]),
+    FrameType.BUFFER_CONTROL: BufferControl(0, 1 << 20),
+    FrameType.BUFFER_ACK: BufferAck(0, 100, 100),
+    FrameType.FLOW_STOPPED: FlowStopped("q", "flow_stop_count", 10, 11, "queue over its stop threshold"),
+    FrameType.FLOW_RESUMED: FlowResumed("q"),
+    FrameType.SUBSCRIBE: Subscribe(7, 1, "q", 100, 1 << 20),
+    FrameType.CANCEL: Cancel(8, 1),
+    FrameType.DELIVER: Deliver(1, [DeliveryEntry(1, "", "q", b"hello", None, False)]),
+    FrameType.SETTLE: Settle(Outcome.ACK, [(1, 1)]),
+    FrameType.NOOP: Noop(1, False),
+    FrameType.ERROR: Error(ErrorCode.QUEUE_FULL, "queue q is full", 2, 1, "q"),
+    FrameType.CLOSE: Close(ErrorCode.NORMAL, "bye"),
+}
+
+
+def raw_frame(obj: Any) -> bytes:
+    """A length-prefixed frame whose body is `obj` packed as msgpack, whatever it is (no validation)."""
+    return raw_body(msgpack.packb(obj, use_bin_type=True, datetime=False))
+
+
+def raw_body(body: bytes) -> bytes:
+    """A length-prefixed frame around arbitrary body bytes."""
+    return LENGTH_PREFIX.pack(len(body)) + body
