@@ -1,0 +1,340 @@
+"""The blocking API: the trio SDK for plain Python (scripts, threads, Spark executors).
+
+Why a thread rather than a second implementation: the flow-control semantics (credit, window,
+deadlines, buffer acks, noops) live in one place. `connect()` starts a dedicated thread running
+`trio.run`; the connection and its tasks live there; each blocking method calls in with
+`trio.from_thread.run(..., trio_token=...)` and returns or raises what the trio method did. Closing
+the connection (or leaving its `with` block) ends the thread. Every blocking call that can wait takes
+a deadline (`timeout`), with the same defaults as the trio API.
+
+    with flowbroker.client.blocking.connect("flowbroker://127.0.0.1:5680") as conn:
+        producer = conn.producer(routing_key="orders")
+        producer.send(b"hello", timeout=5)
+        producer.flush(timeout=30)
+        with conn.consumer("orders", prefetch=100) as consumer:
+            msg = consumer.receive(timeout=5)
+            msg.ack()
+
+The methods must not be called from inside the connection's own trio thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+import trio
+
+from flowbroker.client.connection import Connection, connect as trio_connect
+from flowbroker.client.consumer import Consumer, Message
+from flowbroker.client.errors import ConnectionClosed, HandshakeError
+from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
+from flowbroker.client.producer import Producer, ProducerStats
+from flowbroker.client.url import DEFAULT_URL
+from flowbroker.protocol import ErrorCode, Headers
+
+__all__ = ["connect", "BlockingConnection", "BlockingProducer", "BlockingConsumer", "BlockingMessage", "BlockingFlowEvents"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def connect(url: str = DEFAULT_URL, **options: Any) -> BlockingConnection:
+    """Connect (TCP + handshake within `timeout`, default 10 s) and return a BlockingConnection.
+    Takes the keyword arguments of `flowbroker.client.connect`."""
+    return BlockingConnection(url, **options)
+
+
+class BlockingConnection:
+    """A trio `Connection` running in its own thread; use as a context manager or call `close()`."""
+
+    def __init__(self, url: str = DEFAULT_URL, **options: Any) -> None:
+        self._url = url
+        self._options = options
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._conn: Connection | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=self._thread_main, name=f"flowbroker {url}", daemon=True)
+        self._thread.start()
+        timeout = float(options.get("timeout", 10.0))
+        if not self._ready.wait(timeout + 5.0):
+            raise HandshakeError(f"the connection thread did not start within {timeout + 5.0} s")
+        if self._startup_error is not None:
+            self._thread.join()
+            raise self._startup_error
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:  # anything that escaped trio: report it to connect() if still waiting
+            if not self._ready.is_set():
+                self._startup_error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        try:
+            conn = await trio_connect(self._url, **self._options)
+        except BaseException as exc:
+            self._startup_error = exc
+            return
+        async with conn:
+            self._conn = conn
+            self._token = trio.lowlevel.current_trio_token()
+            self._stop = trio.Event()
+            self._ready.set()
+            await self._stop.wait()
+
+    # -------------------------------------------------------------- calling into the trio thread
+
+    def _run(self, afn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        if self._token is None:
+            raise ConnectionClosed(ErrorCode.NORMAL, "not connected")
+        try:
+            return trio.from_thread.run(functools.partial(afn, *args, **kwargs), trio_token=self._token)
+        except trio.RunFinishedError:
+            raise self._gone() from None
+
+    def _run_sync(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        if self._token is None:
+            raise ConnectionClosed(ErrorCode.NORMAL, "not connected")
+        try:
+            return trio.from_thread.run_sync(functools.partial(fn, *args, **kwargs), trio_token=self._token)
+        except trio.RunFinishedError:
+            raise self._gone() from None
+
+    def _gone(self) -> ConnectionClosed:
+        error = self._conn.close_error if self._conn is not None else None
+        if isinstance(error, ConnectionClosed):
+            return error
+        return ConnectionClosed(ErrorCode.NORMAL, "the connection thread has ended")
+
+    @property
+    def connection(self) -> Connection:
+        """The underlying trio connection (for reading attributes; call its methods only via this class)."""
+        assert self._conn is not None
+        return self._conn
+
+    @property
+    def is_closed(self) -> bool:
+        return self._conn is None or self._conn.is_closed or not self._thread.is_alive()
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the connection (queued data is written, then CLOSE) and end its thread."""
+        if self._thread.is_alive() and self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout)
+
+    def __enter__(self) -> BlockingConnection:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- requests
+
+    def declare_queue(self, name: str, **arguments: Any) -> dict[str, Any]:
+        return self._run(self.connection.declare_queue, name, **arguments)
+
+    def declare_exchange(self, name: str, kind: str = "direct", *, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self.connection.declare_exchange, name, kind, timeout=timeout)
+
+    def bind(self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self.connection.bind, queue, exchange, binding_key, timeout=timeout)
+
+    def unbind(self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self.connection.unbind, queue, exchange, binding_key, timeout=timeout)
+
+    def delete_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self.connection.delete_queue, name, timeout=timeout)
+
+    def purge_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self.connection.purge_queue, name, timeout=timeout)
+
+    def set_buffer_size(self, size: int) -> None:
+        self._run(self.connection.set_buffer_size, size)
+
+    @property
+    def flow_state(self) -> FlowState:
+        return self._run_sync(lambda: self.connection.flow_state)
+
+    # -------------------------------------------------------------- producers and consumers
+
+    def producer(
+        self, exchange: str = "", routing_key: str = "", *, window: int = 1000, send_timeout: float = 60.0
+    ) -> BlockingProducer:
+        producer = self._run_sync(
+            self.connection.producer, exchange, routing_key, window=window, send_timeout=send_timeout
+        )
+        return BlockingProducer(self, producer)
+
+    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0) -> BlockingConsumer:
+        consumer = self._run_sync(self.connection.consumer, queue, prefetch=prefetch, buffer_size=buffer_size)
+        return BlockingConsumer(self, consumer)
+
+
+class BlockingProducer:
+    """`Producer` with blocking methods; same deadlines and errors."""
+
+    def __init__(self, conn: BlockingConnection, producer: Producer) -> None:
+        self._conn = conn
+        self._producer = producer
+
+    def send(
+        self,
+        body: bytes,
+        headers: Headers | None = None,
+        routing_key: str | None = None,
+        *,
+        timeout: float | None = None,
+        block: bool = True,
+    ) -> int:
+        return self._conn._run(self._producer.send, body, headers, routing_key, timeout=timeout, block=block)
+
+    def send_many(
+        self, bodies: Iterable[bytes], headers: Headers | None = None, routing_key: str | None = None, *,
+        timeout: float | None = None,
+    ) -> int:
+        """Send several messages in one call into the trio thread (one thread hop instead of one per
+        message: use it for throughput). `timeout` bounds the whole call. Returns how many were sent;
+        on an error, the messages before it were sent (see `stats.sent`)."""
+        items = list(bodies)
+        producer = self._producer
+        limit = producer.send_timeout if timeout is None else timeout
+
+        async def send_all() -> int:
+            deadline = trio.current_time() + limit
+            for body in items:
+                await producer.send(body, headers, routing_key, timeout=max(0.0, deadline - trio.current_time()))
+            return len(items)
+
+        return self._conn._run(send_all)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._conn._run(self._producer.flush, timeout)
+
+    @property
+    def flow_state(self) -> FlowState:
+        return self._conn._run_sync(lambda: self._producer.flow_state)
+
+    @property
+    def stats(self) -> ProducerStats:
+        return self._conn._run_sync(lambda: self._producer.stats)
+
+    @property
+    def outstanding(self) -> int:
+        return self._producer.outstanding
+
+    def flow_events(self, max_buffered: int = 256) -> BlockingFlowEvents:
+        return BlockingFlowEvents(self._conn, self._conn._run_sync(self._producer.flow_events, max_buffered))
+
+
+class BlockingFlowEvents:
+    """Flow events for blocking code: `get(timeout)` returns the next event, or None on timeout or close."""
+
+    def __init__(self, conn: BlockingConnection, events: FlowEvents) -> None:
+        self._conn = conn
+        self._events = events
+
+    def get(self, timeout: float | None = None) -> FlowEvent | None:
+        events = self._events
+
+        async def get() -> FlowEvent | None:
+            with trio.move_on_after(float("inf") if timeout is None else timeout):
+                return await events.get()
+            return None
+
+        return self._conn._run(get)
+
+    def close(self) -> None:
+        try:
+            self._conn._run_sync(self._events.aclose_nowait)
+        except ConnectionClosed:
+            pass
+
+    def __enter__(self) -> BlockingFlowEvents:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class BlockingMessage:
+    """A delivered message; `ack()`, `reject()`, `requeue()` block only for the thread hop."""
+
+    def __init__(self, conn: BlockingConnection, message: Message) -> None:
+        self._conn = conn
+        self._message = message
+        self.body = message.body
+        self.headers = message.headers
+        self.exchange = message.exchange
+        self.routing_key = message.routing_key
+        self.redelivered = message.redelivered
+        self.delivery_tag = message.delivery_tag
+
+    def ack(self) -> None:
+        self._conn._run(self._message.ack)
+
+    def reject(self) -> None:
+        self._conn._run(self._message.reject)
+
+    def requeue(self) -> None:
+        self._conn._run(self._message.requeue)
+
+    def __repr__(self) -> str:
+        return f"BlockingMessage(delivery_tag={self.delivery_tag}, routing_key={self.routing_key!r}, body={self.body[:32]!r})"
+
+
+class BlockingConsumer:
+    """A subscription: `with conn.consumer(q) as c:` then `c.receive(timeout=...)` or `for msg in c`."""
+
+    def __init__(self, conn: BlockingConnection, consumer: Consumer) -> None:
+        self._conn = conn
+        self._consumer = consumer
+
+    def __enter__(self) -> BlockingConsumer:
+        self.subscribe()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def subscribe(self, timeout: float | None = None) -> None:
+        self._conn._run(self._consumer.subscribe, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        try:
+            self._conn._run(self._consumer.aclose, timeout)
+        except ConnectionClosed:
+            pass
+
+    def receive(self, timeout: float | None = None) -> BlockingMessage:
+        """The next message; raises ReceiveTimeout after `timeout` seconds (None: no deadline),
+        `trio.EndOfChannel` once the consumer is closed, the connection's error if it failed."""
+        return BlockingMessage(self._conn, self._conn._run(self._consumer.receive, timeout))
+
+    def set_buffer_size(self, size: int) -> None:
+        self._conn._run(self._consumer.set_buffer_size, size)
+
+    def __iter__(self) -> Iterator[BlockingMessage]:
+        while True:
+            try:
+                yield self.receive()
+            except trio.EndOfChannel:
+                return

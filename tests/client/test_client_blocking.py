@@ -1,0 +1,93 @@
+"""The blocking API, driven from a worker thread while the fake broker runs in the test's trio loop."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import flowbroker.client as fc
+from flowbroker.client import blocking
+from flowbroker.protocol import Close, Deliver, DeliveryEntry, FlowStopped, Outcome, Settle, Subscribe
+
+
+async def test_blocking_round_trip(start_broker) -> None:
+    broker = await start_broker(buffer_size=1 << 20)
+    broker.full_queues.add("full")
+
+    def producer_side() -> list[int]:
+        with blocking.connect(broker.url, client_name="sync", timeout=5) as conn:
+            assert conn.declare_queue("q", max_count=10)["name"] == "q"
+            producer = conn.producer(routing_key="q")
+            ids = [producer.send(b"one", timeout=5), producer.send(b"two", {"k": "v"}, timeout=5)]
+            assert producer.send_many([b"a", b"b", b"c"], timeout=5) == 3
+            producer.flush(timeout=5)
+            producer.send(b"x", routing_key="full", timeout=5)
+            with pytest.raises(fc.QueueFull) as info:
+                producer.flush(timeout=5)
+            assert info.value.destination == "full"
+            assert producer.stats.completed == 6
+            return ids
+
+    ids = await trio.to_thread.run_sync(producer_side)
+    assert ids == [1, 2]
+    fake = await broker.connection()
+    await fake.wait_for(lambda: fake.frames(Close) != [])
+    assert [e.body for e, _ in fake.transfers.values()] == [b"one", b"two", b"a", b"b", b"c", b"x"]
+
+
+async def test_blocking_consumer_and_flow_state(start_broker) -> None:
+    broker = await start_broker(buffer_size=100, auto_complete=False)
+    conn = await trio.to_thread.run_sync(lambda: blocking.connect(broker.url, timeout=5))
+    try:
+        fake = await broker.connection()
+        consumer = await trio.to_thread.run_sync(lambda: conn.consumer("q", prefetch=10).__enter__())
+        sub_id = fake.frames(Subscribe)[0].subscription_id
+        await fake.send(Deliver(sub_id, [DeliveryEntry(t, "", "q", b"m%d" % t, None, False) for t in (1, 2, 3)]))
+
+        def consume() -> list[bytes]:
+            bodies = []
+            for _ in range(3):
+                msg = consumer.receive(timeout=5)
+                bodies.append(msg.body)
+                msg.ack()
+            with pytest.raises(fc.ReceiveTimeout):
+                consumer.receive(timeout=0.2)
+            return bodies
+
+        assert await trio.to_thread.run_sync(consume) == [b"m1", b"m2", b"m3"]
+
+        def acked() -> set[int]:
+            return {t for s in fake.frames(Settle) if s.outcome == Outcome.ACK for a, b in s.ranges for t in range(a, b + 1)}
+
+        await fake.wait_for(lambda: acked() == {1, 2, 3})
+
+        # Flow control: the buffer is full after one message; a blocking send times out naming the queue.
+        await fake.send(FlowStopped("q", "flow_stop_size", 100, 120, "over the stop size"))
+
+        def produce() -> fc.FlowControlTimeout:
+            producer = conn.producer(routing_key="q")
+            producer.send(b"x" * 100, timeout=5)
+            with pytest.raises(fc.FlowControlled):
+                producer.send(b"y", block=False)
+            with pytest.raises(fc.FlowControlTimeout) as info:
+                producer.send(b"y", timeout=0.3)
+            assert producer.flow_state.destinations == ("q",)
+            return info.value
+
+        error = await trio.to_thread.run_sync(produce)
+        assert error.destinations == ("q",)
+        await trio.to_thread.run_sync(consumer.close)
+    finally:
+        await trio.to_thread.run_sync(conn.close)
+    assert conn.is_closed
+
+
+async def test_blocking_connect_failure_and_use_after_close(start_broker) -> None:
+    broker = await start_broker(welcome=False)
+    with pytest.raises(fc.HandshakeError):
+        await trio.to_thread.run_sync(lambda: blocking.connect(broker.url, timeout=0.5))
+    broker.welcome = True
+    conn = await trio.to_thread.run_sync(lambda: blocking.connect(broker.url, timeout=5))
+    await trio.to_thread.run_sync(conn.close)
+    with pytest.raises(fc.ConnectionClosed):
+        await trio.to_thread.run_sync(lambda: conn.declare_queue("q"))
