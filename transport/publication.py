@@ -418,7 +418,12 @@ class Publication:
 
     def next_deadline_ns(self) -> int:
         """The latest time ``do_work`` must run again if nothing arrives (timers: SETUP, heartbeat, resend)."""
-        deadline = self._time_of_last_send_ns + self.config.heartbeat_interval_ns
+        if self._has_initial_connection:
+            deadline = self._time_of_last_send_ns + self.config.heartbeat_interval_ns
+        else:
+            deadline = self._time_of_last_send_ns + self.config.setup_interval_ns
+        if self._state is _State.LINGER:
+            deadline = min(deadline, self._linger_deadline_ns)
         if self._setup_due_ns is not None:
             deadline = min(deadline, self._setup_due_ns)
         for resend in self._resends.values():
