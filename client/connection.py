@@ -74,13 +74,11 @@ from flowbroker.protocol import (
     RemoteProtocolError,
     Role,
     Settle,
-    State,
     Subscribe,
     Transfer,
     TransferEntry,
     Unbind,
     Welcome,
-    encode_frames,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
 
@@ -184,7 +182,6 @@ class Connection:
         self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
         self._writer_done = trio.Event()
         self._final_frames: list[Frame] = []
-        self._final_raw = b""
         # producer side
         self._next_transfer_id = 1
         self._inflight: dict[int, Producer] = {}
@@ -535,10 +532,11 @@ class Connection:
                 self._encode_control(out)
                 while self._transfers:
                     self._encode_transfers(out)
-            if self._proto.state is State.OPEN:
+            if not self._proto.closed_by_us:
+                # Also after a remote protocol error (State.ERROR): the state machine still lets us
+                # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
                 out.extend(self._proto.send(frame) for frame in self._final_frames)
-            out.append(self._final_raw)
-            if any(out):
+            if out:
                 await self._stream.send_all(b"".join(out))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
@@ -570,10 +568,7 @@ class Connection:
 
     def _protocol_violation(self, text: str, code: ErrorCode, frame_seq: int | None = None) -> None:
         log.warning("flowbroker connection %s: protocol violation by the broker: %s", self.connection_id, text)
-        if self._proto.state in (State.OPEN, State.ERROR):
-            # After a remote error the state machine refuses to send anything (State.ERROR), but the
-            # protocol still wants ERROR + CLOSE on the wire: encode them with the codec directly.
-            self._final_raw = encode_frames([Error(code, text, frame_seq), Close(code, text)])
+        self._final_frames += [Error(code, text, frame_seq), Close(code, text)]
         self._shutdown(ProtocolViolation(text, code))
 
     async def _dispatch(self, frame: Frame) -> None:
@@ -607,6 +602,7 @@ class Connection:
         elif isinstance(frame, Error):
             self._on_error(frame)
         elif isinstance(frame, Close):
+            self._final_frames.append(Close(ErrorCode.NORMAL, "closing in answer to the broker's CLOSE"))
             self._shutdown(ConnectionClosed(frame.code, frame.reason))
         else:  # the state machine lets only broker frames through; anything else is a bug here
             raise AssertionError(f"unhandled frame {frame!r}")
@@ -668,8 +664,7 @@ class Connection:
             if idle:
                 if now - self._last_received >= idle:
                     text = f"no frame from the broker for {idle:g} s"
-                    if self._proto.state is State.OPEN:
-                        self._final_frames.append(Close(ErrorCode.IDLE_TIMEOUT, text))
+                    self._final_frames.append(Close(ErrorCode.IDLE_TIMEOUT, text))
                     self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
                     return
                 if now - self._last_sent >= idle / 3 and not self._control:
