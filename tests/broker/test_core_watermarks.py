@@ -1,0 +1,492 @@
+"""Queue watermarks in the core: held completions, FLOW_STOPPED / FLOW_RESUMED, release paths."""
+
+from __future__ import annotations
+
+from coreharness import Consumer, Harness, MiB, Producer
+
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import (
+    Complete,
+    DeleteQueue,
+    Error,
+    FlowResumed,
+    FlowStopped,
+    Ok,
+    Transfer,
+    TransferEntry,
+)
+
+
+def make(**credit: object) -> Harness:
+    return Harness(credit={"policy": "static", "static_size": 1 << 20, **credit})
+
+
+def tag_of(c: Consumer, body: bytes) -> int:
+    for tag, (_, entry) in c.unsettled.items():
+        if entry.body == body:
+            return tag
+    raise AssertionError(f"{body!r} is not an unsettled delivery of {c.session!r}")
+
+
+def flow(p: Producer) -> list[tuple[str, str]]:
+    return [(type(e).__name__, e.destination) for e in p.flow_events]
+
+
+def test_saturate_hold_then_resume_completes_held_transfers() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=4, flow_resume_count=3)
+    p = h.producer()
+    for i in range(1, 7):
+        assert p.send("", "q", b"m%d" % i) == i
+    frames = p.pump()
+    stopped = [f for f in frames if isinstance(f, FlowStopped)]
+    assert len(stopped) == 1
+    s = stopped[0]
+    assert (s.destination, s.threshold, s.limit, s.value) == ("q", "flow_stop_count", 4, 5)
+    assert "q" in s.reason
+    assert [f for f in frames if isinstance(f, Complete)] == [Complete(4, [])]
+    assert sorted(p.outstanding) == [5, 6]
+    assert set(p.stopped) == {"q"}
+
+    c = h.consumer()
+    c.subscribe("q")
+    assert c.bodies() == [b"m%d" % i for i in range(1, 7)]  # held messages are delivered all the same
+    c.ack([tag_of(c, b"m1"), tag_of(c, b"m2"), tag_of(c, b"m3")])  # count 3: not under resume 3
+    assert p.pump() == []
+    assert sorted(p.outstanding) == [5, 6]
+    c.ack([tag_of(c, b"m4")])  # count 2 < 3: clear
+    frames = p.pump()
+    assert FlowResumed("q") in frames
+    assert p.outstanding == {}
+    assert p.completed.cumulative == 6
+    assert p.stopped == {}
+    assert flow(p) == [("FlowStopped", "q"), ("FlowResumed", "q")]
+
+
+def test_count_or_size_trips_and_both_must_be_under_resume() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=10, flow_resume_count=5, flow_stop_size=1000, flow_resume_size=500)
+    p = h.producer()
+    for i in range(6):
+        p.send("", "q", b"s%d" % i)  # 6 x 34 bytes: under both stop thresholds
+    big = p.send("", "q", b"B" * 1000)  # 1032 bytes: size trips, count (7) does not
+    p.pump()
+    s = p.received(FlowStopped)[0]
+    assert (s.threshold, s.limit) == ("flow_stop_size", 1000)
+    assert s.value == 6 * 34 + 1032
+    assert list(p.outstanding) == [big]
+
+    c = h.consumer()
+    c.subscribe("q")
+    c.ack([tag_of(c, b"B" * 1000)])  # the held message itself: released at once
+    p.pump()
+    assert p.is_complete(big)
+    # size 204 < 500, count 6 is not < 5: still saturated, the next transfer is held
+    assert p.received(FlowResumed) == []
+    nxt = p.send("", "q", b"s6")
+    p.pump()
+    assert list(p.outstanding) == [nxt]
+    assert len(p.received(FlowStopped)) == 1  # told once per saturation, not per transfer
+    c.pump()
+    c.ack([tag_of(c, b"s0"), tag_of(c, b"s1")])  # count 5, not < 5
+    p.pump()
+    assert list(p.outstanding) == [nxt]
+    c.ack([tag_of(c, b"s2")])  # count 4, size 136: both under resume
+    p.pump()
+    assert p.outstanding == {}
+    assert flow(p) == [("FlowStopped", "q"), ("FlowResumed", "q")]
+
+
+def test_count_trips_size_must_also_be_under_resume() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=2, flow_resume_count=2, flow_stop_size=5000, flow_resume_size=1000)
+    p = h.producer()
+    p.send("", "q", b"A" * 1500)
+    p.send("", "q", b"b")
+    third = p.send("", "q", b"c")  # count 3 > 2
+    p.pump()
+    s = p.received(FlowStopped)[0]
+    assert (s.threshold, s.limit, s.value) == ("flow_stop_count", 2, 3)
+    c = h.consumer()
+    c.subscribe("q")
+    c.ack([tag_of(c, b"b")])  # count 2, not < 2
+    p.pump()
+    assert list(p.outstanding) == [third]
+    # a fourth message while still saturated
+    fourth = p.send("", "q", b"d")
+    c.pump()
+    c.ack([tag_of(c, b"d")])  # held itself: released; count 2
+    p.pump()
+    assert list(p.outstanding) == [third] and p.is_complete(fourth)
+    # count 1 < 2 but size 1532 >= 1000: still saturated
+    c.ack([tag_of(c, b"c")])
+    p.pump()
+    assert p.is_complete(third)
+    assert p.received(FlowResumed) == []
+    held = p.send("", "q", b"e")
+    p.pump()
+    assert list(p.outstanding) == [held]
+    c.pump()
+    c.ack([tag_of(c, b"A" * 1500)])  # count 1, size 33: clear
+    p.pump()
+    assert p.outstanding == {} and p.received(FlowResumed) == [FlowResumed("q")]
+
+
+def test_qpid_defaults_without_arguments() -> None:
+    h = make(static_size=256 * MiB)
+    p = h.producer()
+    assert isinstance(p.declare_queue("q"), Ok)
+    t = h.core.queues["q"].thresholds
+    assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (100 * MiB, 83886080, 73400320)
+    assert (t.max_count, t.flow_stop_count) == (0, 0)
+    body = b"\0" * MiB  # one bytes object shared by every message: cheap
+    for _ in range(79):
+        p.send("", "q", body)
+    p.pump()
+    assert p.outstanding == {} and p.received(FlowStopped) == []
+    eightieth = p.send("", "q", body)  # 80 MiB + 80 x 32 > 80 % of 100 MiB
+    p.pump()
+    s = p.received(FlowStopped)[0]
+    assert (s.destination, s.threshold, s.limit, s.value) == ("q", "flow_stop_size", 83886080, 80 * (MiB + 32))
+    assert list(p.outstanding) == [eightieth]
+    c = h.consumer()
+    c.subscribe("q", prefetch=11)
+    c.ack(c.tags()[:10])  # 70 messages: 70 MiB + 2240 bytes, not under 70 % = 73400320
+    p.pump()
+    assert list(p.outstanding) == [eightieth]
+    c.pump()
+    c.ack(c.tags()[:1])  # 69 messages
+    p.pump()
+    assert p.outstanding == {} and p.received(FlowResumed) == [FlowResumed("q")]
+
+
+def test_held_message_acked_is_released_while_queue_stays_saturated() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=2)  # resume = stop
+    p = h.producer()
+    for i in range(1, 5):
+        p.send("", "q", b"m%d" % i)
+    p.pump()
+    assert sorted(p.outstanding) == [3, 4]
+    c = h.consumer()
+    c.subscribe("q")
+    c.ack([tag_of(c, b"m4")])
+    frames = p.pump()
+    assert Complete(2, [(4, 4)]) in frames  # out of order: a range above the cumulative point
+    assert sorted(p.outstanding) == [3]
+    assert p.received(FlowResumed) == []
+    assert h.core.queues["q"].saturated
+    c.ack([tag_of(c, b"m1"), tag_of(c, b"m2")])  # count 1 < 2: clear releases m3
+    frames = p.pump()
+    assert Complete(4, []) in frames and FlowResumed("q") in frames
+
+
+def test_rejected_and_requeued_held_messages() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1)
+    p = h.producer()
+    p.send("", "q", b"m1")
+    held = p.send("", "q", b"m2")
+    p.pump()
+    c = h.consumer()
+    c.subscribe("q")
+    c.requeue([tag_of(c, b"m2")])  # a requeue keeps the message, and with it the hold
+    p.pump()
+    assert list(p.outstanding) == [held]
+    c.pump()
+    c.reject([tag_of(c, b"m2")])  # rejected: dequeued for good, released
+    p.pump()
+    assert p.outstanding == {}
+
+
+def test_two_destinations_one_saturated_completes_only_when_it_releases() -> None:
+    h = make()
+    h.queue("a", flow_stop_count=2)
+    h.queue("b", flow_stop_count=100)
+    p = h.producer()
+    assert isinstance(p.declare_exchange("fan", "fanout"), Ok)
+    assert isinstance(p.bind("a", "fan"), Ok) and isinstance(p.bind("b", "fan"), Ok)
+    ids = [p.send("fan", "", b"m%d" % i) for i in range(1, 4)]
+    p.pump()
+    assert list(p.outstanding) == [ids[2]]
+    assert [(f.destination) for f in p.received(FlowStopped)] == ["a"]
+    cb = h.consumer("cb")
+    cb.subscribe("b")
+    cb.ack()  # draining the unsaturated destination changes nothing
+    assert p.pump() == []
+    assert list(p.outstanding) == [ids[2]]
+    ca = h.consumer("ca")
+    ca.subscribe("a")
+    ca.ack([tag_of(ca, b"m1")])  # a: count 2, not < 2
+    assert p.pump() == []
+    ca.ack([tag_of(ca, b"m2")])  # a: count 1 -> clear
+    frames = p.pump()
+    assert FlowResumed("a") in frames and p.outstanding == {}
+
+
+def test_transfer_held_by_two_saturated_queues_needs_both() -> None:
+    h = make()
+    h.queue("a", flow_stop_count=1)
+    h.queue("b", flow_stop_count=1)
+    p = h.producer()
+    assert isinstance(p.declare_exchange("t", "topic"), Ok)
+    p.bind("a", "t", "x.#")
+    p.bind("b", "t", "x.y")
+    p.send("t", "x.y", b"m1")
+    held = p.send("t", "x.y", b"m2")
+    p.pump()
+    assert {f.destination for f in p.received(FlowStopped)} == {"a", "b"}
+    ca = h.consumer()
+    ca.subscribe("a")
+    ca.ack()  # a clears and releases its share
+    p.pump()
+    assert p.received(FlowResumed) == [FlowResumed("a")]
+    assert list(p.outstanding) == [held]  # b still holds it
+    result = p.purge("b")
+    assert isinstance(result, Ok) and result.result == {"purged": 2}
+    p.pump()
+    assert p.outstanding == {}
+    assert FlowResumed("b") in p.received(FlowResumed)
+    assert h.core.queues["b"].count == 0
+
+
+def test_purge_releases_held_transfers_but_unsettled_keep_queue_saturated() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1)
+    p = h.producer()
+    c = h.consumer()
+    c.subscribe("q", prefetch=1)
+    ids = [p.send("", "q", b"m%d" % i) for i in range(1, 4)]
+    p.pump()
+    assert sorted(p.outstanding) == ids[1:]
+    c.pump()
+    assert c.bodies() == [b"m1"]
+    result = p.purge("q")
+    assert isinstance(result, Ok) and result.result == {"purged": 2}
+    p.pump()
+    assert p.outstanding == {}  # purged messages released their holds
+    assert p.received(FlowResumed) == []  # m1 is still unsettled: count 1, not < 1
+    q = h.core.queues["q"]
+    assert (q.count, q.saturated) == (1, True)
+    c.ack()
+    p.pump()
+    assert p.received(FlowResumed) == [FlowResumed("q")]
+    assert (q.count, q.size, q.saturated) == (0, 0, False)
+
+
+def test_delete_releases_held_and_cancels_subscriptions_with_error() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1)
+    p = h.producer()
+    c = h.consumer()
+    sub = c.subscribe("q", prefetch=1)
+    for i in range(1, 4):
+        p.send("", "q", b"m%d" % i)
+    p.pump()
+    c.pump()
+    assert len(p.outstanding) == 2 and c.bodies() == [b"m1"]
+    answer = p.request(lambda rid: DeleteQueue(rid, "q"))
+    assert isinstance(answer, Ok) and answer.result == {"deleted": 3}
+    p.pump()
+    assert p.outstanding == {} and FlowResumed("q") in p.received(FlowResumed)
+    c.pump()
+    errors = [e for e in c.errors if e.code is ErrorCode.NOT_FOUND]
+    assert len(errors) == 1 and errors[0].destination == "q"
+    assert sub not in c.session.subscriptions
+    c.ack()  # settling a delivery of the deleted queue is harmless
+    c.pump()
+    assert [e for e in c.errors if e.code is ErrorCode.UNKNOWN_DELIVERY] == []
+    tid = p.send("", "q", b"late")
+    p.pump()
+    late = p.errors_for(tid)
+    assert [(e.code, e.destination) for e in late] == [(ErrorCode.NOT_FOUND, "q")]
+    assert p.is_complete(tid)
+
+
+def test_runtime_threshold_change_releases_and_stops() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=2)
+    p = h.producer()
+    for i in range(4):
+        p.send("", "q", b"m%d" % i)
+    p.pump()
+    assert len(p.outstanding) == 2
+    h.core.set_queue_thresholds("q", {"flow_stop_count": 10})  # raised: re-evaluated at once
+    frames = p.pump()
+    assert FlowResumed("q") in frames and p.outstanding == {}
+    assert p.send("", "q", b"m4") and p.pump() and p.outstanding == {}  # count 5 <= 10: completes
+
+    h.core.set_queue_thresholds("q", {"flow_stop_count": 3, "flow_resume_count": 1})  # lowered under count 5
+    assert h.core.queues["q"].saturated
+    nxt = p.send("", "q", b"m5")
+    p.pump()
+    assert list(p.outstanding) == [nxt]
+    s = p.received(FlowStopped)[-1]
+    assert (s.threshold, s.limit) == ("flow_stop_count", 3) and s.value >= 4
+    # a raise that is still not under resume (count 6 >= 1) keeps the hold
+    h.core.set_queue_thresholds("q", {"flow_stop_count": 4, "flow_resume_count": 1})
+    assert p.pump() == [] and list(p.outstanding) == [nxt]
+    h.core.set_queue_thresholds("q", {"flow_stop_size": 0, "flow_stop_count": 0})  # watermarks off
+    frames = p.pump()
+    assert FlowResumed("q") in frames and p.outstanding == {}
+
+
+def test_legacy_producer_reject_names_queue_and_keeps_connection() -> None:
+    h = make()
+    h.queue("q", max_count=2, overflow="reject")
+    p = h.producer(flow_control=False)
+    assert p.session.buffer_size == 0
+    ids = [p.send("", "q", b"m%d" % i) for i in range(3)]
+    p.pump()
+    (err,) = p.errors
+    assert (err.code, err.ref_id, err.destination) == (ErrorCode.QUEUE_FULL, ids[2], "q")
+    assert "'q'" in err.text
+    assert p.outstanding == {}  # refused transfers still complete
+    assert p.session.conn_id in h.core.sessions
+    c = h.consumer()
+    c.subscribe("q")
+    assert c.bodies() == [b"m0", b"m1"]
+    c.ack()
+    tid = p.send("", "q", b"again")
+    p.pump()
+    assert p.is_complete(tid) and p.errors_for(tid) == []
+    c.pump()
+    assert c.bodies()[-1] == b"again"
+
+
+def test_legacy_producer_drop_head_keeps_newest() -> None:
+    h = make()
+    h.queue("q", max_count=2, overflow="drop-head")
+    p = h.producer(flow_control=False)
+    for i in range(5):
+        p.send("", "q", b"m%d" % i)
+    p.pump()
+    assert p.errors == [] and p.outstanding == {}
+    q = h.core.queues["q"]
+    assert (q.count, q.stats.dropped) == (2, 3)
+    c = h.consumer()
+    c.subscribe("q")
+    assert c.bodies() == [b"m3", b"m4"]
+
+
+def test_legacy_producer_never_paced_by_credit() -> None:
+    h = make(static_size=100)
+    h.queue("q")
+    p = h.producer(flow_control=False)
+    for i in range(50):
+        p.send("", "q", b"x" * 100)  # far beyond any buffer: no violation for a legacy producer
+    p.pump()
+    assert p.outstanding == {} and p.grants == []
+
+
+def test_message_too_large_and_unknown_destinations() -> None:
+    h = Harness(server={"max_message_size": 100}, credit={"policy": "static", "static_size": 10_000})
+    h.queue("q")
+    p = h.producer()
+    ok = p.send("", "q", b"x" * 100)
+    big = p.send("", "q", b"x" * 101)
+    nowhere = p.send("", "nope", b"x")
+    bad_exchange = p.send("missing", "k", b"x")
+    p.pump()
+    assert p.errors_for(ok) == []
+    (e,) = p.errors_for(big)
+    assert e.code is ErrorCode.MESSAGE_TOO_LARGE and "100" in e.text
+    (e,) = p.errors_for(nowhere)
+    assert (e.code, e.destination) == (ErrorCode.NOT_FOUND, "nope") and "nope" in e.text
+    (e,) = p.errors_for(bad_exchange)
+    assert (e.code, e.destination) == (ErrorCode.NOT_FOUND, "missing")
+    assert p.outstanding == {}
+    assert h.core.queues["q"].count == 1
+
+
+def test_errors_in_a_batched_transfer_name_each_transfer_id() -> None:
+    h = make()
+    h.queue("q", max_count=1, flow_stop_count=0)
+    p = h.producer()
+    ids = p.send_many([("", "q", b"a", None), ("", "nope", b"b", None), ("", "q", b"c", None)])
+    p.pump()
+    assert [(e.ref_id, e.code) for e in p.errors] == [(ids[1], ErrorCode.NOT_FOUND), (ids[2], ErrorCode.QUEUE_FULL)]
+    assert p.outstanding == {} and p.completed.cumulative == 3
+
+
+def test_stop_all_and_start_all_producers() -> None:
+    h = make()
+    h.queue("q")
+    p1 = h.producer("p1")
+    legacy = h.producer("legacy", flow_control=False)
+    h.core.stop_all_producers()
+    f = p1.pump()
+    assert [(x.destination, x.threshold) for x in f if isinstance(x, FlowStopped)] == [("*", "admin")]
+    assert legacy.pump() == []
+    held = p1.send("", "q", b"a")
+    free = legacy.send("", "q", b"b")
+    p1.pump()
+    legacy.pump()
+    assert list(p1.outstanding) == [held]
+    assert legacy.is_complete(free)  # legacy producers are never paced
+    late = h.producer("late")  # connects while stopped: told at once
+    assert [x.destination for x in late.pump() if isinstance(x, FlowStopped)] == ["*"]
+    late_id = late.send("", "q", b"c")
+    h.core.stop_all_producers()  # idempotent: no second notice
+    assert p1.pump() == []
+    h.core.start_all_producers()
+    f = p1.pump()
+    assert FlowResumed("*") in f and p1.outstanding == {}
+    f = late.pump()
+    assert FlowResumed("*") in f and late.is_complete(late_id)
+    assert legacy.pump() == []
+    assert h.core.queues["q"].count == 3
+
+
+def test_admin_stop_and_saturated_queue_both_hold() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1)
+    p = h.producer()
+    p.send("", "q", b"a")
+    h.core.stop_all_producers()
+    held = p.send("", "q", b"b")  # held by the admin stop and by q
+    p.pump()
+    assert {x.destination for x in p.received(FlowStopped)} == {"*", "q"}
+    h.core.start_all_producers()
+    p.pump()
+    assert list(p.outstanding) == [held]  # q still holds it
+    c = h.consumer()
+    c.subscribe("q")
+    c.ack()
+    p.pump()
+    assert p.outstanding == {}
+
+
+def test_transfer_id_gap_is_a_session_fault() -> None:
+    import pytest
+
+    from flowbroker.broker.session import SessionFault
+
+    h = make()
+    h.queue("q")
+    p = h.producer()
+    p.send("", "q", b"a")
+    with pytest.raises(SessionFault) as info:
+        p.handle(Transfer(5, [TransferEntry("", "q", b"b")]))
+    assert info.value.code is ErrorCode.TRANSFER_ID_GAP
+
+
+def test_flow_stopped_producer_that_disconnects_is_forgotten() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1)
+    p = h.producer()
+    p.send("", "q", b"a")
+    p.send("", "q", b"b")
+    p.pump()
+    p.close()
+    q = h.core.queues["q"]
+    assert q.stopped_producers == {}
+    c = h.consumer()
+    c.subscribe("q")
+    assert c.bodies() == [b"a", b"b"]  # its messages stay
+    c.ack()
+    assert (q.count, q.saturated) == (0, False)
+    other = h.producer()
+    other.send("", "q", b"c")
+    other.pump()
+    assert other.outstanding == {} and [e for e in other.frames if isinstance(e, Error)] == []
