@@ -1,0 +1,74 @@
+"""A few SDK checks against the real broker (the lead's `start_flowbroker` fixture)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import flowbroker.client as fc
+from flowbroker.client import blocking
+
+
+async def test_saturated_queue_times_out_send_naming_it_then_drain_resumes(start_flowbroker) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.declare_queue("sat", flow_stop_count=5, flow_resume_count=2)
+        producer = conn.producer(routing_key="sat", window=8)
+        async with producer.flow_events() as events:
+            with pytest.raises(fc.FlowControlTimeout) as info:
+                for i in range(100):
+                    await producer.send(b"m%d" % i, timeout=0.5)
+            assert info.value.destinations == ("sat",)
+            assert producer.flow_state.stopped["sat"].threshold == "flow_stop_count"
+            event = await events.get()
+            assert event is not None and (event.kind, event.destination) == ("stopped", "sat")
+            sent = producer.stats.sent
+            async with conn.consumer("sat", prefetch=4) as consumer:
+                got = 0
+                async for msg in consumer:
+                    await msg.ack()
+                    got += 1
+                    if got == sent:
+                        break
+            await producer.flush(timeout=5)
+            with trio.fail_after(5):
+                while producer.flow_state.is_stopped:
+                    event = await events.get()
+            assert producer.flow_state.resume_count >= 1
+
+
+async def test_overflow_reject_is_queue_full_naming_the_queue(start_flowbroker) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=5, flow_control=False) as conn:
+        await conn.declare_queue("small", max_count=3, overflow="reject", flow_stop_count=3, flow_resume_count=1)
+        producer = conn.producer(routing_key="small")
+        for i in range(5):
+            await producer.send(b"%d" % i)
+        async with conn.consumer("small") as consumer:  # drain, so that held transfers complete
+            for _ in range(3):
+                await (await consumer.receive(timeout=5)).ack()
+        with pytest.raises(fc.QueueFull) as info:
+            await producer.flush(timeout=5)
+        assert info.value.destination == "small"
+        assert producer.stats.failed == 2
+
+
+async def test_blocking_api_round_trip_with_real_broker(start_flowbroker) -> None:
+    broker = await start_flowbroker()
+
+    def work() -> list[bytes]:
+        with blocking.connect(broker.url, timeout=5) as conn:
+            conn.declare_queue("bq")
+            producer = conn.producer(routing_key="bq")
+            producer.send_many([b"b%d" % i for i in range(50)], timeout=5)
+            producer.flush(timeout=5)
+            with conn.consumer("bq", prefetch=10, buffer_size=4096) as consumer:
+                bodies = []
+                for msg in consumer:
+                    bodies.append(msg.body)
+                    msg.ack()
+                    if len(bodies) == 50:
+                        break
+            return bodies
+
+    assert await trio.to_thread.run_sync(work) == [b"b%d" % i for i in range(50)]
