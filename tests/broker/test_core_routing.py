@@ -1,0 +1,142 @@
+"""Routing in the core: default, direct, fanout and topic exchanges through BIND/UNBIND frames."""
+
+from __future__ import annotations
+
+import pytest
+from coreharness import Harness, Producer
+
+from flowbroker.broker.exchange import topic_matches
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import Error, Ok
+
+
+def setup(*queues: str) -> tuple[Harness, Producer]:
+    h = Harness()
+    p = h.producer()
+    for q in queues:
+        assert isinstance(p.declare_queue(q), Ok)
+    return h, p
+
+
+def contents(h: Harness) -> dict[str, list[bytes]]:
+    return {name: [m.body for m in q.ready] for name, q in h.core.queues.items()}
+
+
+@pytest.mark.parametrize(
+    "pattern, key, match",
+    [
+        ("a.*.c", "a.b.c", True),
+        ("a.*.c", "a.c", False),
+        ("a.*.c", "a.b.b.c", False),
+        ("a.#", "a", True),
+        ("a.#", "a.b.c", True),
+        ("#.c", "c", True),
+        ("#", "", True),
+        ("#", "x.y", True),
+        ("a.#.c", "a.c", True),
+        ("a.#.c", "a.x.y.c", True),
+        ("a.#.c", "a.x.y.d", False),
+        ("*", "a", True),
+        ("*", "a.b", False),
+        ("*.#", "a.b", True),
+        ("a.b", "a.b", True),
+        ("a.b", "a.bb", False),
+    ],
+)
+def test_topic_matches(pattern: str, key: str, match: bool) -> None:
+    assert topic_matches(pattern, key) is match
+
+
+def test_topic_exchange_routes_through_bindings_and_unbind() -> None:
+    h, p = setup("stars", "hashes", "exact")
+    assert isinstance(p.declare_exchange("t", "topic"), Ok)
+    for queue, key in (("stars", "stock.*.nyse"), ("hashes", "stock.#"), ("exact", "stock.ibm")):
+        answer = p.bind(queue, "t", key)
+        assert isinstance(answer, Ok) and answer.result == {"created": True}
+    again = p.bind("exact", "t", "stock.ibm")
+    assert isinstance(again, Ok) and again.result == {"created": False}
+    for key in ("stock.ibm.nyse", "stock.ibm", "stock", "bond.ibm", "stock.x.y.nyse"):
+        p.send("t", key, key.encode())
+    p.pump()
+    assert contents(h) == {
+        "stars": [b"stock.ibm.nyse"],
+        "hashes": [b"stock.ibm.nyse", b"stock.ibm", b"stock", b"stock.x.y.nyse"],
+        "exact": [b"stock.ibm"],
+    }
+    assert p.errors == [] and p.outstanding == {}
+    assert h.core.unroutable == 1  # bond.ibm: completed, counted, no error
+    removed = p.unbind("hashes", "t", "stock.#")
+    assert isinstance(removed, Ok) and removed.result == {"removed": True}
+    again = p.unbind("hashes", "t", "stock.#")
+    assert isinstance(again, Ok) and again.result == {"removed": False}
+    p.send("t", "stock.ibm", b"after")
+    assert contents(h)["hashes"][-1] == b"stock.x.y.nyse"
+    assert contents(h)["exact"][-1] == b"after"
+
+
+def test_queue_bound_twice_to_topic_gets_one_copy() -> None:
+    h, p = setup("q")
+    p.declare_exchange("t", "topic")
+    p.bind("q", "t", "a.*")
+    p.bind("q", "t", "#")
+    p.send("t", "a.b", b"once")
+    assert contents(h)["q"] == [b"once"]
+
+
+def test_fanout_ignores_key_and_direct_matches_exactly() -> None:
+    h, p = setup("a", "b")
+    p.declare_exchange("f", "fanout")
+    p.declare_exchange("d", "direct")
+    p.bind("a", "f", "whatever")
+    p.bind("b", "f", "")
+    p.bind("a", "d", "k")
+    p.send("f", "anything", b"fan")
+    p.send("d", "k", b"direct")
+    p.send("d", "K", b"nowhere")
+    assert contents(h) == {"a": [b"fan", b"direct"], "b": [b"fan"]}
+    p.unbind("b", "f", "")
+    p.send("f", "", b"fan2")
+    assert contents(h) == {"a": [b"fan", b"direct", b"fan2"], "b": [b"fan"]}
+
+
+def test_builtin_exchanges_and_default_exchange() -> None:
+    h, p = setup("q")
+    p.bind("q", "amq.topic", "x.#")
+    p.send("amq.topic", "x.y", b"t")
+    p.send("", "q", b"default")
+    assert contents(h)["q"] == [b"t", b"default"]
+
+
+def test_declare_and_bind_errors() -> None:
+    h, p = setup("q")
+    bad_kind = p.declare_exchange("e", "headers")
+    assert isinstance(bad_kind, Error) and bad_kind.code is ErrorCode.INVALID_ARGUMENT
+    p.declare_exchange("e", "direct")
+    clash = p.declare_exchange("e", "topic")
+    assert isinstance(clash, Error) and (clash.code, clash.destination) == (ErrorCode.ALREADY_EXISTS, "e")
+    same = p.declare_exchange("e", "direct")
+    assert isinstance(same, Ok)
+    no_exchange = p.bind("q", "nope", "k")
+    assert isinstance(no_exchange, Error) and (no_exchange.code, no_exchange.destination) == (ErrorCode.NOT_FOUND, "nope")
+    no_queue = p.bind("missing", "e", "k")
+    assert isinstance(no_queue, Error) and no_queue.destination == "missing"
+    bad_arg = p.declare_queue("r", flow_stop_cont=3)
+    assert isinstance(bad_arg, Error) and bad_arg.code is ErrorCode.INVALID_ARGUMENT and "flow_stop_cont" in bad_arg.text
+    bad_pair = p.declare_queue("r", flow_stop_count=3, flow_resume_count=5)
+    assert isinstance(bad_pair, Error) and bad_pair.code is ErrorCode.INVALID_ARGUMENT
+    assert "r" not in h.core.queues
+    p.declare_queue("r", flow_stop_count=3)
+    redeclare = p.declare_queue("r", flow_stop_count=4)
+    assert isinstance(redeclare, Error) and redeclare.code is ErrorCode.ALREADY_EXISTS
+    assert isinstance(p.declare_queue("r"), Ok)  # no arguments: just checks it exists
+
+
+def test_deleted_queue_is_unbound() -> None:
+    h, p = setup("a", "b")
+    p.declare_exchange("f", "fanout")
+    p.bind("a", "f")
+    p.bind("b", "f")
+    h.core.delete_queue("a")
+    p.send("f", "", b"m")
+    p.pump()
+    assert p.errors == [] and contents(h) == {"b": [b"m"]}
