@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["Consumer", "Message"]
 
 DEFAULT_MAX_BUFFERED = 10_000
+YIELD_EVERY = 128
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +112,7 @@ class Consumer:
         bound = prefetch if prefetch else max_buffered
         self._send, self._receive = trio.open_memory_channel[Message](bound)
         self._current: Message | None = None
+        self._since_yield = 0
         self._subscribed = False
         self._closed = False
 
@@ -191,7 +193,20 @@ class Consumer:
         # Asking for the next message means the previous one was handled: count it as processed.
         self._mark_current_processed()
         try:
-            msg = await self._receive.receive()
+            # Hand out buffered messages without yielding, and yield once per YIELD_EVERY: yielding per
+            # message lets the writer run per message, so every settlement would travel in its own
+            # SETTLE frame and the broker would answer with one-message DELIVER frames.
+            self._since_yield += 1
+            if self._since_yield < YIELD_EVERY:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                try:
+                    msg = self._receive.receive_nowait()
+                except trio.WouldBlock:
+                    self._since_yield = 0
+                    msg = await self._receive.receive()
+            else:
+                self._since_yield = 0
+                msg = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             error = self._conn.close_error
             if error is not None and getattr(error, "code", None) not in (None, 0) and not self._closed:
@@ -227,7 +242,12 @@ class Consumer:
                 msg._mark_processed()  # never handed out; the broker's cancel requeues it
                 continue
             try:
-                await self._send.send(msg)
+                # No yield per message (that would hand messages over one per scheduler round); wait
+                # only when the bounded channel is full.
+                try:
+                    self._send.send_nowait(msg)
+                except trio.WouldBlock:
+                    await self._send.send(msg)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 msg._mark_processed()
 
