@@ -330,7 +330,10 @@ def encode_status_message(sm: StatusMessage) -> bytes:
 
 def encode_error(err: ErrorFrame) -> bytes:
     """ERR frame; the text is truncated to 1023 bytes as the driver does (MAX_ERROR_FRAME_LENGTH)."""
-    text = err.message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE_LENGTH]
+    try:  # surrogateescape: a received text that was not UTF-8 goes back out byte for byte
+        text = err.message.encode("utf-8", "surrogateescape")[:MAX_ERROR_MESSAGE_LENGTH]
+    except UnicodeEncodeError:
+        text = err.message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE_LENGTH]
     flags = err.flags & ~ERR_HAS_GROUP_TAG_FLAG
     if err.group_tag is not None:
         flags |= ERR_HAS_GROUP_TAG_FLAG
@@ -575,7 +578,7 @@ def decode_datagram(
         _l, _v, _f, _t, sid, stid, rid, gtag_raw, code, text_length = _ERR.unpack_from(buf, 0)
         if text_length != frame_length - ERR_HEADER_LENGTH:
             return _reject(RejectReason.BAD_FRAME_LENGTH)
-        text = bytes(buf[ERR_HEADER_LENGTH:frame_length]).decode("utf-8", "replace")
+        text = bytes(buf[ERR_HEADER_LENGTH:frame_length]).decode("utf-8", "surrogateescape")
         has_tag = bool(flags & ERR_HAS_GROUP_TAG_FLAG)
         return [
             ErrorFrame(sid, stid, rid, code, text, gtag_raw if has_tag else None, flags & ~ERR_HAS_GROUP_TAG_FLAG)

@@ -258,3 +258,11 @@ def test_last_frame_may_omit_alignment_fill() -> None:
     wire = f.encode_data(data(0, b"z" * 40))[:72]
     (frame,), reason = decode_datagram(wire)
     assert reason is None and isinstance(frame, DataFrame) and frame.payload == b"z" * 40
+
+
+def test_error_text_that_is_not_utf8_survives_a_round_trip() -> None:
+    wire = f.encode_error(ErrorFrame(1, 2, 3, 13, "")) [:36] + struct.pack("<i", 3) + b"\xff\xfeA"
+    wire = struct.pack("<i", 43) + wire[4:]
+    (frame,), reason = decode_datagram(wire)
+    assert reason is None and isinstance(frame, ErrorFrame)
+    assert f.encode_error(frame) == wire
