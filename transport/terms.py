@@ -333,11 +333,20 @@ class TermRebuilder(TermLog):
         return position + (offset - start)
 
     def scan_for_gap(self, rebuild_position: int, hwm_position: int) -> tuple[int, Gap | None]:
-        """New rebuild position, and the first gap before ``hwm_position`` in the rebuild term, if any."""
-        new_position = self.rebuild_position(rebuild_position, hwm_position)
+        """New rebuild position, and the first gap before ``hwm_position`` in the rebuild term, if any.
+
+        The contiguous walk continues across term ends, so a gap is only reported where a slot is empty.
+        """
+        mask = self.term_length - 1
+        new_position = rebuild_position
+        while True:
+            walked = self.rebuild_position(new_position, hwm_position)
+            crossed_term_end = walked > new_position and walked & mask == 0
+            new_position = walked
+            if new_position >= hwm_position or not crossed_term_end:
+                break
         if new_position >= hwm_position:
             return new_position, None
-        mask = self.term_length - 1
         gap_offset = new_position & mask
         term_end_position = new_position - gap_offset + self.term_length
         limit = min(hwm_position, term_end_position) - new_position + gap_offset

@@ -274,3 +274,22 @@ def test_needs_rotation_and_explicit_pad_and_rotate() -> None:
     assert app.pad_and_rotate() == TERM and app.term_id == 6
     assert headers(app.partitions[0], tail)[:4] == (TERM - tail, 0, 0xC0, FrameType.PAD)
     assert not app.needs_rotation(TERM // 8)
+
+
+def test_gap_scan_walks_across_a_term_end() -> None:
+    """A rebuild that ends exactly at a term end continues into the next term before reporting a gap."""
+    app = appender(mtu=4096)
+    for _ in range(TERM // 2048 + 2):
+        app.append(bytes(2016))  # exactly fills the first term, then two frames in the second
+    datagrams, end = sender_datagrams(app, 0, app.position, mtu=2048)  # one frame per datagram
+    assert end == TERM + 4096
+    image = TermRebuilder(TERM, 5)
+    for d in datagrams:
+        first = decode_datagram(d, TERM)[0][0]
+        assert isinstance(first, DataFrame)
+        if image.position_of(first.term_id, first.term_offset) != TERM + 2048:  # lose the last frame only
+            image.insert(first.term_id, first.term_offset, d)
+    assert image.scan_for_gap(TERM - 4096, end) == (TERM + 2048, Gap(6, 2048, 2048))
+    assert image.scan_for_gap(0, TERM + 2048) == (TERM + 2048, None)
+    empty = TermRebuilder(TERM, 5)
+    assert empty.scan_for_gap(TERM, TERM + 64) == (TERM, Gap(6, 0, 64))
