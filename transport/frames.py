@@ -77,6 +77,10 @@ class FrameType(enum.IntEnum):
     EXT = 0xFFFF
 
 
+# Plain ints for the hot paths: an IntEnum attribute lookup costs more than the comparison.
+_DATA_TYPE: Final = 0x01
+_PAD_TYPE: Final = 0x00
+
 # Known types this transport does not speak (name resolution, ATS, extension headers).
 _UNSUPPORTED_TYPES: Final = frozenset(
     {FrameType.RES, FrameType.ATS_DATA, FrameType.ATS_SETUP, FrameType.ATS_SM, FrameType.EXT}
@@ -414,7 +418,7 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
     frame_length, version, _flags, ftype, term_offset, session_id, stream_id, term_id, _rv = unpack(buf, 0)
     if version != CURRENT_VERSION:
         return RejectReason.BAD_VERSION
-    if ftype == FrameType.DATA and frame_length == 0:
+    if ftype == _DATA_TYPE and frame_length == 0:
         # Heartbeat: exactly 32 bytes, at an aligned offset inside the term.
         if n != DATA_HEADER_LENGTH:
             return RejectReason.BAD_FRAME_LENGTH
@@ -432,7 +436,7 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
             return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
         if term_offset & (FRAME_ALIGNMENT - 1):
             return RejectReason.TERM_OFFSET_MISALIGNED
-        if ftype == FrameType.PAD:
+        if ftype == _PAD_TYPE:
             if frame_length & (FRAME_ALIGNMENT - 1):
                 return RejectReason.BAD_FRAME_LENGTH
             if term_offset + frame_length > term_length:
@@ -455,7 +459,7 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
         if version != CURRENT_VERSION:
             return RejectReason.BAD_VERSION
         if (
-            (ftype != FrameType.DATA and ftype != FrameType.PAD)
+            (ftype != _DATA_TYPE and ftype != _PAD_TYPE)
             or term_offset != expected_offset
             or s2 != session_id
             or st2 != stream_id

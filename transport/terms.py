@@ -48,6 +48,7 @@ _HEADER: Final = struct.Struct("<iBBH")
 _TYPE_OFFSET: Final = 6
 _ALIGN_MASK: Final = FRAME_ALIGNMENT - 1
 _ZEROS: Final = bytes(64 * 1024)
+_PAD_TYPE: Final = int(FrameType.PAD)  # plain ints: enum attribute lookups cost on the hot path
 
 Buffer = bytes | bytearray | memoryview
 FragmentHandler = Callable[[memoryview, int], None]
@@ -266,14 +267,13 @@ def scan_for_availability(term: memoryview, term_offset: int, max_length: int) -
     limit = min(max_length, len(term) - term_offset)
     available = 0
     padding = 0
-    unpack = _INT32.unpack_from
+    unpack = _HEADER.unpack_from
     while available < limit:
-        frame_offset = term_offset + available
-        frame_length = unpack(term, frame_offset)[0]
+        frame_length, _version, _flags, frame_type = unpack(term, term_offset + available)
         if frame_length <= 0:
             break
         aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
-        if _TYPE.unpack_from(term, frame_offset + _TYPE_OFFSET)[0] == FrameType.PAD:
+        if frame_type == _PAD_TYPE:
             padding = aligned - DATA_HEADER_LENGTH
             aligned = DATA_HEADER_LENGTH
         if available + aligned > limit:
@@ -301,20 +301,22 @@ class TermRebuilder(TermLog):
     def insert(self, term_id: int, term_offset: int, datagram: Buffer) -> bool:
         """Copy a validated DATA/PAD datagram into its term; False if that slot was already filled.
 
-        Like Aeron, a slot whose frame_length is non-zero is not overwritten (duplicates and retransmits
-        of data already here cost nothing) and the frame_length is written last.
+        Like Aeron, a slot whose frame_length is non-zero is not overwritten: duplicates and retransmits of
+        data already here cost nothing. (One copy, frame_length included: nothing reads concurrently.)
         """
-        begin = term_count(term_id, self.initial_term_id) << self.position_bits_to_shift
+        count = (term_id - self.initial_term_id) & 0xFFFF_FFFF
+        if count & 0x8000_0000:
+            count -= 1 << 32
+        begin = count << self.position_bits_to_shift
         if begin - 2 * self.term_length > self.clean_position:
             self.clean_to(begin - 2 * self.term_length)
-        term = self.partition_for_term(term_id)
-        if _INT32.unpack_from(term, term_offset)[0] != 0:
+        term = self.partitions[count % PARTITION_COUNT]
+        if term[term_offset] or _INT32.unpack_from(term, term_offset)[0] != 0:
             return False
         n = len(datagram)
-        if n <= 4:
+        if n < 4:
             return False
-        term[term_offset + 4:term_offset + n] = datagram[4:n]
-        term[term_offset:term_offset + 4] = datagram[:4]
+        term[term_offset:term_offset + n] = datagram
         return True
 
     def rebuild_position(self, position: int, limit_position: int) -> int:
@@ -378,9 +380,9 @@ class TermRebuilder(TermLog):
             if frame_length <= 0:
                 break
             aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
-            if offset + aligned > limit and ftype != FrameType.PAD:
-                break
-            if ftype != FrameType.PAD:
+            if ftype != _PAD_TYPE:
+                if offset + aligned > limit:
+                    break
                 fragments += 1
                 handler(term[offset + DATA_HEADER_LENGTH:offset + frame_length], flags)
             offset += aligned
