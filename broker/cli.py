@@ -33,7 +33,7 @@ def _size(value: str | None) -> int | None:
     return int(text)
 
 
-class SizeParam(click.ParamType):
+class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in newer click stubs
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
@@ -70,7 +70,7 @@ def main(verbose: int) -> None:
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None) -> None:
     """Run the broker until SIGINT or SIGTERM."""
-    overrides = {
+    overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
         "credit": {"policy": credit_policy},
     }

@@ -1,0 +1,236 @@
+"""End-to-end broker benchmark: a broker process, a producer process and a consumer process on 127.0.0.1.
+
+Scenarios (flow control on, 1 KiB messages by default):
+  throughput  the producer sends N messages as fast as credit allows; prints end-to-end msgs/s and
+              MB/s (first send to last delivery), p50/p99 publish-to-deliver latency, broker peak RSS.
+  paced       the producer sends at a fixed rate (default 5,000 msgs/s); prints the same.
+  overload    the producer is 10x faster than the consumer for 30 s; prints the broker's RSS every
+              second beside its idle RSS, the queue depth, and the target (idle + stop size + 32 MiB).
+
+Latency uses CLOCK_MONOTONIC (time.monotonic_ns), shared by all processes on one Linux machine: the
+producer writes it into the first 8 bytes of each body and the consumer subtracts.
+
+    python benchmarks/broker_throughput.py [throughput|paced|overload|all] [--count N] [--rate R] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+
+import flowbroker.client as fb
+
+STAMP = struct.Struct("<Q")
+MiB = 1024 * 1024
+QUEUE = "bench"
+
+
+# -- the broker process -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).with_name("flowbroker")
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), *extra], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("broker did not start within 15 s")
+
+
+def stop_broker(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def rss(pid: int) -> int:
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+async def _queue_count(url: str) -> int:
+    async with await fb.connect(url, flow_control=False, client_name="bench-probe") as conn:
+        return int((await conn.declare_queue(QUEUE))["count"])
+
+
+# -- worker processes ---------------------------------------------------------------------------
+
+
+def producer_main(url: str, count: int, size: int, rate: float, seconds: float, out: Any) -> None:
+    """Send `count` messages (or until `seconds` pass), at `rate` msgs/s or as fast as credit allows."""
+
+    async def run() -> dict[str, Any]:
+        pad = b"x" * (size - STAMP.size)
+        sent = 0
+        async with await fb.connect(url, client_name="bench-producer") as conn:
+            producer = conn.producer(routing_key=QUEUE, window=5000)
+            start = time.monotonic()
+            end = start + seconds
+            interval = 1.0 / rate if rate else 0.0
+            while sent < count and time.monotonic() < end:
+                if interval:
+                    delay = start + sent * interval - time.monotonic()
+                    if delay > 0:
+                        await trio.sleep(delay)
+                await producer.send(STAMP.pack(time.monotonic_ns()) + pad, timeout=60)
+                sent += 1
+            if seconds == float("inf"):
+                await producer.flush(timeout=120)
+        return {"sent": sent, "start": start, "end": time.monotonic()}
+
+    out.put(trio.run(run))
+
+
+def consumer_main(url: str, count: int, per_second: float, sample_every: int, out: Any) -> None:
+    """Receive `count` messages; `per_second` > 0 paces the consumer (a slow consumer)."""
+
+    async def run() -> dict[str, Any]:
+        latencies: list[int] = []
+        received = 0
+        first = time.monotonic()
+        async with await fb.connect(url, client_name="bench-consumer") as conn:
+            async with conn.consumer(QUEUE, prefetch=2000) as consumer:
+                async for msg in consumer:
+                    if received % sample_every == 0:
+                        latencies.append(time.monotonic_ns() - STAMP.unpack_from(msg.body)[0])
+                    received += 1
+                    await msg.ack()
+                    if per_second:
+                        delay = first + received / per_second - time.monotonic()
+                        if delay > 0:
+                            await trio.sleep(delay)
+                    if received >= count:
+                        break
+        return {"received": received, "last": time.monotonic(), "latencies": latencies}
+
+    out.put(trio.run(run))
+
+
+def percentile_ms(values: list[int], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))] / 1e6 if ordered else float("nan")
+
+
+# -- scenarios ----------------------------------------------------------------------------------
+
+
+def scenario_flow(args: argparse.Namespace, rate: float) -> None:
+    port = free_port()
+    url = f"flowbroker://127.0.0.1:{port}"
+    broker = start_broker(port, ["--memory-quota", args.quota])
+    ctx = mp.get_context("spawn")
+    try:
+        trio.run(_queue_count, url)
+        idle = rss(broker.pid)
+        count = int(rate * args.seconds) if rate else args.count
+        pq, cq = ctx.Queue(), ctx.Queue()
+        consumer = ctx.Process(target=consumer_main, args=(url, count, 0.0, 1 if rate else 10, cq))
+        consumer.start()
+        time.sleep(1.5)  # the consumer is subscribed before the first message
+        producer = ctx.Process(target=producer_main, args=(url, count, args.size, rate, float("inf"), pq))
+        producer.start()
+        peak = idle
+        while consumer.is_alive():
+            peak = max(peak, rss(broker.pid))
+            time.sleep(0.1)
+        p, c = pq.get(timeout=30), cq.get(timeout=30)
+        producer.join()
+        elapsed = c["last"] - p["start"]
+        label = f"paced at {rate:,.0f} msgs/s" if rate else "throughput"
+        print(f"\n== {label}: broker + producer process + consumer process, {args.size} B messages ==")
+        print(f"{c['received']:,} of {p['sent']:,} messages delivered in {elapsed:.2f} s: "
+              f"{c['received'] / elapsed:,.0f} msgs/s, {c['received'] * args.size / elapsed / 1e6:.1f} MB/s end to end")
+        lat = c["latencies"]
+        print(f"publish->deliver latency over {len(lat):,} samples: p50 {percentile_ms(lat, 0.5):.3f} ms, "
+              f"p99 {percentile_ms(lat, 0.99):.3f} ms")
+        print(f"broker RSS: idle {idle / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB")
+    finally:
+        stop_broker(broker)
+
+
+def scenario_overload(args: argparse.Namespace) -> None:
+    port = free_port()
+    url = f"flowbroker://127.0.0.1:{port}"
+    broker = start_broker(port, ["--memory-quota", args.quota])
+    ctx = mp.get_context("spawn")
+    stop_size = 80 * MiB  # Qpid's default: 80 % of the default 100 MiB queue limit
+    try:
+        trio.run(_queue_count, url)
+        time.sleep(0.5)
+        idle = rss(broker.pid)
+        pq, cq = ctx.Queue(), ctx.Queue()
+        slow_rate = args.overload_consumer_rate
+        consumer = ctx.Process(target=consumer_main, args=(url, 10**12, slow_rate, 100, cq))
+        consumer.start()
+        time.sleep(1.5)
+        producer = ctx.Process(target=producer_main, args=(url, 10**12, args.size, 0.0, args.overload_seconds, pq))
+        producer.start()
+        print(f"\n== overload: producer unpaced, consumer {slow_rate:,.0f} msgs/s, {args.overload_seconds:.0f} s ==")
+        print(f"broker idle RSS {idle / MiB:.1f} MiB; target: stay under idle + stop size + 32 MiB = "
+              f"{(idle + stop_size + 32 * MiB) / MiB:.1f} MiB")
+        peak = idle
+        started = time.monotonic()
+        while producer.is_alive():
+            time.sleep(1.0)
+            now_rss = rss(broker.pid)
+            peak = max(peak, now_rss)
+            depth = trio.run(_queue_count, url)
+            print(f"t={time.monotonic() - started:5.1f}s  broker RSS {now_rss / MiB:7.1f} MiB "
+                  f"(+{(now_rss - idle) / MiB:6.1f})  queue depth {depth:,} messages")
+        p = pq.get(timeout=30)
+        consumer.terminate()
+        consumer.join()
+        sent_rate = p["sent"] / (p["end"] - p["start"])
+        print(f"producer sent {p['sent']:,} messages ({sent_rate:,.0f} msgs/s average, paced by credit)")
+        verdict = "within" if peak - idle <= stop_size + 32 * MiB else "OVER"
+        print(f"peak RSS {peak / MiB:.1f} MiB = idle + {(peak - idle) / MiB:.1f} MiB: {verdict} the target")
+    finally:
+        stop_broker(broker)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenario", nargs="?", default="all", choices=["throughput", "paced", "overload", "all"])
+    parser.add_argument("--count", type=int, default=600_000, help="messages in the throughput scenario")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of the paced scenario")
+    parser.add_argument("--rate", type=float, default=5000.0, help="msgs/s in the paced scenario")
+    parser.add_argument("--size", type=int, default=1024, help="message body size in bytes")
+    parser.add_argument("--quota", default="200MiB", help="broker memory quota (sizes producer credit)")
+    parser.add_argument("--overload-seconds", type=float, default=30.0)
+    parser.add_argument("--overload-consumer-rate", type=float, default=5000.0,
+                        help="the slow consumer's rate in the overload scenario")
+    args = parser.parse_args()
+    if args.scenario in ("throughput", "all"):
+        scenario_flow(args, 0.0)
+    if args.scenario in ("paced", "all"):
+        scenario_flow(args, args.rate)
+    if args.scenario in ("overload", "all"):
+        scenario_overload(args)
+
+
+if __name__ == "__main__":
+    main()
