@@ -251,6 +251,8 @@ class Consumer(Client):
         self.delivered_bytes: dict[int, int] = {0: 0}  # opaque (0 = connection) -> bytes delivered
         self.acked_bytes: dict[int, int] = {0: 0}  # opaque -> acked_total last sent
         self._next_sub = 1
+        self.last_tag: dict[int, int] = {}
+        self.tags_seen: set[int] = set()
 
     def subscribe(self, queue: str, *, prefetch: int = 0, buffer_size: int = 0, sub_id: int | None = None) -> int:
         if sub_id is None:
@@ -265,9 +267,14 @@ class Consumer(Client):
     def on_frame(self, frame: Frame) -> None:
         super().on_frame(frame)
         if isinstance(frame, Deliver):
+            sub = frame.subscription_id
             for entry in frame.entries:
-                if self.deliveries:
-                    assert entry.delivery_tag > max(self.unsettled, default=0), "tags must increase"
+                # Tags are unique per connection and increase per subscription. Across subscriptions
+                # the wire order may differ from tag order: the outbox batches DELIVER per subscription.
+                assert entry.delivery_tag > self.last_tag.get(sub, 0), f"tags of subscription {sub} must increase"
+                assert entry.delivery_tag not in self.tags_seen, f"tag {entry.delivery_tag} reused"
+                self.last_tag[sub] = entry.delivery_tag
+                self.tags_seen.add(entry.delivery_tag)
                 size = message_size(entry.body, entry.headers)
                 self.deliveries.append((frame.subscription_id, entry))
                 self.unsettled[entry.delivery_tag] = (frame.subscription_id, entry)

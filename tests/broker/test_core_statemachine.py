@@ -1,0 +1,563 @@
+"""A hypothesis state machine over `BrokerCore`: flow-controlled producers, watermark queues and
+consumers with prefetch and byte buffers, driven by random sequences of sends, deliveries, settlements,
+buffer acknowledgements, threshold changes, purges and consumer disconnects.
+
+Each simulated client acts only on the frames it receives, as the SDK does: a producer sends only
+while its window of uncompleted transfers and its byte credit allow. The model records the fate of
+every (producer, transfer, queue) copy and checks, at every step and after a final drain:
+
+- nothing is lost or duplicated: each copy ends exactly once as acked, rejected by the client,
+  purged, or refused with an ERROR naming its transfer; never two live deliveries of one copy;
+- the first deliveries of a producer's messages to a queue come in the order it sent them, and
+  only a copy that was delivered before is marked redelivered;
+- a queue's count and size are what the model says is in it, and never negative;
+- credit never goes negative and the broker never grants bytes the producer did not send;
+- a queue exceeds its stop thresholds by at most the producers' windows (count) and buffers plus
+  one message each (size), beyond what it held when a threshold was lowered under it;
+- an uncompleted transfer is held by a saturated destination that still has it, its producer has
+  been told FLOW_STOPPED for it, and after the drain every transfer is complete and resumed.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from coreharness import Consumer, Harness, Producer
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from flowbroker.broker.message import Message
+from flowbroker.protocol.credit import message_size
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import DeliveryEntry, FlowStopped, Ok
+
+MAX_MESSAGE = 100  # bodies above this are refused with MESSAGE_TOO_LARGE
+BIGGEST = message_size(b"0:0:" + b"." * MAX_MESSAGE) + 4  # the largest message that can be enqueued
+Copy = tuple[int, int, str]  # (producer index, transfer id, queue)
+
+
+def parse(body: bytes) -> tuple[int, int]:
+    pid, tid, _ = body.split(b":", 2)
+    return int(pid), int(tid)
+
+
+@dataclass
+class QueueModel:
+    name: str
+    max_count: int
+    stop_count: int = 0
+    stop_size: int = 0
+    base_count: int = 0  # what may sit in the queue un-held (see check_bounds)
+    base_size: int = 0
+
+
+@dataclass
+class ConsumerModel:
+    client: Consumer
+    subs: dict[int, str]  # sub id -> queue
+    prefetch: dict[int, int]
+    buffers: dict[int, int]  # opaque (0 = connection) -> buffer size, 0 = off
+    last_size: dict[int, int] = field(default_factory=dict)  # opaque -> size of the last delivery
+    checked: int = 0  # deliveries already checked
+
+
+def thresholds(data: st.DataObject, max_count: int) -> dict[str, int]:
+    top = min(max_count or 6, 6)
+    # hypothesis favours the first alternative and small values: keep "off" (0) the rarer choice
+    stop_c = data.draw(st.one_of(st.integers(1, top), st.just(0)), label="flow_stop_count")
+    resume_c = data.draw(st.integers(0, stop_c), label="flow_resume_count") if stop_c else 0
+    stop_s = data.draw(st.sampled_from([250, 120, 400, 700, 0, 0]), label="flow_stop_size")
+    resume_s = data.draw(st.integers(0, stop_s), label="flow_resume_size") if stop_s else 0
+    return {
+        "flow_stop_count": stop_c,
+        "flow_resume_count": resume_c,
+        "flow_stop_size": stop_s,
+        "flow_resume_size": resume_s,
+    }
+
+
+class CoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.h: Harness
+        self.producers: list[Producer] = []
+        self.closed_producers: set[int] = set()
+        self.queues: dict[str, QueueModel] = {}
+        self.fan: list[str] = []
+        self.consumers: list[ConsumerModel] = []
+        self.admin: Consumer
+        self.targets: dict[tuple[int, int], list[str]] = {}  # (pid, tid) -> queues it was routed to
+        self.sizes: dict[tuple[int, int], int] = {}
+        self.fate: dict[Copy, str] = {}
+        self.live: dict[Copy, tuple[int, int]] = {}  # copy -> (consumer id, tag) of its live delivery
+        self.seen: set[Copy] = set()  # copies delivered at least once
+        self.consumer_ids = 0
+        self.consumer_by_id: dict[int, ConsumerModel] = {}
+        self.saw_refusal = False
+        self.steps = 0
+        self.last_first: dict[tuple[int, int, str], int] = {}  # (consumer, producer, queue) -> transfer id
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        buffer = data.draw(st.integers(150, 1500), label="producer buffer")
+        self.h = Harness(
+            server={"max_message_size": MAX_MESSAGE, "max_frame_size": 4096},
+            credit={"policy": "static", "static_size": buffer},
+        )
+        self.admin = self.h.consumer("admin")
+        for i in range(data.draw(st.integers(1, 3), label="queues")):
+            name = f"q{i}"
+            max_count = data.draw(st.sampled_from([0, 8, 0, 4, 0, 12]), label="max_count")
+            t = thresholds(data, max_count)
+            answer = self.admin.declare_queue(name, max_count=max_count, max_size=0, overflow="reject", **t)
+            assert isinstance(answer, Ok), answer
+            model = QueueModel(name, max_count)
+            self._set_stops(model, t)
+            self.queues[name] = model
+        names = sorted(self.queues)
+        self.fan = [q for q in names if data.draw(st.booleans(), label=f"fan->{q}")] or names[:1]
+        assert isinstance(self.admin.declare_exchange("fan", "fanout"), Ok)
+        for q in self.fan:
+            assert isinstance(self.admin.bind(q, "fan"), Ok)
+        for i in range(data.draw(st.integers(1, 3), label="producers")):
+            window = data.draw(st.integers(1, 6), label="window")
+            p = self.h.producer(f"p{i}", window=window)
+            assert p.welcome_buffer == buffer
+            self.producers.append(p)
+        for _ in range(data.draw(st.integers(1, 3), label="consumers")):
+            self._open_consumer(data)
+
+    def _set_stops(self, model: QueueModel, t: dict[str, int]) -> None:
+        model.stop_count = t["flow_stop_count"]
+        model.stop_size = t["flow_stop_size"]
+        q = self.h.core.queues[model.name]
+        model.base_count = max(model.stop_count, q.count)
+        model.base_size = max(model.stop_size, q.size)
+
+    def _open_consumer(self, data: st.DataObject) -> None:
+        self.consumer_ids += 1
+        cid = self.consumer_ids
+        c = self.h.consumer(f"c{cid}")
+        conn_buffer = data.draw(st.sampled_from([0, 0, 100, 300, 600]), label="connection buffer")
+        if conn_buffer:
+            c.set_buffer(0, conn_buffer)
+        model = ConsumerModel(c, {}, {}, {0: conn_buffer})
+        names = sorted(self.queues)
+        chosen = [q for q in names if data.draw(st.booleans(), label=f"c{cid} subscribes {q}")]
+        for q in chosen or [data.draw(st.sampled_from(names), label="queue")]:
+            prefetch = data.draw(st.integers(1, 5), label="prefetch")
+            buffer = data.draw(st.sampled_from([0, 0, 60, 150, 400]), label="subscription buffer")
+            sub = c.subscribe(q, prefetch=prefetch, buffer_size=buffer)
+            model.subs[sub] = q
+            model.prefetch[sub] = prefetch
+            model.buffers[sub] = buffer
+        self.consumers.append(model)
+        self.consumer_by_id[cid] = model
+        self._absorb(cid, model)
+
+    # -- model helpers ----------------------------------------------------------------------------
+
+    def _set_fate(self, copy: Copy, fate: str) -> None:
+        assert copy not in self.fate, f"{copy} ended twice: {self.fate[copy]} and {fate}"
+        pid, tid, q = copy
+        assert q in self.targets[(pid, tid)], f"{copy} was never routed to {q}"
+        self.fate[copy] = fate
+
+    def _absorb_producer(self, pid: int) -> None:
+        p = self.producers[pid]
+        before = len(p.errors)
+        p.pump()
+        for err in p.errors[before:]:
+            assert err.ref_id is not None, err
+            key = (pid, err.ref_id)
+            if err.code is ErrorCode.MESSAGE_TOO_LARGE:
+                for q in self.targets[key]:
+                    self._set_fate((pid, err.ref_id, q), "refused")
+            else:
+                assert err.code is ErrorCode.QUEUE_FULL, err
+                assert err.destination in self.targets[key]
+                assert self.queues[err.destination].max_count, "only a hard limit refuses"
+                self._set_fate((pid, err.ref_id, err.destination), "refused")
+            self.saw_refusal = True
+        # every transfer the client still waits for is one it was told is flow-stopped
+        for tid in p.outstanding:
+            assert any(q in p.stopped for q in self.targets[(pid, tid)]), (
+                f"p{pid} transfer {tid} to {self.targets[(pid, tid)]} is held, but it was told only {sorted(p.stopped)}"
+            )
+
+    def _absorb(self, cid: int, model: ConsumerModel) -> None:
+        """Collect a consumer's frames and check each new delivery."""
+        c = model.client
+        c.pump()
+        assert not c.errors, c.errors
+        for sub, entry in c.deliveries[model.checked :]:
+            self._on_delivery(cid, model, sub, entry)
+        model.checked = len(c.deliveries)
+        # prefetch and byte buffers were respected
+        for sub, prefetch in model.prefetch.items():
+            assert len(c.tags(sub)) <= prefetch
+        for opaque, size in model.buffers.items():
+            if size:
+                last = model.last_size.get(opaque, 0)
+                before_last = c.delivered_bytes.get(opaque, 0) - last
+                assert before_last < c.acked_bytes.get(opaque, 0) + size or last == 0, (
+                    f"c{cid} buffer {opaque} overrun: {before_last} delivered before the last message, "
+                    f"{c.acked_bytes.get(opaque, 0)} acked, buffer {size}"
+                )
+
+    def _on_delivery(self, cid: int, model: ConsumerModel, sub: int, entry: DeliveryEntry) -> None:
+        queue = model.subs[sub]
+        pid, tid = parse(entry.body)
+        copy = (pid, tid, queue)
+        assert queue in self.targets[(pid, tid)], f"{(pid, tid)} delivered from {queue}, routed to {self.targets[(pid, tid)]}"
+        assert copy not in self.fate, f"{copy} delivered after it ended as {self.fate.get(copy)}"
+        assert copy not in self.live, f"{copy} delivered twice at once"
+        assert entry.redelivered or copy not in self.seen, f"{copy} delivered again without the redelivered flag"
+        if not entry.redelivered:
+            # one consumer sees a producer's messages to a queue first-delivered in send order
+            key = (cid, pid, queue)
+            assert self.last_first.get(key, 0) < tid, f"{copy} first-delivered to c{cid} after {self.last_first[key]}"
+            self.last_first[key] = tid
+        self.seen.add(copy)
+        self.live[copy] = (cid, entry.delivery_tag)
+        size = message_size(entry.body, entry.headers)
+        model.last_size[0] = size
+        model.last_size[sub] = size
+
+    def _undelivered_before(self, pid: int, tid: int, queue: str) -> list[int]:
+        return [
+            t
+            for (p, t), qs in self.targets.items()
+            if p == pid and t < tid and queue in qs and (p, t, queue) not in self.seen
+            and self.fate.get((p, t, queue)) not in ("refused", "purged")
+        ]
+
+    def _collect_all(self) -> None:
+        """Every client reads its frames; then nothing dispatched is unobserved, so the copies seen so
+        far must be, per producer and queue, all its eligible transfers up to some point (FIFO)."""
+        for pid in range(len(self.producers)):
+            if pid not in self.closed_producers:
+                self._absorb_producer(pid)
+        for cid, model in list(self.consumer_by_id.items()):
+            self._absorb(cid, model)
+        newest: dict[tuple[int, str], int] = {}
+        for pid, tid, queue in self.seen:
+            newest[(pid, queue)] = max(newest.get((pid, queue), 0), tid)
+        for (pid, queue), tid in newest.items():
+            skipped = self._undelivered_before(pid, tid, queue)
+            assert not skipped, f"p{pid}'s transfer {tid} was delivered from {queue} before {skipped}"
+
+    # -- rules ------------------------------------------------------------------------------------
+
+    # Hypothesis orders rules by name among equals and favours early ones, and swarm-disables a random
+    # subset of rules per run; sending is what everything else reacts to, so it has two early names.
+    @rule(data=st.data())
+    def burst(self, data: st.DataObject) -> None:
+        """A burst of sends from one producer, each only while its window and credit allow."""
+        pid = data.draw(st.integers(0, len(self.producers) - 1), label="producer")
+        p = self.producers[pid]
+        if pid in self.closed_producers:
+            return
+        if data.draw(st.booleans(), label="read frames first"):
+            self._absorb_producer(pid)  # a real client reads while it sends
+        names = sorted(self.queues)
+        for _ in range(data.draw(st.integers(1, 10), label="burst")):
+            if not p.can_send():
+                event("send blocked", "window" if len(p.outstanding) >= (p.window or 0) else "credit")
+                return
+            target = data.draw(st.sampled_from(names + ["fan"]), label="target")
+            pad = data.draw(st.one_of(st.integers(0, 90), st.integers(0, 110)), label="pad")
+            tid = p.next_id
+            body = b"%d:%d:" % (pid, tid) + b"." * pad
+            if target == "fan":
+                self.targets[(pid, tid)] = list(self.fan)
+                assert p.send("fan", "", body) == tid
+            else:
+                self.targets[(pid, tid)] = [target]
+                assert p.send("", target, body) == tid
+            self.sizes[(pid, tid)] = message_size(body)
+
+    @rule(data=st.data())
+    def burst_again(self, data: st.DataObject) -> None:
+        self.burst(data)
+
+    @rule(data=st.data())
+    def pump_producer(self, data: st.DataObject) -> None:
+        pid = data.draw(st.integers(0, len(self.producers) - 1), label="producer")
+        if pid not in self.closed_producers:
+            self._absorb_producer(pid)
+
+    @rule()
+    def collect_all(self) -> None:
+        self._collect_all()
+        self._check_contents()
+
+    @rule(data=st.data())
+    def pump_consumer(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.consumer_by_id)), label="consumer")
+        self._absorb(cid, self.consumer_by_id[cid])
+
+    def _pick_tags(self, data: st.DataObject) -> tuple[int, ConsumerModel, list[int]]:
+        cid = data.draw(st.sampled_from(sorted(self.consumer_by_id)), label="consumer")
+        model = self.consumer_by_id[cid]
+        tags = sorted(model.client.unsettled)
+        chosen = [t for t in tags if data.draw(st.booleans(), label=f"tag {t}")] if len(tags) <= 8 else (
+            data.draw(st.lists(st.sampled_from(tags), unique=True), label="tags")
+        )
+        return cid, model, chosen
+
+    def _settle(self, data: st.DataObject, outcome: str) -> None:
+        cid, model, tags = self._pick_tags(data)
+        c = model.client
+        copies = []
+        for tag in tags:
+            sub, entry = c.unsettled[tag]
+            pid, tid = parse(entry.body)
+            copy = (pid, tid, model.subs[sub])
+            assert self.live.pop(copy) == (cid, tag)
+            copies.append(copy)
+            if outcome != "requeue":
+                self._set_fate(copy, outcome)
+        if outcome == "acked":
+            c.ack(tags)
+        elif outcome == "rejected":
+            c.reject(tags)
+        else:
+            c.requeue(tags)
+
+    @rule(data=st.data())
+    def ack(self, data: st.DataObject) -> None:
+        self._settle(data, "acked")
+
+    @rule(data=st.data())
+    def reject(self, data: st.DataObject) -> None:
+        self._settle(data, "rejected")
+
+    @rule(data=st.data())
+    def requeue(self, data: st.DataObject) -> None:
+        self._settle(data, "requeue")
+
+    @rule(data=st.data())
+    def buffer_ack(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.consumer_by_id)), label="consumer")
+        model = self.consumer_by_id[cid]
+        c = model.client
+        opaques = [o for o, size in model.buffers.items() if size]
+        if not opaques:
+            return
+        opaque = data.draw(st.sampled_from(opaques), label="opaque")
+        delivered = c.delivered_bytes.get(opaque, 0)
+        acked = c.acked_bytes.get(opaque, 0)
+        # anything from a stale or duplicate acknowledgement to everything delivered so far
+        total = data.draw(st.integers(max(0, acked - 50), delivered), label="acked_total")
+        c.buffer_ack(opaque, total)
+
+    @rule()
+    def tick(self) -> None:
+        """The shell's timer: 5 s pass, every producer's credit is re-advertised."""
+        self.h.advance(5)
+        for pid, p in enumerate(self.producers):
+            if pid not in self.closed_producers:
+                p.session.poll_credit(self.h.now)
+
+    @rule(data=st.data())
+    def change_thresholds(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.queues)), label="queue")
+        model = self.queues[name]
+        t = thresholds(data, model.max_count)
+        self.h.core.set_queue_thresholds(name, t)
+        self._set_stops(model, t)
+
+    @rule(data=st.data())
+    def purge(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.queues)), label="queue")
+        ready = [parse(m.body) for m in self.h.core.queues[name].ready]
+        answer = self.admin.purge(name)
+        assert isinstance(answer, Ok) and answer.result == {"purged": len(ready)}
+        for pid, tid in ready:
+            assert (pid, tid, name) not in self.live
+            self._set_fate((pid, tid, name), "purged")
+
+    @rule(data=st.data())
+    def disconnect_consumer(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.consumer_by_id)), label="consumer")
+        model = self.consumer_by_id.pop(cid)
+        self.consumers.remove(model)
+        self._absorb(cid, model)  # what was already on its way counts as delivered
+        model.client.close()
+        for copy, (owner, _) in list(self.live.items()):
+            if owner == cid:
+                del self.live[copy]  # requeued by the broker
+        if data.draw(st.booleans(), label="replace it") or not self.consumer_by_id:
+            self._open_consumer(data)
+
+    @rule(data=st.data())
+    def disconnect_producer(self, data: st.DataObject) -> None:
+        """A producer goes away; its messages stay queued, its held transfers are simply dropped."""
+        live = [i for i in range(len(self.producers)) if i not in self.closed_producers]
+        if len(live) < 2:
+            return
+        pid = data.draw(st.sampled_from(live), label="producer")
+        self._absorb_producer(pid)
+        self.producers[pid].close()
+        self.closed_producers.add(pid)
+
+    # -- invariants -------------------------------------------------------------------------------
+
+    @invariant()
+    def queue_accounting(self) -> None:
+        self.steps += 1
+        core = self.h.core
+        unsettled: dict[str, list[Message]] = {q: [] for q in self.queues}
+        for s in core.sessions.values():
+            for sub, msg in s.unsettled.values():
+                unsettled[sub.queue.name].append(msg)
+        for name, q in core.queues.items():
+            members = list(q.ready) + unsettled[name]
+            assert q.count == len(members) >= 0, (name, q.count, len(members))
+            assert q.size == sum(m.size for m in members) >= 0, (name, q.size)
+            assert len({id(m) for m in members}) == len(members), f"{name}: a message is in it twice"
+            # held messages are in the queue and the queue is saturated while it holds any
+            ids = {id(m) for m in members}
+            assert all(id(m) in ids for m in q.held), f"{name} holds a message it no longer has"
+            assert not q.held or q.saturated, f"{name} holds transfers but is not saturated"
+
+    @invariant()
+    def held_transfers_are_held_by_a_saturated_destination(self) -> None:
+        core = self.h.core
+        held: dict[str, set[tuple[int, int]]] = {
+            name: {parse(m.body) for m in q.held} for name, q in core.queues.items()
+        }
+        for pid, p in enumerate(self.producers):
+            if pid in self.closed_producers:
+                continue
+            done = p.session.completed
+            for tid in range(1, p.next_id):
+                if tid in done:
+                    continue
+                assert any((pid, tid) in held[q] for q in self.targets[(pid, tid)]), (
+                    f"p{pid} transfer {tid} is not complete, yet no destination holds it"
+                )
+
+    @invariant()
+    def credit_is_sane(self) -> None:
+        for pid, p in enumerate(self.producers):
+            if pid in self.closed_producers:
+                continue
+            s = p.session
+            sched = s.credit
+            assert s.received_bytes == p.credit.sent_total
+            assert 0 <= p.credit.acked_total <= sched.advertised_total <= sched.processed_total <= s.received_bytes
+            assert p.credit.outstanding >= 0
+            assert p.window is not None and len(p.outstanding) <= p.window
+
+    @invariant()
+    def bounded_by_windows_and_buffers(self) -> None:
+        # closed producers count too: their held messages stay until the queue clears
+        windows = sum(p.window or 0 for p in self.producers)
+        buffers = sum(p.credit.max_bytes + BIGGEST for p in self.producers)
+        for name, model in self.queues.items():
+            q = self.h.core.queues[name]
+            if model.stop_count:
+                assert q.count <= model.base_count + windows, (
+                    f"{name}: {q.count} messages, stop {model.stop_count} (base {model.base_count}) + windows {windows}"
+                )
+            if model.stop_size:
+                assert q.size <= model.base_size + buffers, (
+                    f"{name}: {q.size} bytes, stop {model.stop_size} (base {model.base_size}) + buffers {buffers}"
+                )
+            # What sits in the queue un-held can only shrink while it is saturated (see the module doc).
+            model.base_count = max(model.stop_count, min(model.base_count, q.count))
+            model.base_size = max(model.stop_size, min(model.base_size, q.size))
+
+    def _check_contents(self) -> None:
+        """After every client has read its frames: each queue holds exactly the copies the model
+        says are in it (routed, not refused, not ended)."""
+        for name in self.queues:
+            expected = [
+                (pid, tid)
+                for (pid, tid), qs in self.targets.items()
+                if name in qs and (pid, tid, name) not in self.fate
+            ]
+            q = self.h.core.queues[name]
+            assert q.count == len(expected), (name, q.count, expected)
+            assert q.size == sum(self.sizes[k] for k in expected), name
+
+    # -- the end ----------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        if sys.exc_info()[0] is not None or not hasattr(self, "h"):
+            return  # a step failed: report that, not a consequence of it
+        self._collect_all()
+        for cid, model in list(self.consumer_by_id.items()):
+            model.client.close()
+            for copy, (owner, _) in list(self.live.items()):
+                if owner == cid:
+                    del self.live[copy]
+        self.consumer_by_id.clear()
+        drain = self.h.consumer("drain")
+        drain_model = ConsumerModel(drain, {}, {}, {0: 0})
+        self.consumer_by_id[0] = drain_model
+        for i, name in enumerate(sorted(self.queues), start=1):
+            drain_model.subs[i] = name
+            drain.subscribe(name, sub_id=i)
+        for _ in range(100):
+            self._collect_all()
+            self._check_contents()
+            if not drain.unsettled and all(
+                not p.outstanding for i, p in enumerate(self.producers) if i not in self.closed_producers
+            ) and all(q.count == 0 for q in self.h.core.queues.values()):
+                break
+            tags = sorted(drain.unsettled)
+            for tag in tags:
+                sub, entry = drain.unsettled[tag]
+                pid, tid = parse(entry.body)
+                copy = (pid, tid, drain_model.subs[sub])
+                del self.live[copy]
+                self._set_fate(copy, "acked")
+            drain.ack(tags)
+            self.tick()
+        self.tick()  # grants below the acknowledgement threshold go out on the timer
+        self._collect_all()
+        # what this run exercised (see --hypothesis-show-statistics)
+        stops = sum(len(p.received(FlowStopped)) for p in self.producers)
+        event("flow stops", "none" if not stops else "1-3" if stops < 4 else "4+")
+        event("messages", len(self.targets) // 10 * 10)
+        event("steps", self.steps // 10 * 10)
+        for fate in ("refused", "purged", "rejected"):
+            event(f"some {fate}", any(f == fate for f in self.fate.values()))
+        event("redelivered", any(e.redelivered for m in [drain] for _, e in m.deliveries))
+        event("grants", sum(len(p.grants) for p in self.producers) // 5 * 5)
+        # every copy of every message ended exactly once
+        for (pid, tid), qs in self.targets.items():
+            for q in qs:
+                assert (pid, tid, q) in self.fate, f"{(pid, tid, q)} was lost"
+        assert not self.live
+        for name, q in self.h.core.queues.items():
+            assert (q.count, q.size, q.saturated, len(q.held), len(q.stopped_producers)) == (0, 0, False, 0, 0), q
+        for pid, p in enumerate(self.producers):
+            if pid in self.closed_producers:
+                continue
+            assert p.outstanding == {}, f"p{pid} transfers never completed: {sorted(p.outstanding)}"
+            assert p.stopped == {}, f"p{pid} still flow-stopped on {sorted(p.stopped)}"
+            assert p.credit.acked_total == p.credit.sent_total, "credit was not all returned"
+
+
+TestCoreMachine = CoreMachine.TestCase
+TestCoreMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=100,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def test_model_helpers() -> None:
+    assert parse(b"2:17:...") == (2, 17)
+    assert BIGGEST >= message_size(b"9:999:" + b"." * MAX_MESSAGE)
+
