@@ -115,6 +115,7 @@ class Queue:
                 for _ in range(admission.drop_count):
                     self._remove(self.ready.popleft())
                 self.stats.dropped += admission.drop_count
+                self._check_resume()  # dropping is a dequeue: it may take the queue under resume
         self.ready.append(msg)
         self.count += 1
         self.size += msg.size

@@ -490,3 +490,25 @@ def test_flow_stopped_producer_that_disconnects_is_forgotten() -> None:
     other.send("", "q", b"c")
     other.pump()
     assert other.outstanding == {} and [e for e in other.frames if isinstance(e, Error)] == []
+
+
+def test_drop_head_that_empties_a_saturated_queue_clears_it() -> None:
+    """Dropping the oldest messages is a dequeue: when it takes the queue under its resume
+    thresholds, held transfers complete at once, not at some later settlement."""
+    h = make()
+    h.queue("q", max_size=1000, overflow="drop-head", flow_stop_count=0, flow_stop_size=500, flow_resume_size=300)
+    p = h.producer("p")
+    legacy = h.producer("legacy", flow_control=False)
+    big = p.send("", "q", b"B" * 800)  # 832 bytes > 500: saturated, held
+    small = p.send("", "q", b"s" * 18)  # 50 bytes, held
+    p.pump()
+    assert sorted(p.outstanding) == [big, small]
+    tid = legacy.send("", "q", b"L" * 168)  # 200 bytes: 1082 > 1000 drops the 832-byte head
+    q = h.core.queues["q"]
+    assert (q.count, q.size, q.stats.dropped) == (2, 250, 1)
+    frames = p.pump()
+    assert p.outstanding == {}, "250 bytes < resume 300: the queue must clear"
+    assert FlowResumed("q") in frames
+    assert not q.saturated
+    legacy.pump()
+    assert legacy.is_complete(tid) and legacy.received(FlowStopped) == []
