@@ -87,6 +87,7 @@ class Session:
         self._delivery_bytes: dict[int, int] = {}
         self._sealed: list[Frame] = []  # DELIVER frames that reached the frame size budget
         self.now_ns = 0  # set by the shell before it hands frames to the core
+        self.fault: SessionFault | None = None  # set when the outbox overflowed; see send()
 
     def __repr__(self) -> str:
         return f"<Session {self.conn_id} {self.client_name!r}>"
@@ -103,11 +104,17 @@ class Session:
             self._wake()
 
     def send(self, frame: Frame) -> None:
-        """Queue a control frame. A client that lets them pile up without reading is cut off."""
+        """Queue a control frame. A client that lets them pile up without reading is cut off.
+
+        Never raises: frames for this session are often sent while *another* session's frame is
+        handled (a consumer's ack resumes producers), and that session must not pay for this one.
+        The fault is kept and raised by the core when this session next sends a frame."""
         if not self.open:
             return
         if len(self._control) >= self.max_outbox_frames:
-            raise SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending")
+            if self.fault is None:
+                self.fault = SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending")
+            return
         self._control.append(frame)
         self.wake()
 
