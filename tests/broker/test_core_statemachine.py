@@ -34,6 +34,8 @@ from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import DeliveryEntry, FlowStopped, Ok
 
 MAX_MESSAGE = 100  # bodies above this are refused with MESSAGE_TOO_LARGE
+QUOTA = 1 << 20
+MIN_BUFFER = 150
 BIGGEST = message_size(b"0:0:" + b"." * MAX_MESSAGE) + 4  # the largest message that can be enqueued
 Copy = tuple[int, int, str]  # (producer index, transfer id, queue)
 
@@ -60,6 +62,7 @@ class ConsumerModel:
     prefetch: dict[int, int]
     buffers: dict[int, int]  # opaque (0 = connection) -> buffer size, 0 = off
     last_size: dict[int, int] = field(default_factory=dict)  # opaque -> size of the last delivery
+    last_tag: dict[int, int] = field(default_factory=dict)  # opaque -> highest delivery tag
     checked: int = 0  # deliveries already checked
 
 
@@ -96,6 +99,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.consumer_ids = 0
         self.consumer_by_id: dict[int, ConsumerModel] = {}
         self.saw_refusal = False
+        self.aggressive = False
         self.steps = 0
         self.last_first: dict[tuple[int, int, str], int] = {}  # (consumer, producer, queue) -> transfer id
 
@@ -103,11 +107,16 @@ class CoreMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
-        buffer = data.draw(st.integers(150, 1500), label="producer buffer")
-        self.h = Harness(
-            server={"max_message_size": MAX_MESSAGE, "max_frame_size": 4096},
-            credit={"policy": "static", "static_size": buffer},
-        )
+        server = {"max_message_size": MAX_MESSAGE, "max_frame_size": 4096, "memory_quota": QUOTA}
+        if data.draw(st.booleans(), label="aggressive policy"):
+            # a pool of 0.1 % of 1 MiB = 1048 bytes, shared: every connect and disconnect resizes
+            self.aggressive = True
+            credit: dict[str, object] = {
+                "policy": "aggressive", "aggressive_percent": 0.1, "min_size": MIN_BUFFER, "max_size": 1500,
+            }
+        else:
+            credit = {"policy": "static", "static_size": data.draw(st.integers(150, 1500), label="buffer")}
+        self.h = Harness(server=server, credit=credit)
         self.admin = self.h.consumer("admin")
         for i in range(data.draw(st.integers(1, 3), label="queues")):
             name = f"q{i}"
@@ -123,13 +132,18 @@ class CoreMachine(RuleBasedStateMachine):
         assert isinstance(self.admin.declare_exchange("fan", "fanout"), Ok)
         for q in self.fan:
             assert isinstance(self.admin.bind(q, "fan"), Ok)
-        for i in range(data.draw(st.integers(1, 3), label="producers")):
-            window = data.draw(st.integers(1, 6), label="window")
-            p = self.h.producer(f"p{i}", window=window)
-            assert p.welcome_buffer == buffer
-            self.producers.append(p)
+        for _ in range(data.draw(st.integers(1, 3), label="producers")):
+            self._open_producer(data)
         for _ in range(data.draw(st.integers(1, 3), label="consumers")):
             self._open_consumer(data)
+
+    def _open_producer(self, data: st.DataObject) -> None:
+        window = data.draw(st.integers(1, 6), label="window")
+        p = self.h.producer(f"p{len(self.producers)}", window=window)
+        assert p.welcome_buffer > 0
+        if self.h.core.producers_stopped:
+            assert "*" in {f.destination for f in p.pump() if isinstance(f, FlowStopped)}
+        self.producers.append(p)
 
     def _set_stops(self, model: QueueModel, t: dict[str, int]) -> None:
         model.stop_count = t["flow_stop_count"]
@@ -185,7 +199,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.saw_refusal = True
         # every transfer the client still waits for is one it was told is flow-stopped
         for tid in p.outstanding:
-            assert any(q in p.stopped for q in self.targets[(pid, tid)]), (
+            assert "*" in p.stopped or any(q in p.stopped for q in self.targets[(pid, tid)]), (
                 f"p{pid} transfer {tid} to {self.targets[(pid, tid)]} is held, but it was told only {sorted(p.stopped)}"
             )
 
@@ -224,9 +238,13 @@ class CoreMachine(RuleBasedStateMachine):
             self.last_first[key] = tid
         self.seen.add(copy)
         self.live[copy] = (cid, entry.delivery_tag)
+        # the last dispatched is the highest tag (the wire groups DELIVER frames by subscription)
         size = message_size(entry.body, entry.headers)
-        model.last_size[0] = size
-        model.last_size[sub] = size
+        tag = entry.delivery_tag
+        for opaque in (0, sub):
+            if tag > model.last_tag.get(opaque, 0):
+                model.last_tag[opaque] = tag
+                model.last_size[opaque] = size
 
     def _undelivered_before(self, pid: int, tid: int, queue: str) -> list[int]:
         return [
@@ -396,6 +414,19 @@ class CoreMachine(RuleBasedStateMachine):
             self._open_consumer(data)
 
     @rule(data=st.data())
+    def producer_joins(self, data: st.DataObject) -> None:
+        if len(self.producers) - len(self.closed_producers) < 4:
+            self._open_producer(data)
+
+    @rule()
+    def stop_all_producers(self) -> None:
+        self.h.core.stop_all_producers()
+
+    @rule()
+    def start_all_producers(self) -> None:
+        self.h.core.start_all_producers()
+
+    @rule(data=st.data())
     def disconnect_producer(self, data: st.DataObject) -> None:
         """A producer goes away; its messages stay queued, its held transfers are simply dropped."""
         live = [i for i in range(len(self.producers)) if i not in self.closed_producers]
@@ -432,6 +463,12 @@ class CoreMachine(RuleBasedStateMachine):
         held: dict[str, set[tuple[int, int]]] = {
             name: {parse(m.body) for m in q.held} for name, q in core.queues.items()
         }
+        admin_held: dict[int, set[int]] = {pid: set() for pid in range(len(self.producers))}
+        sessions = {p.session: pid for pid, p in enumerate(self.producers)}
+        for transfer in core._admin_held:
+            if transfer.session in sessions:
+                admin_held[sessions[transfer.session]].add(transfer.transfer_id)
+        assert not core._admin_held or core.producers_stopped
         for pid, p in enumerate(self.producers):
             if pid in self.closed_producers:
                 continue
@@ -439,7 +476,7 @@ class CoreMachine(RuleBasedStateMachine):
             for tid in range(1, p.next_id):
                 if tid in done:
                     continue
-                assert any((pid, tid) in held[q] for q in self.targets[(pid, tid)]), (
+                assert tid in admin_held[pid] or any((pid, tid) in held[q] for q in self.targets[(pid, tid)]), (
                     f"p{pid} transfer {tid} is not complete, yet no destination holds it"
                 )
 
@@ -456,10 +493,20 @@ class CoreMachine(RuleBasedStateMachine):
             assert p.window is not None and len(p.outstanding) <= p.window
 
     @invariant()
+    def granted_buffers_within_pool(self) -> None:
+        credit = self.h.core.credit
+        n = len(credit)
+        assert n == len(self.producers) - len(self.closed_producers)
+        if self.aggressive and n:
+            pool = QUOTA // 1000
+            assert credit.total_granted() <= pool + n * MIN_BUFFER
+            assert credit.total_granted() == sum(credit.size_of(c) for c in credit.connections())
+
+    @invariant()
     def bounded_by_windows_and_buffers(self) -> None:
         # closed producers count too: their held messages stay until the queue clears
         windows = sum(p.window or 0 for p in self.producers)
-        buffers = sum(p.credit.max_bytes + BIGGEST for p in self.producers)
+        buffers = sum(self._largest_buffer(p) + BIGGEST for p in self.producers)
         for name, model in self.queues.items():
             q = self.h.core.queues[name]
             if model.stop_count:
@@ -473,6 +520,11 @@ class CoreMachine(RuleBasedStateMachine):
             # What sits in the queue un-held can only shrink while it is saturated (see the module doc).
             model.base_count = max(model.stop_count, min(model.base_count, q.count))
             model.base_size = max(model.stop_size, min(model.base_size, q.size))
+
+    @staticmethod
+    def _largest_buffer(p: Producer) -> int:
+        """A client sends by the largest buffer it was ever told (WELCOME or BUFFER_CONTROL)."""
+        return max([p.welcome_buffer] + [b.buffer_size for b in p.buffer_controls])
 
     def _check_contents(self) -> None:
         """After every client has read its frames: each queue holds exactly the copies the model
@@ -492,6 +544,7 @@ class CoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if sys.exc_info()[0] is not None or not hasattr(self, "h"):
             return  # a step failed: report that, not a consequence of it
+        self.h.core.start_all_producers()
         self._collect_all()
         for cid, model in list(self.consumer_by_id.items()):
             model.client.close()
