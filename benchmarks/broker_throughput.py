@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import signal
 import socket
 import struct
@@ -154,11 +155,19 @@ def scenario_flow(args: argparse.Namespace, rate: float) -> None:
         producer = ctx.Process(target=producer_main, args=(url, count, args.size, rate, float("inf"), pq))
         producer.start()
         peak = idle
-        while consumer.is_alive():
+        # Read the result while sampling: a child that put a large result on a multiprocessing
+        # queue cannot exit until the parent has read it.
+        c = None
+        while c is None:
             peak = max(peak, rss(broker.pid))
-            time.sleep(0.1)
-        p, c = pq.get(timeout=30), cq.get(timeout=30)
+            try:
+                c = cq.get(timeout=0.1)
+            except queue.Empty:
+                if not consumer.is_alive():
+                    raise RuntimeError("the consumer process died") from None
+        p = pq.get(timeout=60)
         producer.join()
+        consumer.join()
         elapsed = c["last"] - p["start"]
         label = f"paced at {rate:,.0f} msgs/s" if rate else "throughput"
         print(f"\n== {label}: broker + producer process + consumer process, {args.size} B messages ==")
