@@ -447,7 +447,13 @@ class BrokerCore:
         if sub is None:
             raise RequestError(ErrorCode.NOT_FOUND, f"no subscription {f.subscription_id}")
         sub.queue.remove_subscription(sub)
-        return {"unsettled": sub.unsettled}
+        # Deliveries the consumer never settled go back to the queue, in order, as when its
+        # connection closes: a cancelled subscription must not pin messages until disconnect.
+        tags = [tag for tag, (owner, _) in session.unsettled.items() if owner is sub]
+        msgs = [session.unsettled.pop(tag)[1] for tag in tags]
+        sub.unsettled = 0
+        sub.queue.requeue_many(msgs)
+        return {"requeued": len(msgs)}
 
     _requests: dict[type[Any], Callable[[BrokerCore, Session, Any], dict[str, Any]]] = {
         DeclareQueue: _req_declare_queue,

@@ -48,6 +48,7 @@ class Message:
         "sequence",
         "redelivered",
         "held",
+        "seq",
     )
 
     def __init__(
@@ -69,6 +70,7 @@ class Message:
         self.sequence = sequence
         self.redelivered = False
         self.held: HeldTransfer | None = None
+        self.seq = 0  # position in its queue's enqueue order, so a requeue restores its place
 
     def release(self) -> None:
         """This queue no longer holds the producer's completion (dequeued, queue cleared, purged, deleted)."""

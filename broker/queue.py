@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["Queue", "QueueFull", "QueueStats"]
 
 
+def _by_seq(msg: Message) -> int:
+    return msg.seq
+
+
 class QueueFull(Exception):
     """The hard limit refused a message (overflow policy `reject`, or larger than max_size)."""
 
@@ -92,6 +96,7 @@ class Queue:
         self.deleted = False
         self.stats = QueueStats()
         self._rr = 0
+        self._next_seq = 0
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
@@ -116,6 +121,8 @@ class Queue:
                     self._remove(self.ready.popleft())
                 self.stats.dropped += admission.drop_count
                 self._check_resume()  # dropping is a dequeue: it may take the queue under resume
+        self._next_seq += 1
+        msg.seq = self._next_seq
         self.ready.append(msg)
         self.count += 1
         self.size += msg.size
@@ -185,13 +192,22 @@ class Queue:
         self.dispatch()
 
     def requeue_many(self, msgs: list[Message]) -> None:
-        """Give back deliveries, in their original order, ahead of everything ready (requeue, or a
-        consumer went away)."""
-        if self.deleted:
+        """Give back deliveries (requeue, or a consumer went away): each returns to its original place
+        in the queue's order, ahead of every message never delivered. Requeues arrive in separate
+        batches, so they are merged by sequence with the requeued messages already at the head."""
+        if self.deleted or not msgs:
             return
-        for msg in reversed(msgs):
+        returning = sorted(msgs, key=_by_seq)
+        for msg in returning:
             msg.redelivered = True
-            self.ready.appendleft(msg)
+        ready = self.ready
+        last = returning[-1].seq
+        head: list[Message] = []
+        while ready and ready[0].seq < last:
+            head.append(ready.popleft())
+        if head:
+            returning = sorted(head + returning, key=_by_seq)
+        ready.extendleft(reversed(returning))
         self.dispatch()
 
     def purge(self) -> int:
