@@ -1,0 +1,74 @@
+"""The `flowbroker` command as a person runs it: serve as a daemon, publish, consume, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FLOWBROKER = str(Path(sys.executable).with_name("flowbroker"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "broker exited"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("broker did not listen within 20 s")
+
+
+def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
+    port = _free_port()
+    config = tmp_path / "flowbroker.toml"
+    config.write_text(f'[server]\nport = {port}\nidle_timeout = 30.0\n\n[credit]\npolicy = "static"\n')
+    url = f"flowbroker://127.0.0.1:{port}"
+    broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_listening(port, broker)
+        pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "greetings", "hello", "world", "-n", "2"],
+                             capture_output=True, text=True, timeout=30)
+        assert pub.returncode == 0, pub.stderr
+        assert "published 4 message(s)" in pub.stderr
+        con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "4", "greetings"],
+                             capture_output=True, text=True, timeout=30)
+        assert con.returncode == 0, con.stderr
+        assert con.stdout.splitlines() == ["hello", "world", "hello", "world"]
+        missing = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "nope"],
+                                 capture_output=True, text=True, timeout=30)
+        assert missing.returncode != 0 and "no queue named 'nope'" in missing.stderr
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        try:
+            _, err = broker.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            raise
+    assert broker.returncode == 0, err
+    assert "received SIGTERM: shutting down" in err
+
+
+def test_bad_config_value_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[queues]\nflow_stop_percent = 120\n")
+    result = subprocess.run([FLOWBROKER, "serve", "--config", str(config)], capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0
+    assert "[queues] flow_stop_percent = 120: must be a number in [0, 100]" in result.stderr
+
+
+def test_every_command_has_help() -> None:
+    for command in ([], ["serve"], ["publish"], ["consume"]):
+        result = subprocess.run([FLOWBROKER, *command, "--help"], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0 and "Usage:" in result.stdout
