@@ -234,6 +234,9 @@ class ConnectionHandler:
         while True:
             await trio.sleep(tick)
             now = trio.current_time()
+            if session.fault is not None:  # e.g. the client stopped reading and its outbox overflowed
+                self.close(_Closing(session.fault.code, str(session.fault)))
+                return
             silent = now - self.last_received
             if silent >= idle:
                 self.close(_Closing(ErrorCode.IDLE_TIMEOUT, f"no traffic for {silent:.1f}s (idle_timeout {idle}s)"))
