@@ -390,6 +390,16 @@ class Connection:
         await self._credit_lot.park()
 
     def _on_complete(self, frame: Complete) -> None:
+        # Completing an id never sent is a broker bug; refusing it also bounds the loops below by
+        # what we actually sent, so a COMPLETE naming id 2**63 cannot spin this task.
+        highest_sent = self._next_transfer_id - 1
+        if frame.cumulative_id > highest_sent or any(last > highest_sent for _, last in frame.ranges):
+            self._protocol_violation(
+                f"COMPLETE names transfer ids up to {max([frame.cumulative_id, *(l for _, l in frame.ranges)])} "
+                f"but only {highest_sent} were sent",
+                ErrorCode.UNEXPECTED_FRAME,
+            )
+            return
         inflight = self._inflight
         completed = 0
         if frame.cumulative_id > self._cumulative:

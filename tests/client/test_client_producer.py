@@ -9,7 +9,17 @@ import trio
 import trio.testing
 
 import flowbroker.client as fc
-from flowbroker.protocol import BufferAck, BufferControl, Error, ErrorCode, FlowResumed, FlowStopped, Transfer, message_size
+from flowbroker.protocol import (
+    BufferAck,
+    BufferControl,
+    Complete,
+    Error,
+    ErrorCode,
+    FlowResumed,
+    FlowStopped,
+    Transfer,
+    message_size,
+)
 
 BODY = b"x" * 68  # message_size(BODY) == 100
 SIZE = message_size(BODY)
@@ -224,6 +234,22 @@ async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) 
             await producer.send(BODY, timeout=5)
         await fake.wait_for(lambda: fake.frames(Error) != [])
         assert fake.frames(Error)[0].code == ErrorCode.INVALID_ARGUMENT
+
+
+async def test_complete_naming_unsent_transfers_is_a_protocol_violation(start_broker) -> None:
+    """A COMPLETE for ids never sent is refused at once (and cannot make the client loop to 2**63)."""
+    broker = await start_broker(buffer_size=1000, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q", window=10)
+        await producer.send(BODY)
+        fake = await broker.connection()
+        await fake.wait_for(lambda: len(fake.transfers) == 1)
+        await fake.send(Complete(2**63, []))
+        with pytest.raises(fc.ProtocolViolation, match="only 1 were sent"):
+            with trio.fail_after(5):
+                await producer.flush()
+        await fake.wait_for(lambda: fake.frames(Error) != [])
+        assert fake.frames(Error)[0].code == ErrorCode.UNEXPECTED_FRAME
 
 
 async def test_throughput_smoke(start_broker) -> None:
