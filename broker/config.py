@@ -20,6 +20,7 @@ __all__ = [
     "ConfigError",
     "ServerConfig",
     "QueueDefaults",
+    "AdminConfig",
     "BrokerConfig",
     "load_config",
     "with_credit",
@@ -101,11 +102,53 @@ class QueueDefaults:
         return ThresholdDefaults(self.max_size, self.flow_stop_percent, self.flow_resume_percent)
 
 
+DEFAULT_TOKEN_FILE = "~/.flowbroker/admin-token"
+MIN_TOKEN_LENGTH = 16
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """The management HTTP API (docs/management.md). Every request needs `Authorization: Bearer
+    <token>`; with no token configured the broker generates one at start and writes it to
+    `token_file` (mode 0600), where the CLI finds it."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 5681
+    token: str = ""
+    token_file: str = DEFAULT_TOKEN_FILE
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("admin", "enabled", self.enabled, "must be true or false")
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError("admin", "host", self.host, "must be a non-empty host name or address")
+        _int_range("admin", "port", self.port, 0, 65535)
+        if not isinstance(self.token, str):
+            raise ConfigError("admin", "token", "***", "must be a string")
+        if self.token and (
+            len(self.token) < MIN_TOKEN_LENGTH or not self.token.isascii() or not self.token.isprintable()
+            or any(c.isspace() for c in self.token)
+        ):
+            # The value itself is a secret: never echo it in the error.
+            raise ConfigError(
+                "admin", "token", "***",
+                f"must be at least {MIN_TOKEN_LENGTH} printable ASCII characters without spaces "
+                "(or empty to generate one at start)",
+            )
+        if not isinstance(self.token_file, str) or not self.token_file.strip():
+            raise ConfigError("admin", "token_file", self.token_file, "must be a non-empty path")
+
+    def token_path(self) -> Path:
+        return Path(self.token_file).expanduser()
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     queues: QueueDefaults = field(default_factory=QueueDefaults)
     credit: dict[str, Any] = field(default_factory=dict)  # [credit] table, see credit_policy()
+    admin: AdminConfig = field(default_factory=AdminConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -119,6 +162,7 @@ class BrokerConfig:
         self.server.validate()
         self.queues.validate()
         self.credit_policy()
+        self.admin.validate()
         return self
 
 
@@ -155,16 +199,17 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit"):
-            raise ConfigError(section, "*", None, "unknown section; known: server, queues, credit")
+        if section not in ("server", "queues", "credit", "admin"):
+            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, queues, server")
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
+    admin = _section(AdminConfig, "admin", data.get("admin", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit)).validate()
+    return BrokerConfig(server, queues, dict(credit), admin).validate()
 
 
 def with_credit(config: BrokerConfig, **changes: Any) -> BrokerConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from flowbroker.broker.config import BrokerConfig
@@ -109,6 +110,7 @@ class BrokerCore:
             self._apply_buffer_sizes(self.credit.connect(conn_id), exclude=conn_id)
             session.resize_buffer(self.credit.size_of(conn_id), self.clock_ns())
             if self.producers_stopped:
+                session.now_ns = self.clock_ns()
                 session.admin_stopped(True)
         return session
 
@@ -133,7 +135,7 @@ class BrokerCore:
         """Change the producer credit policy while running; every live buffer is recomputed and pushed."""
         merged = {"quota": self.config.server.memory_quota, **self.config.credit, **settings}
         policy = CreditPolicyConfig.from_mapping(merged)
-        self.config = type(self.config)(self.config.server, self.config.queues, {**self.config.credit, **settings})
+        self.config = replace(self.config, credit={**self.config.credit, **settings})
         self._apply_buffer_sizes(self.credit.reconfigure(policy))
         return policy
 
@@ -254,8 +256,10 @@ class BrokerCore:
         if self.producers_stopped:
             return
         self.producers_stopped = True
+        now = self.clock_ns()
         for s in self.sessions.values():
             if s.flow_control:
+                s.now_ns = now  # the flow state's "since" (otherwise the time of its last transfer)
                 s.admin_stopped(True)
 
     def start_all_producers(self) -> None:
