@@ -109,18 +109,13 @@ class Queue:
         Raises QueueFull when the hard limit refuses it (nothing is enqueued then).
         """
         t = self.thresholds
-        if not t.limits.unlimited:
-            admission = admit(
-                self.overflow, self.count, self.size, t.limits, msg.size, (m.size for m in self.ready)
-            )
-            if admission.verdict is Verdict.REJECT:
-                self.stats.rejected += 1
-                raise QueueFull(self.name, admission)
-            if admission.verdict is Verdict.DROP_HEAD:
-                for _ in range(admission.drop_count):
-                    self._remove(self.ready.popleft())
-                self.stats.dropped += admission.drop_count
-                self._check_resume()  # dropping is a dequeue: it may take the queue under resume
+        limits = t.limits
+        # The overflow policy is consulted only at the hard limit: below it every message is
+        # accepted, and this check is on the path of every transfer.
+        if (limits.max_count and self.count >= limits.max_count) or (
+            limits.max_size and self.size + msg.size > limits.max_size
+        ):
+            self._apply_overflow(msg)
         self._next_seq += 1
         msg.seq = self._next_seq
         self.ready.append(msg)
@@ -129,7 +124,9 @@ class Queue:
         self.stats.enqueued += 1
         if not self.saturated and is_over_stop(self.count, self.size, t):
             self._saturate(now_ns)
-        if self.saturated:
+        # Only flow-controlled producers are held: a legacy producer (HELLO flow_control false) is
+        # never paced (as with stop-all); the hard limit and overflow policy protect the queue from it.
+        if self.saturated and (producer is None or producer.flow_control):
             self.held[msg] = None
             self.stats.held_total += 1
             if producer is not None and producer not in self.stopped_producers:
@@ -140,6 +137,20 @@ class Queue:
             return True
         self.dispatch()
         return False
+
+    def _apply_overflow(self, msg: Message) -> None:
+        """At the hard limit: reject (raise QueueFull) or drop the oldest ready messages to make room."""
+        admission = admit(
+            self.overflow, self.count, self.size, self.thresholds.limits, msg.size, (m.size for m in self.ready)
+        )
+        if admission.verdict is Verdict.REJECT:
+            self.stats.rejected += 1
+            raise QueueFull(self.name, admission)
+        if admission.verdict is Verdict.DROP_HEAD:
+            for _ in range(admission.drop_count):
+                self._remove(self.ready.popleft())
+            self.stats.dropped += admission.drop_count
+            self._check_resume()  # dropping is a dequeue: it may take the queue under resume
 
     def _saturate(self, now_ns: int) -> None:
         t = self.thresholds

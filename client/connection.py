@@ -467,6 +467,8 @@ class Connection:
 
     def _processed(self, nbytes: int, conn_epoch: int, sub_account: _BufferAccount | None, sub_epoch: int) -> None:
         """A delivery was processed (settled, or its handler returned): count it against its buffers."""
+        if conn_epoch < 0 and sub_epoch < 0:
+            return  # counted against no buffer (byte flow control off): nothing to acknowledge
         now_ns = _now_ns()
         ack = self._buffer.processed(nbytes, conn_epoch, now_ns)
         if ack is not None:
