@@ -58,6 +58,10 @@ RTTM_REPLY_FLAG: Final = 0x80
 # ERR flags.
 ERR_HAS_GROUP_TAG_FLAG: Final = 0x08
 
+# ERR error codes (aeron_control_protocol.h / ErrorCode.java); a receiver refusing an image sends 13.
+ERROR_CODE_GENERIC_ERROR: Final = 11
+ERROR_CODE_IMAGE_REJECTED: Final = 13
+
 
 class FrameType(enum.IntEnum):
     """Header type field values (HeaderFlyweight / aeron_udp_protocol.h)."""

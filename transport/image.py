@@ -202,7 +202,9 @@ class Image:
 
         The subscriber's position (and so the SM's consumption position) moves only after the handler
         has returned for every fragment of this call. If the handler raises, the position stays and the
-        fragments of this call are delivered again on the next poll (at-least-once on handler failure).
+        fragments of this call are delivered again on the next poll (at-least-once on handler failure):
+        the reassembly goes back to where it was at the start of the call, so a message whose first
+        fragments were read by an earlier call is still delivered whole.
         """
         sub = self._subscribers.get(subscriber_id)
         if sub is None or sub.state is not SubscriberState.ACTIVE:
@@ -211,6 +213,7 @@ class Image:
         total = 0
         position = sub.position
         limit = self.rebuild_position
+        checkpoint = sub.assembler.checkpoint()
         try:
             while total < fragment_limit and position < limit:
                 position_before = position
@@ -219,9 +222,9 @@ class Image:
                 if position == position_before:
                     break
         except BaseException:
-            # Start this call's fragments afresh next time (a half-assembled message is rebuilt too,
-            # unless this call began mid-message: such a message is dropped like a late join).
-            sub.assembler = FragmentAssembler(sub._deliver)
+            # Re-read this call's fragments next time, with the reassembly as it was when the call began
+            # (the message in progress then keeps its earlier fragments: nothing is dropped).
+            sub.assembler.rollback(checkpoint)
             raise
         finally:
             sub.handler = None

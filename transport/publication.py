@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 from flowbroker.transport.channel import ChannelUri, ControlMode
 from flowbroker.transport.flow_control import FlowControl, MaxFlowControl, flow_control_from_param
@@ -215,6 +215,10 @@ class Publication:
         self._receiver_window = 0
         self._pending_control: list[tuple[bytes, Address]] = []
         self._eos_sent = False
+        #: The last ERR a receiver sent (the reason it refused our image), and an optional callback for
+        #: each one (Aeron's publication error frame handler).
+        self.last_error: ErrorFrame | None = None
+        self.error_handler: Callable[[ErrorFrame, Address], None] | None = None
 
     # ------------------------------------------------------------------------------------ application side
 
@@ -328,10 +332,7 @@ class Publication:
         elif isinstance(frame, RttMeasurement):
             self._on_rttm(frame, source)
         elif isinstance(frame, ErrorFrame):
-            if frame.session_id == self.session_id and frame.stream_id == self.stream_id:
-                self.stats.errors_received += 1
-                self.flow_control.on_error(frame.receiver_id, now_ns)
-                self._receivers.pop(frame.receiver_id, None)
+            self._on_error_frame(frame, source, now_ns)
         else:
             self.stats.invalid_packets += 1
 
@@ -365,6 +366,30 @@ class Publication:
             sm, source, self.sender_limit, self.initial_term_id, self.position_bits_to_shift, now_ns
         )
         self._update_publication_limit()
+
+    def _on_error_frame(self, err: ErrorFrame, source: Address, now_ns: int) -> None:
+        """A receiver refused our image (ERR, e.g. IMAGE_REJECTED): it is gone, as the reference treats it.
+
+        Counted and kept in ``last_error`` (Aeron hands it to the client's publication error handler:
+        ``error_handler`` here). The receiver leaves the flow-control strategy and the connected set at
+        once, so ``min`` flow control stops waiting for it and, if it was the last one, the publication
+        is no longer connected. A dynamically learnt (MDC) destination at that address is dropped, so no
+        more data goes to a receiver that refused it; if it announces itself again it gets a new SETUP.
+        """
+        if err.session_id != self.session_id or err.stream_id != self.stream_id:
+            return  # another publication's (several may share a control port), like SMs and NAKs
+        self.stats.errors_received += 1
+        self.last_error = err
+        self.flow_control.on_error(err.receiver_id, now_ns)
+        self._receivers.pop(err.receiver_id, None)
+        if self.dynamic:
+            self._destinations.pop(source, None)
+        self.sender_limit = self.flow_control.on_idle(
+            now_ns, self.sender_limit, self.sender_position, self._state is not _State.ACTIVE
+        )
+        self._update_publication_limit()
+        if self.error_handler is not None:
+            self.error_handler(err, source)
 
     def _on_nak(self, nak: Nak, now_ns: int) -> None:
         if nak.session_id != self.session_id or nak.stream_id != self.stream_id:

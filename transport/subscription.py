@@ -15,6 +15,7 @@ tethered ones (the default) hold the sender back, untethered ones may be left be
 from __future__ import annotations
 
 import random
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -28,14 +29,19 @@ from flowbroker.transport.congestion import (
 from flowbroker.transport.frames import (
     DATA_HEADER,
     EOS_FLAG,
+    ERROR_CODE_IMAGE_REJECTED,
     MAX_MTU,
+    SETUP_LENGTH,
+    ErrorFrame,
     FrameType,
+    RejectReason,
     RttMeasurement,
     Setup,
     SM_SETUP_FLAG,
     StatusMessage,
     check_data_datagram,
     decode_datagram,
+    encode_error,
     encode_status_message,
 )
 from flowbroker.transport.image import Image, ImageState, ImageTimers, MessageHandler
@@ -47,8 +53,13 @@ __all__ = ["ReceiveChannel", "ReceiverConfig", "Subscription"]
 Address = Hashable
 ImageCallback = Callable[[Image], None]
 
-#: ``AERON_DRIVER_RECEIVER_PENDING_SETUP_TIMEOUT_NS``: don't elicit SETUP for a session more often.
+#: ``AERON_DRIVER_RECEIVER_PENDING_SETUP_TIMEOUT_NS``: don't elicit SETUP for a session more often. Also
+#: the period of the SETUP-eliciting SM a receiver with an explicit control address (MDC) sends to it.
 PENDING_SETUP_TIMEOUT_NS = 1_000_000_000
+
+#: (session, stream) field offsets in a SETUP, read from one that failed validation to address the ERR.
+_SETUP_IDS = struct.Struct("<ii")
+_SETUP_IDS_OFFSET = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +79,11 @@ class ReceiverConfig:
     timers: ImageTimers = ImageTimers()
     max_images: int = 256
     max_pending_setups: int = 1024
-    control_address: Address | None = None  # multicast: SMs/NAKs go to the control group
+    #: Where SMs/NAKs/ERRs go instead of the data's source: multicast, the control group; a subscription
+    #: with an explicit ``control`` (multi-destination-cast), the publication's control address, which
+    #: this receiver also announces itself to every second with a SETUP-eliciting SM (session 0, stream 0,
+    #: as Aeron's receiver does), so a ``control-mode=dynamic`` publication learns it as a destination.
+    control_address: Address | None = None
     seed: int = 0  # NAK backoff randomness (multicast)
 
     @classmethod
@@ -77,7 +92,8 @@ class ReceiverConfig:
     ) -> ReceiverConfig:
         """Receiver settings from a parsed subscription URI (``rcv-wnd``, ``cc``, ``gtag``, ...).
 
-        ``control_address``: for multicast, the resolved control group the I/O shell sends SMs/NAKs to.
+        ``control_address``: the resolved control address the I/O shell sends SMs/NAKs to: for multicast
+        the control group (``channel.control_endpoint``), with an explicit ``control=`` (MDC) that one.
         """
         return cls(
             receiver_id=receiver_id,
@@ -107,6 +123,13 @@ class ReceiveChannel:
         self._next_subscription_id = 1
         self._outbox: list[tuple[bytes, Address]] = []
         self._rng = random.Random(config.seed)
+        # MDC receivers announce themselves to the publication's control address (never multicast ones).
+        self._announces = config.control_address is not None and not config.multicast
+        self._next_announce_ns: int | None = None
+        # Last ERR sent per (session, source) for a refused image: at most one per SM timeout.
+        self._rejections: dict[tuple[int, Address], int] = {}
+        self.announcements_sent = 0
+        self.errors_sent = 0
         self.datagrams_received = 0
         #: One entry per datagram: how it was handled ("data", "heartbeat", "setup", "rttm", "duplicate",
         #: "rejected:<reason>", "unknown_session", "other_stream", "out_of_window", "no_image", ...).
@@ -128,6 +151,8 @@ class ReceiveChannel:
             self, sub_id, self.config.tether if tether is None else tether, on_available_image, on_unavailable_image
         )
         self._subscriptions[sub_id] = sub
+        if self._announces and self._next_announce_ns is None:
+            self._next_announce_ns = now_ns  # announce at the next duty cycle
         for image in self.images.values():
             image.add_subscriber(sub_id, sub.tether, now_ns)
             sub._notify_available(image)
@@ -154,6 +179,8 @@ class ReceiveChannel:
         frames, reason = decode_datagram(data)
         if reason is not None:
             self.dispositions[f"rejected:{reason.value}"] += 1
+            if n >= SETUP_LENGTH and DATA_HEADER.unpack_from(data, 0)[3] == FrameType.SETUP:
+                self._on_invalid_setup(data, reason, source, now_ns)
             return
         frame = frames[0]
         if isinstance(frame, Setup):
@@ -226,6 +253,40 @@ class ReceiveChannel:
             return "so_rcvbuf_too_small"
         return None
 
+    def _on_invalid_setup(
+        self, data: bytes | bytearray | memoryview, reason: RejectReason, source: Address, now_ns: int
+    ) -> None:
+        """A SETUP that failed validation (bad term length, MTU, offset): tell its publication with an ERR."""
+        session_id, stream_id = _SETUP_IDS.unpack_from(data, _SETUP_IDS_OFFSET)
+        if stream_id != self.stream_id or not self._subscriptions:
+            return
+        if self.config.session_id is not None and session_id != self.config.session_id:
+            return
+        self._send_rejection(session_id, source, f"image rejected: invalid SETUP ({reason.value})", now_ns)
+
+    def _send_rejection(self, session_id: int, source: Address, text: str, now_ns: int) -> None:
+        """ERR (code IMAGE_REJECTED) to the publication, at most once per SM timeout per (session, source).
+
+        The 1.47 driver sends an ERR instead of SMs once it refuses an image; the publication then treats
+        this receiver as gone. Our SETUP retries (every 100 ms until an SM) are answered at the SM pace.
+        """
+        key = (session_id, source)
+        last = self._rejections.get(key)
+        if last is not None and now_ns - last < self.config.timers.sm_timeout_ns:
+            return
+        if last is None and len(self._rejections) >= self.config.max_pending_setups:
+            timeout = self.config.timers.sm_timeout_ns
+            for k in [k for k, t in self._rejections.items() if now_ns - t >= timeout]:
+                del self._rejections[k]
+            if len(self._rejections) >= self.config.max_pending_setups:
+                return
+        self._rejections[key] = now_ns
+        err = ErrorFrame(session_id, self.stream_id, self.config.receiver_id, ERROR_CODE_IMAGE_REJECTED, text,
+                         self.config.group_tag)
+        destination = self.config.control_address if self.config.control_address is not None else source
+        self._outbox.append((encode_error(err), destination))
+        self.errors_sent += 1
+
     def _on_setup(self, setup: Setup, source: Address, now_ns: int) -> None:
         if setup.stream_id != self.stream_id:
             self.dispositions["other_stream"] += 1
@@ -250,6 +311,12 @@ class ReceiveChannel:
         problem = self._setup_problem(setup, congestion.max_window_length())
         if problem is not None:
             self.dispositions[f"setup_rejected:{problem}"] += 1
+            self._send_rejection(
+                setup.session_id, source,
+                f"image rejected: {problem} (mtu={setup.mtu}, term-length={setup.term_length}, "
+                f"window={congestion.max_window_length()}, so-rcvbuf={self.config.so_rcvbuf})",
+                now_ns,
+            )
             return
         loss = LossDetector(
             nak_delay_ns=self.config.nak_delay_ns,
@@ -281,6 +348,13 @@ class ReceiveChannel:
         """Run every image's duty cycle; return control datagrams and where to send them."""
         out = self._outbox
         self._outbox = []
+        announce = self._next_announce_ns
+        if announce is not None and self._subscriptions and now_ns - announce >= 0:
+            sm = StatusMessage(0, 0, 0, 0, 0, self.config.receiver_id, None, SM_SETUP_FLAG)
+            assert self.config.control_address is not None
+            out.append((encode_status_message(sm), self.config.control_address))
+            self.announcements_sent += 1
+            self._next_announce_ns = now_ns + PENDING_SETUP_TIMEOUT_NS
         done: list[int] = []
         for session_id, image in self.images.items():
             for frame in image.do_work(now_ns):
@@ -298,6 +372,8 @@ class ReceiveChannel:
     def next_deadline_ns(self, now_ns: int) -> int:
         """When ``do_work`` must run again if nothing arrives."""
         deadline = now_ns + self.config.timers.sm_timeout_ns
+        if self._next_announce_ns is not None and self._subscriptions:
+            deadline = min(deadline, self._next_announce_ns)
         for image in self.images.values():
             deadline = min(deadline, image.next_deadline_ns())
         return deadline

@@ -288,33 +288,44 @@ def scan_for_availability(term: memoryview, term_offset: int, max_length: int) -
 class TermRebuilder(TermLog):
     """Image side: datagrams inserted at their term offset rebuild the publication's log.
 
-    The caller (the image) decides whether a datagram is inside its window before inserting: inserting
-    into a term moves the cleaning up to two terms behind it.
+    The log holds the positions ``[clean_position, clean_position + 3 * term_length)``: below
+    ``clean_position`` the partitions have been zeroed for reuse, and a byte further ahead would land on
+    data of three terms earlier that nobody has released. ``insert`` refuses (and counts in
+    ``out_of_range``) any datagram outside that range; it never cleans on its own, so a datagram however
+    far ahead cannot zero data a subscriber has not read. The owner cleans with ``clean_to`` behind its
+    slowest reader (the image: one term behind the consumption position), and its window (Aeron's
+    ``term_length / 2`` past the last SM) keeps every legitimate datagram inside the range.
     """
 
-    __slots__ = ()
+    __slots__ = ("out_of_range",)
 
     def __init__(self, term_length: int, initial_term_id: int, join_position: int = 0) -> None:
         mask = term_length - 1
         super().__init__(term_length, initial_term_id, clean_position=join_position & ~mask)
+        self.out_of_range = 0
 
     def insert(self, term_id: int, term_offset: int, datagram: Buffer) -> bool:
         """Copy a validated DATA/PAD datagram into its term; False if that slot was already filled.
 
         Like Aeron, a slot whose frame_length is non-zero is not overwritten: duplicates and retransmits of
         data already here cost nothing. (One copy, frame_length included: nothing reads concurrently.)
+        A datagram outside the log's range (see the class) is refused: False, counted in ``out_of_range``.
         """
         count = (term_id - self.initial_term_id) & 0xFFFF_FFFF
         if count & 0x8000_0000:
             count -= 1 << 32
-        begin = count << self.position_bits_to_shift
-        if begin - 2 * self.term_length > self.clean_position:
-            self.clean_to(begin - 2 * self.term_length)
-        term = self.partitions[count % PARTITION_COUNT]
-        if term[term_offset] or _INT32.unpack_from(term, term_offset)[0] != 0:
-            return False
         n = len(datagram)
-        if n < 4:
+        position = (count << self.position_bits_to_shift) + term_offset
+        if (
+            count < 0
+            or position < self.clean_position
+            or position + n > self.clean_position + PARTITION_COUNT * self.term_length
+            or term_offset + n > self.term_length
+        ):
+            self.out_of_range += 1
+            return False
+        term = self.partitions[count % PARTITION_COUNT]
+        if n < 4 or term[term_offset] or _INT32.unpack_from(term, term_offset)[0] != 0:
             return False
         term[term_offset:term_offset + n] = datagram
         return True
@@ -401,6 +412,23 @@ class FragmentAssembler:
     def __init__(self, handler: MessageHandler) -> None:
         self._handler = handler
         self._buffer: bytearray | None = None
+
+    def checkpoint(self) -> tuple[bytearray | None, int]:
+        """The reassembly state now, for ``rollback`` (no copy: the buffer is only ever appended to)."""
+        buffer = self._buffer
+        return buffer, 0 if buffer is None else len(buffer)
+
+    def rollback(self, checkpoint: tuple[bytearray | None, int]) -> None:
+        """Return to a ``checkpoint``: the message in progress then is in progress again, as far as it was.
+
+        The owner re-reads the fragments from the position it had at the checkpoint. A message completed
+        since was handed over as a copy, and a message begun since used a new buffer, so the checkpoint's
+        buffer still holds what it held, plus fragments appended since, which are cut off here.
+        """
+        buffer, length = checkpoint
+        if buffer is not None:
+            del buffer[length:]
+        self._buffer = buffer
 
     def __call__(self, payload: memoryview, flags: int) -> None:
         if flags & UNFRAGMENTED == UNFRAGMENTED:
