@@ -262,6 +262,10 @@ class BrokerCore:
                 s.now_ns = now  # the flow state's "since" (otherwise the time of its last transfer)
                 s.admin_stopped(True)
 
+    def admin_held(self) -> tuple[HeldTransfer, ...]:
+        """Transfers held by stop-all now (for the management views)."""
+        return tuple(self._admin_held)
+
     def start_all_producers(self) -> None:
         if not self.producers_stopped:
             return

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import trio
 
+from flowbroker.broker.admin import AdminServer
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.session import Session, SessionFault
@@ -60,18 +61,32 @@ class BrokerServer:
         self.shutdown_requested = trio.Event()
         self.connections: dict[int, ConnectionHandler] = {}
         self.port: int | None = None
+        self.admin: AdminServer | None = None
+        self.admin_port: int | None = None
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until shutdown() is called or the task is cancelled; then close every connection
         with a reason (SHUTDOWN), after flushing the completions and credit already due."""
         cfg = self.config.server
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
+            try:
+                self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port)
+                self.admin_port = self.admin.bind()
+            except BaseException:
+                for listener in listeners:
+                    await trio.aclose_forcefully(listener)
+                raise
         self.port = listeners[0].socket.getsockname()[1]
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+            if self.admin is not None:
+                await nursery.start(self.admin.serve)
             task_status.started(self.port)
             await self.shutdown_requested.wait()
+            if self.admin is not None:
+                self.admin.shutdown()
             LOGGER.info("shutting down: closing %d connection(s)", len(self.connections))
             for handler in list(self.connections.values()):
                 handler.close(_Closing(ErrorCode.SHUTDOWN, "broker is shutting down", error=False))
@@ -82,6 +97,10 @@ class BrokerServer:
 
     def shutdown(self) -> None:
         self.shutdown_requested.set()
+
+    def peer_of(self, conn_id: int) -> str | None:
+        handler = self.connections.get(conn_id)
+        return handler.peer if handler is not None else None
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         if len(self.connections) >= self.config.server.max_connections:

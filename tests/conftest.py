@@ -13,21 +13,28 @@ from flowbroker.broker.server import BrokerServer
 
 
 class RunningBroker:
-    """A BrokerServer on an ephemeral port; `url` for clients, `core` for assertions and admin calls."""
+    """A BrokerServer on an ephemeral port; `url` for clients, `core` for assertions and admin calls.
+    With `admin={...}` given to start_flowbroker, `admin_url` and `admin_token` reach its HTTP API."""
 
     def __init__(self, server: BrokerServer, port: int):
         self.server = server
         self.core = server.core
         self.port = port
         self.url = f"flowbroker://127.0.0.1:{port}"
+        self.admin_url = f"http://127.0.0.1:{server.admin_port}" if server.admin_port is not None else None
+        self.admin_token = server.admin.token if server.admin is not None else None
 
 
 @pytest.fixture
 def start_flowbroker(nursery: trio.Nursery) -> Callable[..., Awaitable[RunningBroker]]:
-    """`broker = await start_flowbroker(server={...}, queues={...}, credit={...})`."""
+    """`broker = await start_flowbroker(server={...}, queues={...}, credit={...})`. The admin API is
+    off unless an `admin={...}` section is given (then it listens on 127.0.0.1, port 0)."""
 
     async def start(**sections: dict[str, Any]) -> RunningBroker:
-        overrides: dict[str, dict[str, Any]] = {"server": {"port": 0, "memory_quota": 1 << 30}}
+        overrides: dict[str, dict[str, Any]] = {
+            "server": {"port": 0, "memory_quota": 1 << 30},
+            "admin": {"enabled": "admin" in sections, "host": "127.0.0.1", "port": 0},
+        }
         for name, values in sections.items():
             overrides.setdefault(name, {}).update(values)
         server = BrokerServer(load_config(None, overrides))

@@ -33,7 +33,8 @@ def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
 def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
     port = _free_port()
     config = tmp_path / "flowbroker.toml"
-    config.write_text(f'[server]\nport = {port}\nidle_timeout = 30.0\n\n[credit]\npolicy = "static"\n')
+    config.write_text(f'[server]\nport = {port}\nidle_timeout = 30.0\n\n[credit]\npolicy = "static"\n\n'
+                      f'[admin]\nport = 0\ntoken_file = "{tmp_path / "admin-token"}"\n')
     url = f"flowbroker://127.0.0.1:{port}"
     broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
     try:

@@ -1,0 +1,344 @@
+"""The management HTTP API: a thin Starlette app over `BrokerCore`, served by hypercorn inside the
+broker's own `trio.run` (docs/management.md).
+
+Every request needs the admin credential, `Authorization: Bearer <token>` (401 without it, 403 with a
+wrong one). Endpoints only translate HTTP to core calls and core objects to JSON through
+flowbroker.broker.views; every endpoint is `async def`, so it runs on the trio thread like the
+rest of the broker (Starlette would run a plain `def` endpoint in a worker thread, racing the core).
+Errors are `{"error": {"code": ..., "message": ..., "field": ...}}` with the HTTP status that fits.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from flowbroker.broker import views
+from flowbroker.broker.config import AdminConfig
+from flowbroker.broker.core import BrokerCore, RequestError
+from flowbroker.policies.credit import PolicyConfigError
+from flowbroker.protocol.errors import ErrorCode
+
+__all__ = ["AdminServer", "AdminStartError", "create_app", "resolve_token", "write_token_file"]
+
+LOGGER = logging.getLogger("flowbroker.broker.admin")
+HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
+MAX_BODY = 64 * 1024
+
+PeerOf = Callable[[int], str | None]
+
+
+class AdminStartError(Exception):
+    """The admin API cannot start (token file not writable, address in use); the broker does not start."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+def _error_response(status: int, code: str, message: str, field: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if field is not None:
+        body["field"] = field
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+# -- the credential ----------------------------------------------------------------------------
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write `token` to `path` with mode 0600 (its folder 0700 when created), atomically: a CLI that
+    reads the file while the broker starts sees the old token or the new one, never half of it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".admin-token.", dir=path.parent)  # mkstemp creates it 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def resolve_token(config: AdminConfig) -> str:
+    """The configured token, or a fresh random one written to `token_file` for the CLI to read."""
+    if config.token:
+        return config.token
+    token = secrets.token_urlsafe(32)
+    path = config.token_path()
+    try:
+        write_token_file(path, token)
+    except OSError as exc:
+        raise AdminStartError(
+            f"[admin] token_file = {config.token_file!r}: cannot write the generated admin token: "
+            f"{exc.strerror or exc}; set [admin] token or another token_file"
+        ) from None
+    LOGGER.info("no [admin] token configured: generated one and wrote it to %s (mode 0600)", path)
+    return token
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    header = value
+                    break
+            scheme, _, credential = header.partition(b" ")
+            if not header or scheme.lower() != b"bearer" or not credential.strip():
+                response = _error_response(
+                    401, "unauthorized",
+                    "the admin API needs 'Authorization: Bearer <token>' ([admin] token, or the token file)",
+                    headers={"WWW-Authenticate": 'Bearer realm="flowbroker"'},
+                )
+                await response(scope, receive, send)
+                return
+            if not hmac.compare_digest(credential.strip(), self._token):
+                response = _error_response(403, "forbidden", "the admin token is wrong")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+def _json_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Turn a handler's result into JSON and its errors into the error object."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            result = await handler(request)
+        except ApiError as exc:
+            return _error_response(exc.status, exc.code, exc.message, exc.field)
+        except RequestError as exc:
+            status = 404 if exc.code is ErrorCode.NOT_FOUND else 400
+            code = "not_found" if status == 404 else "invalid_argument"
+            return _error_response(status, code, str(exc), None if status == 404 else _field_in(str(exc)))
+        except PolicyConfigError as exc:
+            return _error_response(400, "invalid_argument", f"{exc.key}: {exc.reason} (got {exc.value!r})", exc.key)
+        return JSONResponse(result)
+
+    return endpoint
+
+
+def _field_in(message: str) -> str | None:
+    """The argument a core RequestError names as 'unknown queue argument 'x''."""
+    if "'" in message:
+        return message.split("'")[1]
+    return None
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, "too_large", f"request body over {MAX_BODY} bytes")
+    if not raw.strip():
+        raise ApiError(400, "invalid_json", "the request needs a JSON object body")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_json", "the body must be a JSON object")
+    return body
+
+
+class AdminApi:
+    """The endpoints, bound to one core. `peer_of(conn_id)` gives a connection's peer address."""
+
+    def __init__(self, core: BrokerCore, peer_of: PeerOf | None = None,
+                 ports: Callable[[], tuple[int | None, int | None]] | None = None):
+        self.core = core
+        self.peer_of = peer_of
+        self.ports = ports
+
+    def now(self) -> int:
+        return self.core.clock_ns()
+
+    async def broker(self, request: Request) -> Any:
+        port, admin_port = self.ports() if self.ports else (None, None)
+        return views.broker_view(self.core, port=port, admin_port=admin_port)
+
+    async def list_queues(self, request: Request) -> Any:
+        return {"queues": views.queues_view(self.core, self.now())}
+
+    async def show_queue(self, request: Request) -> Any:
+        queue = self.core.get_queue(request.path_params["name"])
+        return views.queue_view(queue, self.now())
+
+    async def patch_queue(self, request: Request) -> Any:
+        name = request.path_params["name"]
+        self.core.get_queue(name)  # 404 before 400: an unknown queue is the first thing wrong
+        body = await _json_body(request)
+        if not body:
+            raise ApiError(400, "invalid_argument", f"give at least one of: {', '.join(views.THRESHOLD_KEYS)}")
+        for key, value in body.items():
+            if key not in views.THRESHOLD_KEYS:
+                raise ApiError(400, "invalid_argument",
+                               f"unknown threshold {key!r}; known: {', '.join(views.THRESHOLD_KEYS)}", key)
+            if key == "overflow":
+                if not isinstance(value, str):
+                    raise ApiError(400, "invalid_argument", "overflow must be \"reject\" or \"drop-head\"", key)
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ApiError(400, "invalid_argument", f"{key} must be an integer >= 0 (or null for the default)", key)
+        queue = self.core.set_queue_thresholds(name, body)
+        LOGGER.info("admin: queue %r thresholds changed: %s", name, body)
+        return views.queue_view(queue, self.now())
+
+    async def list_connections(self, request: Request) -> Any:
+        return {"connections": views.connections_view(self.core, self.now(), self.peer_of)}
+
+    async def stop_all(self, request: Request) -> Any:
+        self.core.stop_all_producers()
+        LOGGER.warning("admin: all producers stopped")
+        return self._producers()
+
+    async def start_all(self, request: Request) -> Any:
+        self.core.start_all_producers()
+        LOGGER.warning("admin: all producers started")
+        return self._producers()
+
+    def _producers(self) -> dict[str, Any]:
+        flow_controlled = [s.conn_id for s in self.core.sessions.values() if s.flow_control]
+        return {"producers_stopped": self.core.producers_stopped, "connections": flow_controlled}
+
+    async def get_policy(self, request: Request) -> Any:
+        return views.policy_view(self.core)
+
+    async def put_policy(self, request: Request) -> Any:
+        body = await _json_body(request)
+        if not body:
+            raise ApiError(400, "invalid_argument", "give the policy and/or any [credit] key")
+        for key, value in body.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ApiError(400, "invalid_argument", f"{key} must be a number or a string", key)
+        self.core.set_credit_policy(**body)
+        LOGGER.info("admin: credit policy changed: %s", body)
+        return views.policy_view(self.core)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return _error_response(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+    if exc.status_code == 404:
+        return _error_response(404, "not_found", f"no endpoint {request.url.path}")
+    return _error_response(exc.status_code, "http_error", str(exc.detail))
+
+
+def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
+               ports: Callable[[], tuple[int | None, int | None]] | None = None) -> ASGIApp:
+    """The admin ASGI app: Starlette routes behind bearer-token auth."""
+    api = AdminApi(core, peer_of, ports)
+    j = _json_endpoint
+    routes = [
+        Route("/api/broker", j(api.broker), methods=["GET"]),
+        Route("/api/queues", j(api.list_queues), methods=["GET"]),
+        Route("/api/queues/{name:str}", j(api.show_queue), methods=["GET"]),
+        Route("/api/queues/{name:str}", j(api.patch_queue), methods=["PATCH"]),
+        Route("/api/connections", j(api.list_connections), methods=["GET"]),
+        Route("/api/producers/stop-all", j(api.stop_all), methods=["POST"]),
+        Route("/api/producers/start-all", j(api.start_all), methods=["POST"]),
+        Route("/api/policy", j(api.get_policy), methods=["GET"]),
+        Route("/api/policy", j(api.put_policy), methods=["PUT"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
+    return BearerAuth(app, token)
+
+
+# -- the server --------------------------------------------------------------------------------
+
+
+class AdminServer:
+    """Serves the admin app with hypercorn's trio worker.
+
+    `bind()` (synchronous, before any nursery, so an address in use is a plain `AdminStartError` and
+    not an exception group) opens the listening socket and learns the port; `await
+    nursery.start(admin.serve)` serves on it; `shutdown()` stops it gracefully."""
+
+    def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
+                 broker_port: Callable[[], int | None] | None = None):
+        self.config = config
+        self.core = core
+        self.token = resolve_token(config)
+        self.port: int | None = None
+        self._fd: int | None = None
+        self._broker_port = broker_port or (lambda: None)
+        self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port))
+        self._shutdown = trio.Event()
+
+    def bind(self) -> int:
+        host, port = self.config.host, self.config.port
+        try:
+            family, type_, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            sock = socket.socket(family, type_, proto)
+        except OSError as exc:
+            raise AdminStartError(f"[admin] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)  # connections wait in the backlog until hypercorn accepts them
+        except OSError as exc:
+            sock.close()
+            raise AdminStartError(f"[admin] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        self.port = int(sock.getsockname()[1])
+        self._fd = sock.detach()  # hypercorn takes the socket over by its descriptor
+        return self.port
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._fd is None:
+            self.bind()
+        assert self._fd is not None and self.port is not None
+        fd, self._fd = self._fd, None
+        cfg = HypercornConfig()
+        cfg.bind = [f"fd://{fd}"]
+        cfg.accesslog = None
+        cfg.errorlog = HTTP_LOGGER
+        cfg.graceful_timeout = 2.0
+        LOGGER.info("admin API on http://%s:%d", self.config.host, self.port)
+        task_status.started(self.port)
+        await hypercorn_serve(self.app, cfg, shutdown_trigger=self._shutdown.wait)  # type: ignore[arg-type]

@@ -1,0 +1,251 @@
+"""JSON views of the broker's state for the management API (docs/management.md).
+
+Pure functions from core objects (queues, sessions, the credit allocator) to plain dicts of str, int,
+float, bool, None, lists and dicts: what `json.dumps` takes. They read and never change anything,
+and take the time as an argument (`now_ns`, on the core's clock), so they are tested without HTTP
+and without a clock. Durations are in seconds ("for how long"), not timestamps, because the core's
+clock is trio's monotonic clock, which means nothing outside the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+from typing import Any
+
+from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.message import HeldTransfer
+from flowbroker.broker.queue import Queue
+from flowbroker.broker.session import ADMIN_DESTINATION, Session
+from flowbroker.broker.subscription import Subscription
+from flowbroker.policies.credit import CreditPolicyConfig
+from flowbroker.protocol.credit import BufferLog
+
+__all__ = [
+    "THRESHOLD_KEYS",
+    "queue_view",
+    "queues_view",
+    "connection_view",
+    "connections_view",
+    "policy_view",
+    "broker_view",
+    "held_by_connection",
+    "connection_role",
+]
+
+THRESHOLD_KEYS = (
+    "flow_stop_count",
+    "flow_resume_count",
+    "flow_stop_size",
+    "flow_resume_size",
+    "max_count",
+    "max_size",
+    "overflow",
+)
+"""Every key of a queue's `thresholds` object, which is also what PATCH /api/queues/{name} accepts."""
+
+PeerOf = Callable[[int], str | None]
+
+
+def _seconds(now_ns: int, since_ns: int) -> float:
+    return round(max(0, now_ns - since_ns) / 1e9, 3)
+
+
+def _buffer(log: BufferLog) -> dict[str, int]:
+    """A byte buffer the broker sends into (a consumer's): size 0 = no flow control."""
+    return {"size": log.max_bytes, "unacked": log.outstanding}
+
+
+# -- queues ------------------------------------------------------------------------------------
+
+
+def _subscription(sub: Subscription) -> dict[str, Any]:
+    return {
+        "connection": sub.session.conn_id,
+        "client_name": sub.session.client_name,
+        "subscription": sub.sub_id,
+        "queue": sub.queue.name,
+        "prefetch": sub.prefetch,
+        "unsettled": sub.unsettled,
+        "delivered": sub.delivered_total,
+        "buffer": _buffer(sub.buffer),
+    }
+
+
+def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
+    t = queue.thresholds
+    stats = queue.stats
+    threshold, limit, value = queue.stop_reason
+    return {
+        "name": queue.name,
+        "durable": queue.durable,
+        "depth": {"count": queue.count, "bytes": queue.size, "ready": len(queue.ready)},
+        "thresholds": {
+            "flow_stop_count": t.flow_stop_count,
+            "flow_resume_count": t.flow_resume_count,
+            "flow_stop_size": t.flow_stop_size,
+            "flow_resume_size": t.flow_resume_size,
+            "max_count": t.max_count,
+            "max_size": t.max_size,
+            "overflow": queue.overflow.value,
+        },
+        "saturated": queue.saturated,
+        "saturated_for_seconds": _seconds(now_ns, stats.saturated_since_ns) if queue.saturated else None,
+        "stop_reason": {"threshold": threshold, "limit": limit, "value": value} if queue.saturated else None,
+        "held_transfers": len(queue.held),
+        "flow_stopped_producers": [
+            {"connection": s.conn_id, "client_name": s.client_name} for s in queue.stopped_producers
+        ],
+        "subscriptions": [_subscription(sub) for sub in queue.subscriptions],
+        "counters": {
+            "enqueued": stats.enqueued,
+            "dequeued": stats.dequeued,
+            "rejected": stats.rejected,
+            "dropped": stats.dropped,
+            "flow_stopped_count": stats.flow_stopped_count,
+            "held_total": stats.held_total,
+        },
+    }
+
+
+def queues_view(core: BrokerCore, now_ns: int) -> list[dict[str, Any]]:
+    return [queue_view(q, now_ns) for _, q in sorted(core.queues.items())]
+
+
+# -- connections -------------------------------------------------------------------------------
+
+
+def held_by_connection(core: BrokerCore) -> dict[int, int]:
+    """Transfers held now, per connection id: each held transfer once, however many queues (and an
+    admin stop) hold it."""
+    transfers: dict[int, HeldTransfer] = {}
+    for queue in core.queues.values():
+        for msg in queue.held:
+            if msg.held is not None:
+                transfers[id(msg.held)] = msg.held
+    for transfer in core.admin_held():
+        transfers[id(transfer)] = transfer
+    counts: dict[int, int] = {}
+    for transfer in transfers.values():
+        conn_id = transfer.session.conn_id
+        counts[conn_id] = counts.get(conn_id, 0) + 1
+    return counts
+
+
+def connection_role(session: Session) -> str:
+    """producer (has sent transfers), consumer (has subscriptions), both, or idle."""
+    produced = session.next_transfer_id > 1
+    consumes = bool(session.subscriptions)
+    if produced and consumes:
+        return "both"
+    if produced:
+        return "producer"
+    if consumes:
+        return "consumer"
+    return "idle"
+
+
+def _flow(session: Session, now_ns: int) -> dict[str, Any]:
+    destinations: list[dict[str, Any]] = []
+    for name, (queue, since_ns) in session.flow_stopped_on.items():
+        entry: dict[str, Any] = {"destination": name, "stopped_for_seconds": _seconds(now_ns, since_ns)}
+        if queue is not None:
+            threshold, limit, value = queue.stop_reason
+            entry.update(reason="queue", threshold=threshold, limit=limit, value=value)
+        else:
+            entry.update(reason="admin", threshold="admin", limit=0, value=0)
+        destinations.append(entry)
+    since = [since_ns for _, since_ns in session.flow_stopped_on.values()]
+    return {
+        "stopped": bool(destinations),
+        "stopped_for_seconds": _seconds(now_ns, min(since)) if since else None,
+        "blocking_queues": [d for d, (q, _) in session.flow_stopped_on.items() if q is not None],
+        "admin_stopped": ADMIN_DESTINATION in session.flow_stopped_on,
+        "destinations": destinations,
+    }
+
+
+def connection_view(session: Session, now_ns: int, *, peer: str | None = None, held: int = 0) -> dict[str, Any]:
+    """One connection. `held` is its transfers held now (see held_by_connection); `peer` its address."""
+    credit = session.credit
+    received = session.received_bytes
+    return {
+        "id": session.conn_id,
+        "client_name": session.client_name,
+        "peer": peer,
+        "identity": session.identity,
+        "role": connection_role(session),
+        "flow_control": session.flow_control,
+        "producer": {
+            "buffer_size": session.buffer_size,
+            "received_bytes": received,
+            "acknowledged_bytes": credit.advertised_total,
+            "unacked_bytes": received - credit.advertised_total,
+            "completed_bytes": credit.processed_total,
+            "transfers": session.next_transfer_id - 1,
+            "transfers_held": held,
+            "transfers_held_total": session.transfers_held,
+        },
+        "flow": _flow(session, now_ns),
+        "consumer": {
+            "buffer": _buffer(session.consumer_buffer),
+            "subscriptions": [_subscription(sub) for _, sub in sorted(session.subscriptions.items())],
+            "unsettled": len(session.unsettled),
+        },
+    }
+
+
+def connections_view(core: BrokerCore, now_ns: int, peer_of: PeerOf | None = None) -> list[dict[str, Any]]:
+    held = held_by_connection(core)
+    return [
+        connection_view(s, now_ns, peer=peer_of(cid) if peer_of else None, held=held.get(cid, 0))
+        for cid, s in sorted(core.sessions.items())
+    ]
+
+
+# -- credit policy -----------------------------------------------------------------------------
+
+
+def _policy_settings(config: CreditPolicyConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        if f.init:
+            value = getattr(config, f.name)
+            out[f.name] = value.value if f.name == "policy" else value
+    return out
+
+
+def policy_view(core: BrokerCore, sessions: Iterable[Session] | None = None) -> dict[str, Any]:
+    """The credit policy in force and the producer buffers it grants now (sum and per connection)."""
+    allocator = core.credit
+    sizes = allocator.sizes()
+    live = {s.conn_id: s for s in (core.sessions.values() if sessions is None else sessions)}
+    return {
+        "policy": _policy_settings(allocator.config),
+        "producers_stopped": core.producers_stopped,
+        "granted": {
+            "total": sum(sizes.values()),
+            "connections": [
+                {
+                    "connection": cid,
+                    "client_name": live[cid].client_name if cid in live else None,
+                    "buffer_size": size,
+                }
+                for cid, size in sizes.items()
+            ],
+        },
+    }
+
+
+def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | None = None) -> dict[str, Any]:
+    return {
+        "name": core.config.server.name,
+        "port": port,
+        "admin_port": admin_port,
+        "connections": len(core.sessions),
+        "queues": len(core.queues),
+        "exchanges": sorted(core.exchanges),
+        "producers_stopped": core.producers_stopped,
+        "credit_policy": core.credit.config.policy.value,
+        "unroutable": core.unroutable,
+    }
