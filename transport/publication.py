@@ -275,6 +275,11 @@ class Publication:
         """At least one live receiver, and as many as the flow-control strategy requires."""
         return bool(self._receivers) and self.flow_control.has_required_receivers()
 
+    @property
+    def receiver_count(self) -> int:
+        """Receivers heard from (by receiver id) and not yet gone (timeout, EOS SM or ERR)."""
+        return len(self._receivers)
+
     def offer(self, payload: bytes | bytearray | memoryview) -> int:
         """Append one message; return the new position, or an ``OfferResult`` (negative) saying why not."""
         if self._state is not _State.ACTIVE:
