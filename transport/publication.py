@@ -450,6 +450,10 @@ class Publication:
         """The latest time ``do_work`` must run again if nothing arrives (timers: SETUP, heartbeat, resend)."""
         if self._has_initial_connection:
             deadline = self._time_of_last_send_ns + self.config.heartbeat_interval_ns
+        elif self._setup_due_ns is not None:
+            # Not connected: the next SETUP. (Not the time of the last data send, which has not moved since
+            # creation: a deadline in the past made the I/O shell spin without reading the first SM.)
+            deadline = self._setup_due_ns
         else:
             deadline = self._time_of_last_send_ns + self.config.setup_interval_ns
         if self._state is _State.LINGER:

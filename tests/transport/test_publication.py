@@ -226,3 +226,13 @@ def test_from_channel_uses_the_uri_parameters() -> None:
     pub = Publication.from_channel(channel, 10, 42, 0, destination=("127.0.0.1", 40456))
     assert pub.mtu == 4096 and pub.term_length == 128 * 1024 and pub.publication_window == 8192
     assert isinstance(pub.flow_control, MinFlowControl) and pub.flow_control.group_min_size == 2
+
+
+def test_next_deadline_before_the_first_sm_is_the_next_setup() -> None:
+    """An unconnected publication's deadline moves with its SETUPs (a stale one made the shell spin)."""
+    pub = make()
+    assert pub.next_deadline_ns() == 0
+    for step in range(5):
+        now = step * 100 * MS
+        assert isinstance(frames(pub.do_work(now))[0], Setup)
+        assert pub.next_deadline_ns() == now + 100 * MS

@@ -56,3 +56,28 @@ async def test_messages_arrive_in_order_over_loopback_and_end_of_stream_tears_do
     assert publication.stats.data_datagrams_sent > 0
     assert channel.dispositions["data"] > 0
     assert publication.stats.setups_sent >= 1
+
+
+async def test_a_refused_image_comes_back_to_the_publication_as_an_err_frame() -> None:
+    """The receiver refuses the publication's MTU (larger than its window): ERR over the wire, never connected."""
+    sub_endpoint = open_udp(("127.0.0.1", 0))
+    port = sub_endpoint.local_address[1]
+    channel = ReceiveChannel(10, ReceiverConfig(receiver_id=77, receiver_window=4096))
+    channel.add_subscription(0)
+    pub_endpoint = open_udp(("127.0.0.1", 0))
+    uri = parse_channel(f"aeron:udp?endpoint=127.0.0.1:{port}|mtu=8k|term-length=64k")
+    publication = Publication.from_channel(uri, 10, 5002, int(trio.current_time() * 1e9),
+                                           destination=sub_endpoint.local_address)
+    pub_driver = PublicationDriver(publication, pub_endpoint)
+    sub_driver = SubscriptionDriver(channel, sub_endpoint)
+    with trio.fail_after(10):
+        async with pub_endpoint, sub_endpoint, trio.open_nursery() as nursery:
+            nursery.start_soon(pub_driver.run)
+            nursery.start_soon(sub_driver.run)
+            while publication.stats.errors_received < 2:
+                await trio.sleep(0.01)
+            assert await pub_driver.publish(b"x", deadline=trio.current_time()) == OfferResult.NOT_CONNECTED
+            nursery.cancel_scope.cancel()
+    assert publication.last_error is not None and publication.last_error.receiver_id == 77
+    assert "mtu_exceeds_window" in publication.last_error.message
+    assert not channel.images and channel.errors_sent >= 2
