@@ -7,17 +7,26 @@ closed with a reason.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-import trio
 
-from flowbroker.broker.config import ConfigError, load_config
-from flowbroker.broker.server import BrokerServer
+from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from flowbroker.broker.server import BrokerServer
+
+# trio, the server and the SDK are imported by the commands that use them: the management
+# commands only talk HTTP and should start fast.
 
 __all__ = ["main"]
 
@@ -67,34 +76,71 @@ def main(verbose: int) -> None:
 @click.option("--credit-policy", type=click.Choice(["none", "static", "dynamic", "aggressive"]),
               help="Producer credit policy [default: aggressive].")
 @click.option("--idle-timeout", type=float, help="Seconds of silence before a peer is declared dead [default: 60].")
+@click.option("--admin-host", help="Address of the management HTTP API [default: 127.0.0.1].")
+@click.option("--admin-port", type=int, help="Port of the management HTTP API (0 = any free) [default: 5681].")
+@click.option("--admin/--no-admin", "admin_enabled", default=None, help="Serve the management HTTP API [default: on].")
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
-          credit_policy: str | None, idle_timeout: float | None) -> None:
+          credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
+          admin_enabled: bool | None) -> None:
     """Run the broker until SIGINT or SIGTERM."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
         "credit": {"policy": credit_policy},
+        "admin": {"host": admin_host, "port": admin_port, "enabled": admin_enabled},
     }
     try:
         config = load_config(config_path, overrides)
     except ConfigError as exc:
         raise click.ClickException(f"configuration error: {exc}") from None
+    import trio
+
+    from flowbroker.broker.admin import AdminStartError
+
     try:
         trio.run(_serve, config)
-    except OSError as exc:
-        raise click.ClickException(f"cannot listen on {config.server.host}:{config.server.port}: {exc.strerror}") from None
+    except Exception as exc:  # trio wraps what a nursery raised in exception groups
+        admin_error = _find(exc, AdminStartError)
+        if admin_error is not None:
+            raise click.ClickException(str(admin_error)) from None
+        os_error = _find(exc, OSError)
+        if isinstance(os_error, OSError):
+            raise click.ClickException(
+                f"cannot listen on {config.server.host}:{config.server.port}: {os_error.strerror or os_error}"
+            ) from None
+        raise
+
+
+def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first `kind` in `exc` or, depth first, in the exception groups it is wrapped in."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find(inner, kind)
+            if found is not None:
+                return found
+    return None
 
 
 async def _serve(config: Any) -> None:
+    import trio
+
+    from flowbroker.broker.server import BrokerServer
+
     server = BrokerServer(config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, server)
         port = await nursery.start(server.serve)
         print(f"flowbroker listening on {config.server.host}:{port}", file=sys.stderr, flush=True)
+        if server.admin_port is not None:
+            print(f"admin API on http://{config.admin.host}:{server.admin_port}", file=sys.stderr, flush=True)
         await server.shutdown_requested.wait()
     logging.getLogger("flowbroker").info("stopped")
 
 
 async def _stop_on_signal(server: BrokerServer) -> None:
+    import trio
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             logging.getLogger("flowbroker").info("received %s: shutting down", signal.Signals(signum).name)
@@ -114,6 +160,8 @@ async def _stop_on_signal(server: BrokerServer) -> None:
 def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float,
             messages: tuple[str, ...]) -> None:
     """Publish MESSAGES (or lines from stdin) and wait until the broker completed them all."""
+    import trio
+
     import flowbroker.client as fb
 
     bodies = [m.encode() for m in messages] or [line.rstrip("\n").encode() for line in sys.stdin]
@@ -146,6 +194,8 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
 @click.argument("queue")
 def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> None:
     """Print messages from QUEUE, one per line, acknowledging each after it is printed."""
+    import trio
+
     import flowbroker.client as fb
 
     async def run() -> None:
@@ -167,3 +217,351 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
         pass
     except Exception as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+
+# -- management: the admin HTTP API (docs/management.md) -----------------------------------------
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
+THRESHOLD_OPTIONS = ("flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
+                     "max_count", "max_size", "overflow")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class AdminClient:
+    """The admin API over HTTP with the standard library; every failure is a ClickException."""
+
+    def __init__(self, url: str, token: str | None, token_file: str, timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        if token:
+            self.token, self.token_source = token, "--token / FLOWBROKER_ADMIN_TOKEN"
+            return
+        path = Path(token_file).expanduser()
+        try:
+            self.token = path.read_text().strip()
+        except OSError as exc:
+            raise click.ClickException(
+                f"no admin token: pass --token or set FLOWBROKER_ADMIN_TOKEN, or run where the broker wrote "
+                f"its generated token ({path}: {exc.strerror or exc})"
+            ) from None
+        if not self.token:
+            raise click.ClickException(f"no admin token: {path} is empty")
+        self.token_source = str(path)
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
+                     "Accept": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raise click.ClickException(self._describe(exc.code, exc.read())) from None
+        except urllib.error.URLError as exc:
+            reason = getattr(exc.reason, "strerror", None) or exc.reason
+            raise click.ClickException(
+                f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
+            ) from None
+        except (TimeoutError, OSError) as exc:
+            raise click.ClickException(f"admin API at {self.url}: {exc}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise click.ClickException(f"admin API at {self.url} answered something that is not JSON") from None
+        if not isinstance(answer, dict):
+            raise click.ClickException(f"admin API at {self.url} answered an unexpected {type(answer).__name__}")
+        return answer
+
+    def _describe(self, status: int, raw: bytes) -> str:
+        try:
+            error = json.loads(raw)["error"]
+            message = f"{error['message']}"
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace")[:200] or "no details"
+        text = f"admin API: HTTP {status}: {message}"
+        if status in (401, 403):
+            text += f" (token from {self.token_source})"
+        return text
+
+
+def _admin_options(func: F) -> F:
+    """--admin-url, --token, --token-file and --json, shared by every management command."""
+    for option in reversed((
+        click.option("--admin-url", envvar="FLOWBROKER_ADMIN_URL", default=DEFAULT_ADMIN_URL, show_default=True,
+                     show_envvar=True, help="The broker's admin API."),
+        click.option("--token", envvar="FLOWBROKER_ADMIN_TOKEN", show_envvar=True,
+                     help="Admin token ([admin] token). Default: read from --token-file."),
+        click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True,
+                     help="File where a broker without a configured token writes the one it generated."),
+        click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer (for scripts)."),
+    )):
+        func = option(func)
+    return func
+
+
+def _client(options: dict[str, Any]) -> tuple[AdminClient, bool]:
+    return AdminClient(options["admin_url"], options["token"], options["token_file"]), bool(options["as_json"])
+
+
+def _print_json(answer: Any) -> None:
+    click.echo(json.dumps(answer, indent=2, sort_keys=False))
+
+
+def _size_text(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= factor:
+            value = n / factor
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{n}B"
+
+
+def _limit(n: int, size: bool = False) -> str:
+    """A threshold: 0 means off."""
+    if not n:
+        return "-"
+    return _size_text(n) if size else str(n)
+
+
+def _seconds_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(headers)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def _producers_text(producers: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
+
+
+def _queue_rows(queues: list[dict[str, Any]]) -> str:
+    rows = []
+    for q in queues:
+        t = q["thresholds"]
+        saturated = f"yes {_seconds_text(q['saturated_for_seconds'])}" if q["saturated"] else "no"
+        rows.append([
+            q["name"], q["depth"]["count"], _size_text(q["depth"]["bytes"]),
+            f"{_limit(t['flow_stop_count'])}/{_limit(t['flow_stop_size'], True)}",
+            f"{_limit(t['flow_resume_count'])}/{_limit(t['flow_resume_size'], True)}",
+            f"{_limit(t['max_count'])}/{_limit(t['max_size'], True)}", t["overflow"],
+            saturated, q["held_transfers"], _producers_text(q["flow_stopped_producers"]),
+        ])
+    return _table(["QUEUE", "MESSAGES", "BYTES", "STOP n/size", "RESUME n/size", "MAX n/size", "OVERFLOW",
+                   "SATURATED", "HELD", "FLOW-STOPPED PRODUCERS"], rows)
+
+
+def _queue_text(q: dict[str, Any]) -> str:
+    t = q["thresholds"]
+    c = q["counters"]
+    if q["saturated"]:
+        reason = q["stop_reason"]
+        saturated = (f"yes, for {_seconds_text(q['saturated_for_seconds'])} "
+                     f"({reason['threshold']}: {reason['value']} > {reason['limit']})")
+    else:
+        saturated = "no"
+    lines = [
+        ("queue", q["name"]),
+        ("depth", f"{q['depth']['count']} messages, {_size_text(q['depth']['bytes'])} ({q['depth']['ready']} ready)"),
+        ("flow stop", f"count {_limit(t['flow_stop_count'])}, size {_limit(t['flow_stop_size'], True)}"),
+        ("flow resume", f"count {_limit(t['flow_resume_count'])}, size {_limit(t['flow_resume_size'], True)}"),
+        ("max", f"count {_limit(t['max_count'])}, size {_limit(t['max_size'], True)}, overflow {t['overflow']}"),
+        ("saturated", saturated),
+        ("held transfers", str(q["held_transfers"])),
+        ("flow-stopped", _producers_text(q["flow_stopped_producers"])),
+        ("counters", f"enqueued {c['enqueued']}, dequeued {c['dequeued']}, rejected {c['rejected']}, "
+                     f"dropped {c['dropped']}, flow stops {c['flow_stopped_count']}, held {c['held_total']}"),
+    ]
+    width = max(len(k) for k, _ in lines)
+    out = [f"{k.ljust(width)}  {v}" for k, v in lines]
+    if q["subscriptions"]:
+        out.append("subscriptions")
+        rows = [[s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
+                 _limit(s["buffer"]["size"], True), _size_text(s["buffer"]["unacked"])] for s in q["subscriptions"]]
+        table = _table(["CONN", "SUB", "CLIENT", "PREFETCH", "UNSETTLED", "DELIVERED", "BUFFER", "UNACKED"], rows)
+        out.extend("  " + line for line in table.splitlines())
+    else:
+        out.append(f"{'subscriptions'.ljust(width)}  -")
+    return "\n".join(out)
+
+
+@main.command()
+@_admin_options
+def queues(**options: Any) -> None:
+    """List queues: depth, thresholds, saturation, held transfers, flow-stopped producers."""
+    client, as_json = _client(options)
+    answer = client.request("GET", "/api/queues")
+    if as_json:
+        _print_json(answer)
+    elif not answer["queues"]:
+        click.echo("no queues")
+    else:
+        click.echo(_queue_rows(answer["queues"]))
+
+
+@main.group()
+def queue() -> None:
+    """Show one queue, or change its thresholds while the broker runs."""
+
+
+def _queue_path(name: str) -> str:
+    return "/api/queues/" + urllib.parse.quote(name, safe="")
+
+
+@queue.command("show")
+@click.argument("name")
+@_admin_options
+def queue_show(name: str, **options: Any) -> None:
+    """Everything about queue NAME, with its subscriptions and counters."""
+    client, as_json = _client(options)
+    answer = client.request("GET", _queue_path(name))
+    _print_json(answer) if as_json else click.echo(_queue_text(answer))
+
+
+@queue.command("set")
+@click.argument("name")
+@click.option("--flow-stop-size", type=SIZE, help="Saturate when the queue holds more bytes than this (0 = off).")
+@click.option("--flow-resume-size", type=SIZE, help="Clear when under this many bytes (default: = stop).")
+@click.option("--flow-stop-count", type=int, help="Saturate when the queue holds more messages than this (0 = off).")
+@click.option("--flow-resume-count", type=int, help="Clear when under this many messages (default: = stop).")
+@click.option("--max-size", type=SIZE, help="Hard limit in bytes (0 = unlimited).")
+@click.option("--max-count", type=int, help="Hard limit in messages (0 = unlimited).")
+@click.option("--overflow", type=click.Choice(["reject", "drop-head"]), help="What the hard limit does.")
+@_admin_options
+def queue_set(name: str, **options: Any) -> None:
+    """Change NAME's thresholds now: a raised one releases held producers at once, a lowered one stops
+    the next transfers. A stop given without its resume gets resume = stop."""
+    changes = {k: options.pop(k) for k in THRESHOLD_OPTIONS}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if not changes:
+        raise click.UsageError("give at least one threshold, e.g. --flow-stop-size 10MiB")
+    for key, value in changes.items():
+        if isinstance(value, int) and value < 0:
+            raise click.BadParameter(f"must be >= 0, got {value}", param_hint="--" + key.replace("_", "-"))
+    client, as_json = _client(options)
+    answer = client.request("PATCH", _queue_path(name), changes)
+    _print_json(answer) if as_json else click.echo(_queue_text(answer))
+
+
+@main.command()
+@_admin_options
+def connections(**options: Any) -> None:
+    """List connections: role, producer buffer and unacked bytes, flow state, consumer buffers."""
+    client, as_json = _client(options)
+    answer = client.request("GET", "/api/connections")
+    if as_json:
+        _print_json(answer)
+        return
+    if not answer["connections"]:
+        click.echo("no connections")
+        return
+    rows = []
+    for c in answer["connections"]:
+        p, flow, consumer = c["producer"], c["flow"], c["consumer"]
+        if flow["stopped"]:
+            state = f"stopped {_seconds_text(flow['stopped_for_seconds'])}"
+            blocking = ", ".join(flow["blocking_queues"] + (["* (stop-all)"] if flow["admin_stopped"] else []))
+        else:
+            state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
+        buffer = _size_text(p["buffer_size"]) if c["flow_control"] else "-"
+        subs = consumer["subscriptions"]
+        rows.append([
+            c["id"], c["client_name"], c["peer"] or "-", c["role"], buffer, _size_text(p["unacked_bytes"]),
+            p["transfers_held"], state, blocking, len(subs), consumer["unsettled"],
+            _limit(consumer["buffer"]["size"], True),
+        ])
+    click.echo(_table(["ID", "CLIENT", "PEER", "ROLE", "BUFFER", "UNACKED", "HELD", "FLOW", "BLOCKING",
+                       "SUBS", "UNSETTLED", "CONSUMER-BUF"], rows))
+
+
+@main.group()
+def producers() -> None:
+    """Stop or start every flow-controlled producer at once."""
+
+
+def _producers_command(action: str, done: str) -> Callable[..., None]:
+    def command(**options: Any) -> None:
+        client, as_json = _client(options)
+        answer = client.request("POST", f"/api/producers/{action}")
+        if as_json:
+            _print_json(answer)
+        else:
+            click.echo(f"all producers {done} ({len(answer['connections'])} flow-controlled connection(s))")
+    return command
+
+
+producers.command("stop-all", help="Hold every new transfer of flow-controlled producers (they are told "
+                  "they are flow-stopped on '*') until start-all.")(_admin_options(_producers_command("stop-all", "stopped")))
+producers.command("start-all", help="Complete the held transfers and let every producer send again.")(
+    _admin_options(_producers_command("start-all", "started")))
+
+
+@main.group()
+def policy() -> None:
+    """Show or change the producer credit policy while the broker runs."""
+
+
+def _policy_text(answer: dict[str, Any]) -> str:
+    settings = answer["policy"]
+    pairs = [("policy", settings["policy"]), ("quota", _size_text(settings["quota"]))]
+    pairs += [(k, _size_text(settings[k])) for k in ("static_size", "min_size", "max_size", "override_size")]
+    pairs += [(k, f"{settings[k]} %") for k in settings if k.endswith("_percent")]
+    if answer.get("producers_stopped"):
+        pairs.append(("producers", "STOPPED (start-all releases them)"))
+    granted = answer["granted"]
+    pairs.append(("granted", f"{_size_text(granted['total'])} to {len(granted['connections'])} producer connection(s)"))
+    width = max(len(k) for k, _ in pairs)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in pairs]
+    if granted["connections"]:
+        rows = [[g["connection"], g["client_name"] or "-", _size_text(g["buffer_size"])] for g in granted["connections"]]
+        lines.extend("  " + line for line in _table(["CONN", "CLIENT", "BUFFER"], rows).splitlines())
+    return "\n".join(lines)
+
+
+@policy.command("show")
+@_admin_options
+def policy_show(**options: Any) -> None:
+    """The credit policy in force and the buffers it grants now."""
+    client, as_json = _client(options)
+    answer = client.request("GET", "/api/policy")
+    _print_json(answer) if as_json else click.echo(_policy_text(answer))
+
+
+@policy.command("set")
+@click.argument("name", required=False, type=click.Choice(["none", "static", "dynamic", "aggressive"]))
+@click.option("--quota", type=SIZE, help="Memory the policies share out, e.g. 2GiB.")
+@click.option("--static-size", type=SIZE, help="static: every producer's buffer.")
+@click.option("--min-size", type=SIZE, help="dynamic/aggressive: smallest buffer.")
+@click.option("--max-size", type=SIZE, help="dynamic/aggressive: largest buffer.")
+@click.option("--override-size", type=SIZE, help="> 0: every producer gets exactly this (0 = off).")
+@click.option("--dynamic-percent", type=float, help="dynamic: percent of the quota per connection.")
+@click.option("--dynamic-threshold-percent", type=float, help="dynamic: above this share, new ones get min.")
+@click.option("--aggressive-percent", type=float, help="aggressive: percent of the quota shared by all producers.")
+@_admin_options
+def policy_set(name: str | None, **options: Any) -> None:
+    """Switch to policy NAME and/or change its settings; every live producer buffer is recomputed and
+    pushed at once. Settings not given keep their current values."""
+    keys = ("quota", "static_size", "min_size", "max_size", "override_size", "dynamic_percent",
+            "dynamic_threshold_percent", "aggressive_percent")
+    settings: dict[str, Any] = {k: options.pop(k) for k in keys}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if name is not None:
+        settings["policy"] = name
+    if not settings:
+        raise click.UsageError("give a policy name and/or a setting, e.g. `policy set aggressive --quota 2GiB`")
+    client, as_json = _client(options)
+    answer = client.request("PUT", "/api/policy", settings)
+    _print_json(answer) if as_json else click.echo(_policy_text(answer))

@@ -1,0 +1,215 @@
+"""The management commands of the `flowbroker` CLI against a `flowbroker serve` daemon, as an operator
+runs them: tables, --json, runtime thresholds, stop-all/start-all, policy, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from flowbroker.broker.cli import main
+
+FLOWBROKER = str(Path(sys.executable).with_name("flowbroker"))
+MiB = 1024 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "broker exited"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listened on {port} within 20 s")
+
+
+class Daemon:
+    def __init__(self, url: str, admin: list[str], token_file: Path):
+        self.url = url
+        self.admin = admin  # --admin-url and --token-file for every management command
+        self.token_file = token_file
+
+    def cli(self, *args: str, ok: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([FLOWBROKER, *args, *self.admin], capture_output=True, text=True, timeout=30,
+                                env={**os.environ, **(env or {})})
+        if ok:
+            assert result.returncode == 0, result.stderr
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "condition not reached"
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    port, admin_port = _free_port(), _free_port()
+    token_file = tmp_path / "admin-token"
+    config = tmp_path / "flowbroker.toml"
+    config.write_text(f'[server]\nport = {port}\nmemory_quota = 1073741824\n\n'
+                      f'[admin]\nport = {admin_port}\ntoken_file = "{token_file}"\n')
+    broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_listening(port, broker)
+        _wait_listening(admin_port, broker)
+        yield Daemon(f"flowbroker://127.0.0.1:{port}",
+                     ["--admin-url", f"http://127.0.0.1:{admin_port}", "--token-file", str(token_file)], token_file)
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        try:
+            _, err = broker.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            broker.communicate()
+            raise
+    assert broker.returncode == 0, err
+    assert f"wrote it to {token_file}" in err
+
+
+def _publish(daemon: Daemon, *messages: str, background: bool = False) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([FLOWBROKER, "publish", "--url", daemon.url, "--timeout", "30", "-k", "orders", *messages],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not background:
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err
+    return err
+
+
+def _me(daemon: Daemon, client: str = "flowbroker-cli") -> list[dict[str, Any]]:
+    return [c for c in daemon.json("connections")["connections"] if c["client_name"] == client]
+
+
+def test_queues_and_queue_set_release_a_blocked_publisher(daemon: Daemon) -> None:
+    assert daemon.cli("queues").stdout.strip() == "no queues"
+    _publish(daemon, "a", "b", "c")
+    table = daemon.cli("queues").stdout.splitlines()
+    assert table[0].split()[:3] == ["QUEUE", "MESSAGES", "BYTES"]
+    assert table[1].split()[:2] == ["orders", "3"] and "no" in table[1].split()
+
+    shown = daemon.cli("queue", "set", "orders", "--flow-stop-count", "2", "--flow-resume-count", "1").stdout
+    assert "saturated       yes" in shown and "flow_stop_count: 3 > 2" in shown
+    [orders] = daemon.json("queues")["queues"]
+    assert orders["saturated"] is True and orders["thresholds"]["flow_stop_count"] == 2
+
+    blocked = _publish(daemon, "d", background=True)  # held by the saturated queue: it waits for completion
+    daemon.wait_for(lambda: any(c["flow"]["stopped"] for c in _me(daemon)))
+    [publisher] = _me(daemon)
+    assert publisher["role"] == "producer" and publisher["flow"]["blocking_queues"] == ["orders"]
+    assert publisher["producer"]["transfers_held"] == 1 and publisher["peer"].startswith("127.0.0.1:")
+    table = daemon.cli("connections").stdout
+    assert "stopped" in table and "orders" in table
+    shown = daemon.json("queue", "show", "orders")
+    assert shown["held_transfers"] == 1 and shown["flow_stopped_producers"][0]["connection"] == publisher["id"]
+    assert blocked.poll() is None
+
+    shown = daemon.json("queue", "set", "orders", "--flow-stop-size", "10MiB", "--flow-stop-count", "0",
+                        "--max-size", "20MiB")
+    assert shown["thresholds"]["flow_stop_size"] == 10 * MiB and shown["thresholds"]["max_size"] == 20 * MiB
+    assert shown["saturated"] is False
+    assert "published 1 message(s)" in _finish(blocked)
+
+
+def test_stop_all_start_all_and_policy_set(daemon: Daemon) -> None:
+    _publish(daemon, "warm-up")
+    assert daemon.cli("producers", "stop-all").stdout.startswith("all producers stopped")
+    assert daemon.json("policy", "show")["producers_stopped"] is True
+    held = _publish(daemon, "held", background=True)
+    daemon.wait_for(lambda: any(c["flow"]["admin_stopped"] for c in _me(daemon)))
+    [publisher] = _me(daemon)
+    assert publisher["producer"]["buffer_size"] == 50 * MiB  # aggressive: 5 % of 1 GiB, clamped to max_size
+
+    answer = daemon.json("policy", "set", "aggressive", "--quota", "400MiB", "--min-size", "1MiB")
+    assert answer["policy"]["policy"] == "aggressive" and answer["policy"]["quota"] == 400 * MiB
+    assert answer["granted"]["connections"] == [
+        {"connection": publisher["id"], "client_name": "flowbroker-cli", "buffer_size": 20 * MiB}
+    ]
+    daemon.wait_for(lambda: _me(daemon)[0]["producer"]["buffer_size"] == 20 * MiB)
+    assert held.poll() is None  # still held by the operator's stop
+
+    out = daemon.cli("producers", "start-all").stdout
+    assert out.startswith("all producers started (1 flow-controlled")
+    assert "published 1 message(s)" in _finish(held)
+    shown = daemon.cli("policy", "show").stdout
+    assert "quota" in shown and "400MiB" in shown and "STOPPED" not in shown
+    assert daemon.json("queue", "show", "orders")["depth"]["count"] == 2
+
+    answer = daemon.json("policy", "set", "static", "--static-size", "2MiB")
+    assert answer["policy"]["policy"] == "static" and answer["policy"]["static_size"] == 2 * MiB
+
+
+def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
+    bad = daemon.cli("queues", "--token", "not-the-token-at-all", ok=False)
+    assert bad.returncode != 0 and "HTTP 403" in bad.stderr and "token is wrong" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    bad = daemon.cli("queues", ok=False, env={"FLOWBROKER_ADMIN_TOKEN": "also-not-the-token"})
+    assert bad.returncode != 0 and "HTTP 403" in bad.stderr
+    good = daemon.cli("queues", env={"FLOWBROKER_ADMIN_TOKEN": daemon.token_file.read_text().strip()})
+    assert good.stdout.strip() == "no queues"
+    missing = daemon.cli("queue", "show", "nope", ok=False)
+    assert missing.returncode != 0 and "no queue named 'nope'" in missing.stderr
+    _publish(daemon, "x")
+    invalid = daemon.cli("policy", "set", "aggressive", "--min-size", "0", ok=False)
+    assert invalid.returncode != 0 and "min_size" in invalid.stderr and "Traceback" not in invalid.stderr
+    unreachable = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{_free_port()}",
+                                  "--token", "whatever-token"], capture_output=True, text=True, timeout=30)
+    assert unreachable.returncode != 0 and "cannot reach the admin API" in unreachable.stderr
+    no_token = subprocess.run([FLOWBROKER, "queues", "--token-file", str(daemon.token_file) + ".missing"],
+                              capture_output=True, text=True, timeout=30, env={**os.environ, "FLOWBROKER_ADMIN_TOKEN": ""})
+    assert no_token.returncode != 0 and "no admin token" in no_token.stderr
+
+
+def test_every_management_command_has_help() -> None:
+    runner = CliRunner()
+    for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["connections"], ["producers"],
+                    ["producers", "stop-all"], ["producers", "start-all"], ["policy"], ["policy", "show"],
+                    ["policy", "set"]):
+        result = runner.invoke(main, [*command, "--help"])
+        assert result.exit_code == 0 and "Usage:" in result.output, command
+        if command in (["queues"], ["queue", "set"], ["policy", "set"]):
+            assert "--admin-url" in result.output and "FLOWBROKER_ADMIN_TOKEN" in result.output
+
+
+def test_admin_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        admin_port = busy.getsockname()[1]
+        result = subprocess.run([FLOWBROKER, "serve", "--port", "0", "--admin-port", str(admin_port)],
+                                capture_output=True, text=True, timeout=30,
+                                env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode != 0
+    assert f"[admin] cannot listen on 127.0.0.1:{admin_port}" in result.stderr and "Traceback" not in result.stderr
