@@ -1,0 +1,204 @@
+"""The management API's JSON views, computed from a real BrokerCore driven in memory (no HTTP)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coreharness import Harness, MiB
+
+from flowbroker.broker import views
+from flowbroker.protocol.credit import message_size
+from flowbroker.protocol.frames import Ok, Subscribe
+
+
+def make(**credit: object) -> Harness:
+    return Harness(credit={"policy": "static", "static_size": MiB, **credit})
+
+
+def roundtrip(value: Any) -> Any:
+    """Views must be plain JSON: a dumps/loads round trip changes nothing."""
+    assert json.loads(json.dumps(value)) == value
+    return value
+
+
+def test_queue_view_reports_depth_thresholds_saturation_holds_and_counters() -> None:
+    h = make()
+    h.queue("orders", flow_stop_count=3, flow_resume_count=1, max_count=10, overflow="drop-head")
+    p = h.producer("feeder")
+    c = h.consumer("reader")
+    sub = c.subscribe("orders", prefetch=1, buffer_size=4096)
+    h.advance(1)
+    for i in range(5):  # 1 delivered to the consumer, 4 ready; the 4th and 5th are over the stop count
+        p.send("", "orders", b"m%d" % i)
+    p.pump()
+    c.pump()
+    h.advance(2.5)
+    view = roundtrip(views.queue_view(h.core.queues["orders"], h.now))
+    size = message_size(b"m0")
+    assert view["name"] == "orders" and view["durable"] is False
+    assert view["depth"] == {"count": 5, "bytes": 5 * size, "ready": 4}
+    assert view["thresholds"] == {
+        "flow_stop_count": 3, "flow_resume_count": 1, "flow_stop_size": 80 * MiB, "flow_resume_size": int(70 * MiB),
+        "max_count": 10, "max_size": 100 * MiB, "overflow": "drop-head",
+    }
+    assert view["saturated"] is True and view["saturated_for_seconds"] == 2.5
+    assert view["stop_reason"] == {"threshold": "flow_stop_count", "limit": 3, "value": 4}
+    assert view["held_transfers"] == 2
+    assert view["flow_stopped_producers"] == [{"connection": p.session.conn_id, "client_name": "feeder"}]
+    assert view["subscriptions"] == [{
+        "connection": c.session.conn_id, "client_name": "reader", "subscription": sub, "queue": "orders",
+        "prefetch": 1, "unsettled": 1, "delivered": 1, "buffer": {"size": 4096, "unacked": size},
+    }]
+    assert view["counters"] == {"enqueued": 5, "dequeued": 0, "rejected": 0, "dropped": 0,
+                                "flow_stopped_count": 1, "held_total": 2}
+
+    h.core.set_queue_thresholds("orders", {"flow_stop_count": 8})  # raised: clears at once
+    view = views.queue_view(h.core.queues["orders"], h.now)
+    assert view["saturated"] is False and view["saturated_for_seconds"] is None and view["stop_reason"] is None
+    assert view["held_transfers"] == 0 and view["flow_stopped_producers"] == []
+    assert view["thresholds"]["flow_stop_count"] == 8
+
+
+def test_queues_view_is_sorted_by_name() -> None:
+    h = make()
+    for name in ("b", "c", "a"):
+        h.queue(name)
+    assert [q["name"] for q in views.queues_view(h.core, h.now)] == ["a", "b", "c"]
+
+
+def test_connection_roles() -> None:
+    h = make()
+    h.queue("q")
+    idle = h.producer("idle")
+    producer = h.producer("p")
+    producer.send("", "q")
+    consumer = h.consumer("c")
+    consumer.subscribe("q")
+    both = h.producer("both")
+    both.send("", "q")
+    assert isinstance(both.request(lambda rid: Subscribe(rid, 7, "q", 0, 0)), Ok)
+    roles = {c["client_name"]: c["role"] for c in views.connections_view(h.core, h.now)}
+    assert roles == {"idle": "idle", "p": "producer", "c": "consumer", "both": "both"}
+    assert views.connection_role(idle.session) == "idle"
+
+
+def test_connection_view_producer_credit_and_flow_state() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1, flow_resume_count=1)
+    p = h.producer("feeder")
+    h.advance(10)
+    p.send("", "q", b"a")  # count 1: not over the stop threshold, completed
+    h.advance(1)
+    p.send("", "q", b"b")  # count 2 > 1: saturated, held, flow-stopped at t = 11 s
+    h.advance(4)
+    size = message_size(b"a")
+    view = roundtrip(views.connection_view(p.session, h.now, peer="127.0.0.1:4242", held=1))
+    assert view["id"] == p.session.conn_id and view["client_name"] == "feeder" and view["peer"] == "127.0.0.1:4242"
+    assert view["identity"] == "anonymous" and view["role"] == "producer" and view["flow_control"] is True
+    assert view["producer"] == {
+        "buffer_size": MiB, "received_bytes": 2 * size, "acknowledged_bytes": 0, "unacked_bytes": 2 * size,
+        "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1,
+    }
+    assert view["flow"] == {
+        "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False,
+        "destinations": [{"destination": "q", "stopped_for_seconds": 4.0, "reason": "queue",
+                          "threshold": "flow_stop_count", "limit": 1, "value": 2}],
+    }
+    assert view["consumer"] == {"buffer": {"size": 0, "unacked": 0}, "subscriptions": [], "unsettled": 0}
+
+    p.session.poll_credit(h.now + 10**10)  # the timer re-advertises: the completed bytes are acknowledged
+    p.pump()
+    view = views.connection_view(p.session, h.now)
+    assert view["producer"]["acknowledged_bytes"] == size and view["producer"]["unacked_bytes"] == size
+    assert view["peer"] is None
+
+
+def test_admin_stop_shows_as_flow_state_since_the_stop_and_held_counts_each_transfer_once() -> None:
+    h = make()
+    h.queue("a", flow_stop_count=1)
+    h.queue("b", flow_stop_count=1)
+    p = h.producer("fan")
+    p.declare_exchange("fan", "fanout")
+    p.bind("a", "fan")
+    p.bind("b", "fan")
+    h.advance(5)
+    p.send("fan", "", b"1")
+    p.send("fan", "", b"2")  # held by both saturated queues: one transfer
+    assert views.held_by_connection(h.core) == {p.session.conn_id: 1}
+    h.advance(100)
+    h.core.stop_all_producers()
+    h.advance(3)
+    p.send("fan", "", b"3")  # held by both queues and by the admin stop: still one transfer
+    assert views.held_by_connection(h.core) == {p.session.conn_id: 2}
+    [view] = views.connections_view(h.core, h.now, lambda cid: f"peer-{cid}")
+    assert view["peer"] == f"peer-{p.session.conn_id}" and view["producer"]["transfers_held"] == 2
+    flow = view["flow"]
+    assert flow["admin_stopped"] is True and flow["blocking_queues"] == ["a", "b"]
+    [admin] = [d for d in flow["destinations"] if d["destination"] == "*"]
+    assert admin == {"destination": "*", "stopped_for_seconds": 3.0, "reason": "admin", "threshold": "admin",
+                     "limit": 0, "value": 0}
+    assert flow["stopped_for_seconds"] == 103.0  # the queues stopped it first
+    h.core.start_all_producers()
+    assert views.held_by_connection(h.core) == {p.session.conn_id: 2}  # the queues still hold both
+    h.core.get_queue("a").purge()
+    h.core.get_queue("b").purge()
+    assert views.held_by_connection(h.core) == {}
+    assert views.connections_view(h.core, h.now)[0]["flow"]["stopped"] is False
+
+
+def test_connection_view_consumer_buffers() -> None:
+    h = make()
+    h.queue("q")
+    p = h.producer()
+    for i in range(3):
+        p.send("", "q", b"x" * 100)
+    c = h.consumer("reader")
+    c.set_buffer(0, 10_000)
+    sub = c.subscribe("q", prefetch=2, buffer_size=5000)
+    c.pump()
+    view = views.connection_view(c.session, h.now)
+    size = message_size(b"x" * 100)
+    assert view["role"] == "consumer"
+    assert view["consumer"]["buffer"] == {"size": 10_000, "unacked": 2 * size}
+    assert view["consumer"]["subscriptions"] == [{
+        "connection": c.session.conn_id, "client_name": "reader", "subscription": sub, "queue": "q", "prefetch": 2,
+        "unsettled": 2, "delivered": 2, "buffer": {"size": 5000, "unacked": 2 * size},
+    }]
+    assert view["consumer"]["unsettled"] == 2
+    c.buffer_ack(0)
+    c.buffer_ack(sub)
+    assert views.connection_view(c.session, h.now)["consumer"]["buffer"]["unacked"] == 0
+
+
+def test_policy_view_reports_settings_and_granted_buffers() -> None:
+    h = Harness(credit={"policy": "aggressive"})  # quota 1 GiB: a 5 % pool of 51.2 MiB
+    view = roundtrip(views.policy_view(h.core))
+    assert view["policy"] == {
+        "quota": 1 << 30, "policy": "aggressive", "static_size": 10 * MiB, "min_size": 10 * MiB, "max_size": 50 * MiB,
+        "dynamic_percent": 1.0, "dynamic_threshold_percent": 10.0, "aggressive_percent": 5.0, "override_size": 0,
+    }
+    assert view["granted"] == {"total": 0, "connections": []} and view["producers_stopped"] is False
+    p1, p2 = h.producer("p1"), h.producer("p2")
+    h.consumer("not paced")  # flow_control off: not granted a buffer
+    half = (1 << 30) * 5 // 100 // 2
+    view = views.policy_view(h.core)
+    assert view["granted"] == {"total": 2 * half, "connections": [
+        {"connection": p1.session.conn_id, "client_name": "p1", "buffer_size": half},
+        {"connection": p2.session.conn_id, "client_name": "p2", "buffer_size": half},
+    ]}
+    h.core.set_credit_policy(policy="static", static_size=3 * MiB)
+    h.core.stop_all_producers()
+    view = views.policy_view(h.core)
+    assert view["policy"]["policy"] == "static" and view["policy"]["static_size"] == 3 * MiB
+    assert view["granted"]["total"] == 6 * MiB and view["producers_stopped"] is True
+
+
+def test_broker_view() -> None:
+    h = make()
+    h.queue("q")
+    h.producer()
+    view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
+    assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
+                    "exchanges": ["amq.direct", "amq.fanout", "amq.topic"], "producers_stopped": False,
+                    "credit_policy": "static", "unroutable": 0}
