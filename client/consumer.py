@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from flowbroker.client.errors import AlreadySettled, ReceiveTimeout
+from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout
 from flowbroker.protocol import AckScheduler, DeliveryEntry, Headers, Outcome, message_size
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ class Consumer:
     """A subscription to `queue`. `async with conn.consumer(q) as c: async for msg in c: ...`.
 
     Iteration ends when the consumer or the connection is closed normally; if the connection failed,
-    its error (e.g. `ConnectionClosed`) is raised instead.
+    its error (e.g. `ConnectionClosed`) is raised instead, and if the broker deleted the queue,
+    `NotFound` naming it (after the messages already received).
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Consumer:
         self._settles_since_yield = 0  # see Message._settle
         self._subscribed = False
         self._closed = False
+        self._error: PublishError | None = None  # the queue was deleted
 
     # -------------------------------------------------------------- lifecycle
 
@@ -217,6 +219,8 @@ class Consumer:
                 self._since_yield = 0
                 msg = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
+            if self._error is not None and not self._closed:
+                raise self._error from None
             error = self._conn.close_error
             if error is not None and getattr(error, "code", None) not in (None, 0) and not self._closed:
                 raise error from None
@@ -259,6 +263,10 @@ class Consumer:
                     await self._send.send(msg)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 msg._mark_processed()
+
+    def _on_queue_deleted(self, error: PublishError) -> None:
+        self._error = error
+        self._send.close()
 
     def _on_connection_closed(self) -> None:
         self._send.close()

@@ -270,6 +270,13 @@ async def test_delete_releases_held_transfers_and_tells_the_consumer(start_flowb
                 # the subscription is gone at the broker; the connection is fine
                 assert broker.core.sessions[consumer_conn.connection_id].subscriptions == {}
                 assert not consumer_conn.is_closed
+                # the consumer hands out what it had received, then says why it ends
+                rest = []
+                with trio.fail_after(LIMIT), pytest.raises(fc.NotFound) as gone:
+                    async for msg in consumer:
+                        rest.append(msg.body)
+                assert rest == [b"m1"] and gone.value.destination == "d"
+                assert gone.value.code is ErrorCode.NOT_FOUND
                 # and the producer's sends to the deleted queue are refused by name
                 await producer.send(b"late")
                 with pytest.raises(fc.NotFound) as info:
