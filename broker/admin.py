@@ -155,6 +155,9 @@ def _json_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]
             return _error_response(status, code, str(exc), None if status == 404 else _field_in(str(exc)))
         except PolicyConfigError as exc:
             return _error_response(400, "invalid_argument", f"{exc.key}: {exc.reason} (got {exc.value!r})", exc.key)
+        except Exception as exc:  # a bug here must not take the broker down; say so and log it
+            LOGGER.exception("admin: %s %s failed", request.method, request.url.path)
+            return _error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
         return JSONResponse(result)
 
     return endpoint

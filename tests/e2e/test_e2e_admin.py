@@ -242,3 +242,20 @@ async def test_connections_show_consumers_and_roles(broker: Any) -> None:
     [sub] = me["consumer"]["subscriptions"]
     assert sub["queue"] == "q" and sub["buffer"]["size"] == 64 * 1024 and sub["buffer"]["unacked"] > 3000
     assert me["producer"]["transfers"] == 3 and me["flow"]["stopped"] is False
+
+
+async def test_a_failing_endpoint_answers_500_and_the_broker_carries_on(
+        broker: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from flowbroker.broker import views
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("view bug")
+
+    monkeypatch.setattr(views, "queues_view", broken)
+    status, answer, _ = await api(broker, "GET", "/api/queues")
+    assert status == 500 and answer["error"] == {"code": "internal_error", "message": "RuntimeError: view bug"}
+    assert "GET /api/queues failed" in caplog.text
+    monkeypatch.undo()
+    assert (await ok(broker, "GET", "/api/queues")) == {"queues": []}
+    async with await fb.connect(broker.url) as conn:
+        await conn.declare_queue("still-serving")
