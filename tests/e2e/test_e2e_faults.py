@@ -350,7 +350,7 @@ async def test_silent_consumer_is_dropped_after_idle_timeout_and_its_deliveries_
     # now silent: no reads, no settlements, no answers to NOOPs
     await wait_until(lambda: conn_id not in broker.core.sessions, timeout=idle + 2)
     dropped_after = trio.current_time() - silent_since
-    assert idle <= dropped_after < idle + 1.0
+    assert idle <= dropped_after < idle + 1.5  # not before the idle timeout
     frames = await raw.frames_until_closed()  # what the broker sent while we did not listen
     asked = [f for f in frames if isinstance(f, Noop)]
     assert asked and not any(f.reply for f in asked)  # it asked, and nobody answered

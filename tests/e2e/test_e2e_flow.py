@@ -402,7 +402,7 @@ async def test_send_deadline_block_false_and_timeout(start_flowbroker, limit: st
             with pytest.raises(fc.FlowControlTimeout) as tinfo:
                 await producer.send(body, timeout=timeout)
             elapsed = trio.current_time() - start
-            assert timeout <= elapsed < timeout + 0.5
+            assert timeout <= elapsed < timeout + 1.0  # not before; the upper bound only catches a hang
             assert tinfo.value.timeout == timeout and tinfo.value.limit == limit
             assert tinfo.value.destinations == ("dl",)
         assert producer.stats.sent == sent  # nothing refused was sent
