@@ -110,10 +110,13 @@ class Queue:
         """
         t = self.thresholds
         limits = t.limits
-        # The overflow policy is consulted only at the hard limit: below it every message is
-        # accepted, and this check is on the path of every transfer.
-        if (limits.max_count and self.count >= limits.max_count) or (
-            limits.max_size and self.size + msg.size > limits.max_size
+        # The hard limit is for producers that do not do flow control (nothing else paces them).
+        # A flow-controlled producer is bounded by its credit: its transfers past the stop threshold
+        # are held, never refused, even while a policy resize leaves more bytes in flight than the
+        # queue's headroom. The overflow policy is consulted only at the limit (hot path).
+        if (producer is None or not producer.flow_control) and (
+            (limits.max_count and self.count >= limits.max_count)
+            or (limits.max_size and self.size + msg.size > limits.max_size)
         ):
             self._apply_overflow(msg)
         self._next_seq += 1

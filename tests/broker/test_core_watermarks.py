@@ -402,11 +402,28 @@ def test_message_too_large_and_unknown_destinations() -> None:
 def test_errors_in_a_batched_transfer_name_each_transfer_id() -> None:
     h = make()
     h.queue("q", max_count=1, flow_stop_count=0)
-    p = h.producer()
+    p = h.producer(flow_control=False)  # the hard limit applies to producers without flow control
     ids = p.send_many([("", "q", b"a", None), ("", "nope", b"b", None), ("", "q", b"c", None)])
     p.pump()
     assert [(e.ref_id, e.code) for e in p.errors] == [(ids[1], ErrorCode.NOT_FOUND), (ids[2], ErrorCode.QUEUE_FULL)]
     assert p.outstanding == {} and p.completed.cumulative == 3
+
+
+def test_hard_limit_never_refuses_a_flow_controlled_producer() -> None:
+    """Credit bounds a flow-controlled producer; past the stop threshold its transfers are held, and the
+    hard limit (meant for producers nothing else paces) must not refuse what credit already allowed."""
+    h = make()
+    h.queue("q", max_count=3, flow_stop_count=2, flow_resume_count=1)
+    p = h.producer()
+    legacy = h.producer("legacy", flow_control=False)
+    ids = p.send_many([("", "q", b"m%d" % i, None) for i in range(5)])
+    p.pump()
+    assert p.errors == []
+    assert h.core.queues["q"].count == 5  # over max_count: all held, none refused
+    assert set(p.outstanding) == set(ids[2:])  # the messages past the stop threshold are held
+    legacy.send("", "q", b"x")
+    legacy.pump()
+    assert [e.code for e in legacy.errors] == [ErrorCode.QUEUE_FULL]
 
 
 def test_stop_all_and_start_all_producers() -> None:
