@@ -48,7 +48,7 @@ def free_port() -> int:
 
 def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("flowbroker")
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), *extra], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--no-admin", *extra], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
