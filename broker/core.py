@@ -107,12 +107,23 @@ class BrokerCore:
         )
         self.sessions[conn_id] = session
         if flow_control:
-            self._apply_buffer_sizes(self.credit.connect(conn_id), exclude=conn_id)
-            session.resize_buffer(self.credit.size_of(conn_id), self.clock_ns())
+            # A provisional buffer now (the policy's floor); registered with the credit policy on
+            # its first TRANSFER, so a connection that only consumes never shrinks every producer's
+            # share under `aggressive` (found by benchmarks/credit_many_producers.py).
+            session.resize_buffer(self.credit.provisional_size(), self.clock_ns())
             if self.producers_stopped:
                 session.now_ns = self.clock_ns()
                 session.admin_stopped(True)
         return session
+
+    def _register_producer(self, session: Session) -> None:
+        """First TRANSFER from a flow-controlled connection: it now counts as a producer."""
+        conn_id = session.conn_id
+        self._apply_buffer_sizes(self.credit.connect(conn_id), exclude=conn_id)
+        size = self.credit.size_of(conn_id)
+        if size != session.buffer_size:
+            session.resize_buffer(size, self.clock_ns())
+            session.send(BufferControl(0, size))
 
     def close_session(self, session: Session) -> None:
         if self.sessions.pop(session.conn_id, None) is None:
@@ -137,6 +148,12 @@ class BrokerCore:
         policy = CreditPolicyConfig.from_mapping(merged)
         self.config = replace(self.config, credit={**self.config.credit, **settings})
         self._apply_buffer_sizes(self.credit.reconfigure(policy))
+        # Connections not registered yet keep the provisional size of the policy in force, so it
+        # never exceeds a registered share.
+        provisional = self.credit.provisional_size()
+        self._apply_buffer_sizes(
+            {s.conn_id: provisional for s in self.sessions.values() if s.flow_control and s.conn_id not in self.credit}
+        )
         return policy
 
     # -- frames ------------------------------------------------------------------------------
@@ -185,20 +202,25 @@ class BrokerCore:
             raise SessionFault(
                 ErrorCode.TRANSFER_ID_GAP, f"transfer id {tid} received, expected {session.next_transfer_id}"
             )
+        # Checked against the grant the client had when it sent this frame: on a first transfer that is
+        # the provisional one, not the share that registering below grants.
+        credit_limit, buffer_size = session.credit_limit, session.buffer_size
+        if session.flow_control and session.conn_id not in self.credit:
+            self._register_producer(session)
         now = self.clock_ns()
         session.now_ns = now
         max_message = self.config.server.max_message_size
-        checked = session.flow_control and session.buffer_size > 0
+        checked = session.flow_control and buffer_size > 0
         admin_hold = self.producers_stopped and session.flow_control
         queues_by_name = self.queues
         for entry in frame.entries:
             body = entry.body
             size = message_size(body, entry.headers)
-            if checked and session.received_bytes >= session.credit_limit:
+            if checked and session.received_bytes >= credit_limit:
                 raise SessionFault(
                     ErrorCode.CREDIT_VIOLATION,
                     f"transfer {tid} starts at byte {session.received_bytes}, beyond the credit limit "
-                    f"{session.credit_limit} (buffer {session.buffer_size} bytes): only one message may "
+                    f"{credit_limit} (buffer {buffer_size} bytes): only one message may "
                     "overflow the buffer",
                 )
             session.received_bytes += size

@@ -216,6 +216,20 @@ class CreditAllocator(Generic[K]):
         self._total = total
         return changed
 
+    def provisional_size(self) -> int:
+        """What a flow-controlled connection gets before it registers (the broker registers it on its
+        first transfer, so connections that only consume never dilute the producers' share). Never more
+        than a registered connection would get: the floor under dynamic/aggressive, so provisional grants
+        add at most N x min_size, which the aggressive bound already allows for."""
+        cfg = self._config
+        if cfg.policy is CreditPolicy.NONE:
+            return 0
+        if cfg.override_size:
+            return cfg.override_size
+        if cfg.policy is CreditPolicy.STATIC:
+            return static_size(cfg)
+        return cfg.min_size
+
     def size_of(self, conn_id: K) -> int:
         try:
             return self._sizes[conn_id]

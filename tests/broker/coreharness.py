@@ -71,8 +71,9 @@ class Harness:
     def producer(self, name: str = "producer", *, flow_control: bool = True, window: int | None = None) -> Producer:
         return Producer(self, name, flow_control=flow_control, window=window)
 
-    def consumer(self, name: str = "consumer") -> Consumer:
-        return Consumer(self, name)
+    def consumer(self, name: str = "consumer", *, flow_control: bool = False) -> Consumer:
+        """`flow_control=True` is what the SDK does by default: a connection that only consumes."""
+        return Consumer(self, name, flow_control=flow_control)
 
     def queue(self, name: str, **arguments: Any) -> None:
         """Declare a queue through the core's API (not a frame)."""
@@ -234,6 +235,14 @@ class Producer(Client):
             self.flow_events.append(frame)
             self.stopped.pop(frame.destination, None)
 
+    def register(self) -> int:
+        """Send one (unroutable) message and read the answer. A flow-controlled connection gets the
+        policy's provisional buffer at connect and counts as a producer for the credit policy only
+        from its first TRANSFER, so this is how a test makes it one. Returns the transfer id."""
+        tid = self.send("amq.fanout", "register")
+        self.pump()
+        return tid
+
     def is_complete(self, tid: int) -> bool:
         return tid in self.completed
 
@@ -244,8 +253,8 @@ class Producer(Client):
 class Consumer(Client):
     """A consumer: subscriptions, deliveries, settlement and buffer acknowledgements."""
 
-    def __init__(self, harness: Harness, name: str):
-        super().__init__(harness, name, flow_control=False)
+    def __init__(self, harness: Harness, name: str, *, flow_control: bool = False):
+        super().__init__(harness, name, flow_control=flow_control)
         self.deliveries: list[tuple[int, DeliveryEntry]] = []  # (subscription id, entry), tag order
         self.unsettled: dict[int, tuple[int, DeliveryEntry]] = {}  # tag -> (sub id, entry)
         self.delivered_bytes: dict[int, int] = {0: 0}  # opaque (0 = connection) -> bytes delivered

@@ -12,6 +12,10 @@ every (producer, transfer, queue) copy and checks, at every step and after a fin
   only a copy that was delivered before is marked redelivered;
 - a queue's count and size are what the model says is in it, and never negative;
 - credit never goes negative and the broker never grants bytes the producer did not send;
+- a flow-controlled connection (producer, or consumer as the SDK's default makes it) has the policy's
+  provisional buffer until its first transfer registers it with the credit policy; registered producers
+  have the policy's size for the number registered, and the buffers granted to all flow-controlled
+  connections stay within the aggressive bound;
 - a queue exceeds its stop thresholds by at most the producers' windows (count) and buffers plus
   one message each (size), beyond what it held when a threshold was lowered under it;
 - an uncompleted transfer is held by a saturated destination that still has it, its producer has
@@ -100,6 +104,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.consumer_by_id: dict[int, ConsumerModel] = {}
         self.saw_refusal = False
         self.aggressive = False
+        self.static_size = 0
+        self.registered: set[int] = set()  # producers that sent a TRANSFER: registered with the policy
         self.steps = 0
         self.last_first: dict[tuple[int, int, str], int] = {}  # (consumer, producer, queue) -> transfer id
 
@@ -109,13 +115,15 @@ class CoreMachine(RuleBasedStateMachine):
     def setup(self, data: st.DataObject) -> None:
         server = {"max_message_size": MAX_MESSAGE, "max_frame_size": 4096, "memory_quota": QUOTA}
         if data.draw(st.booleans(), label="aggressive policy"):
-            # a pool of 0.1 % of 1 MiB = 1048 bytes, shared: every connect and disconnect resizes
+            # a pool of 0.1 % of 1 MiB = 1048 bytes, shared: every producer's first send (which
+            # registers it) and every disconnect of a registered one resizes
             self.aggressive = True
             credit: dict[str, object] = {
                 "policy": "aggressive", "aggressive_percent": 0.1, "min_size": MIN_BUFFER, "max_size": 1500,
             }
         else:
-            credit = {"policy": "static", "static_size": data.draw(st.integers(150, 1500), label="buffer")}
+            self.static_size = data.draw(st.integers(150, 1500), label="buffer")
+            credit = {"policy": "static", "static_size": self.static_size}
         self.h = Harness(server=server, credit=credit)
         self.admin = self.h.consumer("admin")
         for i in range(data.draw(st.integers(1, 3), label="queues")):
@@ -140,7 +148,7 @@ class CoreMachine(RuleBasedStateMachine):
     def _open_producer(self, data: st.DataObject) -> None:
         window = data.draw(st.integers(1, 6), label="window")
         p = self.h.producer(f"p{len(self.producers)}", window=window)
-        assert p.welcome_buffer > 0
+        assert p.welcome_buffer == self._provisional()  # not registered until its first transfer
         if self.h.core.producers_stopped:
             assert "*" in {f.destination for f in p.pump() if isinstance(f, FlowStopped)}
         self.producers.append(p)
@@ -155,7 +163,8 @@ class CoreMachine(RuleBasedStateMachine):
     def _open_consumer(self, data: st.DataObject) -> None:
         self.consumer_ids += 1
         cid = self.consumer_ids
-        c = self.h.consumer(f"c{cid}")
+        # SDK connections are flow-controlled by default, consumers too: they must not count as producers
+        c = self.h.consumer(f"c{cid}", flow_control=data.draw(st.booleans(), label=f"c{cid} flow control"))
         conn_buffer = data.draw(st.sampled_from([0, 0, 100, 300, 600]), label="connection buffer")
         if conn_buffer:
             c.set_buffer(0, conn_buffer)
@@ -298,6 +307,7 @@ class CoreMachine(RuleBasedStateMachine):
                 self.targets[(pid, tid)] = [target]
                 assert p.send("", target, body) == tid
             self.sizes[(pid, tid)] = message_size(body)
+            self.registered.add(pid)  # its first transfer registered it with the credit policy
 
     @rule(data=st.data())
     def burst_again(self, data: st.DataObject) -> None:
@@ -494,13 +504,40 @@ class CoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def granted_buffers_within_pool(self) -> None:
-        credit = self.h.core.credit
+        core = self.h.core
+        credit = core.credit
+        live = [pid for pid in range(len(self.producers)) if pid not in self.closed_producers]
+        registered = [pid for pid in live if pid in self.registered]
+        # exactly the live producers that have sent are registered: consumers and idle ones are not
+        assert set(credit.connections()) == {self.producers[pid].session.conn_id for pid in registered}
         n = len(credit)
-        assert n == len(self.producers) - len(self.closed_producers)
-        if self.aggressive and n:
+        assert n == len(registered)
+        provisional = self._provisional()
+        for pid in live:
+            s = self.producers[pid].session
+            expected = self._registered_size(n) if pid in self.registered else provisional
+            assert s.buffer_size == expected, (pid, s.buffer_size, expected)
+            if pid in self.registered:
+                assert credit.size_of(s.conn_id) == expected
+        assert provisional <= min((credit.size_of(c) for c in credit.connections()), default=provisional)
+        flow_controlled = [s for s in core.sessions.values() if s.flow_control]
+        for s in flow_controlled:
+            if s.conn_id not in credit:
+                assert s.buffer_size == provisional, (s.client_name, s.buffer_size)
+        assert credit.total_granted() == sum(credit.size_of(c) for c in credit.connections())
+        if self.aggressive:
             pool = QUOTA // 1000
             assert credit.total_granted() <= pool + n * MIN_BUFFER
-            assert credit.total_granted() == sum(credit.size_of(c) for c in credit.connections())
+            # provisional grants included: within the bound for every flow-controlled connection
+            assert sum(s.buffer_size for s in flow_controlled) <= pool + len(flow_controlled) * MIN_BUFFER
+
+    def _provisional(self) -> int:
+        return MIN_BUFFER if self.aggressive else self.static_size
+
+    def _registered_size(self, n: int) -> int:
+        if self.aggressive:
+            return min(max(QUOTA // 1000 // n, MIN_BUFFER), 1500)
+        return self.static_size
 
     @invariant()
     def bounded_by_windows_and_buffers(self) -> None:
@@ -585,6 +622,9 @@ class CoreMachine(RuleBasedStateMachine):
             event(f"some {fate}", any(f == fate for f in self.fate.values()))
         event("redelivered", any(e.redelivered for m in [drain] for _, e in m.deliveries))
         event("grants", sum(len(p.grants) for p in self.producers) // 5 * 5)
+        event("a producer never sent (provisional)", len(self.registered) < len(self.producers))
+        event("flow-controlled consumers", any(m.client.session.flow_control for m in self.consumers))
+        event("buffer pushed on registration", any(p.buffer_controls for p in self.producers))
         # every copy of every message ended exactly once
         for (pid, tid), qs in self.targets.items():
             for q in qs:

@@ -181,6 +181,11 @@ def test_policy_view_reports_settings_and_granted_buffers() -> None:
     assert view["granted"] == {"total": 0, "connections": []} and view["producers_stopped"] is False
     p1, p2 = h.producer("p1"), h.producer("p2")
     h.consumer("not paced")  # flow_control off: not granted a buffer
+    h.consumer("only consumes", flow_control=True)  # provisional buffer, never registered
+    view = views.policy_view(h.core)
+    assert view["granted"] == {"total": 0, "connections": []}  # nobody has sent yet
+    p1.register()
+    p2.register()  # a first transfer registers a connection with the credit policy
     half = (1 << 30) * 5 // 100 // 2
     view = views.policy_view(h.core)
     assert view["granted"] == {"total": 2 * half, "connections": [

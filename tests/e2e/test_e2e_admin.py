@@ -198,11 +198,21 @@ async def test_stop_all_holds_sends_and_start_all_releases(broker: Any) -> None:
         assert broker.core.queues["q"].count == 4
 
 
+async def send_one(conn: Any) -> None:
+    producer = conn.producer(routing_key="q")
+    await producer.send(b"first", timeout=5)
+    await producer.flush(timeout=5)
+
+
 async def test_policy_set_pushes_new_buffers_to_connected_producers(broker: Any) -> None:
     before = await ok(broker, "GET", "/api/policy")
     assert before["policy"]["policy"] == "aggressive" and before["granted"] == {"total": 0, "connections": []}
     async with await fb.connect(broker.url, client_name="p1") as conn:
-        assert conn.credit.max_bytes == 50 * MiB  # 5 % of the fixture's 1 GiB quota, clamped to max_size
+        assert conn.credit.max_bytes == 10 * MiB  # WELCOME: the provisional size (min_size) until it sends
+        assert (await ok(broker, "GET", "/api/policy"))["granted"] == {"total": 0, "connections": []}
+        await conn.declare_queue("q")
+        await send_one(conn)  # its first transfer registers it with the policy
+        await wait_until(lambda: conn.credit.max_bytes == 50 * MiB)  # 5 % of the 1 GiB quota, clamped
         answer = await ok(broker, "PUT", "/api/policy", {"policy": "aggressive", "quota": 400 * MiB, "min_size": MiB})
         assert answer["policy"]["quota"] == 400 * MiB and answer["policy"]["min_size"] == MiB
         assert answer["granted"] == {
@@ -211,7 +221,11 @@ async def test_policy_set_pushes_new_buffers_to_connected_producers(broker: Any)
         }
         await wait_until(lambda: conn.credit.max_bytes == 20 * MiB)
         async with await fb.connect(broker.url, client_name="p2") as conn2:
-            assert conn2.credit.max_bytes == 10 * MiB  # the 20 MiB pool shared by two
+            assert conn2.credit.max_bytes == MiB  # provisional: the new min_size
+            granted = (await ok(broker, "GET", "/api/policy"))["granted"]
+            assert granted["total"] == 20 * MiB and len(granted["connections"]) == 1  # not registered yet
+            await send_one(conn2)
+            await wait_until(lambda: conn2.credit.max_bytes == 10 * MiB)  # the 20 MiB pool shared by two
             await wait_until(lambda: conn.credit.max_bytes == 10 * MiB)
             granted = (await ok(broker, "GET", "/api/policy"))["granted"]
             assert granted["total"] == 20 * MiB and len(granted["connections"]) == 2

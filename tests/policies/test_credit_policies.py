@@ -390,3 +390,88 @@ def test_aggressive_size_properties(n: int, quota: int, lo: int, span: int, pct:
     assert n * size <= c.aggressive_pool_bytes + n * c.min_size
     if n > 1:
         assert aggressive_size(c, n - 1) >= size  # more producers never means bigger buffers
+
+
+# --- provisional size: what a flow-controlled connection has before it registers -------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "override", "expected"),
+    [
+        ("none", 0, 0),
+        ("none", 7 * MiB, 0),  # none still means not paced
+        ("static", 0, 3 * MiB),  # static_size
+        ("dynamic", 0, 2 * MiB),  # the floor, min_size
+        ("aggressive", 0, 2 * MiB),
+        ("static", 7 * MiB, 7 * MiB),  # the override, under every paced policy
+        ("dynamic", 7 * MiB, 7 * MiB),
+        ("aggressive", 7 * MiB, 7 * MiB),
+    ],
+)
+def test_provisional_size_for_each_policy_and_override(policy: str, override: int, expected: int) -> None:
+    config = cfg(policy, static_size=3 * MiB, min_size=2 * MiB, max_size=40 * MiB, override_size=override)
+    alloc = CreditAllocator[int](config)
+    assert alloc.provisional_size() == expected
+    connect_n(alloc, 5)  # independent of who is registered
+    assert alloc.provisional_size() == expected
+    alloc.disconnect(0)
+    assert alloc.provisional_size() == expected
+    assert len(alloc) == 4  # asking registers nothing
+
+
+def test_provisional_size_follows_reconfigure() -> None:
+    alloc = CreditAllocator[int](cfg("aggressive", min_size=2 * MiB))
+    connect_n(alloc, 3)
+    assert alloc.provisional_size() == 2 * MiB
+    alloc.reconfigure(cfg("static", static_size=3 * MiB))
+    assert alloc.provisional_size() == 3 * MiB
+    alloc.reconfigure(cfg("none"))
+    assert alloc.provisional_size() == 0
+    alloc.reconfigure(cfg("dynamic", override_size=5 * MiB))
+    assert alloc.provisional_size() == 5 * MiB
+
+
+@given(
+    config=st.builds(
+        lambda policy, quota, lo, span, static, pct, threshold, override: CreditPolicyConfig(
+            quota=quota,
+            policy=policy,
+            min_size=lo,
+            max_size=lo + span,
+            static_size=static,
+            aggressive_percent=pct,
+            dynamic_percent=pct,
+            dynamic_threshold_percent=threshold,
+            override_size=override,
+        ),
+        policy=st.sampled_from(list(CreditPolicy)),
+        quota=st.integers(1, 2**44),
+        lo=st.integers(1, 64 * MiB),
+        span=st.integers(0, 256 * MiB),
+        static=st.integers(1, 64 * MiB),
+        pct=st.floats(0.01, 100, allow_nan=False),
+        threshold=st.floats(0.01, 100, allow_nan=False),
+        override=st.one_of(st.just(0), st.integers(1, MAX_BUFFER_SIZE)),
+    ),
+    registered=st.integers(0, 60),
+    leaving=st.integers(0, 60),
+    provisional=st.integers(0, 200),
+)
+def test_provisional_size_is_never_above_a_registered_share(
+    config: CreditPolicyConfig, registered: int, leaving: int, provisional: int
+) -> None:
+    alloc = CreditAllocator[int](config)
+    connect_n(alloc, registered)
+    for conn in range(min(leaving, registered)):
+        alloc.disconnect(conn)
+    size = alloc.provisional_size()
+    assert 0 <= size <= MAX_BUFFER_SIZE
+    assert (size == 0) is (config.policy is CreditPolicy.NONE)
+    # what connect() gives the next one, and every registered size after it, is at least the provisional size
+    newcomer = alloc.connect(-1)[-1]
+    assert size <= newcomer
+    assert all(size <= s for s in alloc.sizes().values())
+    # so provisional grants stay within the aggressive bound, counted over every flow-controlled connection
+    if config.policy is CreditPolicy.AGGRESSIVE and not config.override_size:
+        n = len(alloc) + provisional
+        assert alloc.total_granted() + provisional * size <= config.aggressive_pool_bytes + n * config.min_size
