@@ -3,42 +3,23 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
-
-FLOWBROKER = str(Path(sys.executable).with_name("flowbroker"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from daemon import FLOWBROKER, free_port, wait_listening
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "broker exited"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError("broker did not listen within 20 s")
+
 
 
 def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[server]\nport = {port}\nidle_timeout = 30.0\n\n[credit]\npolicy = "static"\n\n'
                       f'[admin]\nport = 0\ntoken_file = "{tmp_path / "admin-token"}"\n')
     url = f"flowbroker://127.0.0.1:{port}"
     broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
     try:
-        _wait_listening(port, broker)
+        wait_listening(port, broker)
         pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "greetings", "hello", "world", "-n", "2"],
                              capture_output=True, text=True, timeout=30)
         assert pub.returncode == 0, pub.stderr

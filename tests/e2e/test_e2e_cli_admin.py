@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,27 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 from flowbroker.broker.cli import main
+from daemon import FLOWBROKER, free_port, wait_listening
 
-FLOWBROKER = str(Path(sys.executable).with_name("flowbroker"))
 MiB = 1024 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "broker exited"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"nothing listened on {port} within 20 s")
 
 
 class Daemon:
@@ -66,15 +49,15 @@ class Daemon:
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    port, admin_port = _free_port(), _free_port()
+    port, admin_port = free_port(), free_port()
     token_file = tmp_path / "admin-token"
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[server]\nport = {port}\nmemory_quota = 1073741824\n\n'
                       f'[admin]\nport = {admin_port}\ntoken_file = "{token_file}"\n')
     broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
     try:
-        _wait_listening(port, broker)
-        _wait_listening(admin_port, broker)
+        wait_listening(port, broker)
+        wait_listening(admin_port, broker)
         yield Daemon(f"flowbroker://127.0.0.1:{port}",
                      ["--admin-url", f"http://127.0.0.1:{admin_port}", "--token-file", str(token_file)], token_file)
     finally:
@@ -184,7 +167,7 @@ def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
     _publish(daemon, "x")
     invalid = daemon.cli("policy", "set", "aggressive", "--min-size", "0", ok=False)
     assert invalid.returncode != 0 and "min_size" in invalid.stderr and "Traceback" not in invalid.stderr
-    unreachable = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{_free_port()}",
+    unreachable = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{free_port()}",
                                   "--token", "whatever-token"], capture_output=True, text=True, timeout=30)
     assert unreachable.returncode != 0 and "cannot reach the admin API" in unreachable.stderr
     no_token = subprocess.run([FLOWBROKER, "queues", "--token-file", str(daemon.token_file) + ".missing"],
