@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
-import signal
 import socket
 import struct
 import subprocess
@@ -27,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import trio
 
 import flowbroker.client as fb
+from procs import free_port, rss, stop_broker
 
 STAMP = struct.Struct("<Q")
 MiB = 1024 * 1024
@@ -38,12 +37,6 @@ QUEUE = "bench"
 
 
 # -- the broker process -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
@@ -58,19 +51,6 @@ def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("broker did not start within 15 s")
-
-
-def stop_broker(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def rss(pid: int) -> int:
-    return int(psutil.Process(pid).memory_info().rss)
 
 
 async def _queue_count(url: str) -> int:

@@ -35,7 +35,6 @@ import argparse
 import collections
 import multiprocessing as mp
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -45,12 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import trio
 
 import flowbroker.client as fb
 from flowbroker.policies.credit import CreditPolicyConfig, aggressive_size
 from flowbroker.policies.overflow import Thresholds
+from flowbroker.broker.cli import parse_size
+from procs import free_port, rss, stop_broker
 
 MiB = 1024 * 1024
 KiB = 1024
@@ -58,22 +58,7 @@ QUEUE = "many"
 TARGET_SLACK = 64 * MiB
 
 
-def _size(text: str) -> int:
-    """Plain bytes or with a KiB/MiB/GiB (or K/M/G) suffix, as `flowbroker serve` reads them."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    for suffix, factor in (("K", KiB), ("M", MiB), ("G", 1 << 30)):
-        if t.endswith(suffix):
-            return int(float(t[:-1]) * factor)
-    return int(t)
-
-
 # -- the broker process -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_broker(port: int, quota: int, config: Path, log: Any) -> subprocess.Popen[bytes]:
@@ -92,21 +77,6 @@ def start_broker(port: int, quota: int, config: Path, log: Any) -> subprocess.Po
             time.sleep(0.05)
     stop_broker(proc)
     raise RuntimeError("broker did not start within 15 s")
-
-
-def stop_broker(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def rss(pid: int) -> int:
-    return int(psutil.Process(pid).memory_info().rss)
 
 
 async def _declare(url: str, arguments: dict[str, int]) -> dict[str, Any]:
@@ -350,13 +320,13 @@ def main() -> None:
     parser.add_argument("--drain-timeout", type=float, default=120.0)
     args = parser.parse_args()
 
-    quota = _size(args.quota)
-    min_buffer, max_buffer = _size(args.min_buffer), _size(args.max_buffer)
+    quota = parse_size(args.quota)
+    min_buffer, max_buffer = parse_size(args.min_buffer), parse_size(args.max_buffer)
     policy = CreditPolicyConfig.from_mapping(
         {"quota": quota, "policy": "aggressive", "min_size": min_buffer, "max_size": max_buffer})
     queue_args: dict[str, int] = {}
     if args.flow_stop_size is not None:
-        stop = _size(args.flow_stop_size)
+        stop = parse_size(args.flow_stop_size)
         queue_args["flow_stop_size"] = stop
         queue_args["flow_resume_size"] = stop * 7 // 8
     thresholds = Thresholds(flow_stop_size=queue_args.get("flow_stop_size"),

@@ -28,13 +28,11 @@ if TYPE_CHECKING:
 # trio, the server and the SDK are imported by the commands that use them: the management
 # commands only talk HTTP and should start fast.
 
-__all__ = ["main"]
+__all__ = ["main", "parse_size"]
 
 
-def _size(value: str | None) -> int | None:
-    """Sizes on the command line: plain bytes or with a KiB/MiB/GiB (or K/M/G) suffix."""
-    if value is None:
-        return None
+def parse_size(value: str) -> int:
+    """Sizes on the command line: plain bytes or with a KiB/MiB/GiB (or K/M/G) suffix. ValueError if not."""
     text = value.strip().upper().removesuffix("B").removesuffix("I")
     for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
         if text.endswith(suffix):
@@ -49,7 +47,7 @@ class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in n
         if isinstance(value, int):
             return value
         try:
-            size = _size(str(value))
+            size = parse_size(str(value))
         except ValueError:
             self.fail(f"{value!r} is not a size (examples: 1048576, 512KiB, 10MiB, 2GiB)", param, ctx)
         assert size is not None

@@ -222,13 +222,9 @@ class CreditAllocator(Generic[K]):
         than a registered connection would get: the floor under dynamic/aggressive, so provisional grants
         add at most N x min_size, which the aggressive bound already allows for."""
         cfg = self._config
-        if cfg.policy is CreditPolicy.NONE:
-            return 0
-        if cfg.override_size:
-            return cfg.override_size
-        if cfg.policy is CreditPolicy.STATIC:
-            return static_size(cfg)
-        return cfg.min_size
+        if cfg.policy in (CreditPolicy.DYNAMIC, CreditPolicy.AGGRESSIVE) and not cfg.override_size:
+            return cfg.min_size
+        return self._size_for_new(self._total)
 
     def size_of(self, conn_id: K) -> int:
         try:
