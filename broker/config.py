@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ __all__ = [
     "AdminConfig",
     "BrokerConfig",
     "load_config",
-    "with_credit",
     "default_quota",
 ]
 
@@ -210,9 +209,3 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
     return BrokerConfig(server, queues, dict(credit), admin).validate()
-
-
-def with_credit(config: BrokerConfig, **changes: Any) -> BrokerConfig:
-    """A copy with [credit] keys changed (used when the policy is changed while running)."""
-    return replace(config, credit={**config.credit, **changes}).validate()
-

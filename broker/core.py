@@ -262,7 +262,7 @@ class BrokerCore:
                     msg.held = transfer
                 if admin_hold:
                     self._admin_held.append(transfer)
-                session.transfers_held += 1
+                session.transfers_held_total += 1
             else:
                 session.complete_transfer(tid, size)
             tid += 1

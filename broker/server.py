@@ -103,13 +103,7 @@ class BrokerServer:
         return handler.peer if handler is not None else None
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        if len(self.connections) >= self.config.server.max_connections:
-            conn = Connection(Role.BROKER)
-            conn.state = State.AWAIT_WELCOME
-            await _send_and_close(stream, conn, [Close(ErrorCode.INTERNAL_ERROR, "too many connections")])
-            return
-        handler = ConnectionHandler(self, stream)
-        await handler.run()
+        await ConnectionHandler(self, stream).run()
 
 
 async def _send_and_close(stream: trio.SocketStream, conn: Connection, frames: list[Frame]) -> None:
@@ -150,6 +144,16 @@ class ConnectionHandler:
     async def run(self) -> None:
         hello = await self._handshake()
         if hello is None:
+            return
+        limit = self.server.config.server.max_connections
+        if len(self.server.connections) >= limit:
+            # Refused after HELLO, where the protocol lets the broker answer ERROR + CLOSE instead of
+            # WELCOME, so the client learns why rather than seeing the socket drop.
+            text = f"too many connections (max_connections {limit})"
+            LOGGER.warning("refusing connection from %s: %s", self.peer, text)
+            await _send_and_close(
+                self.stream, self.conn, [Error(ErrorCode.INTERNAL_ERROR, text), Close(ErrorCode.INTERNAL_ERROR, text)]
+            )
             return
         core = self.core
         session = core.open_session(hello.client_name, "anonymous", hello.flow_control, self._wake)
@@ -202,8 +206,7 @@ class ConnectionHandler:
             await trio.aclose_forcefully(self.stream)
         except RemoteProtocolError as exc:
             LOGGER.info("connection from %s: bad handshake: %s", self.peer, exc)
-            self.conn.state = State.AWAIT_WELCOME  # the broker may answer a refused HELLO with ERROR + CLOSE
-            await _send_and_close(
+            await _send_and_close(  # after a protocol error the state machine still allows ERROR + CLOSE
                 self.stream, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
             )
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -77,7 +77,7 @@ class Session:
         self.credit = AckScheduler(buffer_size if flow_control else 0)
         self.credit_limit = self.credit.buffer_size  # highest position ever granted (monotonic)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
-        self.transfers_held = 0
+        self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         # consumer side
         self.subscriptions: dict[int, Subscription] = {}
         self.unsettled: dict[int, tuple[Subscription, Message]] = {}
@@ -131,8 +131,10 @@ class Session:
             self._newly_completed = []
             self._sent_cumulative = cumulative
         credit = self.credit
-        if credit.buffer_size and credit.pending >= credit.threshold():
-            frames.append(self._grant(now_ns))
+        if credit.pending >= credit.threshold():
+            ack = credit.flush(now_ns)  # None when byte flow control is off
+            if ack is not None:
+                frames.append(self._granted(ack))
         if self._sealed:
             frames.extend(self._sealed)
             self._sealed = []
@@ -144,14 +146,14 @@ class Session:
         return frames
 
     def poll_credit(self, now_ns: int) -> None:
-        """Timer: acknowledge what is pending after the interval and re-advertise the absolute position."""
-        if self.credit.buffer_size and now_ns - self.credit.last_sent_ns >= self.credit.interval_ns:
-            self.send(self._grant(now_ns))
+        """Timer: after the interval, acknowledge what is pending and re-advertise the absolute position
+        (even unchanged), so a lost grant costs a producer at most one interval."""
+        ack = self.credit.poll(now_ns)
+        if ack is not None:
+            self.send(self._granted(ack))
 
-    def _grant(self, now_ns: int) -> BufferAck:
-        ack = self.credit.flush(now_ns) or self.credit.poll(now_ns)
-        if ack is None:  # nothing pending and polled within the interval: re-send the position as is
-            ack = BufferAck(0, 0, self.credit.advertised_total)
+    def _granted(self, ack: BufferAck) -> BufferAck:
+        """Every grant raises the limit the credit check allows (monotonic: a shrink never lowers it)."""
         self.credit_limit = max(self.credit_limit, ack.acked_total + self.credit.buffer_size)
         return ack
 

@@ -184,7 +184,7 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None, h
             "completed_bytes": credit.processed_total,
             "transfers": session.next_transfer_id - 1,
             "transfers_held": held,
-            "transfers_held_total": session.transfers_held,
+            "transfers_held_total": session.transfers_held_total,
         },
         "flow": _flow(session, now_ns),
         "consumer": {

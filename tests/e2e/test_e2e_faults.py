@@ -485,3 +485,14 @@ async def test_shutdown_closes_clients_with_shutdown_and_loses_nothing_completed
     # nothing completed is lost: the 30 not acked are in the queue, in order, delivered ones flagged
     assert [m.body for m in q.ready] == [b"m%d" % i for i in range(20, 50)]
     assert all(m.redelivered for m in list(q.ready)[:10]) and q.count == 30
+
+
+async def test_connection_over_max_connections_is_refused_with_a_reason(start_flowbroker) -> None:
+    """The refusal comes after HELLO as ERROR + CLOSE, so the client is told why; the open one is untouched."""
+    broker = await start_flowbroker(server={"max_connections": 1})
+    async with await fc.connect(broker.url, timeout=LIMIT) as first:
+        with pytest.raises(fc.HandshakeError, match=r"too many connections \(max_connections 1\)") as refused:
+            await fc.connect(broker.url, timeout=LIMIT)
+        assert refused.value.code is ErrorCode.INTERNAL_ERROR
+        await first.declare_queue("still-served")
+    assert "still-served" in broker.core.queues
