@@ -6,11 +6,20 @@ back-pressure, so acks, settlements and noops always get through), a writer that
 session's outbox whenever the core wakes it, and a timer for noops, the idle timeout, credit
 re-advertisement and stuck-consumer detection. A connection at fault gets an ERROR naming what was
 wrong and a CLOSE; no other connection is touched.
+
+Writing first, then queueing (as asyncio's selector transports do): when a reader has handed a chunk
+of frames to the core, it flushes the outbox of every session the core woke (the producer's
+completions, the consumers' deliveries) with one non-blocking write each, instead of waiting a
+scheduler round for their writer tasks. Measured at 5,000 msgs/s that round was p50 0.13 ms and p90
+0.35 ms of a message's way through the broker. What the kernel does not take at once (its send
+buffer is full: a slow consumer) goes to that connection's writer task, which sends it before
+anything newer, so frames stay in order and a slow socket never blocks the reader.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import trio
@@ -63,6 +72,13 @@ class BrokerServer:
         self.port: int | None = None
         self.admin: AdminServer | None = None
         self.admin_port: int | None = None
+        self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
+
+    def flush_woken(self) -> None:
+        """Write out, without waiting, what the frames just handled made due on every connection."""
+        woken, self._woken = self._woken, {}
+        for handler in woken:
+            handler.flush_now()
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until shutdown() is called or the task is cancelled; then close every connection
@@ -106,11 +122,14 @@ class BrokerServer:
         await ConnectionHandler(self, stream).run()
 
 
-async def _send_and_close(stream: trio.SocketStream, conn: Connection, frames: list[Frame]) -> None:
+async def _send_and_close(
+    stream: trio.SocketStream, conn: Connection, frames: list[Frame], unsent: bytes = b""
+) -> None:
+    """Send `unsent` (the rest of a frame already begun) and then `frames`, with a deadline, and close."""
     with trio.move_on_after(FINAL_FLUSH_SECONDS) as scope:
         scope.shield = True
         try:
-            data = b"".join(conn.send(f) for f in frames)
+            data = unsent + b"".join(conn.send(f) for f in frames)
             await stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError):
             pass
@@ -126,6 +145,8 @@ class ConnectionHandler:
         self.conn = Connection(Role.BROKER, cfg.max_frame_size)
         self.session: Session | None = None
         self._wakeup = trio.Event()
+        self._writing = False  # the writer task is inside send_all: nobody else may write
+        self._unsent = b""  # what a direct write could not send; the writer sends it before anything newer
         self._closing: _Closing | None = None
         self._cancel = trio.CancelScope()
         self.last_received = trio.current_time()
@@ -215,9 +236,29 @@ class ConnectionHandler:
 
     def _wake(self) -> None:
         self._wakeup.set()
+        self.server._woken[self] = None
+
+    def flush_now(self) -> None:
+        """Send the session's outbox with one non-blocking write, unless the writer task is busy or
+        holds unsent bytes (then it is already woken, and order is kept by leaving it to it)."""
+        session = self.session
+        if self._writing or self._unsent or session is None or self._closing is not None:
+            return
+        frames = session.collect(now_ns())
+        if not frames:
+            return
+        conn = self.conn
+        data = b"".join([conn.send(f) for f in frames])
+        try:
+            sent = os.write(self.stream.socket.fileno(), data)
+        except OSError:  # would block, or the socket failed: the writer's send_all retries or reports it
+            sent = 0
+        if sent < len(data):
+            self._unsent = data[sent:]
+            self._wakeup.set()
 
     async def _reader(self, session: Session) -> None:
-        conn, core, stream = self.conn, self.core, self.stream
+        conn, core, stream, server = self.conn, self.core, self.stream, self.server
         while True:
             data = await stream.receive_some(RECEIVE_SIZE)
             self.last_received = trio.current_time()
@@ -234,6 +275,8 @@ class ConnectionHandler:
             except SessionFault as exc:
                 self.close(_Closing(exc.code, str(exc), conn.frames_received))
                 return
+            finally:
+                server.flush_woken()
             if not data:
                 self.close(_Closing(ErrorCode.NORMAL, "client closed the connection", error=False))
                 return
@@ -244,8 +287,13 @@ class ConnectionHandler:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             frames = session.collect(now_ns())
-            if frames:
-                await stream.send_all(b"".join([conn.send(f) for f in frames]))
+            if frames or self._unsent:
+                data, self._unsent = self._unsent + b"".join([conn.send(f) for f in frames]), b""
+                self._writing = True
+                await stream.send_all(data)
+                # Not reset when send_all is cancelled or fails: how much of `data` went is unknown,
+                # so nothing more may be written (_finish then closes without a last word).
+                self._writing = False
 
     async def _timer(self, session: Session) -> None:
         cfg = self.server.config.server
@@ -292,9 +340,11 @@ class ConnectionHandler:
         self.server.connections.pop(session.conn_id, None)
         if reason.error:
             frames.append(Error(reason.code, reason.text, reason.frame_seq))
-        if not self.conn.closed_by_us:
+        if self._writing:  # the writer was cut off inside send_all: the stream is mid-frame
+            await trio.aclose_forcefully(self.stream)
+        elif not self.conn.closed_by_us:
             frames.append(Close(reason.code, reason.text))
-            await _send_and_close(self.stream, self.conn, frames)
+            await _send_and_close(self.stream, self.conn, frames, self._unsent)
         else:
             await trio.aclose_forcefully(self.stream)
         level = logging.INFO if reason.code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN) else logging.WARNING
