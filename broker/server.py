@@ -201,7 +201,9 @@ class ConnectionHandler:
                     nursery.start_soon(self._timer, session)
                     await self._reader(session)
                     nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
+            # except*: from the writer these arrive inside the nursery's ExceptionGroup, and must end
+            # this connection only, never escape to the listener (that would stop the broker).
             self._closing = self._closing or _Closing(ErrorCode.NORMAL, "connection lost", error=False)
         finally:
             await self._finish(session)
