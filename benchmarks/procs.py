@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: a free port, the broker process's RSS, stopping it by its pid."""
+"""What the benchmark scripts share: a free port, a process's RSS and CPU time, stopping the broker by its pid."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def free_port() -> int:
 
 def rss(pid: int) -> int:
     return int(psutil.Process(pid).memory_info().rss)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
 
 
 def stop_broker(proc: subprocess.Popen[bytes]) -> None:
