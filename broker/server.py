@@ -249,8 +249,9 @@ class ConnectionHandler:
         frames = session.collect(now_ns())
         if not frames:
             return
-        conn = self.conn
-        data = b"".join([conn.send(f) for f in frames])
+        data = self._encode(frames)
+        if data is None:
+            return
         try:
             sent = os.write(self.stream.socket.fileno(), data)
         except OSError:  # would block, or the socket failed: the writer's send_all retries or reports it
@@ -283,14 +284,28 @@ class ConnectionHandler:
                 self.close(_Closing(ErrorCode.NORMAL, "client closed the connection", error=False))
                 return
 
+    def _encode(self, frames: list[Frame]) -> bytes | None:
+        """The frames' bytes; None (and this connection closing) if the state machine refuses one,
+        which would be a broker bug: it must end this connection, not the task that found it."""
+        conn = self.conn
+        try:
+            return b"".join([conn.send(f) for f in frames])
+        except LocalProtocolError as exc:
+            LOGGER.error("connection %s: cannot send: %s", self.session and self.session.conn_id, exc)
+            self.close(_Closing(ErrorCode.INTERNAL_ERROR, f"broker cannot send: {exc}", error=False))
+            return None
+
     async def _writer(self, session: Session) -> None:
-        conn, stream = self.conn, self.stream
+        stream = self.stream
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             frames = session.collect(now_ns())
             if frames or self._unsent:
-                data, self._unsent = self._unsent + b"".join([conn.send(f) for f in frames]), b""
+                encoded = self._encode(frames)
+                if encoded is None:
+                    return
+                data, self._unsent = self._unsent + encoded, b""
                 self._writing = True
                 await stream.send_all(data)
                 # Not reset when send_all is cancelled or fails: how much of `data` went is unknown,

@@ -99,3 +99,24 @@ async def test_a_connection_ended_while_its_writer_is_stuck_loses_no_message(sta
                     if len(got) == COUNT:
                         break
     assert got == list(range(COUNT))  # requeued in their original order
+
+
+async def test_a_frame_the_state_machine_refuses_ends_only_its_own_connection(start_flowbroker) -> None:
+    """A broker bug that queues a frame the protocol forbids (here a HELLO, which only clients send)
+    closes that connection; the reader that found it while flushing, and everyone else, carry on."""
+    broker = await start_flowbroker()
+    url = f"flowbroker://127.0.0.1:{broker.port}"
+    async with await fc.connect(url) as victim, await fc.connect(url) as bystander:
+        await bystander.declare_queue("q")
+        producer = bystander.producer(routing_key="q")
+        async with bystander.consumer("q") as consumer:
+            broker.core.sessions[victim.connection_id].send(Hello(PROTOCOL_VERSION, "bug", True, []))
+            # The victim's writer finds it (or a reader flushing after the bystander's next frame).
+            await producer.send(b"after the bug")
+            with trio.fail_after(LIMIT):
+                msg = await consumer.receive()
+            assert msg.body == b"after the bug"
+            await msg.ack()
+            await wait_until(lambda: victim.is_closed)
+            assert victim.connection_id not in broker.core.sessions
+        await producer.flush(timeout=LIMIT)
