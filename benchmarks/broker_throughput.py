@@ -21,6 +21,7 @@ producer writes it into the first 8 bytes of each body and the consumer subtract
 from __future__ import annotations
 
 import argparse
+import os
 import multiprocessing as mp
 import queue
 import socket
@@ -35,6 +36,7 @@ import psutil
 import trio
 
 import flowbroker.client as fb
+from flowbroker.broker.cli import parse_size
 from procs import cpu_seconds, free_port, rss, stop_broker
 
 STAMP = struct.Struct("<Q")
@@ -59,15 +61,17 @@ def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     raise RuntimeError("broker did not start within 15 s")
 
 
-async def _queue_count(url: str) -> int:
+async def _queue_count(url: str, stop_size: int | None = None) -> int:
+    """Declare the queue (with `stop_size` as its flow_stop_size, resuming at 7/8 of it) and return its depth."""
+    resume = stop_size * 7 // 8 if stop_size else None
     async with await fb.connect(url, flow_control=False, client_name="bench-probe") as conn:
-        return int((await conn.declare_queue(QUEUE))["count"])
+        return int((await conn.declare_queue(QUEUE, flow_stop_size=stop_size, flow_resume_size=resume))["count"])
 
 
 # -- worker processes ---------------------------------------------------------------------------
 
 
-def producer_main(url: str, count: int, size: int, rate: float, seconds: float, out: Any) -> None:
+def producer_main(url: str, count: int, size: int, rate: float, seconds: float, window: int, out: Any) -> None:
     """Send `count` messages (or until `seconds` pass), at `rate` msgs/s or as fast as credit allows."""
 
     async def run() -> dict[str, Any]:
@@ -75,7 +79,7 @@ def producer_main(url: str, count: int, size: int, rate: float, seconds: float, 
         sent = 0
         cpu = time.process_time()
         async with await fb.connect(url, client_name="bench-producer") as conn:
-            producer = conn.producer(routing_key=QUEUE, window=5000)
+            producer = conn.producer(routing_key=QUEUE, window=window)
             start = time.monotonic()
             end = start + seconds
             interval = 1.0 / rate if rate else 0.0
@@ -132,21 +136,36 @@ def percentile_ms(values: list[int], p: float) -> float:
 # -- scenarios ----------------------------------------------------------------------------------
 
 
+def pin(broker_pid: int, *client_pids: int) -> None:
+    """The broker alone on CPU 0; the clients and this process share the others. Without it the
+    kernel may run the broker on the CPU where a client is busy, and a message waits for it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least two CPUs")
+    os.sched_setaffinity(broker_pid, {cpus[0]})
+    for pid in (*client_pids, os.getpid()):
+        os.sched_setaffinity(pid, set(cpus[1:]))
+
+
 def scenario_flow(args: argparse.Namespace, rate: float) -> None:
     port = free_port()
     url = f"flowbroker://127.0.0.1:{port}"
     broker = start_broker(port, ["--memory-quota", args.quota])
     ctx = mp.get_context("spawn")
     try:
-        trio.run(_queue_count, url)
+        trio.run(_queue_count, url, args.flow_stop_size)
         idle = rss(broker.pid)
         count = int(rate * args.seconds) if rate else args.count
         pq, cq = ctx.Queue(), ctx.Queue()
         consumer = ctx.Process(target=consumer_main, args=(url, count, 0.0, 1 if rate else 10, cq))
         consumer.start()
         time.sleep(1.5)  # the consumer is subscribed before the first message
-        producer = ctx.Process(target=producer_main, args=(url, count, args.size, rate, float("inf"), pq))
+        producer = ctx.Process(
+            target=producer_main, args=(url, count, args.size, rate, float("inf"), args.window, pq)
+        )
         producer.start()
+        if args.pin:
+            pin(broker.pid, producer.pid, consumer.pid)  # type: ignore[arg-type]
         broker_cpu = cpu_seconds(broker.pid)
         peak = idle
         # Read the result while sampling: a child that put a large result on a multiprocessing
@@ -195,7 +214,9 @@ def scenario_overload(args: argparse.Namespace) -> None:
         consumer = ctx.Process(target=consumer_main, args=(url, 10**12, slow_rate, 100, cq))
         consumer.start()
         time.sleep(1.5)
-        producer = ctx.Process(target=producer_main, args=(url, 10**12, args.size, 0.0, args.overload_seconds, pq))
+        producer = ctx.Process(
+            target=producer_main, args=(url, 10**12, args.size, 0.0, args.overload_seconds, args.window, pq)
+        )
         producer.start()
         print(f"\n== overload: producer unpaced, consumer {slow_rate:,.0f} msgs/s, {args.overload_seconds:.0f} s ==")
         print(f"broker idle RSS {idle / MiB:.1f} MiB; target: stay under idle + stop size + 32 MiB = "
@@ -228,6 +249,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=5000.0, help="msgs/s in the paced scenario")
     parser.add_argument("--size", type=int, default=1024, help="message body size in bytes")
     parser.add_argument("--quota", default="200MiB", help="broker memory quota (sizes producer credit)")
+    parser.add_argument("--flow-stop-size", type=parse_size, default=None,
+                        help="the queue's flow_stop_size (resume at 7/8 of it); default: the broker's (80 MiB). "
+                             "Unpaced, the queue fills to it, so it sets the latency: stop size / rate")
+    parser.add_argument("--window", type=int, default=5000, help="the producer's window (uncompleted transfers)")
+    parser.add_argument("--pin", action="store_true",
+                        help="run the broker alone on the first CPU, the producer and consumer on the others")
     parser.add_argument("--overload-seconds", type=float, default=30.0)
     parser.add_argument("--overload-consumer-rate", type=float, default=5000.0,
                         help="the slow consumer's rate in the overload scenario")
