@@ -12,7 +12,9 @@ from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Cancel, Deliver, Error, Ok, Subscribe
 
 BODY = b"x" * 40
-SIZE = message_size(BODY)  # 72
+SIZE = message_size(BODY)
+BUFFER = SIZE + SIZE // 2
+"""A buffer of 1.5 messages: the first goes, the second overflows it, the third waits."""
 
 
 def setup(*queues: str, n: int = 0) -> tuple[Harness, Producer]:
@@ -58,16 +60,16 @@ def test_zero_prefetch_is_capped_by_broker_maximum() -> None:
 def test_subscription_buffer_pauses_allows_one_overflow_and_resumes_on_ack() -> None:
     h, p = setup("q", n=6)
     c = h.consumer()
-    sub = c.subscribe("q", buffer_size=100)
-    assert delivered(c) == 2  # 0 < 100: one; 72 < 100: a second overflows the buffer; 144: pause
+    sub = c.subscribe("q", buffer_size=BUFFER)
+    assert delivered(c) == 2  # 0 < BUFFER: one; SIZE < BUFFER: a second overflows the buffer; 2 SIZE: pause
     c.ack()  # settlement is not a buffer acknowledgement
     assert delivered(c) == 2
-    c.buffer_ack(sub, acked_total=SIZE)  # absolute: 144 - 72 = 72 < 100 -> one more
+    c.buffer_ack(sub, acked_total=SIZE)  # absolute: 2 SIZE - SIZE = SIZE < BUFFER -> one more
     assert delivered(c) == 3
     c.buffer_ack(sub, acked_total=SIZE)  # a duplicate changes nothing
     c.buffer_ack(sub, acked_total=10)  # nor does a stale one
     assert delivered(c) == 3
-    c.buffer_ack(sub)  # everything delivered (216): two more
+    c.buffer_ack(sub)  # everything delivered (3 SIZE): two more
     assert delivered(c) == 5
     with pytest.raises(SessionFault) as info:
         c.buffer_ack(sub, acked_total=c.delivered_bytes[sub] + 1)
@@ -89,10 +91,10 @@ def test_message_bigger_than_the_whole_buffer_goes_when_empty() -> None:
 def test_connection_level_buffer_pauses_all_subscriptions() -> None:
     h, p = setup("a", "b", n=5)
     c = h.consumer()
-    c.set_buffer(0, 100)
+    c.set_buffer(0, BUFFER)
     c.subscribe("a", sub_id=1)
     c.subscribe("b", sub_id=2)
-    assert delivered(c) == 2  # shared: 72, 144 -> full for both
+    assert delivered(c) == 2  # shared: SIZE, 2 SIZE -> full for both
     c.buffer_ack(0, acked_total=SIZE)  # one more on either subscription
     assert delivered(c) == 3
     c.buffer_ack(0)
@@ -105,12 +107,12 @@ def test_connection_level_buffer_pauses_all_subscriptions() -> None:
 def test_both_levels_apply() -> None:
     h, p = setup("q", n=10)
     c = h.consumer()
-    c.set_buffer(0, 1000)
-    sub = c.subscribe("q", buffer_size=100)
+    c.set_buffer(0, 10 * SIZE)
+    sub = c.subscribe("q", buffer_size=BUFFER)
     assert delivered(c) == 2  # the subscription level is the tighter here
     c.buffer_ack(sub)
     assert delivered(c) == 4
-    c.set_buffer(0, 300)  # now the connection level is: 288 < 300 -> one more (360), then full
+    c.set_buffer(0, 3 * BUFFER)  # now the connection level is: 4 SIZE < 4.5 SIZE -> one more (5 SIZE), then full
     c.buffer_ack(sub)
     assert delivered(c) == 5
     c.buffer_ack(sub)  # subscription has space, connection does not
@@ -122,11 +124,11 @@ def test_both_levels_apply() -> None:
 def test_zero_disables_subscription_buffer_mid_stream() -> None:
     h, p = setup("q", n=6)
     c = h.consumer()
-    sub = c.subscribe("q", buffer_size=100)
+    sub = c.subscribe("q", buffer_size=BUFFER)
     assert delivered(c) == 2
     c.set_buffer(sub, 0)
     assert delivered(c) == 6
-    c.set_buffer(sub, 100)  # back on: 432 unacknowledged, nothing more until acked
+    c.set_buffer(sub, BUFFER)  # back on: 6 SIZE unacknowledged, nothing more until acked
     p.send("", "q", BODY)
     assert delivered(c) == 6
     c.buffer_ack(sub)
@@ -136,8 +138,8 @@ def test_zero_disables_subscription_buffer_mid_stream() -> None:
 def test_slow_subscription_does_not_pause_fast_one_on_same_connection() -> None:
     h, p = setup("slow", "fast", n=20)
     c = h.consumer()
-    slow = c.subscribe("slow", buffer_size=100, sub_id=1)
-    fast = c.subscribe("fast", buffer_size=100, sub_id=2)
+    slow = c.subscribe("slow", buffer_size=BUFFER, sub_id=1)
+    fast = c.subscribe("fast", buffer_size=BUFFER, sub_id=2)
     c.pump()
     for _ in range(9):
         c.ack([t for t in c.tags(fast)])

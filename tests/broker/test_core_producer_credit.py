@@ -12,7 +12,9 @@ from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import BufferAck, BufferControl, Transfer, TransferEntry
 
 BODY = b"p" * 200
-SIZE = message_size(BODY)  # 232
+SIZE = message_size(BODY)
+BUFFER = 4 * SIZE + SIZE // 3
+"""A buffer of 4.33 messages: four fit, the fifth overflows it, a sixth is a credit violation."""
 
 
 def static(size: int, **sections: dict[str, object]) -> Harness:
@@ -29,17 +31,17 @@ def fill(p: Producer, queue: str = "q") -> int:
 
 
 def test_welcome_buffer_and_one_message_overflow_then_violation() -> None:
-    h = static(1000)
+    h = static(BUFFER)
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = h.producer("bad")
     good = h.producer("good")
-    assert p.welcome_buffer == 1000
-    assert fill(p) == 5  # 0, 232, 464, 696, 928 < 1000: the fifth overflows the buffer
+    assert p.welcome_buffer == BUFFER
+    assert fill(p) == 5  # 0, SIZE, 2 SIZE, 3 SIZE, 4 SIZE < BUFFER: the fifth overflows the buffer
     assert p.credit.outstanding == 5 * SIZE
     with pytest.raises(SessionFault) as info:
         p.send("", "q", BODY, force=True)  # before any BUFFER_ACK
     assert info.value.code is ErrorCode.CREDIT_VIOLATION
-    assert "1000" in str(info.value)
+    assert f"limit {BUFFER} (buffer {BUFFER} bytes)" in str(info.value)
     h.core.close_session(p.session)  # what the shell does
     # the well-behaved connection carries on
     assert fill(good) == 5
@@ -50,26 +52,26 @@ def test_welcome_buffer_and_one_message_overflow_then_violation() -> None:
 
 
 def test_violation_inside_one_batch() -> None:
-    h = static(500)
+    h = static(BUFFER // 2)
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = h.producer()
     with pytest.raises(SessionFault) as info:
-        p.handle(Transfer(1, [TransferEntry("", "q", BODY)] * 4))  # 0, 232, 464 ok; 696 >= 500
+        p.handle(Transfer(1, [TransferEntry("", "q", BODY)] * 4))  # 0, SIZE, 2 SIZE ok; 3 SIZE >= 2.17 SIZE
     assert info.value.code is ErrorCode.CREDIT_VIOLATION
 
 
 def test_grants_follow_completions_and_carry_absolute_position() -> None:
-    h = static(1000)
+    h = static(BUFFER)
     h.queue("q", flow_stop_count=2)
     p = h.producer()
     assert fill(p) == 5
     frames = p.pump()
-    # two completed (464 bytes) >= threshold (200): granted; three held by the saturated queue
+    # two completed (2 SIZE) >= threshold (20 % of BUFFER): granted; three held by the saturated queue
     acks = [f for f in frames if isinstance(f, BufferAck)]
     assert acks == [BufferAck(0, 2 * SIZE, 2 * SIZE)]
     assert p.credit.acked_total == 2 * SIZE
-    assert p.can_send()  # 1160 < 464 + 1000
-    assert fill(p) == 2  # 1160, 1392 < 1464 -> 1624
+    assert p.can_send()  # 5 SIZE < 2 SIZE + BUFFER
+    assert fill(p) == 2  # 5 SIZE, 6 SIZE < 6.33 SIZE -> 7 SIZE
     c = h.consumer()
     c.subscribe("q")
     c.ack()
@@ -79,7 +81,7 @@ def test_grants_follow_completions_and_carry_absolute_position() -> None:
 
 
 def test_poll_credit_readvertises_after_a_dropped_grant() -> None:
-    h = static(1000)
+    h = static(BUFFER)
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = h.producer()
     fill(p)
@@ -112,7 +114,8 @@ def test_poll_credit_flushes_pending_below_threshold() -> None:
     p = h.producer()
     p.send("", "q", BODY)
     p.pump()
-    assert p.grants == []  # 232 bytes pending, under the threshold
+    assert SIZE < 20_000
+    assert p.grants == []  # SIZE bytes pending, under the threshold
     h.advance(5)
     p.session.poll_credit(h.now)
     p.pump()
@@ -121,7 +124,7 @@ def test_poll_credit_flushes_pending_below_threshold() -> None:
 
 def test_credit_limit_only_moves_with_grants_actually_sent() -> None:
     """The broker checks the position it advertised, not what it has merely completed."""
-    h = static(1000)
+    h = static(BUFFER)
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = h.producer()
     fill(p)  # completed at once but no grant collected yet
@@ -213,14 +216,14 @@ def test_aggressive_shrink_below_in_flight_loses_nothing() -> None:
 
 
 def test_set_credit_policy_while_running_pushes_new_sizes() -> None:
-    h = static(1000)
+    h = static(BUFFER)
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = h.producer()
     fill(p)
-    h.core.set_credit_policy(static_size=5000)
+    h.core.set_credit_policy(static_size=5 * BUFFER)
     p.pump()
-    assert p.buffer_controls == [BufferControl(0, 5000)]
-    assert p.credit.max_bytes == 5000
+    assert p.buffer_controls == [BufferControl(0, 5 * BUFFER)]
+    assert p.credit.max_bytes == 5 * BUFFER
     fill(p)  # no violation with the larger size
     assert p.credit.sent_total > 5 * SIZE
 
@@ -333,17 +336,18 @@ def test_closing_an_unregistered_connection_pushes_nothing() -> None:
 
 
 def test_provisional_connection_overrunning_its_provisional_credit_is_a_violation() -> None:
-    h = aggressive(100 * MiB, 1000, 4 * MiB)  # provisional 1000 bytes; registered alone: 4 MiB
+    h = aggressive(100 * MiB, BUFFER, 4 * MiB)  # provisional BUFFER bytes; registered alone: 4 MiB
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     good = h.producer("good")
     good.register()
     p = h.producer("greedy")
-    assert p.welcome_buffer == 1000
-    # 0, 232, 464, 696, 928 < 1000: the fifth overflows, allowed; the sixth starts at 1160
+    assert p.welcome_buffer == BUFFER
+    # 0, SIZE, ..., 4 SIZE < BUFFER: the fifth overflows, allowed; the sixth starts at 5 SIZE
     with pytest.raises(SessionFault) as info:
         p.handle(Transfer(1, [TransferEntry("", "q", BODY)] * 6))
     assert info.value.code is ErrorCode.CREDIT_VIOLATION
-    assert "1000" in str(info.value)  # checked against the provisional grant, not the 4 MiB share
+    # checked against the provisional grant, not the 4 MiB share
+    assert f"limit {BUFFER} (buffer {BUFFER} bytes)" in str(info.value)
     h.core.close_session(p.session)
     good.pump()
     assert good.credit.max_bytes == 4 * MiB

@@ -38,9 +38,14 @@ from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import DeliveryEntry, FlowStopped, Ok
 
 MAX_MESSAGE = 100  # bodies above this are refused with MESSAGE_TOO_LARGE
-QUOTA = 1 << 20
-MIN_BUFFER = 150
 BIGGEST = message_size(b"0:0:" + b"." * MAX_MESSAGE) + 4  # the largest message that can be enqueued
+TYPICAL = message_size(b"0:0:" + b"." * (MAX_MESSAGE // 2))
+"""A message of middling size. Every byte figure below (watermarks, buffers, the credit pool) is a
+multiple of it, so each holds a handful of messages whatever `MESSAGE_OVERHEAD` is."""
+POOL = max(12 * TYPICAL, 1100)  # the aggressive pool: 0.1 % of the quota (at least 1 MiB by config)
+QUOTA = 1000 * POOL
+MIN_BUFFER = 7 * TYPICAL // 4
+MAX_BUFFER = 17 * TYPICAL
 Copy = tuple[int, int, str]  # (producer index, transfer id, queue)
 
 
@@ -75,7 +80,8 @@ def thresholds(data: st.DataObject, max_count: int) -> dict[str, int]:
     # hypothesis favours the first alternative and small values: keep "off" (0) the rarer choice
     stop_c = data.draw(st.one_of(st.integers(1, top), st.just(0)), label="flow_stop_count")
     resume_c = data.draw(st.integers(0, stop_c), label="flow_resume_count") if stop_c else 0
-    stop_s = data.draw(st.sampled_from([250, 120, 400, 700, 0, 0]), label="flow_stop_size")
+    t = TYPICAL
+    stop_s = data.draw(st.sampled_from([3 * t, 3 * t // 2, 9 * t // 2, 8 * t, 0, 0]), label="flow_stop_size")
     resume_s = data.draw(st.integers(0, stop_s), label="flow_resume_size") if stop_s else 0
     return {
         "flow_stop_count": stop_c,
@@ -115,14 +121,14 @@ class CoreMachine(RuleBasedStateMachine):
     def setup(self, data: st.DataObject) -> None:
         server = {"max_message_size": MAX_MESSAGE, "max_frame_size": 4096, "memory_quota": QUOTA}
         if data.draw(st.booleans(), label="aggressive policy"):
-            # a pool of 0.1 % of 1 MiB = 1048 bytes, shared: every producer's first send (which
+            # a pool of 0.1 % of the quota = POOL bytes, shared: every producer's first send (which
             # registers it) and every disconnect of a registered one resizes
             self.aggressive = True
             credit: dict[str, object] = {
-                "policy": "aggressive", "aggressive_percent": 0.1, "min_size": MIN_BUFFER, "max_size": 1500,
+                "policy": "aggressive", "aggressive_percent": 0.1, "min_size": MIN_BUFFER, "max_size": MAX_BUFFER,
             }
         else:
-            self.static_size = data.draw(st.integers(150, 1500), label="buffer")
+            self.static_size = data.draw(st.integers(MIN_BUFFER, MAX_BUFFER), label="buffer")
             credit = {"policy": "static", "static_size": self.static_size}
         self.h = Harness(server=server, credit=credit)
         self.admin = self.h.consumer("admin")
@@ -165,7 +171,8 @@ class CoreMachine(RuleBasedStateMachine):
         cid = self.consumer_ids
         # SDK connections are flow-controlled by default, consumers too: they must not count as producers
         c = self.h.consumer(f"c{cid}", flow_control=data.draw(st.booleans(), label=f"c{cid} flow control"))
-        conn_buffer = data.draw(st.sampled_from([0, 0, 100, 300, 600]), label="connection buffer")
+        t = TYPICAL
+        conn_buffer = data.draw(st.sampled_from([0, 0, 7 * t // 6, 7 * t // 2, 7 * t]), label="connection buffer")
         if conn_buffer:
             c.set_buffer(0, conn_buffer)
         model = ConsumerModel(c, {}, {}, {0: conn_buffer})
@@ -173,7 +180,8 @@ class CoreMachine(RuleBasedStateMachine):
         chosen = [q for q in names if data.draw(st.booleans(), label=f"c{cid} subscribes {q}")]
         for q in chosen or [data.draw(st.sampled_from(names), label="queue")]:
             prefetch = data.draw(st.integers(1, 5), label="prefetch")
-            buffer = data.draw(st.sampled_from([0, 0, 60, 150, 400]), label="subscription buffer")
+            buffers = [0, 0, 2 * t // 3, 7 * t // 4, 14 * t // 3]
+            buffer = data.draw(st.sampled_from(buffers), label="subscription buffer")
             sub = c.subscribe(q, prefetch=prefetch, buffer_size=buffer)
             model.subs[sub] = q
             model.prefetch[sub] = prefetch
@@ -527,6 +535,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert credit.total_granted() == sum(credit.size_of(c) for c in credit.connections())
         if self.aggressive:
             pool = QUOTA // 1000
+            assert pool == POOL
             assert credit.total_granted() <= pool + n * MIN_BUFFER
             # provisional grants included: within the bound for every flow-controlled connection
             assert sum(s.buffer_size for s in flow_controlled) <= pool + len(flow_controlled) * MIN_BUFFER
@@ -536,7 +545,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     def _registered_size(self, n: int) -> int:
         if self.aggressive:
-            return min(max(QUOTA // 1000 // n, MIN_BUFFER), 1500)
+            return min(max(QUOTA // 1000 // n, MIN_BUFFER), MAX_BUFFER)
         return self.static_size
 
     @invariant()

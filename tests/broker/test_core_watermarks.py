@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from coreharness import Consumer, Harness, MiB, Producer
 
+from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import (
     Complete,
@@ -64,24 +65,28 @@ def test_saturate_hold_then_resume_completes_held_transfers() -> None:
 
 
 def test_count_or_size_trips_and_both_must_be_under_resume() -> None:
+    small = message_size(b"s0")
+    big_body = b"B" * (8 * small)
+    big_size = message_size(big_body)
+    stop, resume = 6 * small + big_size // 2, 8 * small
     h = make()
-    h.queue("q", flow_stop_count=10, flow_resume_count=5, flow_stop_size=1000, flow_resume_size=500)
+    h.queue("q", flow_stop_count=10, flow_resume_count=5, flow_stop_size=stop, flow_resume_size=resume)
     p = h.producer()
     for i in range(6):
-        p.send("", "q", b"s%d" % i)  # 6 x 34 bytes: under both stop thresholds
-    big = p.send("", "q", b"B" * 1000)  # 1032 bytes: size trips, count (7) does not
+        p.send("", "q", b"s%d" % i)  # 6 small: under both stop thresholds
+    big = p.send("", "q", big_body)  # 6 small + big > stop: size trips, count (7) does not
     p.pump()
     s = p.received(FlowStopped)[0]
-    assert (s.threshold, s.limit) == ("flow_stop_size", 1000)
-    assert s.value == 6 * 34 + 1032
+    assert (s.threshold, s.limit) == ("flow_stop_size", stop)
+    assert s.value == 6 * small + big_size
     assert list(p.outstanding) == [big]
 
     c = h.consumer()
     c.subscribe("q")
-    c.ack([tag_of(c, b"B" * 1000)])  # the held message itself: released at once
+    c.ack([tag_of(c, big_body)])  # the held message itself: released at once
     p.pump()
     assert p.is_complete(big)
-    # size 204 < 500, count 6 is not < 5: still saturated, the next transfer is held
+    # size 6 small < resume (8 small), count 6 is not < 5: still saturated, the next transfer is held
     assert p.received(FlowResumed) == []
     nxt = p.send("", "q", b"s6")
     p.pump()
@@ -91,15 +96,18 @@ def test_count_or_size_trips_and_both_must_be_under_resume() -> None:
     c.ack([tag_of(c, b"s0"), tag_of(c, b"s1")])  # count 5, not < 5
     p.pump()
     assert list(p.outstanding) == [nxt]
-    c.ack([tag_of(c, b"s2")])  # count 4, size 136: both under resume
+    c.ack([tag_of(c, b"s2")])  # count 4, size 4 small: both under resume
     p.pump()
     assert p.outstanding == {}
     assert flow(p) == [("FlowStopped", "q"), ("FlowResumed", "q")]
 
 
 def test_count_trips_size_must_also_be_under_resume() -> None:
+    one, large = message_size(b"b"), message_size(b"A" * 1500)
+    # size never trips (at most large + 2 one), and only `large` alone keeps it over resume
+    stop, resume = large + 3 * one, (large + one) // 2
     h = make()
-    h.queue("q", flow_stop_count=2, flow_resume_count=2, flow_stop_size=5000, flow_resume_size=1000)
+    h.queue("q", flow_stop_count=2, flow_resume_count=2, flow_stop_size=stop, flow_resume_size=resume)
     p = h.producer()
     p.send("", "q", b"A" * 1500)
     p.send("", "q", b"b")
@@ -118,7 +126,7 @@ def test_count_trips_size_must_also_be_under_resume() -> None:
     c.ack([tag_of(c, b"d")])  # held itself: released; count 2
     p.pump()
     assert list(p.outstanding) == [third] and p.is_complete(fourth)
-    # count 1 < 2 but size 1532 >= 1000: still saturated
+    # count 1 < 2 but size `large` >= resume: still saturated
     c.ack([tag_of(c, b"c")])
     p.pump()
     assert p.is_complete(third)
@@ -127,7 +135,7 @@ def test_count_trips_size_must_also_be_under_resume() -> None:
     p.pump()
     assert list(p.outstanding) == [held]
     c.pump()
-    c.ack([tag_of(c, b"A" * 1500)])  # count 1, size 33: clear
+    c.ack([tag_of(c, b"A" * 1500)])  # count 1, size `one` < resume: clear
     p.pump()
     assert p.outstanding == {} and p.received(FlowResumed) == [FlowResumed("q")]
 
@@ -144,14 +152,16 @@ def test_qpid_defaults_without_arguments() -> None:
         p.send("", "q", body)
     p.pump()
     assert p.outstanding == {} and p.received(FlowStopped) == []
-    eightieth = p.send("", "q", body)  # 80 MiB + 80 x 32 > 80 % of 100 MiB
+    size = message_size(body)
+    assert 79 * size <= 83886080 < 80 * size and 69 * size < 73400320 <= 70 * size
+    eightieth = p.send("", "q", body)  # 80 MiB + 80 x the overhead > 80 % of 100 MiB
     p.pump()
     s = p.received(FlowStopped)[0]
-    assert (s.destination, s.threshold, s.limit, s.value) == ("q", "flow_stop_size", 83886080, 80 * (MiB + 32))
+    assert (s.destination, s.threshold, s.limit, s.value) == ("q", "flow_stop_size", 83886080, 80 * size)
     assert list(p.outstanding) == [eightieth]
     c = h.consumer()
     c.subscribe("q", prefetch=11)
-    c.ack(c.tags()[:10])  # 70 messages: 70 MiB + 2240 bytes, not under 70 % = 73400320
+    c.ack(c.tags()[:10])  # 70 messages: 70 MiB + 70 x the overhead, not under 70 % = 73400320
     p.pump()
     assert list(p.outstanding) == [eightieth]
     c.pump()
@@ -512,19 +522,26 @@ def test_flow_stopped_producer_that_disconnects_is_forgotten() -> None:
 def test_drop_head_that_empties_a_saturated_queue_clears_it() -> None:
     """Dropping the oldest messages is a dequeue: when it takes the queue under its resume
     thresholds, held transfers complete at once, not at some later settlement."""
+    small_size, legacy_size = message_size(b"s" * 18), message_size(b"L" * 168)
+    resume = small_size + legacy_size + 50
+    stop = resume + 200
+    big_body = b"B" * (stop + 300)
+    big_size = message_size(big_body)
+    max_size = big_size + small_size + legacy_size - 82
     h = make()
-    h.queue("q", max_size=1000, overflow="drop-head", flow_stop_count=0, flow_stop_size=500, flow_resume_size=300)
+    h.queue("q", max_size=max_size, overflow="drop-head", flow_stop_count=0, flow_stop_size=stop,
+            flow_resume_size=resume)
     p = h.producer("p")
     legacy = h.producer("legacy", flow_control=False)
-    big = p.send("", "q", b"B" * 800)  # 832 bytes > 500: saturated, held
-    small = p.send("", "q", b"s" * 18)  # 50 bytes, held
+    big = p.send("", "q", big_body)  # big > stop: saturated, held
+    small = p.send("", "q", b"s" * 18)  # held
     p.pump()
     assert sorted(p.outstanding) == [big, small]
-    tid = legacy.send("", "q", b"L" * 168)  # 200 bytes: 1082 > 1000 drops the 832-byte head
+    tid = legacy.send("", "q", b"L" * 168)  # big + small + legacy > max_size: drops the big head
     q = h.core.queues["q"]
-    assert (q.count, q.size, q.stats.dropped) == (2, 250, 1)
+    assert (q.count, q.size, q.stats.dropped) == (2, small_size + legacy_size, 1)
     frames = p.pump()
-    assert p.outstanding == {}, "250 bytes < resume 300: the queue must clear"
+    assert p.outstanding == {}, "small + legacy < resume: the queue must clear"
     assert FlowResumed("q") in frames
     assert not q.saturated
     legacy.pump()

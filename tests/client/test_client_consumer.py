@@ -18,9 +18,10 @@ from flowbroker.protocol import (
     Subscribe,
     message_size,
 )
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
 BODY = b"y" * 68
-SIZE = message_size(BODY)  # 100
+SIZE = message_size(BODY)  # the buffer sizes below are multiples of it
 
 
 def entries(first: int, count: int, body: bytes = BODY) -> list[DeliveryEntry]:
@@ -90,27 +91,27 @@ async def test_buffer_acks_after_twenty_percent_and_on_timer(start_broker, io_cl
     broker = await start_broker()
     async with await fc.connect(broker.url, timeout=5) as conn:
         fake = await broker.connection()
-        async with conn.consumer("q", prefetch=0, buffer_size=1000) as consumer:
+        async with conn.consumer("q", prefetch=0, buffer_size=10 * SIZE) as consumer:
             sub = fake.frames(Subscribe)[0]
-            assert sub.buffer_size == 1000
+            assert sub.buffer_size == 10 * SIZE
             await fake.send(Deliver(sub.subscription_id, entries(1, 5)))
             m1 = await consumer.receive(timeout=5)
-            await m1.ack()  # 100 processed: under 20 % of 1000
+            await m1.ack()  # SIZE processed: under 20 % of 10 SIZE
             await trio.sleep(1)
             assert fake.frames(BufferAck) == []
             m2 = await consumer.receive(timeout=5)  # moving on processes m1 only (already counted)
-            await m2.reject()  # 200 = 20 %: an ack is due now
+            await m2.reject()  # 2 SIZE = 20 %: an ack is due now
             await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 1)
             ack = fake.frames(BufferAck)[0]
-            assert (ack.opaque, ack.freed, ack.acked_total) == (sub.subscription_id, 200, 200)
+            assert (ack.opaque, ack.freed, ack.acked_total) == (sub.subscription_id, 2 * SIZE, 2 * SIZE)
             await consumer.receive(timeout=5)  # m3, never settled
-            await consumer.receive(timeout=5)  # asking for m4 means m3 was handled: 300
+            await consumer.receive(timeout=5)  # asking for m4 means m3 was handled: 3 SIZE
             t0 = trio.current_time()
-            # 100 pending: below the threshold, so only the 5 s timer returns it
+            # SIZE pending: below the threshold, so only the 5 s timer returns it
             await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 2, timeout=10)
             assert 3.0 <= trio.current_time() - t0 <= 6.5
             ack = fake.frames(BufferAck)[1]
-            assert (ack.freed, ack.acked_total) == (100, 300)
+            assert (ack.freed, ack.acked_total) == (SIZE, 3 * SIZE)
 
 
 async def test_buffer_acks_every_fifty_kib_for_large_buffers(start_broker) -> None:
@@ -119,7 +120,8 @@ async def test_buffer_acks_every_fifty_kib_for_large_buffers(start_broker) -> No
         fake = await broker.connection()
         async with conn.consumer("q", prefetch=0, buffer_size=10 * 1024 * 1024) as consumer:
             sub_id = fake.frames(Subscribe)[0].subscription_id
-            body = b"z" * (1024 - 32)  # 1 KiB charged
+            body = b"z" * (1024 - MESSAGE_OVERHEAD)  # 1 KiB charged
+            assert message_size(body) == 1024
             await fake.send(Deliver(sub_id, entries(1, 120, body)))
             for _ in range(120):
                 await (await consumer.receive(timeout=5)).ack()
@@ -136,17 +138,17 @@ async def test_connection_level_buffer_and_midstream_resize(start_broker) -> Non
     broker = await start_broker()
     async with await fc.connect(broker.url, timeout=5) as conn:
         fake = await broker.connection()
-        await conn.set_buffer_size(500)  # threshold 100: every message
+        await conn.set_buffer_size(5 * SIZE)  # threshold SIZE: every message
         await fake.wait_for(lambda: fake.frames(BufferControl) != [])
-        assert fake.frames(BufferControl)[0] == BufferControl(0, 500)
+        assert fake.frames(BufferControl)[0] == BufferControl(0, 5 * SIZE)
         async with conn.consumer("q") as consumer:
             sub_id = fake.frames(Subscribe)[0].subscription_id
             await fake.send(Deliver(sub_id, entries(1, 2)))
             await (await consumer.receive(timeout=5)).ack()
             await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 1)
-            assert fake.frames(BufferAck)[0] == BufferAck(0, 100, 100)
-            await consumer.set_buffer_size(2000)
-            await fake.wait_for(lambda: BufferControl(sub_id, 2000) in fake.frames(BufferControl))
+            assert fake.frames(BufferAck)[0] == BufferAck(0, SIZE, SIZE)
+            await consumer.set_buffer_size(20 * SIZE)
+            await fake.wait_for(lambda: BufferControl(sub_id, 20 * SIZE) in fake.frames(BufferControl))
 
 
 async def test_connection_failure_ends_iteration_with_the_error(start_broker) -> None:

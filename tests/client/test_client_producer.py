@@ -20,13 +20,14 @@ from flowbroker.protocol import (
     Transfer,
     message_size,
 )
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
-BODY = b"x" * 68  # message_size(BODY) == 100
-SIZE = message_size(BODY)
+BODY = b"x" * 68
+SIZE = message_size(BODY)  # the buffer sizes below are multiples of it
 
 
 def test_body_size_constant() -> None:
-    assert SIZE == 100
+    assert SIZE == 68 + MESSAGE_OVERHEAD
 
 
 async def test_sends_are_batched_into_few_transfer_frames(start_broker) -> None:
@@ -49,14 +50,14 @@ async def test_sends_are_batched_into_few_transfer_frames(start_broker) -> None:
 
 
 async def test_send_blocks_at_byte_buffer_one_message_overflow_and_resumes_on_ack(start_broker, io_clock) -> None:
-    broker = await start_broker(buffer_size=250, auto_complete=False)
+    broker = await start_broker(buffer_size=2 * SIZE + SIZE // 2, auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
         producer = conn.producer(routing_key="q")
         fake = await broker.connection()
-        # 0, 100, 200 are all under 250: three messages start, the third overflows to 300.
+        # 0, SIZE, 2 SIZE are all under 2.5 SIZE: three messages start, the third overflows to 3 SIZE.
         for _ in range(3):
             await producer.send(BODY, block=False)
-        assert conn.credit.outstanding == 300
+        assert conn.credit.outstanding == 3 * SIZE
         with pytest.raises(fc.FlowControlled) as info:
             await producer.send(BODY, block=False)
         assert type(info.value) is fc.FlowControlled and info.value.limit == "buffer"
@@ -75,12 +76,12 @@ async def test_send_blocks_at_byte_buffer_one_message_overflow_and_resumes_on_ac
             await fake.ack(0)
             await trio.sleep(1)
             assert sent_after == [] and conn.credit.acked_total == 0
-            await fake.complete([1])  # completes transfer 1 and acks its 100 bytes
+            await fake.complete([1])  # completes transfer 1 and acks its SIZE bytes
             await fake.wait_for(lambda: len(fake.transfers) == 4)
-        assert conn.credit.acked_total == 100 and conn.credit.outstanding == 300
-        await fake.ack(100)  # duplicate
+        assert conn.credit.acked_total == SIZE and conn.credit.outstanding == 3 * SIZE
+        await fake.ack(SIZE)  # duplicate
         await trio.sleep(1)
-        assert conn.credit.acked_total == 100
+        assert conn.credit.acked_total == SIZE
         assert fake.violations == []
 
 
@@ -104,7 +105,7 @@ async def test_window_limits_outstanding_transfers(start_broker, io_clock) -> No
 
 
 async def test_flow_control_timeout_names_the_stopped_queue(start_broker, io_clock) -> None:
-    broker = await start_broker(buffer_size=1000)
+    broker = await start_broker(buffer_size=10 * SIZE)  # the window (4) is the limit here
     broker.held_queues.add("slow")
     async with await fc.connect(broker.url, timeout=5) as conn:
         fake = await broker.connection()
@@ -145,7 +146,7 @@ async def test_flow_control_timeout_names_the_stopped_queue(start_broker, io_clo
 
 
 async def test_send_default_deadline_is_the_producer_send_timeout(start_broker, io_clock) -> None:
-    broker = await start_broker(buffer_size=100, auto_complete=False)
+    broker = await start_broker(buffer_size=SIZE, auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
         producer = conn.producer(routing_key="q", send_timeout=12)
         await producer.send(BODY)
@@ -183,16 +184,16 @@ async def test_message_above_max_message_size_is_refused_locally(start_broker) -
 
 
 async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> None:
-    broker = await start_broker(buffer_size=100, auto_complete=False)
+    broker = await start_broker(buffer_size=SIZE, auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
         producer = conn.producer(routing_key="q")
         await producer.send(BODY)
         assert not producer.has_credit()
         fake = await broker.connection()
-        fake.credit.resize(1000)
-        await fake.send(BufferControl(0, 1000))
+        fake.credit.resize(10 * SIZE)
+        await fake.send(BufferControl(0, 10 * SIZE))
         with trio.fail_after(5):
-            while conn.credit.max_bytes != 1000:
+            while conn.credit.max_bytes != 10 * SIZE:
                 await trio.sleep(0.01)
         await producer.send(BODY, block=False)
         fake.credit.resize(0)
@@ -205,7 +206,7 @@ async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> Non
 
 
 async def test_connection_close_fails_blocked_sender(start_broker) -> None:
-    broker = await start_broker(buffer_size=100, auto_complete=False)
+    broker = await start_broker(buffer_size=SIZE, auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
         producer = conn.producer(routing_key="q")
         await producer.send(BODY)
@@ -223,13 +224,13 @@ async def test_connection_close_fails_blocked_sender(start_broker) -> None:
 
 
 async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) -> None:
-    broker = await start_broker(buffer_size=1000, auto_complete=False)
+    broker = await start_broker(buffer_size=10 * SIZE, auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
         producer = conn.producer(routing_key="q", window=1)
         await producer.send(BODY)
         fake = await broker.connection()
         await fake.wait_for(lambda: len(fake.transfers) == 1)
-        await fake.send(BufferAck(0, 500, 500))  # only 100 bytes were sent
+        await fake.send(BufferAck(0, 5 * SIZE, 5 * SIZE))  # only SIZE bytes were sent
         with pytest.raises(fc.ProtocolViolation):
             await producer.send(BODY, timeout=5)
         await fake.wait_for(lambda: fake.frames(Error) != [])
@@ -238,7 +239,7 @@ async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) 
 
 async def test_complete_naming_unsent_transfers_is_a_protocol_violation(start_broker) -> None:
     """A COMPLETE for ids never sent is refused at once (and cannot make the client loop to 2**63)."""
-    broker = await start_broker(buffer_size=1000, auto_complete=False)
+    broker = await start_broker(buffer_size=10 * SIZE, auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
         producer = conn.producer(routing_key="q", window=10)
         await producer.send(BODY)

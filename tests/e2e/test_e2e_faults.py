@@ -41,7 +41,9 @@ from flowbroker.protocol import (
     encode_frame,
     Outcome,
     DeclareQueue,
+    message_size,
 )
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
 LIMIT = 5.0  # seconds: an upper bound for any single wait in these tests (they take far less)
 
@@ -394,7 +396,9 @@ async def test_producer_beyond_its_credit_is_disconnected_others_carry_on(start_
             raw = await RawClient.connect(broker.port)
             assert raw.welcome is not None and raw.welcome.buffer_size == buffer
             conn_id = raw.welcome.connection_id
-            body = b"x" * 1000  # 1032 bytes each: starts at 0, 1032, 2064, 3096 are in credit; 4128 is not
+            size = buffer // 4 + 8  # starts at 0, size, 2 size, 3 size are in credit; 4 size is not
+            body = b"x" * (size - MESSAGE_OVERHEAD)
+            assert message_size(body) == size
             data = b"".join(
                 raw.proto.send(Transfer(i, [TransferEntry("", "victim", body)])) for i in range(1, 7)
             )
@@ -402,7 +406,7 @@ async def test_producer_beyond_its_credit_is_disconnected_others_carry_on(start_
             frames = await raw.frames_until_closed()
             error, close = closing_frames(frames)
             assert error.code is ErrorCode.CREDIT_VIOLATION and error.frame_seq == 6
-            assert f"credit limit {buffer}" in error.text and "4128" in error.text
+            assert f"credit limit {buffer}" in error.text and f"starts at byte {4 * size}," in error.text
             assert f"buffer {buffer}" in error.text
             await wait_until(lambda: conn_id not in broker.core.sessions)
             q = broker.core.queues["victim"]
@@ -426,8 +430,9 @@ async def test_producer_that_honours_credit_is_never_disconnected_under_load(sta
 
             async def produce() -> None:
                 for i, size in enumerate(sizes):
-                    await producer.send(b"%06d" % i + b"y" * size, timeout=LIMIT)
-                    assert pconn.credit.outstanding < buffer + size + 38  # never more than one message over
+                    body = b"%06d" % i + b"y" * size
+                    await producer.send(body, timeout=LIMIT)
+                    assert pconn.credit.outstanding < buffer + message_size(body)  # never more than one message over
                 await producer.flush(timeout=LIMIT)
 
             with trio.fail_after(4 * LIMIT):

@@ -377,7 +377,8 @@ async def test_legacy_producer_drop_head_keeps_the_newest(start_flowbroker) -> N
 async def test_send_deadline_block_false_and_timeout(start_flowbroker, limit: str) -> None:
     """Out of credit (a saturated queue holds the window, or the bytes): `block=False` raises
     FlowControlled at once; a timeout raises FlowControlTimeout after that time, not before."""
-    broker = await start_flowbroker(credit={"policy": "static", "static_size": 1000})
+    buffer = 3 * message_size(b"x" * 300) + 4  # takes 4 of those (the 4th overflows it), and 3 b"x" easily
+    broker = await start_flowbroker(credit={"policy": "static", "static_size": buffer})
     async with await fc.connect(broker.url, timeout=LIMIT) as conn:
         await conn.declare_queue("dl", flow_stop_count=2, flow_resume_count=1)
         if limit == "window":
@@ -385,7 +386,7 @@ async def test_send_deadline_block_false_and_timeout(start_flowbroker, limit: st
             body = b"x"
         else:
             producer = conn.producer(routing_key="dl", window=1000)
-            body = b"x" * 300  # 332 bytes: the 1000-byte buffer takes 4 (the 4th overflows it)
+            body = b"x" * 300
         sent = await saturate(producer, body)
         assert sent == (2 + 3 if limit == "window" else 2 + 4)
         assert producer.flow_state.destinations == ("dl",)
