@@ -145,7 +145,7 @@ class ConnectionHandler:
         self.conn = Connection(Role.BROKER, cfg.max_frame_size)
         self.session: Session | None = None
         self._wakeup = trio.Event()
-        self._writing = False  # the writer task is inside send_all: nobody else may write
+        self._writing = False  # the writer task is inside _write: nobody else may write
         self._unsent = b""  # what a direct write could not send; the writer sends it before anything newer
         self._closing: _Closing | None = None
         self._cancel = trio.CancelScope()
@@ -254,7 +254,7 @@ class ConnectionHandler:
             return
         try:
             sent = os.write(self.stream.socket.fileno(), data)
-        except OSError:  # would block, or the socket failed: the writer's send_all retries or reports it
+        except OSError:  # would block, or the socket failed: the writer task retries or reports it
             sent = 0
         if sent < len(data):
             self._unsent = data[sent:]
@@ -296,7 +296,6 @@ class ConnectionHandler:
             return None
 
     async def _writer(self, session: Session) -> None:
-        stream = self.stream
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
@@ -306,11 +305,25 @@ class ConnectionHandler:
                 if encoded is None:
                     return
                 data, self._unsent = self._unsent + encoded, b""
-                self._writing = True
-                await stream.send_all(data)
-                # Not reset when send_all is cancelled or fails: how much of `data` went is unknown,
-                # so nothing more may be written (_finish then closes without a last word).
-                self._writing = False
+                await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        """send_all that knows how far it got: cancelled (the connection is closing), what the kernel
+        has not taken stays in `_unsent`, so `_finish` can still end the stream on a frame boundary.
+        (trio's socket send raises Cancelled only when it sent nothing in that call.)"""
+        sock = self.stream.socket
+        view = memoryview(data)
+        self._writing = True
+        try:
+            while view:
+                try:
+                    sent = await sock.send(view)
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+                view = view[sent:]
+        finally:
+            self._unsent = bytes(view)
+            self._writing = False
 
     async def _timer(self, session: Session) -> None:
         cfg = self.server.config.server
@@ -357,9 +370,7 @@ class ConnectionHandler:
         self.server.connections.pop(session.conn_id, None)
         if reason.error:
             frames.append(Error(reason.code, reason.text, reason.frame_seq))
-        if self._writing:  # the writer was cut off inside send_all: the stream is mid-frame
-            await trio.aclose_forcefully(self.stream)
-        elif not self.conn.closed_by_us:
+        if not self.conn.closed_by_us:
             frames.append(Close(reason.code, reason.text))
             await _send_and_close(self.stream, self.conn, frames, self._unsent)
         else:
