@@ -16,7 +16,7 @@ Why it is shaped this way:
   sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it.
 - **Bounded.** Transfers waiting for the writer are bounded by the producers' windows; settlements by the
   unsettled deliveries; buffer acks coalesce to one per buffer (they are absolute); noop replies keep the
-  newest 16; requests are one per awaiting task; deliveries wait in each consumer's bounded channel.
+  newest 16; requests are one per awaiting task; deliveries wait in each consumer's bounded buffer.
 
 Request ids are drawn from 2**62 upward so that an ERROR's `ref_id` is never ambiguous between a request
 and a transfer id (transfer ids count messages from 1 and cannot get there).
@@ -479,9 +479,17 @@ class Connection:
                 self._queue_ack(ack)
 
     def _settle_tag(self, outcome: Outcome, tag: int) -> None:
-        self._check_open()
-        self._settle.setdefault(outcome, []).append(tag)
-        self._wake.set()
+        if self._closed is not None or self._nursery is None:
+            self._check_open()
+        tags = self._settle.get(outcome)
+        if tags is None:
+            self._settle[outcome] = [tag]
+            # Waking once per new list is enough: the writer takes the whole dict each time it wakes,
+            # and checks it again before it waits, so tags appended to a list it has not taken yet
+            # go out with it.
+            self._wake.set()
+        else:
+            tags.append(tag)
 
     # ------------------------------------------------------------------ writer
 
@@ -698,6 +706,11 @@ class Connection:
 
 def coalesce(tags: list[int]) -> list[tuple[int, int]]:
     """Sorted inclusive ranges covering `tags` (duplicates allowed): [1, 2, 3, 7] -> [(1, 3), (7, 7)]."""
+    if tags:
+        # The common case, without a Python loop: consecutive tags (settled in any order, no duplicates).
+        low, high = min(tags), max(tags)
+        if high - low + 1 == len(tags) and len(set(tags)) == len(tags):
+            return [(low, high)]
     ranges: list[tuple[int, int]] = []
     for tag in sorted(tags):
         if ranges and tag <= ranges[-1][1] + 1:

@@ -79,7 +79,7 @@ async def test_async_iteration_and_unhandled_messages_requeued_on_close(start_br
                     break
             # the reader may not have queued all five yet; wait until it has
             with trio.fail_after(5):
-                while consumer._receive.statistics().current_buffer_used < 3:
+                while len(consumer._buffered) < 3:
                     await trio.sleep(0.01)
         await fake.wait_for(lambda: fake.frames(Cancel) != [])
         ranges = {(s.outcome, r) for s in fake.frames(Settle) for r in s.ranges}
