@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import collections
 import logging
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import itemgetter
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -65,6 +68,7 @@ from flowbroker.protocol import (
     FlowResumed,
     FlowStopped,
     Frame,
+    Headers,
     Hello,
     LocalProtocolError,
     Noop,
@@ -99,6 +103,13 @@ REQUEST_ID_BASE = 2**62
 NOOP_REPLIES_KEPT = 16
 ENTRY_OVERHEAD = 24
 """Estimated msgpack bytes per transfer entry beyond body, names and headers (for the frame-size budget)."""
+
+QueuedEntry = tuple[str, str, bytes, Headers | None, None, None]
+"""A message waiting for the writer: the fields of a `TransferEntry` (exchange, routing key, body, headers,
+producer id, sequence) in a plain tuple, a fraction of the cost of building the NamedTuple per message.
+msgpack writes both alike."""
+
+_run_first = itemgetter(0)
 
 
 def _now_ns() -> int:
@@ -175,7 +186,11 @@ class Connection:
         self._nursery_cm: Any = None
         # writer queues
         self._wake = trio.Event()
-        self._transfers: collections.deque[tuple[int, TransferEntry, int]] = collections.deque()
+        self._transfers: list[QueuedEntry] = []
+        """Messages waiting for the writer: the newest transfer ids, in order, up to `_next_transfer_id - 1`
+        (ids are assigned and queued in one step, and the writer takes the oldest)."""
+        self._transfer_costs: list[int] = []
+        """Their estimated bytes in a TRANSFER frame, for the writer's frame-size budget."""
         self._control: collections.deque[Frame] = collections.deque()
         self._settle: dict[Outcome, list[int]] = {}
         self._acks: dict[int, BufferAck] = {}
@@ -184,8 +199,14 @@ class Connection:
         self._final_frames: list[Frame] = []
         # producer side
         self._next_transfer_id = 1
-        self._inflight: dict[int, Producer] = {}
         self._cumulative = 0
+        self._runs: list[tuple[int, Producer | None]] = []
+        """The transfers above `_cumulative` (every id up to it is complete), as runs of consecutive ids
+        sent by one producer: (first id, producer), sorted. A run ends where the next begins, the last
+        at the highest id sent. Producer None: completed out of order (by a COMPLETE range)."""
+        self._tail: Producer | None = None
+        """The producer of the last run (None when there is none or it is completed): a send by this
+        producer extends that run instead of adding one."""
         self._credit_lot = trio.lowlevel.ParkingLot()
         # requests and consumers
         self._next_request_id = REQUEST_ID_BASE
@@ -376,13 +397,16 @@ class Connection:
 
         return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout)
 
-    def _enqueue_transfer(self, producer: Producer, entry: TransferEntry, size: int) -> int:
+    def _enqueue_transfer(self, producer: Producer, entry: QueuedEntry, size: int) -> int:
         """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
         transfer_id = self._next_transfer_id
-        self._next_transfer_id += 1
+        self._next_transfer_id = transfer_id + 1
         self.credit.on_sent(size)
-        self._inflight[transfer_id] = producer
-        self._transfers.append((transfer_id, entry, size))
+        if producer is not self._tail:
+            self._runs.append((transfer_id, producer))
+            self._tail = producer
+        self._transfers.append(entry)
+        self._transfer_costs.append(size + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD)
         self._wake.set()
         return transfer_id
 
@@ -400,23 +424,91 @@ class Connection:
                 ErrorCode.UNEXPECTED_FRAME,
             )
             return
-        inflight = self._inflight
-        completed = 0
+        completed = False
         if frame.cumulative_id > self._cumulative:
-            for transfer_id in range(self._cumulative + 1, frame.cumulative_id + 1):
-                producer = inflight.pop(transfer_id, None)
-                if producer is not None:
-                    producer._on_completed()
-                    completed += 1
-            self._cumulative = frame.cumulative_id
+            completed = self._complete_through(frame.cumulative_id, highest_sent)
         for first, last in frame.ranges:
-            for transfer_id in range(max(first, self._cumulative + 1), last + 1):
-                producer = inflight.pop(transfer_id, None)
-                if producer is not None:
-                    producer._on_completed()
-                    completed += 1
+            if last > self._cumulative:
+                completed = self._complete_range(max(first, self._cumulative + 1), last, highest_sent) or completed
         if completed:
             self._credit_lot.unpark_all()
+
+    def _complete_through(self, cumulative: int, highest_sent: int) -> bool:
+        """Every transfer up to `cumulative` (above `_cumulative`, at most `highest_sent`) is complete:
+        retire the runs it covers, one producer call per run. Returns whether any was in flight."""
+        runs = self._runs
+        self._cumulative = cumulative
+        count = len(runs)
+        completed = False
+        i = 0
+        while i < count:
+            first, producer = runs[i]
+            last = runs[i + 1][0] - 1 if i + 1 < count else highest_sent
+            if last > cumulative:  # the run goes on above the cumulative point: cut its head off
+                if first <= cumulative:
+                    if producer is not None:
+                        producer._on_completed(cumulative - first + 1)
+                        completed = True
+                    runs[i] = (cumulative + 1, producer)
+                break
+            if producer is not None:
+                producer._on_completed(last - first + 1)
+                completed = True
+            i += 1
+        if i:
+            del runs[:i]
+            if not runs:
+                self._tail = None
+        return completed
+
+    def _complete_range(self, first: int, last: int, highest_sent: int) -> bool:
+        """Transfers `first`..`last` (above `_cumulative`, at most `highest_sent`) are complete, out of
+        order: count them to their producers and mark them completed (a run with producer None), merged
+        with completed neighbours so that repeated ranges do not split runs. Returns whether any was in
+        flight."""
+        runs = self._runs
+        count = len(runs)
+        start = bisect_right(runs, first, key=_run_first) - 1  # the run holding `first`
+        stop = start
+        completed = False
+        while stop < count and runs[stop][0] <= last:
+            run_first, producer = runs[stop]
+            stop += 1
+            if producer is not None:
+                run_last = runs[stop][0] - 1 if stop < count else highest_sent
+                producer._on_completed(min(run_last, last) - max(run_first, first) + 1)
+                completed = True
+        if not completed:
+            return False
+        # Replace runs[start:stop] by: the head of the first one (below `first`), a completed run from
+        # `first` (unless the run before it is completed too and goes on), and the tail of the last one
+        # (above `last`, unless it is a completed run: then the completed run goes on).
+        head_first, head_producer = runs[start]
+        tail_producer = runs[stop - 1][1]
+        tail_last = runs[stop][0] - 1 if stop < count else highest_sent
+        replacement: list[tuple[int, Producer | None]] = []
+        if head_first < first:
+            replacement.append((head_first, head_producer))
+            extends_previous = head_producer is None
+        else:
+            extends_previous = start > 0 and runs[start - 1][1] is None
+        if not extends_previous:
+            replacement.append((first, None))
+        if tail_last > last:
+            if tail_producer is not None:
+                replacement.append((last + 1, tail_producer))
+        elif stop < count and runs[stop][1] is None:
+            stop += 1  # the next run is completed too: it joins this one
+        runs[start:stop] = replacement
+        self._tail = runs[-1][1]
+        return True
+
+    def _producer_of(self, transfer_id: int) -> Producer | None:
+        """The producer of an uncompleted transfer (None if the id is completed or was never sent)."""
+        if not self._cumulative < transfer_id < self._next_transfer_id:
+            return None
+        runs = self._runs
+        return runs[bisect_right(runs, transfer_id, key=_run_first) - 1][1]
 
     # ------------------------------------------------------------------ consumers
 
@@ -516,23 +608,28 @@ class Connection:
             out.append(send(self._control.popleft()))
 
     def _encode_transfers(self, out: list[bytes]) -> None:
+        """Up to WRITE_FRAMES TRANSFER frames of the oldest queued messages, each of at most TRANSFER_BATCH
+        messages and, unless one message alone is larger, of the frame size. Slices and sums rather than
+        a Python loop step per message: that loop was most of the writer's own cost per message."""
         transfers = self._transfers
+        costs = self._transfer_costs
         budget = self._proto.max_frame_size - 64
-        for _ in range(WRITE_FRAMES):
-            if not transfers:
-                return
-            first_id = transfers[0][0]
-            entries: list[TransferEntry] = []
-            nbytes = 0
-            while transfers and len(entries) < TRANSFER_BATCH:
-                _, entry, size = transfers[0]
-                cost = size + len(entry.exchange) + len(entry.routing_key) + ENTRY_OVERHEAD
-                if entries and nbytes + cost > budget:
-                    break
-                transfers.popleft()
-                entries.append(entry)
-                nbytes += cost
-            out.append(self._proto.send(Transfer(first_id, entries)))
+        queued = len(transfers)
+        taken = 0
+        try:
+            for _ in range(WRITE_FRAMES):
+                if taken == queued:
+                    return
+                stop = min(queued, taken + TRANSFER_BATCH)
+                frame_costs = costs[taken:stop]
+                if sum(frame_costs) > budget:  # the most that fit the budget, at least one
+                    stop = taken + max(1, bisect_right(list(accumulate(frame_costs)), budget))
+                first_id = self._next_transfer_id - (queued - taken)
+                entries = cast(list[TransferEntry], transfers[taken:stop])  # QueuedEntry: encoded alike
+                taken = stop
+                out.append(self._proto.send(Transfer(first_id, entries)))
+        finally:
+            del transfers[:taken], costs[:taken]
 
     async def _writer(self) -> None:
         try:
@@ -650,7 +747,7 @@ class Connection:
                 pending.event.set()
                 return
         elif ref is not None:
-            producer = self._inflight.get(ref)
+            producer = self._producer_of(ref)
             if producer is not None:
                 producer._on_error(publish_error(frame.code, frame.text, frame.destination, ref))
                 return

@@ -24,12 +24,10 @@ import trio
 from flowbroker.client.connection import TRANSFER_BATCH
 from flowbroker.client.errors import FlowControlled, FlowControlTimeout, MessageTooLarge, PublishError
 from flowbroker.client.flow import FlowEvents, FlowState
-from flowbroker.protocol import ErrorCode, Headers, TransferEntry, message_size
+from flowbroker.protocol import ErrorCode, Headers, message_size
 
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection
-
-_make_entry = TransferEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
 
 __all__ = ["Producer", "ProducerStats"]
 
@@ -64,7 +62,6 @@ class Producer:
         self.window = window
         self.send_timeout = send_timeout
         self._outstanding = 0
-        self._sent = 0
         self._completed = 0
         self._failed = 0
         self._blocked_count = 0
@@ -93,7 +90,7 @@ class Producer:
     @property
     def stats(self) -> ProducerStats:
         return ProducerStats(
-            self._sent,
+            self._completed + self._outstanding,  # every message sent is outstanding until completed
             self._completed,
             self._failed,
             self._outstanding,
@@ -120,38 +117,42 @@ class Producer:
 
         Waits at most `timeout` seconds (None: `send_timeout`; math.inf: no deadline) and then raises
         `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
-        Returns without yielding to other tasks unless a full batch is waiting for the writer (see the
-        comment below), so the writer can batch a burst of sends into one frame.
+        Returns without yielding to other tasks unless the messages waiting for the writer reach another
+        full batch (see the comment below), so the writer can batch a burst of sends into one frame.
         Raises `MessageTooLarge` before sending a body above the broker's `max_message_size`, and
         `ConnectionClosed` if the connection is or becomes closed.
         """
         conn = self._conn
         await trio.lowlevel.checkpoint_if_cancelled()
-        conn._check_open()
+        if conn._closed is not None or conn._nursery is None:
+            conn._check_open()
         if not isinstance(body, bytes):
             raise TypeError(f"body must be bytes, not {type(body).__name__}")
         key = self.routing_key if routing_key is None else routing_key
-        if conn.max_message_size and len(body) > conn.max_message_size:
+        max_size = conn.welcome.max_message_size
+        if max_size and len(body) > max_size:
             raise MessageTooLarge(
                 ErrorCode.MESSAGE_TOO_LARGE,
-                f"{len(body)} bytes is above max_message_size {conn.max_message_size}",
+                f"{len(body)} bytes is above max_message_size {max_size}",
                 key if self.exchange == "" else None,
             )
         size = message_size(body, headers)
-        if not self.has_credit():
+        if self._outstanding >= self.window or not conn.credit.may_send():  # not self.has_credit(), inlined
             if not block:
                 self._blocked_count += 1
                 raise FlowControlled(
                     f"no credit ({self._describe_wait()})", conn.flow_state.destinations, self._limit_name()
                 )
             await self._wait_for(self.has_credit, self.send_timeout if timeout is None else timeout, "send")
-        transfer_id = conn._enqueue_transfer(self, _make_entry((self.exchange, key, body, headers, None, None)), size)
+        transfer_id = conn._enqueue_transfer(self, (self.exchange, key, body, headers, None, None), size)
         self._outstanding += 1
-        self._sent += 1
-        if len(conn._transfers) >= TRANSFER_BATCH:
-            # Yield only once a batch is ready: yielding after every message would let the writer run
-            # after every message and send one-entry frames. A send loop still yields at least once per
-            # batch, and whenever it waits for credit.
+        if len(conn._transfers) % TRANSFER_BATCH == 0:
+            # Yield only when a batch is ready: yielding after every message would let the writer run
+            # after every message and send one-entry frames. Nor after every message while more than a
+            # batch waits: then the writer is still writing earlier ones (the socket is full), and a
+            # scheduler pass per message cost more than the send itself (paced benchmark: half the
+            # sends yielded). A send loop still yields at least once per batch (between its yields the
+            # queue grows by one per send), and whenever it waits for credit.
             await trio.lowlevel.cancel_shielded_checkpoint()
         return transfer_id
 
@@ -206,9 +207,10 @@ class Producer:
 
     # -------------------------------------------------------------- called by the connection
 
-    def _on_completed(self) -> None:
-        self._outstanding -= 1
-        self._completed += 1
+    def _on_completed(self, count: int) -> None:
+        """`count` of this producer's transfers are complete (the connection counts them per run)."""
+        self._outstanding -= count
+        self._completed += count
 
     def _on_error(self, error: PublishError) -> None:
         self._failed += 1
