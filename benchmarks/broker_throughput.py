@@ -1,8 +1,11 @@
 """End-to-end broker benchmark: a broker process, a producer process and a consumer process on 127.0.0.1.
 
 Scenarios (flow control on, 1 KiB messages by default):
-  throughput  the producer sends N messages as fast as credit allows; prints end-to-end msgs/s and
-              MB/s (first send to last delivery), p50/p99 publish-to-deliver latency, broker peak RSS.
+  throughput  the producer sends N messages as fast as credit and its window (default 1000, the SDK's)
+              allow; prints end-to-end msgs/s and MB/s (first send to last delivery), p50/p99
+              publish-to-deliver latency, broker peak RSS. While the consumer keeps up, latency is what
+              is in flight (about window / rate); once it falls behind, the queue fills to its stop
+              threshold and latency is that (stop size / rate): --window and --flow-stop-size.
   paced       the producer sends at a fixed rate (default 5,000 msgs/s); prints the same. trio's timers
               wake in whole milliseconds (epoll), so the producer sends each millisecond's messages
               together, and the SDK writes them as one frame when the producer sleeps. (Yielding
@@ -21,7 +24,6 @@ producer writes it into the first 8 bytes of each body and the consumer subtract
 from __future__ import annotations
 
 import argparse
-import os
 import multiprocessing as mp
 import queue
 import socket
@@ -136,17 +138,6 @@ def percentile_ms(values: list[int], p: float) -> float:
 # -- scenarios ----------------------------------------------------------------------------------
 
 
-def pin(broker_pid: int, *client_pids: int) -> None:
-    """The broker alone on CPU 0; the clients and this process share the others. Without it the
-    kernel may run the broker on the CPU where a client is busy, and a message waits for it."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("--pin needs at least two CPUs")
-    os.sched_setaffinity(broker_pid, {cpus[0]})
-    for pid in (*client_pids, os.getpid()):
-        os.sched_setaffinity(pid, set(cpus[1:]))
-
-
 def scenario_flow(args: argparse.Namespace, rate: float) -> None:
     port = free_port()
     url = f"flowbroker://127.0.0.1:{port}"
@@ -164,8 +155,6 @@ def scenario_flow(args: argparse.Namespace, rate: float) -> None:
             target=producer_main, args=(url, count, args.size, rate, float("inf"), args.window, pq)
         )
         producer.start()
-        if args.pin:
-            pin(broker.pid, producer.pid, consumer.pid)  # type: ignore[arg-type]
         broker_cpu = cpu_seconds(broker.pid)
         peak = idle
         # Read the result while sampling: a child that put a large result on a multiprocessing
@@ -252,9 +241,9 @@ def main() -> None:
     parser.add_argument("--flow-stop-size", type=parse_size, default=None,
                         help="the queue's flow_stop_size (resume at 7/8 of it); default: the broker's (80 MiB). "
                              "Unpaced, the queue fills to it, so it sets the latency: stop size / rate")
-    parser.add_argument("--window", type=int, default=5000, help="the producer's window (uncompleted transfers)")
-    parser.add_argument("--pin", action="store_true",
-                        help="run the broker alone on the first CPU, the producer and consumer on the others")
+    parser.add_argument("--window", type=int, default=1000,
+                        help="the producer's window of uncompleted transfers (default: the SDK's, 1000). "
+                             "Unpaced, it is what is in flight, so latency is about window / rate")
     parser.add_argument("--overload-seconds", type=float, default=30.0)
     parser.add_argument("--overload-consumer-rate", type=float, default=5000.0,
                         help="the slow consumer's rate in the overload scenario")
