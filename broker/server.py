@@ -73,6 +73,7 @@ class BrokerServer:
         self.admin: AdminServer | None = None
         self.admin_port: int | None = None
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
+        self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
 
     def flush_woken(self) -> None:
         """Write out, without waiting, what the frames just handled made due on every connection."""
@@ -237,14 +238,18 @@ class ConnectionHandler:
         return None
 
     def _wake(self) -> None:
-        self._wakeup.set()
-        self.server._woken[self] = None
+        server = self.server
+        if server.in_chunk:  # the reader flushes it when the chunk is done (and wakes us if it cannot)
+            server._woken[self] = None
+        else:  # the timer, the admin API, shutdown: the writer task sends it
+            self._wakeup.set()
 
     def flush_now(self) -> None:
         """Send the session's outbox with one non-blocking write, unless the writer task is busy or
         holds unsent bytes (then it is already woken, and order is kept by leaving it to it)."""
         session = self.session
         if self._writing or self._unsent or session is None or self._closing is not None:
+            self._wakeup.set()  # after its current write, the writer collects what is due
             return
         frames = session.collect(now_ns())
         if not frames:
@@ -266,6 +271,7 @@ class ConnectionHandler:
             data = await stream.receive_some(RECEIVE_SIZE)
             self.last_received = trio.current_time()
             conn.receive_data(data)
+            server.in_chunk = True
             try:
                 while (frame := conn.next_frame()) is not None:
                     if isinstance(frame, Close):
@@ -279,6 +285,7 @@ class ConnectionHandler:
                 self.close(_Closing(exc.code, str(exc), conn.frames_received))
                 return
             finally:
+                server.in_chunk = False
                 server.flush_woken()
             if not data:
                 self.close(_Closing(ErrorCode.NORMAL, "client closed the connection", error=False))
