@@ -32,6 +32,7 @@ __all__ = [
     "ACK_RATIO",
     "ACK_BYTES",
     "ACK_INTERVAL_NS",
+    "HEADER_OVERHEAD",
     "MESSAGE_OVERHEAD",
 ]
 
@@ -46,19 +47,29 @@ It covers what a queued message costs the broker beyond its body: its `Message` 
 headers of its body and routing key, its slot in the queue and, while it is delivered-but-unsettled or
 holds its producer's completion, the unsettled-map entry or the `HeldTransfer`. Measured with
 tracemalloc on the in-memory core (`benchmarks/message_cost.py`, bodies of 16 B to 64 KiB, no
-headers): about 270 bytes ready, 385-420 unsettled or held (RSS growth 220-290 and 350-440). A couple
-of headers cost ~200 bytes more than they are charged, which 512 covers only for ready messages.
+headers): about 270 bytes ready, 385-420 unsettled or held (RSS growth 220-290 and 350-440). Headers
+have their own charge, `HEADER_OVERHEAD`.
 
 Part of protocol version 1: both ends must compute the same `message_size`, or they disagree about
 every credit position (a CREDIT_VIOLATION, or an acknowledgement of bytes never sent)."""
+
+
+HEADER_OVERHEAD = 128
+"""Bytes charged per header beyond its key and value lengths, and once more for the headers' dict.
+
+Each header is two more objects in the broker (its key and value: ~50 bytes of object header each) and
+a slot in a dict, which itself costs ~100-200 bytes. Measured with `benchmarks/message_cost.py`: two
+short headers cost 206-231 bytes beyond their key and value lengths; charged 3 x 128 = 384. Part of
+protocol version 1, like `MESSAGE_OVERHEAD`."""
 
 
 def message_size(body: bytes, headers: Headers | None = None) -> int:
     """The bytes a message is charged against credit and queue size, on both ends of a connection."""
     size = len(body) + MESSAGE_OVERHEAD
     if headers:
+        size += HEADER_OVERHEAD  # the dict
         for key, value in headers.items():
-            size += len(key) + (len(value) if isinstance(value, (str, bytes)) else 8)
+            size += HEADER_OVERHEAD + len(key) + (len(value) if isinstance(value, (str, bytes)) else 8)
     return size
 
 

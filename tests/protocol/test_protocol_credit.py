@@ -16,7 +16,7 @@ from flowbroker.protocol import (
     CreditError,
     message_size,
 )
-from flowbroker.protocol.credit import MESSAGE_OVERHEAD
+from flowbroker.protocol.credit import HEADER_OVERHEAD, MESSAGE_OVERHEAD
 
 S = 1_000_000_000  # ns per second
 
@@ -178,7 +178,7 @@ def test_message_size() -> None:
     assert message_size(b"") == MESSAGE_OVERHEAD
     assert message_size(b"x" * 100) == 100 + MESSAGE_OVERHEAD
     assert message_size(b"x", {"key": "value", "b": b"12", "n": 5, "none": None}) == (
-        1 + MESSAGE_OVERHEAD + (3 + 5) + (1 + 2) + (1 + 8) + (4 + 8)
+        1 + MESSAGE_OVERHEAD + HEADER_OVERHEAD + (3 + 5) + (1 + 2) + (1 + 8) + (4 + 8) + 4 * HEADER_OVERHEAD
     )
     assert message_size(b"x", {}) == message_size(b"x", None)
 
