@@ -257,7 +257,7 @@ class ConnectionHandler:
         data = self._encode(frames)
         if data is None:
             return
-        try:
+        try:  # os.write on the socket's descriptor: trio sockets have no synchronous send (POSIX only)
             sent = os.write(self.stream.socket.fileno(), data)
         except OSError:  # would block, or the socket failed: the writer task retries or reports it
             sent = 0
