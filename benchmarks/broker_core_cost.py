@@ -27,6 +27,7 @@ from flowbroker.protocol.frames import (
     Subscribe,
     Transfer,
     TransferEntry,
+    Welcome,
 )
 
 
@@ -77,9 +78,7 @@ def run(messages: int, batch: int, size: int) -> float:
     return elapsed / (len(frames) * batch) * 1e6
 
 
-def _welcome() -> object:
-    from flowbroker.protocol.frames import Welcome
-
+def _welcome() -> Welcome:
     return Welcome(PROTOCOL_VERSION, 1, "bench", 8 << 20, 1 << 20, 60_000, 1 << 20, "anonymous")
 
 

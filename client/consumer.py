@@ -81,7 +81,7 @@ class Message:
             self._mark_processed()
 
     def _settle_counted(self, outcome: Outcome) -> bool:
-        """`settle_nowait` (inlined: the hot path), counted towards the next yield: True when one is due.
+        """`settle_nowait`, counted towards the next yield: True when one is due.
 
         `ack`, `reject` and `requeue` yield only once per YIELD_EVERY settlements, like the iterator:
         yielding on every ack let the writer send each settlement in its own SETTLE frame, which locked
@@ -90,13 +90,8 @@ class Message:
         Nor are they cancel points: settling is bookkeeping that cannot block, so it is done even in a
         cancelled scope; the iterator checks for cancellation at every message, once is enough.
         """
-        if self.settled is not None:
-            raise AlreadySettled(f"delivery {self.delivery_tag} was already settled ({self.settled.name})")
+        self.settle_nowait(outcome)
         consumer = self._consumer
-        consumer._conn._settle_tag(outcome, self.delivery_tag)
-        self.settled = outcome
-        if self._counted:
-            self._mark_processed()
         since = consumer._settles_since_yield + 1
         if since >= YIELD_EVERY:
             consumer._settles_since_yield = 0
