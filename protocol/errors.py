@@ -39,6 +39,9 @@ class ErrorCode(enum.IntEnum):
     SHUTDOWN = 14  # the broker is stopping
     UNAUTHORIZED = 15  # authentication or access control refused the operation
     INTERNAL_ERROR = 16
+    RESOURCE_EXHAUSTED = 17  # the broker is over a broker-wide bound (memory watermark, connection limit)
+    KEY_TOO_LONG = 18  # a routing or binding key over MAX_KEY_BYTES (protocol/limits.py)
+    LIMIT_EXCEEDED = 19  # a frame over a per-frame limit of protocol/limits.py (entries, ranges, headers)
 
 
 class ProtocolError(Exception):
