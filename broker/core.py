@@ -24,6 +24,7 @@ from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, Poli
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
 from flowbroker.protocol.credit import CreditError, message_size
 from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.limits import MAX_KEY_BYTES, message_wire_size, utf8_len
 from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
@@ -42,6 +43,7 @@ from flowbroker.protocol.frames import (
     Settle,
     Subscribe,
     Transfer,
+    TransferEntry,
     Unbind,
 )
 
@@ -58,6 +60,9 @@ QUEUE_ARGUMENTS = (
     "flow_resume_size",
     "overflow",
 )
+
+
+_SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
 
 
 class RequestError(Exception):
@@ -225,16 +230,20 @@ class BrokerCore:
                 )
             session.received_bytes += size
             exchange = entry.exchange
-            if len(body) > max_message:
-                self._refuse(session, tid, size, ErrorCode.MESSAGE_TOO_LARGE,
-                             f"message of {len(body)} bytes exceeds max_message_size {max_message}", None)
-                tid += 1
-                continue
+            routing_key = entry.routing_key
+            # One comparison for the common message (short key, no headers, 4 bytes per character at
+            # most); the exact check only when it could fail.
+            if entry.headers or len(routing_key) > _SHORT_KEY or len(body) + 4 * (len(routing_key) + len(exchange)) > max_message:
+                refused = self._check_entry(entry, max_message)
+                if refused is not None:
+                    self._refuse(session, tid, size, *refused)
+                    tid += 1
+                    continue
             if exchange == "":
-                queue = queues_by_name.get(entry.routing_key)
+                queue = queues_by_name.get(routing_key)
                 if queue is None:
                     self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
-                                 f"no queue named {entry.routing_key!r}", entry.routing_key)
+                                 f"no queue named {routing_key!r}", routing_key)
                     tid += 1
                     continue
                 targets = [queue]
@@ -244,12 +253,12 @@ class BrokerCore:
                     self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
                     tid += 1
                     continue
-                targets = ex.route(entry.routing_key)
+                targets = ex.route(routing_key)
                 if not targets:
                     self.unroutable += 1
             held: list[Message] = []
             for queue in targets:
-                msg = Message(exchange, entry.routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
+                msg = Message(exchange, routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
                 try:
                     if queue.enqueue(msg, session, now):
                         held.append(msg)
@@ -267,6 +276,22 @@ class BrokerCore:
                 session.complete_transfer(tid, size)
             tid += 1
         session.next_transfer_id = tid
+
+    @staticmethod
+    def _check_entry(entry: TransferEntry, max_message: int) -> tuple[ErrorCode, str, str | None] | None:
+        """Why a message cannot be routed (a key over MAX_KEY_BYTES, the whole message over
+        max_message_size), or None. Checked at publish so that a message the broker takes can always
+        be delivered: a DELIVER carries the same fields."""
+        key_bytes = utf8_len(entry.routing_key)
+        if key_bytes > MAX_KEY_BYTES:
+            return (ErrorCode.KEY_TOO_LONG,
+                    f"routing key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes", None)
+        size = message_wire_size(entry.exchange, entry.routing_key, entry.body, entry.headers)
+        if size > max_message:
+            return (ErrorCode.MESSAGE_TOO_LARGE,
+                    f"message of {size} bytes (body {len(entry.body)}, with its routing key, exchange and "
+                    f"headers) exceeds max_message_size {max_message}", None)
+        return None
 
     def _refuse(self, session: Session, tid: int, size: int, code: ErrorCode, text: str, dest: str | None) -> None:
         """A transfer the broker will not enqueue: say why, and complete it so window and credit flow."""
@@ -447,7 +472,15 @@ class BrokerCore:
             raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {name!r}", name)
         return ex
 
+    @staticmethod
+    def _check_binding_key(key: str) -> None:
+        key_bytes = utf8_len(key)
+        if key_bytes > MAX_KEY_BYTES:
+            raise RequestError(ErrorCode.KEY_TOO_LONG,
+                               f"binding key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes")
+
     def _req_bind(self, session: Session, f: Bind) -> dict[str, Any]:
+        self._check_binding_key(f.binding_key)
         created = self._exchange(f.exchange).bind(self.get_queue(f.queue), f.binding_key)
         return {"created": created}
 

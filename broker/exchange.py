@@ -8,7 +8,7 @@ here: the router sends a message published to "" to the queue its routing key na
 from __future__ import annotations
 
 import enum
-from functools import lru_cache
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,20 +24,48 @@ class ExchangeKind(enum.StrEnum):
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:
-    """AMQP topic matching over dot-separated words: `*` is one word, `#` zero or more."""
-    return _match_words(tuple(pattern.split(".")), tuple(routing_key.split(".")))
+    """AMQP topic matching over dot-separated words: `*` is one word, `#` zero or more.
+
+    Iterative, in time proportional to words x pattern words and memory proportional to the pattern:
+    the set of pattern positions the words read so far can have reached, advanced one word at a time
+    (a `#` both stays and lets the next position be reached without a word). A recursive matcher let
+    a routing key of 5,000 words raise RecursionError inside the broker; keys are also bounded at
+    MAX_KEY_BYTES (protocol/limits.py), so a match costs at most ~129 x 129 steps.
+    """
+    return _matcher(pattern)(routing_key.split("."))
 
 
-@lru_cache(maxsize=65536)
-def _match_words(pattern: tuple[str, ...], words: tuple[str, ...]) -> bool:
-    if not pattern:
-        return not words
-    head, rest = pattern[0], pattern[1:]
-    if head == "#":
-        return _match_words(rest, words) or (bool(words) and _match_words(pattern, words[1:]))
-    if not words:
-        return False
-    return (head == "*" or head == words[0]) and _match_words(rest, words[1:])
+def _matcher(pattern: str) -> Callable[[list[str]], bool]:
+    words = pattern.split(".")
+    if "#" not in words and "*" not in words:
+        return lambda key: key == words
+    m = len(words)
+    hashes = [w == "#" for w in words]
+
+    def close(reached: list[bool]) -> list[bool]:
+        """Let every `#` that is reached match zero words."""
+        for i in range(m):
+            if reached[i] and hashes[i]:
+                reached[i + 1] = True
+        return reached
+
+    def match(key: list[str]) -> bool:
+        reached = close([True] + [False] * m)
+        for word in key:
+            after = [False] * (m + 1)
+            for i in range(m):
+                if reached[i]:
+                    head = words[i]
+                    if head == "#":
+                        after[i] = True
+                    elif head == "*" or head == word:
+                        after[i + 1] = True
+            reached = close(after)
+            if not any(reached):
+                return False
+        return reached[m]
+
+    return match
 
 
 class Exchange:
@@ -49,6 +77,7 @@ class Exchange:
         self.name = name
         self.kind = kind
         self.bindings: dict[str, dict[Queue, None]] = {}  # binding key -> queues (ordered set)
+        self._matchers: dict[str, Callable[[list[str]], bool]] = {}  # topic binding key -> compiled matcher
         self._cache: dict[str, list[Queue]] = {}
 
     def bind(self, queue: Queue, key: str) -> bool:
@@ -57,6 +86,8 @@ class Exchange:
         if queue in queues:
             return False
         queues[queue] = None
+        if self.kind is ExchangeKind.TOPIC and key not in self._matchers:
+            self._matchers[key] = _matcher(key)
         self._cache.clear()
         return True
 
@@ -67,6 +98,7 @@ class Exchange:
         del queues[queue]
         if not queues:
             del self.bindings[key]
+            self._matchers.pop(key, None)
         self._cache.clear()
         return True
 
@@ -83,9 +115,9 @@ class Exchange:
         elif self.kind is ExchangeKind.FANOUT:
             result = list({q: None for qs in self.bindings.values() for q in qs})
         else:
-            result = list(
-                {q: None for key, qs in self.bindings.items() if topic_matches(key, routing_key) for q in qs}
-            )
+            words = routing_key.split(".")
+            matchers = self._matchers
+            result = list({q: None for key, qs in self.bindings.items() if matchers[key](words) for q in qs})
         if len(self._cache) >= self._ROUTE_CACHE_SIZE:
             self._cache.clear()
         self._cache[routing_key] = result

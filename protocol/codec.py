@@ -15,10 +15,17 @@ import msgpack
 
 from flowbroker.protocol.errors import ErrorCode, FrameTooLarge, LocalProtocolError, RemoteProtocolError
 from flowbroker.protocol.frames import Frame, decode_body, frame_to_wire
+from flowbroker.protocol.limits import (
+    MAX_CONTROL_FRAME,
+    MAX_ENTRIES_PER_FRAME,
+    MAX_MAP_ITEMS,
+    MAX_RANGES_PER_FRAME,
+)
 
 __all__ = ["FrameDecoder", "encode_frame", "encode_frames", "LENGTH_PREFIX", "DEFAULT_MAX_FRAME_SIZE"]
 
 LENGTH_PREFIX = struct.Struct(">I")
+_MAX_ARRAY_LEN = max(MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME)  # no frame has a longer array
 DEFAULT_MAX_FRAME_SIZE = 8 * 1024 * 1024
 
 
@@ -38,6 +45,66 @@ def encode_frame(frame: Frame) -> bytes:
 def encode_frames(frames: list[Frame]) -> bytes:
     """Several frames in one buffer, for a single socket write."""
     return b"".join(encode_frame(f) for f in frames)
+
+
+_DATA_FRAME_TYPES = frozenset({10, 18})  # TRANSFER, DELIVER: [fixarray header, type, ...]
+_LARGE_FRAME = 1 << 20
+"""Frames above this are decoded with a budget of containers: msgpack builds every object before
+`decode_body` can look at them, so 8 MiB of nested empty arrays would cost ~240 ms of decoding. A
+valid frame has at most 2 + MAX_ENTRIES_PER_FRAME arrays and one map per entry; with the budget, the
+worst frame costs about what a 1 MiB one does (~30 ms). Small frames skip the hooks (0.24 us a message)."""
+_CONTAINER_BUDGET = MAX_ENTRIES_PER_FRAME + 64
+
+
+def _limit(text: str, seq: int) -> RemoteProtocolError:
+    return RemoteProtocolError(f"{text} (protocol/limits.py)", ErrorCode.LIMIT_EXCEEDED, seq)
+
+
+def _unpack(view: memoryview, seq: int) -> Any:
+    """msgpack-decode one frame body, within the limits of protocol/limits.py."""
+    hooks: dict[str, Any] = {}
+    if len(view) > _LARGE_FRAME:
+        spent = [0, 0]
+
+        def budget(kind: int) -> Any:
+            def hook(value: Any) -> Any:
+                spent[kind] += 1
+                if spent[kind] > _CONTAINER_BUDGET:
+                    raise _ContainerBudget
+                return value
+
+            return hook
+
+        hooks = {"list_hook": budget(0), "object_hook": budget(1)}
+    try:
+        return msgpack.unpackb(
+            view,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_array_len=_MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_ITEMS,
+            **hooks,
+        )
+    except _ContainerBudget:
+        raise _limit(f"frame {seq} has more than {_CONTAINER_BUDGET} arrays or maps", seq) from None
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):
+            # A container longer than any frame may carry: refused while decoding, before the rest
+            # of it is built.
+            raise _limit(f"frame {seq}: {exc}", seq) from None
+        raise RemoteProtocolError(
+            f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
+        ) from None
+    except Exception as exc:  # msgpack raises many types: ExtraData, FormatError, StackError, ...
+        raise RemoteProtocolError(
+            f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
+        ) from None
+
+
+class _ContainerBudget(Exception):
+    pass
 
 
 class FrameDecoder:
@@ -84,24 +151,20 @@ class FrameDecoder:
             raise FrameTooLarge(length, self.max_frame_size, seq)
         if length == 0:
             raise RemoteProtocolError("empty frame", ErrorCode.MALFORMED_FRAME, seq)
+        if length > MAX_CONTROL_FRAME and available >= 6 and buf[pos + 5] not in _DATA_FRAME_TYPES:
+            raise _limit(f"frame {seq}: a frame of {length} bytes other than TRANSFER or DELIVER (over "
+                         f"MAX_CONTROL_FRAME, {MAX_CONTROL_FRAME})", seq)
         if available < 4 + length:
             self._check_truncated(available)
             return None
         start = pos + 4
         self._pos = start + length
         self.frames_decoded = seq
+        view = memoryview(buf)[start : start + length]
         try:
-            obj = msgpack.unpackb(
-                memoryview(buf)[start : start + length],
-                raw=False,
-                use_list=True,
-                strict_map_key=True,
-                ext_hook=_no_ext,
-            )
-        except Exception as exc:  # msgpack raises many types: ExtraData, FormatError, StackError, ...
-            raise RemoteProtocolError(
-                f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
-            ) from None
+            obj = _unpack(view, seq)
+        finally:
+            view.release()  # an exception's traceback must not keep the buffer exported (feed() resizes it)
         return decode_body(obj, seq)
 
     def _check_truncated(self, available: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, ClassVar, NamedTuple, Union
 
 from flowbroker.protocol.errors import ErrorCode, RemoteProtocolError
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_HEADERS, MAX_MAP_ITEMS, MAX_RANGES_PER_FRAME
 
 __all__ = [
     "FrameType",
@@ -369,7 +370,13 @@ def frame_to_wire(frame: Frame) -> list[Any]:
 
 
 class _Bad(Exception):
-    pass
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED_FRAME):
+        super().__init__(message)
+        self.code = code
+
+
+def _over(what: str, count: int, limit: int, name: str) -> _Bad:
+    return _Bad(f"{count} {what} exceed the limit of {limit} ({name}, protocol/limits.py)", ErrorCode.LIMIT_EXCEEDED)
 
 
 Checker = Callable[[Any], Any]
@@ -421,6 +428,8 @@ def _opt(check: Checker) -> Checker:
 def _str_list(v: Any) -> list[str]:
     if not isinstance(v, (list, tuple)) or any(type(s) is not str for s in v):
         raise _Bad("expected a list of strings")
+    if len(v) > MAX_MAP_ITEMS:
+        raise _over("strings", len(v), MAX_MAP_ITEMS, "MAX_MAP_ITEMS")
     return list(v)
 
 
@@ -436,8 +445,12 @@ def _map(v: Any) -> dict[str, Any]:
     if type(v) is not dict:
         raise _Bad("expected a map with string keys")
     stack: list[Any] = [v]
+    items = 0
     while stack:
         item = stack.pop()
+        items += 1
+        if items > MAX_MAP_ITEMS:
+            raise _over("items in a map argument", items, MAX_MAP_ITEMS, "MAX_MAP_ITEMS")
         if type(item) is dict:
             for key, value in item.items():
                 if type(key) is not str:
@@ -458,6 +471,8 @@ def _headers(v: Any) -> Headers | None:
         return None
     if type(v) is not dict:
         raise _Bad("headers must be a map")
+    if len(v) > MAX_HEADERS:
+        raise _over("headers on one message", len(v), MAX_HEADERS, "MAX_HEADERS")
     for k, val in v.items():
         if type(k) is not str or type(val) not in _SCALARS:
             raise _Bad("headers must map strings to scalars")
@@ -467,6 +482,8 @@ def _headers(v: Any) -> Headers | None:
 def _ranges(v: Any) -> list[Range]:
     if not isinstance(v, (list, tuple)):
         raise _Bad("expected a list of [first, last] ranges")
+    if len(v) > MAX_RANGES_PER_FRAME:
+        raise _over("ranges in one frame", len(v), MAX_RANGES_PER_FRAME, "MAX_RANGES_PER_FRAME")
     out: list[Range] = []
     for r in v:
         if (
@@ -496,6 +513,8 @@ def _enum(enum_type: type[enum.IntEnum]) -> Checker:
 def _transfer_entries(v: Any) -> list[TransferEntry]:
     if not isinstance(v, (list, tuple)) or not v:
         raise _Bad("entries must be a non-empty list")
+    if len(v) > MAX_ENTRIES_PER_FRAME:
+        raise _over("messages in one frame", len(v), MAX_ENTRIES_PER_FRAME, "MAX_ENTRIES_PER_FRAME")
     out = []
     for e in v:
         # hot path: one tuple check and a few type() comparisons per message
@@ -525,6 +544,8 @@ _NONES = {3: (None, None, None), 4: (None, None), 5: (None,)}
 def _delivery_entries(v: Any) -> list[DeliveryEntry]:
     if not isinstance(v, (list, tuple)) or not v:
         raise _Bad("entries must be a non-empty list")
+    if len(v) > MAX_ENTRIES_PER_FRAME:
+        raise _over("messages in one frame", len(v), MAX_ENTRIES_PER_FRAME, "MAX_ENTRIES_PER_FRAME")
     out = []
     for e in v:
         if not isinstance(e, (list, tuple)) or len(e) != 6:
@@ -562,8 +583,9 @@ _register(Hello, _uint, _str, _bool, _str_list, _opt(_map))
 _register(Welcome, _uint, _uint, _str, _uint, _uint, _uint, _uint, _str)
 _register(DeclareQueue, _uint, _name, _bool, _opt(_map))
 _register(DeclareExchange, _uint, _name, _name)
-_register(Bind, _uint, _name, _name, _name)
-_register(Unbind, _uint, _name, _name, _name)
+# Binding keys are bounded in bytes by the broker (KEY_TOO_LONG, MAX_KEY_BYTES), not here.
+_register(Bind, _uint, _name, _name, _str)
+_register(Unbind, _uint, _name, _name, _str)
 _register(DeleteQueue, _uint, _name)
 _register(PurgeQueue, _uint, _name)
 _register(Ok, _uint, _map)
@@ -606,9 +628,7 @@ def decode_body(obj: Any, frame_seq: int) -> Frame:
         try:
             args.append(check(value))
         except _Bad as exc:
-            raise RemoteProtocolError(
-                f"{ftype.name} frame, field {name}: {exc}", ErrorCode.MALFORMED_FRAME, frame_seq
-            ) from None
+            raise RemoteProtocolError(f"{ftype.name} frame, field {name}: {exc}", exc.code, frame_seq) from None
     frame: Frame = cls(*args)
     return frame
 

@@ -13,12 +13,17 @@ refused with `KEY_TOO_LONG` (that message or request only; the connection stays 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "MAX_KEY_BYTES",
     "MAX_ENTRIES_PER_FRAME",
     "MAX_RANGES_PER_FRAME",
     "MAX_HEADERS",
     "MAX_MAP_ITEMS",
+    "MAX_CONTROL_FRAME",
+    "message_wire_size",
+    "utf8_len",
 ]
 
 MAX_KEY_BYTES = 256
@@ -33,5 +38,31 @@ MAX_RANGES_PER_FRAME = 1024
 MAX_HEADERS = 64
 """Headers on one message."""
 
+MAX_CONTROL_FRAME = 64 * 1024
+"""Bytes in any frame but TRANSFER and DELIVER (refused from its first six bytes, before it is buffered)."""
+
 MAX_MAP_ITEMS = 256
 """Items, at every depth together, in a map argument (DECLARE_QUEUE arguments, HELLO auth, OK result)."""
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of `text` in UTF-8, without encoding it when it is ASCII-short enough to tell."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def message_wire_size(exchange: str, routing_key: str, body: bytes, headers: Mapping[str, object] | None) -> int:
+    """The bytes a message's own fields take on the wire: body, exchange, routing key, header keys and
+    values (strings in UTF-8, 9 bytes for any other value, the most msgpack spends on a scalar).
+
+    `max_message_size` bounds this, not only the body: a DELIVER carries every one of these fields, so a
+    message whose headers filled its TRANSFER up to `max_frame_size` became a DELIVER 2 bytes over it,
+    which every consumer of the queue refused, forever (it was requeued each time). With the whole
+    message under `max_message_size` <= `max_frame_size` / 2, a DELIVER of it always fits.
+    """
+    size = len(body) + utf8_len(exchange) + utf8_len(routing_key)
+    if headers:
+        for key, value in headers.items():
+            size += utf8_len(key) + (
+                utf8_len(value) if type(value) is str else len(value) if type(value) is bytes else 9  # type: ignore[arg-type]
+            )
+    return size

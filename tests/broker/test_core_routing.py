@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from coreharness import Harness, Producer
 
 from flowbroker.broker.exchange import topic_matches
@@ -140,3 +142,34 @@ def test_deleted_queue_is_unbound() -> None:
     p.send("f", "", b"m")
     p.pump()
     assert p.errors == [] and contents(h) == {"b": [b"m"]}
+
+
+def _reference_match(pattern: tuple[str, ...], words: tuple[str, ...]) -> bool:
+    """The recursive definition of AMQP topic matching (the matcher the broker used to run)."""
+    if not pattern:
+        return not words
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return _reference_match(rest, words) or (bool(words) and _reference_match(pattern, words[1:]))
+    if not words:
+        return False
+    return (head == "*" or head == words[0]) and _reference_match(rest, words[1:])
+
+
+_word = st.sampled_from(["a", "b", "c", ""])
+
+
+@given(
+    pattern=st.lists(st.one_of(_word, st.sampled_from(["*", "#"])), min_size=1, max_size=7),
+    key=st.lists(_word, min_size=1, max_size=8),
+)
+def test_iterative_topic_match_agrees_with_the_recursive_definition(pattern: list[str], key: list[str]) -> None:
+    assert topic_matches(".".join(pattern), ".".join(key)) is _reference_match(tuple(pattern), tuple(key))
+
+
+def test_a_routing_key_of_thousands_of_words_is_matched_without_recursion() -> None:
+    """5,000 words raised RecursionError in the recursive matcher and stopped the broker."""
+    key = ".".join(["w"] * 5000)
+    assert topic_matches("#.w", key)
+    assert topic_matches("#", key)
+    assert not topic_matches("#.x.#.y", key)

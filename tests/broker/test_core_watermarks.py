@@ -393,14 +393,14 @@ def test_message_too_large_and_unknown_destinations() -> None:
     h = Harness(server={"max_message_size": 100}, credit={"policy": "static", "static_size": 10_000})
     h.queue("q")
     p = h.producer()
-    ok = p.send("", "q", b"x" * 100)
-    big = p.send("", "q", b"x" * 101)
+    ok = p.send("", "q", b"x" * 99)  # with its routing key "q": 100 bytes
+    big = p.send("", "q", b"x" * 100)
     nowhere = p.send("", "nope", b"x")
     bad_exchange = p.send("missing", "k", b"x")
     p.pump()
     assert p.errors_for(ok) == []
     (e,) = p.errors_for(big)
-    assert e.code is ErrorCode.MESSAGE_TOO_LARGE and "100" in e.text
+    assert e.code is ErrorCode.MESSAGE_TOO_LARGE and "101 bytes" in e.text and "max_message_size 100" in e.text
     (e,) = p.errors_for(nowhere)
     assert (e.code, e.destination) == (ErrorCode.NOT_FOUND, "nope") and "nope" in e.text
     (e,) = p.errors_for(bad_exchange)

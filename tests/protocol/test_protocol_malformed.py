@@ -24,6 +24,13 @@ from flowbroker.protocol import (
     encode_frame,
     frame_to_wire,
 )
+from flowbroker.protocol.limits import (
+    MAX_CONTROL_FRAME,
+    MAX_ENTRIES_PER_FRAME,
+    MAX_HEADERS,
+    MAX_MAP_ITEMS,
+    MAX_RANGES_PER_FRAME,
+)
 
 # --- the wire schema, by hand -------------------------------------------------------------------
 
@@ -47,8 +54,9 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
     ],
     FrameType.DECLARE_QUEUE: [("request_id", "uint"), ("queue", "name"), ("durable", "bool"), ("arguments", "optmap")],
     FrameType.DECLARE_EXCHANGE: [("request_id", "uint"), ("exchange", "name"), ("kind", "name")],
-    FrameType.BIND: [("request_id", "uint"), ("queue", "name"), ("exchange", "name"), ("binding_key", "name")],
-    FrameType.UNBIND: [("request_id", "uint"), ("queue", "name"), ("exchange", "name"), ("binding_key", "name")],
+    # binding keys are bounded in bytes by the broker (KEY_TOO_LONG), not at decoding
+    FrameType.BIND: [("request_id", "uint"), ("queue", "name"), ("exchange", "name"), ("binding_key", "str")],
+    FrameType.UNBIND: [("request_id", "uint"), ("queue", "name"), ("exchange", "name"), ("binding_key", "str")],
     FrameType.DELETE_QUEUE: [("request_id", "uint"), ("queue", "name")],
     FrameType.PURGE_QUEUE: [("request_id", "uint"), ("queue", "name")],
     FrameType.OK: [("request_id", "uint"), ("result", "map")],
@@ -190,11 +198,13 @@ def decode_one(data: bytes, after: int = 0) -> Frame | None:
     return decoder.next_frame()
 
 
-def assert_malformed(data: bytes, *, after: int = 0, mentions: str | None = None) -> RemoteProtocolError:
+def assert_malformed(
+    data: bytes, *, after: int = 0, mentions: str | None = None, code: ErrorCode = ErrorCode.MALFORMED_FRAME
+) -> RemoteProtocolError:
     with pytest.raises(RemoteProtocolError) as info:
         decode_one(data, after)
     err = info.value
-    assert err.code is ErrorCode.MALFORMED_FRAME
+    assert err.code is code
     assert err.frame_seq == after + 1
     if mentions is not None:
         assert mentions in str(err)
@@ -270,7 +280,9 @@ def test_msgpack_that_is_not_a_non_empty_array(obj: Any) -> None:
     ids=["reserved-c1", "short-array", "short-array-2", "array32", "str32", "utf8", "extra-data", "int-key", "deep"],
 )
 def test_not_msgpack(body: bytes) -> None:
-    assert_malformed(raw_body(body), after=4)
+    # An array announcing more items than any frame carries is refused as over a limit, before decoding it.
+    code = ErrorCode.LIMIT_EXCEEDED if body.startswith(b"\xdd") else ErrorCode.MALFORMED_FRAME
+    assert_malformed(raw_body(body), after=4, code=code)
 
 
 @pytest.mark.parametrize(
@@ -296,13 +308,17 @@ def test_integers_beyond_the_field_range() -> None:
     assert frame is not None and frame.nonce == 2**64 - 1  # type: ignore[union-attr]
 
 
-def test_deeply_nested_map_argument_within_msgpack_limits_is_accepted() -> None:
-    # 1000 levels: deeper than Python's default recursion limit, so validation must not recurse.
-    value: Any = None
-    for _ in range(1000):
-        value = {"k": value}
-    frame = decode_one(raw_frame([9, 1, value]))
+def test_nested_map_argument_within_the_item_limit_is_accepted_and_beyond_it_refused() -> None:
+    def nested(levels: int) -> Any:
+        value: Any = None
+        for _ in range(levels):
+            value = {"k": value}
+        return value
+
+    # every level is a map and its value: MAX_MAP_ITEMS counts both
+    frame = decode_one(raw_frame([9, 1, nested(MAX_MAP_ITEMS // 2)]))
     assert frame is not None and frame.TYPE is FrameType.OK
+    assert_malformed(raw_frame([9, 1, nested(MAX_MAP_ITEMS)]), mentions="MAX_MAP_ITEMS", code=ErrorCode.LIMIT_EXCEEDED)
 
 
 # --- fuzzing: only RemoteProtocolError may leave the decoder ------------------------------------
@@ -321,7 +337,7 @@ def drain(data: bytes, chunk: int, eof: bool) -> list[Frame]:
             while (frame := decoder.next_frame()) is not None:
                 frames.append(frame)
     except RemoteProtocolError as err:
-        assert err.code in (ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE)
+        assert err.code in (ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.LIMIT_EXCEEDED)
         assert err.frame_seq == len(frames) + 1  # the bad frame's 1-based position
     for frame in frames:
         # Whatever got through validation is a well-typed frame: it encodes and decodes again.
@@ -402,3 +418,54 @@ def test_structurally_mutated_frames(frame: Frame, data: st.DataObject) -> None:
     except (OverflowError, ValueError, TypeError):
         assume(False)
     drain(raw_body(packed), 4096, True)
+
+
+# --- per-frame limits (protocol/limits.py) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "over, under, mentions",
+    [
+        (
+            [10, 1, [["", "q", b""]] * (MAX_ENTRIES_PER_FRAME + 1)],
+            [10, 1, [["", "q", b""]] * MAX_ENTRIES_PER_FRAME],
+            "max_array_len",
+        ),
+        (
+            [18, 1, [[1, "", "q", b"", None, False]] * (MAX_ENTRIES_PER_FRAME + 1)],
+            [18, 1, [[1, "", "q", b"", None, False]] * MAX_ENTRIES_PER_FRAME],
+            "max_array_len",
+        ),
+        ([19, 0, [[1, 1]] * (MAX_RANGES_PER_FRAME + 1)], [19, 0, [[1, 1]] * MAX_RANGES_PER_FRAME], "max_array_len"),
+        (
+            [10, 1, [["", "q", b"", {f"h{i}": i for i in range(MAX_HEADERS + 1)}]]],
+            [10, 1, [["", "q", b"", {f"h{i}": i for i in range(MAX_HEADERS)}]]],
+            "MAX_HEADERS",
+        ),
+    ],
+    ids=["transfer-entries", "deliver-entries", "settle-ranges", "headers"],
+)
+def test_a_frame_over_a_per_frame_limit_is_refused_with_limit_exceeded(over: Any, under: Any, mentions: str) -> None:
+    """One frame may not make its receiver do work out of proportion to its size (932k empty messages
+    in one 8 MiB TRANSFER took the broker 6.1 s)."""
+    assert decode_one(raw_frame(under)) is not None
+    assert_malformed(raw_frame(over), mentions=mentions, code=ErrorCode.LIMIT_EXCEEDED)
+
+
+def test_a_large_frame_that_is_not_data_is_refused_from_its_first_bytes() -> None:
+    decoder = FrameDecoder(max_frame_size=8 * 1024 * 1024)
+    decoder.feed(struct.pack(">I", MAX_CONTROL_FRAME + 1) + b"\x93\x09\x01")  # an OK frame, 64 KiB + 1
+    with pytest.raises(RemoteProtocolError) as info:
+        decoder.next_frame()
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED and "MAX_CONTROL_FRAME" in str(info.value)
+
+
+def test_nested_junk_in_a_large_transfer_is_refused_within_a_container_budget() -> None:
+    """msgpack builds every object before validation; a large frame decodes with a budget of containers."""
+    junk = {f"k{i}": [[None] * 1000] * 1000 for i in range(2)}  # 2,000 arrays in one header value
+    body = msgpack.packb([10, 1, [["", "q", b"x" * (1 << 20), {"h": junk}]]], use_bin_type=True)
+    decoder = FrameDecoder(max_frame_size=8 * 1024 * 1024)
+    decoder.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError) as info:
+        decoder.next_frame()
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED and "arrays or maps" in str(info.value)
