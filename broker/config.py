@@ -58,6 +58,7 @@ class ServerConfig:
     idle_timeout: float = 60.0
     handshake_timeout: float = 10.0
     max_connections: int = 10_000
+    max_subscriptions: int = 1_000
     stuck_timeout: float = 720.0
     disconnect_when_stuck: bool = False
     memory_quota: int = field(default_factory=default_quota)
@@ -69,6 +70,7 @@ class ServerConfig:
         _positive("server", "idle_timeout", self.idle_timeout)
         _positive("server", "handshake_timeout", self.handshake_timeout)
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
+        _int_range("server", "max_subscriptions", self.max_subscriptions, 1, 1_000_000)
         _positive("server", "stuck_timeout", self.stuck_timeout)
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
 

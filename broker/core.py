@@ -10,6 +10,7 @@ holding completions and credit, not by back-pressuring TCP.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -326,21 +327,25 @@ class BrokerCore:
     # -- consuming ---------------------------------------------------------------------------
 
     def on_settle(self, session: Session, frame: Settle) -> None:
+        """Settle by ranges against the ascending list of outstanding tags: each range costs a
+        bisection plus the deliveries it really settles, so a SETTLE of 1,000 wide ranges over tags
+        never delivered costs 1,000 bisections (it walked every tag of every range: 1.3 s)."""
         requeue = frame.outcome is Outcome.REQUEUE
         unsettled = session.unsettled
+        tags = session.unsettled_tags
         unknown = 0
+        subs: dict[Subscription, None] = {}
         touched: dict[Queue, list[Message]] = {}
         for lo, hi in frame.ranges:
-            # A range wider than what is outstanding is walked over the outstanding tags instead,
-            # so a settle of (1, 2**63) costs what is unsettled, not 2**63 steps.
-            tags = range(lo, hi + 1) if hi - lo < len(unsettled) else sorted(t for t in unsettled if lo <= t <= hi)
-            for tag in tags:
-                item = unsettled.pop(tag, None)
-                if item is None:
-                    unknown += 1
-                    continue
-                sub, msg = item
+            i = bisect_left(tags, lo)
+            j = bisect_right(tags, hi, i)
+            unknown += (hi - lo + 1) - (j - i)
+            if i == j:
+                continue
+            for tag in tags[i:j]:
+                sub, msg = unsettled.pop(tag)
                 sub.unsettled -= 1
+                subs[sub] = None
                 queue = sub.queue
                 if queue not in touched:
                     touched[queue] = []
@@ -348,6 +353,9 @@ class BrokerCore:
                     touched[queue].append(msg)
                 else:
                     queue.settle(msg)
+            del tags[i:j]
+        for sub in subs:
+            sub.queue.resume_subscription(sub)  # prefetch freed; dispatch follows below
         for queue, msgs in touched.items():
             if requeue:
                 queue.requeue_many(msgs)  # in tag order, ahead of everything ready
@@ -368,6 +376,7 @@ class BrokerCore:
             session.send(Error(ErrorCode.NOT_FOUND, f"no subscription {frame.opaque} for BUFFER_CONTROL"))
             return
         sub.buffer.resize(frame.buffer_size)
+        sub.queue.resume_subscription(sub)
         sub.queue.dispatch()
 
     def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:
@@ -380,12 +389,34 @@ class BrokerCore:
             if sub is None:
                 return  # a late ack for a cancelled subscription
             sub.buffer.on_ack(frame.acked_total)
+            sub.queue.resume_subscription(sub)
             sub.queue.dispatch()
         except CreditError as exc:
             raise SessionFault(ErrorCode.CREDIT_VIOLATION, f"BUFFER_ACK for opaque {frame.opaque}: {exc}") from None
 
     def _dispatch_session(self, session: Session) -> None:
-        for sub in list(session.subscriptions.values()):
+        """The connection's buffer may have room again: every subscription of the session rejoins its
+        queue's rotation, and the room is shared one message per subscription per round, starting with
+        a different subscription each time, so a slow subscription cannot take all of it (it used to
+        go to the first subscription every time, and a slow one starved a fast one completely)."""
+        subs = list(session.subscriptions.values())
+        if not subs:
+            return
+        turn = session.dispatch_turn % len(subs)
+        session.dispatch_turn = turn + 1
+        subs = subs[turn:] + subs[:turn]
+        for sub in subs:
+            sub.queue.resume_subscription(sub)
+        buffer = session.consumer_buffer
+        if buffer.max_bytes:
+            sharing = subs
+            while sharing and buffer.may_send():
+                sharing = [sub for sub in sharing if sub.queue.ready and sub.has_credit()]
+                for sub in sharing:
+                    if not buffer.may_send():
+                        break
+                    sub.queue.deliver_to(sub)
+        for sub in subs:
             sub.queue.dispatch()
 
     # -- requests ----------------------------------------------------------------------------
@@ -495,7 +526,15 @@ class BrokerCore:
         return {"purged": self.get_queue(f.queue).purge()}
 
     def _req_subscribe(self, session: Session, f: Subscribe) -> dict[str, Any]:
+        if f.subscription_id == 0:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               "subscription id 0 is reserved for the connection's buffer (BUFFER_CONTROL/"
+                               "BUFFER_ACK opaque 0); use 1 or more")
         queue = self.get_queue(f.queue)
+        limit = self.config.server.max_subscriptions
+        if len(session.subscriptions) >= limit:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"too many subscriptions on this connection (max_subscriptions {limit})")
         if f.subscription_id in session.subscriptions:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {f.subscription_id} is in use")
         cap = self.config.queues.max_prefetch
@@ -512,8 +551,11 @@ class BrokerCore:
         sub.queue.remove_subscription(sub)
         # Deliveries the consumer never settled go back to the queue, in order, as when its
         # connection closes: a cancelled subscription must not pin messages until disconnect.
-        tags = [tag for tag, (owner, _) in session.unsettled.items() if owner is sub]
-        msgs = [session.unsettled.pop(tag)[1] for tag in tags]
+        msgs: list[Message] = []
+        if sub.unsettled:
+            tags = [tag for tag, (owner, _) in session.unsettled.items() if owner is sub]
+            msgs = [session.unsettled.pop(tag)[1] for tag in tags]
+            session.unsettled_tags = [tag for tag in session.unsettled_tags if tag in session.unsettled]
         sub.unsettled = 0
         sub.queue.requeue_many(msgs)
         return {"requeued": len(msgs)}

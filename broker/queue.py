@@ -92,10 +92,10 @@ class Queue:
         self.stop_reason: tuple[str, int, int] = ("", 0, 0)  # threshold, limit, value when it tripped
         self.held: dict[Message, None] = {}
         self.stopped_producers: dict[Session, None] = {}
-        self.subscriptions: list[Subscription] = []
+        self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
+        self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
         self.deleted = False
         self.stats = QueueStats()
-        self._rr = 0
         self._next_seq = 0
 
     def __repr__(self) -> str:
@@ -239,7 +239,10 @@ class Queue:
         if self.saturated or self.held or self.stopped_producers:
             self._clear()
         self.count = self.size = 0
-        subs, self.subscriptions = self.subscriptions, []
+        subs, self.subscriptions = list(self.subscriptions), {}
+        for sub in subs:
+            sub.closed = True
+        self._active.clear()
         return subs
 
     def set_thresholds(self, thresholds: Thresholds, now_ns: int) -> None:
@@ -254,30 +257,40 @@ class Queue:
     # -- delivery ----------------------------------------------------------------------------
 
     def add_subscription(self, sub: Subscription) -> None:
-        self.subscriptions.append(sub)
+        self.subscriptions[sub] = None
+        self.resume_subscription(sub)
         self.dispatch()
 
     def remove_subscription(self, sub: Subscription) -> None:
-        try:
-            self.subscriptions.remove(sub)
-        except ValueError:
-            pass
+        """O(1): a closed subscription leaves the rotation when dispatch reaches it, and the rotation is
+        compacted when closed ones could outnumber live ones (subscribe/cancel loops with nothing ready)."""
+        sub.closed = True
+        if sub not in self.subscriptions:
+            return
+        del self.subscriptions[sub]
+        if len(self._active) > 2 * len(self.subscriptions) + 8:
+            self._active = deque(s for s in self._active if not s.closed)
+
+    def resume_subscription(self, sub: Subscription) -> None:
+        """Credit may have returned to `sub`: put it back in the rotation (call dispatch() after)."""
+        if not sub.active and not sub.closed and sub.has_credit():
+            sub.active = True
+            self._active.append(sub)
 
     def dispatch(self) -> None:
-        """Hand ready messages to subscriptions with credit, round robin, until none has any."""
+        """Hand ready messages to subscriptions with credit, round robin, until none has any. A
+        subscription found without credit leaves the rotation until resume_subscription()."""
         ready = self.ready
-        subs = self.subscriptions
-        if not ready or not subs:
-            return
-        n = len(subs)
-        i = self._rr
-        idle = 0
-        while ready and idle < n:
-            sub = subs[i % n]
-            i += 1
-            if sub.has_credit():
+        active = self._active
+        while ready and active:
+            sub = active[0]
+            if not sub.closed and sub.has_credit():
                 sub.deliver(ready.popleft())
-                idle = 0
+                active.rotate(-1)
             else:
-                idle += 1
-        self._rr = i % n
+                active.popleft()
+                sub.active = False
+
+    def deliver_to(self, sub: Subscription) -> None:
+        """One ready message to `sub` (the caller checked ready and credit): sharing a connection's buffer."""
+        sub.deliver(self.ready.popleft())

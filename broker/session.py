@@ -24,6 +24,7 @@ from flowbroker.protocol.frames import (
     FlowStopped,
     Frame,
 )
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
 from flowbroker.protocol.ranges import IdSet, to_ranges
 
 if TYPE_CHECKING:
@@ -81,6 +82,10 @@ class Session:
         # consumer side
         self.subscriptions: dict[int, Subscription] = {}
         self.unsettled: dict[int, tuple[Subscription, Message]] = {}
+        # The same tags in ascending order (tags only grow, so delivering appends): a SETTLE range finds
+        # what it settles by bisection, costing its own size, never the number of tags outstanding.
+        self.unsettled_tags: list[int] = []
+        self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
         self.next_delivery_tag = 1
         self.consumer_buffer = BufferLog(0)
         # outbox
@@ -126,8 +131,9 @@ class Session:
         frames, self._control = self._control, []
         cumulative = self.completed.cumulative
         if self._newly_completed or cumulative != self._sent_cumulative:
-            above = [i for i in self._newly_completed if i > cumulative]
-            frames.append(Complete(cumulative, to_ranges(above)))
+            above = to_ranges(i for i in self._newly_completed if i > cumulative)
+            for start in range(0, max(len(above), 1), MAX_RANGES_PER_FRAME):
+                frames.append(Complete(cumulative, above[start : start + MAX_RANGES_PER_FRAME]))
             self._newly_completed = []
             self._sent_cumulative = cumulative
         credit = self.credit
@@ -207,6 +213,7 @@ class Session:
         tag = self.next_delivery_tag
         self.next_delivery_tag = tag + 1
         self.unsettled[tag] = (sub, msg)
+        self.unsettled_tags.append(tag)
         self.consumer_buffer.on_sent(msg.size)
         sub_id = sub.sub_id
         entries = self._deliveries.get(sub_id)
@@ -215,8 +222,8 @@ class Session:
             self._delivery_bytes[sub_id] = 0
         entries.append(_make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)))
         size = self._delivery_bytes[sub_id] + msg.size
-        if size >= self.max_delivery_frame_bytes:
-            # Seal the frame so none exceeds the frame size the client accepts.
+        if size >= self.max_delivery_frame_bytes or len(entries) >= MAX_ENTRIES_PER_FRAME:
+            # Seal the frame so none exceeds the frame size or the entries the client accepts.
             self._sealed.append(Deliver(sub_id, entries))
             del self._deliveries[sub_id], self._delivery_bytes[sub_id]
         else:
@@ -230,6 +237,7 @@ class Session:
         for sub, msg in self.unsettled.values():
             by_queue.setdefault(sub.queue, []).append(msg)
         self.unsettled.clear()
+        self.unsettled_tags.clear()
         for sub in self.subscriptions.values():
             sub.queue.remove_subscription(sub)
         self.subscriptions.clear()

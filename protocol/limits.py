@@ -63,6 +63,6 @@ def message_wire_size(exchange: str, routing_key: str, body: bytes, headers: Map
     if headers:
         for key, value in headers.items():
             size += utf8_len(key) + (
-                utf8_len(value) if type(value) is str else len(value) if type(value) is bytes else 9  # type: ignore[arg-type]
+                utf8_len(value) if type(value) is str else len(value) if type(value) is bytes else 9
             )
     return size

@@ -92,7 +92,7 @@ async def test_queues_list_and_show(broker: Any) -> None:
             await producer.send(b"x" * 100)
         await producer.flush(timeout=5)
         async with conn.consumer("orders", prefetch=2):
-            await wait_until(lambda: broker.core.queues["orders"].subscriptions[0].unsettled == 2)
+            await wait_until(lambda: next(iter(broker.core.queues["orders"].subscriptions)).unsettled == 2)
             listing = await ok(broker, "GET", "/api/queues")
             assert [q["name"] for q in listing["queues"]] == ["audit", "orders"]
             orders = await ok(broker, "GET", "/api/queues/orders")

@@ -282,7 +282,7 @@ async def test_frame_truncated_by_close_cleans_up_and_requeues(start_flowbroker)
         await wait_until(lambda: conn_id not in broker.core.sessions)
         assert not session.open and session.unsettled == {} and session.subscriptions == {}
         q = broker.core.queues["work"]
-        assert (q.count, len(q.ready), q.subscriptions) == (10, 10, [])  # the half ACK settled nothing
+        assert (q.count, len(q.ready), q.subscriptions) == (10, 10, {})  # the half ACK settled nothing
         await b.progress()
     got = await receive_all(broker, "work", 10)
     assert got == [(b"m%d" % i, i < 4) for i in range(10)]  # requeued in order, marked redelivered
