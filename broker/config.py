@@ -62,6 +62,8 @@ class ServerConfig:
     stuck_timeout: float = 720.0
     disconnect_when_stuck: bool = False
     memory_quota: int = field(default_factory=default_quota)
+    memory_watermark: int = 0  # bytes of messages held that raise the memory alarm; 0 = memory_quota
+    memory_resume_percent: int = 90  # the alarm clears under this percentage of the watermark
 
     def validate(self) -> None:
         _int_range("server", "port", self.port, 0, 65535)
@@ -73,6 +75,8 @@ class ServerConfig:
         _int_range("server", "max_subscriptions", self.max_subscriptions, 1, 1_000_000)
         _positive("server", "stuck_timeout", self.stuck_timeout)
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
+        _int_range("server", "memory_watermark", self.memory_watermark, 0, 1 << 50)
+        _int_range("server", "memory_resume_percent", self.memory_resume_percent, 1, 100)
 
 
 @dataclass(frozen=True)

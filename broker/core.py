@@ -17,6 +17,7 @@ from typing import Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind
+from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import HeldTransfer, Message
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
@@ -36,6 +37,7 @@ from flowbroker.protocol.frames import (
     DeclareQueue,
     DeleteQueue,
     Error,
+    FlowStopped,
     Frame,
     Noop,
     Ok,
@@ -90,8 +92,15 @@ class BrokerCore:
         }
         self.sessions: dict[int, Session] = {}
         self.credit = CreditAllocator[int](config.credit_policy())
-        self.producers_stopped = False
-        self._admin_held: list[HeldTransfer] = []
+        self.producers_stopped = False  # an operator's stop-all
+        # Broker-wide stops (destination `*`): "admin" (stop-all) and "memory" (the memory alarm), with
+        # the FLOW_STOPPED that announces each. Transfers from flow-controlled producers that arrive
+        # while any is in force are held once, in `_broker_held`, until none is.
+        self._broker_stops: dict[str, FlowStopped] = {}
+        self._broker_held: list[HeldTransfer] = []
+        server = config.server
+        watermark = server.memory_watermark or server.memory_quota
+        self.memory = MemoryMeter(watermark, watermark * server.memory_resume_percent // 100, self._memory_cleared)
         self._next_conn_id = 1
         self.unroutable = 0
 
@@ -117,9 +126,9 @@ class BrokerCore:
             # its first TRANSFER, so a connection that only consumes never shrinks every producer's
             # share under `aggressive` (found by benchmarks/credit_many_producers.py).
             session.resize_buffer(self.credit.provisional_size(), self.clock_ns())
-            if self.producers_stopped:
+            if self._broker_stops:
                 session.now_ns = self.clock_ns()
-                session.admin_stopped(True)
+                session.broker_stopped(self._broker_stop(), tuple(self._broker_stops))
         return session
 
     def _register_producer(self, session: Session) -> None:
@@ -217,7 +226,8 @@ class BrokerCore:
         session.now_ns = now
         max_message = self.config.server.max_message_size
         checked = session.flow_control and buffer_size > 0
-        admin_hold = self.producers_stopped and session.flow_control
+        broker_hold = session.flow_control and bool(self._broker_stops)
+        memory_refusal = self.memory.alarm and not session.flow_control
         queues_by_name = self.queues
         for entry in frame.entries:
             body = entry.body
@@ -240,6 +250,12 @@ class BrokerCore:
                     self._refuse(session, tid, size, *refused)
                     tid += 1
                     continue
+            if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
+                self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
+                             f"the broker is over its memory watermark ({self.memory.held} of "
+                             f"{self.memory.watermark} bytes held); retry later or use flow control", "*")
+                tid += 1
+                continue
             if exchange == "":
                 queue = queues_by_name.get(routing_key)
                 if queue is None:
@@ -265,18 +281,20 @@ class BrokerCore:
                         held.append(msg)
                 except QueueFull as exc:
                     session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
-            pending = len(held) + admin_hold
+            pending = len(held) + broker_hold
             if pending:
                 transfer = HeldTransfer(session, tid, size, pending)
                 for msg in held:
                     msg.held = transfer
-                if admin_hold:
-                    self._admin_held.append(transfer)
+                if broker_hold:
+                    self._broker_held.append(transfer)
                 session.transfers_held_total += 1
             else:
                 session.complete_transfer(tid, size)
             tid += 1
         session.next_transfer_id = tid
+        if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
+            self._memory_alarm()
 
     @staticmethod
     def _check_entry(entry: TransferEntry, max_message: int) -> tuple[ErrorCode, str, str | None] | None:
@@ -304,25 +322,57 @@ class BrokerCore:
         if self.producers_stopped:
             return
         self.producers_stopped = True
-        now = self.clock_ns()
-        for s in self.sessions.values():
-            if s.flow_control:
-                s.now_ns = now  # the flow state's "since" (otherwise the time of its last transfer)
-                s.admin_stopped(True)
-
-    def admin_held(self) -> tuple[HeldTransfer, ...]:
-        """Transfers held by stop-all now (for the management views)."""
-        return tuple(self._admin_held)
+        self._set_broker_stop("admin", FlowStopped("*", "admin", 0, 0, "an operator stopped all producers"))
 
     def start_all_producers(self) -> None:
         if not self.producers_stopped:
             return
         self.producers_stopped = False
-        held, self._admin_held = self._admin_held, []
-        for transfer in held:
-            transfer.release()
+        self._set_broker_stop("admin", None)
+
+    def admin_held(self) -> tuple[HeldTransfer, ...]:
+        """Transfers held by a broker-wide stop (stop-all, the memory alarm) now, for the views."""
+        return tuple(self._broker_held)
+
+    def _memory_alarm(self) -> None:
+        memory = self.memory
+        memory.alarm = True
+        memory.alarms_total += 1
+        LOGGER.warning("memory alarm: %d bytes of messages held, watermark %d: producers are flow-stopped "
+                       "until under %d", memory.held, memory.watermark, memory.resume)
+        self._set_broker_stop("memory", FlowStopped(
+            "*", "memory", memory.watermark, memory.held,
+            f"the broker holds {memory.held} bytes of messages, over its memory watermark {memory.watermark}; "
+            "transfers are held until consumers take messages",
+        ))
+
+    def _memory_cleared(self) -> None:
+        LOGGER.warning("memory alarm cleared: %d bytes of messages held", self.memory.held)
+        self._set_broker_stop("memory", None)
+
+    def _broker_stop(self) -> FlowStopped:
+        """The FLOW_STOPPED on `*` that says why, the memory alarm first (an operator can see stop-all)."""
+        stops = self._broker_stops
+        return stops.get("memory") or stops["admin"]
+
+    def _set_broker_stop(self, reason: str, stop: FlowStopped | None) -> None:
+        """Start (stop given) or end a broker-wide stop; producers hear of every change of reason."""
+        stops = self._broker_stops
+        if stop is not None:
+            stops[reason] = stop
+        elif stops.pop(reason, None) is None:
+            return
+        if not stops:
+            held, self._broker_held = self._broker_held, []
+            for transfer in held:
+                transfer.release()
+        now = self.clock_ns()
+        current = self._broker_stop() if stops else None
+        reasons = tuple(stops)
         for s in self.sessions.values():
-            s.admin_stopped(False)
+            if s.flow_control:
+                s.now_ns = now  # the flow state's "since" (otherwise the time of its last transfer)
+                s.broker_stopped(current, reasons)
 
     # -- consuming ---------------------------------------------------------------------------
 
@@ -443,7 +493,7 @@ class BrokerCore:
                     name,
                 )
             return existing
-        queue = self.queues[name] = Queue(name, thresholds, overflow, durable)
+        queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory)
         return queue
 
     def get_queue(self, name: str) -> Queue:

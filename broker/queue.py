@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import Message
 from flowbroker.policies.overflow import (
     Admission,
@@ -80,11 +81,14 @@ class Queue:
         thresholds: Thresholds,
         overflow: OverflowPolicy = OverflowPolicy.REJECT,
         durable: bool = False,
+        meter: MemoryMeter | None = None,
     ):
         self.name = name
         self.thresholds = thresholds
         self.overflow = overflow
         self.durable = durable
+        # the broker-wide memory watermark's count (a queue made alone, in tests, gets its own)
+        self.meter = meter if meter is not None else MemoryMeter(1 << 62, 1 << 62)
         self.ready: deque[Message] = deque()
         self.count = 0
         self.size = 0
@@ -124,6 +128,7 @@ class Queue:
         self.ready.append(msg)
         self.count += 1
         self.size += msg.size
+        self.meter.held += msg.size
         self.stats.enqueued += 1
         if not self.saturated and is_over_stop(self.count, self.size, t):
             self._saturate(now_ns)
@@ -171,10 +176,14 @@ class Queue:
         """Account for a message leaving the queue for good; releases its hold if any."""
         self.count -= 1
         self.size -= msg.size
+        meter = self.meter
+        meter.held -= msg.size
         self.stats.dequeued += 1
         if msg.held is not None:
             self.held.pop(msg, None)
             msg.release()
+        if meter.alarm:
+            meter.released()
 
     def _check_resume(self) -> None:
         if self.saturated and is_under_resume(self.count, self.size, self.thresholds):
@@ -236,6 +245,8 @@ class Queue:
         """Release everything and detach; returns the subscriptions the caller must cancel."""
         self.deleted = True
         self.ready.clear()
+        self.meter.held -= self.size
+        self.meter.released()
         if self.saturated or self.held or self.stopped_producers:
             self._clear()
         self.count = self.size = 0

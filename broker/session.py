@@ -37,7 +37,8 @@ __all__ = ["Session", "SessionFault", "ADMIN_DESTINATION"]
 _make_entry = DeliveryEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
 
 ADMIN_DESTINATION = "*"
-"""The destination named in FLOW_STOPPED/FLOW_RESUMED when an operator stops all producers."""
+"""The destination named in FLOW_STOPPED/FLOW_RESUMED for a broker-wide stop: an operator's stop-all
+(threshold `admin`) or the memory alarm (threshold `memory`)."""
 
 
 class SessionFault(Exception):
@@ -79,6 +80,7 @@ class Session:
         self.credit_limit = self.credit.buffer_size  # highest position ever granted (monotonic)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
+        self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
         # consumer side
         self.subscriptions: dict[int, Subscription] = {}
         self.unsettled: dict[int, tuple[Subscription, Message]] = {}
@@ -200,10 +202,14 @@ class Session:
         if self.flow_stopped_on.pop(queue.name, None) is not None:
             self.send(FlowResumed(queue.name))
 
-    def admin_stopped(self, stopped: bool) -> None:
-        if stopped:
-            self.flow_stopped_on[ADMIN_DESTINATION] = (None, self.now_ns)
-            self.send(FlowStopped(ADMIN_DESTINATION, "admin", 0, 0, "an operator stopped all producers"))
+    def broker_stopped(self, stop: FlowStopped | None, reasons: tuple[str, ...] = ()) -> None:
+        """Broker-wide stops (destination `*`: "admin" for stop-all, "memory" for the memory alarm)
+        changed: `reasons` are those in force and `stop` announces them, or None when none is."""
+        self.broker_stops = reasons
+        if stop is not None:
+            since = self.flow_stopped_on.get(ADMIN_DESTINATION, (None, self.now_ns))[1]
+            self.flow_stopped_on[ADMIN_DESTINATION] = (None, since)
+            self.send(stop)
         elif self.flow_stopped_on.pop(ADMIN_DESTINATION, None) is not None:
             self.send(FlowResumed(ADMIN_DESTINATION))
 

@@ -16,7 +16,7 @@ from typing import Any
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.message import HeldTransfer
 from flowbroker.broker.queue import Queue
-from flowbroker.broker.session import ADMIN_DESTINATION, Session
+from flowbroker.broker.session import Session
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditPolicyConfig
 from flowbroker.protocol.credit import BufferLog
@@ -160,7 +160,8 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
         "stopped": bool(destinations),
         "stopped_for_seconds": _seconds(now_ns, min(since)) if since else None,
         "blocking_queues": [d for d, (q, _) in session.flow_stopped_on.items() if q is not None],
-        "admin_stopped": ADMIN_DESTINATION in session.flow_stopped_on,
+        "admin_stopped": "admin" in session.broker_stops,
+        "memory_stopped": "memory" in session.broker_stops,
         "destinations": destinations,
     }
 

@@ -120,6 +120,8 @@ class CoreMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         server = {"max_message_size": MAX_MESSAGE, "max_frame_size": 4096, "memory_quota": QUOTA}
+        # Sometimes a broker-wide memory watermark low enough to trip: every producer is then held on `*`.
+        server["memory_watermark"] = data.draw(st.sampled_from([0, 0, 1_500, 3_000]), label="memory watermark")
         if data.draw(st.booleans(), label="aggressive policy"):
             # a pool of 0.1 % of the quota = POOL bytes, shared: every producer's first send (which
             # registers it) and every disconnect of a registered one resizes
@@ -476,6 +478,18 @@ class CoreMachine(RuleBasedStateMachine):
             assert not q.held or q.saturated, f"{name} holds transfers but is not saturated"
 
     @invariant()
+    def memory_meter_counts_every_queue_and_alarms_over_the_watermark(self) -> None:
+        core = self.h.core
+        memory = core.memory
+        assert memory.held == sum(q.size for q in core.queues.values())
+        assert memory.held < memory.watermark or memory.alarm, "over the memory watermark without the alarm"
+        assert not memory.alarm or memory.held >= memory.resume, "the alarm outlived its resume level"
+        alarmed = memory.alarm or core.producers_stopped
+        for p in self.producers:
+            if p.session.open:
+                assert ("*" in p.session.flow_stopped_on) is alarmed
+
+    @invariant()
     def held_transfers_are_held_by_a_saturated_destination(self) -> None:
         core = self.h.core
         held: dict[str, set[tuple[int, int]]] = {
@@ -483,10 +497,10 @@ class CoreMachine(RuleBasedStateMachine):
         }
         admin_held: dict[int, set[int]] = {pid: set() for pid in range(len(self.producers))}
         sessions = {p.session: pid for pid, p in enumerate(self.producers)}
-        for transfer in core._admin_held:
+        for transfer in core._broker_held:
             if transfer.session in sessions:
                 admin_held[sessions[transfer.session]].add(transfer.transfer_id)
-        assert not core._admin_held or core.producers_stopped
+        assert not core._broker_held or core.producers_stopped or core.memory.alarm
         for pid, p in enumerate(self.producers):
             if pid in self.closed_producers:
                 continue
@@ -625,6 +639,7 @@ class CoreMachine(RuleBasedStateMachine):
         # what this run exercised (see --hypothesis-show-statistics)
         stops = sum(len(p.received(FlowStopped)) for p in self.producers)
         event("flow stops", "none" if not stops else "1-3" if stops < 4 else "4+")
+        event("memory alarms", self.h.core.memory.alarms_total > 0)
         event("messages", len(self.targets) // 10 * 10)
         event("steps", self.steps // 10 * 10)
         for fate in ("refused", "purged", "rejected"):

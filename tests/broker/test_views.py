@@ -101,7 +101,7 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
         "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1,
     }
     assert view["flow"] == {
-        "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False,
+        "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False, "memory_stopped": False,
         "destinations": [{"destination": "q", "stopped_for_seconds": 4.0, "reason": "queue",
                           "threshold": "flow_stop_count", "limit": 1, "value": 2}],
     }
