@@ -59,6 +59,9 @@ class ServerConfig:
     handshake_timeout: float = 10.0
     max_connections: int = 10_000
     max_subscriptions: int = 1_000
+    max_queues: int = 100_000
+    max_exchanges: int = 10_000
+    max_bindings: int = 100_000
     stuck_timeout: float = 720.0
     disconnect_when_stuck: bool = False
     memory_quota: int = field(default_factory=default_quota)
@@ -73,6 +76,9 @@ class ServerConfig:
         _positive("server", "handshake_timeout", self.handshake_timeout)
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
         _int_range("server", "max_subscriptions", self.max_subscriptions, 1, 1_000_000)
+        _int_range("server", "max_queues", self.max_queues, 1, 10_000_000)
+        _int_range("server", "max_exchanges", self.max_exchanges, 4, 10_000_000)
+        _int_range("server", "max_bindings", self.max_bindings, 1, 10_000_000)
         _positive("server", "stuck_timeout", self.stuck_timeout)
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
         _int_range("server", "memory_watermark", self.memory_watermark, 0, 1 << 50)

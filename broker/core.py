@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from flowbroker.broker.config import BrokerConfig
-from flowbroker.broker.exchange import Exchange, ExchangeKind
+from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import HeldTransfer, Message
 from flowbroker.broker.queue import Queue, QueueFull
@@ -82,8 +82,9 @@ class BrokerCore:
         self.config = config
         self.clock_ns = clock_ns
         self.queues: dict[str, Queue] = {}
+        self.routes = RouteCache()  # routing results of every exchange, bounded
         self.exchanges: dict[str, Exchange] = {
-            name: Exchange(name, kind)
+            name: Exchange(name, kind, self.routes)
             for name, kind in (
                 ("amq.direct", ExchangeKind.DIRECT),
                 ("amq.fanout", ExchangeKind.FANOUT),
@@ -493,6 +494,9 @@ class BrokerCore:
                     name,
                 )
             return existing
+        limit = self.config.server.max_queues
+        if len(self.queues) >= limit:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many queues (max_queues {limit})", name)
         queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory)
         return queue
 
@@ -544,7 +548,10 @@ class BrokerCore:
         if existing is not None and existing.kind is not kind:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"exchange {f.exchange!r} exists as {existing.kind}", f.exchange)
         if existing is None:
-            self.exchanges[f.exchange] = Exchange(f.exchange, kind)
+            limit = self.config.server.max_exchanges
+            if len(self.exchanges) >= limit:
+                raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many exchanges (max_exchanges {limit})", f.exchange)
+            self.exchanges[f.exchange] = Exchange(f.exchange, kind, self.routes)
         return {"exchange": f.exchange, "kind": kind.value}
 
     def _exchange(self, name: str) -> Exchange:
@@ -562,8 +569,11 @@ class BrokerCore:
 
     def _req_bind(self, session: Session, f: Bind) -> dict[str, Any]:
         self._check_binding_key(f.binding_key)
-        created = self._exchange(f.exchange).bind(self.get_queue(f.queue), f.binding_key)
-        return {"created": created}
+        exchange, queue = self._exchange(f.exchange), self.get_queue(f.queue)
+        limit = self.config.server.max_bindings
+        if self.routes.bindings >= limit:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many bindings (max_bindings {limit})", f.exchange)
+        return {"created": exchange.bind(queue, f.binding_key)}
 
     def _req_unbind(self, session: Session, f: Unbind) -> dict[str, Any]:
         removed = self._exchange(f.exchange).unbind(self.get_queue(f.queue), f.binding_key)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flowbroker.broker.queue import Queue
 
-__all__ = ["ExchangeKind", "Exchange", "topic_matches"]
+__all__ = ["ExchangeKind", "Exchange", "RouteCache", "topic_matches"]
 
 
 class ExchangeKind(enum.StrEnum):
@@ -68,17 +68,33 @@ def _matcher(pattern: str) -> Callable[[list[str]], bool]:
     return match
 
 
+class RouteCache:
+    """What every exchange of a broker shares: routing results keyed by (exchange, routing key) in one
+    bounded dict, and the number of bindings over all exchanges (bounded by `max_bindings`).
+
+    One cache for the whole broker, not one per exchange: 10,000 exchanges with 10,000 cached keys each
+    would hold gigabytes. A change of any binding empties it (bindings change rarely; routing is hot)."""
+
+    MAX_ENTRIES = 65_536
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str], list[Queue]] = {}
+        self.bindings = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
 class Exchange:
-    """Bindings of one exchange; `route()` caches topic results until the bindings change."""
+    """Bindings of one exchange; `route()` caches its results in the broker's `RouteCache` until a
+    binding changes."""
 
-    _ROUTE_CACHE_SIZE = 10_000
-
-    def __init__(self, name: str, kind: ExchangeKind):
+    def __init__(self, name: str, kind: ExchangeKind, cache: RouteCache | None = None):
         self.name = name
         self.kind = kind
         self.bindings: dict[str, dict[Queue, None]] = {}  # binding key -> queues (ordered set)
         self._matchers: dict[str, Callable[[list[str]], bool]] = {}  # topic binding key -> compiled matcher
-        self._cache: dict[str, list[Queue]] = {}
+        self._cache = cache if cache is not None else RouteCache()
 
     def bind(self, queue: Queue, key: str) -> bool:
         """Returns False if the binding already existed."""
@@ -86,6 +102,7 @@ class Exchange:
         if queue in queues:
             return False
         queues[queue] = None
+        self._cache.bindings += 1
         if self.kind is ExchangeKind.TOPIC and key not in self._matchers:
             self._matchers[key] = _matcher(key)
         self._cache.clear()
@@ -96,6 +113,7 @@ class Exchange:
         if not queues or queue not in queues:
             return False
         del queues[queue]
+        self._cache.bindings -= 1
         if not queues:
             del self.bindings[key]
             self._matchers.pop(key, None)
@@ -107,18 +125,22 @@ class Exchange:
             self.unbind(queue, key)
 
     def route(self, routing_key: str) -> list[Queue]:
-        cached = self._cache.get(routing_key)
+        kind = self.kind
+        if kind is ExchangeKind.DIRECT:  # a dict lookup already: nothing to cache
+            queues = self.bindings.get(routing_key)
+            return list(queues) if queues else []
+        key = (self.name, routing_key if kind is ExchangeKind.TOPIC else "")
+        cache = self._cache.entries
+        cached = cache.get(key)
         if cached is not None:
             return cached
-        if self.kind is ExchangeKind.DIRECT:
-            result = list(self.bindings.get(routing_key, ()))
-        elif self.kind is ExchangeKind.FANOUT:
+        if kind is ExchangeKind.FANOUT:
             result = list({q: None for qs in self.bindings.values() for q in qs})
         else:
             words = routing_key.split(".")
             matchers = self._matchers
             result = list({q: None for key, qs in self.bindings.items() if matchers[key](words) for q in qs})
-        if len(self._cache) >= self._ROUTE_CACHE_SIZE:
-            self._cache.clear()
-        self._cache[routing_key] = result
+        if len(cache) >= RouteCache.MAX_ENTRIES:
+            cache.clear()
+        cache[key] = result
         return result

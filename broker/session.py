@@ -58,7 +58,7 @@ class Session:
         flow_control: bool,
         buffer_size: int,
         wake: Callable[[], None],
-        max_outbox_frames: int = 100_000,
+        max_outbox_frames: int = 10_000,
         max_delivery_frame_bytes: int = 1 << 20,
     ):
         self.conn_id = conn_id

@@ -192,3 +192,38 @@ def test_a_message_whose_headers_fill_the_frame_is_refused_at_publish() -> None:
     (e,) = p.errors_for(tid)
     assert e.code is ErrorCode.MESSAGE_TOO_LARGE and "max_message_size 32768" in e.text
     assert h.core.queues["q"].count == 0 and c.pump() == []
+
+
+def test_queues_exchanges_and_bindings_are_bounded() -> None:
+    h = Harness(server={"max_queues": 2, "max_exchanges": 4, "max_bindings": 2})
+    p = h.producer()
+    assert p.declare_queue("a").__class__.__name__ == "Ok" and p.declare_queue("b").__class__.__name__ == "Ok"
+    refused = p.declare_queue("c")
+    assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED and "max_queues" in refused.text
+    assert p.declare_queue("a").__class__.__name__ == "Ok"  # redeclaring is not a new queue
+    assert p.declare_exchange("x", "topic").__class__.__name__ == "Ok"  # three built in + this one
+    refused = p.declare_exchange("y", "topic")
+    assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert p.bind("a", "x", "k.#").__class__.__name__ == "Ok"
+    assert p.bind("b", "x", "k.#").__class__.__name__ == "Ok"
+    refused = p.bind("a", "x", "other")
+    assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED and "max_bindings" in refused.text
+    assert p.unbind("a", "x", "k.#").__class__.__name__ == "Ok"  # a binding freed is one more allowed
+    assert p.bind("a", "x", "other").__class__.__name__ == "Ok"
+
+
+def test_the_route_cache_is_one_bounded_dict_for_the_whole_broker() -> None:
+    h = Harness()
+    h.queue("q")
+    p = h.producer()
+    for i in range(20):
+        assert p.declare_exchange(f"t{i}", "topic").__class__.__name__ == "Ok"
+        assert p.bind("q", f"t{i}", "#").__class__.__name__ == "Ok"
+    n = 0
+    for i in range(20):
+        for start in range(0, 3_400, 200):  # 68,000 distinct (exchange, key) pairs in all
+            p.send_many([(f"t{i}", f"key.{k}", b"", None) for k in range(start, start + 200)])
+            p.pump()
+            n += 200
+    assert h.core.queues["q"].count == n
+    assert len(h.core.routes.entries) <= h.core.routes.MAX_ENTRIES
