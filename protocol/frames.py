@@ -33,6 +33,7 @@ __all__ = [
     "Unbind",
     "DeleteQueue",
     "PurgeQueue",
+    "DeleteExchange",
     "Ok",
     "Transfer",
     "Complete",
@@ -84,6 +85,7 @@ class FrameType(enum.IntEnum):
     NOOP = 20
     ERROR = 21
     CLOSE = 22
+    DELETE_EXCHANGE = 23
 
 
 class Outcome(enum.IntEnum):
@@ -190,6 +192,15 @@ class PurgeQueue:
     TYPE: ClassVar[FrameType] = FrameType.PURGE_QUEUE
     request_id: int
     queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteExchange:
+    """Client -> broker: delete an exchange and its bindings (the queues stay)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.DELETE_EXCHANGE
+    request_id: int
+    exchange: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +349,7 @@ Frame = Union[
     Unbind,
     DeleteQueue,
     PurgeQueue,
+    DeleteExchange,
     Ok,
     Transfer,
     Complete,
@@ -566,6 +578,7 @@ _register(Bind, _uint, _name, _name, _name)
 _register(Unbind, _uint, _name, _name, _name)
 _register(DeleteQueue, _uint, _name)
 _register(PurgeQueue, _uint, _name)
+_register(DeleteExchange, _uint, _name)
 _register(Ok, _uint, _map)
 _register(Transfer, _pos, _transfer_entries)
 _register(Complete, _uint, _ranges)
