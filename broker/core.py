@@ -17,6 +17,7 @@ from typing import Any
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind
 from flowbroker.broker.message import HeldTransfer, Message
+from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.subscription import Subscription
@@ -32,6 +33,7 @@ from flowbroker.protocol.frames import (
     Close,
     DeclareExchange,
     DeclareQueue,
+    DeleteExchange,
     DeleteQueue,
     Error,
     Frame,
@@ -45,7 +47,7 @@ from flowbroker.protocol.frames import (
     Unbind,
 )
 
-__all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS"]
+__all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS", "BUILTIN_EXCHANGES"]
 
 LOGGER = logging.getLogger("flowbroker.broker")
 
@@ -58,6 +60,9 @@ QUEUE_ARGUMENTS = (
     "flow_resume_size",
     "overflow",
 )
+
+BUILTIN_EXCHANGES = frozenset({"amq.direct", "amq.fanout", "amq.topic"})
+"""Declared at start and never deleted (AMQP's rule), as the default exchange "" is not."""
 
 
 class RequestError(Exception):
@@ -73,16 +78,17 @@ class BrokerCore:
     def __init__(self, config: BrokerConfig, clock_ns: Callable[[], int]):
         self.config = config
         self.clock_ns = clock_ns
-        self.queues: dict[str, Queue] = {}
-        self.exchanges: dict[str, Exchange] = {
-            name: Exchange(name, kind)
+        # Sorted beside the dict, so the admin API pages them in O(log n + page) (broker/paging.py).
+        self.queues: SortedKeyDict[str, Queue] = SortedKeyDict()
+        self.exchanges: SortedKeyDict[str, Exchange] = SortedKeyDict(
+            (name, Exchange(name, kind))
             for name, kind in (
                 ("amq.direct", ExchangeKind.DIRECT),
                 ("amq.fanout", ExchangeKind.FANOUT),
                 ("amq.topic", ExchangeKind.TOPIC),
             )
-        }
-        self.sessions: dict[int, Session] = {}
+        )
+        self.sessions: SortedKeyDict[int, Session] = SortedKeyDict()
         self.credit = CreditAllocator[int](config.credit_policy())
         self.producers_stopped = False
         self._admin_held: list[HeldTransfer] = []
@@ -455,6 +461,17 @@ class BrokerCore:
         removed = self._exchange(f.exchange).unbind(self.get_queue(f.queue), f.binding_key)
         return {"removed": removed}
 
+    def delete_exchange(self, name: str) -> int:
+        """Delete exchange `name` and its bindings (the queues stay); returns how many bindings it had."""
+        if name == "" or name in BUILTIN_EXCHANGES:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the built-in exchange {name!r} cannot be deleted", name)
+        exchange = self._exchange(name)
+        del self.exchanges[name]
+        return sum(len(queues) for queues in exchange.bindings.values())
+
+    def _req_delete_exchange(self, session: Session, f: DeleteExchange) -> dict[str, Any]:
+        return {"exchange": f.exchange, "bindings": self.delete_exchange(f.exchange)}
+
     def _req_delete_queue(self, session: Session, f: DeleteQueue) -> dict[str, Any]:
         return {"deleted": self.delete_queue(f.queue)}
 
@@ -492,6 +509,7 @@ class BrokerCore:
         Unbind: _req_unbind,
         DeleteQueue: _req_delete_queue,
         PurgeQueue: _req_purge_queue,
+        DeleteExchange: _req_delete_exchange,
         Subscribe: _req_subscribe,
         Cancel: _req_cancel,
     }

@@ -78,6 +78,7 @@ class Session:
         self.credit_limit = self.credit.buffer_size  # highest position ever granted (monotonic)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
+        self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
         # consumer side
         self.subscriptions: dict[int, Subscription] = {}
         self.unsettled: dict[int, tuple[Subscription, Message]] = {}

@@ -60,11 +60,53 @@ def test_queue_view_reports_depth_thresholds_saturation_holds_and_counters() -> 
     assert view["thresholds"]["flow_stop_count"] == 8
 
 
-def test_queues_view_is_sorted_by_name() -> None:
+def test_queues_page_is_sorted_by_name_and_pages_by_cursor() -> None:
     h = make()
-    for name in ("b", "c", "a"):
+    for name in ("b", "c", "a", "a/b", "d"):
         h.queue(name)
-    assert [q["name"] for q in views.queues_view(h.core, h.now)] == ["a", "b", "c"]
+    page = roundtrip(views.queues_page(h.core, h.now))
+    assert [q["name"] for q in page["queues"]] == ["a", "a/b", "b", "c", "d"] and page["next"] is None
+    page = views.queues_page(h.core, h.now, limit=2)
+    assert [q["name"] for q in page["queues"]] == ["a", "a/b"] and page["next"] == "a/b"
+    page = views.queues_page(h.core, h.now, after="a/b", limit=2)
+    assert [q["name"] for q in page["queues"]] == ["b", "c"] and page["next"] == "c"
+    page = views.queues_page(h.core, h.now, after="c", limit=2)
+    assert [q["name"] for q in page["queues"]] == ["d"] and page["next"] is None
+    # a cursor need not name a queue that exists (it may have been deleted since)
+    h.core.delete_queue("b")
+    page = views.queues_page(h.core, h.now, after="b", limit=1)
+    assert [q["name"] for q in page["queues"]] == ["c"] and page["next"] == "c"
+    assert views.queues_page(h.core, h.now, after="zzz") == {"queues": [], "next": None}
+
+
+def test_connections_page_by_id() -> None:
+    h = make()
+    sessions = [h.producer(f"p{i}").session for i in range(5)]
+    h.core.close_session(sessions[2])
+    page = roundtrip(views.connections_page(h.core, h.now, limit=2))
+    ids = [s.conn_id for s in sessions]
+    assert [c["id"] for c in page["connections"]] == ids[:2] and page["next"] == ids[1]
+    page = views.connections_page(h.core, h.now, after=ids[1], limit=2)
+    assert [c["id"] for c in page["connections"]] == [ids[3], ids[4]] and page["next"] is None
+
+
+def test_exchanges_page_and_delete_exchange() -> None:
+    h = make()
+    h.queue("q")
+    p = h.producer()
+    p.declare_exchange("fan", "fanout")
+    p.bind("q", "fan", "x")
+    p.bind("q", "fan", "y")
+    page = roundtrip(views.exchanges_page(h.core))
+    assert page == {"next": None, "exchanges": [
+        {"name": "amq.direct", "kind": "direct", "builtin": True, "binding_keys": 0},
+        {"name": "amq.fanout", "kind": "fanout", "builtin": True, "binding_keys": 0},
+        {"name": "amq.topic", "kind": "topic", "builtin": True, "binding_keys": 0},
+        {"name": "fan", "kind": "fanout", "builtin": False, "binding_keys": 2},
+    ]}
+    assert views.exchanges_page(h.core, after="amq.fanout", limit=1)["next"] == "amq.topic"
+    assert h.core.delete_exchange("fan") == 2
+    assert [e["name"] for e in views.exchanges_page(h.core)["exchanges"]] == ["amq.direct", "amq.fanout", "amq.topic"]
 
 
 def test_connection_roles() -> None:
@@ -78,7 +120,7 @@ def test_connection_roles() -> None:
     both = h.producer("both")
     both.send("", "q")
     assert isinstance(both.request(lambda rid: Subscribe(rid, 7, "q", 0, 0)), Ok)
-    roles = {c["client_name"]: c["role"] for c in views.connections_view(h.core, h.now)}
+    roles = {c["client_name"]: c["role"] for c in views.connections_page(h.core, h.now)["connections"]}
     assert roles == {"idle": "idle", "p": "producer", "c": "consumer", "both": "both"}
     assert views.connection_role(idle.session) == "idle"
 
@@ -93,7 +135,7 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
     p.send("", "q", b"b")  # count 2 > 1: saturated, held, flow-stopped at t = 11 s
     h.advance(4)
     size = message_size(b"a")
-    view = roundtrip(views.connection_view(p.session, h.now, peer="127.0.0.1:4242", held=1))
+    view = roundtrip(views.connection_view(p.session, h.now, peer="127.0.0.1:4242"))
     assert view["id"] == p.session.conn_id and view["client_name"] == "feeder" and view["peer"] == "127.0.0.1:4242"
     assert view["identity"] == "anonymous" and view["role"] == "producer" and view["flow_control"] is True
     assert view["producer"] == {
@@ -131,7 +173,7 @@ def test_admin_stop_shows_as_flow_state_since_the_stop_and_held_counts_each_tran
     h.advance(3)
     p.send("fan", "", b"3")  # held by both queues and by the admin stop: still one transfer
     assert views.held_by_connection(h.core) == {p.session.conn_id: 2}
-    [view] = views.connections_view(h.core, h.now, lambda cid: f"peer-{cid}")
+    [view] = views.connections_page(h.core, h.now, lambda cid: f"peer-{cid}")["connections"]
     assert view["peer"] == f"peer-{p.session.conn_id}" and view["producer"]["transfers_held"] == 2
     flow = view["flow"]
     assert flow["admin_stopped"] is True and flow["blocking_queues"] == ["a", "b"]
@@ -144,7 +186,8 @@ def test_admin_stop_shows_as_flow_state_since_the_stop_and_held_counts_each_tran
     h.core.get_queue("a").purge()
     h.core.get_queue("b").purge()
     assert views.held_by_connection(h.core) == {}
-    assert views.connections_view(h.core, h.now)[0]["flow"]["stopped"] is False
+    [view] = views.connections_page(h.core, h.now)["connections"]
+    assert view["flow"]["stopped"] is False and view["producer"]["transfers_held"] == 0
 
 
 def test_connection_view_consumer_buffers() -> None:
@@ -205,5 +248,5 @@ def test_broker_view() -> None:
     h.producer()
     view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
     assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
-                    "exchanges": ["amq.direct", "amq.fanout", "amq.topic"], "producers_stopped": False,
+                    "exchanges": 3, "producers_stopped": False,
                     "credit_policy": "static", "unroutable": 0}
