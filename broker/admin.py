@@ -30,6 +30,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,6 +50,16 @@ HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
 MAX_BODY = 64 * 1024
 
 PeerOf = Callable[[int], str | None]
+
+
+class NameConvertor(PathConvertor):
+    """A queue or exchange name in a path: the whole rest of it, whatever it holds. Starlette's `path`
+    (`.*`) stops at a newline, and a name may contain one (the CLI escapes it when it prints it)."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("name", NameConvertor())
 
 
 class AdminStartError(Exception):
@@ -344,13 +355,13 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
     routes = [
         Route("/api/broker", j(api.broker), methods=["GET"]),
         Route("/api/queues", j(api.list_queues), methods=["GET"]),
-        # `path`: a queue or exchange name may contain "/" (sent as is or as %2F, which the server
-        # decodes before routing), so the name is the whole rest of the path.
-        Route("/api/queues/{name:path}", j(api.show_queue), methods=["GET"]),
-        Route("/api/queues/{name:path}", j(api.patch_queue), methods=["PATCH"]),
+        # A queue or exchange name may contain "/" (sent as is or as %2F, which the server decodes
+        # before routing), so the name is the whole rest of the path (NameConvertor).
+        Route("/api/queues/{name:name}", j(api.show_queue), methods=["GET"]),
+        Route("/api/queues/{name:name}", j(api.patch_queue), methods=["PATCH"]),
         Route("/api/connections", j(api.list_connections), methods=["GET"]),
         Route("/api/exchanges", j(api.list_exchanges), methods=["GET"]),
-        Route("/api/exchanges/{name:path}", j(api.delete_exchange), methods=["DELETE"]),
+        Route("/api/exchanges/{name:name}", j(api.delete_exchange), methods=["DELETE"]),
         Route("/api/producers/stop-all", j(api.stop_all), methods=["POST"]),
         Route("/api/producers/start-all", j(api.start_all), methods=["POST"]),
         Route("/api/policy", j(api.get_policy), methods=["GET"]),
