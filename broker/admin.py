@@ -245,10 +245,8 @@ def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     after = params.get("after")
     if after is None:
         return None, limit
-    if key is int:
-        if not after.isdigit():
-            raise ApiError(400, "invalid_argument", "after must be a connection id (an integer >= 0)", "after")
-        return key(after), limit
+    if key is int and not after.isdigit():
+        raise ApiError(400, "invalid_argument", "after must be a connection id (an integer >= 0)", "after")
     return key(after), limit
 
 

@@ -425,14 +425,13 @@ class Table:
 
 def _stream_json(key: str, pages: Iterator[tuple[list[dict[str, Any]], Any]]) -> None:
     """The whole listing as one JSON document shaped like an API page, `{key: [...], "next": ...}`,
-    written as the pages arrive."""
-    click.echo(f'{{"{key}": [', nl=False)
-    first, cursor = True, None
+    written as the pages arrive (nothing before the first one: a refused request prints only the error)."""
+    started, cursor = False, None
     for items, cursor in pages:
         for item in items:
-            click.echo(("\n  " if first else ",\n  ") + json.dumps(item), nl=False)
-            first = False
-    click.echo(f'\n], "next": {json.dumps(cursor)}}}')
+            click.echo((",\n  " if started else f'{{"{key}": [\n  ') + json.dumps(item), nl=False)
+            started = True
+    click.echo(f'\n], "next": {json.dumps(cursor)}}}' if started else f'{{"{key}": [], "next": {json.dumps(cursor)}}}')
 
 
 def _stream_table(headers: Sequence[str], pages: Iterator[tuple[list[dict[str, Any]], Any]],

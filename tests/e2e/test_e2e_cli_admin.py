@@ -169,6 +169,8 @@ def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
     bad = cli("queues", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN": "also-not-the-token"})
     assert bad.returncode != 0 and "HTTP 403" in bad.stderr and "token is wrong" in bad.stderr
     assert "(token from FLOWBROKER_ADMIN_TOKEN)" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli("queues", "--json", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN": "also-not-the-token"})
+    assert bad.returncode == 1 and bad.stdout == ""  # no half JSON document before the error
     good = cli("queues", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN": token})
     assert good.returncode == 0 and good.stdout.strip() == "no queues"
     wrong_file = daemon.token_file.with_name("wrong-token")
