@@ -174,7 +174,9 @@ def _json_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]
         except PolicyConfigError as exc:
             return _error_response(400, "invalid_argument", f"{exc.key}: {exc.reason} (got {exc.value!r})", exc.key)
         except Exception as exc:  # a bug here must not take the broker down; say so and log it
-            LOGGER.exception("admin: %s %s failed", request.method, request.url.path)
+            # the path is the client's: escaped so it cannot forge log lines (TODO(lead): the broker/ helper)
+            path = request.url.path.encode("unicode_escape").decode("ascii")
+            LOGGER.exception("admin: %s %s failed", request.method, path)
             return _error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
         return JSONResponse(result)
 
