@@ -444,8 +444,12 @@ def _stream_table(headers: Sequence[str], pages: Iterator[tuple[list[dict[str, A
         click.echo(empty)
 
 
-def _producers_text(producers: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
+def _producers_text(q: dict[str, Any]) -> str:
+    """A queue's flow-stopped producers as `id:client`, and how many more the API did not list."""
+    producers = q["flow_stopped_producers"]
+    text = ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
+    more = q["flow_stopped_producers_total"] - len(producers)
+    return f"{text} (+{more} more)" if more > 0 else text
 
 
 QUEUE_HEADERS = ["QUEUE", "MESSAGES", "BYTES", "STOP n/size", "RESUME n/size", "MAX n/size", "OVERFLOW",
@@ -460,7 +464,7 @@ def _queue_row(q: dict[str, Any]) -> list[Any]:
         f"{_limit(t['flow_stop_count'])}/{_limit(t['flow_stop_size'], True)}",
         f"{_limit(t['flow_resume_count'])}/{_limit(t['flow_resume_size'], True)}",
         f"{_limit(t['max_count'])}/{_limit(t['max_size'], True)}", t["overflow"],
-        saturated, q["held_transfers"], _producers_text(q["flow_stopped_producers"]),
+        saturated, q["held_transfers"], _producers_text(q),
     ]
 
 
@@ -481,14 +485,16 @@ def _queue_text(q: dict[str, Any]) -> str:
         ("max", f"count {_limit(t['max_count'])}, size {_limit(t['max_size'], True)}, overflow {t['overflow']}"),
         ("saturated", saturated),
         ("held transfers", str(q["held_transfers"])),
-        ("flow-stopped", _producers_text(q["flow_stopped_producers"])),
+        ("flow-stopped", _producers_text(q)),
         ("counters", f"enqueued {c['enqueued']}, dequeued {c['dequeued']}, rejected {c['rejected']}, "
                      f"dropped {c['dropped']}, flow stops {c['flow_stopped_count']}, held {c['held_total']}"),
     ]
     width = max(len(k) for k, _ in lines)
     out = [f"{k.ljust(width)}  {_printable(v)}" for k, v in lines]
     if q["subscriptions"]:
-        out.append("subscriptions")
+        more = q["subscriptions_total"] - len(q["subscriptions"])
+        out.append(f"subscriptions (the first {len(q['subscriptions'])} of {q['subscriptions_total']})"
+                   if more > 0 else "subscriptions")
         rows = [[s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
                  _limit(s["buffer"]["size"], True), _size_text(s["buffer"]["unacked"])] for s in q["subscriptions"]]
         table = _table(["CONN", "SUB", "CLIENT", "PREFETCH", "UNSETTLED", "DELIVERED", "BUFFER", "UNACKED"], rows)
@@ -570,7 +576,7 @@ def _connection_row(c: dict[str, Any]) -> list[Any]:
     buffer = _size_text(p["buffer_size"]) if c["flow_control"] else "-"
     return [
         c["id"], c["client_name"], c["peer"] or "-", c["role"], buffer, _size_text(p["unacked_bytes"]),
-        p["transfers_held"], state, blocking, len(consumer["subscriptions"]), consumer["unsettled"],
+        p["transfers_held"], state, blocking, consumer["subscriptions_total"], consumer["unsettled"],
         _limit(consumer["buffer"]["size"], True),
     ]
 

@@ -9,13 +9,16 @@ clock is trio's monotonic clock, which means nothing outside the process.
 Lists of per-object state (queues, connections, exchanges) come in pages: at most `limit` objects
 (DEFAULT_LIMIT unless asked, never over MAX_LIMIT) after the cursor `after`, in key order, with the
 cursor of the next page. The core keeps those keys sorted (broker/paging.py), so a page costs what
-is on it, however many queues or connections there are.
+is on it, however many queues or connections there are. A list inside one object (a queue's
+subscriptions, a connection's flow-stopped destinations) shows its first NESTED_LIMIT entries beside
+its `*_total`, so no single object is unbounded either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import fields
+from itertools import islice
 from typing import Any
 
 from flowbroker.broker.core import BUILTIN_EXCHANGES, BrokerCore
@@ -31,6 +34,7 @@ __all__ = [
     "THRESHOLD_KEYS",
     "DEFAULT_LIMIT",
     "MAX_LIMIT",
+    "NESTED_LIMIT",
     "queue_view",
     "queues_page",
     "connection_view",
@@ -60,6 +64,8 @@ DEFAULT_LIMIT = 100
 """Objects per page when the request does not say (`?limit=`)."""
 MAX_LIMIT = 1000
 """The largest `?limit=` accepted: one page of queues is then ~0.5 MB of JSON."""
+NESTED_LIMIT = 20
+"""Entries shown of a list inside one object; its `*_total` counts them all."""
 
 
 def _seconds(now_ns: int, since_ns: int) -> float:
@@ -109,9 +115,12 @@ def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
         "stop_reason": {"threshold": threshold, "limit": limit, "value": value} if queue.saturated else None,
         "held_transfers": len(queue.held),
         "flow_stopped_producers": [
-            {"connection": s.conn_id, "client_name": s.client_name} for s in queue.stopped_producers
+            {"connection": s.conn_id, "client_name": s.client_name}
+            for s in islice(queue.stopped_producers, NESTED_LIMIT)
         ],
-        "subscriptions": [_subscription(sub) for sub in queue.subscriptions],
+        "flow_stopped_producers_total": len(queue.stopped_producers),
+        "subscriptions": [_subscription(sub) for sub in islice(queue.subscriptions, NESTED_LIMIT)],
+        "subscriptions_total": len(queue.subscriptions),
         "counters": {
             "enqueued": stats.enqueued,
             "dequeued": stats.dequeued,
@@ -166,7 +175,7 @@ def connection_role(session: Session) -> str:
 
 def _flow(session: Session, now_ns: int) -> dict[str, Any]:
     destinations: list[dict[str, Any]] = []
-    for name, (queue, since_ns) in session.flow_stopped_on.items():
+    for name, (queue, since_ns) in islice(session.flow_stopped_on.items(), NESTED_LIMIT):
         entry: dict[str, Any] = {"destination": name, "stopped_for_seconds": _seconds(now_ns, since_ns)}
         if queue is not None:
             threshold, limit, value = queue.stop_reason
@@ -174,13 +183,16 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
         else:
             entry.update(reason="admin", threshold="admin", limit=0, value=0)
         destinations.append(entry)
-    since = [since_ns for _, since_ns in session.flow_stopped_on.values()]
+    # A destination is added when it stops the producer and removed when it resumes it, never
+    # re-stamped in between, so the first is the earliest: no walk over every stopping queue.
+    first = next(iter(session.flow_stopped_on.values()), None)
     return {
         "stopped": bool(destinations),
-        "stopped_for_seconds": _seconds(now_ns, min(since)) if since else None,
-        "blocking_queues": [d for d, (q, _) in session.flow_stopped_on.items() if q is not None],
+        "stopped_for_seconds": _seconds(now_ns, first[1]) if first is not None else None,
+        "blocking_queues": [d["destination"] for d in destinations if d["reason"] == "queue"],
         "admin_stopped": ADMIN_DESTINATION in session.flow_stopped_on,
         "destinations": destinations,
+        "destinations_total": len(session.flow_stopped_on),
     }
 
 
@@ -208,7 +220,8 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
         "flow": _flow(session, now_ns),
         "consumer": {
             "buffer": _buffer(session.consumer_buffer),
-            "subscriptions": [_subscription(sub) for _, sub in sorted(session.subscriptions.items())],
+            "subscriptions": [_subscription(sub) for sub in islice(session.subscriptions.values(), NESTED_LIMIT)],
+            "subscriptions_total": len(session.subscriptions),
             "unsettled": len(session.unsettled),
         },
     }

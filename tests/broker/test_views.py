@@ -146,8 +146,10 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
         "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False,
         "destinations": [{"destination": "q", "stopped_for_seconds": 4.0, "reason": "queue",
                           "threshold": "flow_stop_count", "limit": 1, "value": 2}],
+        "destinations_total": 1,
     }
-    assert view["consumer"] == {"buffer": {"size": 0, "unacked": 0}, "subscriptions": [], "unsettled": 0}
+    assert view["consumer"] == {"buffer": {"size": 0, "unacked": 0}, "subscriptions": [], "subscriptions_total": 0,
+                                "unsettled": 0}
 
     p.session.poll_credit(h.now + 10**10)  # the timer re-advertises: the completed bytes are acknowledged
     p.pump()
@@ -250,3 +252,28 @@ def test_broker_view() -> None:
     assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
                     "exchanges": 3, "producers_stopped": False,
                     "credit_policy": "static", "unroutable": 0}
+
+
+def test_lists_inside_one_object_show_their_first_entries_and_a_total() -> None:
+    h = make()
+    n = views.NESTED_LIMIT + 5
+    for i in range(n):
+        h.queue(f"q{i:02d}", flow_stop_count=1, flow_resume_count=1)
+    c = h.consumer("many")
+    for i in range(n):
+        c.subscribe("q00")
+    p = h.producer("stopped-everywhere")
+    for i in range(n):
+        p.send("", f"q{i:02d}")
+        p.send("", f"q{i:02d}")  # over the stop threshold: flow-stopped by every queue
+    h.advance(1)
+    q = views.queue_view(h.core.get_queue("q00"), h.now)
+    assert len(q["subscriptions"]) == views.NESTED_LIMIT and q["subscriptions_total"] == n
+    assert len(q["flow_stopped_producers"]) == 1 and q["flow_stopped_producers_total"] == 1
+    [consumer] = [v for v in views.connections_page(h.core, h.now)["connections"] if v["client_name"] == "many"]
+    assert len(consumer["consumer"]["subscriptions"]) == views.NESTED_LIMIT
+    assert consumer["consumer"]["subscriptions_total"] == n
+    flow = views.connection_view(p.session, h.now)["flow"]
+    assert len(flow["destinations"]) == views.NESTED_LIMIT and flow["destinations_total"] == n
+    assert flow["blocking_queues"] == [f"q{i:02d}" for i in range(views.NESTED_LIMIT)]
+    assert flow["stopped_for_seconds"] == 1.0
