@@ -200,7 +200,7 @@ async def _read_body(request: Request) -> bytes:
     reading, and cut off as soon as a body without one (chunked) goes over."""
     length = request.headers.get("content-length")
     if length is not None:
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):
             raise ApiError(400, "invalid_argument", f"Content-Length {length[:32]!r} is not a byte count")
         if int(length) > MAX_BODY:
             raise _too_large()
@@ -241,13 +241,13 @@ def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     text = params.get("limit")
     limit = views.DEFAULT_LIMIT
     if text is not None:
-        if not text.isdigit() or not 1 <= int(text) <= views.MAX_LIMIT:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= views.MAX_LIMIT:
             raise ApiError(400, "invalid_argument", f"limit must be an integer from 1 to {views.MAX_LIMIT}", "limit")
         limit = int(text)
     after = params.get("after")
     if after is None:
         return None, limit
-    if key is int and not after.isdigit():
+    if key is int and not (after.isascii() and after.isdigit()):
         raise ApiError(400, "invalid_argument", "after must be a connection id (an integer >= 0)", "after")
     return key(after), limit
 

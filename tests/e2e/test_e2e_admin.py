@@ -308,7 +308,8 @@ async def test_lists_come_in_pages_that_follow_a_cursor(broker: Any) -> None:
         assert [c["id"] for c in page["connections"]] == ids[1:] and page["next"] is None
 
     for query, field in (("limit=0", "limit"), ("limit=1001", "limit"), ("limit=x", "limit"),
-                         ("limt=5", "limt"), ("after=-1", "after")):
+                         ("limit=%C2%B2", "limit"), ("limt=5", "limt"), ("after=-1", "after"),
+                         ("after=%C2%B2", "after")):
         path = "/api/connections?" if field == "after" else "/api/queues?"
         status, answer, _ = await api(broker, "GET", path + query)
         assert status == 400 and answer["error"]["field"] == field, (query, answer)
