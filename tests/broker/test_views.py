@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 from coreharness import Harness, MiB
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flowbroker.broker import views
 from flowbroker.protocol.credit import message_size
@@ -277,3 +279,35 @@ def test_lists_inside_one_object_show_their_first_entries_and_a_total() -> None:
     assert len(flow["destinations"]) == views.NESTED_LIMIT and flow["destinations_total"] == n
     assert flow["blocking_queues"] == [f"q{i:02d}" for i in range(views.NESTED_LIMIT)]
     assert flow["stopped_for_seconds"] == 1.0
+
+
+@given(st.lists(st.sampled_from(["send-a", "send-fan", "stop-all", "start-all", "purge-a", "purge-b",
+                                 "delete-b", "raise-a", "lower-a"]), max_size=40))
+def test_held_transfers_per_connection_agree_with_a_walk_over_every_queue(ops: list[str]) -> None:
+    """`transfers_held` reads a counter kept by HeldTransfer; it must always equal the walk it replaced."""
+    h = make()
+    h.queue("a", flow_stop_count=1, flow_resume_count=1)
+    h.queue("b", flow_stop_count=1, flow_resume_count=1)
+    p = h.producer("p", window=10_000)
+    p.declare_exchange("fan", "fanout")
+    p.bind("a", "fan")
+    p.bind("b", "fan")
+    for op in ops:
+        if op == "send-a":
+            p.send("", "a", force=True)
+        elif op == "send-fan":
+            p.send("fan", "", force=True)
+        elif op == "stop-all":
+            h.core.stop_all_producers()
+        elif op == "start-all":
+            h.core.start_all_producers()
+        elif op in ("purge-a", "purge-b") and op[-1] in h.core.queues:
+            h.core.get_queue(op[-1]).purge()
+        elif op == "delete-b" and "b" in h.core.queues:
+            h.core.delete_queue("b")
+        elif op == "raise-a":
+            h.core.set_queue_thresholds("a", {"flow_stop_count": 1000})
+        elif op == "lower-a":
+            h.core.set_queue_thresholds("a", {"flow_stop_count": 1})
+        p.pump()
+        assert p.session.transfers_held_now == views.held_by_connection(h.core).get(p.session.conn_id, 0)
