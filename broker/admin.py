@@ -32,7 +32,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -206,12 +206,15 @@ async def _read_body(request: Request) -> bytes:
             raise _too_large()
     chunks: list[bytes] = []
     total = 0
-    async with aclosing(request.stream()) as stream:  # closed at once when we stop early
-        async for chunk in stream:
-            total += len(chunk)
-            if total > MAX_BODY:
-                raise _too_large()
-            chunks.append(chunk)
+    try:
+        async with aclosing(request.stream()) as stream:  # closed at once when we stop early
+            async for chunk in stream:
+                total += len(chunk)
+                if total > MAX_BODY:
+                    raise _too_large()
+                chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer; not a bug to log with a traceback
+        raise ApiError(400, "invalid_json", "the client closed the connection before the end of its body") from None
     return b"".join(chunks)
 
 

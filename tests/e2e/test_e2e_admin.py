@@ -419,3 +419,17 @@ async def test_oversized_bodies_are_refused_before_they_are_read(broker: Any) ->
             await stream.aclose()
         nursery.cancel_scope.cancel()
     assert watch.worst < 0.5, f"the bystander stalled {watch.worst:.3f} s"
+
+
+async def test_a_client_that_leaves_mid_body_is_not_logged_as_a_bug(
+        broker: Any, caplog: pytest.LogCaptureFixture) -> None:
+    broker.core.declare_queue("q")
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all((f"PATCH /api/queues/q HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                           "Content-Length: 100\r\n\r\n{\"max_count\"").encode())
+    await trio.sleep(0.2)  # the endpoint is reading the body now
+    await stream.aclose()
+    await trio.sleep(0.5)
+    assert "failed" not in caplog.text and "Traceback" not in caplog.text
+    assert broker.core.queues["q"].thresholds.max_count == 0
+    assert (await ok(broker, "GET", "/api/queues/q"))["name"] == "q"
