@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -220,30 +221,38 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
 # -- management: the admin HTTP API (docs/management.md) -----------------------------------------
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
+TOKEN_ENV = "FLOWBROKER_ADMIN_TOKEN"
+PAGE_SIZE = 1000
+"""Objects asked for per request when listing: the admin API's maximum `limit`."""
 THRESHOLD_OPTIONS = ("flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
                      "max_count", "max_size", "overflow")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 class AdminClient:
-    """The admin API over HTTP with the standard library; every failure is a ClickException."""
+    """The admin API over HTTP with the standard library; every failure is a ClickException.
 
-    def __init__(self, url: str, token: str | None, token_file: str, timeout: float = 10.0):
+    The token comes from `token_file` when one is given (--token-file, FLOWBROKER_ADMIN_TOKEN_FILE),
+    else from FLOWBROKER_ADMIN_TOKEN, else from the file a broker without a configured token writes.
+    Never from the command line, where `ps` shows it to every user of the host."""
+
+    def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
         self.url = url.rstrip("/")
         self.timeout = timeout
-        if token:
-            self.token, self.token_source = token, "--token / FLOWBROKER_ADMIN_TOKEN"
+        from_env = os.environ.get(TOKEN_ENV, "").strip()
+        if token_file is None and from_env:
+            self.token, self.token_source = from_env, TOKEN_ENV
             return
-        path = Path(token_file).expanduser()
+        path = Path(token_file or DEFAULT_TOKEN_FILE).expanduser()
         try:
             self.token = path.read_text().strip()
         except OSError as exc:
             raise click.ClickException(
-                f"no admin token: pass --token or set FLOWBROKER_ADMIN_TOKEN, or run where the broker wrote "
-                f"its generated token ({path}: {exc.strerror or exc})"
+                f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker wrote "
+                f"its generated token ({_printable(path)}: {exc.strerror or exc})"
             ) from None
         if not self.token:
-            raise click.ClickException(f"no admin token: {path} is empty")
+            raise click.ClickException(f"no admin token: {_printable(path)} is empty")
         self.token_source = str(path)
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -280,29 +289,83 @@ class AdminClient:
             message = f"{error['message']}"
         except (ValueError, KeyError, TypeError):
             message = raw.decode(errors="replace")[:200] or "no details"
-        text = f"admin API: HTTP {status}: {message}"
+        text = f"admin API: HTTP {status}: {_printable(message, backslash=False)}"
         if status in (401, 403):
-            text += f" (token from {self.token_source})"
+            text += f" (token from {_printable(self.token_source)})"
         return text
+
+    def pages(self, path: str, key: str, after: str | None, limit: int) -> Iterator[tuple[list[dict[str, Any]], Any]]:
+        """Follow the API's cursor: (objects, next cursor) for each page of `path`'s list `key`,
+        from after `after` (the start when None), until the end or `limit` objects (0: no limit).
+        The last cursor is where a later `--after` would go on (None: nothing is left)."""
+        cursor: Any = after
+        remaining = limit
+        while True:
+            query: dict[str, Any] = {"limit": min(PAGE_SIZE, remaining) if limit else PAGE_SIZE}
+            if cursor is not None:
+                query["after"] = cursor
+            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
+            items, cursor = answer[key], answer.get("next")
+            yield items, cursor
+            remaining -= len(items)
+            if cursor is None or (limit and remaining <= 0):
+                return
+
+
+def _refuse_token_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        raise click.UsageError(
+            f"--token is no longer accepted: a token on the command line is visible to every user of the host "
+            f"(ps, /proc). Put it in the environment ({TOKEN_ENV}) or in a file (--token-file)."
+        )
 
 
 def _admin_options(func: F) -> F:
-    """--admin-url, --token, --token-file and --json, shared by every management command."""
+    """--admin-url, --token-file and --json, shared by every management command (and the refused --token)."""
     for option in reversed((
         click.option("--admin-url", envvar="FLOWBROKER_ADMIN_URL", default=DEFAULT_ADMIN_URL, show_default=True,
                      show_envvar=True, help="The broker's admin API."),
-        click.option("--token", envvar="FLOWBROKER_ADMIN_TOKEN", show_envvar=True,
-                     help="Admin token ([admin] token). Default: read from --token-file."),
-        click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True,
-                     help="File where a broker without a configured token writes the one it generated."),
+        click.option("--token-file", envvar="FLOWBROKER_ADMIN_TOKEN_FILE", show_envvar=True,
+                     help=f"File holding the admin token. Default: ${TOKEN_ENV} if set, else the file a broker "
+                          f"without a configured token writes ({DEFAULT_TOKEN_FILE})."),
+        click.option("--token", hidden=True, expose_value=False, callback=_refuse_token_flag),
         click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer (for scripts)."),
     )):
         func = option(func)
     return func
 
 
+def _list_options(func: F) -> F:
+    """--limit and --after for the commands that list (the API answers in pages; these follow them)."""
+    func = click.option("--after", help="Start after this name (connections: id), e.g. a previous listing's `next`.")(func)
+    func = click.option("--limit", type=click.IntRange(min=0), default=0,
+                        help="Print at most this many (0: all, fetched page by page).")(func)
+    return func
+
+
 def _client(options: dict[str, Any]) -> tuple[AdminClient, bool]:
-    return AdminClient(options["admin_url"], options["token"], options["token_file"]), bool(options["as_json"])
+    return AdminClient(options["admin_url"], options["token_file"]), bool(options["as_json"])
+
+
+def _printable(value: object, *, backslash: bool = True) -> str:
+    """`value` as text with every control or otherwise unprintable character escaped as \\xNN or
+    \\uNNNN, so a client or queue name cannot move the cursor, clear the screen or forge a line of a
+    table. A backslash is escaped too, so an escape shown is never a name's own text; not in the
+    broker's error texts (`backslash=False`), which already show names with repr().
+    TODO(lead): unify with the broker/ log-escaping helper once it is merged."""
+    text = str(value)
+    if text.isprintable() and (not backslash or "\\" not in text):
+        return text
+    return "".join(c if c.isprintable() and (c != "\\" or not backslash) else _escape_char(c) for c in text)
+
+
+def _escape_char(c: str) -> str:
+    if c == "\\":
+        return "\\\\"
+    code = ord(c)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _print_json(answer: Any) -> None:
@@ -337,29 +400,72 @@ def _seconds_text(seconds: float | None) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(headers)] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+    table = Table(headers)
+    return "\n".join(table.lines(rows))
 
 
-def _producers_text(producers: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
+class Table:
+    """An aligned table printed page by page: the header with the first page, and columns that only
+    widen, so a long listing streams without holding it all. Every cell goes through _printable."""
+
+    def __init__(self, headers: Sequence[str]):
+        self.headers = list(headers)
+        self.widths = [len(h) for h in headers]
+        self.started = False
+
+    def lines(self, rows: Sequence[Sequence[Any]]) -> list[str]:
+        cells = [[_printable(c) for c in row] for row in rows]
+        if not self.started:
+            cells.insert(0, self.headers)
+            self.started = True
+        for row in cells:
+            self.widths = [max(w, len(c)) for w, c in zip(self.widths, row)]
+        return ["  ".join(c.ljust(w) for c, w in zip(row, self.widths)).rstrip() for row in cells]
 
 
-def _queue_rows(queues: list[dict[str, Any]]) -> str:
-    rows = []
-    for q in queues:
-        t = q["thresholds"]
-        saturated = f"yes {_seconds_text(q['saturated_for_seconds'])}" if q["saturated"] else "no"
-        rows.append([
-            q["name"], q["depth"]["count"], _size_text(q["depth"]["bytes"]),
-            f"{_limit(t['flow_stop_count'])}/{_limit(t['flow_stop_size'], True)}",
-            f"{_limit(t['flow_resume_count'])}/{_limit(t['flow_resume_size'], True)}",
-            f"{_limit(t['max_count'])}/{_limit(t['max_size'], True)}", t["overflow"],
-            saturated, q["held_transfers"], _producers_text(q["flow_stopped_producers"]),
-        ])
-    return _table(["QUEUE", "MESSAGES", "BYTES", "STOP n/size", "RESUME n/size", "MAX n/size", "OVERFLOW",
-                   "SATURATED", "HELD", "FLOW-STOPPED PRODUCERS"], rows)
+def _stream_json(key: str, pages: Iterator[tuple[list[dict[str, Any]], Any]]) -> None:
+    """The whole listing as one JSON document shaped like an API page, `{key: [...], "next": ...}`,
+    written as the pages arrive (nothing before the first one: a refused request prints only the error)."""
+    started, cursor = False, None
+    for items, cursor in pages:
+        for item in items:
+            click.echo((",\n  " if started else f'{{"{key}": [\n  ') + json.dumps(item), nl=False)
+            started = True
+    click.echo(f'\n], "next": {json.dumps(cursor)}}}' if started else f'{{"{key}": [], "next": {json.dumps(cursor)}}}')
+
+
+def _stream_table(headers: Sequence[str], pages: Iterator[tuple[list[dict[str, Any]], Any]],
+                  row: Callable[[dict[str, Any]], list[Any]], empty: str) -> None:
+    table = Table(headers)
+    for items, _ in pages:
+        if items:
+            click.echo("\n".join(table.lines([row(item) for item in items])))
+    if not table.started:
+        click.echo(empty)
+
+
+def _producers_text(q: dict[str, Any]) -> str:
+    """A queue's flow-stopped producers as `id:client`, and how many more the API did not list."""
+    producers = q["flow_stopped_producers"]
+    text = ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
+    more = q["flow_stopped_producers_total"] - len(producers)
+    return f"{text} (+{more} more)" if more > 0 else text
+
+
+QUEUE_HEADERS = ["QUEUE", "MESSAGES", "BYTES", "STOP n/size", "RESUME n/size", "MAX n/size", "OVERFLOW",
+                 "SATURATED", "HELD", "FLOW-STOPPED PRODUCERS"]
+
+
+def _queue_row(q: dict[str, Any]) -> list[Any]:
+    t = q["thresholds"]
+    saturated = f"yes {_seconds_text(q['saturated_for_seconds'])}" if q["saturated"] else "no"
+    return [
+        q["name"], q["depth"]["count"], _size_text(q["depth"]["bytes"]),
+        f"{_limit(t['flow_stop_count'])}/{_limit(t['flow_stop_size'], True)}",
+        f"{_limit(t['flow_resume_count'])}/{_limit(t['flow_resume_size'], True)}",
+        f"{_limit(t['max_count'])}/{_limit(t['max_size'], True)}", t["overflow"],
+        saturated, q["held_transfers"], _producers_text(q),
+    ]
 
 
 def _queue_text(q: dict[str, Any]) -> str:
@@ -379,14 +485,16 @@ def _queue_text(q: dict[str, Any]) -> str:
         ("max", f"count {_limit(t['max_count'])}, size {_limit(t['max_size'], True)}, overflow {t['overflow']}"),
         ("saturated", saturated),
         ("held transfers", str(q["held_transfers"])),
-        ("flow-stopped", _producers_text(q["flow_stopped_producers"])),
+        ("flow-stopped", _producers_text(q)),
         ("counters", f"enqueued {c['enqueued']}, dequeued {c['dequeued']}, rejected {c['rejected']}, "
                      f"dropped {c['dropped']}, flow stops {c['flow_stopped_count']}, held {c['held_total']}"),
     ]
     width = max(len(k) for k, _ in lines)
-    out = [f"{k.ljust(width)}  {v}" for k, v in lines]
+    out = [f"{k.ljust(width)}  {_printable(v)}" for k, v in lines]
     if q["subscriptions"]:
-        out.append("subscriptions")
+        more = q["subscriptions_total"] - len(q["subscriptions"])
+        out.append(f"subscriptions (the first {len(q['subscriptions'])} of {q['subscriptions_total']})"
+                   if more > 0 else "subscriptions")
         rows = [[s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
                  _limit(s["buffer"]["size"], True), _size_text(s["buffer"]["unacked"])] for s in q["subscriptions"]]
         table = _table(["CONN", "SUB", "CLIENT", "PREFETCH", "UNSETTLED", "DELIVERED", "BUFFER", "UNACKED"], rows)
@@ -397,17 +505,17 @@ def _queue_text(q: dict[str, Any]) -> str:
 
 
 @main.command()
+@_list_options
 @_admin_options
-def queues(**options: Any) -> None:
-    """List queues: depth, thresholds, saturation, held transfers, flow-stopped producers."""
+def queues(limit: int, after: str | None, **options: Any) -> None:
+    """List queues by name: depth, thresholds, saturation, held transfers, flow-stopped producers.
+    Fetched and printed page by page (the API's cursor), so any number of queues streams."""
     client, as_json = _client(options)
-    answer = client.request("GET", "/api/queues")
+    pages = client.pages("/api/queues", "queues", after, limit)
     if as_json:
-        _print_json(answer)
-    elif not answer["queues"]:
-        click.echo("no queues")
+        _stream_json("queues", pages)
     else:
-        click.echo(_queue_rows(answer["queues"]))
+        _stream_table(QUEUE_HEADERS, pages, _queue_row, "no queues")
 
 
 @main.group()
@@ -454,35 +562,70 @@ def queue_set(name: str, **options: Any) -> None:
     _print_json(answer) if as_json else click.echo(_queue_text(answer))
 
 
+CONNECTION_HEADERS = ["ID", "CLIENT", "PEER", "ROLE", "BUFFER", "UNACKED", "HELD", "FLOW", "BLOCKING",
+                      "SUBS", "UNSETTLED", "CONSUMER-BUF"]
+
+
+def _connection_row(c: dict[str, Any]) -> list[Any]:
+    p, flow, consumer = c["producer"], c["flow"], c["consumer"]
+    if flow["stopped"]:
+        state = f"stopped {_seconds_text(flow['stopped_for_seconds'])}"
+        blocking = ", ".join(flow["blocking_queues"] + (["* (stop-all)"] if flow["admin_stopped"] else []))
+    else:
+        state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
+    buffer = _size_text(p["buffer_size"]) if c["flow_control"] else "-"
+    return [
+        c["id"], c["client_name"], c["peer"] or "-", c["role"], buffer, _size_text(p["unacked_bytes"]),
+        p["transfers_held"], state, blocking, consumer["subscriptions_total"], consumer["unsettled"],
+        _limit(consumer["buffer"]["size"], True),
+    ]
+
+
 @main.command()
+@_list_options
 @_admin_options
-def connections(**options: Any) -> None:
-    """List connections: role, producer buffer and unacked bytes, flow state, consumer buffers."""
+def connections(limit: int, after: str | None, **options: Any) -> None:
+    """List connections by id: role, producer buffer and unacked bytes, flow state, consumer buffers.
+    Fetched and printed page by page."""
     client, as_json = _client(options)
-    answer = client.request("GET", "/api/connections")
+    pages = client.pages("/api/connections", "connections", after, limit)
+    if as_json:
+        _stream_json("connections", pages)
+    else:
+        _stream_table(CONNECTION_HEADERS, pages, _connection_row, "no connections")
+
+
+@main.command()
+@_list_options
+@_admin_options
+def exchanges(limit: int, after: str | None, **options: Any) -> None:
+    """List exchanges by name: kind, built-in or not, number of binding keys."""
+    client, as_json = _client(options)
+    pages = client.pages("/api/exchanges", "exchanges", after, limit)
+    if as_json:
+        _stream_json("exchanges", pages)
+    else:
+        _stream_table(["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"], pages,
+                      lambda e: [e["name"], e["kind"], "yes" if e["builtin"] else "no", e["binding_keys"]],
+                      "no exchanges")
+
+
+@main.group()
+def exchange() -> None:
+    """Delete an exchange."""
+
+
+@exchange.command("delete")
+@click.argument("name")
+@_admin_options
+def exchange_delete(name: str, **options: Any) -> None:
+    """Delete exchange NAME and its bindings; the queues bound to it stay. The built-in amq.* cannot be deleted."""
+    client, as_json = _client(options)
+    answer = client.request("DELETE", "/api/exchanges/" + urllib.parse.quote(name, safe=""))
     if as_json:
         _print_json(answer)
-        return
-    if not answer["connections"]:
-        click.echo("no connections")
-        return
-    rows = []
-    for c in answer["connections"]:
-        p, flow, consumer = c["producer"], c["flow"], c["consumer"]
-        if flow["stopped"]:
-            state = f"stopped {_seconds_text(flow['stopped_for_seconds'])}"
-            blocking = ", ".join(flow["blocking_queues"] + (["* (stop-all)"] if flow["admin_stopped"] else []))
-        else:
-            state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
-        buffer = _size_text(p["buffer_size"]) if c["flow_control"] else "-"
-        subs = consumer["subscriptions"]
-        rows.append([
-            c["id"], c["client_name"], c["peer"] or "-", c["role"], buffer, _size_text(p["unacked_bytes"]),
-            p["transfers_held"], state, blocking, len(subs), consumer["unsettled"],
-            _limit(consumer["buffer"]["size"], True),
-        ])
-    click.echo(_table(["ID", "CLIENT", "PEER", "ROLE", "BUFFER", "UNACKED", "HELD", "FLOW", "BLOCKING",
-                       "SUBS", "UNSETTLED", "CONSUMER-BUF"], rows))
+    else:
+        click.echo(f"exchange {_printable(answer['exchange'])} deleted ({answer['bindings']} binding(s) removed)")
 
 
 @main.group()
@@ -522,7 +665,7 @@ def _policy_text(answer: dict[str, Any]) -> str:
     granted = answer["granted"]
     pairs.append(("granted", f"{_size_text(granted['total'])} to {len(granted['connections'])} producer connection(s)"))
     width = max(len(k) for k, _ in pairs)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in pairs]
+    lines = [f"{k.ljust(width)}  {_printable(v)}" for k, v in pairs]
     if granted["connections"]:
         rows = [[g["connection"], g["client_name"] or "-", _size_text(g["buffer_size"])] for g in granted["connections"]]
         lines.extend("  " + line for line in _table(["CONN", "CLIENT", "BUFFER"], rows).splitlines())

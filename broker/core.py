@@ -19,6 +19,7 @@ from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import HeldTransfer, Message
+from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.subscription import Subscription
@@ -35,6 +36,7 @@ from flowbroker.protocol.frames import (
     Close,
     DeclareExchange,
     DeclareQueue,
+    DeleteExchange,
     DeleteQueue,
     Error,
     FlowStopped,
@@ -50,7 +52,7 @@ from flowbroker.protocol.frames import (
     Unbind,
 )
 
-__all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS"]
+__all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS", "BUILTIN_EXCHANGES"]
 
 LOGGER = logging.getLogger("flowbroker.broker")
 
@@ -63,6 +65,9 @@ QUEUE_ARGUMENTS = (
     "flow_resume_size",
     "overflow",
 )
+
+BUILTIN_EXCHANGES = frozenset({"amq.direct", "amq.fanout", "amq.topic"})
+"""Declared at start and never deleted (AMQP's rule), as the default exchange "" is not."""
 
 
 _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
@@ -81,17 +86,18 @@ class BrokerCore:
     def __init__(self, config: BrokerConfig, clock_ns: Callable[[], int]):
         self.config = config
         self.clock_ns = clock_ns
-        self.queues: dict[str, Queue] = {}
+        # Sorted beside the dict, so the admin API pages them in O(log n + page) (broker/paging.py).
+        self.queues: SortedKeyDict[str, Queue] = SortedKeyDict()
         self.routes = RouteCache()  # routing results of every exchange, bounded
-        self.exchanges: dict[str, Exchange] = {
-            name: Exchange(name, kind, self.routes)
+        self.exchanges: SortedKeyDict[str, Exchange] = SortedKeyDict(
+            (name, Exchange(name, kind, self.routes))
             for name, kind in (
                 ("amq.direct", ExchangeKind.DIRECT),
                 ("amq.fanout", ExchangeKind.FANOUT),
                 ("amq.topic", ExchangeKind.TOPIC),
             )
-        }
-        self.sessions: dict[int, Session] = {}
+        )
+        self.sessions: SortedKeyDict[int, Session] = SortedKeyDict()
         self.credit = CreditAllocator[int](config.credit_policy())
         self.producers_stopped = False  # an operator's stop-all
         # Broker-wide stops (destination `*`): "admin" (stop-all) and "memory" (the memory alarm), with
@@ -579,6 +585,20 @@ class BrokerCore:
         removed = self._exchange(f.exchange).unbind(self.get_queue(f.queue), f.binding_key)
         return {"removed": removed}
 
+    def delete_exchange(self, name: str) -> int:
+        """Delete exchange `name` and its bindings (the queues stay); returns how many bindings it had."""
+        if name == "" or name in BUILTIN_EXCHANGES:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the built-in exchange {name!r} cannot be deleted", name)
+        exchange = self._exchange(name)
+        del self.exchanges[name]
+        bindings = sum(len(queues) for queues in exchange.bindings.values())
+        self.routes.bindings -= bindings
+        self.routes.clear()
+        return bindings
+
+    def _req_delete_exchange(self, session: Session, f: DeleteExchange) -> dict[str, Any]:
+        return {"exchange": f.exchange, "bindings": self.delete_exchange(f.exchange)}
+
     def _req_delete_queue(self, session: Session, f: DeleteQueue) -> dict[str, Any]:
         return {"deleted": self.delete_queue(f.queue)}
 
@@ -627,6 +647,7 @@ class BrokerCore:
         Unbind: _req_unbind,
         DeleteQueue: _req_delete_queue,
         PurgeQueue: _req_purge_queue,
+        DeleteExchange: _req_delete_exchange,
         Subscribe: _req_subscribe,
         Cancel: _req_cancel,
     }

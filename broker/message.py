@@ -28,10 +28,12 @@ class HeldTransfer:
         self.transfer_id = transfer_id
         self.size = size
         self.pending = pending
+        session.transfers_held_now += 1
 
     def release(self) -> None:
         self.pending -= 1
         if self.pending == 0:
+            self.session.transfers_held_now -= 1
             self.session.complete_transfer(self.transfer_id, self.size)
 
 

@@ -81,6 +81,8 @@ class Session:
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
+        self.broker_stop: FlowStopped | None = None  # the FLOW_STOPPED "*" that announced them
+        self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
         # consumer side
         self.subscriptions: dict[int, Subscription] = {}
         self.unsettled: dict[int, tuple[Subscription, Message]] = {}
@@ -206,6 +208,7 @@ class Session:
         """Broker-wide stops (destination `*`: "admin" for stop-all, "memory" for the memory alarm)
         changed: `reasons` are those in force and `stop` announces them, or None when none is."""
         self.broker_stops = reasons
+        self.broker_stop = stop
         if stop is not None:
             since = self.flow_stopped_on.get(ADMIN_DESTINATION, (None, self.now_ns))[1]
             self.flow_stopped_on[ADMIN_DESTINATION] = (None, since)

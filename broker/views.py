@@ -5,15 +5,24 @@ float, bool, None, lists and dicts: what `json.dumps` takes. They read and never
 and take the time as an argument (`now_ns`, on the core's clock), so they are tested without HTTP
 and without a clock. Durations are in seconds ("for how long"), not timestamps, because the core's
 clock is trio's monotonic clock, which means nothing outside the process.
+
+Lists of per-object state (queues, connections, exchanges) come in pages: at most `limit` objects
+(DEFAULT_LIMIT unless asked, never over MAX_LIMIT) after the cursor `after`, in key order, with the
+cursor of the next page. The core keeps those keys sorted (broker/paging.py), so a page costs what
+is on it, however many queues or connections there are. A list inside one object (a queue's
+subscriptions, a connection's flow-stopped destinations) shows its first NESTED_LIMIT entries beside
+its `*_total`, so no single object is unbounded either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import fields
+from itertools import islice
 from typing import Any
 
-from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.core import BUILTIN_EXCHANGES, BrokerCore
+from flowbroker.broker.exchange import Exchange
 from flowbroker.broker.message import HeldTransfer
 from flowbroker.broker.queue import Queue
 from flowbroker.broker.session import Session
@@ -23,10 +32,15 @@ from flowbroker.protocol.credit import BufferLog
 
 __all__ = [
     "THRESHOLD_KEYS",
+    "DEFAULT_LIMIT",
+    "MAX_LIMIT",
+    "NESTED_LIMIT",
     "queue_view",
-    "queues_view",
+    "queues_page",
     "connection_view",
-    "connections_view",
+    "connections_page",
+    "exchange_view",
+    "exchanges_page",
     "policy_view",
     "broker_view",
     "held_by_connection",
@@ -45,6 +59,13 @@ THRESHOLD_KEYS = (
 """Every key of a queue's `thresholds` object, which is also what PATCH /api/queues/{name} accepts."""
 
 PeerOf = Callable[[int], str | None]
+
+DEFAULT_LIMIT = 100
+"""Objects per page when the request does not say (`?limit=`)."""
+MAX_LIMIT = 1000
+"""The largest `?limit=` accepted: one page of queues is then ~0.5 MB of JSON."""
+NESTED_LIMIT = 20
+"""Entries shown of a list inside one object; its `*_total` counts them all."""
 
 
 def _seconds(now_ns: int, since_ns: int) -> float:
@@ -94,9 +115,12 @@ def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
         "stop_reason": {"threshold": threshold, "limit": limit, "value": value} if queue.saturated else None,
         "held_transfers": len(queue.held),
         "flow_stopped_producers": [
-            {"connection": s.conn_id, "client_name": s.client_name} for s in queue.stopped_producers
+            {"connection": s.conn_id, "client_name": s.client_name}
+            for s in islice(queue.stopped_producers, NESTED_LIMIT)
         ],
-        "subscriptions": [_subscription(sub) for sub in queue.subscriptions],
+        "flow_stopped_producers_total": len(queue.stopped_producers),
+        "subscriptions": [_subscription(sub) for sub in islice(queue.subscriptions, NESTED_LIMIT)],
+        "subscriptions_total": len(queue.subscriptions),
         "counters": {
             "enqueued": stats.enqueued,
             "dequeued": stats.dequeued,
@@ -108,8 +132,11 @@ def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
     }
 
 
-def queues_view(core: BrokerCore, now_ns: int) -> list[dict[str, Any]]:
-    return [queue_view(q, now_ns) for _, q in sorted(core.queues.items())]
+def queues_page(core: BrokerCore, now_ns: int, after: str | None = None,
+                limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+    """`{"queues": [...], "next": name or None}`: the queues named after `after`, by name."""
+    queues, cursor = core.queues.page(after, limit)
+    return {"queues": [queue_view(q, now_ns) for q in queues], "next": cursor}
 
 
 # -- connections -------------------------------------------------------------------------------
@@ -117,7 +144,8 @@ def queues_view(core: BrokerCore, now_ns: int) -> list[dict[str, Any]]:
 
 def held_by_connection(core: BrokerCore) -> dict[int, int]:
     """Transfers held now, per connection id: each held transfer once, however many queues (and an
-    admin stop) hold it."""
+    admin stop) hold it. Walks every queue: the views read `Session.transfers_held_now` instead,
+    and the tests check that it agrees with this."""
     transfers: dict[int, HeldTransfer] = {}
     for queue in core.queues.values():
         for msg in queue.held:
@@ -147,27 +175,33 @@ def connection_role(session: Session) -> str:
 
 def _flow(session: Session, now_ns: int) -> dict[str, Any]:
     destinations: list[dict[str, Any]] = []
-    for name, (queue, since_ns) in session.flow_stopped_on.items():
+    for name, (queue, since_ns) in islice(session.flow_stopped_on.items(), NESTED_LIMIT):
         entry: dict[str, Any] = {"destination": name, "stopped_for_seconds": _seconds(now_ns, since_ns)}
         if queue is not None:
             threshold, limit, value = queue.stop_reason
             entry.update(reason="queue", threshold=threshold, limit=limit, value=value)
+        elif session.broker_stop is not None:  # stop-all ("admin") or the memory alarm ("memory")
+            stop = session.broker_stop
+            entry.update(reason=stop.threshold, threshold=stop.threshold, limit=stop.limit, value=stop.value)
         else:
             entry.update(reason="admin", threshold="admin", limit=0, value=0)
         destinations.append(entry)
-    since = [since_ns for _, since_ns in session.flow_stopped_on.values()]
+    # A destination is added when it stops the producer and removed when it resumes it, never
+    # re-stamped in between, so the first is the earliest: no walk over every stopping queue.
+    first = next(iter(session.flow_stopped_on.values()), None)
     return {
         "stopped": bool(destinations),
-        "stopped_for_seconds": _seconds(now_ns, min(since)) if since else None,
-        "blocking_queues": [d for d, (q, _) in session.flow_stopped_on.items() if q is not None],
+        "stopped_for_seconds": _seconds(now_ns, first[1]) if first is not None else None,
+        "blocking_queues": [d["destination"] for d in destinations if d["reason"] == "queue"],
         "admin_stopped": "admin" in session.broker_stops,
         "memory_stopped": "memory" in session.broker_stops,
         "destinations": destinations,
+        "destinations_total": len(session.flow_stopped_on),
     }
 
 
-def connection_view(session: Session, now_ns: int, *, peer: str | None = None, held: int = 0) -> dict[str, Any]:
-    """One connection. `held` is its transfers held now (see held_by_connection); `peer` its address."""
+def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -> dict[str, Any]:
+    """One connection; `peer` is its address."""
     credit = session.credit
     received = session.received_bytes
     return {
@@ -184,24 +218,44 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None, h
             "unacked_bytes": received - credit.advertised_total,
             "completed_bytes": credit.processed_total,
             "transfers": session.next_transfer_id - 1,
-            "transfers_held": held,
+            "transfers_held": session.transfers_held_now,
             "transfers_held_total": session.transfers_held_total,
         },
         "flow": _flow(session, now_ns),
         "consumer": {
             "buffer": _buffer(session.consumer_buffer),
-            "subscriptions": [_subscription(sub) for _, sub in sorted(session.subscriptions.items())],
+            "subscriptions": [_subscription(sub) for sub in islice(session.subscriptions.values(), NESTED_LIMIT)],
+            "subscriptions_total": len(session.subscriptions),
             "unsettled": len(session.unsettled),
         },
     }
 
 
-def connections_view(core: BrokerCore, now_ns: int, peer_of: PeerOf | None = None) -> list[dict[str, Any]]:
-    held = held_by_connection(core)
-    return [
-        connection_view(s, now_ns, peer=peer_of(cid) if peer_of else None, held=held.get(cid, 0))
-        for cid, s in sorted(core.sessions.items())
-    ]
+def connections_page(core: BrokerCore, now_ns: int, peer_of: PeerOf | None = None, after: int | None = None,
+                     limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+    """`{"connections": [...], "next": id or None}`: the connections with an id above `after`, by id."""
+    sessions, cursor = core.sessions.page(after, limit)
+    views = [connection_view(s, now_ns, peer=peer_of(s.conn_id) if peer_of else None) for s in sessions]
+    return {"connections": views, "next": cursor}
+
+
+# -- exchanges ---------------------------------------------------------------------------------
+
+
+def exchange_view(exchange: Exchange) -> dict[str, Any]:
+    """An exchange: `binding_keys` counts its distinct binding keys (O(1), unlike counting bindings)."""
+    return {
+        "name": exchange.name,
+        "kind": exchange.kind.value,
+        "builtin": exchange.name in BUILTIN_EXCHANGES,
+        "binding_keys": len(exchange.bindings),
+    }
+
+
+def exchanges_page(core: BrokerCore, after: str | None = None, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+    """`{"exchanges": [...], "next": name or None}`; the default exchange "" is not an object and not listed."""
+    exchanges, cursor = core.exchanges.page(after, limit)
+    return {"exchanges": [exchange_view(ex) for ex in exchanges], "next": cursor}
 
 
 # -- credit policy -----------------------------------------------------------------------------
@@ -245,7 +299,7 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "admin_port": admin_port,
         "connections": len(core.sessions),
         "queues": len(core.queues),
-        "exchanges": sorted(core.exchanges),
+        "exchanges": len(core.exchanges),
         "producers_stopped": core.producers_stopped,
         "credit_policy": core.credit.config.policy.value,
         "unroutable": core.unroutable,

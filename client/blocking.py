@@ -163,6 +163,9 @@ class BlockingConnection:
     def purge_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
         return self._run(self.connection.purge_queue, name, timeout=timeout)
 
+    def delete_exchange(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self.connection.delete_exchange, name, timeout=timeout)
+
     def set_buffer_size(self, size: int) -> None:
         self._run(self.connection.set_buffer_size, size)
 

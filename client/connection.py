@@ -61,6 +61,7 @@ from flowbroker.protocol import (
     CreditError,
     DeclareExchange,
     DeclareQueue,
+    DeleteExchange,
     DeleteQueue,
     Deliver,
     Error,
@@ -385,6 +386,10 @@ class Connection:
 
     async def purge_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._request(lambda rid: PurgeQueue(rid, name), timeout)
+
+    async def delete_exchange(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Delete exchange `name` and its bindings; the queues stay. Answers `{"exchange", "bindings"}`."""
+        return await self._request(lambda rid: DeleteExchange(rid, name), timeout)
 
     # ------------------------------------------------------------------ producers
 

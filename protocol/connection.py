@@ -53,6 +53,7 @@ _CLIENT_OPEN = _SESSION | {
     FrameType.UNBIND,
     FrameType.DELETE_QUEUE,
     FrameType.PURGE_QUEUE,
+    FrameType.DELETE_EXCHANGE,
     FrameType.TRANSFER,
     FrameType.BUFFER_CONTROL,
     FrameType.BUFFER_ACK,

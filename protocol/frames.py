@@ -34,6 +34,7 @@ __all__ = [
     "Unbind",
     "DeleteQueue",
     "PurgeQueue",
+    "DeleteExchange",
     "Ok",
     "Transfer",
     "Complete",
@@ -85,6 +86,7 @@ class FrameType(enum.IntEnum):
     NOOP = 20
     ERROR = 21
     CLOSE = 22
+    DELETE_EXCHANGE = 23
 
 
 class Outcome(enum.IntEnum):
@@ -191,6 +193,15 @@ class PurgeQueue:
     TYPE: ClassVar[FrameType] = FrameType.PURGE_QUEUE
     request_id: int
     queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteExchange:
+    """Client -> broker: delete an exchange and its bindings (the queues stay)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.DELETE_EXCHANGE
+    request_id: int
+    exchange: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +350,7 @@ Frame = Union[
     Unbind,
     DeleteQueue,
     PurgeQueue,
+    DeleteExchange,
     Ok,
     Transfer,
     Complete,
@@ -588,6 +600,7 @@ _register(Bind, _uint, _name, _name, _str)
 _register(Unbind, _uint, _name, _name, _str)
 _register(DeleteQueue, _uint, _name)
 _register(PurgeQueue, _uint, _name)
+_register(DeleteExchange, _uint, _name)
 _register(Ok, _uint, _map)
 _register(Transfer, _pos, _transfer_entries)
 _register(Complete, _uint, _ranges)

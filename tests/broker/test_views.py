@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 from coreharness import Harness, MiB
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flowbroker.broker import views
 from flowbroker.protocol.credit import message_size
@@ -60,11 +62,53 @@ def test_queue_view_reports_depth_thresholds_saturation_holds_and_counters() -> 
     assert view["thresholds"]["flow_stop_count"] == 8
 
 
-def test_queues_view_is_sorted_by_name() -> None:
+def test_queues_page_is_sorted_by_name_and_pages_by_cursor() -> None:
     h = make()
-    for name in ("b", "c", "a"):
+    for name in ("b", "c", "a", "a/b", "d"):
         h.queue(name)
-    assert [q["name"] for q in views.queues_view(h.core, h.now)] == ["a", "b", "c"]
+    page = roundtrip(views.queues_page(h.core, h.now))
+    assert [q["name"] for q in page["queues"]] == ["a", "a/b", "b", "c", "d"] and page["next"] is None
+    page = views.queues_page(h.core, h.now, limit=2)
+    assert [q["name"] for q in page["queues"]] == ["a", "a/b"] and page["next"] == "a/b"
+    page = views.queues_page(h.core, h.now, after="a/b", limit=2)
+    assert [q["name"] for q in page["queues"]] == ["b", "c"] and page["next"] == "c"
+    page = views.queues_page(h.core, h.now, after="c", limit=2)
+    assert [q["name"] for q in page["queues"]] == ["d"] and page["next"] is None
+    # a cursor need not name a queue that exists (it may have been deleted since)
+    h.core.delete_queue("b")
+    page = views.queues_page(h.core, h.now, after="b", limit=1)
+    assert [q["name"] for q in page["queues"]] == ["c"] and page["next"] == "c"
+    assert views.queues_page(h.core, h.now, after="zzz") == {"queues": [], "next": None}
+
+
+def test_connections_page_by_id() -> None:
+    h = make()
+    sessions = [h.producer(f"p{i}").session for i in range(5)]
+    h.core.close_session(sessions[2])
+    page = roundtrip(views.connections_page(h.core, h.now, limit=2))
+    ids = [s.conn_id for s in sessions]
+    assert [c["id"] for c in page["connections"]] == ids[:2] and page["next"] == ids[1]
+    page = views.connections_page(h.core, h.now, after=ids[1], limit=2)
+    assert [c["id"] for c in page["connections"]] == [ids[3], ids[4]] and page["next"] is None
+
+
+def test_exchanges_page_and_delete_exchange() -> None:
+    h = make()
+    h.queue("q")
+    p = h.producer()
+    p.declare_exchange("fan", "fanout")
+    p.bind("q", "fan", "x")
+    p.bind("q", "fan", "y")
+    page = roundtrip(views.exchanges_page(h.core))
+    assert page == {"next": None, "exchanges": [
+        {"name": "amq.direct", "kind": "direct", "builtin": True, "binding_keys": 0},
+        {"name": "amq.fanout", "kind": "fanout", "builtin": True, "binding_keys": 0},
+        {"name": "amq.topic", "kind": "topic", "builtin": True, "binding_keys": 0},
+        {"name": "fan", "kind": "fanout", "builtin": False, "binding_keys": 2},
+    ]}
+    assert views.exchanges_page(h.core, after="amq.fanout", limit=1)["next"] == "amq.topic"
+    assert h.core.delete_exchange("fan") == 2
+    assert [e["name"] for e in views.exchanges_page(h.core)["exchanges"]] == ["amq.direct", "amq.fanout", "amq.topic"]
 
 
 def test_connection_roles() -> None:
@@ -78,7 +122,7 @@ def test_connection_roles() -> None:
     both = h.producer("both")
     both.send("", "q")
     assert isinstance(both.request(lambda rid: Subscribe(rid, 7, "q", 0, 0)), Ok)
-    roles = {c["client_name"]: c["role"] for c in views.connections_view(h.core, h.now)}
+    roles = {c["client_name"]: c["role"] for c in views.connections_page(h.core, h.now)["connections"]}
     assert roles == {"idle": "idle", "p": "producer", "c": "consumer", "both": "both"}
     assert views.connection_role(idle.session) == "idle"
 
@@ -93,7 +137,7 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
     p.send("", "q", b"b")  # count 2 > 1: saturated, held, flow-stopped at t = 11 s
     h.advance(4)
     size = message_size(b"a")
-    view = roundtrip(views.connection_view(p.session, h.now, peer="127.0.0.1:4242", held=1))
+    view = roundtrip(views.connection_view(p.session, h.now, peer="127.0.0.1:4242"))
     assert view["id"] == p.session.conn_id and view["client_name"] == "feeder" and view["peer"] == "127.0.0.1:4242"
     assert view["identity"] == "anonymous" and view["role"] == "producer" and view["flow_control"] is True
     assert view["producer"] == {
@@ -104,8 +148,10 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
         "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False, "memory_stopped": False,
         "destinations": [{"destination": "q", "stopped_for_seconds": 4.0, "reason": "queue",
                           "threshold": "flow_stop_count", "limit": 1, "value": 2}],
+        "destinations_total": 1,
     }
-    assert view["consumer"] == {"buffer": {"size": 0, "unacked": 0}, "subscriptions": [], "unsettled": 0}
+    assert view["consumer"] == {"buffer": {"size": 0, "unacked": 0}, "subscriptions": [], "subscriptions_total": 0,
+                                "unsettled": 0}
 
     p.session.poll_credit(h.now + 10**10)  # the timer re-advertises: the completed bytes are acknowledged
     p.pump()
@@ -131,7 +177,7 @@ def test_admin_stop_shows_as_flow_state_since_the_stop_and_held_counts_each_tran
     h.advance(3)
     p.send("fan", "", b"3")  # held by both queues and by the admin stop: still one transfer
     assert views.held_by_connection(h.core) == {p.session.conn_id: 2}
-    [view] = views.connections_view(h.core, h.now, lambda cid: f"peer-{cid}")
+    [view] = views.connections_page(h.core, h.now, lambda cid: f"peer-{cid}")["connections"]
     assert view["peer"] == f"peer-{p.session.conn_id}" and view["producer"]["transfers_held"] == 2
     flow = view["flow"]
     assert flow["admin_stopped"] is True and flow["blocking_queues"] == ["a", "b"]
@@ -144,7 +190,8 @@ def test_admin_stop_shows_as_flow_state_since_the_stop_and_held_counts_each_tran
     h.core.get_queue("a").purge()
     h.core.get_queue("b").purge()
     assert views.held_by_connection(h.core) == {}
-    assert views.connections_view(h.core, h.now)[0]["flow"]["stopped"] is False
+    [view] = views.connections_page(h.core, h.now)["connections"]
+    assert view["flow"]["stopped"] is False and view["producer"]["transfers_held"] == 0
 
 
 def test_connection_view_consumer_buffers() -> None:
@@ -205,5 +252,62 @@ def test_broker_view() -> None:
     h.producer()
     view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
     assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
-                    "exchanges": ["amq.direct", "amq.fanout", "amq.topic"], "producers_stopped": False,
+                    "exchanges": 3, "producers_stopped": False,
                     "credit_policy": "static", "unroutable": 0}
+
+
+def test_lists_inside_one_object_show_their_first_entries_and_a_total() -> None:
+    h = make()
+    n = views.NESTED_LIMIT + 5
+    for i in range(n):
+        h.queue(f"q{i:02d}", flow_stop_count=1, flow_resume_count=1)
+    c = h.consumer("many")
+    for i in range(n):
+        c.subscribe("q00")
+    p = h.producer("stopped-everywhere")
+    for i in range(n):
+        p.send("", f"q{i:02d}")
+        p.send("", f"q{i:02d}")  # over the stop threshold: flow-stopped by every queue
+    h.advance(1)
+    q = views.queue_view(h.core.get_queue("q00"), h.now)
+    assert len(q["subscriptions"]) == views.NESTED_LIMIT and q["subscriptions_total"] == n
+    assert len(q["flow_stopped_producers"]) == 1 and q["flow_stopped_producers_total"] == 1
+    [consumer] = [v for v in views.connections_page(h.core, h.now)["connections"] if v["client_name"] == "many"]
+    assert len(consumer["consumer"]["subscriptions"]) == views.NESTED_LIMIT
+    assert consumer["consumer"]["subscriptions_total"] == n
+    flow = views.connection_view(p.session, h.now)["flow"]
+    assert len(flow["destinations"]) == views.NESTED_LIMIT and flow["destinations_total"] == n
+    assert flow["blocking_queues"] == [f"q{i:02d}" for i in range(views.NESTED_LIMIT)]
+    assert flow["stopped_for_seconds"] == 1.0
+
+
+@given(st.lists(st.sampled_from(["send-a", "send-fan", "stop-all", "start-all", "purge-a", "purge-b",
+                                 "delete-b", "raise-a", "lower-a"]), max_size=40))
+def test_held_transfers_per_connection_agree_with_a_walk_over_every_queue(ops: list[str]) -> None:
+    """`transfers_held` reads a counter kept by HeldTransfer; it must always equal the walk it replaced."""
+    h = make()
+    h.queue("a", flow_stop_count=1, flow_resume_count=1)
+    h.queue("b", flow_stop_count=1, flow_resume_count=1)
+    p = h.producer("p", window=10_000)
+    p.declare_exchange("fan", "fanout")
+    p.bind("a", "fan")
+    p.bind("b", "fan")
+    for op in ops:
+        if op == "send-a":
+            p.send("", "a", force=True)
+        elif op == "send-fan":
+            p.send("fan", "", force=True)
+        elif op == "stop-all":
+            h.core.stop_all_producers()
+        elif op == "start-all":
+            h.core.start_all_producers()
+        elif op in ("purge-a", "purge-b") and op[-1] in h.core.queues:
+            h.core.get_queue(op[-1]).purge()
+        elif op == "delete-b" and "b" in h.core.queues:
+            h.core.delete_queue("b")
+        elif op == "raise-a":
+            h.core.set_queue_thresholds("a", {"flow_stop_count": 1000})
+        elif op == "lower-a":
+            h.core.set_queue_thresholds("a", {"flow_stop_count": 1})
+        p.pump()
+        assert p.session.transfers_held_now == views.held_by_connection(h.core).get(p.session.conn_id, 0)

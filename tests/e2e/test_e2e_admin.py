@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 import trio
 
 import flowbroker.client as fb
+from flowbroker.protocol import ErrorCode
 
 MiB = 1024 * 1024
 TOKEN = "test-admin-token-0123456789"
@@ -64,7 +66,7 @@ async def test_every_request_needs_the_token(broker: Any) -> None:
     status, answer, _ = await api(broker, "POST", "/api/producers/stop-all", token="x")
     assert status == 403 and not broker.core.producers_stopped  # refused before anything happened
     status, answer, _ = await api(broker, "GET", "/api/queues")
-    assert status == 200 and answer == {"queues": []}
+    assert status == 200 and answer == {"queues": [], "next": None}
     status, answer, _ = await api(broker, "GET", "/api/nothing-here")
     assert status == 404 and answer["error"]["code"] == "not_found"
     status, answer, _ = await api(broker, "DELETE", "/api/queues")
@@ -265,11 +267,169 @@ async def test_a_failing_endpoint_answers_500_and_the_broker_carries_on(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("view bug")
 
-    monkeypatch.setattr(views, "queues_view", broken)
+    monkeypatch.setattr(views, "queues_page", broken)
     status, answer, _ = await api(broker, "GET", "/api/queues")
     assert status == 500 and answer["error"] == {"code": "internal_error", "message": "RuntimeError: view bug"}
     assert "GET /api/queues failed" in caplog.text
     monkeypatch.undo()
-    assert (await ok(broker, "GET", "/api/queues")) == {"queues": []}
+    assert (await ok(broker, "GET", "/api/queues")) == {"queues": [], "next": None}
     async with await fb.connect(broker.url) as conn:
         await conn.declare_queue("still-serving")
+
+
+# -- issue 8: pages, bodies refused before they are read, names with "/", DELETE exchanges -----
+
+
+async def test_lists_come_in_pages_that_follow_a_cursor(broker: Any) -> None:
+    names = sorted([f"q{i:03d}" for i in range(250)] + ["q249/x"])
+    for name in reversed(names):
+        broker.core.declare_queue(name)
+    first = await ok(broker, "GET", "/api/queues")
+    assert [q["name"] for q in first["queues"]] == names[:100] and first["next"] == names[99]
+    seen: list[str] = []
+    cursor: str | None = None
+    while True:
+        query = "?limit=60" + ("" if cursor is None else "&after=" + urllib.parse.quote(cursor, safe=""))
+        page = await ok(broker, "GET", "/api/queues" + query)
+        assert len(page["queues"]) <= 60
+        seen += [q["name"] for q in page["queues"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+    assert seen == sorted(names)
+    page = await ok(broker, "GET", "/api/queues?limit=1000&after=q248")
+    assert [q["name"] for q in page["queues"]] == ["q249", "q249/x"] and page["next"] is None
+
+    async with await fb.connect(broker.url, client_name="a"), await fb.connect(broker.url, client_name="b"):
+        ids = sorted(broker.core.sessions)
+        page = await ok(broker, "GET", "/api/connections?limit=1")
+        assert [c["id"] for c in page["connections"]] == ids[:1] and page["next"] == ids[0]
+        page = await ok(broker, "GET", f"/api/connections?after={ids[0]}")
+        assert [c["id"] for c in page["connections"]] == ids[1:] and page["next"] is None
+
+    for query, field in (("limit=0", "limit"), ("limit=1001", "limit"), ("limit=x", "limit"),
+                         ("limit=%C2%B2", "limit"), ("limt=5", "limt"), ("after=-1", "after"),
+                         ("after=%C2%B2", "after")):
+        path = "/api/connections?" if field == "after" else "/api/queues?"
+        status, answer, _ = await api(broker, "GET", path + query)
+        assert status == 400 and answer["error"]["field"] == field, (query, answer)
+
+
+async def test_a_queue_named_with_a_slash_is_reachable(broker: Any) -> None:
+    async with await fb.connect(broker.url) as conn:
+        await conn.declare_queue("a/b")
+        await conn.declare_queue("a")
+    for path in ("/api/queues/a%2Fb", "/api/queues/a/b"):
+        assert (await ok(broker, "GET", path))["name"] == "a/b"
+    answer = await ok(broker, "PATCH", "/api/queues/a%2Fb", {"max_count": 9})
+    assert answer["name"] == "a/b" and answer["thresholds"]["max_count"] == 9
+    assert broker.core.queues["a"].thresholds.max_count == 0
+    status, answer, _ = await api(broker, "GET", "/api/queues/a%2Fc")
+    assert status == 404 and answer["error"]["message"] == "no queue named 'a/c'"
+
+
+async def test_exchanges_are_listed_and_deleted(broker: Any) -> None:
+    async with await fb.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        await conn.declare_exchange("ex/1", "fanout")
+        await conn.bind("q", "ex/1")
+        page = await ok(broker, "GET", "/api/exchanges")
+        assert [e["name"] for e in page["exchanges"]] == ["amq.direct", "amq.fanout", "amq.topic", "ex/1"]
+        assert page["exchanges"][3] == {"name": "ex/1", "kind": "fanout", "builtin": False, "binding_keys": 1}
+        assert (await ok(broker, "DELETE", "/api/exchanges/ex%2F1")) == {"exchange": "ex/1", "bindings": 1}
+        status, answer, _ = await api(broker, "DELETE", "/api/exchanges/ex%2F1")
+        assert status == 404 and answer["error"]["message"] == "no exchange named 'ex/1'"
+        status, answer, _ = await api(broker, "DELETE", "/api/exchanges/amq.topic")
+        assert status == 400 and answer["error"]["code"] == "invalid_argument"
+        with pytest.raises(fb.RequestError) as info:  # the SDK sees it gone at once
+            await conn.bind("q", "ex/1")
+        assert info.value.code is ErrorCode.NOT_FOUND
+    assert "amq.topic" in broker.core.exchanges and (await ok(broker, "GET", "/api/broker"))["exchanges"] == 3
+
+
+async def _http_response(stream: trio.SocketStream, wait_close: float = 2) -> tuple[int, dict[str, str], bytes, bool]:
+    """Read one HTTP/1.1 response: (status, headers, body, whether the server closed within `wait_close` s)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    while len(body) < int(headers.get("content-length", "0")):
+        chunk = await stream.receive_some(65536)
+        assert chunk
+        body += chunk
+    closed = False
+    with trio.move_on_after(wait_close):
+        closed = not await stream.receive_some(65536)
+    return int(status_line.split()[1]), headers, body, closed
+
+
+class StallWatch:
+    """Samples the bystander's progress; `worst` is its longest time without a message through."""
+
+    def __init__(self, b: Any):
+        self.b = b
+        self.worst = 0.0
+
+    async def run(self) -> None:
+        last, since = len(self.b.received), trio.current_time()
+        while True:
+            await trio.sleep(0.005)
+            now = trio.current_time()
+            if len(self.b.received) != last:
+                last, since = len(self.b.received), now
+            self.worst = max(self.worst, now - since)
+
+
+async def test_oversized_bodies_are_refused_before_they_are_read(broker: Any) -> None:
+    from test_e2e_faults import bystander
+
+    head = (f"PATCH /api/queues/q HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Content-Type: application/json\r\n")
+    broker.core.declare_queue("q")
+    async with bystander(broker) as calm, trio.open_nursery() as nursery:
+        watch = StallWatch(calm)
+        nursery.start_soon(watch.run)
+        with trio.fail_after(10):
+            # 1 GiB announced and none of it sent: refused at once (before, the API read it all first)
+            stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+            await stream.send_all((head + "Content-Length: 1073741824\r\n\r\n").encode())
+            status, headers, body, closed = await _http_response(stream)
+            assert status == 413 and json.loads(body)["error"]["code"] == "too_large"
+            assert headers["connection"] == "close" and closed
+            await stream.aclose()
+            # chunked, no length: cut off past 64 KiB, while the client is still sending
+            stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+            await stream.send_all((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
+            for _ in range(5):
+                await stream.send_all(b"4000\r\n" + b" " * 0x4000 + b"\r\n")  # 16 KiB chunks, never the last
+            status, headers, body, closed = await _http_response(stream)
+            assert status == 413 and closed
+            await stream.aclose()
+            # a chunked body under the limit is read as before
+            stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+            patch = json.dumps({"max_count": 7}).encode()
+            await stream.send_all((head + "Transfer-Encoding: chunked\r\n\r\n").encode()
+                                  + b"%x\r\n%s\r\n0\r\n\r\n" % (len(patch), patch))
+            status, headers, body, _ = await _http_response(stream, wait_close=0)
+            assert status == 200 and json.loads(body)["thresholds"]["max_count"] == 7
+            await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert watch.worst < 0.5, f"the bystander stalled {watch.worst:.3f} s"
+
+
+async def test_a_client_that_leaves_mid_body_is_not_logged_as_a_bug(
+        broker: Any, caplog: pytest.LogCaptureFixture) -> None:
+    broker.core.declare_queue("q")
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all((f"PATCH /api/queues/q HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                           "Content-Length: 100\r\n\r\n{\"max_count\"").encode())
+    await trio.sleep(0.2)  # the endpoint is reading the body now
+    await stream.aclose()
+    await trio.sleep(0.5)
+    assert "failed" not in caplog.text and "Traceback" not in caplog.text
+    assert broker.core.queues["q"].thresholds.max_count == 0
+    assert (await ok(broker, "GET", "/api/queues/q"))["name"] == "q"

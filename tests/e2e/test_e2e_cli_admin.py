@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowbroker.broker.cli import main
+from flowbroker.client import blocking
 from daemon import FLOWBROKER, free_port, wait_listening
 
 MiB = 1024 * 1024
@@ -155,20 +156,36 @@ def test_stop_all_start_all_and_policy_set(daemon: Daemon) -> None:
 
 
 def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
-    bad = daemon.cli("queues", "--token", "not-the-token-at-all", ok=False)
+    admin_url = daemon.admin[:2]  # --admin-url only: the token from the environment
+
+    def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([FLOWBROKER, *args], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, **env})
+
+    token = daemon.token_file.read_text().strip()
+    flag = cli("queues", *admin_url, "--token", token, env={})
+    assert flag.returncode == 2 and "--token is no longer accepted" in flag.stderr and "FLOWBROKER_ADMIN_TOKEN" in flag.stderr
+    assert "no queues" not in flag.stdout
+    bad = cli("queues", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN": "also-not-the-token"})
     assert bad.returncode != 0 and "HTTP 403" in bad.stderr and "token is wrong" in bad.stderr
-    assert "Traceback" not in bad.stderr
-    bad = daemon.cli("queues", ok=False, env={"FLOWBROKER_ADMIN_TOKEN": "also-not-the-token"})
-    assert bad.returncode != 0 and "HTTP 403" in bad.stderr
-    good = daemon.cli("queues", env={"FLOWBROKER_ADMIN_TOKEN": daemon.token_file.read_text().strip()})
-    assert good.stdout.strip() == "no queues"
+    assert "(token from FLOWBROKER_ADMIN_TOKEN)" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli("queues", "--json", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN": "also-not-the-token"})
+    assert bad.returncode == 1 and bad.stdout == ""  # no half JSON document before the error
+    good = cli("queues", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN": token})
+    assert good.returncode == 0 and good.stdout.strip() == "no queues"
+    wrong_file = daemon.token_file.with_name("wrong-token")
+    wrong_file.write_text("not-the-token-at-all\n")
+    bad = cli("queues", *admin_url, "--token-file", str(wrong_file), env={"FLOWBROKER_ADMIN_TOKEN": token})
+    assert bad.returncode != 0 and "HTTP 403" in bad.stderr  # an explicit --token-file wins over the environment
+    good = cli("queues", *admin_url, env={"FLOWBROKER_ADMIN_TOKEN_FILE": str(daemon.token_file)})
+    assert good.returncode == 0 and good.stdout.strip() == "no queues"
     missing = daemon.cli("queue", "show", "nope", ok=False)
     assert missing.returncode != 0 and "no queue named 'nope'" in missing.stderr
     _publish(daemon, "x")
     invalid = daemon.cli("policy", "set", "aggressive", "--min-size", "0", ok=False)
     assert invalid.returncode != 0 and "min_size" in invalid.stderr and "Traceback" not in invalid.stderr
-    unreachable = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{free_port()}",
-                                  "--token", "whatever-token"], capture_output=True, text=True, timeout=30)
+    unreachable = cli("queues", "--admin-url", f"http://127.0.0.1:{free_port()}",
+                      env={"FLOWBROKER_ADMIN_TOKEN": "whatever-token"})
     assert unreachable.returncode != 0 and "cannot reach the admin API" in unreachable.stderr
     no_token = subprocess.run([FLOWBROKER, "queues", "--token-file", str(daemon.token_file) + ".missing"],
                               capture_output=True, text=True, timeout=30, env={**os.environ, "FLOWBROKER_ADMIN_TOKEN": ""})
@@ -179,11 +196,12 @@ def test_every_management_command_has_help() -> None:
     runner = CliRunner()
     for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["connections"], ["producers"],
                     ["producers", "stop-all"], ["producers", "start-all"], ["policy"], ["policy", "show"],
-                    ["policy", "set"]):
+                    ["policy", "set"], ["exchanges"], ["exchange"], ["exchange", "delete"]):
         result = runner.invoke(main, [*command, "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output, command
-        if command in (["queues"], ["queue", "set"], ["policy", "set"]):
+        if command in (["queues"], ["queue", "set"], ["policy", "set"], ["exchange", "delete"]):
             assert "--admin-url" in result.output and "FLOWBROKER_ADMIN_TOKEN" in result.output
+            assert "--token-file" in result.output and "--token " not in result.output  # the refused flag is hidden
 
 
 def test_admin_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
@@ -196,3 +214,61 @@ def test_admin_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
                                 env={**os.environ, "HOME": str(tmp_path)})
     assert result.returncode != 0
     assert f"[admin] cannot listen on 127.0.0.1:{admin_port}" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- issue 8: listings stream page by page, names are escaped, exchanges are deleted -----------
+
+
+def test_listings_stream_every_page_and_follow_limit_and_after(daemon: Daemon) -> None:
+    names = [f"q{i:04d}" for i in range(1100)]  # more than one page of 1000
+    with blocking.connect(daemon.url, client_name="loader", timeout=10) as conn:
+        for name in reversed(names):
+            conn.declare_queue(name)
+    lines = daemon.cli("queues").stdout.splitlines()
+    assert lines[0].startswith("QUEUE") and [line.split()[0] for line in lines[1:]] == names
+    listing = daemon.json("queues")
+    assert [q["name"] for q in listing["queues"]] == names and listing["next"] is None
+    first = daemon.json("queues", "--limit", "5")
+    assert [q["name"] for q in first["queues"]] == names[:5] and first["next"] == names[4]
+    rest = daemon.json("queues", "--after", first["next"], "--limit", "1000")
+    assert [q["name"] for q in rest["queues"]] == names[5:1005] and rest["next"] == names[1004]
+    lines = daemon.cli("queues", "--after", names[1097]).stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == names[1098:]
+    connections = daemon.json("connections", "--limit", "1")
+    assert len(connections["connections"]) <= 1
+
+
+def test_control_characters_in_names_are_escaped_in_tables(daemon: Daemon) -> None:
+    evil_queue = "evil\x1b[2J\nFAKE ROW"
+    evil_client = "client\r\x07\u202e"
+    with blocking.connect(daemon.url, client_name=evil_client, timeout=10) as conn:
+        conn.declare_queue(evil_queue)
+        table = daemon.cli("queues").stdout
+        assert "\x1b" not in table and "\r" not in table and "\x07" not in table
+        assert table.splitlines()[1].split()[0] == "evil\\x1b[2J\\x0aFAKE"  # one row, the escape shown
+        rows = daemon.cli("connections").stdout
+        assert "client\\x0d\\x07\\u202e" in rows and "\r" not in rows and "\u202e" not in rows
+        shown = daemon.cli("queue", "show", evil_queue).stdout
+        assert "\x1b" not in shown and "evil\\x1b[2J\\x0aFAKE ROW" in shown
+        # JSON keeps the names as they are: JSON strings escape them
+        assert [q["name"] for q in daemon.json("queues")["queues"]] == [evil_queue]
+        missing = daemon.cli("queue", "show", "no\x1bpe", ok=False)
+        assert "\x1b" not in missing.stderr and "no\\x1bpe" in missing.stderr
+
+
+def test_exchanges_list_and_delete(daemon: Daemon) -> None:
+    with blocking.connect(daemon.url, timeout=10) as conn:
+        conn.declare_queue("q")
+        conn.declare_exchange("ex/1", "fanout")
+        conn.bind("q", "ex/1")
+    lines = daemon.cli("exchanges").stdout.splitlines()
+    assert lines[0].split() == ["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"]
+    assert [line.split() for line in lines[1:]] == [
+        ["amq.direct", "direct", "yes", "0"], ["amq.fanout", "fanout", "yes", "0"],
+        ["amq.topic", "topic", "yes", "0"], ["ex/1", "fanout", "no", "1"]]
+    assert daemon.cli("exchange", "delete", "ex/1").stdout.strip() == "exchange ex/1 deleted (1 binding(s) removed)"
+    again = daemon.cli("exchange", "delete", "ex/1", ok=False)
+    assert again.returncode == 1 and "HTTP 404: no exchange named 'ex/1'" in again.stderr
+    builtin = daemon.cli("exchange", "delete", "amq.direct", ok=False)
+    assert builtin.returncode == 1 and "cannot be deleted" in builtin.stderr
+    assert [e["name"] for e in daemon.json("exchanges")["exchanges"]] == ["amq.direct", "amq.fanout", "amq.topic"]

@@ -16,6 +16,7 @@ from flowbroker.protocol import (
     Complete,
     DeclareExchange,
     DeclareQueue,
+    DeleteExchange,
     DeleteQueue,
     Deliver,
     DeliveryEntry,
@@ -114,6 +115,7 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
     FrameType.UNBIND: st.builds(Unbind, request_id=u64, queue=names, exchange=names, binding_key=names),
     FrameType.DELETE_QUEUE: st.builds(DeleteQueue, request_id=u64, queue=names),
     FrameType.PURGE_QUEUE: st.builds(PurgeQueue, request_id=u64, queue=names),
+    FrameType.DELETE_EXCHANGE: st.builds(DeleteExchange, request_id=u64, exchange=names),
     FrameType.OK: st.builds(Ok, request_id=u64, result=plain_maps),
     FrameType.TRANSFER: st.builds(
         Transfer, first_id=pos64, entries=st.lists(transfer_entries, min_size=1, max_size=5)
@@ -157,6 +159,7 @@ SAMPLES: dict[FrameType, Frame] = {
     FrameType.UNBIND: Unbind(4, "q", "x", "a.*"),
     FrameType.DELETE_QUEUE: DeleteQueue(5, "q"),
     FrameType.PURGE_QUEUE: PurgeQueue(6, "q"),
+    FrameType.DELETE_EXCHANGE: DeleteExchange(23, "ex"),
     FrameType.OK: Ok(1, {"depth": 0}),
     FrameType.TRANSFER: Transfer(1, [TransferEntry("", "q", b"hello", {"k": "v"}, "p1", 0)]),
     FrameType.COMPLETE: Complete(1, [(3, 4)]),

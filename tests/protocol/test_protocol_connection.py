@@ -35,6 +35,7 @@ CLIENT_SENDS = {
     FrameType.UNBIND,
     FrameType.DELETE_QUEUE,
     FrameType.PURGE_QUEUE,
+    FrameType.DELETE_EXCHANGE,
     FrameType.TRANSFER,
     FrameType.BUFFER_CONTROL,
     FrameType.BUFFER_ACK,

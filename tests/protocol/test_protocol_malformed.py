@@ -59,6 +59,7 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
     FrameType.UNBIND: [("request_id", "uint"), ("queue", "name"), ("exchange", "name"), ("binding_key", "str")],
     FrameType.DELETE_QUEUE: [("request_id", "uint"), ("queue", "name")],
     FrameType.PURGE_QUEUE: [("request_id", "uint"), ("queue", "name")],
+    FrameType.DELETE_EXCHANGE: [("request_id", "uint"), ("exchange", "name")],
     FrameType.OK: [("request_id", "uint"), ("result", "map")],
     FrameType.TRANSFER: [("first_id", "pos"), ("entries", "transfer_entries")],
     FrameType.COMPLETE: [("cumulative_id", "uint"), ("ranges", "ranges")],
@@ -254,7 +255,7 @@ def test_wrong_field_count(ftype: FrameType) -> None:
     assert_malformed(raw_frame([int(ftype)]), after=1)
 
 
-@pytest.mark.parametrize("type_code", [0, 23, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
+@pytest.mark.parametrize("type_code", [0, 24, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
 def test_unknown_frame_type(type_code: Any) -> None:
     assert_malformed(raw_frame([type_code, 1, False]), after=3, mentions="type")
 
