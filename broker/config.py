@@ -57,6 +57,8 @@ class ServerConfig:
     max_message_size: int = 4 * MiB
     idle_timeout: float = 60.0
     handshake_timeout: float = 10.0
+    frame_timeout: float = 30.0
+    max_partial_frame_bytes: int = 64 * MiB
     max_connections: int = 10_000
     stuck_timeout: float = 720.0
     disconnect_when_stuck: bool = False
@@ -68,6 +70,9 @@ class ServerConfig:
         _int_range("server", "max_message_size", self.max_message_size, 1, self.max_frame_size // 2)
         _positive("server", "idle_timeout", self.idle_timeout)
         _positive("server", "handshake_timeout", self.handshake_timeout)
+        _positive("server", "frame_timeout", self.frame_timeout)
+        # At least one whole frame must fit, or a frame of max_frame_size could never complete.
+        _int_range("server", "max_partial_frame_bytes", self.max_partial_frame_bytes, self.max_frame_size, 1 << 40)
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
         _positive("server", "stuck_timeout", self.stuck_timeout)
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
