@@ -27,18 +27,21 @@ class PartialFrameBudget:
         self.allowance = allowance
         self.charged = 0
         self.peak = 0  # the most ever charged at once (for tests and diagnosis)
-        self._freed = trio.Event()
+        self._freed: trio.Event | None = None  # exists while some connection waits
 
     def _charge(self, delta: int) -> None:
         self.charged += delta
         if delta < 0:
-            self._freed.set()
-            self._freed = trio.Event()
+            if self._freed is not None:
+                self._freed.set()
+                self._freed = None
         elif self.charged > self.peak:
             self.peak = self.charged
 
     async def wait_freed(self) -> None:
         """Until some connection gives bytes back."""
+        if self._freed is None:
+            self._freed = trio.Event()
         await self._freed.wait()
 
     def connection(self) -> FrameBytes:
@@ -56,6 +59,8 @@ class FrameBytes:
         """How many bytes (at most `want`) the connection holding `held` undecoded bytes may read now;
         0 when it must wait for the budget. What it may hold after that read is charged at once."""
         budget = self.budget
+        if held + want <= budget.allowance and not self.charged:  # the common case: small frames
+            return want
         may_hold = budget.allowance + self.charged + (budget.limit - budget.charged)
         size = min(want, may_hold - held)
         if size <= 0:

@@ -33,6 +33,7 @@ What one connection can cost the others is bounded here (docs/architecture.md, "
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -90,6 +91,9 @@ class _Closing:
 
 class _FrameTimeout(Exception):
     """The frame being received did not complete within [server] frame_timeout."""
+
+
+_NO_DEADLINE = contextlib.nullcontext()  # most reads: no partial frame, so no cancel scope to enter
 
 
 def _peer_of(stream: trio.SocketStream) -> str:
@@ -427,22 +431,26 @@ class ConnectionHandler:
         started = self.frame_started
         deadline = math.inf if started is None else started + self.server.config.server.frame_timeout
         await trio.lowlevel.checkpoint_if_cancelled()
-        with trio.move_on_at(deadline):
+        waited = False
+        with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE:
             while True:
                 size = frame_bytes.grant_read(conn.buffered, RECEIVE_SIZE)
                 if not size:  # in the middle of a large frame, and the budget is spent
                     await frame_bytes.budget.wait_freed()
+                    waited = True
                     continue
                 try:  # os.read: trio sockets have no synchronous receive (POSIX only)
                     data = os.read(fd, size)
                 except BlockingIOError:
                     frame_bytes.settle(conn.buffered)  # hold no grant while waiting for the peer
                     await trio.lowlevel.wait_readable(fd)
+                    waited = True
                     continue
                 except OSError as exc:
                     raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
                 self.last_received = trio.current_time()
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not waited:  # as trio's receive: one yield per read, not two
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return data
         raise _FrameTimeout
 
