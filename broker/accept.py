@@ -85,4 +85,8 @@ async def accept_forever(listener: trio.SocketListener, admit: Callable[[trio.So
             backoff = min(backoff * 2, BACKOFF_MAX)
             continue
         backoff = BACKOFF_MIN
-        admit(stream)
+        try:
+            admit(stream)
+        except Exception as exc:  # a bug in admitting one socket must not stop the broker accepting
+            LOGGER.error("admitting a connection failed; closed it", exc_info=exc)
+            stream.socket.close()

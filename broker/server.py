@@ -206,22 +206,25 @@ class BrokerServer:
         except OSError:  # nothing arrived yet (would block), or the peer is gone
             pass
         try:
-            os.write(fd, encode_frames([Error(ErrorCode.RESOURCE_EXHAUSTED, text), Close(ErrorCode.RESOURCE_EXHAUSTED, text)]))
+            code = ErrorCode.RESOURCE_EXHAUSTED
+            os.write(fd, encode_frames([Error(code, text), Close(code, text)]))
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         sock.close()
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
-        handler = ConnectionHandler(self, stream)
+        handler: ConnectionHandler | None = None
         try:
+            handler = ConnectionHandler(self, stream)
             await handler.run()
         except Exception as exc:  # a bug in the handler's own error handling: still this connection's alone
-            LOGGER.error("connection from %s: unhandled error; closed", handler.peer, exc_info=exc)
+            LOGGER.error("connection from %s: unhandled error; closed", _peer_of(stream), exc_info=exc)
             await trio.aclose_forcefully(stream)
         finally:
             self.open_sockets -= 1
-            handler.frame_bytes.release()
+            if handler is not None:
+                handler.frame_bytes.release()
 
 
 async def _send_and_close(
