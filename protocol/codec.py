@@ -4,8 +4,8 @@ The decoder checks the length prefix against `max_frame_size` *before* buffering
 oversize frame costs four bytes of memory, not the frame. Its buffer never holds more than one
 partial frame plus what the last read returned, and once `next_frame()` has returned None it holds
 only the partial frame (`buffered` bytes of `next_frame_size`): decoded frames are released at once,
-so a connection that sent one large frame and went quiet holds nothing. msgpack's exceptions are caught here and turned
-into `RemoteProtocolError`; nothing else leaves this module.
+so a connection that sent one large frame and went quiet holds nothing. msgpack's exceptions are
+caught here and turned into `RemoteProtocolError`; nothing else leaves this module.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ def test_defaults_are_the_documented_ones() -> None:
     ("values", "message"),
     [
         ({"frame_timeout": 0}, "[server] frame_timeout = 0: must be a number > 0"),
-        ({"max_partial_frame_bytes": 4 * MiB}, "[server] max_partial_frame_bytes = 4194304: must be an integer in [8388608, "),
+        ({"max_partial_frame_bytes": 4 * MiB},
+         "[server] max_partial_frame_bytes = 4194304: must be an integer in [8388608, "),
         ({"max_frame_size": 16 * MiB, "max_partial_frame_bytes": 8 * MiB}, "max_partial_frame_bytes = 8388608"),
     ],
 )
