@@ -40,7 +40,7 @@ from flowbroker.protocol import PROTOCOL_VERSION, Connection, Hello, Role
 from procs import free_port, rss, stop_broker
 
 MiB = 1024 * 1024
-PARTIAL_BUDGET = 256 * MiB  # [server] max_partial_frame_bytes default (docs/configuration.md)
+PARTIAL_BUDGET = 64 * MiB  # [server] max_partial_frame_bytes default (docs/configuration.md)
 PER_CONNECTION = 16 * 1024
 PER_QUEUE = 3 * 1024  # an empty queue with one binding (measured by the queues scenario: ~2.8 KiB)
 MAX_QUEUES = 100_000  # [server] max_queues default

@@ -57,6 +57,8 @@ class ServerConfig:
     max_message_size: int = 4 * MiB
     idle_timeout: float = 60.0
     handshake_timeout: float = 10.0
+    frame_timeout: float = 30.0
+    max_partial_frame_bytes: int = 64 * MiB
     max_connections: int = 10_000
     max_subscriptions: int = 1_000
     max_queues: int = 100_000
@@ -74,6 +76,9 @@ class ServerConfig:
         _int_range("server", "max_message_size", self.max_message_size, 1, self.max_frame_size // 2)
         _positive("server", "idle_timeout", self.idle_timeout)
         _positive("server", "handshake_timeout", self.handshake_timeout)
+        _positive("server", "frame_timeout", self.frame_timeout)
+        # At least one whole frame must fit, or a frame of max_frame_size could never complete.
+        _int_range("server", "max_partial_frame_bytes", self.max_partial_frame_bytes, self.max_frame_size, 1 << 40)
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
         _int_range("server", "max_subscriptions", self.max_subscriptions, 1, 1_000_000)
         _int_range("server", "max_queues", self.max_queues, 1, 10_000_000)

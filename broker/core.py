@@ -18,6 +18,7 @@ from typing import Any
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
 from flowbroker.broker.memory import MemoryMeter
+from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.message import HeldTransfer, Message
 from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.queue import Queue, QueueFull
@@ -202,7 +203,8 @@ class BrokerCore:
             if type(frame) is BufferControl:
                 self.on_buffer_control(session, frame)
             elif type(frame) is Error:
-                LOGGER.warning("connection %d reported error %s: %s", session.conn_id, frame.code.name, frame.text)
+                LOGGER.warning("connection %d reported error %s: %s", session.conn_id, frame.code.name,
+                               logsafe(frame.text))
             elif type(frame) is Close:
                 pass  # the shell ends the connection
             return

@@ -14,20 +14,44 @@ scheduler round for their writer tasks. Measured at 5,000 msgs/s that round was 
 0.35 ms of a message's way through the broker. What the kernel does not take at once (its send
 buffer is full: a slow consumer) goes to that connection's writer task, which sends it before
 anything newer, so frames stay in order and a slow socket never blocks the reader.
+
+What one connection can cost the others is bounded here (docs/architecture.md, "Bounded everything"):
+
+- Every exception raised while serving a connection (in the core's handle(), in encoding, in the
+  writer, the timer or the handshake; a broker bug such as a RecursionError) ends that connection
+  alone, with ERROR INTERNAL_ERROR and a logged traceback. Nothing reaches the accept loop.
+- A reader hands frames to the core for at most READER_TURN_SECONDS before it yields, so a burst of
+  frames from one peer holds the event loop for a few milliseconds, not for as long as it lasts.
+- Every accepted socket counts toward max_connections, HELLO or not, and sockets over it are refused
+  at accept (broker/accept.py accepts, with backoff when out of descriptors).
+- A frame must complete within frame_timeout, and the bytes held for partial frames are bounded
+  across connections (broker/framebudget.py): a reader reads no more than the budget grants.
+- A connection is closed by shutting down its sending side (a FIN after the last frame) and reading
+  and discarding what the peer still sends, briefly, before closing the socket: closing with unread
+  bytes makes the kernel reset the connection, and the peer could lose the ERROR saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 
+from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import AdminServer
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.framebudget import PartialFrameBudget
+from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.session import Session, SessionFault
+from flowbroker.protocol.codec import encode_frames
 from flowbroker.protocol.connection import Connection, Role, State
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from flowbroker.protocol.frames import (
@@ -46,6 +70,10 @@ __all__ = ["BrokerServer", "now_ns"]
 LOGGER = logging.getLogger("flowbroker.broker.server")
 RECEIVE_SIZE = 64 * 1024  # per read; 256 KiB reads from 200 busy connections fragmented the heap by tens of MiB
 FINAL_FLUSH_SECONDS = 2.0
+READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
+DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
+DRAIN_BYTES = 1024 * 1024  # ...and how much of it
+DESCRIPTOR_RESERVE = 64  # descriptors beyond max_connections: listeners, the admin API, logs
 
 
 def now_ns() -> int:
@@ -61,6 +89,20 @@ class _Closing:
     error: bool = True  # send an ERROR frame before CLOSE
 
 
+class _FrameTimeout(Exception):
+    """The frame being received did not complete within [server] frame_timeout."""
+
+
+_NO_DEADLINE = contextlib.nullcontext()  # most reads: no partial frame, so no cancel scope to enter
+
+
+def _peer_of(stream: trio.SocketStream) -> str:
+    try:
+        return "%s:%s" % stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+
+
 class BrokerServer:
     """Serves the broker protocol. `await nursery.start(server.serve)` returns the bound port."""
 
@@ -74,6 +116,12 @@ class BrokerServer:
         self.admin_port: int | None = None
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
+        self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
+        self.peak_sockets = 0
+        self.refused = 0  # sockets refused at accept because open_sockets was at max_connections
+        self.frame_budget = PartialFrameBudget(config.server.max_partial_frame_bytes, RECEIVE_SIZE)
+        self._handlers: trio.Nursery | None = None
+        self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
 
     def flush_woken(self) -> None:
         """Write out, without waiting, what the frames just handled made due on every connection."""
@@ -85,6 +133,13 @@ class BrokerServer:
         """Listen until shutdown() is called or the task is cancelled; then close every connection
         with a reason (SHUTDOWN), after flushing the completions and credit already due."""
         cfg = self.config.server
+        limits = raise_descriptor_limit()
+        if limits is not None:
+            LOGGER.info("descriptor limit %d (hard limit %d), max_connections %d", *limits, cfg.max_connections)
+            if limits[0] < cfg.max_connections + DESCRIPTOR_RESERVE:
+                LOGGER.warning("descriptor limit %d is below max_connections %d + %d: accepts will fail (and back "
+                               "off) before max_connections is reached", limits[0], cfg.max_connections,
+                               DESCRIPTOR_RESERVE)
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
             try:
@@ -97,7 +152,9 @@ class BrokerServer:
         self.port = listeners[0].socket.getsockname()[1]
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+            self._handlers = nursery  # connections run here, beside the accept loops
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener)
             if self.admin is not None:
                 await nursery.start(self.admin.serve)
             task_status.started(self.port)
@@ -119,22 +176,84 @@ class BrokerServer:
         handler = self.connections.get(conn_id)
         return handler.peer if handler is not None else None
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        await ConnectionHandler(self, stream).run()
+    async def _accept(self, listener: trio.SocketListener) -> None:
+        try:
+            await accept_forever(listener, self._admit)
+        finally:
+            await trio.aclose_forcefully(listener)
+
+    def _admit(self, stream: trio.SocketStream) -> None:
+        """Count the socket, or refuse it at once if max_connections sockets are open."""
+        limit = self.config.server.max_connections
+        if self.open_sockets >= limit:
+            self._refuse(stream, f"too many connections (max_connections {limit})")
+            return
+        self.open_sockets += 1
+        self.peak_sockets = max(self.peak_sockets, self.open_sockets)
+        assert self._handlers is not None
+        self._handlers.start_soon(self._serve_one, stream)
+
+    def _refuse(self, stream: trio.SocketStream, text: str) -> None:
+        """ERROR + CLOSE RESOURCE_EXHAUSTED and close, without a task or a wait: a new socket's send
+        buffer is empty, so the kernel takes the two frames at once (a client reads them as the
+        answer to its HELLO). What already arrived (a HELLO) is read first, so the close is a FIN."""
+        self.refused += 1
+        self._log_refusal("refusing connection from %s: %s", _peer_of(stream), text)
+        sock = stream.socket
+        fd = sock.fileno()
+        try:
+            os.read(fd, RECEIVE_SIZE)
+        except OSError:  # nothing arrived yet (would block), or the peer is gone
+            pass
+        try:
+            code = ErrorCode.RESOURCE_EXHAUSTED
+            os.write(fd, encode_frames([Error(code, text), Close(code, text)]))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        sock.close()
+
+    async def _serve_one(self, stream: trio.SocketStream) -> None:
+        handler: ConnectionHandler | None = None
+        try:
+            handler = ConnectionHandler(self, stream)
+            await handler.run()
+        except Exception as exc:  # a bug in the handler's own error handling: still this connection's alone
+            LOGGER.error("connection from %s: unhandled error; closed", _peer_of(stream), exc_info=exc)
+            await trio.aclose_forcefully(stream)
+        finally:
+            self.open_sockets -= 1
+            if handler is not None:
+                handler.frame_bytes.release()
 
 
 async def _send_and_close(
     stream: trio.SocketStream, conn: Connection, frames: list[Frame], unsent: bytes = b""
 ) -> None:
-    """Send `unsent` (the rest of a frame already begun) and then `frames`, with a deadline, and close."""
+    """Send `unsent` (the rest of a frame already begun) and then `frames`, with a deadline; then shut
+    down our sending side and drain what the peer still sends before closing (see the module's doc)."""
     with trio.move_on_after(FINAL_FLUSH_SECONDS) as scope:
         scope.shield = True
         try:
             data = unsent + b"".join(conn.send(f) for f in frames)
-            await stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError):
+            if data:
+                await stream.send_all(data)
+            await stream.send_eof()
+            await _drain(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError, OSError):
             pass
     await trio.aclose_forcefully(stream)
+
+
+async def _drain(stream: trio.SocketStream) -> None:
+    """Read and discard until the peer ends its stream, for DRAIN_SECONDS and DRAIN_BYTES at most."""
+    left = DRAIN_BYTES
+    with trio.move_on_after(DRAIN_SECONDS):
+        while left > 0:
+            data = await stream.receive_some(min(left, RECEIVE_SIZE))
+            if not data:
+                return
+            left -= len(data)
 
 
 class ConnectionHandler:
@@ -151,11 +270,11 @@ class ConnectionHandler:
         self._closing: _Closing | None = None
         self._cancel = trio.CancelScope()
         self.last_received = trio.current_time()
+        self.frame_bytes = server.frame_budget.connection()  # this connection's share of the partial-frame budget
+        self.frame_started: float | None = None  # when the first byte of the partial frame in hand arrived
+        self._eof = False  # the peer ended its byte stream
         self._noop_nonce = 0
-        try:
-            self.peer = "%s:%s" % stream.socket.getpeername()[:2]
-        except OSError:
-            self.peer = "?"
+        self.peer = _peer_of(stream)
 
     def close(self, reason: _Closing) -> None:
         """End this connection with `reason` (from any task); the first reason wins."""
@@ -163,73 +282,106 @@ class ConnectionHandler:
             self._closing = reason
         self._cancel.cancel()
 
+    def _internal_error(self, exc: BaseException, what: str, frame_seq: int | None = None) -> None:
+        """A bug showed while serving this connection: log it with its traceback and end this
+        connection alone with INTERNAL_ERROR (the broker's state for the others is not at fault)."""
+        conn_id = self.session.conn_id if self.session is not None else "-"
+        LOGGER.error("connection %s from %s: internal error in %s; closing it", conn_id, self.peer, what,
+                     exc_info=exc)
+        text = f"internal error in {what} ({type(exc).__name__}); the broker closed this connection"
+        self.close(_Closing(ErrorCode.INTERNAL_ERROR, text, frame_seq))
+
     async def run(self) -> None:
-        hello = await self._handshake()
-        if hello is None:
-            return
-        limit = self.server.config.server.max_connections
-        if len(self.server.connections) >= limit:
-            # Refused after HELLO, where the protocol lets the broker answer ERROR + CLOSE instead of
-            # WELCOME, so the client learns why rather than seeing the socket drop.
-            text = f"too many connections (max_connections {limit})"
-            LOGGER.warning("refusing connection from %s: %s", self.peer, text)
+        try:
+            hello = await self._handshake()
+            if hello is not None:
+                await self._serve(hello)
+        except Exception as exc:
+            self._internal_error(exc, "the handshake")
+            reason = self._closing
+            assert reason is not None
             await _send_and_close(
-                self.stream, self.conn, [Error(ErrorCode.INTERNAL_ERROR, text), Close(ErrorCode.INTERNAL_ERROR, text)]
+                self.stream, self.conn, [Error(reason.code, reason.text), Close(reason.code, reason.text)]
             )
-            return
+        finally:
+            self.frame_bytes.release()
+
+    async def _serve(self, hello: Hello) -> None:
         core = self.core
         session = core.open_session(hello.client_name, "anonymous", hello.flow_control, self._wake)
         self.session = session
         self.server.connections[session.conn_id] = self
-        cfg = self.server.config.server
-        welcome = Welcome(
-            PROTOCOL_VERSION,
-            session.conn_id,
-            cfg.name,
-            cfg.max_frame_size,
-            cfg.max_message_size,
-            int(cfg.idle_timeout * 1000),
-            session.buffer_size,
-            session.identity,
-        )
-        LOGGER.info("connection %d from %s (%s), flow control %s, buffer %d bytes", session.conn_id,
-                    self.peer, hello.client_name, "on" if hello.flow_control else "off", session.buffer_size)
         try:
-            await self.stream.send_all(self.conn.send(welcome))
+            cfg = self.server.config.server
+            welcome = Welcome(
+                PROTOCOL_VERSION,
+                session.conn_id,
+                cfg.name,
+                cfg.max_frame_size,
+                cfg.max_message_size,
+                int(cfg.idle_timeout * 1000),
+                session.buffer_size,
+                session.identity,
+            )
+            LOGGER.info("connection %d from %s (%s), flow control %s, buffer %d bytes", session.conn_id,
+                        self.peer, logsafe(hello.client_name), "on" if hello.flow_control else "off",
+                        session.buffer_size)
             with self._cancel:
+                await self.stream.send_all(self.conn.send(welcome))
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, session)
-                    nursery.start_soon(self._timer, session)
-                    await self._reader(session)
+                    nursery.start_soon(self._contained, self._writer, session, "the writer")
+                    nursery.start_soon(self._contained, self._timer, session, "the timer")
+                    await self._contained(self._reader, session, "the reader")
                     nursery.cancel_scope.cancel()
-        except* (trio.BrokenResourceError, trio.ClosedResourceError):
-            # except*: from the writer these arrive inside the nursery's ExceptionGroup, and must end
-            # this connection only, never escape to the listener (that would stop the broker).
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # sending WELCOME
             self._closing = self._closing or _Closing(ErrorCode.NORMAL, "connection lost", error=False)
+        except Exception as exc:
+            self._internal_error(exc, "opening the session")
         finally:
             await self._finish(session)
 
+    async def _contained(
+        self, task: Callable[[Session], Awaitable[None]], session: Session, what: str
+    ) -> None:
+        """Run one of the connection's tasks so that whatever it raises ends this connection only
+        (in a nursery, an exception would cancel its siblings and travel up to the accept loop)."""
+        try:
+            await task(session)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.close(_Closing(ErrorCode.NORMAL, "connection lost", error=False))
+        except Exception as exc:
+            self._internal_error(exc, what)
+
     async def _handshake(self) -> Hello | None:
         cfg = self.server.config.server
+        conn = self.conn
         try:
             with trio.fail_after(cfg.handshake_timeout):
                 while True:
-                    frame = self.conn.next_frame()
+                    frames_before = conn.frames_received
+                    frame = conn.next_frame()
                     if frame is not None:
                         if isinstance(frame, Hello):
+                            # What follows HELLO in the buffer began in the last read; the reader
+                            # hands it to the core before it reads again.
+                            self.frame_started = None
                             return frame
-                        await _send_and_close(self.stream, self.conn, [])
+                        await _send_and_close(self.stream, conn, [])
                         return None
-                    if self.conn.state is State.CLOSED:
+                    if conn.state is State.CLOSED:
                         await trio.aclose_forcefully(self.stream)
                         return None
-                    data = await self.stream.receive_some(RECEIVE_SIZE)
-                    self.conn.receive_data(data)
+                    self._held(frames_before)
+                    data = await self._receive()
+                    conn.receive_data(data)
         except trio.TooSlowError:
             LOGGER.info("connection from %s sent no HELLO within %.1fs", self.peer, cfg.handshake_timeout)
             await trio.aclose_forcefully(self.stream)
+        except _FrameTimeout:
+            LOGGER.info("connection from %s: %s", self.peer, self._frame_timeout_text())
+            await trio.aclose_forcefully(self.stream)
         except RemoteProtocolError as exc:
-            LOGGER.info("connection from %s: bad handshake: %s", self.peer, exc)
+            LOGGER.info("connection from %s: bad handshake: %s", self.peer, logsafe(exc))
             await _send_and_close(  # after a protocol error the state machine still allows ERROR + CLOSE
                 self.stream, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
             )
@@ -246,7 +398,14 @@ class ConnectionHandler:
 
     def flush_now(self) -> None:
         """Send the session's outbox with one non-blocking write, unless the writer task is busy or
-        holds unsent bytes (then it is already woken, and order is kept by leaving it to it)."""
+        holds unsent bytes (then it is already woken, and order is kept by leaving it to it).
+        Called by whichever reader woke this connection: what goes wrong here ends this connection."""
+        try:
+            self._flush_now()
+        except Exception as exc:
+            self._internal_error(exc, "writing")
+
+    def _flush_now(self) -> None:
         session = self.session
         if self._writing or self._unsent or session is None or self._closing is not None:
             self._wakeup.set()  # after its current write, the writer collects what is due
@@ -265,41 +424,121 @@ class ConnectionHandler:
             self._unsent = data[sent:]
             self._wakeup.set()
 
+    async def _receive(self) -> bytes:
+        """The next bytes from the peer (b"" once it ended its stream), no more than the partial-frame
+        budget grants (waiting for it if need be); in the middle of a frame, before the frame's
+        deadline, or _FrameTimeout. Yields once per read, as trio's own receive does."""
+        conn, frame_bytes = self.conn, self.frame_bytes
+        sock = self.stream.socket
+        fd = sock.fileno()
+        started = self.frame_started
+        deadline = math.inf if started is None else started + self.server.config.server.frame_timeout
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
+        with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE:
+            while True:
+                size = frame_bytes.grant_read(conn.buffered, RECEIVE_SIZE)
+                if not size:  # in the middle of a large frame, and the budget is spent
+                    await frame_bytes.budget.wait_freed()
+                    waited = True
+                    continue
+                try:  # os.read: trio sockets have no synchronous receive (POSIX only)
+                    data = os.read(fd, size)
+                except BlockingIOError:
+                    frame_bytes.settle(conn.buffered)  # hold no grant while waiting for the peer
+                    await trio.lowlevel.wait_readable(fd)
+                    waited = True
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+                self.last_received = trio.current_time()
+                if not waited:  # as trio's receive: one yield per read, not two
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                return data
+        raise _FrameTimeout
+
+    def _held(self, frames_before: int) -> None:
+        """After decoding: charge what is left (part of a frame) to the budget and note since when."""
+        conn = self.conn
+        self.frame_bytes.settle(conn.buffered)
+        if not conn.buffered:
+            self.frame_started = None
+        elif self.frame_started is None or conn.frames_received != frames_before:
+            # It began in the last read: every byte before it belonged to frames decoded since then.
+            self.frame_started = self.last_received
+
+    def _frame_timeout_text(self) -> str:
+        conn, timeout = self.conn, self.server.config.server.frame_timeout
+        size = conn.next_frame_size
+        got = f"{conn.buffered} of its {size} bytes" if size is not None else f"{conn.buffered} bytes"
+        return f"frame {conn.frames_received + 1} not complete within frame_timeout {timeout:g}s ({got} received)"
+
     async def _reader(self, session: Session) -> None:
-        conn, core, stream, server = self.conn, self.core, self.stream, self.server
+        conn = self.conn
         while True:
-            data = await stream.receive_some(RECEIVE_SIZE)
-            self.last_received = trio.current_time()
+            if not await self._handle_buffered(session):
+                return
+            if self._eof:
+                self.close(_Closing(ErrorCode.NORMAL, "client closed the connection", error=False))
+                return
+            try:
+                data = await self._receive()
+            except _FrameTimeout:
+                self.close(_Closing(ErrorCode.IDLE_TIMEOUT, self._frame_timeout_text(), conn.frames_received + 1))
+                return
+            self._eof = not data
             conn.receive_data(data)
+
+    async def _handle_buffered(self, session: Session) -> bool:
+        """Hand every complete frame buffered to the core, yielding to other tasks whenever this has
+        taken READER_TURN_SECONDS (checked on a clock that costs no system call); False when the
+        connection must end. Flushes what the frames made due at every yield and at the end."""
+        conn, core, server = self.conn, self.core, self.server
+        frames_before = conn.frames_received
+        while True:
+            turn_ends = time.perf_counter() + READER_TURN_SECONDS
+            more = False
             server.in_chunk = True
             try:
                 while (frame := conn.next_frame()) is not None:
                     if isinstance(frame, Close):
                         self.close(_Closing(ErrorCode.NORMAL, "closed by client", error=False))
-                        return
+                        return False
                     core.handle(session, frame)
+                    if time.perf_counter() >= turn_ends:
+                        more = True
+                        break
             except RemoteProtocolError as exc:
                 self.close(_Closing(exc.code, str(exc), exc.frame_seq))
-                return
+                return False
             except SessionFault as exc:
                 self.close(_Closing(exc.code, str(exc), conn.frames_received))
-                return
+                return False
+            except Exception as exc:  # a broker bug (or a RecursionError) while handling this frame
+                self._internal_error(exc, f"handling frame {conn.frames_received}", conn.frames_received)
+                return False
             finally:
                 server.in_chunk = False
                 server.flush_woken()
-            if not data:
-                self.close(_Closing(ErrorCode.NORMAL, "client closed the connection", error=False))
-                return
+            if not more:
+                break
+            await trio.lowlevel.checkpoint()
+        self._held(frames_before)
+        return True
 
     def _encode(self, frames: list[Frame]) -> bytes | None:
-        """The frames' bytes; None (and this connection closing) if the state machine refuses one,
-        which would be a broker bug: it must end this connection, not the task that found it."""
+        """The frames' bytes; None (and this connection closing) if the state machine refuses one
+        or encoding fails, which would be a broker bug: it must end this connection, not the task
+        that found it (which may be another connection's reader, flushing)."""
         conn = self.conn
         try:
             return b"".join([conn.send(f) for f in frames])
         except LocalProtocolError as exc:
             LOGGER.error("connection %s: cannot send: %s", self.session and self.session.conn_id, exc)
             self.close(_Closing(ErrorCode.INTERNAL_ERROR, f"broker cannot send: {exc}", error=False))
+            return None
+        except Exception as exc:
+            self._internal_error(exc, "encoding")
             return None
 
     async def _writer(self, session: Session) -> None:
@@ -370,10 +609,18 @@ class ConnectionHandler:
 
     async def _finish(self, session: Session) -> None:
         """Send what is due (completions, credit, errors; not deliveries, which are requeued), then
-        ERROR/CLOSE with the reason, then close the socket."""
+        ERROR/CLOSE with the reason, then close the socket. A failure of the core here is logged and
+        does not stop the socket from closing or the connection from being forgotten."""
         reason = self._closing or _Closing(ErrorCode.NORMAL, "connection ended", error=False)
-        frames: list[Frame] = [f for f in session.collect(now_ns()) if not isinstance(f, Deliver)]
-        self.core.close_session(session)
+        frames: list[Frame] = []
+        try:
+            frames = [f for f in session.collect(now_ns()) if not isinstance(f, Deliver)]
+        except Exception as exc:
+            LOGGER.error("connection %d: collecting its last frames failed", session.conn_id, exc_info=exc)
+        try:
+            self.core.close_session(session)
+        except Exception as exc:
+            LOGGER.error("connection %d: closing its session failed", session.conn_id, exc_info=exc)
         self.server.connections.pop(session.conn_id, None)
         if reason.error:
             frames.append(Error(reason.code, reason.text, reason.frame_seq))
@@ -383,5 +630,4 @@ class ConnectionHandler:
         else:
             await trio.aclose_forcefully(self.stream)
         level = logging.INFO if reason.code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN) else logging.WARNING
-        LOGGER.log(level, "connection %d closed: %s (%s)", session.conn_id, reason.text, reason.code.name)
-
+        LOGGER.log(level, "connection %d closed: %s (%s)", session.conn_id, logsafe(reason.text), reason.code.name)

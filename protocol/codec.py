@@ -2,8 +2,10 @@
 
 The decoder checks the length prefix against `max_frame_size` *before* buffering the body, so an
 oversize frame costs four bytes of memory, not the frame. Its buffer never holds more than one
-partial frame plus what the last read returned. msgpack's exceptions are caught here and turned
-into `RemoteProtocolError`; nothing else leaves this module.
+partial frame plus what the last read returned, and once `next_frame()` has returned None it holds
+only the partial frame (`buffered` bytes of `next_frame_size`): decoded frames are released at once,
+so a connection that sent one large frame and went quiet holds nothing. msgpack's exceptions are
+caught here and turned into `RemoteProtocolError`; nothing else leaves this module.
 """
 
 from __future__ import annotations
@@ -124,6 +126,13 @@ class FrameDecoder:
         """Bytes received but not yet decoded."""
         return len(self._buf) - self._pos
 
+    @property
+    def next_frame_size(self) -> int | None:
+        """Bytes (length prefix included) of the frame at the head of the buffer; None before its prefix is in."""
+        if len(self._buf) - self._pos < 4:
+            return None
+        return 4 + int(LENGTH_PREFIX.unpack_from(self._buf, self._pos)[0])
+
     def feed(self, data: bytes) -> None:
         if not data:
             self._eof = True
@@ -144,6 +153,7 @@ class FrameDecoder:
         available = len(buf) - pos
         if available < 4:
             self._check_truncated(available)
+            self._compact()
             return None
         (length,) = LENGTH_PREFIX.unpack_from(buf, pos)
         seq = self.frames_decoded + 1
@@ -156,6 +166,7 @@ class FrameDecoder:
                          f"MAX_CONTROL_FRAME, {MAX_CONTROL_FRAME})", seq)
         if available < 4 + length:
             self._check_truncated(available)
+            self._compact()
             return None
         start = pos + 4
         self._pos = start + length
@@ -166,6 +177,12 @@ class FrameDecoder:
         finally:
             view.release()  # an exception's traceback must not keep the buffer exported (feed() resizes it)
         return decode_body(obj, seq)
+
+    def _compact(self) -> None:
+        """Drop the frames already decoded (bytearray gives the memory back once it shrinks by half)."""
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
 
     def _check_truncated(self, available: int) -> None:
         if self._eof and available:

@@ -123,6 +123,17 @@ class Connection:
     def max_frame_size(self) -> int:
         return self._decoder.max_frame_size
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not decoded yet: once next_frame() has returned None, the part of a
+        frame still incomplete (the shell bounds these across connections)."""
+        return self._decoder.buffered
+
+    @property
+    def next_frame_size(self) -> int | None:
+        """Size of the frame being received, length prefix included; None before its prefix is in."""
+        return self._decoder.next_frame_size
+
     def set_max_frame_size(self, size: int) -> None:
         """Adopt the size negotiated in WELCOME (the largest frame this end will accept)."""
         if size < 64:

@@ -493,11 +493,12 @@ async def test_shutdown_closes_clients_with_shutdown_and_loses_nothing_completed
 
 
 async def test_connection_over_max_connections_is_refused_with_a_reason(start_flowbroker) -> None:
-    """The refusal comes after HELLO as ERROR + CLOSE, so the client is told why; the open one is untouched."""
+    """The refusal comes at accept as ERROR + CLOSE (RESOURCE_EXHAUSTED), which the client reads as the
+    answer to its HELLO, so it is told why; the open one is untouched."""
     broker = await start_flowbroker(server={"max_connections": 1})
     async with await fc.connect(broker.url, timeout=LIMIT) as first:
         with pytest.raises(fc.HandshakeError, match=r"too many connections \(max_connections 1\)") as refused:
             await fc.connect(broker.url, timeout=LIMIT)
-        assert refused.value.code is ErrorCode.INTERNAL_ERROR
+        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
         await first.declare_queue("still-served")
     assert "still-served" in broker.core.queues

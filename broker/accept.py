@@ -1,0 +1,92 @@
+"""Accepting TCP connections: the descriptor limit, backoff when out of descriptors, quiet logs.
+
+trio.serve_listeners retries a failed accept every 100 ms and logs each failure, so a broker out of
+descriptors printed EMFILE ten times a second while new clients waited. Here the broker raises its
+soft descriptor limit to the hard limit at start (and says what it got), backs off exponentially
+(10 ms to 1 s) while accept() fails, and logs such failures at most once per LOG_INTERVAL seconds
+with the count of those it did not print. Counting and refusing connections over max_connections is
+the caller's `admit` (broker/server.py), called for every accepted socket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import NoReturn
+
+import trio
+
+__all__ = ["raise_descriptor_limit", "RateLimitedLog", "accept_forever"]
+
+LOGGER = logging.getLogger("flowbroker.broker.accept")
+BACKOFF_MIN = 0.01
+BACKOFF_MAX = 1.0
+LOG_INTERVAL = 10.0
+NR_OPEN_DEFAULT = 1 << 20  # Linux's fs.nr_open default: the most a soft limit can be when the hard one is unlimited
+
+
+def raise_descriptor_limit() -> tuple[int, int] | None:
+    """Raise RLIMIT_NOFILE's soft limit to its hard limit; return (soft, hard) in force, None if the
+    platform has no such limit. Each connection costs one descriptor."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = NR_OPEN_DEFAULT if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        LOGGER.warning("cannot raise the descriptor limit from %d to %d: %s", soft, target, exc)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+class RateLimitedLog:
+    """Logs a recurring message at most once per `interval` seconds, saying how many it left out."""
+
+    def __init__(
+        self, logger: logging.Logger, level: int, interval: float = LOG_INTERVAL,
+        clock: Callable[[], float] = trio.current_time,
+    ):
+        self.logger = logger
+        self.clock = clock
+        self.level = level
+        self.interval = interval
+        self.suppressed = 0
+        self._last = -float("inf")
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = self.clock()
+        if now - self._last < self.interval:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            message += " (and %d more like it in the last %.0f s)"
+            args = (*args, self.suppressed, now - self._last)
+        self.logger.log(self.level, message, *args)
+        self._last = now
+        self.suppressed = 0
+
+
+async def accept_forever(listener: trio.SocketListener, admit: Callable[[trio.SocketStream], None]) -> NoReturn:
+    """Accept on `listener` until cancelled, handing each socket to `admit` (which must not block)."""
+    backoff = BACKOFF_MIN
+    log_failure = RateLimitedLog(LOGGER, logging.ERROR)
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            # Out of descriptors or memory: nothing to do but wait for connections to close. Anything
+            # else is as unexpected, and retrying (slowly) beats ending the broker.
+            log_failure("accept failed: %s; retrying with backoff up to %.0f s", exc, BACKOFF_MAX)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            continue
+        backoff = BACKOFF_MIN
+        try:
+            admit(stream)
+        except Exception as exc:  # a bug in admitting one socket must not stop the broker accepting
+            LOGGER.error("admitting a connection failed; closed it", exc_info=exc)
+            stream.socket.close()

@@ -1,0 +1,46 @@
+"""Text a peer chose, made safe to put in a log line or a terminal table.
+
+Client names, queue names and the text of a peer's ERROR are free text from the wire. Written raw, a
+newline forges a log line, an escape sequence rewrites a terminal, a bidi override reverses what an
+operator reads, and a 64 KiB error text floods the log. `logsafe()` escapes every character that is
+not printable (as `\\n`, `\\x1b`, `\\u202e`; a backslash as `\\\\`, so the result reads back
+unambiguously) and cuts the text to `limit` characters first, so its cost is bounded by `limit`, not by
+what was sent. The broker's logs use it; the CLI's tables may too.
+"""
+
+from __future__ import annotations
+
+__all__ = ["logsafe", "PEER_TEXT_LIMIT"]
+
+PEER_TEXT_LIMIT = 200
+"""Characters of a peer-supplied text kept in a log line (the rest is counted, not shown)."""
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+
+
+def _escape(char: str) -> str:
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def logsafe(text: object, limit: int = PEER_TEXT_LIMIT) -> str:
+    """`text` (str() of it) with control and format characters escaped, cut to `limit` characters.
+
+    A cut text ends with `...(+N chars)`. Printable text, including non-ASCII letters, is unchanged.
+    """
+    value = text if isinstance(text, str) else str(text)
+    extra = len(value) - limit
+    if extra > 0:
+        value = value[:limit]
+    if not value.isprintable() or "\\" in value:  # the common case, plain text, costs one scan
+        # str.isprintable() is False for Unicode's "Other" and "Separator" categories but the space:
+        # controls, format characters (bidi overrides), surrogates, unassigned, line separators.
+        value = "".join(_escape(c) if c == "\\" or not c.isprintable() else c for c in value)
+    return f"{value}...(+{extra} chars)" if extra > 0 else value
