@@ -9,14 +9,17 @@ Why it is shaped this way:
   replies put work in small queues and wake it; it writes control traffic first (acks, settlements, noops:
   never stuck behind data) and then up to `TRANSFER_BATCH` messages per TRANSFER frame, several frames per
   write. Batching is what makes Python fast here: one msgpack call and one `send_all` per batch.
-- **One reader task** never stops reading, so completions, credit and flow notices always get through.
+- **One reader task** never stops reading and never waits for the application, so completions, credit
+  and flow notices always get through: deliveries go to the consumer's buffer, which the consumer credit
+  the broker honours bounds (see consumer.py).
 - **One timer task** sends noops when we have been quiet for a third of the idle timeout, declares the
   broker dead after a whole idle timeout of silence, and re-advertises buffer acks every 5 s.
 - **Structured concurrency.** The tasks live in a nursery opened by `async with conn`; leaving the block
   sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it.
 - **Bounded.** Transfers waiting for the writer are bounded by the producers' windows; settlements by the
   unsettled deliveries; buffer acks coalesce to one per buffer (they are absolute); noop replies keep the
-  newest 16; requests are one per awaiting task; deliveries wait in each consumer's bounded buffer.
+  newest 16; requests are one per awaiting task; deliveries wait in each consumer's buffer, bounded by its
+  prefetch (checked on arrival).
 
 Request ids are drawn from 2**62 upward so that an ERROR's `ref_id` is never ambiguous between a request
 and a transfer id (transfer ids count messages from 1 and cannot get there).
@@ -83,6 +86,7 @@ from flowbroker.protocol import (
     TransferEntry,
     Unbind,
     Welcome,
+    message_size,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
 
@@ -121,40 +125,9 @@ class _PendingRequest:
     event: trio.Event = field(default_factory=trio.Event)
     result: dict[str, Any] | None = None
     error: FlowbrokerError | None = None
-
-
-@dataclass
-class _BufferAccount:
-    """A consumer-side byte buffer (connection level or one subscription) and its ack schedule.
-
-    `epoch` changes when accounting restarts (the buffer goes from 0 to a size); a message is counted
-    only against the epoch it arrived in, so bytes delivered while flow control was off are never
-    acknowledged against a buffer that did not count them.
-    """
-
-    scheduler: AckScheduler
-    epoch: int = 0
-
-    def set_size(self, size: int, now_ns: int) -> BufferAck | None:
-        """Resize; returns an acknowledgement of pending bytes to send first, if any."""
-        sched = self.scheduler
-        pending = sched.flush(now_ns)
-        if size and not sched.buffer_size:
-            self.epoch += 1
-            self.scheduler = AckScheduler(size, opaque=sched.opaque, last_sent_ns=now_ns)
-        else:
-            sched.buffer_size = size
-        return pending
-
-    def processed(self, nbytes: int, epoch: int, now_ns: int) -> BufferAck | None:
-        if epoch != self.epoch or not self.scheduler.buffer_size:
-            return None
-        return self.scheduler.on_processed(nbytes, now_ns)
-
-    @property
-    def live_epoch(self) -> int:
-        """The epoch a message arriving now is counted in (-1: not counted, flow control is off)."""
-        return self.epoch if self.scheduler.buffer_size else -1
+    on_ok: Callable[[dict[str, Any]], None] | None = None
+    """Called by the reader with the OK's result, before it handles the next frame (SUBSCRIBE: the
+    prefetch in force must be known before that subscription's first DELIVER)."""
 
 
 class Connection:
@@ -214,7 +187,8 @@ class Connection:
         self._consumers: dict[int, Consumer] = {}
         self._next_subscription_id = 1
         now = trio.current_time()
-        self._buffer = _BufferAccount(AckScheduler(0, opaque=0, last_sent_ns=int(now * 1e9)))
+        self._buffer = AckScheduler(0, opaque=0, last_sent_ns=int(now * 1e9))
+        """The connection-level consumer byte positions (counted whatever the size: see consumer.py)."""
         self._last_received = now
         self._last_sent = now
         self._noop_nonce = 0
@@ -318,11 +292,16 @@ class Connection:
 
     # ------------------------------------------------------------------ requests
 
-    async def _request(self, make: Callable[[int], Frame], timeout: float | None) -> dict[str, Any]:
+    async def _request(
+        self,
+        make: Callable[[int], Frame],
+        timeout: float | None,
+        on_ok: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         self._check_open()
         request_id = self._next_request_id
         self._next_request_id += 1
-        pending = _PendingRequest()
+        pending = _PendingRequest(on_ok=on_ok)
         self._requests[request_id] = pending
         self._queue_control(make(request_id))
         limit = self.request_timeout if timeout is None else timeout
@@ -530,6 +509,7 @@ class Connection:
                     rid, consumer.subscription_id, consumer.queue, consumer.prefetch, consumer.buffer_size
                 ),
                 timeout,
+                consumer._on_subscribed,
             )
         except BaseException:
             self._consumers.pop(consumer.subscription_id, None)
@@ -543,32 +523,44 @@ class Connection:
             self._consumers.pop(consumer.subscription_id, None)
 
     async def set_buffer_size(self, size: int) -> None:
-        """Set the connection-level consumer byte buffer (DCP `connection_buffer_size`; 0 = off).
-        Best set before subscribing: see docs/client.md on changing it mid-stream."""
+        """Set the connection-level consumer byte buffer (DCP `connection_buffer_size`; 0 = off), at any
+        time: turning it on acknowledges at once every byte processed so far (positions count from the
+        start of the connection, whatever the size)."""
         if size < 0:
             raise ValueError("buffer size must be >= 0")
         self._check_open()
         self._set_buffer(self._buffer, size)
         await trio.lowlevel.checkpoint()
 
-    def _set_buffer(self, account: _BufferAccount, size: int) -> None:
-        ack = account.set_size(size, _now_ns())
+    def _set_buffer(self, positions: AckScheduler, size: int) -> None:
+        """Resize a consumer buffer. The scheduler has counted every processed byte whatever the size,
+        as the broker has counted every delivered one, so the ack due now (if any) covers all of them:
+        after a 0 -> n change, the broker's position and ours agree at once."""
+        if size:
+            positions.buffer_size = size
+        ack = positions.flush(_now_ns())  # at the new size; when turning off, at the old one
+        positions.buffer_size = size
         if ack is not None:
             self._queue_ack(ack)
-        self._queue_control(BufferControl(account.scheduler.opaque, size))
+        self._queue_control(BufferControl(positions.opaque, size))
 
-    def _processed(self, nbytes: int, conn_epoch: int, sub_account: _BufferAccount | None, sub_epoch: int) -> None:
-        """A delivery was processed (settled, or its handler returned): count it against its buffers."""
-        if conn_epoch < 0 and sub_epoch < 0:
-            return  # counted against no buffer (byte flow control off): nothing to acknowledge
-        now_ns = _now_ns()
-        ack = self._buffer.processed(nbytes, conn_epoch, now_ns)
-        if ack is not None:
-            self._queue_ack(ack)
-        if sub_account is not None:
-            ack = sub_account.processed(nbytes, sub_epoch, now_ns)
-            if ack is not None:
-                self._queue_ack(ack)
+    def _processed(self, nbytes: int, sub: AckScheduler | None) -> None:
+        """Deliveries of `nbytes` were processed (settled, or their handler returned): count them on the
+        connection's positions and, unless the subscription is gone, on the subscription's, and queue
+        the acknowledgements that are due."""
+        for positions in (self._buffer, sub):
+            if positions is None:
+                continue
+            if positions.buffer_size:
+                ack = positions.on_processed(nbytes, _now_ns())
+                if ack is not None:
+                    self._queue_ack(ack)
+            else:
+                positions.processed_total += nbytes
+
+    def _broker_violated_credit(self, text: str) -> None:
+        """The broker delivered beyond a consumer's credit (its prefetch): a protocol violation."""
+        self._protocol_violation(text, ErrorCode.CREDIT_VIOLATION, self._proto.frames_received)
 
     def _settle_tag(self, outcome: Outcome, tag: int) -> None:
         if self._closed is not None or self._nursery is None:
@@ -673,7 +665,7 @@ class Connection:
                 self._last_received = trio.current_time()
                 proto.receive_data(bytes(data))
                 while (frame := proto.next_frame()) is not None:
-                    await self._dispatch(frame)
+                    self._dispatch(frame)
                     if self._closed is not None:
                         return
                 if not data:
@@ -688,7 +680,8 @@ class Connection:
         self._final_frames += [Error(code, text, frame_seq), Close(code, text)]
         self._shutdown(ProtocolViolation(text, code))
 
-    async def _dispatch(self, frame: Frame) -> None:
+    def _dispatch(self, frame: Frame) -> None:
+        """Handle one frame from the broker. Never waits: nothing here depends on the application."""
         if isinstance(frame, Complete):
             self._on_complete(frame)
         elif isinstance(frame, BufferAck):
@@ -696,13 +689,15 @@ class Connection:
         elif isinstance(frame, Deliver):
             consumer = self._consumers.get(frame.subscription_id)
             if consumer is not None:
-                await consumer._on_deliver(frame.entries)
+                consumer._on_deliver(frame.entries)
             else:
                 self._drop_deliveries(frame)
         elif isinstance(frame, Ok):
             pending = self._requests.get(frame.request_id)
             if pending is not None:
                 pending.result = frame.result
+                if pending.on_ok is not None:
+                    pending.on_ok(frame.result)
                 pending.event.set()
         elif isinstance(frame, FlowStopped):
             self._flow.on_stopped(frame, trio.current_time())
@@ -768,13 +763,9 @@ class Connection:
         self.connection_errors.append(frame)
 
     def _drop_deliveries(self, frame: Deliver) -> None:
-        """Deliveries for a subscription we no longer have: count them as processed for the connection
-        buffer (they will never be processed), and leave settlement to the broker's cancel."""
-        from flowbroker.protocol import message_size
-
-        epoch = self._buffer.live_epoch
-        for entry in frame.entries:
-            self._processed(message_size(entry.body, entry.headers), epoch, None, -1)
+        """Deliveries for a subscription we no longer have: count them as processed on the connection's
+        positions (they will never be processed), and leave settlement to the broker's cancel."""
+        self._processed(sum(message_size(entry.body, entry.headers) for entry in frame.entries), None)
 
     # ------------------------------------------------------------------ timer
 
@@ -794,9 +785,8 @@ class Connection:
                     self._noop_nonce += 1
                     self._queue_control(Noop(self._noop_nonce, False))
             now_ns = int(now * 1e9)
-            accounts = [self._buffer] + [c._buffer for c in self._consumers.values()]
-            for account in accounts:
-                ack = account.scheduler.poll(now_ns)
+            for positions in [self._buffer] + [c._buffer for c in self._consumers.values()]:
+                ack = positions.poll(now_ns)
                 if ack is not None:
                     self._queue_ack(ack)
 

@@ -172,6 +172,7 @@ class FakeBroker:
         answer_noops: bool = True,
         answer_requests: bool = True,
         welcome: bool = True,
+        max_prefetch: int = 10_000,
     ) -> None:
         self.buffer_size = buffer_size
         self.idle_timeout_ms = idle_timeout_ms
@@ -181,6 +182,8 @@ class FakeBroker:
         self.answer_noops = answer_noops
         self.answer_requests = answer_requests
         self.welcome = welcome
+        self.max_prefetch = max_prefetch
+        """The prefetch in force a SUBSCRIBE's OK reports, as the broker's cap (the fake does not apply it)."""
         self.full_queues: set[str] = set()
         self.held_queues: set[str] = set()
         self.missing: set[str] = set()
@@ -246,5 +249,8 @@ class FakeBroker:
             name = getattr(frame, "queue", None) or getattr(frame, "exchange", "")
             if name in self.missing:
                 await conn.send(Error(ErrorCode.NOT_FOUND, f"no queue {name}", None, frame.request_id, name))
+            elif isinstance(frame, Subscribe):
+                prefetch = min(frame.prefetch, self.max_prefetch) if frame.prefetch else self.max_prefetch
+                await conn.send(Ok(frame.request_id, {"queue": name, "prefetch": prefetch}))
             else:
                 await conn.send(Ok(frame.request_id, {"name": name, "type": type(frame).__name__}))
