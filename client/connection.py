@@ -89,6 +89,7 @@ from flowbroker.protocol import (
     message_size,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
 
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
@@ -99,7 +100,8 @@ __all__ = ["Connection", "connect", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
 log = logging.getLogger("flowbroker.client")
 
 TRANSFER_BATCH = 256
-"""Most messages in one TRANSFER frame."""
+"""Most messages in one TRANSFER frame (the protocol allows MAX_ENTRIES_PER_FRAME)."""
+assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME
 WRITE_FRAMES = 8
 """Most TRANSFER frames in one socket write, so control traffic never waits long behind data."""
 RECEIVE_SIZE = 256 * 1024
@@ -593,7 +595,10 @@ class Connection:
         if self._settle:
             settle, self._settle = self._settle, {}
             for outcome, tags in settle.items():
-                out.append(send(Settle(outcome, coalesce(tags))))
+                ranges = coalesce(tags)
+                # Split, so that no frame asks the broker for more than the protocol allows.
+                for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):
+                    out.append(send(Settle(outcome, ranges[start : start + MAX_RANGES_PER_FRAME])))
         while self._noop_replies:
             out.append(send(Noop(self._noop_replies.popleft(), True)))
         while self._control:

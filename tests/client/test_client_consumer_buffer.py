@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import flowbroker.client as fc
-from flowbroker.client.connection import coalesce
+from flowbroker.client.connection import TRANSFER_BATCH, coalesce
 from flowbroker.protocol import (
     BufferAck,
     Cancel,
@@ -26,6 +26,7 @@ from flowbroker.protocol import (
     Subscribe,
     message_size,
 )
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
 
 BODY = b"b" * 20
 SIZE = message_size(BODY)
@@ -191,3 +192,29 @@ async def test_settling_is_not_a_cancel_point_iterating_is(start_broker) -> None
 def test_coalesce(tags: list[int], ranges: list[tuple[int, int]]) -> None:
     assert coalesce(tags) == ranges
 
+
+async def test_settle_frames_are_split_at_max_ranges_per_frame(start_broker) -> None:
+    broker = await start_broker()
+    count = 2 * MAX_RANGES_PER_FRAME + 200  # every other tag settled: one range each
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q", prefetch=2 * count) as consumer:
+            sub_id = fake.frames(Subscribe)[0].subscription_id
+            for first in range(1, 2 * count + 1, MAX_ENTRIES_PER_FRAME):
+                await fake.send(Deliver(sub_id, entries(first, min(MAX_ENTRIES_PER_FRAME, 2 * count + 1 - first))))
+            received = [await consumer.receive(timeout=5) for _ in range(2 * count)]
+            for msg in received:  # without yielding: the writer takes them all at once
+                if msg.delivery_tag % 2:
+                    msg.settle_nowait(Outcome.ACK)
+
+            def acked() -> list[int]:
+                return [t for s in fake.frames(Settle) for lo, hi in s.ranges for t in range(lo, hi + 1)]
+
+            await fake.wait_for(lambda: len(acked()) == count)
+            assert sorted(acked()) == list(range(1, 2 * count, 2))
+            assert all(len(s.ranges) <= MAX_RANGES_PER_FRAME for s in fake.frames(Settle))
+            assert max(len(s.ranges) for s in fake.frames(Settle)) == MAX_RANGES_PER_FRAME
+
+
+def test_transfer_frames_stay_under_max_entries_per_frame() -> None:
+    assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME

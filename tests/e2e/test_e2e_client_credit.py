@@ -1,9 +1,11 @@
-"""The SDK's consumer credit against a real `BrokerServer` over TCP on 127.0.0.1.
+"""The SDK's consumer credit and per-message limits against a real `BrokerServer` over TCP on 127.0.0.1.
 
 - A consumer whose application does not read must not stall the producers on its connection: the
   SDK's reader never waits for the application (issue 8, 6c).
 - A consumer byte buffer turned on mid-stream must not stall: positions count from the start of the
   connection, whatever the size, on both ends (issue 8, 6a).
+- A message over a per-message limit is refused by `send()` before anything is sent, with a typed error
+  naming the limit, and the connection goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import trio
 
 import flowbroker.client as fc
+from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES
 
 STALL = 2.0
 """Seconds: the bound on a wait that must not stall (it takes milliseconds; generous for a busy machine)."""
@@ -93,3 +96,27 @@ async def test_a_buffer_turned_on_midstream_does_not_stall_the_consumer(start_fl
                     await msg.ack()
     await wait_until(lambda: broker.core.queues["q"].count == 0)
 
+
+async def test_messages_over_a_limit_are_refused_by_send_and_the_connection_goes_on(start_flowbroker) -> None:
+    max_message = 4096
+    broker = await start_flowbroker(server={"max_message_size": max_message})
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.declare_queue("q")
+        producer = conn.producer(routing_key="q")
+        headers = {"h%02d" % i: "v" for i in range(MAX_HEADERS)}  # 4 bytes each
+        at_limit = b"x" * (max_message - len("q") - 4 * MAX_HEADERS)
+        with pytest.raises(fc.TooManyHeaders, match="MAX_HEADERS"):
+            await producer.send(b"b", {**headers, "one": "more"})
+        with pytest.raises(fc.KeyTooLong, match="MAX_KEY_BYTES"):
+            await producer.send(b"b", routing_key="é" * (MAX_KEY_BYTES // 2 + 1))
+        with pytest.raises(fc.MessageTooLarge, match="max_message_size"):
+            await producer.send(at_limit + b"x", headers)
+        assert producer.stats.sent == 0  # refused before anything was sent
+        # The whole message at the limit is taken, delivered, and the connection is still open.
+        await producer.send(at_limit, headers)
+        await producer.flush(timeout=STALL)
+        async with conn.consumer("q") as consumer:
+            msg = await consumer.receive(timeout=STALL)
+            assert (msg.body, msg.headers) == (at_limit, headers)
+            await msg.ack()
+        assert not conn.is_closed
