@@ -105,6 +105,9 @@ assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME
 WRITE_FRAMES = 8
 """Most TRANSFER frames in one socket write, so control traffic never waits long behind data."""
 RECEIVE_SIZE = 256 * 1024
+WRITE_CHUNK = 1024 * 1024
+"""A write larger than this goes out a chunk at a time, so that the timer can tell a broker that reads
+slowly (each chunk goes through) from one that reads nothing (see `_timer`)."""
 REQUEST_ID_BASE = 2**62
 NOOP_REPLIES_KEPT = 16
 ENTRY_OVERHEAD = 24
@@ -171,6 +174,13 @@ class Connection:
         self._acks: dict[int, BufferAck] = {}
         self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
         self._writer_done = trio.Event()
+        self._writer_scope = trio.CancelScope()
+        self._writing = False
+        self._write_seq = 0
+        """Counts chunks written: the timer declares the broker dead when one stays in progress for a
+        whole idle timeout (it reads nothing from us, so it cannot be hearing our noops either)."""
+        self._stuck_seq = -1
+        self._stuck_since = 0.0
         self._final_frames: list[Frame] = []
         # producer side
         self._next_transfer_id = 1
@@ -629,36 +639,54 @@ class Connection:
             del transfers[:taken], costs[:taken]
 
     async def _writer(self) -> None:
+        """Waits only for work (`_wake`) and for the broker to take our bytes (`_write`), which the timer
+        bounds by the idle timeout: a write stalled for that long ends the connection and this task."""
         try:
-            while self._closed is None:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                while self._closed is None and (
-                    self._transfers or self._control or self._settle or self._acks or self._noop_replies
-                ):
-                    out: list[bytes] = []
+            with self._writer_scope:
+                while self._closed is None:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    while self._closed is None and (
+                        self._transfers or self._control or self._settle or self._acks or self._noop_replies
+                    ):
+                        out: list[bytes] = []
+                        self._encode_control(out)
+                        self._encode_transfers(out)
+                        await self._write(b"".join(out))
+                        self._last_sent = trio.current_time()
+                out = []
+                if self._graceful:
                     self._encode_control(out)
-                    self._encode_transfers(out)
-                    await self._stream.send_all(b"".join(out))
-                    self._last_sent = trio.current_time()
-            out = []
-            if self._graceful:
-                self._encode_control(out)
-                while self._transfers:
-                    self._encode_transfers(out)
-            if not self._proto.closed_by_us:
-                # Also after a remote protocol error (State.ERROR): the state machine still lets us
-                # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
-                out.extend(self._proto.send(frame) for frame in self._final_frames)
-            if out:
-                await self._stream.send_all(b"".join(out))
+                    while self._transfers:
+                        self._encode_transfers(out)
+                if not self._proto.closed_by_us:
+                    # Also after a remote protocol error (State.ERROR): the state machine still lets us
+                    # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
+                    out.extend(self._proto.send(frame) for frame in self._final_frames)
+                if out:
+                    # Bounded by `aclose`'s close_timeout, then by the end of the `async with` block.
+                    await self._write(b"".join(out))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
         except LocalProtocolError as exc:  # a bug in the SDK or a frame the caller built wrongly
             log.error("flowbroker connection %s: cannot send: %s", self.connection_id, exc)
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"cannot send: {exc}"))
         finally:
+            self._writing = False
             self._writer_done.set()
+
+    async def _write(self, data: bytes) -> None:
+        """Send `data`, at most WRITE_CHUNK bytes per `send_all`, counting chunks for the timer."""
+        self._writing = True
+        if len(data) <= WRITE_CHUNK:
+            self._write_seq += 1
+            await self._stream.send_all(data)
+        else:
+            view = memoryview(data)
+            for start in range(0, len(data), WRITE_CHUNK):
+                self._write_seq += 1
+                await self._stream.send_all(view[start : start + WRITE_CHUNK])
+        self._writing = False
 
     # ------------------------------------------------------------------ reader
 
@@ -775,6 +803,8 @@ class Connection:
     # ------------------------------------------------------------------ timer
 
     async def _timer(self) -> None:
+        """Liveness both ways, with the broker's idle timeout (0: none, and then nothing here bounds the
+        reader's or the writer's waits on the socket but the end of the `async with` block)."""
         idle = self.welcome.idle_timeout_ms / 1000
         tick = min(1.0, max(0.01, idle / 6)) if idle else 1.0
         while self._closed is None:
@@ -786,6 +816,13 @@ class Connection:
                     self._final_frames.append(Close(ErrorCode.IDLE_TIMEOUT, text))
                     self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
                     return
+                if self._write_stalled(now, idle):
+                    # The stream is in the middle of a frame: nothing more can be written on it.
+                    text = f"the broker took none of our bytes for {idle:g} s"
+                    log.warning("flowbroker connection %s: %s", self.connection_id, text)
+                    self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
+                    self._writer_scope.cancel()
+                    return
                 if now - self._last_sent >= idle / 3 and not self._control:
                     self._noop_nonce += 1
                     self._queue_control(Noop(self._noop_nonce, False))
@@ -794,6 +831,16 @@ class Connection:
                 ack = positions.poll(now_ns)
                 if ack is not None:
                     self._queue_ack(ack)
+
+
+    def _write_stalled(self, now: float, idle: float) -> bool:
+        """True when the same chunk has been in `send_all` for a whole idle timeout (seen at two ticks)."""
+        if not self._writing:
+            return False
+        if self._write_seq != self._stuck_seq:
+            self._stuck_seq, self._stuck_since = self._write_seq, now
+            return False
+        return now - self._stuck_since >= idle
 
 
 def coalesce(tags: list[int]) -> list[tuple[int, int]]:

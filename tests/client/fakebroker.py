@@ -62,7 +62,13 @@ class FakeConn:
     next_id: int = 1
     closed: bool = False
     changed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    reading_paused: trio.Event | None = None
+    """Set by `pause_reading()`: the broker reads nothing more from this client until it is set."""
     _send_lock: trio.Lock = field(default_factory=trio.Lock)
+
+    def pause_reading(self) -> None:
+        """Stop reading from the client (a hung broker that still sends); its writes then stall."""
+        self.reading_paused = trio.Event()
 
     def frames(self, kind: type[Any]) -> list[Any]:
         return [f for f in self.received if isinstance(f, kind)]
@@ -215,6 +221,8 @@ class FakeBroker:
         try:
             async with stream:
                 while True:
+                    if conn.reading_paused is not None:
+                        await conn.reading_paused.wait()
                     data = await stream.receive_some(65536)
                     conn.proto.receive_data(data)
                     while (frame := conn.proto.next_frame()) is not None:
