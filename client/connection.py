@@ -89,7 +89,7 @@ from flowbroker.protocol import (
     message_size,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
-from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
@@ -364,11 +364,15 @@ class Connection:
         return await self._request(lambda rid: DeclareExchange(rid, name, kind), timeout)
 
     async def bind(self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None) -> dict[str, Any]:
+        """Bind `queue` to `exchange`. A binding key over MAX_KEY_BYTES (UTF-8) raises RequestError
+        (KEY_TOO_LONG) before anything is sent, as the broker would refuse it."""
+        _check_binding_key(binding_key)
         return await self._request(lambda rid: Bind(rid, queue, exchange, binding_key), timeout)
 
     async def unbind(
         self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None
     ) -> dict[str, Any]:
+        _check_binding_key(binding_key)
         return await self._request(lambda rid: Unbind(rid, queue, exchange, binding_key), timeout)
 
     async def delete_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
@@ -841,6 +845,14 @@ class Connection:
             self._stuck_seq, self._stuck_since = self._write_seq, now
             return False
         return now - self._stuck_since >= idle
+
+
+def _check_binding_key(key: str) -> None:
+    size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise RequestError(
+            ErrorCode.KEY_TOO_LONG, f"binding key of {size} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)"
+        )
 
 
 def coalesce(tags: list[int]) -> list[tuple[int, int]]:

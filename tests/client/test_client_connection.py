@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 import flowbroker.client as fc
-from flowbroker.protocol import Close, DeclareQueue, Error, ErrorCode, Hello, Noop, Ok
+from flowbroker.protocol import Bind, Close, DeclareQueue, Error, ErrorCode, Hello, Noop, Ok, Unbind
 
 
 async def test_connect_handshake_and_declare(start_broker) -> None:
@@ -43,6 +43,18 @@ async def test_request_error_is_typed(start_broker) -> None:
         with pytest.raises(fc.RequestError) as info:
             await conn.purge_queue("nope")
         assert info.value.code == ErrorCode.NOT_FOUND and info.value.destination == "nope"
+
+
+async def test_a_binding_key_over_max_key_bytes_is_refused_before_sending(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        for call in (conn.bind, conn.unbind):
+            with pytest.raises(fc.RequestError, match="257 bytes.*MAX_KEY_BYTES") as info:
+                await call("q", "ex", "é" * 128 + "k")
+            assert info.value.code == ErrorCode.KEY_TOO_LONG
+        assert (await conn.bind("q", "ex", "k" * 255))["type"] == "Bind"
+        assert len(fake.frames(Bind)) == 1 and fake.frames(Unbind) == []
 
 
 async def test_request_timeout(start_broker, io_clock) -> None:
