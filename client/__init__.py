@@ -15,6 +15,7 @@ from flowbroker.client.errors import (
     FlowControlled,
     FlowControlTimeout,
     HandshakeError,
+    KeyTooLong,
     MessageTooLarge,
     NotFound,
     ProtocolViolation,
@@ -23,6 +24,7 @@ from flowbroker.client.errors import (
     ReceiveTimeout,
     RequestError,
     RequestTimeout,
+    TooManyHeaders,
 )
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState, FlowStop
 from flowbroker.client.producer import Producer, ProducerStats
@@ -55,6 +57,8 @@ __all__ = [
     "PublishError",
     "QueueFull",
     "MessageTooLarge",
+    "KeyTooLong",
+    "TooManyHeaders",
     "NotFound",
     "RequestError",
     "RequestTimeout",

@@ -9,14 +9,17 @@ Why it is shaped this way:
   replies put work in small queues and wake it; it writes control traffic first (acks, settlements, noops:
   never stuck behind data) and then up to `TRANSFER_BATCH` messages per TRANSFER frame, several frames per
   write. Batching is what makes Python fast here: one msgpack call and one `send_all` per batch.
-- **One reader task** never stops reading, so completions, credit and flow notices always get through.
+- **One reader task** never stops reading and never waits for the application, so completions, credit
+  and flow notices always get through: deliveries go to the consumer's buffer, which the consumer credit
+  the broker honours bounds (see consumer.py).
 - **One timer task** sends noops when we have been quiet for a third of the idle timeout, declares the
   broker dead after a whole idle timeout of silence, and re-advertises buffer acks every 5 s.
 - **Structured concurrency.** The tasks live in a nursery opened by `async with conn`; leaving the block
   sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it.
 - **Bounded.** Transfers waiting for the writer are bounded by the producers' windows; settlements by the
   unsettled deliveries; buffer acks coalesce to one per buffer (they are absolute); noop replies keep the
-  newest 16; requests are one per awaiting task; deliveries wait in each consumer's bounded buffer.
+  newest 16; requests are one per awaiting task; deliveries wait in each consumer's buffer, bounded by its
+  prefetch (checked on arrival).
 
 Request ids are drawn from 2**62 upward so that an ERROR's `ref_id` is never ambiguous between a request
 and a transfer id (transfer ids count messages from 1 and cannot get there).
@@ -84,8 +87,10 @@ from flowbroker.protocol import (
     TransferEntry,
     Unbind,
     Welcome,
+    message_size,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
@@ -96,10 +101,14 @@ __all__ = ["Connection", "connect", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
 log = logging.getLogger("flowbroker.client")
 
 TRANSFER_BATCH = 256
-"""Most messages in one TRANSFER frame."""
+"""Most messages in one TRANSFER frame (the protocol allows MAX_ENTRIES_PER_FRAME)."""
+assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME
 WRITE_FRAMES = 8
 """Most TRANSFER frames in one socket write, so control traffic never waits long behind data."""
 RECEIVE_SIZE = 256 * 1024
+WRITE_CHUNK = 1024 * 1024
+"""A write larger than this goes out a chunk at a time, so that the timer can tell a broker that reads
+slowly (each chunk goes through) from one that reads nothing (see `_timer`)."""
 REQUEST_ID_BASE = 2**62
 NOOP_REPLIES_KEPT = 16
 ENTRY_OVERHEAD = 24
@@ -122,40 +131,9 @@ class _PendingRequest:
     event: trio.Event = field(default_factory=trio.Event)
     result: dict[str, Any] | None = None
     error: FlowbrokerError | None = None
-
-
-@dataclass
-class _BufferAccount:
-    """A consumer-side byte buffer (connection level or one subscription) and its ack schedule.
-
-    `epoch` changes when accounting restarts (the buffer goes from 0 to a size); a message is counted
-    only against the epoch it arrived in, so bytes delivered while flow control was off are never
-    acknowledged against a buffer that did not count them.
-    """
-
-    scheduler: AckScheduler
-    epoch: int = 0
-
-    def set_size(self, size: int, now_ns: int) -> BufferAck | None:
-        """Resize; returns an acknowledgement of pending bytes to send first, if any."""
-        sched = self.scheduler
-        pending = sched.flush(now_ns)
-        if size and not sched.buffer_size:
-            self.epoch += 1
-            self.scheduler = AckScheduler(size, opaque=sched.opaque, last_sent_ns=now_ns)
-        else:
-            sched.buffer_size = size
-        return pending
-
-    def processed(self, nbytes: int, epoch: int, now_ns: int) -> BufferAck | None:
-        if epoch != self.epoch or not self.scheduler.buffer_size:
-            return None
-        return self.scheduler.on_processed(nbytes, now_ns)
-
-    @property
-    def live_epoch(self) -> int:
-        """The epoch a message arriving now is counted in (-1: not counted, flow control is off)."""
-        return self.epoch if self.scheduler.buffer_size else -1
+    on_ok: Callable[[dict[str, Any]], None] | None = None
+    """Called by the reader with the OK's result, before it handles the next frame (SUBSCRIBE: the
+    prefetch in force must be known before that subscription's first DELIVER)."""
 
 
 class Connection:
@@ -197,6 +175,13 @@ class Connection:
         self._acks: dict[int, BufferAck] = {}
         self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
         self._writer_done = trio.Event()
+        self._writer_scope = trio.CancelScope()
+        self._writing = False
+        self._write_seq = 0
+        """Counts chunks written: the timer declares the broker dead when one stays in progress for a
+        whole idle timeout (it reads nothing from us, so it cannot be hearing our noops either)."""
+        self._stuck_seq = -1
+        self._stuck_since = 0.0
         self._final_frames: list[Frame] = []
         # producer side
         self._next_transfer_id = 1
@@ -215,7 +200,8 @@ class Connection:
         self._consumers: dict[int, Consumer] = {}
         self._next_subscription_id = 1
         now = trio.current_time()
-        self._buffer = _BufferAccount(AckScheduler(0, opaque=0, last_sent_ns=int(now * 1e9)))
+        self._buffer = AckScheduler(0, opaque=0, last_sent_ns=int(now * 1e9))
+        """The connection-level consumer byte positions (counted whatever the size: see consumer.py)."""
         self._last_received = now
         self._last_sent = now
         self._noop_nonce = 0
@@ -319,11 +305,16 @@ class Connection:
 
     # ------------------------------------------------------------------ requests
 
-    async def _request(self, make: Callable[[int], Frame], timeout: float | None) -> dict[str, Any]:
+    async def _request(
+        self,
+        make: Callable[[int], Frame],
+        timeout: float | None,
+        on_ok: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         self._check_open()
         request_id = self._next_request_id
         self._next_request_id += 1
-        pending = _PendingRequest()
+        pending = _PendingRequest(on_ok=on_ok)
         self._requests[request_id] = pending
         self._queue_control(make(request_id))
         limit = self.request_timeout if timeout is None else timeout
@@ -374,11 +365,15 @@ class Connection:
         return await self._request(lambda rid: DeclareExchange(rid, name, kind), timeout)
 
     async def bind(self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None) -> dict[str, Any]:
+        """Bind `queue` to `exchange`. A binding key over MAX_KEY_BYTES (UTF-8) raises RequestError
+        (KEY_TOO_LONG) before anything is sent, as the broker would refuse it."""
+        _check_binding_key(binding_key)
         return await self._request(lambda rid: Bind(rid, queue, exchange, binding_key), timeout)
 
     async def unbind(
         self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None
     ) -> dict[str, Any]:
+        _check_binding_key(binding_key)
         return await self._request(lambda rid: Unbind(rid, queue, exchange, binding_key), timeout)
 
     async def delete_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
@@ -535,6 +530,7 @@ class Connection:
                     rid, consumer.subscription_id, consumer.queue, consumer.prefetch, consumer.buffer_size
                 ),
                 timeout,
+                consumer._on_subscribed,
             )
         except BaseException:
             self._consumers.pop(consumer.subscription_id, None)
@@ -548,32 +544,44 @@ class Connection:
             self._consumers.pop(consumer.subscription_id, None)
 
     async def set_buffer_size(self, size: int) -> None:
-        """Set the connection-level consumer byte buffer (DCP `connection_buffer_size`; 0 = off).
-        Best set before subscribing: see docs/client.md on changing it mid-stream."""
+        """Set the connection-level consumer byte buffer (DCP `connection_buffer_size`; 0 = off), at any
+        time: turning it on acknowledges at once every byte processed so far (positions count from the
+        start of the connection, whatever the size)."""
         if size < 0:
             raise ValueError("buffer size must be >= 0")
         self._check_open()
         self._set_buffer(self._buffer, size)
         await trio.lowlevel.checkpoint()
 
-    def _set_buffer(self, account: _BufferAccount, size: int) -> None:
-        ack = account.set_size(size, _now_ns())
+    def _set_buffer(self, positions: AckScheduler, size: int) -> None:
+        """Resize a consumer buffer. The scheduler has counted every processed byte whatever the size,
+        as the broker has counted every delivered one, so the ack due now (if any) covers all of them:
+        after a 0 -> n change, the broker's position and ours agree at once."""
+        if size:
+            positions.buffer_size = size
+        ack = positions.flush(_now_ns())  # at the new size; when turning off, at the old one
+        positions.buffer_size = size
         if ack is not None:
             self._queue_ack(ack)
-        self._queue_control(BufferControl(account.scheduler.opaque, size))
+        self._queue_control(BufferControl(positions.opaque, size))
 
-    def _processed(self, nbytes: int, conn_epoch: int, sub_account: _BufferAccount | None, sub_epoch: int) -> None:
-        """A delivery was processed (settled, or its handler returned): count it against its buffers."""
-        if conn_epoch < 0 and sub_epoch < 0:
-            return  # counted against no buffer (byte flow control off): nothing to acknowledge
-        now_ns = _now_ns()
-        ack = self._buffer.processed(nbytes, conn_epoch, now_ns)
-        if ack is not None:
-            self._queue_ack(ack)
-        if sub_account is not None:
-            ack = sub_account.processed(nbytes, sub_epoch, now_ns)
-            if ack is not None:
-                self._queue_ack(ack)
+    def _processed(self, nbytes: int, sub: AckScheduler | None) -> None:
+        """Deliveries of `nbytes` were processed (settled, or their handler returned): count them on the
+        connection's positions and, unless the subscription is gone, on the subscription's, and queue
+        the acknowledgements that are due."""
+        for positions in (self._buffer, sub):
+            if positions is None:
+                continue
+            if positions.buffer_size:
+                ack = positions.on_processed(nbytes, _now_ns())
+                if ack is not None:
+                    self._queue_ack(ack)
+            else:
+                positions.processed_total += nbytes
+
+    def _broker_violated_credit(self, text: str) -> None:
+        """The broker delivered beyond a consumer's credit (its prefetch): a protocol violation."""
+        self._protocol_violation(text, ErrorCode.CREDIT_VIOLATION, self._proto.frames_received)
 
     def _settle_tag(self, outcome: Outcome, tag: int) -> None:
         if self._closed is not None or self._nursery is None:
@@ -606,7 +614,10 @@ class Connection:
         if self._settle:
             settle, self._settle = self._settle, {}
             for outcome, tags in settle.items():
-                out.append(send(Settle(outcome, coalesce(tags))))
+                ranges = coalesce(tags)
+                # Split, so that no frame asks the broker for more than the protocol allows.
+                for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):
+                    out.append(send(Settle(outcome, ranges[start : start + MAX_RANGES_PER_FRAME])))
         while self._noop_replies:
             out.append(send(Noop(self._noop_replies.popleft(), True)))
         while self._control:
@@ -637,36 +648,54 @@ class Connection:
             del transfers[:taken], costs[:taken]
 
     async def _writer(self) -> None:
+        """Waits only for work (`_wake`) and for the broker to take our bytes (`_write`), which the timer
+        bounds by the idle timeout: a write stalled for that long ends the connection and this task."""
         try:
-            while self._closed is None:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                while self._closed is None and (
-                    self._transfers or self._control or self._settle or self._acks or self._noop_replies
-                ):
-                    out: list[bytes] = []
+            with self._writer_scope:
+                while self._closed is None:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    while self._closed is None and (
+                        self._transfers or self._control or self._settle or self._acks or self._noop_replies
+                    ):
+                        out: list[bytes] = []
+                        self._encode_control(out)
+                        self._encode_transfers(out)
+                        await self._write(b"".join(out))
+                        self._last_sent = trio.current_time()
+                out = []
+                if self._graceful:
                     self._encode_control(out)
-                    self._encode_transfers(out)
-                    await self._stream.send_all(b"".join(out))
-                    self._last_sent = trio.current_time()
-            out = []
-            if self._graceful:
-                self._encode_control(out)
-                while self._transfers:
-                    self._encode_transfers(out)
-            if not self._proto.closed_by_us:
-                # Also after a remote protocol error (State.ERROR): the state machine still lets us
-                # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
-                out.extend(self._proto.send(frame) for frame in self._final_frames)
-            if out:
-                await self._stream.send_all(b"".join(out))
+                    while self._transfers:
+                        self._encode_transfers(out)
+                if not self._proto.closed_by_us:
+                    # Also after a remote protocol error (State.ERROR): the state machine still lets us
+                    # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
+                    out.extend(self._proto.send(frame) for frame in self._final_frames)
+                if out:
+                    # Bounded by `aclose`'s close_timeout, then by the end of the `async with` block.
+                    await self._write(b"".join(out))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
         except LocalProtocolError as exc:  # a bug in the SDK or a frame the caller built wrongly
             log.error("flowbroker connection %s: cannot send: %s", self.connection_id, exc)
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"cannot send: {exc}"))
         finally:
+            self._writing = False
             self._writer_done.set()
+
+    async def _write(self, data: bytes) -> None:
+        """Send `data`, at most WRITE_CHUNK bytes per `send_all`, counting chunks for the timer."""
+        self._writing = True
+        if len(data) <= WRITE_CHUNK:
+            self._write_seq += 1
+            await self._stream.send_all(data)
+        else:
+            view = memoryview(data)
+            for start in range(0, len(data), WRITE_CHUNK):
+                self._write_seq += 1
+                await self._stream.send_all(view[start : start + WRITE_CHUNK])
+        self._writing = False
 
     # ------------------------------------------------------------------ reader
 
@@ -678,7 +707,7 @@ class Connection:
                 self._last_received = trio.current_time()
                 proto.receive_data(bytes(data))
                 while (frame := proto.next_frame()) is not None:
-                    await self._dispatch(frame)
+                    self._dispatch(frame)
                     if self._closed is not None:
                         return
                 if not data:
@@ -693,7 +722,8 @@ class Connection:
         self._final_frames += [Error(code, text, frame_seq), Close(code, text)]
         self._shutdown(ProtocolViolation(text, code))
 
-    async def _dispatch(self, frame: Frame) -> None:
+    def _dispatch(self, frame: Frame) -> None:
+        """Handle one frame from the broker. Never waits: nothing here depends on the application."""
         if isinstance(frame, Complete):
             self._on_complete(frame)
         elif isinstance(frame, BufferAck):
@@ -701,13 +731,15 @@ class Connection:
         elif isinstance(frame, Deliver):
             consumer = self._consumers.get(frame.subscription_id)
             if consumer is not None:
-                await consumer._on_deliver(frame.entries)
+                consumer._on_deliver(frame.entries)
             else:
                 self._drop_deliveries(frame)
         elif isinstance(frame, Ok):
             pending = self._requests.get(frame.request_id)
             if pending is not None:
                 pending.result = frame.result
+                if pending.on_ok is not None:
+                    pending.on_ok(frame.result)
                 pending.event.set()
         elif isinstance(frame, FlowStopped):
             self._flow.on_stopped(frame, trio.current_time())
@@ -773,17 +805,15 @@ class Connection:
         self.connection_errors.append(frame)
 
     def _drop_deliveries(self, frame: Deliver) -> None:
-        """Deliveries for a subscription we no longer have: count them as processed for the connection
-        buffer (they will never be processed), and leave settlement to the broker's cancel."""
-        from flowbroker.protocol import message_size
-
-        epoch = self._buffer.live_epoch
-        for entry in frame.entries:
-            self._processed(message_size(entry.body, entry.headers), epoch, None, -1)
+        """Deliveries for a subscription we no longer have: count them as processed on the connection's
+        positions (they will never be processed), and leave settlement to the broker's cancel."""
+        self._processed(sum(message_size(entry.body, entry.headers) for entry in frame.entries), None)
 
     # ------------------------------------------------------------------ timer
 
     async def _timer(self) -> None:
+        """Liveness both ways, with the broker's idle timeout (0: none, and then nothing here bounds the
+        reader's or the writer's waits on the socket but the end of the `async with` block)."""
         idle = self.welcome.idle_timeout_ms / 1000
         tick = min(1.0, max(0.01, idle / 6)) if idle else 1.0
         while self._closed is None:
@@ -795,15 +825,39 @@ class Connection:
                     self._final_frames.append(Close(ErrorCode.IDLE_TIMEOUT, text))
                     self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
                     return
+                if self._write_stalled(now, idle):
+                    # The stream is in the middle of a frame: nothing more can be written on it.
+                    text = f"the broker took none of our bytes for {idle:g} s"
+                    log.warning("flowbroker connection %s: %s", self.connection_id, text)
+                    self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
+                    self._writer_scope.cancel()
+                    return
                 if now - self._last_sent >= idle / 3 and not self._control:
                     self._noop_nonce += 1
                     self._queue_control(Noop(self._noop_nonce, False))
             now_ns = int(now * 1e9)
-            accounts = [self._buffer] + [c._buffer for c in self._consumers.values()]
-            for account in accounts:
-                ack = account.scheduler.poll(now_ns)
+            for positions in [self._buffer] + [c._buffer for c in self._consumers.values()]:
+                ack = positions.poll(now_ns)
                 if ack is not None:
                     self._queue_ack(ack)
+
+
+    def _write_stalled(self, now: float, idle: float) -> bool:
+        """True when the same chunk has been in `send_all` for a whole idle timeout (seen at two ticks)."""
+        if not self._writing:
+            return False
+        if self._write_seq != self._stuck_seq:
+            self._stuck_seq, self._stuck_since = self._write_seq, now
+            return False
+        return now - self._stuck_since >= idle
+
+
+def _check_binding_key(key: str) -> None:
+    size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise RequestError(
+            ErrorCode.KEY_TOO_LONG, f"binding key of {size} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)"
+        )
 
 
 def coalesce(tags: list[int]) -> list[tuple[int, int]]:

@@ -9,9 +9,30 @@ Two separate things flow back to the broker, as in DCP:
   `AckScheduler`: after 20 % of the buffer or 50 KiB, and from the timer every 5 s. Both the
   subscription's buffer (`buffer_size`) and the connection's (`conn.set_buffer_size`) are honoured.
 
-Messages wait in a buffer bounded by `prefetch` (or `max_buffered` when prefetch is 0), so a consumer
-that does not keep up costs bounded memory: when it is full, the connection's reader waits (and reads
-nothing more) until the application has taken enough messages for the rest of its DELIVER frame.
+**The reader never waits for the application.** The connection's reader appends each DELIVER frame to
+the consumer's buffer and goes on at once: a reader that waited for a slow application would hold up
+every COMPLETE, BUFFER_ACK and FLOW frame behind it, stalling the producers and other consumers on the
+same connection. The buffer is still bounded, by the consumer credit the broker honours:
+
+- every message in it is delivered and not settled, and the broker delivers on a subscription only
+  while its unsettled deliveries are under the prefetch in force (the SUBSCRIBE's `prefetch`, lowered
+  to the broker's `max_prefetch`, which is also what 0 means; the OK answer says which). So it holds at
+  most `prefetch` messages, each at most `max_message_size`;
+- with a byte buffer (the subscription's or the connection's), at most that buffer and one message more,
+  because the broker starts a message only while its unacknowledged bytes are under the buffer size.
+
+The first bound is checked here, not trusted: the SDK counts a subscription's unsettled deliveries
+(`Consumer._unsettled`), which can only be fewer than the broker's count (a settlement counts here before
+the broker hears of it, a delivery only once it has arrived), so a DELIVER that takes them over the
+prefetch in force is the broker breaking its credit: `ProtocolViolation` (CREDIT_VIOLATION), and the
+connection closes. (Between SUBSCRIBE and its OK, a subscription with prefetch 0 has no known bound;
+the broker answers SUBSCRIBE before it delivers on it, so nothing arrives in that gap.)
+
+**Byte positions count from the start, whatever the size.** Every processed delivery is counted on its
+subscription's and the connection's `AckScheduler`, even while their buffer size is 0, because the
+broker counts every delivered byte (`BufferLog.sent_total`) from the start. So turning a buffer on
+mid-stream acknowledges at once everything processed so far, and nothing the broker counted is left
+unacknowledged (that stalled a consumer for good when the SDK restarted its count at 0).
 """
 
 from __future__ import annotations
@@ -19,19 +40,19 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout
 from flowbroker.protocol import AckScheduler, DeliveryEntry, Headers, Outcome, message_size
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
 if TYPE_CHECKING:
-    from flowbroker.client.connection import Connection, _BufferAccount
+    from flowbroker.client.connection import Connection
 
 __all__ = ["Consumer", "Message"]
 
-DEFAULT_MAX_BUFFERED = 10_000
 YIELD_EVERY = 128
 
 
@@ -50,12 +71,10 @@ class Message:
     delivery_tag: int
     _consumer: Consumer = field(repr=False)
     _size: int = field(repr=False)
-    _conn_epoch: int = field(repr=False)
-    _sub_epoch: int = field(repr=False)
+    """`message_size(body, headers)`, taken on arrival (the application may change `headers` later)."""
     settled: Outcome | None = None
-    _counted: bool = field(default=False, repr=False)
-    """Counted against a consumer buffer and not yet reported processed (False when byte flow control
-    was off on its arrival: then there is nothing to report, and `_size` is not computed)."""
+    _unprocessed: bool = field(default=True, repr=False)
+    """Not yet counted as processed on the consumer's and the connection's byte positions."""
 
     async def ack(self) -> None:
         """Processed: the broker dequeues it."""
@@ -75,10 +94,19 @@ class Message:
     def settle_nowait(self, outcome: Outcome) -> None:
         if self.settled is not None:
             raise AlreadySettled(f"delivery {self.delivery_tag} was already settled ({self.settled.name})")
-        self._consumer._conn._settle_tag(outcome, self.delivery_tag)
+        consumer = self._consumer
+        consumer._conn._settle_tag(outcome, self.delivery_tag)
         self.settled = outcome
-        if self._counted:
-            self._mark_processed()
+        consumer._unsettled -= 1
+        if self._unprocessed:  # `_mark_processed` inlined: settling is the hot path
+            self._unprocessed = False
+            sub = consumer._buffer
+            conn = consumer._conn_buffer
+            if sub.buffer_size or conn.buffer_size:
+                consumer._conn._processed(self._size, sub)
+            else:
+                sub.processed_total += self._size
+                conn.processed_total += self._size
 
     def _settle_counted(self, outcome: Outcome) -> bool:
         """`settle_nowait`, counted towards the next yield: True when one is due.
@@ -100,9 +128,17 @@ class Message:
         return False
 
     def _mark_processed(self) -> None:
-        if self._counted:
-            self._counted = False
-            self._consumer._conn._processed(self._size, self._conn_epoch, self._consumer._buffer, self._sub_epoch)
+        """Count it processed, once. The common case (no byte buffer on) is two additions inline."""
+        if self._unprocessed:
+            self._unprocessed = False
+            consumer = self._consumer
+            sub = consumer._buffer
+            conn = consumer._conn_buffer
+            if sub.buffer_size or conn.buffer_size:
+                consumer._conn._processed(self._size, sub)
+            else:
+                sub.processed_total += self._size
+                conn.processed_total += self._size
 
 
 class Consumer:
@@ -113,47 +149,41 @@ class Consumer:
     `NotFound` naming it (after the messages already received).
     """
 
-    def __init__(
-        self,
-        conn: Connection,
-        queue: str,
-        subscription_id: int,
-        *,
-        prefetch: int = 1000,
-        buffer_size: int = 0,
-        max_buffered: int = DEFAULT_MAX_BUFFERED,
-    ) -> None:
+    def __init__(self, conn: Connection, queue: str, subscription_id: int, *, prefetch: int = 1000, buffer_size: int = 0) -> None:
         if prefetch < 0 or buffer_size < 0:
             raise ValueError("prefetch and buffer_size must be >= 0")
-        if max_buffered < 0:
-            raise ValueError("max_buffered must be >= 0")
-        from flowbroker.client.connection import _BufferAccount, _now_ns
+        from flowbroker.client.connection import _now_ns
 
         self._conn = conn
         self.queue = queue
         self.subscription_id = subscription_id
         self.prefetch = prefetch
+        self.prefetch_in_force: int | None = prefetch or None
+        """The bound on unsettled deliveries the broker applies: `prefetch`, or lower if the broker's OK
+        says so; None until the OK for prefetch 0 (the broker's cap)."""
         self.buffer_size = buffer_size
-        self._buffer: _BufferAccount = _BufferAccount(
-            AckScheduler(buffer_size, opaque=subscription_id, last_sent_ns=_now_ns()), epoch=1 if buffer_size else 0
-        )
-        # The hand-off from the connection's reader: a deque the reader extends by a whole DELIVER
-        # frame, at most `_bound` long. What does not fit waits in `_backlog` (one frame's rest, while
-        # the reader waits for it to move in, as it waited on a full channel before); each message
-        # taken moves one in. `_ended`: no message will be added (closed, or the connection or the
-        # queue went away); what is buffered can still be taken.
-        self._bound = prefetch if prefetch else max_buffered
+        self._buffer = AckScheduler(buffer_size, opaque=subscription_id, last_sent_ns=_now_ns())
+        """This subscription's byte positions (counted whatever the size: see the module docstring)."""
+        self._conn_buffer = conn._buffer
+        # The hand-off from the connection's reader: whole DELIVER frames are appended, never waited
+        # for; bounded by the prefetch in force (see the module docstring). `_ended`: no message will
+        # be added (closed, or the connection or the queue went away); what is buffered can still be taken.
         self._buffered: collections.deque[Message] = collections.deque()
-        self._backlog: collections.deque[Message] = collections.deque()
+        self._unsettled = 0
+        """Deliveries received and not settled (those in `_buffered` among them): at most the prefetch."""
         self._ended = False
         self._readable = trio.lowlevel.ParkingLot()  # receivers waiting for a message
-        self._drained = trio.lowlevel.ParkingLot()  # the reader waiting for the backlog to move in
         self._current: Message | None = None
         self._since_yield = 0
         self._settles_since_yield = 0  # see Message._settle_counted
         self._subscribed = False
         self._closed = False
         self._error: PublishError | None = None  # the queue was deleted
+
+    @property
+    def buffered(self) -> int:
+        """Messages received and not yet handed to the application."""
+        return len(self._buffered)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -182,11 +212,6 @@ class Consumer:
         self._closed = True
         self._mark_current_processed()
         pending = self._buffered
-        if self._backlog:
-            # The reader is waiting with the rest of a frame: its first message is requeued with the
-            # buffer, as a full channel handed it over to the receive that drained it; the others are
-            # left to the broker's cancel, like everything that arrives from now on.
-            pending.append(self._backlog.popleft())
         requeue = not self._conn.is_closed
         while pending:
             msg = pending.popleft()
@@ -203,7 +228,8 @@ class Consumer:
                 pass
 
     async def set_buffer_size(self, size: int) -> None:
-        """Change this subscription's byte buffer mid-stream (DCP `stream_buffer_size`; 0 = off)."""
+        """Change this subscription's byte buffer mid-stream (DCP `stream_buffer_size`; 0 = off). Turning
+        it on acknowledges at once every byte processed so far (positions count from the start)."""
         if size < 0:
             raise ValueError("buffer size must be >= 0")
         self._conn._check_open()
@@ -221,7 +247,7 @@ class Consumer:
         current = self._current
         if current is not None:
             self._current = None
-            if current._counted:
+            if current._unprocessed:
                 current._mark_processed()
         since = self._since_yield + 1
         buffered = self._buffered
@@ -229,8 +255,6 @@ class Consumer:
             self._since_yield = since
             await trio.lowlevel.checkpoint_if_cancelled()
             msg = buffered.popleft()
-            if self._backlog:
-                self._refill()
             self._current = msg
             return msg
         next_msg = await self._next()
@@ -256,14 +280,15 @@ class Consumer:
         # SETTLE frame and the broker would answer with one-message DELIVER frames.
         self._since_yield += 1
         await trio.lowlevel.checkpoint_if_cancelled()
-        msg = self._take()
-        if msg is not None:
+        buffered = self._buffered
+        if buffered:
+            msg = buffered.popleft()
             if self._since_yield >= YIELD_EVERY:
                 self._since_yield = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             self._since_yield = 0
-            while msg is None:
+            while not buffered:
                 if self._ended:
                     if self._error is not None and not self._closed:
                         raise self._error from None
@@ -272,33 +297,9 @@ class Consumer:
                         raise error from None
                     return None
                 await self._readable.park()
-                msg = self._take()
+            msg = buffered.popleft()
         self._current = msg
         return msg
-
-    def _take(self) -> Message | None:
-        buffered = self._buffered
-        if buffered:
-            msg = buffered.popleft()
-            if self._backlog:
-                self._refill()
-            return msg
-        backlog = self._backlog
-        if backlog:  # a bound of 0 (no buffer): taken straight from the waiting reader
-            msg = backlog.popleft()
-            if not backlog:
-                self._drained.unpark_all()
-            return msg
-        return None
-
-    def _refill(self) -> None:
-        """Move the reader's waiting messages into the space there is; let it go on once all are in."""
-        backlog = self._backlog
-        buffered = self._buffered
-        while backlog and len(buffered) < self._bound:
-            buffered.append(backlog.popleft())
-        if not backlog:
-            self._drained.unpark_all()
 
     def _mark_current_processed(self) -> None:
         if self._current is not None:
@@ -306,51 +307,44 @@ class Consumer:
             self._current = None
 
     def _end(self) -> None:
-        """No more messages: those the reader still holds are never handed out (marked processed, so
-        buffer acks still flow; the broker's cancel requeues them); wake whoever waits."""
+        """No more messages will be added; wake whoever waits (what is buffered can still be taken)."""
         self._ended = True
-        backlog = self._backlog
-        while backlog:
-            backlog.popleft()._mark_processed()
-        self._drained.unpark_all()
         self._readable.unpark_all()
 
     # -------------------------------------------------------------- called by the connection's reader
 
-    async def _on_deliver(self, entries: list[DeliveryEntry]) -> None:
-        conn = self._conn
-        conn_epoch = conn._buffer.live_epoch
-        sub_epoch = self._buffer.live_epoch
-        counted = conn_epoch >= 0 or sub_epoch >= 0
-        if self._ended:
-            if counted:  # never handed out; the broker's cancel requeues them
-                for entry in entries:
-                    conn._processed(message_size(entry.body, entry.headers), conn_epoch, self._buffer, sub_epoch)
+    def _on_subscribed(self, result: dict[str, Any]) -> None:
+        """The broker's OK to SUBSCRIBE, taken by the reader before any later frame: the prefetch in force."""
+        in_force = result.get("prefetch")
+        if type(in_force) is int and in_force > 0:
+            self.prefetch_in_force = min(in_force, self.prefetch) if self.prefetch else in_force
+
+    def _on_deliver(self, entries: list[DeliveryEntry]) -> None:
+        """Take a DELIVER frame's messages. Never waits: the buffer is bounded by the prefetch in force,
+        which is checked here (see the module docstring)."""
+        if self._ended:  # never handed out; the broker's cancel requeues them. Processed, for the positions.
+            self._conn._processed(sum(message_size(e.body, e.headers) for e in entries), self._buffer)
             return
-        if counted:
-            msgs = [
+        unsettled = self._unsettled + len(entries)
+        limit = self.prefetch_in_force
+        if limit is not None and unsettled > limit:
+            self._conn._broker_violated_credit(
+                f"DELIVER for subscription {self.subscription_id} (queue {self.queue!r}) makes {unsettled} "
+                f"deliveries unsettled, above its prefetch {limit}"
+            )
+            return
+        self._unsettled = unsettled
+        # The size is taken here, inline for the common message without headers: every delivery is
+        # counted on the byte positions, whatever the buffer sizes (see the module docstring).
+        self._buffered.extend(
+            [
                 Message(body, headers, exchange, key, redelivered, tag, self,
-                        message_size(body, headers), conn_epoch, sub_epoch, None, True)
+                        len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers))
                 for tag, exchange, key, body, headers, redelivered in entries
             ]
-        else:  # byte flow control off: nothing to count, so no size to compute
-            msgs = [
-                Message(body, headers, exchange, key, redelivered, tag, self, 0, -1, -1)
-                for tag, exchange, key, body, headers, redelivered in entries
-            ]
-        buffered = self._buffered
-        room = self._bound - len(buffered)
-        if len(msgs) <= room:
-            buffered.extend(msgs)
-        else:
-            buffered.extend(msgs[:room])
-            self._backlog.extend(msgs[room:])
+        )
         if self._readable:
             self._readable.unpark_all()
-        # No yield per message (that would hand messages over one per scheduler round); wait only
-        # when the buffer is full, until the application has taken enough for the rest of the frame.
-        while self._backlog:
-            await self._drained.park()
 
     def _on_queue_deleted(self, error: PublishError) -> None:
         self._error = error

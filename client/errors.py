@@ -12,9 +12,11 @@ attributes a program can match on, not only text.
     ├── ProtocolViolation              the broker sent something we cannot accept
     ├── FlowControlled                 no credit and the caller chose not to wait (block=False)
     │   └── FlowControlTimeout         no credit before the deadline (also a TimeoutError)
-    ├── PublishError                   the broker refused a message; `destination`, `transfer_id`
+    ├── PublishError                   a message was refused; `destination`, `transfer_id`
     │   ├── QueueFull                  hard limit reached with overflow "reject"
-    │   ├── MessageTooLarge            above the broker's max_message_size
+    │   ├── MessageTooLarge            above the broker's max_message_size (`limit`)
+    │   ├── KeyTooLong                 a routing key above MAX_KEY_BYTES (`limit`)
+    │   ├── TooManyHeaders             more headers than MAX_HEADERS (`limit`)
     │   └── NotFound                   no such queue/exchange
     ├── RequestError                   a declare/bind/... request failed; `request_id`
     │   └── RequestTimeout             no answer before the deadline (also a TimeoutError)
@@ -39,6 +41,8 @@ __all__ = [
     "PublishError",
     "QueueFull",
     "MessageTooLarge",
+    "KeyTooLong",
+    "TooManyHeaders",
     "NotFound",
     "RequestError",
     "RequestTimeout",
@@ -108,7 +112,11 @@ class FlowControlTimeout(FlowControlled, TimeoutError):
 
 
 class PublishError(FlowbrokerError):
-    """The broker refused a message (it still completed the transfer, so credit kept flowing)."""
+    """The broker refused a message (it still completed the transfer, so credit kept flowing), or `send()`
+    refused it before sending anything because it is over a limit (then `transfer_id` is None)."""
+
+    limit: str | None = None
+    """The name of the limit the message is over (`MessageTooLarge`, `KeyTooLong`, `TooManyHeaders`)."""
 
     def __init__(self, code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None):
         where = f" (queue {destination!r})" if destination else ""
@@ -124,7 +132,23 @@ class QueueFull(PublishError):
 
 
 class MessageTooLarge(PublishError):
-    """The message is larger than the broker's `max_message_size`."""
+    """The whole message (body, routing key, exchange, header keys and values) is larger than the
+    broker's `max_message_size` from WELCOME."""
+
+    limit = "max_message_size"
+
+
+class KeyTooLong(PublishError):
+    """The routing key is longer than `MAX_KEY_BYTES` (256) bytes in UTF-8."""
+
+    limit = "MAX_KEY_BYTES"
+
+
+class TooManyHeaders(PublishError):
+    """The message has more than `MAX_HEADERS` (64) headers. A frame carrying it would be refused by the
+    broker with LIMIT_EXCEEDED, closing the connection, so `send()` never sends one."""
+
+    limit = "MAX_HEADERS"
 
 
 class NotFound(PublishError):
@@ -134,6 +158,7 @@ class NotFound(PublishError):
 _PUBLISH_ERRORS: dict[ErrorCode, type[PublishError]] = {
     ErrorCode.QUEUE_FULL: QueueFull,
     ErrorCode.MESSAGE_TOO_LARGE: MessageTooLarge,
+    ErrorCode.KEY_TOO_LONG: KeyTooLong,
     ErrorCode.NOT_FOUND: NotFound,
 }
 

@@ -11,6 +11,11 @@ Two credits pace a flow-controlled producer, as in the architecture:
 `FlowControlTimeout`, naming the queues that are flow-stopped; `block=False` raises `FlowControlled` at
 once. A message the broker refuses is still completed (credit keeps flowing); the refusal is kept and
 raised by `flush`, typed (`QueueFull`, `MessageTooLarge`, `NotFound`) and naming the queue.
+
+`send` refuses at once, before anything is sent, a message the broker could not take: more headers than
+`MAX_HEADERS` (the broker would refuse the whole TRANSFER frame and close the connection), a routing key
+over `MAX_KEY_BYTES`, or a whole message (body, routing key, exchange, header keys and values) over the
+broker's `max_message_size` (a DELIVER carries all of these, so the broker checks the whole message too).
 """
 
 from __future__ import annotations
@@ -22,14 +27,25 @@ from typing import TYPE_CHECKING
 import trio
 
 from flowbroker.client.connection import TRANSFER_BATCH
-from flowbroker.client.errors import FlowControlled, FlowControlTimeout, MessageTooLarge, PublishError
+from flowbroker.client.errors import (
+    FlowControlled,
+    FlowControlTimeout,
+    KeyTooLong,
+    MessageTooLarge,
+    PublishError,
+    TooManyHeaders,
+)
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
+from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES, message_wire_size, utf8_len
 
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection
 
 __all__ = ["Producer", "ProducerStats"]
+
+_SHORT_KEY = MAX_KEY_BYTES // 4
+"""A key of at most this many characters is within MAX_KEY_BYTES whatever they are (UTF-8: 4 bytes at most)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +135,9 @@ class Producer:
         `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
         Returns without yielding to other tasks unless the messages waiting for the writer reach another
         full batch (see the comment below), so the writer can batch a burst of sends into one frame.
-        Raises `MessageTooLarge` before sending a body above the broker's `max_message_size`, and
-        `ConnectionClosed` if the connection is or becomes closed.
+        Raises, before anything is sent, `TooManyHeaders` (over `MAX_HEADERS`), `KeyTooLong` (a routing key
+        over `MAX_KEY_BYTES` in UTF-8) or `MessageTooLarge` (the whole message over the broker's
+        `max_message_size`), and `ConnectionClosed` if the connection is or becomes closed.
         """
         conn = self._conn
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -129,13 +146,13 @@ class Producer:
         if not isinstance(body, bytes):
             raise TypeError(f"body must be bytes, not {type(body).__name__}")
         key = self.routing_key if routing_key is None else routing_key
+        exchange = self.exchange
         max_size = conn.welcome.max_message_size
-        if max_size and len(body) > max_size:
-            raise MessageTooLarge(
-                ErrorCode.MESSAGE_TOO_LARGE,
-                f"{len(body)} bytes is above max_message_size {max_size}",
-                key if self.exchange == "" else None,
-            )
+        # One comparison for the common message (no headers, a short key); the exact checks otherwise.
+        if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
+            refusal = _refusal(exchange, key, body, headers, max_size)
+            if refusal is not None:
+                raise refusal
         size = message_size(body, headers)
         if self._outstanding >= self.window or not conn.credit.may_send():  # not self.has_credit(), inlined
             if not block:
@@ -216,3 +233,28 @@ class Producer:
         self._failed += 1
         if self._first_error is None:
             self._first_error = error
+
+
+def _refusal(exchange: str, key: str, body: bytes, headers: Headers | None, max_size: int) -> PublishError | None:
+    """Why the broker could not take this message (over a limit of the protocol or of the broker), or None."""
+    destination = key if exchange == "" else None
+    if headers is not None and len(headers) > MAX_HEADERS:
+        return TooManyHeaders(
+            ErrorCode.LIMIT_EXCEEDED, f"{len(headers)} headers exceed the limit of {MAX_HEADERS} (MAX_HEADERS)", destination
+        )
+    key_bytes = utf8_len(key)
+    if key_bytes > MAX_KEY_BYTES:
+        return KeyTooLong(
+            ErrorCode.KEY_TOO_LONG,
+            f"routing key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)",
+            destination,
+        )
+    size = message_wire_size(exchange, key, body, headers)
+    if max_size and size > max_size:
+        return MessageTooLarge(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"message of {size} bytes (body {len(body)}, with its routing key, exchange and headers) exceeds "
+            f"max_message_size {max_size}",
+            destination,
+        )
+    return None

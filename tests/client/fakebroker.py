@@ -62,7 +62,13 @@ class FakeConn:
     next_id: int = 1
     closed: bool = False
     changed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    reading_paused: trio.Event | None = None
+    """Set by `pause_reading()`: the broker reads nothing more from this client until it is set."""
     _send_lock: trio.Lock = field(default_factory=trio.Lock)
+
+    def pause_reading(self) -> None:
+        """Stop reading from the client (a hung broker that still sends); its writes then stall."""
+        self.reading_paused = trio.Event()
 
     def frames(self, kind: type[Any]) -> list[Any]:
         return [f for f in self.received if isinstance(f, kind)]
@@ -172,6 +178,7 @@ class FakeBroker:
         answer_noops: bool = True,
         answer_requests: bool = True,
         welcome: bool = True,
+        max_prefetch: int = 10_000,
     ) -> None:
         self.buffer_size = buffer_size
         self.idle_timeout_ms = idle_timeout_ms
@@ -181,6 +188,8 @@ class FakeBroker:
         self.answer_noops = answer_noops
         self.answer_requests = answer_requests
         self.welcome = welcome
+        self.max_prefetch = max_prefetch
+        """The prefetch in force a SUBSCRIBE's OK reports, as the broker's cap (the fake does not apply it)."""
         self.full_queues: set[str] = set()
         self.held_queues: set[str] = set()
         self.missing: set[str] = set()
@@ -212,6 +221,8 @@ class FakeBroker:
         try:
             async with stream:
                 while True:
+                    if conn.reading_paused is not None:
+                        await conn.reading_paused.wait()
                     data = await stream.receive_some(65536)
                     conn.proto.receive_data(data)
                     while (frame := conn.proto.next_frame()) is not None:
@@ -246,5 +257,8 @@ class FakeBroker:
             name = getattr(frame, "queue", None) or getattr(frame, "exchange", "")
             if name in self.missing:
                 await conn.send(Error(ErrorCode.NOT_FOUND, f"no queue {name}", None, frame.request_id, name))
+            elif isinstance(frame, Subscribe):
+                prefetch = min(frame.prefetch, self.max_prefetch) if frame.prefetch else self.max_prefetch
+                await conn.send(Ok(frame.request_id, {"queue": name, "prefetch": prefetch}))
             else:
                 await conn.send(Ok(frame.request_id, {"name": name, "type": type(frame).__name__}))

@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 import flowbroker.client as fc
-from flowbroker.protocol import Close, DeclareQueue, Error, ErrorCode, Hello, Noop, Ok
+from flowbroker.protocol import Bind, Close, DeclareQueue, Error, ErrorCode, Hello, Noop, Ok, Unbind
 
 
 async def test_connect_handshake_and_declare(start_broker) -> None:
@@ -43,6 +43,18 @@ async def test_request_error_is_typed(start_broker) -> None:
         with pytest.raises(fc.RequestError) as info:
             await conn.purge_queue("nope")
         assert info.value.code == ErrorCode.NOT_FOUND and info.value.destination == "nope"
+
+
+async def test_a_binding_key_over_max_key_bytes_is_refused_before_sending(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        for call in (conn.bind, conn.unbind):
+            with pytest.raises(fc.RequestError, match="257 bytes.*MAX_KEY_BYTES") as info:
+                await call("q", "ex", "é" * 128 + "k")
+            assert info.value.code == ErrorCode.KEY_TOO_LONG
+        assert (await conn.bind("q", "ex", "k" * 255))["type"] == "Bind"
+        assert len(fake.frames(Bind)) == 1 and fake.frames(Unbind) == []
 
 
 async def test_request_timeout(start_broker, io_clock) -> None:
@@ -102,6 +114,35 @@ async def test_answered_noops_keep_the_connection_alive(start_broker, io_clock) 
         await trio.sleep(20)
         assert not conn.is_closed
         assert (await conn.declare_queue("q"))["name"] == "q"
+
+
+async def test_a_broker_that_reads_nothing_is_declared_dead_after_the_idle_timeout(start_broker, io_clock) -> None:
+    """The writer's wait for the broker to take its bytes is bounded: a broker that still sends (so the
+    reader hears it) but reads nothing ends the connection after one idle timeout of a stalled write."""
+    broker = await start_broker(idle_timeout_ms=3000, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        fake.pause_reading()
+        async with trio.open_nursery() as nursery:
+
+            async def keep_talking() -> None:
+                for nonce in range(1, 100):
+                    await fake.send(Noop(nonce, False))
+                    await trio.sleep(0.5)
+
+            nursery.start_soon(keep_talking)
+            producer = conn.producer(routing_key="q", window=10_000)
+            body = b"x" * 65536
+            for _ in range(400):  # 26 MB: more than the kernel buffers of a loopback connection hold
+                await producer.send(body)
+            start = trio.current_time()
+            with pytest.raises(fc.ConnectionClosed) as info:
+                await producer.flush(timeout=60)
+            nursery.cancel_scope.cancel()
+        assert info.value.code == ErrorCode.IDLE_TIMEOUT
+        assert "took none of our bytes for 3 s" in info.value.reason
+        assert 3.0 <= trio.current_time() - start <= 4.6  # one idle timeout after the write stalled, plus ticks
+        assert not conn._writing and conn._writer_done.is_set()
 
 
 async def test_broker_close_wakes_waiters_with_code(start_broker) -> None:

@@ -151,6 +151,35 @@ async def test_connection_level_buffer_and_midstream_resize(start_broker) -> Non
             await fake.wait_for(lambda: BufferControl(sub_id, 20 * SIZE) in fake.frames(BufferControl))
 
 
+@pytest.mark.parametrize("level", ["connection", "subscription"])
+async def test_a_buffer_turned_on_midstream_acknowledges_everything_processed(start_broker, level: str) -> None:
+    """Positions count from the start, whatever the size: the broker counted the deliveries made while
+    the buffer was off, so the first ack after turning it on must cover every one processed."""
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q") as consumer:
+            sub_id = fake.frames(Subscribe)[0].subscription_id
+            opaque = 0 if level == "connection" else sub_id
+            headers = {"k": "v"}
+            await fake.send(Deliver(sub_id, entries(1, 3)), Deliver(sub_id, [DeliveryEntry(4, "", "q", BODY, headers, False)]))
+            for _ in range(3):
+                await (await consumer.receive(timeout=5)).ack()
+            with trio.fail_after(5):
+                while consumer.buffered < 1:  # the fourth arrived, not processed yet
+                    await trio.sleep(0.01)
+            assert fake.frames(BufferAck) == []  # no buffer: nothing acknowledged
+            target = conn if level == "connection" else consumer
+            await target.set_buffer_size(5 * SIZE)  # threshold SIZE
+            await fake.wait_for(lambda: BufferControl(opaque, 5 * SIZE) in fake.frames(BufferControl))
+            await fake.wait_for(lambda: fake.frames(BufferAck) != [])
+            assert fake.frames(BufferAck) == [BufferAck(opaque, 3 * SIZE, 3 * SIZE)]
+            await (await consumer.receive(timeout=5)).ack()
+            fourth = message_size(BODY, headers)
+            await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 2)
+            assert fake.frames(BufferAck)[1] == BufferAck(opaque, fourth, 3 * SIZE + fourth)
+
+
 async def test_connection_failure_ends_iteration_with_the_error(start_broker) -> None:
     broker = await start_broker()
     async with await fc.connect(broker.url, timeout=5) as conn:

@@ -1,7 +1,8 @@
-"""The consumer's bounded buffer between the connection's reader and the application: the reader waits
-while it is full (and reads nothing else), goes on once the application has taken enough, and a close
-while it waits requeues what was received and never handed out, and lets it go on. Also the settling
-side: ack is not a cancel point, and settled tags coalesce into ranges."""
+"""The consumer's buffer between the connection's reader and the application: the reader never waits
+for it (requests, completions and other frames get through while the application reads nothing), the
+buffer is bounded by the prefetch in force and a broker that delivers past it is a protocol violation, a
+close requeues what was received and never handed out. Also the settling side: ack is not a cancel point,
+settled tags coalesce into ranges, and SETTLE frames never carry more than MAX_RANGES_PER_FRAME ranges."""
 
 from __future__ import annotations
 
@@ -11,8 +12,21 @@ import pytest
 import trio
 
 import flowbroker.client as fc
-from flowbroker.client.connection import coalesce
-from flowbroker.protocol import BufferAck, Cancel, Deliver, DeliveryEntry, Outcome, Settle, Subscribe, message_size
+from flowbroker.client.connection import TRANSFER_BATCH, coalesce
+from flowbroker.protocol import (
+    BufferAck,
+    Cancel,
+    Close,
+    Deliver,
+    DeliveryEntry,
+    Error,
+    ErrorCode,
+    Outcome,
+    Settle,
+    Subscribe,
+    message_size,
+)
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
 
 BODY = b"b" * 20
 SIZE = message_size(BODY)
@@ -28,47 +42,76 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
             await trio.sleep(0.01)
 
 
-async def test_reader_waits_while_the_buffer_is_full_and_resumes_as_it_drains(start_broker) -> None:
+async def test_the_reader_never_waits_for_an_application_that_does_not_read(start_broker) -> None:
     broker = await start_broker()
     async with await fc.connect(broker.url, timeout=5) as conn:
         fake = await broker.connection()
-        async with conn.consumer("q", prefetch=4) as consumer:  # the buffer holds prefetch messages
+        async with conn.consumer("q", prefetch=10) as consumer:
             sub_id = fake.frames(Subscribe)[0].subscription_id
-            # The fake broker ignores prefetch: 10 messages, then 2 more in a second frame.
-            await fake.send(Deliver(sub_id, entries(1, 10)), Deliver(sub_id, entries(11, 2)))
-            await wait_until(lambda: len(consumer._backlog) == 6)
-            await trio.sleep(0.2)
-            # The reader waits with the rest of the first frame; it has not read the second one.
-            assert [m.delivery_tag for m in consumer._buffered] == [1, 2, 3, 4]
-            got = []
-            for _ in range(12):
-                got.append((await consumer.receive(timeout=5)).delivery_tag)
-                assert len(consumer._buffered) <= 4
-            assert got == list(range(1, 13))
-            assert not consumer._backlog
-            # The reader goes on with later frames.
-            await fake.send(Deliver(sub_id, entries(13, 1)))
-            assert (await consumer.receive(timeout=5)).delivery_tag == 13
+            await fake.send(Deliver(sub_id, entries(1, 6)), Deliver(sub_id, entries(7, 4)))
+            await wait_until(lambda: consumer.buffered == 10)
+            # The application has read nothing; the reader still reads answers and completions.
+            with trio.fail_after(5):
+                await conn.declare_queue("other")
+                producer = conn.producer(routing_key="other")
+                await producer.send(b"x")
+                await producer.flush()
+            assert [(await consumer.receive(timeout=5)).delivery_tag for _ in range(10)] == list(range(1, 11))
 
 
-async def test_close_while_the_reader_waits(start_broker) -> None:
+async def test_a_delivery_past_the_prefetch_is_a_protocol_violation(start_broker) -> None:
     broker = await start_broker()
     async with await fc.connect(broker.url, timeout=5) as conn:
         fake = await broker.connection()
-        async with conn.consumer("q", prefetch=4, buffer_size=10 * SIZE) as consumer:
+        consumer = conn.consumer("q", prefetch=4)
+        await consumer.subscribe()
+        sub_id = fake.frames(Subscribe)[0].subscription_id
+        await fake.send(Deliver(sub_id, entries(1, 4)))
+        for _ in range(2):
+            await (await consumer.receive(timeout=5)).ack()
+        # Two settled: two more fit (the broker may send them before it sees the SETTLE).
+        await fake.send(Deliver(sub_id, entries(5, 2)))
+        await wait_until(lambda: consumer.buffered == 4)
+        assert not conn.is_closed
+        await fake.send(Deliver(sub_id, entries(7, 1)))  # a fifth unsettled delivery
+        await wait_until(lambda: conn.is_closed)
+        error = conn.close_error
+        assert isinstance(error, fc.ProtocolViolation) and error.code is ErrorCode.CREDIT_VIOLATION
+        assert "subscription 1" in str(error) and "above its prefetch 4" in str(error)
+        await fake.wait_for(lambda: fake.frames(Close) != [])
+        assert fake.frames(Error)[0].code is ErrorCode.CREDIT_VIOLATION
+
+
+async def test_prefetch_zero_is_bounded_by_the_prefetch_the_broker_reports(start_broker) -> None:
+    broker = await start_broker(max_prefetch=3)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        consumer = conn.consumer("q", prefetch=0)
+        await consumer.subscribe()
+        assert consumer.prefetch_in_force == 3
+        sub_id = fake.frames(Subscribe)[0].subscription_id
+        await fake.send(Deliver(sub_id, entries(1, 4)))
+        await wait_until(lambda: conn.is_closed)
+        assert isinstance(conn.close_error, fc.ProtocolViolation)
+        assert consumer.buffered == 0
+
+
+async def test_close_requeues_what_was_never_handed_out(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q", prefetch=10, buffer_size=10 * SIZE) as consumer:
             sub_id = fake.frames(Subscribe)[0].subscription_id
             await fake.send(Deliver(sub_id, entries(1, 10)))
-            await wait_until(lambda: len(consumer._backlog) == 6)
             assert (await consumer.receive(timeout=5)).delivery_tag == 1  # handed out, never settled
-            assert [m.delivery_tag for m in consumer._buffered] == [2, 3, 4, 5]
+            await wait_until(lambda: consumer.buffered == 9)
         await fake.wait_for(lambda: fake.frames(Cancel) != [])
-        # The buffer is requeued with the message the reader was offering (as the trio channel that
-        # preceded the buffer handed it over); the rest of its frame is left to the broker's cancel.
-        assert [(s.outcome, s.ranges) for s in fake.frames(Settle)] == [(Outcome.REQUEUE, [(2, 6)])]
+        # The buffer is requeued; the message handed out is left to the broker's cancel.
+        assert [(s.outcome, s.ranges) for s in fake.frames(Settle)] == [(Outcome.REQUEUE, [(2, 10)])]
         # Every message counts as processed, handed out or not, so the buffer acks return all of it.
         await fake.wait_for(lambda: any(a.acked_total == 10 * SIZE for a in fake.frames(BufferAck)))
         assert all(a.opaque == sub_id for a in fake.frames(BufferAck))
-        # The reader went on: it reads the answer to a request, and drops deliveries for the old
+        # The reader goes on: it reads the answer to a request, and drops deliveries for the old
         # subscription.
         await fake.send(Deliver(sub_id, entries(11, 3)))
         with trio.fail_after(5):
@@ -77,20 +120,19 @@ async def test_close_while_the_reader_waits(start_broker) -> None:
             await consumer.receive(timeout=1)
 
 
-async def test_connection_closes_while_the_reader_waits(start_broker) -> None:
+async def test_what_was_buffered_is_handed_out_after_the_connection_closes(start_broker) -> None:
     broker = await start_broker()
     with trio.fail_after(10):
         async with await fc.connect(broker.url, timeout=5) as conn:
             fake = await broker.connection()
-            consumer = conn.consumer("q", prefetch=2)
+            consumer = conn.consumer("q", prefetch=5)
             await consumer.subscribe()
             sub_id = fake.frames(Subscribe)[0].subscription_id
             await fake.send(Deliver(sub_id, entries(1, 5)))
-            await wait_until(lambda: len(consumer._backlog) == 3)
+            await wait_until(lambda: consumer.buffered == 5)
             await conn.aclose()
-            assert not consumer._backlog
             # What was buffered is still handed out, then iteration ends (closed normally).
-            assert [m.delivery_tag async for m in consumer] == [1, 2]
+            assert [m.delivery_tag async for m in consumer] == [1, 2, 3, 4, 5]
 
 
 async def test_receive_timeout_loses_nothing(start_broker) -> None:
@@ -149,3 +191,30 @@ async def test_settling_is_not_a_cancel_point_iterating_is(start_broker) -> None
 )
 def test_coalesce(tags: list[int], ranges: list[tuple[int, int]]) -> None:
     assert coalesce(tags) == ranges
+
+
+async def test_settle_frames_are_split_at_max_ranges_per_frame(start_broker) -> None:
+    broker = await start_broker()
+    count = 2 * MAX_RANGES_PER_FRAME + 200  # every other tag settled: one range each
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        async with conn.consumer("q", prefetch=2 * count) as consumer:
+            sub_id = fake.frames(Subscribe)[0].subscription_id
+            for first in range(1, 2 * count + 1, MAX_ENTRIES_PER_FRAME):
+                await fake.send(Deliver(sub_id, entries(first, min(MAX_ENTRIES_PER_FRAME, 2 * count + 1 - first))))
+            received = [await consumer.receive(timeout=5) for _ in range(2 * count)]
+            for msg in received:  # without yielding: the writer takes them all at once
+                if msg.delivery_tag % 2:
+                    msg.settle_nowait(Outcome.ACK)
+
+            def acked() -> list[int]:
+                return [t for s in fake.frames(Settle) for lo, hi in s.ranges for t in range(lo, hi + 1)]
+
+            await fake.wait_for(lambda: len(acked()) == count)
+            assert sorted(acked()) == list(range(1, 2 * count, 2))
+            assert all(len(s.ranges) <= MAX_RANGES_PER_FRAME for s in fake.frames(Settle))
+            assert max(len(s.ranges) for s in fake.frames(Settle)) == MAX_RANGES_PER_FRAME
+
+
+def test_transfer_frames_stay_under_max_entries_per_frame() -> None:
+    assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME

@@ -21,6 +21,7 @@ from flowbroker.protocol import (
     message_size,
 )
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
+from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES
 
 BODY = b"x" * 68
 SIZE = message_size(BODY)  # the buffer sizes below are multiples of it
@@ -172,15 +173,74 @@ async def test_flush_raises_queue_full_naming_the_queue(start_broker) -> None:
         await producer.flush(timeout=5)  # reported once
 
 
-async def test_message_above_max_message_size_is_refused_locally(start_broker) -> None:
+async def test_a_whole_message_above_max_message_size_is_refused_locally(start_broker) -> None:
     broker = await start_broker(max_message_size=1000)
     async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
         producer = conn.producer(routing_key="q")
-        with pytest.raises(fc.MessageTooLarge) as info:
-            await producer.send(b"x" * 1001)
-        assert info.value.destination == "q"
-        await producer.send(b"x" * 1000)
+        # The body, the routing key ("q": 1 byte) and the exchange ("") make 1001 bytes.
+        with pytest.raises(fc.MessageTooLarge, match="max_message_size 1000") as info:
+            await producer.send(b"x" * 1000)
+        assert (info.value.destination, info.value.limit, info.value.transfer_id) == ("q", "max_message_size", None)
+        # Header keys and values count: strings in UTF-8, binary as is, 9 bytes for any other value.
+        headers = {"k": "é", "b": b"12", "n": 7}  # 1 + 2, 1 + 2, 1 + 9
+        with pytest.raises(fc.MessageTooLarge):
+            await producer.send(b"x" * (999 - 16 + 1), headers)
+        # And the exchange's name.
+        named = conn.producer("ex", routing_key="k")
+        with pytest.raises(fc.MessageTooLarge):
+            await named.send(b"x" * (1000 - 3 + 1))
+        assert producer.stats.sent == named.stats.sent == 0
+        # At the limit, each is sent.
+        await producer.send(b"x" * 999)
+        await producer.send(b"x" * (999 - 16), headers)
+        await named.send(b"x" * (1000 - 3))
         await producer.flush(timeout=5)
+        await named.flush(timeout=5)
+        assert len(fake.transfers) == 3
+
+
+async def test_a_routing_key_over_max_key_bytes_is_refused_locally(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        producer = conn.producer()
+        for key in ("k" * (MAX_KEY_BYTES + 1), "é" * (MAX_KEY_BYTES // 2) + "k"):  # counted in UTF-8 bytes
+            with pytest.raises(fc.KeyTooLong, match=f"{MAX_KEY_BYTES + 1} bytes.*MAX_KEY_BYTES") as info:
+                await producer.send(b"b", routing_key=key)
+            assert (info.value.code, info.value.limit) == (ErrorCode.KEY_TOO_LONG, "MAX_KEY_BYTES")
+        await producer.send(b"b", routing_key="k" * MAX_KEY_BYTES)
+        await producer.send(b"b", routing_key="é" * (MAX_KEY_BYTES // 2))
+        await producer.flush(timeout=5)
+        assert len(fake.transfers) == 2
+
+
+async def test_more_than_max_headers_is_refused_locally(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        producer = conn.producer(routing_key="q")
+        headers = {f"h{i}": i for i in range(MAX_HEADERS)}
+        with pytest.raises(fc.TooManyHeaders, match=f"{MAX_HEADERS + 1} headers.*MAX_HEADERS") as info:
+            await producer.send(b"b", {**headers, "more": 1})
+        assert isinstance(info.value, fc.PublishError) and info.value.limit == "MAX_HEADERS"
+        await producer.send(b"b", headers)
+        await producer.flush(timeout=5)
+        assert [len(entry.headers or {}) for entry, _ in fake.transfers.values()] == [MAX_HEADERS]
+        assert not conn.is_closed
+
+
+async def test_the_brokers_key_too_long_is_typed(start_broker) -> None:
+    broker = await start_broker(auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        producer = conn.producer(routing_key="q")
+        tid = await producer.send(b"b")
+        await fake.wait_for(lambda: tid in fake.transfers)
+        await fake.send(Error(ErrorCode.KEY_TOO_LONG, "routing key too long", None, tid))
+        await fake.complete()
+        with pytest.raises(fc.KeyTooLong):
+            await producer.flush(timeout=5)
 
 
 async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> None:
