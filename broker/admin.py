@@ -38,6 +38,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowbroker.broker import views
+from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.config import AdminConfig
 from flowbroker.broker.core import BrokerCore, RequestError
 from flowbroker.policies.credit import PolicyConfigError
@@ -174,9 +175,8 @@ def _json_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]
         except PolicyConfigError as exc:
             return _error_response(400, "invalid_argument", f"{exc.key}: {exc.reason} (got {exc.value!r})", exc.key)
         except Exception as exc:  # a bug here must not take the broker down; say so and log it
-            # the path is the client's: escaped so it cannot forge log lines (TODO(lead): the broker/ helper)
-            path = request.url.path.encode("unicode_escape").decode("ascii")
-            LOGGER.exception("admin: %s %s failed", request.method, path)
+            # the path is the client's: escaped so it cannot forge log lines
+            LOGGER.exception("admin: %s %s failed", request.method, logsafe(request.url.path))
             return _error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
         return JSONResponse(result)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config
 
 if TYPE_CHECKING:
@@ -348,24 +349,10 @@ def _client(options: dict[str, Any]) -> tuple[AdminClient, bool]:
 
 
 def _printable(value: object, *, backslash: bool = True) -> str:
-    """`value` as text with every control or otherwise unprintable character escaped as \\xNN or
-    \\uNNNN, so a client or queue name cannot move the cursor, clear the screen or forge a line of a
-    table. A backslash is escaped too, so an escape shown is never a name's own text; not in the
-    broker's error texts (`backslash=False`), which already show names with repr().
-    TODO(lead): unify with the broker/ log-escaping helper once it is merged."""
-    text = str(value)
-    if text.isprintable() and (not backslash or "\\" not in text):
-        return text
-    return "".join(c if c.isprintable() and (c != "\\" or not backslash) else _escape_char(c) for c in text)
-
-
-def _escape_char(c: str) -> str:
-    if c == "\\":
-        return "\\\\"
-    code = ord(c)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    """`value` as text a client or queue name cannot use to move the cursor, clear the screen or forge
+    a line of a table (broker/logsafe.py); not cut. `backslash=False` for the broker's error texts,
+    which already show names with repr()."""
+    return logsafe(value, None, backslash=backslash)
 
 
 def _print_json(answer: Any) -> None:

@@ -30,17 +30,19 @@ def _escape(char: str) -> str:
     return f"\\U{code:08x}"
 
 
-def logsafe(text: object, limit: int = PEER_TEXT_LIMIT) -> str:
-    """`text` (str() of it) with control and format characters escaped, cut to `limit` characters.
+def logsafe(text: object, limit: int | None = PEER_TEXT_LIMIT, *, backslash: bool = True) -> str:
+    """`text` (str() of it) with control and format characters escaped, cut to `limit` characters
+    (None: not cut, for CLI tables whose names the broker already bounded).
 
     A cut text ends with `...(+N chars)`. Printable text, including non-ASCII letters, is unchanged.
+    `backslash=False` leaves backslashes alone, for texts that show names with repr() already.
     """
     value = text if isinstance(text, str) else str(text)
-    extra = len(value) - limit
+    extra = len(value) - limit if limit is not None else 0
     if extra > 0:
         value = value[:limit]
-    if not value.isprintable() or "\\" in value:  # the common case, plain text, costs one scan
+    if not value.isprintable() or (backslash and "\\" in value):  # plain text costs one scan
         # str.isprintable() is False for Unicode's "Other" and "Separator" categories but the space:
         # controls, format characters (bidi overrides), surrogates, unassigned, line separators.
-        value = "".join(_escape(c) if c == "\\" or not c.isprintable() else c for c in value)
+        value = "".join(_escape(c) if (c == "\\" and backslash) or not c.isprintable() else c for c in value)
     return f"{value}...(+{extra} chars)" if extra > 0 else value

@@ -245,11 +245,11 @@ def test_control_characters_in_names_are_escaped_in_tables(daemon: Daemon) -> No
         conn.declare_queue(evil_queue)
         table = daemon.cli("queues").stdout
         assert "\x1b" not in table and "\r" not in table and "\x07" not in table
-        assert table.splitlines()[1].split()[0] == "evil\\x1b[2J\\x0aFAKE"  # one row, the escape shown
+        assert table.splitlines()[1].split()[0] == "evil\\x1b[2J\\nFAKE"  # one row, the escape shown
         rows = daemon.cli("connections").stdout
-        assert "client\\x0d\\x07\\u202e" in rows and "\r" not in rows and "\u202e" not in rows
+        assert "client\\r\\x07\\u202e" in rows and "\r" not in rows and "\u202e" not in rows
         shown = daemon.cli("queue", "show", evil_queue).stdout
-        assert "\x1b" not in shown and "evil\\x1b[2J\\x0aFAKE ROW" in shown
+        assert "\x1b" not in shown and "evil\\x1b[2J\\nFAKE ROW" in shown
         # JSON keeps the names as they are: JSON strings escape them
         assert [q["name"] for q in daemon.json("queues")["queues"]] == [evil_queue]
         missing = daemon.cli("queue", "show", "no\x1bpe", ok=False)
