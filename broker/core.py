@@ -240,7 +240,7 @@ class BrokerCore:
         # Checked against the grant the client had when it sent this frame: on a first transfer that is
         # the provisional one, not the share that registering below grants.
         credit_limit, buffer_size = session.credit_limit, session.buffer_size
-        if session.flow_control and session.conn_id not in self.credit:
+        if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
         now = self.clock_ns()
         session.now_ns = now

@@ -10,7 +10,7 @@ pushes the sizes it returns to the clients.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, KeysView, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from fractions import Fraction
@@ -403,6 +403,11 @@ class CreditAllocator(Generic[K]):
     def producers(self) -> tuple[K, ...]:
         """The registered producers, in registration order."""
         return tuple(self._producers)
+
+    @property
+    def producer_ids(self) -> KeysView[K]:
+        """The registered producers, as a live view (a cheap membership test for the broker's hot path)."""
+        return self._producers.keys()
 
     def sizes(self) -> dict[K, int]:
         """A snapshot of every grant, for the management views."""
