@@ -178,11 +178,12 @@ class Producer(Client):
         self.completions: list[int] = []  # transfer ids in the order their completion was learnt
         self.grants: list[BufferAck] = []
         self.buffer_controls: list[BufferControl] = []
+        self.reads_credit = True  # can_send() reads frames when only the provisional grant stops it
 
     def can_send(self) -> bool:
         if self.window is not None and len(self.outstanding) >= self.window:
             return False
-        if not self.credit.may_send() and self.provisional_spent():
+        if not self.credit.may_send() and self.reads_credit and self.provisional_spent():
             self.pump()  # as the SDK waits for credit: its first message registered it, the share follows
         return self.credit.may_send()
 
