@@ -4,11 +4,14 @@ waiting ones included) and the windows stay within the policy's pool (issue 8, i
 
 from __future__ import annotations
 
-from coreharness import Harness, MiB, Producer
+import pytest
+from coreharness import Harness, Producer
 
 from flowbroker.broker import views
+from flowbroker.broker.session import SessionFault
 from flowbroker.policies.credit import WAIT_GRANT
 from flowbroker.protocol.credit import message_size
+from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Transfer, TransferEntry
 
 BODY = b"b" * 60_000
@@ -90,3 +93,23 @@ def test_producers_that_ignore_shrinks_cannot_hold_more_than_the_pool() -> None:
     assert held <= pool + 30 * SIZE
     assert h.core.queues["q"].size <= message_size(b"first") + pool + 30 * SIZE
     assert held > pool // 2  # they did fill what they were given
+
+
+def test_a_connection_beyond_the_pools_reserve_is_refused_alone() -> None:
+    """Only when the pool is smaller than two bytes per connection slot: here 2 slots, so a third
+    flow-controlled connection finds no byte for its wait grant and is closed with RESOURCE_EXHAUSTED."""
+    h = Harness(server={"memory_quota": 1 << 30, "max_connections": 2}, credit={"policy": "static"})
+    h.queue("q", flow_stop_count=0, flow_stop_size=0)
+    a, b = h.producer("a"), h.producer("b")
+    c = h.producer("c")
+    assert c.session.fault is not None and c.session.fault.code is ErrorCode.RESOURCE_EXHAUSTED
+    with pytest.raises(SessionFault) as info:
+        c.send("", "q", BODY, force=True)
+    assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED and "reserve" in str(info.value)
+    h.core.close_session(c.session)
+    legacy = h.producer("legacy", flow_control=False)  # not paced: needs no grant
+    for p in (a, b, legacy):
+        p.send("", "q", BODY)
+        p.pump()
+        assert p.errors == []
+    check_pool(h)
