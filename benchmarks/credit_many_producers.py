@@ -21,7 +21,8 @@ one message). So the default clamp [10 MiB, 50 MiB] cannot work for 200 connecti
 flight); this benchmark sets the clamp with --min-buffer/--max-buffer (a [credit] table in a generated
 TOML file) and picks the quota so that even the bytes in flight during the ramp fit in the queue's headroom:
 while the queue is saturated no credit comes back, so connections keep what they were granted before a
-shrink and every newcomer adds its share; the default Q = 64 MiB gives 16 KiB per connection at N = 200,
+shrink (before the credit pool, every newcomer added its share on top; now the pool charges those
+promises, so the granted sum stays within 5 % of Q and newcomers get what is left or wait); the default Q = 64 MiB gives 16 KiB per connection at N = 200,
 under min_size, so the floor (32 KiB) applies there, the share is inside the clamp up to N = 100 and at
 max_size up to N = 3. With --quota 256MiB the ramp can put ~47 MiB in flight on top of the 80 MiB stop size
 and the queue's 100 MiB hard limit refuses messages (QUEUE_FULL).

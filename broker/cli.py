@@ -649,13 +649,20 @@ def _policy_text(answer: dict[str, Any]) -> str:
     pairs += [(k, f"{settings[k]} %") for k in settings if k.endswith("_percent")]
     if answer.get("producers_stopped"):
         pairs.append(("producers", "STOPPED (start-all releases them)"))
-    granted = answer["granted"]
-    pairs.append(("granted", f"{_size_text(granted['total'])} to {len(granted['connections'])} producer connection(s)"))
+    granted, pool = answer["granted"], answer["pool"]
+    pairs.append(("pool", f"{_size_text(pool['bytes'])} (share {_size_text(pool['share'])}, "
+                          f"floor {_size_text(pool['floor'])}, reserve {_size_text(pool['reserve'])})"))
+    pairs.append(("granted", f"{_size_text(granted['total'])} to {len(granted['connections'])} connection(s): "
+                             f"{granted['producers']} producer(s), {granted['waiting']} waiting, "
+                             f"{granted['provisional']} provisional"))
+    pairs.append(("committed", f"{_size_text(answer['committed'])} (grants and older, larger windows)"))
+    pairs.append(("promised", f"{_size_text(answer['promised_outstanding'])} producers may still send"))
     width = max(len(k) for k, _ in pairs)
     lines = [f"{k.ljust(width)}  {_printable(v)}" for k, v in pairs]
     if granted["connections"]:
-        rows = [[g["connection"], g["client_name"] or "-", _size_text(g["buffer_size"])] for g in granted["connections"]]
-        lines.extend("  " + line for line in _table(["CONN", "CLIENT", "BUFFER"], rows).splitlines())
+        rows = [[g["connection"], g["client_name"] or "-", g["state"], _size_text(g["buffer_size"]),
+                 _size_text(g["window"])] for g in granted["connections"]]
+        lines.extend("  " + line for line in _table(["CONN", "CLIENT", "STATE", "BUFFER", "WINDOW"], rows).splitlines())
     return "\n".join(lines)
 
 

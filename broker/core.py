@@ -24,9 +24,9 @@ from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.subscription import Subscription
-from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError
+from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
-from flowbroker.protocol.credit import CreditError, message_size
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError, message_size
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.limits import MAX_KEY_BYTES, message_wire_size, utf8_len
 from flowbroker.protocol.frames import (
@@ -99,7 +99,12 @@ class BrokerCore:
             )
         )
         self.sessions: SortedKeyDict[int, Session] = SortedKeyDict()
-        self.credit = CreditAllocator[int](config.credit_policy())
+        # floor: a share holds at least one maximum message (message_size of a max_message_size body)
+        self.credit = CreditAllocator[int](
+            config.credit_policy(),
+            floor=config.server.max_message_size + MESSAGE_OVERHEAD,
+            slots=config.server.max_connections,
+        )
         self.producers_stopped = False  # an operator's stop-all
         # Broker-wide stops (destination `*`): "admin" (stop-all) and "memory" (the memory alarm), with
         # the FLOW_STOPPED that announces each. Transfers from flow-controlled producers that arrive
@@ -130,53 +135,83 @@ class BrokerCore:
         )
         self.sessions[conn_id] = session
         if flow_control:
-            # A provisional buffer now (the policy's floor); registered with the credit policy on
-            # its first TRANSFER, so a connection that only consumes never shrinks every producer's
-            # share under `aggressive` (found by benchmarks/credit_many_producers.py).
-            session.resize_buffer(self.credit.provisional_size(), self.clock_ns())
+            # Every flow-controlled connection holds a grant from connect on: WAIT_GRANT (1 byte, one
+            # message) until its first TRANSFER registers it as a producer, so a connection that only
+            # consumes never shrinks the producers' shares, and idle ones never hold more than a byte.
+            try:
+                size = self.credit.connect(conn_id)[conn_id]
+            except PoolExhaustedError as exc:
+                # Only when the pool is smaller than two bytes per connection slot: refuse this one
+                # (its first frame, or the timer, closes it with this error); no one else is touched.
+                session.fault = SessionFault(ErrorCode.RESOURCE_EXHAUSTED, str(exc))
+                return session
+            session.resize_buffer(size, self.clock_ns())
             if self._broker_stops:
                 session.now_ns = self.clock_ns()
                 session.broker_stopped(self._broker_stop(), tuple(self._broker_stops))
         return session
 
     def _register_producer(self, session: Session) -> None:
-        """First TRANSFER from a flow-controlled connection: it now counts as a producer."""
-        conn_id = session.conn_id
-        self._apply_buffer_sizes(self.credit.connect(conn_id), exclude=conn_id)
-        size = self.credit.size_of(conn_id)
-        if size != session.buffer_size:
-            session.resize_buffer(size, self.clock_ns())
-            session.send(BufferControl(0, size))
+        """First TRANSFER from a flow-controlled connection: it now shares the pool as a producer
+        (or waits for a share: then its BUFFER_ACKs are withheld, see Session.credit_waiting)."""
+        self._apply_buffer_sizes(self.credit.register_producer(session.conn_id))
+        session.credit_waiting = self.credit.is_waiting(session.conn_id)
 
     def close_session(self, session: Session) -> None:
         if self.sessions.pop(session.conn_id, None) is None:
             return
         session.detach()
+        session.window_listener = None
         if session.conn_id in self.credit:
             self._apply_buffer_sizes(self.credit.disconnect(session.conn_id))
 
-    def _apply_buffer_sizes(self, sizes: dict[int, int], exclude: int | None = None) -> None:
-        """Push recomputed producer buffers to live connections (aggressive policy on connect/disconnect)."""
+    def _apply_buffer_sizes(self, sizes: dict[int, int]) -> None:
+        """Push changed producer grants to live connections (BUFFER_CONTROL), start or stop withholding
+        the acknowledgements of waiting ones, and watch the windows a shrink left above the grant."""
         now = self.clock_ns()
+        credit = self.credit
         for conn_id, size in sizes.items():
             s = self.sessions.get(conn_id)
-            if s is None or conn_id == exclude or size == s.buffer_size:
+            if s is None:
                 continue
-            s.resize_buffer(size, now)
-            s.send(BufferControl(0, size))
+            s.credit_waiting = credit.is_waiting(conn_id)
+            if size != s.buffer_size:
+                s.resize_buffer(size, now)
+                s.send(BufferControl(0, size))
+            # credit_limit is monotonic (the client may not have seen a shrink yet), so what it may
+            # still have unacknowledged stays charged to the pool until acknowledgements overtake it.
+            s.window_listener = self._window_moved if s.credit_limit - s.credit.advertised_total > size else None
+
+    def _window_moved(self, session: Session) -> None:
+        """An acknowledgement went to a producer whose window was above its grant: the promise it
+        spent or drained goes back to the pool (and to whoever waits for it)."""
+        if not session.open or session.conn_id not in self.credit:
+            session.window_listener = None
+            return
+        window = session.credit_limit - session.credit.advertised_total
+        if window <= session.buffer_size:
+            session.window_listener = None
+        self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
 
     def set_credit_policy(self, **settings: Any) -> CreditPolicyConfig:
-        """Change the producer credit policy while running; every live buffer is recomputed and pushed."""
+        """Change the producer credit policy while running; every live grant is recomputed and pushed.
+        Nothing changes if the settings are invalid or the new pool cannot hold the live connections."""
         merged = {"quota": self.config.server.memory_quota, **self.config.credit, **settings}
         policy = CreditPolicyConfig.from_mapping(merged)
+        changed = self.credit.reconfigure(policy)
         self.config = replace(self.config, credit={**self.config.credit, **settings})
-        self._apply_buffer_sizes(self.credit.reconfigure(policy))
-        # Connections not registered yet keep the provisional size of the policy in force, so it
-        # never exceeds a registered share.
-        provisional = self.credit.provisional_size()
-        self._apply_buffer_sizes(
-            {s.conn_id: provisional for s in self.sessions.values() if s.flow_control and s.conn_id not in self.credit}
-        )
+        self._apply_buffer_sizes(changed)
+        # Windows granted before a switch to `none` are not known to the allocator: report them.
+        for s in list(self.sessions.values()):
+            if s.flow_control and s.conn_id in self.credit and s.buffer_size:
+                window = s.credit_limit - s.credit.advertised_total
+                if window > self.credit.window_of(s.conn_id):
+                    self._apply_buffer_sizes(self.credit.set_window(s.conn_id, window))
+                    if window > s.buffer_size:
+                        s.window_listener = self._window_moved
+        for s in self.sessions.values():
+            if s.conn_id in self.credit:
+                s.credit_waiting = self.credit.is_waiting(s.conn_id)
         return policy
 
     # -- frames ------------------------------------------------------------------------------
@@ -229,7 +264,7 @@ class BrokerCore:
         # Checked against the grant the client had when it sent this frame: on a first transfer that is
         # the provisional one, not the share that registering below grants.
         credit_limit, buffer_size = session.credit_limit, session.buffer_size
-        if session.flow_control and session.conn_id not in self.credit:
+        if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
         now = self.clock_ns()
         session.now_ns = now

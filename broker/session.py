@@ -78,6 +78,9 @@ class Session:
         self.received_bytes = 0
         self.credit = AckScheduler(buffer_size if flow_control else 0)
         self.credit_limit = self.credit.buffer_size  # highest position ever granted (monotonic)
+        self.credit_waiting = False  # a producer waiting for a share of the pool: BUFFER_ACKs withheld
+        self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a
+        # shrunk buffer leaves credit_limit above acknowledged + buffer (the core returns it to the pool)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
@@ -141,7 +144,7 @@ class Session:
             self._newly_completed = []
             self._sent_cumulative = cumulative
         credit = self.credit
-        if credit.pending >= credit.threshold():
+        if credit.pending >= credit.threshold() and not self.credit_waiting:
             ack = credit.flush(now_ns)  # None when byte flow control is off
             if ack is not None:
                 frames.append(self._granted(ack))
@@ -158,13 +161,15 @@ class Session:
     def poll_credit(self, now_ns: int) -> None:
         """Timer: after the interval, acknowledge what is pending and re-advertise the absolute position
         (even unchanged), so a lost grant costs a producer at most one interval."""
-        ack = self.credit.poll(now_ns)
+        ack = None if self.credit_waiting else self.credit.poll(now_ns)
         if ack is not None:
             self.send(self._granted(ack))
 
     def _granted(self, ack: BufferAck) -> BufferAck:
         """Every grant raises the limit the credit check allows (monotonic: a shrink never lowers it)."""
         self.credit_limit = max(self.credit_limit, ack.acked_total + self.credit.buffer_size)
+        if self.window_listener is not None:
+            self.window_listener(self)
         return ack
 
     # -- producer side -----------------------------------------------------------------------

@@ -270,25 +270,52 @@ def _policy_settings(config: CreditPolicyConfig) -> dict[str, Any]:
     return out
 
 
+def _grant_state(core: BrokerCore, conn_id: int) -> str:
+    credit = core.credit
+    if not credit.is_producer(conn_id):
+        return "provisional"
+    return "waiting" if credit.is_waiting(conn_id) else "producer"
+
+
 def policy_view(core: BrokerCore, sessions: Iterable[Session] | None = None) -> dict[str, Any]:
-    """The credit policy in force and the producer buffers it grants now (sum and per connection)."""
+    """The credit policy in force, its pool, and every grant it has made now (provisional and waiting
+    ones included), with what the broker has promised beyond them (docs/policies.md)."""
     allocator = core.credit
     sizes = allocator.sizes()
     live = {s.conn_id: s for s in (core.sessions.values() if sessions is None else sessions)}
+    promised = 0
+    for s in live.values():
+        if s.flow_control and s.buffer_size:  # not paced under `none`: nothing promised
+            promised += max(0, s.credit_limit - s.received_bytes)
+    states = {cid: _grant_state(core, cid) for cid in sizes}
     return {
         "policy": _policy_settings(allocator.config),
         "producers_stopped": core.producers_stopped,
+        "pool": {
+            "bytes": allocator.pool,
+            "reserve": allocator.reserve,
+            "shareable": allocator.shareable,
+            "share": allocator.target(),
+            "floor": allocator.need() if allocator.pool else 0,
+        },
         "granted": {
-            "total": sum(sizes.values()),
+            "total": allocator.total_granted(),
+            "producers": sum(1 for st in states.values() if st != "provisional"),
+            "provisional": sum(1 for st in states.values() if st == "provisional"),
+            "waiting": sum(1 for st in states.values() if st == "waiting"),
             "connections": [
                 {
                     "connection": cid,
                     "client_name": live[cid].client_name if cid in live else None,
                     "buffer_size": size,
+                    "state": states[cid],
+                    "window": allocator.window_of(cid),
                 }
                 for cid, size in sizes.items()
             ],
         },
+        "committed": allocator.total_committed(),
+        "promised_outstanding": promised,
     }
 
 

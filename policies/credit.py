@@ -1,14 +1,16 @@
-"""Producer credit policies: how big a byte buffer each flow-controlled producer connection gets.
+"""Producer credit policies: how big a byte buffer each flow-controlled connection gets, out of one pool.
 
 The broker plays the DCP *consumer's* role (see docs/policies.md): it tells each producer connection how
-many unacknowledged bytes it may have in flight. How those buffers are sized from the broker's memory
-quota Q is the credit policy. Everything here is pure: no I/O, no clock, no locks. The broker owns one
-:class:`CreditAllocator` and pushes the sizes it returns to the clients.
+many unacknowledged bytes it may have in flight. Every policy has a pool carved out of the broker's
+memory quota Q, and the sum of what the broker has granted and promised never exceeds it: that is what
+makes the memory bound true however many clients connect. How the pool is shared is the credit policy.
+Everything here is pure: no I/O, no clock, no locks. The broker owns one :class:`CreditAllocator` and
+pushes the sizes it returns to the clients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, KeysView, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from fractions import Fraction
@@ -44,6 +46,10 @@ class DuplicateConnectionError(PolicyError, ValueError):
     """connect() was called twice for the same id: the broker's bookkeeping is wrong, so fail loudly."""
 
 
+class PoolExhaustedError(PolicyError, RuntimeError):
+    """connect() found no byte of the pool's reserve left for one more connection's wait grant."""
+
+
 class CreditPolicy(StrEnum):
     """The four DCP policies. ``aggressive`` is the default: Couchbase found production never used others."""
 
@@ -70,6 +76,18 @@ def _percent_of(key: str, value: object, quota: int) -> int:
     return int(quota * Fraction(str(value)) // 100)
 
 
+def _pool_of(config: CreditPolicyConfig) -> int:
+    """The bytes a policy may grant and promise in all: ``none`` grants nothing (it does not pace),
+    ``static`` and the override share the quota, ``dynamic`` its threshold, ``aggressive`` its percentage."""
+    if config.policy is CreditPolicy.NONE:
+        return 0
+    if config.override_size or config.policy is CreditPolicy.STATIC:
+        return config.quota
+    if config.policy is CreditPolicy.DYNAMIC:
+        return config.dynamic_threshold_bytes
+    return config.aggressive_pool_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class CreditPolicyConfig:
     """Every knob of the producer credit policies. Frozen: to change settings, build a new one and
@@ -88,6 +106,7 @@ class CreditPolicyConfig:
     dynamic_bytes: int = field(init=False, repr=False, compare=False)
     dynamic_threshold_bytes: int = field(init=False, repr=False, compare=False)
     aggressive_pool_bytes: int = field(init=False, repr=False, compare=False)
+    pool_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.quota, int) or isinstance(self.quota, bool) or self.quota <= 0:
@@ -114,6 +133,7 @@ class CreditPolicyConfig:
         object.__setattr__(
             self, "aggressive_pool_bytes", _percent_of("aggressive_percent", self.aggressive_percent, q)
         )
+        object.__setattr__(self, "pool_bytes", _pool_of(self))
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, object]) -> CreditPolicyConfig:
@@ -131,139 +151,344 @@ def clamp(value: int, low: int, high: int) -> int:
     return low if value < low else high if value > high else value
 
 
+WAIT_GRANT: Final = 1
+"""The grant of a connection that holds no share of the pool: a provisional one (connected, no TRANSFER
+yet) or a producer waiting for a share. A buffer of 0 means "not paced" on the wire, so the smallest
+paced grant is 1 byte. By DCP's overflow rule it lets exactly one message go while nothing is
+outstanding: a provisional connection's first message (which makes it a producer), or a waiting
+producer's one message, after which the broker withholds its BUFFER_ACKs until it gets a share."""
+
+
 def static_size(config: CreditPolicyConfig) -> int:
-    """``static``: the same fixed size for everyone, independent of Q."""
+    """``static``: the same fixed size for every producer, while the pool (the quota) has room."""
     return config.static_size
 
 
-def dynamic_size(config: CreditPolicyConfig, granted_dynamic: int) -> int:
-    """``dynamic``: clamp(dynamic_percent of Q, min, max) at connect, or just min once the dynamic
-    buffers already granted (``granted_dynamic``, excluding this connection) exceed the threshold.
-    The threshold bounds memory only loosely: it is checked before granting, as in Couchbase."""
-    if granted_dynamic > config.dynamic_threshold_bytes:
-        return config.min_size
+def dynamic_size(config: CreditPolicyConfig) -> int:
+    """``dynamic``: clamp(dynamic_percent of Q, min, max) for every producer, while the pool (the
+    threshold) has room; first come, first served."""
     return clamp(config.dynamic_bytes, config.min_size, config.max_size)
 
 
-def aggressive_size(config: CreditPolicyConfig, connections: int) -> int:
-    """``aggressive``: the pool (aggressive_percent of Q) split evenly over all ``connections``
-    flow-controlled producers, clamped to [min, max]. The sum exceeds the pool only by the clamp's floor."""
+def aggressive_size(config: CreditPolicyConfig, connections: int, pool: int | None = None) -> int:
+    """``aggressive``: ``pool`` (by default aggressive_percent of Q) split evenly over ``connections``
+    producers, clamped to [min, max]. Above the pool only when the clamp's floor lifts it; the
+    allocator then gives the share to as many producers as the pool holds, in order (see docs)."""
     if connections < 1:
         raise ValueError(f"connections must be >= 1, got {connections}")
-    return clamp(config.aggressive_pool_bytes // connections, config.min_size, config.max_size)
+    share = (config.aggressive_pool_bytes if pool is None else pool) // connections
+    return clamp(share, config.min_size, config.max_size)
+
+
+def share_target(config: CreditPolicyConfig, shareable: int, producers: int) -> int:
+    """What every producer should get under ``config`` when the pool has room (0 under ``none``)."""
+    if config.policy is CreditPolicy.NONE:
+        return 0
+    if config.override_size:
+        return config.override_size
+    if config.policy is CreditPolicy.STATIC:
+        return static_size(config)
+    if config.policy is CreditPolicy.DYNAMIC:
+        return dynamic_size(config)
+    return aggressive_size(config, max(producers, 1), shareable)
+
+
+def reserve_for(pool: int, slots: int) -> int:
+    """Bytes of the pool kept back for wait grants: one per connection slot, at most half the pool."""
+    return min(slots, pool // 2)
 
 
 K = TypeVar("K", bound=Hashable)
 
 
-class CreditAllocator(Generic[K]):
-    """Sans-IO bookkeeping of producer buffer sizes. Each method returns ``{conn_id: new_size}`` for
-    exactly the connections whose size changed, in connect order, which is what the broker must push.
+@dataclass(slots=True)
+class _Grant:
+    size: int  # the buffer size the connection was told
+    window: int  # what it may have unacknowledged: max(size, credit limit - acknowledged position)
+    producer: bool = False  # registered as a producer (first TRANSFER); provisional until then
+    waiting: bool = False  # a producer holding WAIT_GRANT because the pool has no share for it
 
-    Only flow-controlled producer connections are registered; the others are not paced and must not
-    count towards ``aggressive``'s N. With ``override_size`` > 0 (and any policy but ``none``) every
-    connection gets exactly that size: an absolute escape hatch, deliberately not bounded by the pool.
+
+class CreditAllocator(Generic[K]):
+    """Sans-IO bookkeeping of every flow-controlled connection's grant, bounded by one pool.
+
+    The pool P is ``config.pool_bytes``. A reserve R (:func:`reserve_for`: one byte per connection slot,
+    at most P/2) holds the first byte of every connection's grant, so a newcomer can always be given
+    WAIT_GRANT; the rest, S = P - R, is shared among producers. A connection is charged its *window*,
+    max(grant, credit limit - acknowledged position): a grant that shrank leaves the old, larger limit
+    with the client (it may not have seen the shrink yet), so the difference stays promised until the
+    broker's acknowledgements overtake it, and the broker reports that with :meth:`set_window`.
+
+    Invariants (tests/policies/test_credit_pool.py): the sum of grants never exceeds P; the sum of
+    windows never exceeds P except while promises made under a larger pool drain after
+    :meth:`reconfigure`; every live connection has a grant >= 1 (0 under ``none``); and no producer
+    waits while the pool could give it a share.
+
+    Every mutating method returns ``{conn_id: new_size}`` for exactly the connections whose grant
+    changed: what the broker must push (BUFFER_CONTROL).
     """
 
-    __slots__ = ("_config", "_sizes", "_total")
+    __slots__ = ("_config", "_floor", "_slots", "_reserve", "_shareable", "_grants", "_producers",
+                 "_granted", "_committed", "_producer_sizes", "_producer_windows", "_short")
 
-    def __init__(self, config: CreditPolicyConfig) -> None:
+    def __init__(self, config: CreditPolicyConfig, *, floor: int = 1, slots: int = 1024) -> None:
+        """``floor``: the least grant that counts as a share (the broker passes one maximum message);
+        ``slots``: the most connections it must hold at once (the broker's max_connections)."""
+        self._floor = _check_size("floor", floor, low=1)
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise PolicyConfigError("slots", slots, "must be an integer >= 1")
+        self._slots = slots
+        self._grants: dict[K, _Grant] = {}  # every connection, in connect order
+        self._producers: dict[K, _Grant] = {}  # the producers, in registration order (first come first served)
+        self._granted = 0
+        self._committed = 0
+        self._producer_sizes = 0  # sums over producers only: what of S they use is these minus one each
+        self._producer_windows = 0
+        self._short = False  # a producer holds less than the target: freed bytes must be handed out
         self._config = config
-        self._sizes: dict[K, int] = {}
-        self._total = 0
+        self._reserve, self._shareable = self._split(config)
+
+    # -- what the pool is ---------------------------------------------------------------------
 
     @property
     def config(self) -> CreditPolicyConfig:
         return self._config
 
+    @property
+    def pool(self) -> int:
+        return self._config.pool_bytes
+
+    @property
+    def reserve(self) -> int:
+        return self._reserve
+
+    @property
+    def shareable(self) -> int:
+        return self._shareable
+
+    @property
+    def floor(self) -> int:
+        return self._floor
+
+    def target(self) -> int:
+        """The share every producer gets when the pool has room for it."""
+        return share_target(self._config, self._shareable, len(self._producers))
+
+    def need(self) -> int:
+        """The least grant that counts as a share: one maximum message, or less if the target or the
+        shareable pool is smaller. A producer that cannot be given this much waits."""
+        return max(1, min(self._floor, self._shareable + 1, self.target()))
+
+    # -- connections --------------------------------------------------------------------------
+
     def connect(self, conn_id: K) -> dict[K, int]:
-        if conn_id in self._sizes:
+        """A flow-controlled connection opened: it gets WAIT_GRANT (0 under ``none``) until
+        :meth:`register_producer`. Raises PoolExhaustedError when the reserve is used up."""
+        if conn_id in self._grants:
             raise DuplicateConnectionError(f"connection {conn_id!r} is already registered")
-        cfg = self._config
-        if cfg.policy is CreditPolicy.AGGRESSIVE and not cfg.override_size:
-            self._sizes[conn_id] = 0  # min_size >= 1, so the new connection is always in the result
-            return self._share_pool()
-        size = self._size_for_new(self._total)
-        self._sizes[conn_id] = size
-        self._total += size
+        size = 0
+        if self._config.policy is not CreditPolicy.NONE:
+            if len(self._grants) >= self._reserve:
+                raise PoolExhaustedError(
+                    f"the credit pool ({self.pool} bytes) has no byte left for connection {conn_id!r}: "
+                    f"{len(self._grants)} connections hold its reserve of {self._reserve}"
+                )
+            size = WAIT_GRANT
+        self._grants[conn_id] = _Grant(size, size)
+        self._granted += size
+        self._committed += size
         return {conn_id: size}
 
+    def register_producer(self, conn_id: K) -> dict[K, int]:
+        """The connection sent its first TRANSFER: it now shares the pool (or waits for a share).
+        Connections that only consume never get here, so they never dilute the producers' shares."""
+        grant = self._get(conn_id)
+        if grant.producer:
+            return {}
+        target = self.target()
+        grant.producer = True
+        self._producers[conn_id] = grant
+        self._producer_sizes += grant.size
+        self._producer_windows += grant.window
+        if len(self._producers) > 1 and self.target() == target:
+            # Nobody else's grant moves: a full pass would repeat the last one for everyone before
+            # the newcomer, which comes last. O(1) once the aggressive share is clamped.
+            return self._share_last(conn_id, grant)
+        return self._share()
+
     def disconnect(self, conn_id: K) -> dict[K, int]:
-        try:
-            size = self._sizes.pop(conn_id)
-        except KeyError:
-            raise UnknownConnectionError(f"connection {conn_id!r} is not registered") from None
-        self._total -= size
-        cfg = self._config
-        if cfg.policy is CreditPolicy.AGGRESSIVE and not cfg.override_size and self._sizes:
-            return self._share_pool()
-        return {}
+        target = self.target()
+        grant = self._grants.pop(conn_id, None)
+        if grant is None:
+            raise UnknownConnectionError(f"connection {conn_id!r} is not registered")
+        self._granted -= grant.size
+        self._committed -= grant.window
+        if self._producers.pop(conn_id, None) is None:
+            return {}  # a provisional connection frees only its reserve byte
+        self._producer_sizes -= grant.size
+        self._producer_windows -= grant.window
+        if not self._short and self.target() == target:
+            return {}  # everyone already has the (unchanged) target: the freed bytes are not wanted
+        return self._share()
+
+    def set_window(self, conn_id: K, window: int) -> dict[K, int]:
+        """The broker's acknowledgements moved this connection's window (credit limit - acknowledged
+        position): a promise left by a shrink is spent or drained, and its bytes return to the pool."""
+        grant = self._get(conn_id)
+        if self._config.policy is CreditPolicy.NONE:
+            return {}
+        window = max(window, grant.size)
+        if window == grant.window:
+            return {}
+        grown = window > grant.window
+        self._resize(grant, grant.size, window=window)
+        return {} if grown or not self._short else self._share()
 
     def reconfigure(self, config: CreditPolicyConfig) -> dict[K, int]:
-        """Apply a new policy or quota to every live connection. ``dynamic`` replays the connects in
-        their original order, so the result is what a fresh start with these connections would give."""
-        self._config = config
-        if config.policy is CreditPolicy.AGGRESSIVE and not config.override_size:
-            return self._share_pool() if self._sizes else {}
-        changed: dict[K, int] = {}
-        total = 0
-        for conn_id, old in self._sizes.items():
-            size = self._size_for_new(total)
-            total += size
-            if size != old:
-                self._sizes[conn_id] = size
-                changed[conn_id] = size
-        self._total = total
-        return changed
+        """A new policy, quota or bound while connections are live: every grant is recomputed. Promises
+        made under the old config stay charged until they drain; nothing new is promised meanwhile.
+        Raises PolicyConfigError (changing nothing) if the new pool cannot hold the live connections."""
+        reserve, shareable = self._split(config)
+        paced = config.policy is not CreditPolicy.NONE
+        if paced and len(self._grants) > reserve:
+            raise PolicyConfigError(
+                "quota", config.quota,
+                f"a pool of {config.pool_bytes} bytes cannot hold {len(self._grants)} connections "
+                f"(one byte each, at most half the pool)",
+            )
+        old = {conn_id: g.size for conn_id, g in self._grants.items()}
+        self._config, self._reserve, self._shareable = config, reserve, shareable
+        for grant in self._grants.values():
+            if not paced:
+                self._resize(grant, 0, window=0)
+            elif grant.size == 0 or not grant.producer:
+                self._resize(grant, WAIT_GRANT, window=max(grant.window, WAIT_GRANT))
+        if paced:
+            self._share()
+        else:
+            self._short = False
+            for grant in self._producers.values():
+                grant.waiting = False
+        return {c: g.size for c, g in self._grants.items() if g.size != old[c]}
 
-    def provisional_size(self) -> int:
-        """What a flow-controlled connection gets before it registers (the broker registers it on its
-        first transfer, so connections that only consume never dilute the producers' share). Never more
-        than a registered connection would get: the floor under dynamic/aggressive, so provisional grants
-        add at most N x min_size, which the aggressive bound already allows for."""
-        cfg = self._config
-        if cfg.policy in (CreditPolicy.DYNAMIC, CreditPolicy.AGGRESSIVE) and not cfg.override_size:
-            return cfg.min_size
-        return self._size_for_new(self._total)
+    # -- reading ------------------------------------------------------------------------------
 
     def size_of(self, conn_id: K) -> int:
+        return self._get(conn_id).size
+
+    def window_of(self, conn_id: K) -> int:
+        return self._get(conn_id).window
+
+    def is_producer(self, conn_id: K) -> bool:
+        return self._get(conn_id).producer
+
+    def is_waiting(self, conn_id: K) -> bool:
+        return self._get(conn_id).waiting
+
+    def total_granted(self) -> int:
+        """Every grant, provisional and waiting ones included."""
+        return self._granted
+
+    def total_committed(self) -> int:
+        """Every connection's window: its grant, or the larger limit a shrink left it. The pool bounds this."""
+        return self._committed
+
+    def waiting(self) -> int:
+        return sum(1 for g in self._producers.values() if g.waiting)
+
+    def connections(self) -> tuple[K, ...]:
+        """Every connection, in connect order."""
+        return tuple(self._grants)
+
+    def producers(self) -> tuple[K, ...]:
+        """The registered producers, in registration order."""
+        return tuple(self._producers)
+
+    @property
+    def producer_ids(self) -> KeysView[K]:
+        """The registered producers, as a live view (a cheap membership test for the broker's hot path)."""
+        return self._producers.keys()
+
+    def sizes(self) -> dict[K, int]:
+        """A snapshot of every grant, for the management views."""
+        return {conn_id: g.size for conn_id, g in self._grants.items()}
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+    def __contains__(self, conn_id: object) -> bool:
+        return conn_id in self._grants
+
+    # -- sharing ------------------------------------------------------------------------------
+
+    def _split(self, config: CreditPolicyConfig) -> tuple[int, int]:
+        reserve = reserve_for(config.pool_bytes, self._slots)
+        return reserve, config.pool_bytes - reserve
+
+    def _get(self, conn_id: K) -> _Grant:
         try:
-            return self._sizes[conn_id]
+            return self._grants[conn_id]
         except KeyError:
             raise UnknownConnectionError(f"connection {conn_id!r} is not registered") from None
 
-    def total_granted(self) -> int:
-        return self._total
+    def _resize(self, grant: _Grant, size: int, *, window: int | None = None) -> None:
+        new_window = max(grant.window, size) if window is None else window
+        self._granted += size - grant.size
+        self._committed += new_window - grant.window
+        if grant.producer:
+            self._producer_sizes += size - grant.size
+            self._producer_windows += new_window - grant.window
+        grant.size, grant.window = size, new_window
 
-    def connections(self) -> tuple[K, ...]:
-        return tuple(self._sizes)
+    def _fit(self, grant: _Grant, target: int, need: int, grant_room: int, promise_room: int) -> int:
+        """One producer's grant, given what is left of S for grants and for promises."""
+        window = grant.window
+        size = target if target <= window else window + max(0, min(target - window, promise_room))
+        size = min(size, grant_room + 1)
+        return WAIT_GRANT if size < need else size
 
-    def sizes(self) -> dict[K, int]:
-        """A snapshot of every size, for periodic re-advertising (a lost grant must not stall anyone)."""
-        return dict(self._sizes)
+    def _share_last(self, conn_id: K, grant: _Grant) -> dict[K, int]:
+        """The newest producer's grant out of what the others leave (they keep theirs)."""
+        if self._config.policy is CreditPolicy.NONE:
+            return {}
+        n = len(self._producers)
+        grant_room = self._shareable - (self._producer_sizes - n)
+        promise_room = self._shareable - (self._producer_windows - n)
+        target = self.target()
+        size = self._fit(grant, target, self.need(), grant_room, promise_room)
+        grant.waiting = size == WAIT_GRANT and self.need() > WAIT_GRANT
+        self._short = self._short or size < target
+        if size == grant.size:
+            return {}
+        self._resize(grant, size)
+        return {conn_id: size}
 
-    def __len__(self) -> int:
-        return len(self._sizes)
+    def _share(self) -> dict[K, int]:
+        """Recompute every producer's grant, in registration order: each gets the target if the pool
+        has room, else what is left if that is at least :meth:`need`, else WAIT_GRANT (it waits).
 
-    def __contains__(self, conn_id: object) -> bool:
-        return conn_id in self._sizes
-
-    def _size_for_new(self, granted: int) -> int:
-        cfg = self._config
-        if cfg.policy is CreditPolicy.NONE:
-            return 0
-        if cfg.override_size:
-            return cfg.override_size
-        if cfg.policy is CreditPolicy.STATIC:
-            return static_size(cfg)
-        if cfg.policy is CreditPolicy.DYNAMIC:
-            return dynamic_size(cfg, granted)
-        raise AssertionError("aggressive sizes are shared, not per connection")  # pragma: no cover
-
-    def _share_pool(self) -> dict[K, int]:
-        size = aggressive_size(self._config, len(self._sizes))
-        changed = {c: size for c, old in self._sizes.items() if old != size}
-        for conn_id in changed:
-            self._sizes[conn_id] = size
-        self._total = size * len(self._sizes)
+        A producer's first byte comes from the reserve; the rest of its grant and of its window from
+        S. Two budgets: ``grant_room`` keeps the sum of grants within S, ``promise_room`` the sum of
+        windows (a grant within a producer's current window promises nothing new; growing past it
+        does). O(producers); called on register, disconnect, reconfigure, and when a window drains
+        while someone is short."""
+        changed: dict[K, int] = {}
+        if self._config.policy is CreditPolicy.NONE or not self._producers:
+            self._short = False
+            return changed
+        target = self.target()
+        need = self.need()
+        grant_room = self._shareable
+        promise_room = self._shareable - (self._producer_windows - len(self._producers))
+        short = False
+        for conn_id, grant in self._producers.items():
+            size = self._fit(grant, target, need, grant_room, promise_room)
+            promise_room -= max(0, size - grant.window)
+            grant_room -= size - 1
+            short = short or size < target
+            grant.waiting = size == WAIT_GRANT and need > WAIT_GRANT
+            if size != grant.size:
+                self._resize(grant, size)
+                changed[conn_id] = size
+        self._short = short
         return changed

@@ -16,6 +16,7 @@ from typing import Any
 from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.session import Session
+from flowbroker.policies.credit import WAIT_GRANT
 from flowbroker.protocol.credit import BufferLog, message_size
 from flowbroker.protocol.frames import (
     Bind,
@@ -177,11 +178,19 @@ class Producer(Client):
         self.completions: list[int] = []  # transfer ids in the order their completion was learnt
         self.grants: list[BufferAck] = []
         self.buffer_controls: list[BufferControl] = []
+        self.reads_credit = True  # can_send() reads frames when only the provisional grant stops it
 
     def can_send(self) -> bool:
         if self.window is not None and len(self.outstanding) >= self.window:
             return False
+        if not self.credit.may_send() and self.reads_credit and self.provisional_spent():
+            self.pump()  # as the SDK waits for credit: its first message registered it, the share follows
         return self.credit.may_send()
+
+    def provisional_spent(self) -> bool:
+        """Sent the one message its provisional grant (WAIT_GRANT, from WELCOME) allows, and not yet
+        read the BUFFER_CONTROL that registering as a producer brings (if any share was free)."""
+        return self.welcome_buffer == WAIT_GRANT and not self.buffer_controls and self.next_id > 1
 
     def send(
         self, exchange: str, routing_key: str, body: bytes = b"x", headers: Headers | None = None, *, force: bool = False

@@ -147,6 +147,7 @@ def test_completions_and_deliveries_are_split_at_the_per_frame_limits() -> None:
     c = h.consumer()
     c.subscribe("q")
     p = h.producer()
+    p.register()  # its first message makes it a producer: its share follows (until then, one message)
     n = 3 * MAX_ENTRIES_PER_FRAME
     for start in range(0, n, 256):
         p.send_many([("", "q", b"", None)] * 256)
@@ -219,6 +220,7 @@ def test_the_route_cache_is_one_bounded_dict_for_the_whole_broker() -> None:
     for i in range(20):
         assert p.declare_exchange(f"t{i}", "topic").__class__.__name__ == "Ok"
         assert p.bind("q", f"t{i}", "#").__class__.__name__ == "Ok"
+    p.register()
     n = 0
     for i in range(20):
         for start in range(0, 3_400, 200):  # 68,000 distinct (exchange, key) pairs in all

@@ -101,7 +101,7 @@ async def test_a_routing_key_of_5000_words_is_refused_and_the_broker_carries_on(
     """It raised RecursionError in the topic matcher, which escaped the connection and stopped the broker."""
     broker = await start_flowbroker()
     async with watched(broker):
-        raw = await RawClient.connect(broker.port)
+        raw = await RawClient.connect(broker.port, flow_control=False)  # not paced: two messages at once
         assert isinstance(await request(raw, DeclareExchange(1, "t", "topic")), Ok)
         assert isinstance(await request(raw, DeclareQueue(2, "words")), Ok)
         assert isinstance(await request(raw, Bind(3, "words", "t", "#.w")), Ok)
@@ -179,7 +179,7 @@ async def test_a_message_that_cannot_be_delivered_is_refused_at_publish(start_fl
     died with ProtocolViolation, forever. Now the publisher hears MESSAGE_TOO_LARGE and consumers carry on."""
     broker = await start_flowbroker(server={"max_frame_size": 65536, "max_message_size": 32768})
     async with watched(broker):
-        raw = await RawClient.connect(broker.port)
+        raw = await RawClient.connect(broker.port, flow_control=False)
         assert isinstance(await request(raw, DeclareQueue(1, "poison")), Ok)
         headers = {f"h{i}": "v" * 900 for i in range(60)}  # 54 KB of headers on a 1-byte body
         await raw.send(Transfer(1, [TransferEntry("", "poison", b"x", headers), TransferEntry("", "poison", b"ok")]))

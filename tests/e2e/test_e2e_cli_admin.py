@@ -138,10 +138,12 @@ def test_stop_all_start_all_and_policy_set(daemon: Daemon) -> None:
 
     answer = daemon.json("policy", "set", "aggressive", "--quota", "400MiB", "--min-size", "1MiB")
     assert answer["policy"]["policy"] == "aggressive" and answer["policy"]["quota"] == 400 * MiB
+    share = 20 * MiB - 10_000  # the 20 MiB pool but its reserve for wait grants (max_connections bytes)
     assert answer["granted"]["connections"] == [
-        {"connection": publisher["id"], "client_name": "flowbroker-cli", "buffer_size": 20 * MiB}
+        {"connection": publisher["id"], "client_name": "flowbroker-cli", "buffer_size": share,
+         "state": "producer", "window": 50 * MiB}  # what it was promised before stays charged until used
     ]
-    daemon.wait_for(lambda: _me(daemon)[0]["producer"]["buffer_size"] == 20 * MiB)
+    daemon.wait_for(lambda: _me(daemon)[0]["producer"]["buffer_size"] == share)
     assert held.poll() is None  # still held by the operator's stop
 
     out = daemon.cli("producers", "start-all").stdout
@@ -149,6 +151,7 @@ def test_stop_all_start_all_and_policy_set(daemon: Daemon) -> None:
     assert "published 1 message(s)" in _finish(held)
     shown = daemon.cli("policy", "show").stdout
     assert "quota" in shown and "400MiB" in shown and "STOPPED" not in shown
+    assert "pool" in shown and "20MiB" in shown and "committed" in shown and "promised" in shown
     assert daemon.json("queue", "show", "orders")["depth"]["count"] == 2
 
     answer = daemon.json("policy", "set", "static", "--static-size", "2MiB")

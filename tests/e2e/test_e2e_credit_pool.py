@@ -1,0 +1,88 @@
+"""The credit pool end to end (issue 8, item 3): 50 SDK producer connections with flow control flood
+a flow-stopped queue on a broker with a small quota, beside a well-behaved producer and consumer that
+must lose nothing and must not stall; meanwhile the admin API, polled all along, never reports more
+granted (or committed) than the pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+from test_e2e_admin import TOKEN, ok
+
+import flowbroker.client as fb
+
+MiB = 1024 * 1024
+STALL = 0.5  # seconds: the most the good pair may wait for any one message (it takes far less)
+FLOODERS = 50
+MESSAGES = 300
+
+
+async def test_fifty_flow_controlled_producers_never_get_more_than_the_pool(start_flowbroker: Any) -> None:
+    broker = await start_flowbroker(
+        server={"memory_quota": 64 * MiB, "max_message_size": 65536, "max_connections": 200},
+        credit={"policy": "aggressive", "min_size": 64 * 1024, "max_size": MiB},  # pool 5 % = 3.2 MiB
+        admin={"token": TOKEN},
+    )
+    pool = (await ok(broker, "GET", "/api/policy"))["pool"]["bytes"]
+    assert pool == 64 * MiB * 5 // 100
+    seen = {"polls": 0, "granted": 0, "waiting": 0, "connections": 0}
+    received: list[bytes] = []
+    async with await fb.connect(broker.url, client_name="good") as good, \
+            await fb.connect(broker.url, client_name="good-consumer", flow_control=False) as reader:
+        await good.declare_queue("good")
+        await good.declare_queue("flood", max_size=0, flow_stop_size=256 * 1024, flow_resume_size=128 * 1024)
+        producer = good.producer(routing_key="good")
+        await producer.send(b"good:-1", timeout=5)  # registers the good producer before the flood
+        await producer.flush(timeout=5)
+
+        async def poll() -> None:
+            while True:
+                answer = await ok(broker, "GET", "/api/policy")
+                granted = answer["granted"]
+                assert granted["total"] == sum(c["buffer_size"] for c in granted["connections"])
+                assert granted["total"] <= answer["committed"] <= pool, answer
+                seen["polls"] += 1
+                seen["granted"] = max(seen["granted"], granted["total"])
+                seen["waiting"] = max(seen["waiting"], granted["waiting"])
+                seen["connections"] = max(seen["connections"], len(granted["connections"]))
+                await trio.sleep(0.02)
+
+        async def flood(i: int) -> None:
+            async with await fb.connect(broker.url, client_name=f"flood{i}") as conn:
+                sender = conn.producer(routing_key="flood")
+                n = 0
+                while True:
+                    try:
+                        await sender.send(b"f" * 8000, timeout=0.2)
+                    except fb.FlowControlTimeout:
+                        pass  # held by the flow-stopped queue, or waiting for a share of the pool
+                    n += 1
+
+        async def consume() -> None:
+            async with reader.consumer("good", prefetch=50) as consumer:
+                while len(received) < MESSAGES + 1:
+                    with trio.fail_after(STALL):
+                        msg = await consumer.receive()
+                    await msg.ack()
+                    received.append(msg.body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            for i in range(FLOODERS):
+                nursery.start_soon(flood, i)
+            with trio.fail_after(10):
+                while len(broker.core.credit) < FLOODERS + 1 or broker.core.queues["flood"].saturated is False:
+                    await trio.sleep(0.01)
+            async with trio.open_nursery() as pair:
+                pair.start_soon(consume)
+                for n in range(MESSAGES):
+                    with trio.fail_after(STALL):
+                        await producer.send(b"good:%d" % n)
+                with trio.fail_after(STALL * 10):
+                    await producer.flush()
+            nursery.cancel_scope.cancel()
+    assert received == [b"good:-1"] + [b"good:%d" % n for n in range(MESSAGES)]  # nothing lost, in order
+    assert seen["polls"] > 0 and seen["connections"] >= FLOODERS + 1
+    assert seen["granted"] <= pool
+    assert seen["waiting"] > 0  # the flood asked for more than the pool: most of it waited
