@@ -158,12 +158,15 @@ async def slowloris(url: str, seconds: float) -> str:
     async def one() -> None:
         stream = await trio.open_tcp_stream(host, int(port))
         proto = Connection(Role.CLIENT)
-        await stream.send_all(proto.send(Hello(PROTOCOL_VERSION, "slowloris", True, [])))
-        await stream.receive_some(65536)
-        length = 8 * MiB - 16
-        await stream.send_all(struct.pack(">I", length) + b"\x93\x0a\x01" + b"\x00" * (4 * MiB))
-        end = trio.current_time() + seconds
         try:
+            await stream.send_all(proto.send(Hello(PROTOCOL_VERSION, "slowloris", True, [])))
+            await stream.receive_some(65536)
+            length = 8 * MiB - 16
+            end = trio.current_time() + seconds
+            # the start of a TRANSFER, then 4 MiB as fast as the broker reads it (the partial-frame budget
+            # decides), then a byte every half second
+            with trio.move_on_at(end):
+                await stream.send_all(struct.pack(">I", length) + b"\x93\x0a\x01" + b"\x00" * (4 * MiB))
             while trio.current_time() < end:
                 await stream.send_all(b"\x00")
                 await trio.sleep(0.5)
@@ -174,7 +177,7 @@ async def slowloris(url: str, seconds: float) -> str:
     async with trio.open_nursery() as nursery:
         for _ in range(30):
             nursery.start_soon(one)
-    return f"30 slow connections with 4 MiB of an 8 MiB frame each; {closed[0]} cut off by the broker"
+    return f"30 slow connections, each sending up to 4 MiB of an 8 MiB frame; {closed[0]} cut off by the broker"
 
 
 async def queues(url: str, seconds: float) -> str:
