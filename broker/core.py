@@ -28,7 +28,7 @@ from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, Poli
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError, message_size
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.limits import MAX_KEY_BYTES, message_wire_size, utf8_len
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, message_wire_size, utf8_len
 from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
@@ -131,7 +131,9 @@ class BrokerCore:
             flow_control,
             0,
             wake,
-            max_delivery_frame_bytes=self.config.server.max_frame_size // 4,
+            # Every message is charged at least MESSAGE_OVERHEAD, so a frame sealed at this many bytes
+            # also holds at most MAX_ENTRIES_PER_FRAME messages: one comparison a delivery seals both.
+            max_delivery_frame_bytes=min(self.config.server.max_frame_size // 4, MAX_ENTRIES_PER_FRAME * MESSAGE_OVERHEAD),
         )
         self.sessions[conn_id] = session
         if flow_control:
@@ -269,6 +271,9 @@ class BrokerCore:
         now = self.clock_ns()
         session.now_ns = now
         max_message = self.config.server.max_message_size
+        # A body this short, with a short key and no headers, is within max_message_size whatever its
+        # exchange (a name of at most 255 characters) and key: at most 4 UTF-8 bytes a character.
+        fast_body = max_message - 4 * (_SHORT_KEY + 255)
         checked = session.flow_control and buffer_size > 0
         broker_hold = session.flow_control and bool(self._broker_stops)
         memory_refusal = self.memory.alarm and not session.flow_control
@@ -286,9 +291,8 @@ class BrokerCore:
             session.received_bytes += size
             exchange = entry.exchange
             routing_key = entry.routing_key
-            # One comparison for the common message (short key, no headers, 4 bytes per character at
-            # most); the exact check only when it could fail.
-            if entry.headers or len(routing_key) > _SHORT_KEY or len(body) + 4 * (len(routing_key) + len(exchange)) > max_message:
+            # Two comparisons for the common message; the exact check only when it could fail.
+            if entry.headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
                 refused = self._check_entry(entry, max_message)
                 if refused is not None:
                     self._refuse(session, tid, size, *refused)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flowbroker.protocol.credit import AckScheduler, BufferLog
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD, AckScheduler, BufferLog
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import (
     BufferAck,
@@ -59,7 +59,7 @@ class Session:
         buffer_size: int,
         wake: Callable[[], None],
         max_outbox_frames: int = 10_000,
-        max_delivery_frame_bytes: int = 1 << 20,
+        max_delivery_frame_bytes: int = MAX_ENTRIES_PER_FRAME * MESSAGE_OVERHEAD,
     ):
         self.conn_id = conn_id
         self.client_name = client_name
@@ -236,8 +236,9 @@ class Session:
             self._delivery_bytes[sub_id] = 0
         entries.append(_make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)))
         size = self._delivery_bytes[sub_id] + msg.size
-        if size >= self.max_delivery_frame_bytes or len(entries) >= MAX_ENTRIES_PER_FRAME:
-            # Seal the frame so none exceeds the frame size or the entries the client accepts.
+        if size >= self.max_delivery_frame_bytes:
+            # Seal the frame so none exceeds the frame size or the entries the client accepts (the
+            # core keeps max_delivery_frame_bytes <= MAX_ENTRIES_PER_FRAME x MESSAGE_OVERHEAD).
             self._sealed.append(Deliver(sub_id, entries))
             del self._deliveries[sub_id], self._delivery_bytes[sub_id]
         else:

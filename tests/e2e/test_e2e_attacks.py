@@ -85,6 +85,7 @@ async def watched(broker: Any, *, stall: float | None = STALL) -> AsyncIterator[
             nursery.cancel_scope.cancel()
         assert not conn.is_closed and conn.connection_id in broker.core.sessions
     assert w.received == [b"calm-%d" % i for i in range(w.sent)]  # none lost, none doubled, in order
+    print(f"worst gap {w.worst_gap * 1000:.1f} ms")  # shown with -s (benchmarks/fuzz_broker.py prints it too)
     if stall is not None:
         assert w.worst_gap < stall, f"the well-behaved client waited {w.worst_gap:.3f} s for a message"
 
