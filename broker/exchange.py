@@ -8,8 +8,9 @@ here: the router sends a message published to "" to the queue its routing key na
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from flowbroker.broker.topic import TopicIndex
 
 if TYPE_CHECKING:
     from flowbroker.broker.queue import Queue
@@ -24,48 +25,11 @@ class ExchangeKind(enum.StrEnum):
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:
-    """AMQP topic matching over dot-separated words: `*` is one word, `#` zero or more.
-
-    Iterative, in time proportional to words x pattern words and memory proportional to the pattern:
-    the set of pattern positions the words read so far can have reached, advanced one word at a time
-    (a `#` both stays and lets the next position be reached without a word). A recursive matcher let
-    a routing key of 5,000 words raise RecursionError inside the broker; keys are also bounded at
-    MAX_KEY_BYTES (protocol/limits.py), so a match costs at most ~129 x 129 steps.
-    """
-    return _matcher(pattern)(routing_key.split("."))
-
-
-def _matcher(pattern: str) -> Callable[[list[str]], bool]:
-    words = pattern.split(".")
-    if "#" not in words and "*" not in words:
-        return lambda key: key == words
-    m = len(words)
-    hashes = [w == "#" for w in words]
-
-    def close(reached: list[bool]) -> list[bool]:
-        """Let every `#` that is reached match zero words."""
-        for i in range(m):
-            if reached[i] and hashes[i]:
-                reached[i + 1] = True
-        return reached
-
-    def match(key: list[str]) -> bool:
-        reached = close([True] + [False] * m)
-        for word in key:
-            after = [False] * (m + 1)
-            for i in range(m):
-                if reached[i]:
-                    head = words[i]
-                    if head == "#":
-                        after[i] = True
-                    elif head == "*" or head == word:
-                        after[i + 1] = True
-            reached = close(after)
-            if not any(reached):
-                return False
-        return reached[m]
-
-    return match
+    """AMQP topic matching over dot-separated words: `*` is one word, `#` zero or more (one binding
+    key; an exchange matches all of its keys at once with broker/topic.py's TopicIndex)."""
+    index = TopicIndex()
+    index.add(pattern)
+    return bool(index.match(routing_key.split(".")))
 
 
 class RouteCache:
@@ -93,7 +57,7 @@ class Exchange:
         self.name = name
         self.kind = kind
         self.bindings: dict[str, dict[Queue, None]] = {}  # binding key -> queues (ordered set)
-        self._matchers: dict[str, Callable[[list[str]], bool]] = {}  # topic binding key -> compiled matcher
+        self._topics = TopicIndex()  # topic exchanges: every binding key in one matcher (broker/topic.py)
         self._cache = cache if cache is not None else RouteCache()
 
     def bind(self, queue: Queue, key: str) -> bool:
@@ -103,8 +67,8 @@ class Exchange:
             return False
         queues[queue] = None
         self._cache.bindings += 1
-        if self.kind is ExchangeKind.TOPIC and key not in self._matchers:
-            self._matchers[key] = _matcher(key)
+        if self.kind is ExchangeKind.TOPIC:
+            self._topics.add(key)
         self._cache.clear()
         return True
 
@@ -116,7 +80,7 @@ class Exchange:
         self._cache.bindings -= 1
         if not queues:
             del self.bindings[key]
-            self._matchers.pop(key, None)
+            self._topics.remove(key)
         self._cache.clear()
         return True
 
@@ -137,9 +101,8 @@ class Exchange:
         if kind is ExchangeKind.FANOUT:
             result = list({q: None for qs in self.bindings.values() for q in qs})
         else:
-            words = routing_key.split(".")
-            matchers = self._matchers
-            result = list({q: None for key, qs in self.bindings.items() if matchers[key](words) for q in qs})
+            bindings = self.bindings
+            result = list({q: None for key in self._topics.match(routing_key.split(".")) for q in bindings[key]})
         if len(cache) >= RouteCache.MAX_ENTRIES:
             cache.clear()
         cache[key] = result
