@@ -177,7 +177,7 @@ WEIGHTS: dict[str, float] = {
     "settle": 10,
     "subscribe": 6,
     "buffer": 5,
-    "topic": 6,  # '#'-heavy bindings and long routing keys
+    "topic": 3,  # '#'-heavy bindings and long routing keys
     "headers": 4,  # header counts and sizes around the limits
     "mutate": 2,
     "huge-prefix": 0.5,
@@ -234,6 +234,12 @@ class _Maker:
         if n > 100:  # a random stretch repeated: long keys cost the generator little
             return ".".join(self.rng.choices(words, k=32) * (n // 32) + self.rng.choices(words, k=n % 32))
         return ".".join(self.rng.choices(words, k=n))
+
+    def routing_key(self) -> str:
+        """Half the time as many words as MAX_KEY_BYTES allows (128), random (no cache holds them)."""
+        if self.rng.random() < 0.5:
+            return ".".join(self.rng.choices("abc", k=MAX_KEY_BYTES // 2))[: MAX_KEY_BYTES - 1]
+        return self.topic_key(KEY_WORDS)
 
     def header_map(self) -> dict[str, Any] | None:
         if self.rng.random() < 0.8:
@@ -335,16 +341,20 @@ class _Maker:
         return [Move("buffer", BufferAck(opaque, self.u64ish(), self.u64ish()))]
 
     def topic(self) -> list[Move]:
+        """Bindings of '#'-heavy keys (some at the key limit, all distinct), then messages with long
+        routing keys, each different so that no routing cache can answer for them."""
         rng = self.rng
-        name = "hx.topic"
-        key = self.topic_key(TOPIC_WORDS)
-        if rng.random() < 0.3:  # exactly at and just over the key limit, all wildcards
-            key = ("#." * MAX_KEY_BYTES)[: MAX_KEY_BYTES + rng.choice((-1, 0, 1))]
-        return [
-            Move("topic", DeclareExchange(self.rid(), name, "topic")),
-            Move("topic", Bind(self.rid(), self.queue(), name, key)),
-            Move("topic", Transfer(1, [TransferEntry(name, self.topic_key(KEY_WORDS), b"t") for _ in range(3)])),
-        ]
+        name, queue = "hx.topic", self.queue()
+        out = [Move("topic", DeclareExchange(self.rid(), name, "topic")), Move("topic", DeclareQueue(self.rid(), queue))]
+        for _ in range(rng.choice((1, 5, 20, 50))):
+            if rng.random() < 0.5:  # at, under or just over MAX_KEY_BYTES, wildcards all along
+                key = "#." * (MAX_KEY_BYTES // 2 - 3) + "%03d" % rng.randrange(1000) + rng.choice(("", ".#", ".#.*"))
+            else:
+                key = self.topic_key(TOPIC_WORDS)
+            out.append(Move("topic", Bind(self.rid(), queue, name, key)))
+        entries = [TransferEntry(name, self.routing_key(), b"t") for _ in range(rng.choice((1, 3, 10)))]
+        out.append(Move("topic", Transfer(1, entries)))
+        return out
 
     def headers(self) -> list[Move]:
         """Header counts around MAX_HEADERS, or (rarely) one header that takes the whole message to

@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 import pytest
 import trio
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import flowbroker.client as fc
@@ -152,6 +152,7 @@ class _ErrorRecords(logging.Handler):
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+@example(seed=8, connections=3, focus="topic", corpus=[])
 @given(
     seed=st.integers(0, 2**32 - 1),
     connections=st.integers(3, 5),
