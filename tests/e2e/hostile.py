@@ -64,7 +64,7 @@ from flowbroker.protocol import (
 from flowbroker.protocol.limits import MAX_CONTROL_FRAME, MAX_HEADERS, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 
 # protocol_strategies lives beside the protocol tests; pytest puts only this folder on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "protocol"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "protocol"))
 from protocol_strategies import any_frame  # noqa: E402
 
 U64 = 2**64 - 1
@@ -189,11 +189,11 @@ WEIGHTS: dict[str, float] = {
 frames reach a session that has built up state, and a long run does not exhaust ephemeral ports."""
 
 
-def moves(seed: int, corpus: list[Frame], focus: str | None = None) -> Iterator[Move]:
-    """An endless stream of hostile moves, the same for the same seed, corpus and focus (a kind
-    made five times as frequent, so that a run can dwell on one attack)."""
+def moves(seed: int, corpus: list[Frame], focus: str | None = None, without: frozenset[str] = frozenset()) -> Iterator[Move]:
+    """An endless stream of hostile moves, the same for the same arguments. `focus`: a kind made five
+    times as frequent, so that a run can dwell on one attack; `without`: kinds left out."""
     rng = random.Random(seed)
-    kinds = list(WEIGHTS)
+    kinds = [k for k in WEIGHTS if k not in without]
     weights = [WEIGHTS[k] * (5 if k == focus else 1) for k in kinds]
     make = _Maker(rng, corpus)
     while True:
