@@ -98,11 +98,13 @@ async def hostile(port: int, args: argparse.Namespace, broker_pid: int) -> tuple
     """Play `args.frames` hostile frames over `args.connections` slots; returns the merged stats, the
     start and end (time.monotonic) and the broker's peak RSS while it ran."""
     corpus = strategy_corpus(args.corpus, args.seed)
+    frames: int = args.frames
+    seconds: float = args.seconds
     slots = [HostileStats() for _ in range(args.connections)]
     peak = [rss(broker_pid)]
 
     def done() -> bool:
-        return sum(s.frames_sent for s in slots) >= args.frames or time.monotonic() >= start + args.seconds
+        return sum(s.frames_sent for s in slots) >= frames or time.monotonic() >= start + seconds
 
     async def sample() -> None:
         next_report = time.monotonic() + 10
