@@ -298,6 +298,20 @@ class AdminApi:
         LOGGER.info("admin: queue %r thresholds changed: %s", name, body)
         return views.queue_view(queue, self.now())
 
+    async def delete_queue(self, request: Request) -> Any:
+        """Delete a queue with its messages and bindings; its subscribers get ERROR NOT_FOUND (as DELETE_QUEUE)."""
+        name = request.path_params["name"]
+        messages = self.core.delete_queue(name)
+        LOGGER.info("admin: queue %r deleted with %d message(s)", name, messages)
+        return {"queue": name, "deleted": messages}
+
+    async def purge_queue(self, request: Request) -> Any:
+        """Drop a queue's ready messages (as PURGE_QUEUE); unsettled deliveries stay with their consumers."""
+        name = request.path_params["name"]
+        purged = self.core.get_queue(name).purge()
+        LOGGER.info("admin: queue %r purged of %d message(s)", name, purged)
+        return {"queue": name, "purged": purged}
+
     async def list_connections(self, request: Request) -> Any:
         after, limit = _page(request, int)
         return views.connections_page(self.core, self.now(), self.peer_of, after, limit)
@@ -360,8 +374,10 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         Route("/api/queues", j(api.list_queues), methods=["GET"]),
         # A queue or exchange name may contain "/" (sent as is or as %2F, which the server decodes
         # before routing), so the name is the whole rest of the path (NameConvertor).
+        Route("/api/queues/{name:name}/purge", j(api.purge_queue), methods=["POST"]),
         Route("/api/queues/{name:name}", j(api.show_queue), methods=["GET"]),
         Route("/api/queues/{name:name}", j(api.patch_queue), methods=["PATCH"]),
+        Route("/api/queues/{name:name}", j(api.delete_queue), methods=["DELETE"]),
         Route("/api/connections", j(api.list_connections), methods=["GET"]),
         Route("/api/exchanges", j(api.list_exchanges), methods=["GET"]),
         Route("/api/exchanges/{name:name}", j(api.delete_exchange), methods=["DELETE"]),
