@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from flowbroker.broker.logsafe import logsafe
+from flowbroker.broker.adminclient import DEFAULT_ADMIN_URL, TOKEN_ENV, AdminClient
+from flowbroker.broker.cliformat import (
+    CONNECTION_HEADERS,
+    QUEUE_HEADERS,
+    connection_row,
+    policy_text,
+    print_json,
+    printable,
+    queue_row,
+    queue_text,
+    stream_json,
+    stream_table,
+)
 from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config
 
 if TYPE_CHECKING:
@@ -219,98 +228,12 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
 
+
 # -- management: the admin HTTP API (docs/management.md) -----------------------------------------
 
-DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
-TOKEN_ENV = "FLOWBROKER_ADMIN_TOKEN"
-PAGE_SIZE = 1000
-"""Objects asked for per request when listing: the admin API's maximum `limit`."""
 THRESHOLD_OPTIONS = ("flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
                      "max_count", "max_size", "overflow")
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class AdminClient:
-    """The admin API over HTTP with the standard library; every failure is a ClickException.
-
-    The token comes from `token_file` when one is given (--token-file, FLOWBROKER_ADMIN_TOKEN_FILE),
-    else from FLOWBROKER_ADMIN_TOKEN, else from the file a broker without a configured token writes.
-    Never from the command line, where `ps` shows it to every user of the host."""
-
-    def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        from_env = os.environ.get(TOKEN_ENV, "").strip()
-        if token_file is None and from_env:
-            self.token, self.token_source = from_env, TOKEN_ENV
-            return
-        path = Path(token_file or DEFAULT_TOKEN_FILE).expanduser()
-        try:
-            self.token = path.read_text().strip()
-        except OSError as exc:
-            raise click.ClickException(
-                f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker wrote "
-                f"its generated token ({_printable(path)}: {exc.strerror or exc})"
-            ) from None
-        if not self.token:
-            raise click.ClickException(f"no admin token: {_printable(path)} is empty")
-        self.token_source = str(path)
-
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
-                     "Accept": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                raise click.ClickException(self._describe(exc.code, exc.read())) from None
-        except urllib.error.URLError as exc:
-            reason = getattr(exc.reason, "strerror", None) or exc.reason
-            raise click.ClickException(
-                f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
-            ) from None
-        except (TimeoutError, OSError) as exc:
-            raise click.ClickException(f"admin API at {self.url}: {exc}") from None
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            raise click.ClickException(f"admin API at {self.url} answered something that is not JSON") from None
-        if not isinstance(answer, dict):
-            raise click.ClickException(f"admin API at {self.url} answered an unexpected {type(answer).__name__}")
-        return answer
-
-    def _describe(self, status: int, raw: bytes) -> str:
-        try:
-            error = json.loads(raw)["error"]
-            message = f"{error['message']}"
-        except (ValueError, KeyError, TypeError):
-            message = raw.decode(errors="replace")[:200] or "no details"
-        text = f"admin API: HTTP {status}: {_printable(message, backslash=False)}"
-        if status in (401, 403):
-            text += f" (token from {_printable(self.token_source)})"
-        return text
-
-    def pages(self, path: str, key: str, after: str | None, limit: int) -> Iterator[tuple[list[dict[str, Any]], Any]]:
-        """Follow the API's cursor: (objects, next cursor) for each page of `path`'s list `key`,
-        from after `after` (the start when None), until the end or `limit` objects (0: no limit).
-        The last cursor is where a later `--after` would go on (None: nothing is left)."""
-        cursor: Any = after
-        remaining = limit
-        while True:
-            query: dict[str, Any] = {"limit": min(PAGE_SIZE, remaining) if limit else PAGE_SIZE}
-            if cursor is not None:
-                query["after"] = cursor
-            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
-            items, cursor = answer[key], answer.get("next")
-            yield items, cursor
-            remaining -= len(items)
-            if cursor is None or (limit and remaining <= 0):
-                return
 
 
 def _refuse_token_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -348,148 +271,6 @@ def _client(options: dict[str, Any]) -> tuple[AdminClient, bool]:
     return AdminClient(options["admin_url"], options["token_file"]), bool(options["as_json"])
 
 
-def _printable(value: object, *, backslash: bool = True) -> str:
-    """`value` as text a client or queue name cannot use to move the cursor, clear the screen or forge
-    a line of a table (broker/logsafe.py); not cut. `backslash=False` for the broker's error texts,
-    which already show names with repr()."""
-    return logsafe(value, None, backslash=backslash)
-
-
-def _print_json(answer: Any) -> None:
-    click.echo(json.dumps(answer, indent=2, sort_keys=False))
-
-
-def _size_text(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= factor:
-            value = n / factor
-            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
-    return f"{n}B"
-
-
-def _limit(n: int, size: bool = False) -> str:
-    """A threshold: 0 means off."""
-    if not n:
-        return "-"
-    return _size_text(n) if size else str(n)
-
-
-def _seconds_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    table = Table(headers)
-    return "\n".join(table.lines(rows))
-
-
-class Table:
-    """An aligned table printed page by page: the header with the first page, and columns that only
-    widen, so a long listing streams without holding it all. Every cell goes through _printable."""
-
-    def __init__(self, headers: Sequence[str]):
-        self.headers = list(headers)
-        self.widths = [len(h) for h in headers]
-        self.started = False
-
-    def lines(self, rows: Sequence[Sequence[Any]]) -> list[str]:
-        cells = [[_printable(c) for c in row] for row in rows]
-        if not self.started:
-            cells.insert(0, self.headers)
-            self.started = True
-        for row in cells:
-            self.widths = [max(w, len(c)) for w, c in zip(self.widths, row)]
-        return ["  ".join(c.ljust(w) for c, w in zip(row, self.widths)).rstrip() for row in cells]
-
-
-def _stream_json(key: str, pages: Iterator[tuple[list[dict[str, Any]], Any]]) -> None:
-    """The whole listing as one JSON document shaped like an API page, `{key: [...], "next": ...}`,
-    written as the pages arrive (nothing before the first one: a refused request prints only the error)."""
-    started, cursor = False, None
-    for items, cursor in pages:
-        for item in items:
-            click.echo((",\n  " if started else f'{{"{key}": [\n  ') + json.dumps(item), nl=False)
-            started = True
-    click.echo(f'\n], "next": {json.dumps(cursor)}}}' if started else f'{{"{key}": [], "next": {json.dumps(cursor)}}}')
-
-
-def _stream_table(headers: Sequence[str], pages: Iterator[tuple[list[dict[str, Any]], Any]],
-                  row: Callable[[dict[str, Any]], list[Any]], empty: str) -> None:
-    table = Table(headers)
-    for items, _ in pages:
-        if items:
-            click.echo("\n".join(table.lines([row(item) for item in items])))
-    if not table.started:
-        click.echo(empty)
-
-
-def _producers_text(q: dict[str, Any]) -> str:
-    """A queue's flow-stopped producers as `id:client`, and how many more the API did not list."""
-    producers = q["flow_stopped_producers"]
-    text = ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
-    more = q["flow_stopped_producers_total"] - len(producers)
-    return f"{text} (+{more} more)" if more > 0 else text
-
-
-QUEUE_HEADERS = ["QUEUE", "MESSAGES", "BYTES", "STOP n/size", "RESUME n/size", "MAX n/size", "OVERFLOW",
-                 "SATURATED", "HELD", "FLOW-STOPPED PRODUCERS"]
-
-
-def _queue_row(q: dict[str, Any]) -> list[Any]:
-    t = q["thresholds"]
-    saturated = f"yes {_seconds_text(q['saturated_for_seconds'])}" if q["saturated"] else "no"
-    return [
-        q["name"], q["depth"]["count"], _size_text(q["depth"]["bytes"]),
-        f"{_limit(t['flow_stop_count'])}/{_limit(t['flow_stop_size'], True)}",
-        f"{_limit(t['flow_resume_count'])}/{_limit(t['flow_resume_size'], True)}",
-        f"{_limit(t['max_count'])}/{_limit(t['max_size'], True)}", t["overflow"],
-        saturated, q["held_transfers"], _producers_text(q),
-    ]
-
-
-def _queue_text(q: dict[str, Any]) -> str:
-    t = q["thresholds"]
-    c = q["counters"]
-    if q["saturated"]:
-        reason = q["stop_reason"]
-        saturated = (f"yes, for {_seconds_text(q['saturated_for_seconds'])} "
-                     f"({reason['threshold']}: {reason['value']} > {reason['limit']})")
-    else:
-        saturated = "no"
-    lines = [
-        ("queue", q["name"]),
-        ("depth", f"{q['depth']['count']} messages, {_size_text(q['depth']['bytes'])} ({q['depth']['ready']} ready)"),
-        ("flow stop", f"count {_limit(t['flow_stop_count'])}, size {_limit(t['flow_stop_size'], True)}"),
-        ("flow resume", f"count {_limit(t['flow_resume_count'])}, size {_limit(t['flow_resume_size'], True)}"),
-        ("max", f"count {_limit(t['max_count'])}, size {_limit(t['max_size'], True)}, overflow {t['overflow']}"),
-        ("saturated", saturated),
-        ("held transfers", str(q["held_transfers"])),
-        ("flow-stopped", _producers_text(q)),
-        ("counters", f"enqueued {c['enqueued']}, dequeued {c['dequeued']}, rejected {c['rejected']}, "
-                     f"dropped {c['dropped']}, flow stops {c['flow_stopped_count']}, held {c['held_total']}"),
-    ]
-    width = max(len(k) for k, _ in lines)
-    out = [f"{k.ljust(width)}  {_printable(v)}" for k, v in lines]
-    if q["subscriptions"]:
-        more = q["subscriptions_total"] - len(q["subscriptions"])
-        out.append(f"subscriptions (the first {len(q['subscriptions'])} of {q['subscriptions_total']})"
-                   if more > 0 else "subscriptions")
-        rows = [[s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
-                 _limit(s["buffer"]["size"], True), _size_text(s["buffer"]["unacked"])] for s in q["subscriptions"]]
-        table = _table(["CONN", "SUB", "CLIENT", "PREFETCH", "UNSETTLED", "DELIVERED", "BUFFER", "UNACKED"], rows)
-        out.extend("  " + line for line in table.splitlines())
-    else:
-        out.append(f"{'subscriptions'.ljust(width)}  -")
-    return "\n".join(out)
-
 
 @main.command()
 @_list_options
@@ -500,9 +281,9 @@ def queues(limit: int, after: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     pages = client.pages("/api/queues", "queues", after, limit)
     if as_json:
-        _stream_json("queues", pages)
+        stream_json("queues", pages)
     else:
-        _stream_table(QUEUE_HEADERS, pages, _queue_row, "no queues")
+        stream_table(QUEUE_HEADERS, pages, queue_row, "no queues")
 
 
 @main.group()
@@ -521,7 +302,7 @@ def queue_show(name: str, **options: Any) -> None:
     """Everything about queue NAME, with its subscriptions and counters."""
     client, as_json = _client(options)
     answer = client.request("GET", _queue_path(name))
-    _print_json(answer) if as_json else click.echo(_queue_text(answer))
+    print_json(answer) if as_json else click.echo(queue_text(answer))
 
 
 @queue.command("set")
@@ -546,26 +327,8 @@ def queue_set(name: str, **options: Any) -> None:
             raise click.BadParameter(f"must be >= 0, got {value}", param_hint="--" + key.replace("_", "-"))
     client, as_json = _client(options)
     answer = client.request("PATCH", _queue_path(name), changes)
-    _print_json(answer) if as_json else click.echo(_queue_text(answer))
+    print_json(answer) if as_json else click.echo(queue_text(answer))
 
-
-CONNECTION_HEADERS = ["ID", "CLIENT", "PEER", "ROLE", "BUFFER", "UNACKED", "HELD", "FLOW", "BLOCKING",
-                      "SUBS", "UNSETTLED", "CONSUMER-BUF"]
-
-
-def _connection_row(c: dict[str, Any]) -> list[Any]:
-    p, flow, consumer = c["producer"], c["flow"], c["consumer"]
-    if flow["stopped"]:
-        state = f"stopped {_seconds_text(flow['stopped_for_seconds'])}"
-        blocking = ", ".join(flow["blocking_queues"] + (["* (stop-all)"] if flow["admin_stopped"] else []))
-    else:
-        state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
-    buffer = _size_text(p["buffer_size"]) if c["flow_control"] else "-"
-    return [
-        c["id"], c["client_name"], c["peer"] or "-", c["role"], buffer, _size_text(p["unacked_bytes"]),
-        p["transfers_held"], state, blocking, consumer["subscriptions_total"], consumer["unsettled"],
-        _limit(consumer["buffer"]["size"], True),
-    ]
 
 
 @main.command()
@@ -577,9 +340,9 @@ def connections(limit: int, after: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     pages = client.pages("/api/connections", "connections", after, limit)
     if as_json:
-        _stream_json("connections", pages)
+        stream_json("connections", pages)
     else:
-        _stream_table(CONNECTION_HEADERS, pages, _connection_row, "no connections")
+        stream_table(CONNECTION_HEADERS, pages, connection_row, "no connections")
 
 
 @main.command()
@@ -590,9 +353,9 @@ def exchanges(limit: int, after: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     pages = client.pages("/api/exchanges", "exchanges", after, limit)
     if as_json:
-        _stream_json("exchanges", pages)
+        stream_json("exchanges", pages)
     else:
-        _stream_table(["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"], pages,
+        stream_table(["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"], pages,
                       lambda e: [e["name"], e["kind"], "yes" if e["builtin"] else "no", e["binding_keys"]],
                       "no exchanges")
 
@@ -621,7 +384,7 @@ def exchange_declare(name: str, kind: str, url: str) -> None:
         trio.run(run)
     except Exception as exc:  # every SDK error is a FlowbrokerError; show it without a traceback
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    click.echo(f"exchange {_printable(name)} ({kind}) declared")
+    click.echo(f"exchange {printable(name)} ({kind}) declared")
 
 
 @exchange.command("delete")
@@ -632,9 +395,9 @@ def exchange_delete(name: str, **options: Any) -> None:
     client, as_json = _client(options)
     answer = client.request("DELETE", "/api/exchanges/" + urllib.parse.quote(name, safe=""))
     if as_json:
-        _print_json(answer)
+        print_json(answer)
     else:
-        click.echo(f"exchange {_printable(answer['exchange'])} deleted ({answer['bindings']} binding(s) removed)")
+        click.echo(f"exchange {printable(answer['exchange'])} deleted ({answer['bindings']} binding(s) removed)")
 
 
 @main.group()
@@ -647,7 +410,7 @@ def _producers_command(action: str, done: str) -> Callable[..., None]:
         client, as_json = _client(options)
         answer = client.request("POST", f"/api/producers/{action}")
         if as_json:
-            _print_json(answer)
+            print_json(answer)
         else:
             click.echo(f"all producers {done} ({len(answer['connections'])} flow-controlled connection(s))")
     return command
@@ -664,29 +427,6 @@ def policy() -> None:
     """Show or change the producer credit policy while the broker runs."""
 
 
-def _policy_text(answer: dict[str, Any]) -> str:
-    settings = answer["policy"]
-    pairs = [("policy", settings["policy"]), ("quota", _size_text(settings["quota"]))]
-    pairs += [(k, _size_text(settings[k])) for k in ("static_size", "min_size", "max_size", "override_size")]
-    pairs += [(k, f"{settings[k]} %") for k in settings if k.endswith("_percent")]
-    if answer.get("producers_stopped"):
-        pairs.append(("producers", "STOPPED (start-all releases them)"))
-    granted, pool = answer["granted"], answer["pool"]
-    pairs.append(("pool", f"{_size_text(pool['bytes'])} (share {_size_text(pool['share'])}, "
-                          f"floor {_size_text(pool['floor'])}, reserve {_size_text(pool['reserve'])})"))
-    pairs.append(("granted", f"{_size_text(granted['total'])} to {len(granted['connections'])} connection(s): "
-                             f"{granted['producers']} producer(s), {granted['waiting']} waiting, "
-                             f"{granted['provisional']} provisional"))
-    pairs.append(("committed", f"{_size_text(answer['committed'])} (grants and older, larger windows)"))
-    pairs.append(("promised", f"{_size_text(answer['promised_outstanding'])} producers may still send"))
-    width = max(len(k) for k, _ in pairs)
-    lines = [f"{k.ljust(width)}  {_printable(v)}" for k, v in pairs]
-    if granted["connections"]:
-        rows = [[g["connection"], g["client_name"] or "-", g["state"], _size_text(g["buffer_size"]),
-                 _size_text(g["window"])] for g in granted["connections"]]
-        lines.extend("  " + line for line in _table(["CONN", "CLIENT", "STATE", "BUFFER", "WINDOW"], rows).splitlines())
-    return "\n".join(lines)
-
 
 @policy.command("show")
 @_admin_options
@@ -694,7 +434,7 @@ def policy_show(**options: Any) -> None:
     """The credit policy in force and the buffers it grants now."""
     client, as_json = _client(options)
     answer = client.request("GET", "/api/policy")
-    _print_json(answer) if as_json else click.echo(_policy_text(answer))
+    print_json(answer) if as_json else click.echo(policy_text(answer))
 
 
 @policy.command("set")
@@ -721,4 +461,4 @@ def policy_set(name: str | None, **options: Any) -> None:
         raise click.UsageError("give a policy name and/or a setting, e.g. `policy set aggressive --quota 2GiB`")
     client, as_json = _client(options)
     answer = client.request("PUT", "/api/policy", settings)
-    _print_json(answer) if as_json else click.echo(_policy_text(answer))
+    print_json(answer) if as_json else click.echo(policy_text(answer))
