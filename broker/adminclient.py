@@ -22,6 +22,9 @@ from flowbroker.broker.config import DEFAULT_TOKEN_FILE
 
 __all__ = ["AdminClient", "DEFAULT_ADMIN_URL", "PAGE_SIZE", "TOKEN_ENV"]
 
+BROKER_PORT_ANSWER = "This is the flowbroker broker port"
+"""How the broker's HTTP 400 to a request on its protocol port begins (broker/server.py)."""
+
 DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
 TOKEN_ENV = "FLOWBROKER_ADMIN_TOKEN"
 PAGE_SIZE = 1000
@@ -72,6 +75,12 @@ class AdminClient:
             raise click.ClickException(
                 f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
             ) from None
+        except http.client.HTTPException as exc:  # BadStatusLine, RemoteDisconnected: a peer that is not HTTP
+            raise click.ClickException(
+                f"{self.url} did not answer in HTTP ({type(exc).__name__}): it is not the admin API; is it the "
+                f"broker port? The admin (HTTP) API listens on port 5681 unless [admin] port says otherwise "
+                f"(--admin-url, FLOWBROKER_ADMIN_URL)"
+            ) from None
         except (TimeoutError, OSError) as exc:
             raise click.ClickException(f"admin API at {self.url}: {exc}") from None
         try:
@@ -87,7 +96,9 @@ class AdminClient:
             error = json.loads(raw)["error"]
             message = f"{error['message']}"
         except (ValueError, KeyError, TypeError):
-            message = raw.decode(errors="replace")[:200] or "no details"
+            message = raw.decode(errors="replace")[:400].strip() or "no details"
+            if message.startswith(BROKER_PORT_ANSWER):  # the broker's answer to HTTP on its own port
+                return f"{self.url} is the flowbroker broker port, not its admin API: {printable(message)}"
         text = f"admin API: HTTP {status}: {printable(message, backslash=False)}"
         if status in (401, 403):
             text += f" (token from {printable(self.token_source)})"

@@ -7,7 +7,6 @@ closed with a reason.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
