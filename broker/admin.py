@@ -48,6 +48,8 @@ __all__ = ["AdminServer", "AdminStartError", "create_app", "resolve_token", "wri
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
+# hypercorn's own "Running on http://... (CTRL + C to quit)" repeats our "admin API on" line: not logged.
+HTTP_LOGGER.addFilter(lambda record: not str(record.msg).startswith("Running on"))
 MAX_BODY = 64 * 1024
 
 PeerOf = Callable[[int], str | None]
@@ -120,7 +122,7 @@ def resolve_token(config: AdminConfig) -> str:
             f"[admin] token_file = {config.token_file!r}: cannot write the generated admin token: "
             f"{exc.strerror or exc}; set [admin] token or another token_file"
         ) from None
-    LOGGER.info("no [admin] token configured: generated one and wrote it to %s (mode 0600)", path)
+    LOGGER.debug("no [admin] token configured: generated one and wrote it to %s (mode 0600)", path)
     return token
 
 
@@ -444,6 +446,10 @@ class AdminServer:
         cfg.accesslog = None
         cfg.errorlog = HTTP_LOGGER
         cfg.graceful_timeout = 2.0
-        LOGGER.info("admin API on http://%s:%d", self.config.host, self.port)
+        # The one line that says where the API is and where its credential comes from (with
+        # --admin-port 0, the only place the chosen port is printed: docs/management.md).
+        token = ("[admin] token (configured)" if self.config.token
+                 else f"{self.config.token_path()} (generated at start, mode 0600)")
+        LOGGER.info("admin API on http://%s:%d, token in %s", self.config.host, self.port, token)
         task_status.started(self.port)
         await hypercorn_serve(self.app, cfg, shutdown_trigger=self._shutdown.wait)  # type: ignore[arg-type]

@@ -30,7 +30,8 @@ from flowbroker.broker.cliformat import (
     stream_json,
     stream_table,
 )
-from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config
+from flowbroker.broker.clioutcome import EXIT_COMPLETED, EXIT_ERROR, PublishOutcome, message_json
+from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config, parse_size
 
 if TYPE_CHECKING:
     from flowbroker.broker.server import BrokerServer
@@ -40,14 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "parse_size"]
 
-
-def parse_size(value: str) -> int:
-    """Sizes on the command line: plain bytes or with a KiB/MiB/GiB (or K/M/G) suffix. ValueError if not."""
-    text = value.strip().upper().removesuffix("B").removesuffix("I")
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if text.endswith(suffix):
-            return int(float(text[:-1]) * factor)
-    return int(text)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in newer click stubs
@@ -67,12 +61,31 @@ class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in n
 SIZE = SizeParam()
 
 
+BROKER_URL_ENV = "FLOWBROKER_URL"
+DEFAULT_BROKER_URL = "flowbroker://127.0.0.1:5680"
+
+
+def _log_level(verbose: int, quiet: int) -> int:
+    """INFO by default; each -v one level more (DEBUG), each -q one less (WARNING, then ERROR)."""
+    return min(max(logging.INFO - 10 * verbose + 10 * quiet, logging.DEBUG), logging.ERROR)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
-def main(verbose: int) -> None:
-    """flowbroker: a message broker whose producers are paced by credit."""
-    level = logging.WARNING - 10 * min(verbose, 2) if verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+@click.version_option(package_name="flowbroker", prog_name="flowbroker", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", count=True,
+              help="More logging: -v also logs at DEBUG (every connection opened and closed).")
+@click.option("-q", "--quiet", count=True, help="Less logging: -q warnings and errors only, -qq errors only.")
+def main(verbose: int, quiet: int) -> None:
+    """flowbroker: a message broker whose producers are paced by credit.
+
+    Logs go to stderr at INFO unless -v or -q say otherwise."""
+    logging.basicConfig(level=_log_level(verbose, quiet), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _url_option(func: F) -> F:
+    """--url of the broker port (the SDK's protocol), from FLOWBROKER_URL when not given."""
+    return click.option("--url", envvar=BROKER_URL_ENV, default=DEFAULT_BROKER_URL, show_default=True,
+                        show_envvar=True, help="Broker to connect to (its protocol port, not the admin API).")(func)
 
 
 @main.command()
@@ -138,10 +151,9 @@ async def _serve(config: Any) -> None:
     server = BrokerServer(config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, server)
-        port = await nursery.start(server.serve)
-        print(f"flowbroker listening on {config.server.host}:{port}", file=sys.stderr, flush=True)
-        if server.admin_port is not None:
-            print(f"admin API on http://{config.admin.host}:{server.admin_port}", file=sys.stderr, flush=True)
+        # The server logs where it listens, and the admin API where it is and where its token is (once
+        # each: printing them here too doubled them).
+        await nursery.start(server.serve)
         await server.shutdown_requested.wait()
     logging.getLogger("flowbroker").info("stopped")
 
@@ -157,50 +169,79 @@ async def _stop_on_signal(server: BrokerServer) -> None:
 
 
 @main.command()
-@click.option("--url", default="flowbroker://127.0.0.1:5680", show_default=True, help="Broker to connect to.")
+@_url_option
 @click.option("--exchange", default="", show_default=True, help="Exchange ('' routes to the queue named by the key).")
 @click.option("--routing-key", "-k", required=True, help="Routing key (the queue name on the default exchange).")
 @click.option("--declare/--no-declare", default=True, show_default=True,
               help="Declare the queue named by the routing key first (default exchange only).")
-@click.option("--count", "-n", type=int, default=1, show_default=True, help="How many copies of each message to send.")
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds a send may wait for credit.")
+@click.option("--count", "-n", type=click.IntRange(min=1), default=1, show_default=True,
+              help="How many copies of each message to send.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds a send may wait for credit, and then the whole batch for its completions.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as one JSON document on stdout.")
 @click.argument("messages", nargs=-1)
-def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float,
+def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float, as_json: bool,
             messages: tuple[str, ...]) -> None:
-    """Publish MESSAGES (or lines from stdin) and wait until the broker completed them all."""
+    """Publish MESSAGES (or lines from stdin) and wait until the broker completed them all.
+
+    Exit status: 0 every message completed; 1 an error (refused, not sent, connection lost); 3 every
+    message sent, but not all completed by the deadline: the broker holds their completion during a flow
+    stop (a saturated queue; on `*`, a broker-wide stop: `producers stop-all` or the memory alarm), they
+    are enqueued and will be delivered, so publishing them again would duplicate them."""
     import trio
 
     import flowbroker.client as fb
 
     bodies = [m.encode() for m in messages] or [line.rstrip("\n").encode() for line in sys.stdin]
+    outcome = PublishOutcome(requested=len(bodies) * count)
 
-    async def run() -> int:
+    async def run() -> None:
         async with await fb.connect(url, client_name="flowbroker-cli") as conn:
             if declare and exchange == "":
                 await conn.declare_queue(routing_key)
             producer = conn.producer(exchange=exchange, routing_key=routing_key)
-            with click.progressbar(length=len(bodies) * count, label="publishing", file=sys.stderr) as bar:
-                for _ in range(count):
-                    for body in bodies:
-                        await producer.send(body, timeout=timeout)
-                        bar.update(1)
-            await producer.flush(timeout=timeout)
-            return len(bodies) * count
+            try:
+                with click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr) as bar:
+                    for _ in range(count):
+                        for body in bodies:
+                            await producer.send(body, timeout=timeout)
+                            bar.update(1)
+                await producer.flush(timeout=timeout)
+            except fb.FlowControlTimeout as exc:
+                outcome.timeout, outcome.flow_stopped = exc.timeout, list(exc.destinations)
+            finally:
+                stats = producer.stats
+                outcome.sent, outcome.completed, outcome.failed = stats.sent, stats.completed, stats.failed
 
     try:
-        sent = trio.run(run)
+        trio.run(run)
     except Exception as exc:  # every SDK error is a FlowbrokerError; show it without a traceback
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    click.echo(f"published {sent} message(s)", err=True)
+        # Closing may report the transfers a flow stop still holds: the outcome already says so.
+        if outcome.timeout is None or isinstance(exc, fb.PublishError):
+            outcome.error = f"{type(exc).__name__}: {exc}"
+    if as_json:
+        click.echo(outcome.as_json())
+    if outcome.exit_code == EXIT_COMPLETED:
+        if not as_json:
+            click.echo(outcome.text(), err=True)
+        return
+    click.echo(("Error: " if outcome.exit_code == EXIT_ERROR else "Not completed: ") + outcome.text(), err=True)
+    sys.exit(outcome.exit_code)
 
 
 @main.command()
-@click.option("--url", default="flowbroker://127.0.0.1:5680", show_default=True, help="Broker to connect to.")
-@click.option("--count", "-n", type=int, default=0, help="Stop after this many messages (0: until interrupted).")
-@click.option("--prefetch", type=int, default=100, show_default=True, help="Unsettled deliveries allowed.")
-@click.option("--timeout", type=float, default=0.0, help="Stop after this many idle seconds (0: wait forever).")
+@_url_option
+@click.option("--count", "-n", type=click.IntRange(min=0), default=0,
+              help="Stop after this many messages (0: until interrupted).")
+@click.option("--prefetch", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Unsettled deliveries allowed.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=0.0,
+              help="Stop after this many idle seconds (0: wait forever).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per message and line: body (or body_base64), headers, exchange, routing_key, "
+                   "redelivered.")
 @click.argument("queue")
-def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> None:
+def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, queue: str) -> None:
     """Print messages from QUEUE, one per line, acknowledging each after it is printed."""
     import trio
 
@@ -215,7 +256,10 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
                         msg = await consumer.receive(timeout=timeout or None)
                     except fb.ReceiveTimeout:
                         return
-                    click.echo(msg.body.decode(errors="replace"))
+                    if as_json:
+                        click.echo(message_json(msg.body, msg.headers, msg.exchange, msg.routing_key, msg.redelivered))
+                    else:
+                        click.echo(msg.body.decode(errors="replace"))
                     await msg.ack()
                     received += 1
 
@@ -227,12 +271,10 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
 
-
 # -- management: the admin HTTP API (docs/management.md) -----------------------------------------
 
 THRESHOLD_OPTIONS = ("flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
                      "max_count", "max_size", "overflow")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _refuse_token_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -287,7 +329,7 @@ def queues(limit: int, after: str | None, **options: Any) -> None:
 
 @main.group()
 def queue() -> None:
-    """Show one queue, or change its thresholds while the broker runs."""
+    """Show, change, purge or delete one queue while the broker runs."""
 
 
 def _queue_path(name: str) -> str:
@@ -307,16 +349,19 @@ def queue_show(name: str, **options: Any) -> None:
 @queue.command("set")
 @click.argument("name")
 @click.option("--flow-stop-size", type=SIZE, help="Saturate when the queue holds more bytes than this (0 = off).")
-@click.option("--flow-resume-size", type=SIZE, help="Clear when under this many bytes (default: = stop).")
+@click.option("--flow-resume-size", type=SIZE,
+              help="Clear when under this many bytes (default: the queue's resume/stop ratio kept).")
 @click.option("--flow-stop-count", type=int, help="Saturate when the queue holds more messages than this (0 = off).")
-@click.option("--flow-resume-count", type=int, help="Clear when under this many messages (default: = stop).")
+@click.option("--flow-resume-count", type=int,
+              help="Clear when under this many messages (default: the queue's resume/stop ratio kept).")
 @click.option("--max-size", type=SIZE, help="Hard limit in bytes (0 = unlimited).")
 @click.option("--max-count", type=int, help="Hard limit in messages (0 = unlimited).")
 @click.option("--overflow", type=click.Choice(["reject", "drop-head"]), help="What the hard limit does.")
 @_admin_options
 def queue_set(name: str, **options: Any) -> None:
     """Change NAME's thresholds now: a raised one releases held producers at once, a lowered one stops
-    the next transfers. A stop given without its resume gets resume = stop."""
+    the next transfers. A stop given without its resume keeps the queue's resume/stop ratio (its
+    hysteresis); a resume above its stop is refused."""
     changes = {k: options.pop(k) for k in THRESHOLD_OPTIONS}
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes:
@@ -328,6 +373,32 @@ def queue_set(name: str, **options: Any) -> None:
     answer = client.request("PATCH", _queue_path(name), changes)
     print_json(answer) if as_json else click.echo(queue_text(answer))
 
+
+
+@queue.command("delete")
+@click.argument("name")
+@_admin_options
+def queue_delete(name: str, **options: Any) -> None:
+    """Delete queue NAME with its messages and bindings; its consumers get NOT_FOUND."""
+    client, as_json = _client(options)
+    answer = client.request("DELETE", _queue_path(name))
+    if as_json:
+        print_json(answer)
+    else:
+        click.echo(f"queue {printable(answer['queue'])} deleted ({answer['deleted']} message(s) dropped)")
+
+
+@queue.command("purge")
+@click.argument("name")
+@_admin_options
+def queue_purge(name: str, **options: Any) -> None:
+    """Drop every ready message of queue NAME; deliveries not yet settled stay with their consumers."""
+    client, as_json = _client(options)
+    answer = client.request("POST", _queue_path(name) + "/purge")
+    if as_json:
+        print_json(answer)
+    else:
+        click.echo(f"queue {printable(answer['queue'])} purged ({answer['purged']} message(s) dropped)")
 
 
 @main.command()
@@ -367,7 +438,7 @@ def exchange() -> None:
 @exchange.command("declare")
 @click.argument("name")
 @click.option("--kind", type=click.Choice(["direct", "fanout", "topic"]), default="direct", show_default=True)
-@click.option("--url", default="flowbroker://127.0.0.1:5680", show_default=True, help="Broker to connect to.")
+@_url_option
 def exchange_declare(name: str, kind: str, url: str) -> None:
     """Declare exchange NAME of KIND (over the broker protocol, as the SDK does); an existing one of the
     same kind is kept."""
@@ -415,8 +486,8 @@ def _producers_command(action: str, done: str) -> Callable[..., None]:
     return command
 
 
-producers.command("stop-all", help="Hold every new transfer of flow-controlled producers (they are told "
-                  "they are flow-stopped on '*') until start-all.")(_admin_options(_producers_command("stop-all", "stopped")))
+producers.command("stop-all", help="Hold every new transfer of flow-controlled producers until start-all: "
+                  "they are told they are flow-stopped on '*' (a broker-wide stop; the memory alarm uses it too).")(_admin_options(_producers_command("stop-all", "stopped")))
 producers.command("start-all", help="Complete the held transfers and let every producer send again.")(
     _admin_options(_producers_command("start-all", "started")))
 

@@ -162,7 +162,9 @@ def connection_row(c: dict[str, Any]) -> list[Any]:
     p, flow, consumer = c["producer"], c["flow"], c["consumer"]
     if flow["stopped"]:
         state = f"stopped {seconds_text(flow['stopped_for_seconds'])}"
-        blocking = ", ".join(flow["blocking_queues"] + (["* (stop-all)"] if flow["admin_stopped"] else []))
+        broker_wide = [name for name, on in (("stop-all", flow["admin_stopped"]),
+                                             ("memory alarm", flow.get("memory_stopped"))) if on]
+        blocking = ", ".join(flow["blocking_queues"] + ([f"* ({' + '.join(broker_wide)})"] if broker_wide else []))
     else:
         state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
     buffer = size_text(p["buffer_size"]) if c["flow_control"] else "-"
