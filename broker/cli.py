@@ -7,6 +7,7 @@ closed with a reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -201,17 +202,22 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
                 await conn.declare_queue(routing_key)
             producer = conn.producer(exchange=exchange, routing_key=routing_key)
             try:
-                with click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr) as bar:
+                # The bar only on a terminal: piped, it would print just its label among the outcome's lines.
+                bar = (click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr)
+                       if sys.stderr.isatty() else None)
+                with bar if bar is not None else contextlib.nullcontext():
                     for _ in range(count):
                         for body in bodies:
                             await producer.send(body, timeout=timeout)
-                            bar.update(1)
+                            if bar is not None:
+                                bar.update(1)
                 await producer.flush(timeout=timeout)
             except fb.FlowControlTimeout as exc:
                 outcome.timeout, outcome.flow_stopped = exc.timeout, list(exc.destinations)
             finally:
                 stats = producer.stats
-                outcome.sent, outcome.completed, outcome.failed = stats.sent, stats.completed, stats.failed
+                # the SDK counts a refused message as completed (and failed)
+                outcome.sent, outcome.completed, outcome.failed = stats.sent, stats.completed - stats.failed, stats.failed
 
     try:
         trio.run(run)
