@@ -45,7 +45,7 @@ class PublishOutcome:
 
     @property
     def outcome(self) -> str:
-        if self.error is not None or self.sent < self.requested:
+        if self.error is not None or self.sent < self.requested or self.failed:
             return "error"
         if self.completed + self.failed < self.sent:
             return "not_completed"
@@ -76,7 +76,8 @@ class PublishOutcome:
                 f"holds their completion and will deliver them; publishing them again would duplicate them")
         if self.outcome == "not_completed":
             return f"{self.completed} of {self.requested} message(s) completed; {held}"
-        parts = [f"{self.error}" if self.error else f"no credit to send{waited}{stopped}",
+        reason = f"no credit to send{waited}{stopped}" if self.sent < self.requested else "the broker refused some"
+        parts = [f"{self.error}" if self.error else reason,
                  f"{self.sent} of {self.requested} message(s) sent ({self.completed} completed, {self.failed} "
                  f"refused, {self.outstanding} not yet completed), {self.requested - self.sent} not sent"]
         return "; ".join(parts)
