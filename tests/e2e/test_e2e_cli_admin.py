@@ -4,6 +4,7 @@ runs them: tables, --json, runtime thresholds, stop-all/start-all, policy, and c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from flowbroker.broker.cli import main
+from flowbroker.broker.cli import _log_level, main
 from flowbroker.client import blocking
 from daemon import FLOWBROKER, free_port, wait_listening
 
@@ -200,7 +201,8 @@ def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
 
 def test_every_management_command_has_help() -> None:
     runner = CliRunner()
-    for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["connections"], ["producers"],
+    for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["queue", "purge"],
+                    ["queue", "delete"], ["connections"], ["producers"],
                     ["producers", "stop-all"], ["producers", "start-all"], ["policy"], ["policy", "show"],
                     ["policy", "set"], ["exchanges"], ["exchange"], ["exchange", "delete"]):
         result = runner.invoke(main, [*command, "--help"])
@@ -345,8 +347,6 @@ def test_version_quiet_verbose_url_from_the_environment_and_ranges(daemon: Daemo
 
 
 def test_log_level_options() -> None:
-    from flowbroker.broker.cli import _log_level
-    import logging
     assert [_log_level(v, q) for v, q in ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2), (0, 5), (1, 1))] == [
         logging.INFO, logging.DEBUG, logging.DEBUG, logging.WARNING, logging.ERROR, logging.ERROR, logging.INFO]
 
