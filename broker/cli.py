@@ -3,6 +3,9 @@
 `flowbroker serve` runs on embedded defaults; a TOML file (`--config`) and flags override them.
 SIGINT and SIGTERM shut down cleanly: completions already due are sent and every connection is
 closed with a reason.
+
+This module holds the click commands only: the admin HTTP client is broker/adminclient.py, how its
+answers are printed broker/cliformat.py, and publish's outcomes and exit codes broker/clioutcome.py.
 """
 
 from __future__ import annotations
