@@ -11,7 +11,9 @@ answers are printed broker/cliformat.py, and publish's outcomes and exit codes b
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import signal
 import sys
 import urllib.parse
@@ -104,10 +106,14 @@ def _url_option(func: F) -> F:
 @click.option("--admin-host", help="Address of the management HTTP API [default: 127.0.0.1].")
 @click.option("--admin-port", type=int, help="Port of the management HTTP API (0 = any free) [default: 5681].")
 @click.option("--admin/--no-admin", "admin_enabled", default=None, help="Serve the management HTTP API [default: on].")
+@click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
+              help='Once listening, write {"port": N, "admin_port": M or null} to this file as JSON (for scripts '
+                   "that start it with --port 0 / --admin-port 0); removed when the broker stops.")
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
-          admin_enabled: bool | None) -> None:
-    """Run the broker until SIGINT or SIGTERM."""
+          admin_enabled: bool | None, port_file: Path | None) -> None:
+    """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
+    admin token are."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
         "credit": {"policy": credit_policy},
@@ -122,9 +128,9 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
     from flowbroker.broker.admin import AdminStartError
 
     try:
-        trio.run(_serve, config)
+        trio.run(_serve, config, port_file)
     except Exception as exc:  # trio wraps what a nursery raised in exception groups
-        admin_error = _find(exc, AdminStartError)
+        admin_error = _find(exc, AdminStartError) or _find(exc, PortFileError)
         if admin_error is not None:
             raise click.ClickException(str(admin_error)) from None
         os_error = _find(exc, OSError)
@@ -147,7 +153,22 @@ def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None
     return None
 
 
-async def _serve(config: Any) -> None:
+class PortFileError(Exception):
+    """--port-file cannot be written; the broker stops."""
+
+
+def _write_port_file(path: Path, port: int, admin_port: int | None) -> None:
+    """{"port": ..., "admin_port": ...} to `path`, atomically: a script polling for it never reads half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"port": port, "admin_port": admin_port}) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PortFileError(f"--port-file {path}: cannot be written: {exc.strerror or exc}") from None
+
+
+async def _serve(config: Any, port_file: Path | None = None) -> None:
     import trio
 
     from flowbroker.broker.server import BrokerServer
@@ -157,8 +178,14 @@ async def _serve(config: Any) -> None:
         nursery.start_soon(_stop_on_signal, server)
         # The server logs where it listens, and the admin API where it is and where its token is (once
         # each: printing them here too doubled them).
-        await nursery.start(server.serve)
-        await server.shutdown_requested.wait()
+        port = await nursery.start(server.serve)
+        if port_file is not None:
+            _write_port_file(port_file, port, server.admin_port)
+        try:
+            await server.shutdown_requested.wait()
+        finally:
+            if port_file is not None:
+                port_file.unlink(missing_ok=True)
     logging.getLogger("flowbroker").info("stopped")
 
 
