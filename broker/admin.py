@@ -48,6 +48,8 @@ __all__ = ["AdminServer", "AdminStartError", "create_app", "resolve_token", "wri
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
+# hypercorn's own "Running on http://... (CTRL + C to quit)" repeats our "admin API on" line: not logged.
+HTTP_LOGGER.addFilter(lambda record: not str(record.msg).startswith("Running on"))
 MAX_BODY = 64 * 1024
 
 PeerOf = Callable[[int], str | None]
@@ -120,7 +122,7 @@ def resolve_token(config: AdminConfig) -> str:
             f"[admin] token_file = {config.token_file!r}: cannot write the generated admin token: "
             f"{exc.strerror or exc}; set [admin] token or another token_file"
         ) from None
-    LOGGER.info("no [admin] token configured: generated one and wrote it to %s (mode 0600)", path)
+    LOGGER.debug("no [admin] token configured: generated one and wrote it to %s (mode 0600)", path)
     return token
 
 
@@ -298,6 +300,20 @@ class AdminApi:
         LOGGER.info("admin: queue %r thresholds changed: %s", name, body)
         return views.queue_view(queue, self.now())
 
+    async def delete_queue(self, request: Request) -> Any:
+        """Delete a queue with its messages and bindings; its subscribers get ERROR NOT_FOUND (as DELETE_QUEUE)."""
+        name = request.path_params["name"]
+        messages = self.core.delete_queue(name)
+        LOGGER.info("admin: queue %r deleted with %d message(s)", name, messages)
+        return {"queue": name, "deleted": messages}
+
+    async def purge_queue(self, request: Request) -> Any:
+        """Drop a queue's ready messages (as PURGE_QUEUE); unsettled deliveries stay with their consumers."""
+        name = request.path_params["name"]
+        purged = self.core.get_queue(name).purge()
+        LOGGER.info("admin: queue %r purged of %d message(s)", name, purged)
+        return {"queue": name, "purged": purged}
+
     async def list_connections(self, request: Request) -> Any:
         after, limit = _page(request, int)
         return views.connections_page(self.core, self.now(), self.peer_of, after, limit)
@@ -360,8 +376,10 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         Route("/api/queues", j(api.list_queues), methods=["GET"]),
         # A queue or exchange name may contain "/" (sent as is or as %2F, which the server decodes
         # before routing), so the name is the whole rest of the path (NameConvertor).
+        Route("/api/queues/{name:name}/purge", j(api.purge_queue), methods=["POST"]),
         Route("/api/queues/{name:name}", j(api.show_queue), methods=["GET"]),
         Route("/api/queues/{name:name}", j(api.patch_queue), methods=["PATCH"]),
+        Route("/api/queues/{name:name}", j(api.delete_queue), methods=["DELETE"]),
         Route("/api/connections", j(api.list_connections), methods=["GET"]),
         Route("/api/exchanges", j(api.list_exchanges), methods=["GET"]),
         Route("/api/exchanges/{name:name}", j(api.delete_exchange), methods=["DELETE"]),
@@ -428,6 +446,10 @@ class AdminServer:
         cfg.accesslog = None
         cfg.errorlog = HTTP_LOGGER
         cfg.graceful_timeout = 2.0
-        LOGGER.info("admin API on http://%s:%d", self.config.host, self.port)
+        # The one line that says where the API is and where its credential comes from (with
+        # --admin-port 0, the only place the chosen port is printed: docs/management.md).
+        token = ("[admin] token (configured)" if self.config.token
+                 else f"{self.config.token_path()} (generated at start, mode 0600)")
+        LOGGER.info("admin API on http://%s:%d, token in %s", self.config.host, self.port, token)
         task_status.started(self.port)
         await hypercorn_serve(self.app, cfg, shutdown_trigger=self._shutdown.wait)  # type: ignore[arg-type]

@@ -3,26 +3,41 @@
 `flowbroker serve` runs on embedded defaults; a TOML file (`--config`) and flags override them.
 SIGINT and SIGTERM shut down cleanly: completions already due are sent and every connection is
 closed with a reason.
+
+This module holds the click commands only: the admin HTTP client is broker/adminclient.py, how its
+answers are printed broker/cliformat.py, and publish's outcomes and exit codes broker/clioutcome.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from flowbroker.broker.logsafe import logsafe
-from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config
+from flowbroker.broker.adminclient import DEFAULT_ADMIN_URL, TOKEN_ENV, AdminClient
+from flowbroker.broker.cliformat import (
+    CONNECTION_HEADERS,
+    QUEUE_HEADERS,
+    connection_row,
+    policy_text,
+    print_json,
+    printable,
+    queue_row,
+    queue_text,
+    stream_json,
+    stream_table,
+)
+from flowbroker.broker.clioutcome import EXIT_COMPLETED, EXIT_ERROR, PublishOutcome, message_json
+from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config, parse_size
 
 if TYPE_CHECKING:
     from flowbroker.broker.server import BrokerServer
@@ -32,14 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "parse_size"]
 
-
-def parse_size(value: str) -> int:
-    """Sizes on the command line: plain bytes or with a KiB/MiB/GiB (or K/M/G) suffix. ValueError if not."""
-    text = value.strip().upper().removesuffix("B").removesuffix("I")
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if text.endswith(suffix):
-            return int(float(text[:-1]) * factor)
-    return int(text)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in newer click stubs
@@ -59,12 +67,31 @@ class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in n
 SIZE = SizeParam()
 
 
+BROKER_URL_ENV = "FLOWBROKER_URL"
+DEFAULT_BROKER_URL = "flowbroker://127.0.0.1:5680"
+
+
+def _log_level(verbose: int, quiet: int) -> int:
+    """INFO by default; each -v one level more (DEBUG), each -q one less (WARNING, then ERROR)."""
+    return min(max(logging.INFO - 10 * verbose + 10 * quiet, logging.DEBUG), logging.ERROR)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
-def main(verbose: int) -> None:
-    """flowbroker: a message broker whose producers are paced by credit."""
-    level = logging.WARNING - 10 * min(verbose, 2) if verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+@click.version_option(package_name="flowbroker", prog_name="flowbroker", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", count=True,
+              help="More logging: -v also logs at DEBUG (every connection opened and closed).")
+@click.option("-q", "--quiet", count=True, help="Less logging: -q warnings and errors only, -qq errors only.")
+def main(verbose: int, quiet: int) -> None:
+    """flowbroker: a message broker whose producers are paced by credit.
+
+    Logs go to stderr at INFO unless -v or -q say otherwise."""
+    logging.basicConfig(level=_log_level(verbose, quiet), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _url_option(func: F) -> F:
+    """--url of the broker port (the SDK's protocol), from FLOWBROKER_URL when not given."""
+    return click.option("--url", envvar=BROKER_URL_ENV, default=DEFAULT_BROKER_URL, show_default=True,
+                        show_envvar=True, help="Broker to connect to (its protocol port, not the admin API).")(func)
 
 
 @main.command()
@@ -79,10 +106,14 @@ def main(verbose: int) -> None:
 @click.option("--admin-host", help="Address of the management HTTP API [default: 127.0.0.1].")
 @click.option("--admin-port", type=int, help="Port of the management HTTP API (0 = any free) [default: 5681].")
 @click.option("--admin/--no-admin", "admin_enabled", default=None, help="Serve the management HTTP API [default: on].")
+@click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
+              help='Once listening, write {"port": N, "admin_port": M or null} to this file as JSON (for scripts '
+                   "that start it with --port 0 / --admin-port 0); removed when the broker stops.")
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
-          admin_enabled: bool | None) -> None:
-    """Run the broker until SIGINT or SIGTERM."""
+          admin_enabled: bool | None, port_file: Path | None) -> None:
+    """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
+    admin token are."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
         "credit": {"policy": credit_policy},
@@ -97,9 +128,9 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
     from flowbroker.broker.admin import AdminStartError
 
     try:
-        trio.run(_serve, config)
+        trio.run(_serve, config, port_file)
     except Exception as exc:  # trio wraps what a nursery raised in exception groups
-        admin_error = _find(exc, AdminStartError)
+        admin_error = _find(exc, AdminStartError) or _find(exc, PortFileError)
         if admin_error is not None:
             raise click.ClickException(str(admin_error)) from None
         os_error = _find(exc, OSError)
@@ -122,7 +153,22 @@ def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None
     return None
 
 
-async def _serve(config: Any) -> None:
+class PortFileError(Exception):
+    """--port-file cannot be written; the broker stops."""
+
+
+def _write_port_file(path: Path, port: int, admin_port: int | None) -> None:
+    """{"port": ..., "admin_port": ...} to `path`, atomically: a script polling for it never reads half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"port": port, "admin_port": admin_port}) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PortFileError(f"--port-file {path}: cannot be written: {exc.strerror or exc}") from None
+
+
+async def _serve(config: Any, port_file: Path | None = None) -> None:
     import trio
 
     from flowbroker.broker.server import BrokerServer
@@ -130,11 +176,16 @@ async def _serve(config: Any) -> None:
     server = BrokerServer(config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, server)
+        # The server logs where it listens, and the admin API where it is and where its token is (once
+        # each: printing them here too doubled them).
         port = await nursery.start(server.serve)
-        print(f"flowbroker listening on {config.server.host}:{port}", file=sys.stderr, flush=True)
-        if server.admin_port is not None:
-            print(f"admin API on http://{config.admin.host}:{server.admin_port}", file=sys.stderr, flush=True)
-        await server.shutdown_requested.wait()
+        if port_file is not None:
+            _write_port_file(port_file, port, server.admin_port)
+        try:
+            await server.shutdown_requested.wait()
+        finally:
+            if port_file is not None:
+                port_file.unlink(missing_ok=True)
     logging.getLogger("flowbroker").info("stopped")
 
 
@@ -149,50 +200,84 @@ async def _stop_on_signal(server: BrokerServer) -> None:
 
 
 @main.command()
-@click.option("--url", default="flowbroker://127.0.0.1:5680", show_default=True, help="Broker to connect to.")
+@_url_option
 @click.option("--exchange", default="", show_default=True, help="Exchange ('' routes to the queue named by the key).")
 @click.option("--routing-key", "-k", required=True, help="Routing key (the queue name on the default exchange).")
 @click.option("--declare/--no-declare", default=True, show_default=True,
               help="Declare the queue named by the routing key first (default exchange only).")
-@click.option("--count", "-n", type=int, default=1, show_default=True, help="How many copies of each message to send.")
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds a send may wait for credit.")
+@click.option("--count", "-n", type=click.IntRange(min=1), default=1, show_default=True,
+              help="How many copies of each message to send.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds a send may wait for credit, and then the whole batch for its completions.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as one JSON document on stdout.")
 @click.argument("messages", nargs=-1)
-def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float,
+def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float, as_json: bool,
             messages: tuple[str, ...]) -> None:
-    """Publish MESSAGES (or lines from stdin) and wait until the broker completed them all."""
+    """Publish MESSAGES (or lines from stdin) and wait until the broker completed them all.
+
+    Exit status: 0 every message completed; 1 an error (refused, not sent, connection lost); 3 every
+    message sent, but not all completed by the deadline: the broker holds their completion during a flow
+    stop (a saturated queue; on `*`, a broker-wide stop: `producers stop-all` or the memory alarm), they
+    are enqueued and will be delivered, so publishing them again would duplicate them."""
     import trio
 
     import flowbroker.client as fb
 
     bodies = [m.encode() for m in messages] or [line.rstrip("\n").encode() for line in sys.stdin]
+    outcome = PublishOutcome(requested=len(bodies) * count)
 
-    async def run() -> int:
+    async def run() -> None:
         async with await fb.connect(url, client_name="flowbroker-cli") as conn:
             if declare and exchange == "":
                 await conn.declare_queue(routing_key)
             producer = conn.producer(exchange=exchange, routing_key=routing_key)
-            with click.progressbar(length=len(bodies) * count, label="publishing", file=sys.stderr) as bar:
-                for _ in range(count):
-                    for body in bodies:
-                        await producer.send(body, timeout=timeout)
-                        bar.update(1)
-            await producer.flush(timeout=timeout)
-            return len(bodies) * count
+            try:
+                # The bar only on a terminal: piped, it would print just its label among the outcome's lines.
+                bar = (click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr)
+                       if sys.stderr.isatty() else None)
+                with bar if bar is not None else contextlib.nullcontext():
+                    for _ in range(count):
+                        for body in bodies:
+                            await producer.send(body, timeout=timeout)
+                            if bar is not None:
+                                bar.update(1)
+                await producer.flush(timeout=timeout)
+            except fb.FlowControlTimeout as exc:
+                outcome.timeout, outcome.flow_stopped = exc.timeout, list(exc.destinations)
+            finally:
+                stats = producer.stats
+                # the SDK counts a refused message as completed (and failed)
+                outcome.sent, outcome.completed, outcome.failed = stats.sent, stats.completed - stats.failed, stats.failed
 
     try:
-        sent = trio.run(run)
+        trio.run(run)
     except Exception as exc:  # every SDK error is a FlowbrokerError; show it without a traceback
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    click.echo(f"published {sent} message(s)", err=True)
+        # Closing may report the transfers a flow stop still holds: the outcome already says so.
+        if outcome.timeout is None or isinstance(exc, fb.PublishError):
+            outcome.error = f"{type(exc).__name__}: {exc}"
+    if as_json:
+        click.echo(outcome.as_json())
+    if outcome.exit_code == EXIT_COMPLETED:
+        if not as_json:
+            click.echo(outcome.text(), err=True)
+        return
+    click.echo(("Error: " if outcome.exit_code == EXIT_ERROR else "Not completed: ") + outcome.text(), err=True)
+    sys.exit(outcome.exit_code)
 
 
 @main.command()
-@click.option("--url", default="flowbroker://127.0.0.1:5680", show_default=True, help="Broker to connect to.")
-@click.option("--count", "-n", type=int, default=0, help="Stop after this many messages (0: until interrupted).")
-@click.option("--prefetch", type=int, default=100, show_default=True, help="Unsettled deliveries allowed.")
-@click.option("--timeout", type=float, default=0.0, help="Stop after this many idle seconds (0: wait forever).")
+@_url_option
+@click.option("--count", "-n", type=click.IntRange(min=0), default=0,
+              help="Stop after this many messages (0: until interrupted).")
+@click.option("--prefetch", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Unsettled deliveries allowed.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=0.0,
+              help="Stop after this many idle seconds (0: wait forever).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per message and line: body (or body_base64), headers, exchange, routing_key, "
+                   "redelivered.")
 @click.argument("queue")
-def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> None:
+def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, queue: str) -> None:
     """Print messages from QUEUE, one per line, acknowledging each after it is printed."""
     import trio
 
@@ -207,7 +292,10 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
                         msg = await consumer.receive(timeout=timeout or None)
                     except fb.ReceiveTimeout:
                         return
-                    click.echo(msg.body.decode(errors="replace"))
+                    if as_json:
+                        click.echo(message_json(msg.body, msg.headers, msg.exchange, msg.routing_key, msg.redelivered))
+                    else:
+                        click.echo(msg.body.decode(errors="replace"))
                     await msg.ack()
                     received += 1
 
@@ -221,96 +309,8 @@ def consume(url: str, count: int, prefetch: int, timeout: float, queue: str) -> 
 
 # -- management: the admin HTTP API (docs/management.md) -----------------------------------------
 
-DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
-TOKEN_ENV = "FLOWBROKER_ADMIN_TOKEN"
-PAGE_SIZE = 1000
-"""Objects asked for per request when listing: the admin API's maximum `limit`."""
 THRESHOLD_OPTIONS = ("flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
                      "max_count", "max_size", "overflow")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class AdminClient:
-    """The admin API over HTTP with the standard library; every failure is a ClickException.
-
-    The token comes from `token_file` when one is given (--token-file, FLOWBROKER_ADMIN_TOKEN_FILE),
-    else from FLOWBROKER_ADMIN_TOKEN, else from the file a broker without a configured token writes.
-    Never from the command line, where `ps` shows it to every user of the host."""
-
-    def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        from_env = os.environ.get(TOKEN_ENV, "").strip()
-        if token_file is None and from_env:
-            self.token, self.token_source = from_env, TOKEN_ENV
-            return
-        path = Path(token_file or DEFAULT_TOKEN_FILE).expanduser()
-        try:
-            self.token = path.read_text().strip()
-        except OSError as exc:
-            raise click.ClickException(
-                f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker wrote "
-                f"its generated token ({_printable(path)}: {exc.strerror or exc})"
-            ) from None
-        if not self.token:
-            raise click.ClickException(f"no admin token: {_printable(path)} is empty")
-        self.token_source = str(path)
-
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
-                     "Accept": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                raise click.ClickException(self._describe(exc.code, exc.read())) from None
-        except urllib.error.URLError as exc:
-            reason = getattr(exc.reason, "strerror", None) or exc.reason
-            raise click.ClickException(
-                f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
-            ) from None
-        except (TimeoutError, OSError) as exc:
-            raise click.ClickException(f"admin API at {self.url}: {exc}") from None
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            raise click.ClickException(f"admin API at {self.url} answered something that is not JSON") from None
-        if not isinstance(answer, dict):
-            raise click.ClickException(f"admin API at {self.url} answered an unexpected {type(answer).__name__}")
-        return answer
-
-    def _describe(self, status: int, raw: bytes) -> str:
-        try:
-            error = json.loads(raw)["error"]
-            message = f"{error['message']}"
-        except (ValueError, KeyError, TypeError):
-            message = raw.decode(errors="replace")[:200] or "no details"
-        text = f"admin API: HTTP {status}: {_printable(message, backslash=False)}"
-        if status in (401, 403):
-            text += f" (token from {_printable(self.token_source)})"
-        return text
-
-    def pages(self, path: str, key: str, after: str | None, limit: int) -> Iterator[tuple[list[dict[str, Any]], Any]]:
-        """Follow the API's cursor: (objects, next cursor) for each page of `path`'s list `key`,
-        from after `after` (the start when None), until the end or `limit` objects (0: no limit).
-        The last cursor is where a later `--after` would go on (None: nothing is left)."""
-        cursor: Any = after
-        remaining = limit
-        while True:
-            query: dict[str, Any] = {"limit": min(PAGE_SIZE, remaining) if limit else PAGE_SIZE}
-            if cursor is not None:
-                query["after"] = cursor
-            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
-            items, cursor = answer[key], answer.get("next")
-            yield items, cursor
-            remaining -= len(items)
-            if cursor is None or (limit and remaining <= 0):
-                return
 
 
 def _refuse_token_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -348,148 +348,6 @@ def _client(options: dict[str, Any]) -> tuple[AdminClient, bool]:
     return AdminClient(options["admin_url"], options["token_file"]), bool(options["as_json"])
 
 
-def _printable(value: object, *, backslash: bool = True) -> str:
-    """`value` as text a client or queue name cannot use to move the cursor, clear the screen or forge
-    a line of a table (broker/logsafe.py); not cut. `backslash=False` for the broker's error texts,
-    which already show names with repr()."""
-    return logsafe(value, None, backslash=backslash)
-
-
-def _print_json(answer: Any) -> None:
-    click.echo(json.dumps(answer, indent=2, sort_keys=False))
-
-
-def _size_text(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= factor:
-            value = n / factor
-            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
-    return f"{n}B"
-
-
-def _limit(n: int, size: bool = False) -> str:
-    """A threshold: 0 means off."""
-    if not n:
-        return "-"
-    return _size_text(n) if size else str(n)
-
-
-def _seconds_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    table = Table(headers)
-    return "\n".join(table.lines(rows))
-
-
-class Table:
-    """An aligned table printed page by page: the header with the first page, and columns that only
-    widen, so a long listing streams without holding it all. Every cell goes through _printable."""
-
-    def __init__(self, headers: Sequence[str]):
-        self.headers = list(headers)
-        self.widths = [len(h) for h in headers]
-        self.started = False
-
-    def lines(self, rows: Sequence[Sequence[Any]]) -> list[str]:
-        cells = [[_printable(c) for c in row] for row in rows]
-        if not self.started:
-            cells.insert(0, self.headers)
-            self.started = True
-        for row in cells:
-            self.widths = [max(w, len(c)) for w, c in zip(self.widths, row)]
-        return ["  ".join(c.ljust(w) for c, w in zip(row, self.widths)).rstrip() for row in cells]
-
-
-def _stream_json(key: str, pages: Iterator[tuple[list[dict[str, Any]], Any]]) -> None:
-    """The whole listing as one JSON document shaped like an API page, `{key: [...], "next": ...}`,
-    written as the pages arrive (nothing before the first one: a refused request prints only the error)."""
-    started, cursor = False, None
-    for items, cursor in pages:
-        for item in items:
-            click.echo((",\n  " if started else f'{{"{key}": [\n  ') + json.dumps(item), nl=False)
-            started = True
-    click.echo(f'\n], "next": {json.dumps(cursor)}}}' if started else f'{{"{key}": [], "next": {json.dumps(cursor)}}}')
-
-
-def _stream_table(headers: Sequence[str], pages: Iterator[tuple[list[dict[str, Any]], Any]],
-                  row: Callable[[dict[str, Any]], list[Any]], empty: str) -> None:
-    table = Table(headers)
-    for items, _ in pages:
-        if items:
-            click.echo("\n".join(table.lines([row(item) for item in items])))
-    if not table.started:
-        click.echo(empty)
-
-
-def _producers_text(q: dict[str, Any]) -> str:
-    """A queue's flow-stopped producers as `id:client`, and how many more the API did not list."""
-    producers = q["flow_stopped_producers"]
-    text = ", ".join(f"{p['connection']}:{p['client_name']}" for p in producers) or "-"
-    more = q["flow_stopped_producers_total"] - len(producers)
-    return f"{text} (+{more} more)" if more > 0 else text
-
-
-QUEUE_HEADERS = ["QUEUE", "MESSAGES", "BYTES", "STOP n/size", "RESUME n/size", "MAX n/size", "OVERFLOW",
-                 "SATURATED", "HELD", "FLOW-STOPPED PRODUCERS"]
-
-
-def _queue_row(q: dict[str, Any]) -> list[Any]:
-    t = q["thresholds"]
-    saturated = f"yes {_seconds_text(q['saturated_for_seconds'])}" if q["saturated"] else "no"
-    return [
-        q["name"], q["depth"]["count"], _size_text(q["depth"]["bytes"]),
-        f"{_limit(t['flow_stop_count'])}/{_limit(t['flow_stop_size'], True)}",
-        f"{_limit(t['flow_resume_count'])}/{_limit(t['flow_resume_size'], True)}",
-        f"{_limit(t['max_count'])}/{_limit(t['max_size'], True)}", t["overflow"],
-        saturated, q["held_transfers"], _producers_text(q),
-    ]
-
-
-def _queue_text(q: dict[str, Any]) -> str:
-    t = q["thresholds"]
-    c = q["counters"]
-    if q["saturated"]:
-        reason = q["stop_reason"]
-        saturated = (f"yes, for {_seconds_text(q['saturated_for_seconds'])} "
-                     f"({reason['threshold']}: {reason['value']} > {reason['limit']})")
-    else:
-        saturated = "no"
-    lines = [
-        ("queue", q["name"]),
-        ("depth", f"{q['depth']['count']} messages, {_size_text(q['depth']['bytes'])} ({q['depth']['ready']} ready)"),
-        ("flow stop", f"count {_limit(t['flow_stop_count'])}, size {_limit(t['flow_stop_size'], True)}"),
-        ("flow resume", f"count {_limit(t['flow_resume_count'])}, size {_limit(t['flow_resume_size'], True)}"),
-        ("max", f"count {_limit(t['max_count'])}, size {_limit(t['max_size'], True)}, overflow {t['overflow']}"),
-        ("saturated", saturated),
-        ("held transfers", str(q["held_transfers"])),
-        ("flow-stopped", _producers_text(q)),
-        ("counters", f"enqueued {c['enqueued']}, dequeued {c['dequeued']}, rejected {c['rejected']}, "
-                     f"dropped {c['dropped']}, flow stops {c['flow_stopped_count']}, held {c['held_total']}"),
-    ]
-    width = max(len(k) for k, _ in lines)
-    out = [f"{k.ljust(width)}  {_printable(v)}" for k, v in lines]
-    if q["subscriptions"]:
-        more = q["subscriptions_total"] - len(q["subscriptions"])
-        out.append(f"subscriptions (the first {len(q['subscriptions'])} of {q['subscriptions_total']})"
-                   if more > 0 else "subscriptions")
-        rows = [[s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
-                 _limit(s["buffer"]["size"], True), _size_text(s["buffer"]["unacked"])] for s in q["subscriptions"]]
-        table = _table(["CONN", "SUB", "CLIENT", "PREFETCH", "UNSETTLED", "DELIVERED", "BUFFER", "UNACKED"], rows)
-        out.extend("  " + line for line in table.splitlines())
-    else:
-        out.append(f"{'subscriptions'.ljust(width)}  -")
-    return "\n".join(out)
-
 
 @main.command()
 @_list_options
@@ -500,14 +358,14 @@ def queues(limit: int, after: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     pages = client.pages("/api/queues", "queues", after, limit)
     if as_json:
-        _stream_json("queues", pages)
+        stream_json("queues", pages)
     else:
-        _stream_table(QUEUE_HEADERS, pages, _queue_row, "no queues")
+        stream_table(QUEUE_HEADERS, pages, queue_row, "no queues")
 
 
 @main.group()
 def queue() -> None:
-    """Show one queue, or change its thresholds while the broker runs."""
+    """Show, change, purge or delete one queue while the broker runs."""
 
 
 def _queue_path(name: str) -> str:
@@ -521,22 +379,25 @@ def queue_show(name: str, **options: Any) -> None:
     """Everything about queue NAME, with its subscriptions and counters."""
     client, as_json = _client(options)
     answer = client.request("GET", _queue_path(name))
-    _print_json(answer) if as_json else click.echo(_queue_text(answer))
+    print_json(answer) if as_json else click.echo(queue_text(answer))
 
 
 @queue.command("set")
 @click.argument("name")
 @click.option("--flow-stop-size", type=SIZE, help="Saturate when the queue holds more bytes than this (0 = off).")
-@click.option("--flow-resume-size", type=SIZE, help="Clear when under this many bytes (default: = stop).")
+@click.option("--flow-resume-size", type=SIZE,
+              help="Clear when under this many bytes (default: the queue's resume/stop ratio kept).")
 @click.option("--flow-stop-count", type=int, help="Saturate when the queue holds more messages than this (0 = off).")
-@click.option("--flow-resume-count", type=int, help="Clear when under this many messages (default: = stop).")
+@click.option("--flow-resume-count", type=int,
+              help="Clear when under this many messages (default: the queue's resume/stop ratio kept).")
 @click.option("--max-size", type=SIZE, help="Hard limit in bytes (0 = unlimited).")
 @click.option("--max-count", type=int, help="Hard limit in messages (0 = unlimited).")
 @click.option("--overflow", type=click.Choice(["reject", "drop-head"]), help="What the hard limit does.")
 @_admin_options
 def queue_set(name: str, **options: Any) -> None:
     """Change NAME's thresholds now: a raised one releases held producers at once, a lowered one stops
-    the next transfers. A stop given without its resume gets resume = stop."""
+    the next transfers. A stop given without its resume keeps the queue's resume/stop ratio (its
+    hysteresis); a resume above its stop is refused."""
     changes = {k: options.pop(k) for k in THRESHOLD_OPTIONS}
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes:
@@ -546,26 +407,34 @@ def queue_set(name: str, **options: Any) -> None:
             raise click.BadParameter(f"must be >= 0, got {value}", param_hint="--" + key.replace("_", "-"))
     client, as_json = _client(options)
     answer = client.request("PATCH", _queue_path(name), changes)
-    _print_json(answer) if as_json else click.echo(_queue_text(answer))
+    print_json(answer) if as_json else click.echo(queue_text(answer))
 
 
-CONNECTION_HEADERS = ["ID", "CLIENT", "PEER", "ROLE", "BUFFER", "UNACKED", "HELD", "FLOW", "BLOCKING",
-                      "SUBS", "UNSETTLED", "CONSUMER-BUF"]
 
-
-def _connection_row(c: dict[str, Any]) -> list[Any]:
-    p, flow, consumer = c["producer"], c["flow"], c["consumer"]
-    if flow["stopped"]:
-        state = f"stopped {_seconds_text(flow['stopped_for_seconds'])}"
-        blocking = ", ".join(flow["blocking_queues"] + (["* (stop-all)"] if flow["admin_stopped"] else []))
+@queue.command("delete")
+@click.argument("name")
+@_admin_options
+def queue_delete(name: str, **options: Any) -> None:
+    """Delete queue NAME with its messages and bindings; its consumers get NOT_FOUND."""
+    client, as_json = _client(options)
+    answer = client.request("DELETE", _queue_path(name))
+    if as_json:
+        print_json(answer)
     else:
-        state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
-    buffer = _size_text(p["buffer_size"]) if c["flow_control"] else "-"
-    return [
-        c["id"], c["client_name"], c["peer"] or "-", c["role"], buffer, _size_text(p["unacked_bytes"]),
-        p["transfers_held"], state, blocking, consumer["subscriptions_total"], consumer["unsettled"],
-        _limit(consumer["buffer"]["size"], True),
-    ]
+        click.echo(f"queue {printable(answer['queue'])} deleted ({answer['deleted']} message(s) dropped)")
+
+
+@queue.command("purge")
+@click.argument("name")
+@_admin_options
+def queue_purge(name: str, **options: Any) -> None:
+    """Drop every ready message of queue NAME; deliveries not yet settled stay with their consumers."""
+    client, as_json = _client(options)
+    answer = client.request("POST", _queue_path(name) + "/purge")
+    if as_json:
+        print_json(answer)
+    else:
+        click.echo(f"queue {printable(answer['queue'])} purged ({answer['purged']} message(s) dropped)")
 
 
 @main.command()
@@ -577,9 +446,9 @@ def connections(limit: int, after: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     pages = client.pages("/api/connections", "connections", after, limit)
     if as_json:
-        _stream_json("connections", pages)
+        stream_json("connections", pages)
     else:
-        _stream_table(CONNECTION_HEADERS, pages, _connection_row, "no connections")
+        stream_table(CONNECTION_HEADERS, pages, connection_row, "no connections")
 
 
 @main.command()
@@ -590,9 +459,9 @@ def exchanges(limit: int, after: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     pages = client.pages("/api/exchanges", "exchanges", after, limit)
     if as_json:
-        _stream_json("exchanges", pages)
+        stream_json("exchanges", pages)
     else:
-        _stream_table(["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"], pages,
+        stream_table(["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"], pages,
                       lambda e: [e["name"], e["kind"], "yes" if e["builtin"] else "no", e["binding_keys"]],
                       "no exchanges")
 
@@ -605,7 +474,7 @@ def exchange() -> None:
 @exchange.command("declare")
 @click.argument("name")
 @click.option("--kind", type=click.Choice(["direct", "fanout", "topic"]), default="direct", show_default=True)
-@click.option("--url", default="flowbroker://127.0.0.1:5680", show_default=True, help="Broker to connect to.")
+@_url_option
 def exchange_declare(name: str, kind: str, url: str) -> None:
     """Declare exchange NAME of KIND (over the broker protocol, as the SDK does); an existing one of the
     same kind is kept."""
@@ -621,7 +490,7 @@ def exchange_declare(name: str, kind: str, url: str) -> None:
         trio.run(run)
     except Exception as exc:  # every SDK error is a FlowbrokerError; show it without a traceback
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    click.echo(f"exchange {_printable(name)} ({kind}) declared")
+    click.echo(f"exchange {printable(name)} ({kind}) declared")
 
 
 @exchange.command("delete")
@@ -632,9 +501,9 @@ def exchange_delete(name: str, **options: Any) -> None:
     client, as_json = _client(options)
     answer = client.request("DELETE", "/api/exchanges/" + urllib.parse.quote(name, safe=""))
     if as_json:
-        _print_json(answer)
+        print_json(answer)
     else:
-        click.echo(f"exchange {_printable(answer['exchange'])} deleted ({answer['bindings']} binding(s) removed)")
+        click.echo(f"exchange {printable(answer['exchange'])} deleted ({answer['bindings']} binding(s) removed)")
 
 
 @main.group()
@@ -647,14 +516,14 @@ def _producers_command(action: str, done: str) -> Callable[..., None]:
         client, as_json = _client(options)
         answer = client.request("POST", f"/api/producers/{action}")
         if as_json:
-            _print_json(answer)
+            print_json(answer)
         else:
             click.echo(f"all producers {done} ({len(answer['connections'])} flow-controlled connection(s))")
     return command
 
 
-producers.command("stop-all", help="Hold every new transfer of flow-controlled producers (they are told "
-                  "they are flow-stopped on '*') until start-all.")(_admin_options(_producers_command("stop-all", "stopped")))
+producers.command("stop-all", help="Hold every new transfer of flow-controlled producers until start-all: "
+                  "they are told they are flow-stopped on '*' (a broker-wide stop; the memory alarm uses it too).")(_admin_options(_producers_command("stop-all", "stopped")))
 producers.command("start-all", help="Complete the held transfers and let every producer send again.")(
     _admin_options(_producers_command("start-all", "started")))
 
@@ -664,29 +533,6 @@ def policy() -> None:
     """Show or change the producer credit policy while the broker runs."""
 
 
-def _policy_text(answer: dict[str, Any]) -> str:
-    settings = answer["policy"]
-    pairs = [("policy", settings["policy"]), ("quota", _size_text(settings["quota"]))]
-    pairs += [(k, _size_text(settings[k])) for k in ("static_size", "min_size", "max_size", "override_size")]
-    pairs += [(k, f"{settings[k]} %") for k in settings if k.endswith("_percent")]
-    if answer.get("producers_stopped"):
-        pairs.append(("producers", "STOPPED (start-all releases them)"))
-    granted, pool = answer["granted"], answer["pool"]
-    pairs.append(("pool", f"{_size_text(pool['bytes'])} (share {_size_text(pool['share'])}, "
-                          f"floor {_size_text(pool['floor'])}, reserve {_size_text(pool['reserve'])})"))
-    pairs.append(("granted", f"{_size_text(granted['total'])} to {len(granted['connections'])} connection(s): "
-                             f"{granted['producers']} producer(s), {granted['waiting']} waiting, "
-                             f"{granted['provisional']} provisional"))
-    pairs.append(("committed", f"{_size_text(answer['committed'])} (grants and older, larger windows)"))
-    pairs.append(("promised", f"{_size_text(answer['promised_outstanding'])} producers may still send"))
-    width = max(len(k) for k, _ in pairs)
-    lines = [f"{k.ljust(width)}  {_printable(v)}" for k, v in pairs]
-    if granted["connections"]:
-        rows = [[g["connection"], g["client_name"] or "-", g["state"], _size_text(g["buffer_size"]),
-                 _size_text(g["window"])] for g in granted["connections"]]
-        lines.extend("  " + line for line in _table(["CONN", "CLIENT", "STATE", "BUFFER", "WINDOW"], rows).splitlines())
-    return "\n".join(lines)
-
 
 @policy.command("show")
 @_admin_options
@@ -694,7 +540,7 @@ def policy_show(**options: Any) -> None:
     """The credit policy in force and the buffers it grants now."""
     client, as_json = _client(options)
     answer = client.request("GET", "/api/policy")
-    _print_json(answer) if as_json else click.echo(_policy_text(answer))
+    print_json(answer) if as_json else click.echo(policy_text(answer))
 
 
 @policy.command("set")
@@ -721,4 +567,4 @@ def policy_set(name: str | None, **options: Any) -> None:
         raise click.UsageError("give a policy name and/or a setting, e.g. `policy set aggressive --quota 2GiB`")
     client, as_json = _client(options)
     answer = client.request("PUT", "/api/policy", settings)
-    _print_json(answer) if as_json else click.echo(_policy_text(answer))
+    print_json(answer) if as_json else click.echo(policy_text(answer))

@@ -24,9 +24,32 @@ __all__ = [
     "BrokerConfig",
     "load_config",
     "default_quota",
+    "parse_size",
+    "SIZE_KEYS",
 ]
 
 MiB = 1024 * 1024
+
+SIZE_KEYS = {
+    "server": ("max_frame_size", "max_message_size", "max_partial_frame_bytes", "memory_quota", "memory_watermark"),
+    "queues": ("max_size",),
+    "credit": ("quota", "static_size", "min_size", "max_size", "override_size"),
+}
+"""The byte-valued keys: in the TOML file as on the command line, each takes an integer or a size
+string such as "2GiB" (parse_size)."""
+
+
+def parse_size(value: str) -> int:
+    """A size: plain bytes ("1048576") or a number with a binary suffix: KiB, MiB, GiB, TiB (1024-based;
+    K/KB, M/MB, G/GB, T/TB mean the same), case-insensitive, e.g. "512KiB", "1.5GiB". ValueError if not."""
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if text.endswith(suffix):
+            try:
+                return int(float(text[:-1]) * factor)
+            except OverflowError:  # "infGiB"
+                raise ValueError(f"{value!r} is not a size") from None
+    return int(text)
 
 
 class ConfigError(ValueError):
@@ -202,6 +225,21 @@ def _section(cls: type[Any], name: str, table: object) -> Any:
     return cls(**table)
 
 
+def _parse_sizes(data: dict[str, Any]) -> None:
+    """Replace every size string of a byte-valued key ("2GiB") by its number of bytes, in place."""
+    for section, keys in SIZE_KEYS.items():
+        table = data.get(section)
+        if not isinstance(table, dict):
+            continue
+        for key in keys:
+            value = table.get(key)
+            if isinstance(value, str):
+                try:
+                    table[key] = parse_size(value)
+                except ValueError:
+                    raise ConfigError(section, key, value, "is not a size (examples: 1048576, 512KiB, 10MiB, 2GiB)") from None
+
+
 def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> BrokerConfig:
     """Embedded defaults, then the TOML file if given, then overrides (from the command line)."""
     data: dict[str, Any] = {}
@@ -217,6 +255,7 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section in data:
         if section not in ("server", "queues", "credit", "admin"):
             raise ConfigError(section, "*", None, "unknown section; known: admin, credit, queues, server")
+    _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
     admin = _section(AdminConfig, "admin", data.get("admin", {}))

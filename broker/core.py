@@ -559,15 +559,29 @@ class BrokerCore:
         t = queue.thresholds
         current: dict[str, Any] = {k: getattr(t, k) for k in QUEUE_ARGUMENTS if k != "overflow"}
         current["overflow"] = queue.overflow.value
-        # A changed stop threshold without its resume gets resume = stop unless both are given.
+        # A changed stop threshold without its resume keeps the queue's resume/stop ratio (its
+        # hysteresis; the [queues] percentages' when it had no stop), so `queue set --flow-stop-size`
+        # does not silently turn resume = stop. A stop set to null (the default) derives both.
         for dim in ("count", "size"):
-            if f"flow_stop_{dim}" in changes and f"flow_resume_{dim}" not in changes:
-                current[f"flow_resume_{dim}"] = None
+            stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
+            if stop_key in changes and resume_key not in changes:
+                current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
         current.update(changes)
         thresholds, overflow = self.queue_thresholds(current)
         queue.overflow = overflow
         queue.set_thresholds(thresholds, self.clock_ns())
         return queue
+
+    def _kept_resume(self, old_stop: int, old_resume: int, new_stop: Any) -> int | None:
+        """The resume threshold that keeps old_resume/old_stop for `new_stop` (None: derive it)."""
+        if not isinstance(new_stop, int) or isinstance(new_stop, bool) or new_stop <= 0:
+            return None
+        if old_stop > 0 and old_resume > 0:
+            return max(1, new_stop * old_resume // old_stop)
+        q = self.config.queues
+        if q.flow_stop_percent <= 0 or q.flow_resume_percent <= 0:
+            return None
+        return max(1, int(new_stop * q.flow_resume_percent / q.flow_stop_percent))
 
     def delete_queue(self, name: str) -> int:
         queue = self.get_queue(name)

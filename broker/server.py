@@ -29,6 +29,10 @@ What one connection can cost the others is bounded here (docs/architecture.md, "
 - A connection is closed by shutting down its sending side (a FIN after the last frame) and reading
   and discarding what the peer still sends, briefly, before closing the socket: closing with unread
   bytes makes the kernel reset the connection, and the peer could lose the ERROR saying why.
+
+A person who points an HTTP client (curl, the admin CLI) at this port gets an HTTP 400 saying where
+the admin API is, not a binary ERROR; connections open and close at DEBUG, and INFO gets a summary of
+them once a minute.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core 
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
 DRAIN_BYTES = 1024 * 1024  # ...and how much of it
 DESCRIPTOR_RESERVE = 64  # descriptors beyond max_connections: listeners, the admin API, logs
+CONNECTION_SUMMARY_SECONDS = 60.0  # connections open and close at DEBUG; INFO gets a summary this often
+HTTP_METHODS = (b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE", b"PATC", b"OPTI", b"CONN", b"TRAC")
+"""First bytes of an HTTP request. As a length prefix each is over 1 GiB, more than any max_frame_size,
+so a peer that sends one is never a broker client: it is told in HTTP where the admin API is."""
 
 
 def now_ns() -> int:
@@ -122,6 +130,8 @@ class BrokerServer:
         self.frame_budget = PartialFrameBudget(config.server.max_partial_frame_bytes, RECEIVE_SIZE)
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
+        self.opened = 0  # connections that completed the handshake since the last summary...
+        self.closed = 0  # ...and that closed since then
 
     def flush_woken(self) -> None:
         """Write out, without waiting, what the frames just handled made due on every connection."""
@@ -157,6 +167,7 @@ class BrokerServer:
                 nursery.start_soon(self._accept, listener)
             if self.admin is not None:
                 await nursery.start(self.admin.serve)
+            nursery.start_soon(self._summarise_connections)
             task_status.started(self.port)
             await self.shutdown_requested.wait()
             if self.admin is not None:
@@ -171,6 +182,27 @@ class BrokerServer:
 
     def shutdown(self) -> None:
         self.shutdown_requested.set()
+
+    async def _summarise_connections(self) -> None:
+        """One INFO line per CONNECTION_SUMMARY_SECONDS when connections came or went, instead of a line
+        for each (they are logged at DEBUG): a busy broker's log stays readable."""
+        while True:
+            await trio.sleep(CONNECTION_SUMMARY_SECONDS)
+            if self.opened or self.closed:
+                LOGGER.info("connections in the last %g s: %d opened, %d closed; %d open now",
+                            CONNECTION_SUMMARY_SECONDS, self.opened, self.closed, len(self.connections))
+                self.opened = self.closed = 0
+
+    def http_answer(self) -> bytes:
+        """What an HTTP client that reached the broker port is told (a 400 naming the admin API)."""
+        admin = self.config.admin
+        where = (f"The admin (HTTP) API is at http://{admin.host}:{self.admin_port}/api/"
+                 if self.admin_port is not None else "The admin (HTTP) API is off on this broker.")
+        body = (f"This is the flowbroker broker port ({self.config.server.host}:{self.port}): it speaks the "
+                f"flowbroker protocol (URL flowbroker://...), not HTTP. {where}\n").encode()
+        head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        return head + body
 
     def peer_of(self, conn_id: int) -> str | None:
         handler = self.connections.get(conn_id)
@@ -323,7 +355,8 @@ class ConnectionHandler:
                 session.buffer_size,
                 session.identity,
             )
-            LOGGER.info("connection %d from %s (%s), flow control %s, buffer %d bytes", session.conn_id,
+            self.server.opened += 1
+            LOGGER.debug("connection %d from %s (%s), flow control %s, buffer %d bytes", session.conn_id,
                         self.peer, logsafe(hello.client_name), "on" if hello.flow_control else "off",
                         session.buffer_size)
             with self._cancel:
@@ -355,6 +388,7 @@ class ConnectionHandler:
     async def _handshake(self) -> Hello | None:
         cfg = self.server.config.server
         conn = self.conn
+        head = b""  # the first bytes, to recognise an HTTP client
         try:
             with trio.fail_after(cfg.handshake_timeout):
                 while True:
@@ -373,6 +407,8 @@ class ConnectionHandler:
                         return None
                     self._held(frames_before)
                     data = await self._receive()
+                    if len(head) < 4:
+                        head += data[: 4 - len(head)]
                     conn.receive_data(data)
         except trio.TooSlowError:
             LOGGER.info("connection from %s sent no HELLO within %.1fs", self.peer, cfg.handshake_timeout)
@@ -381,6 +417,11 @@ class ConnectionHandler:
             LOGGER.info("connection from %s: %s", self.peer, self._frame_timeout_text())
             await trio.aclose_forcefully(self.stream)
         except RemoteProtocolError as exc:
+            if head in HTTP_METHODS:
+                LOGGER.info("connection from %s: an HTTP request on the broker port; answered 400 naming the "
+                            "admin API", self.peer)
+                await _send_and_close(self.stream, self.conn, [], self.server.http_answer())
+                return None
             LOGGER.info("connection from %s: bad handshake: %s", self.peer, logsafe(exc))
             await _send_and_close(  # after a protocol error the state machine still allows ERROR + CLOSE
                 self.stream, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
@@ -629,5 +670,6 @@ class ConnectionHandler:
             await _send_and_close(self.stream, self.conn, frames, self._unsent)
         else:
             await trio.aclose_forcefully(self.stream)
-        level = logging.INFO if reason.code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN) else logging.WARNING
+        self.server.closed += 1
+        level = logging.DEBUG if reason.code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN) else logging.WARNING
         LOGGER.log(level, "connection %d closed: %s (%s)", session.conn_id, logsafe(reason.text), reason.code.name)

@@ -899,7 +899,7 @@ async def connect(
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(address.host, address.port)
             await stream.send_all(proto.send(Hello(PROTOCOL_VERSION, client_name, flow_control, [], auth)))
-            welcome = await _await_welcome(stream, proto)
+            welcome = await _await_welcome(stream, proto, address)
     except trio.TooSlowError:
         await _close_quietly(stream)
         raise HandshakeError(f"no WELCOME from {address} within {timeout} s") from None
@@ -918,10 +918,18 @@ async def connect(
     return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
 
 
-async def _await_welcome(stream: trio.SocketStream, proto: ProtocolConnection) -> Welcome:
+async def _await_welcome(stream: trio.SocketStream, proto: ProtocolConnection, address: object = "the peer") -> Welcome:
     error: Error | None = None
+    head = b""  # the first bytes: an HTTP answer ("HTTP/1.1 400 ...") means this is not the broker port
     while True:
         data = await stream.receive_some(RECEIVE_SIZE)
+        if len(head) < 4:
+            head += bytes(data[: 4 - len(head)])
+            if head == b"HTTP":
+                raise HandshakeError(
+                    f"{address} answered in HTTP: this is an HTTP port (the broker's admin API?), not the broker "
+                    f"port; the broker port is 5680 unless [server] port says otherwise (flowbroker://HOST:5680)"
+                )
         proto.receive_data(bytes(data))
         while (frame := proto.next_frame()) is not None:
             if isinstance(frame, Welcome):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coreharness import Consumer, Harness, MiB, Producer
 
 from flowbroker.protocol.credit import message_size
@@ -547,3 +549,25 @@ def test_drop_head_that_empties_a_saturated_queue_clears_it() -> None:
     assert not q.saturated
     legacy.pump()
     assert legacy.is_complete(tid) and legacy.received(FlowStopped) == []
+
+
+def test_a_stop_changed_alone_keeps_the_queues_resume_ratio() -> None:
+    """`queue set --flow-stop-size 10MiB` (PATCH with a stop alone) must not silently drop the
+    hysteresis to resume = stop: the resume moves with the stop, at the queue's own ratio."""
+    h = make()
+    h.queue("q", max_size=0, flow_stop_size=1000, flow_resume_size=800, max_count=100, flow_stop_count=10,
+            flow_resume_count=5)
+    t = h.core.set_queue_thresholds("q", {"flow_stop_size": 10 << 20}).thresholds
+    assert (t.flow_stop_size, t.flow_resume_size) == (10 << 20, 8 << 20)
+    assert (t.flow_stop_count, t.flow_resume_count) == (10, 5)  # the other dimension untouched
+    t = h.core.set_queue_thresholds("q", {"flow_stop_count": 40}).thresholds
+    assert (t.flow_stop_count, t.flow_resume_count) == (40, 20)
+    # a queue without a stop takes the [queues] percentages' ratio (70 / 80 by default)
+    h.queue("off", max_size=0)
+    t = h.core.set_queue_thresholds("off", {"flow_stop_size": 8000}).thresholds
+    assert (t.flow_stop_size, t.flow_resume_size) == (8000, 7000)
+    # both given: exactly those; a resume above the stop is refused, naming it
+    t = h.core.set_queue_thresholds("q", {"flow_stop_size": 100, "flow_resume_size": 100}).thresholds
+    assert (t.flow_stop_size, t.flow_resume_size) == (100, 100)
+    with pytest.raises(Exception, match="flow_resume_size"):
+        h.core.set_queue_thresholds("q", {"flow_stop_size": 100, "flow_resume_size": 200})

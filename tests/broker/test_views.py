@@ -55,7 +55,7 @@ def test_queue_view_reports_depth_thresholds_saturation_holds_and_counters() -> 
     assert view["counters"] == {"enqueued": 5, "dequeued": 0, "rejected": 0, "dropped": 0,
                                 "flow_stopped_count": 1, "held_total": 2}
 
-    h.core.set_queue_thresholds("orders", {"flow_stop_count": 8})  # raised: clears at once
+    h.core.set_queue_thresholds("orders", {"flow_stop_count": 8, "flow_resume_count": 6})  # raised: clears at once
     view = views.queue_view(h.core.queues["orders"], h.now)
     assert view["saturated"] is False and view["saturated_for_seconds"] is None and view["stop_reason"] is None
     assert view["held_transfers"] == 0 and view["flow_stopped_producers"] == []

@@ -146,7 +146,7 @@ async def test_raising_a_threshold_releases_a_blocked_producer_and_lowering_stop
         await producer.flush(timeout=5)
 
         q = await ok(broker, "PATCH", "/api/queues/q", {"flow_stop_count": 3})
-        assert q["saturated"] is True and q["thresholds"]["flow_resume_count"] == 3
+        assert q["saturated"] is True and q["thresholds"]["flow_resume_count"] == 2  # 3 * 900 // 1000: the ratio kept
         await producer.send(b"held", timeout=5)
         with pytest.raises(fb.FlowControlTimeout):
             await producer.flush(timeout=0.3)
@@ -441,3 +441,24 @@ async def test_a_client_that_leaves_mid_body_is_not_logged_as_a_bug(
     assert "failed" not in caplog.text and "Traceback" not in caplog.text
     assert broker.core.queues["q"].thresholds.max_count == 0
     assert (await ok(broker, "GET", "/api/queues/q"))["name"] == "q"
+
+
+async def test_delete_and_purge_a_queue(broker: Any) -> None:
+    """DELETE /api/queues/NAME and POST /api/queues/NAME/purge do what DELETE_QUEUE and PURGE_QUEUE do;
+    a queue whose name holds "/" (or "/purge") is reached too, and an unknown one is a 404."""
+    async with await fb.connect(broker.url) as conn:
+        for name in ("jobs", "a/purge"):
+            await conn.declare_queue(name)
+            producer = conn.producer(routing_key=name)
+            for i in range(3):
+                await producer.send(b"m%d" % i, timeout=5)
+            await producer.flush(timeout=5)
+    assert await ok(broker, "POST", "/api/queues/jobs/purge") == {"queue": "jobs", "purged": 3}
+    assert (await ok(broker, "GET", "/api/queues/jobs"))["depth"]["count"] == 0
+    assert await ok(broker, "POST", "/api/queues/a%2Fpurge/purge") == {"queue": "a/purge", "purged": 3}
+    assert await ok(broker, "DELETE", "/api/queues/jobs") == {"queue": "jobs", "deleted": 0}
+    assert await ok(broker, "DELETE", "/api/queues/a/purge") == {"queue": "a/purge", "deleted": 0}
+    assert broker.core.queues == {}
+    for method, path in (("DELETE", "/api/queues/jobs"), ("POST", "/api/queues/jobs/purge")):
+        status, answer, _ = await api(broker, method, path)
+        assert status == 404 and answer["error"]["code"] == "not_found" and "jobs" in answer["error"]["message"]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
+import time
 from pathlib import Path
+
 from daemon import FLOWBROKER, free_port, wait_listening
 
 
@@ -54,3 +58,34 @@ def test_every_command_has_help() -> None:
     for command in ([], ["serve"], ["publish"], ["consume"]):
         result = subprocess.run([FLOWBROKER, *command, "--help"], capture_output=True, text=True, timeout=30)
         assert result.returncode == 0 and "Usage:" in result.stdout
+
+
+def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(tmp_path: Path) -> None:
+    """`serve --port 0 --admin-port 0 --port-file F`: F says both ports once listening, and the
+    `admin API on` line says the same; F is removed when the broker stops. -q silences the INFO lines."""
+    port_file = tmp_path / "ports.json"
+    config = tmp_path / "flowbroker.toml"
+    config.write_text(f'[admin]\ntoken_file = "{tmp_path / "admin-token"}"\n')
+    broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config), "--port", "0", "--admin-port", "0",
+                               "--port-file", str(port_file)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not port_file.exists():
+            assert time.monotonic() < deadline and broker.poll() is None, "no port file"
+            time.sleep(0.05)
+        ports = json.loads(port_file.read_text())
+        assert set(ports) == {"port", "admin_port"} and ports["port"] > 0 and ports["admin_port"] > 0
+        pub = subprocess.run([FLOWBROKER, "publish", "-k", "q", "x"], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "FLOWBROKER_URL": f"flowbroker://127.0.0.1:{ports['port']}"})
+        assert pub.returncode == 0, pub.stderr
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        _, err = broker.communicate(timeout=15)
+    assert broker.returncode == 0, err
+    assert f"admin API on http://127.0.0.1:{ports['admin_port']}, token in" in err
+    assert not port_file.exists()
+    quiet = subprocess.run([FLOWBROKER, "-q", "serve", "--config", str(config), "--port", "0", "--admin-port", "0",
+                            "--port-file", str(tmp_path / "no" / "such" / "dir")], capture_output=True, text=True,
+                           timeout=30)
+    assert quiet.returncode == 1 and quiet.stderr.startswith("Error: --port-file ")
+    assert "cannot be written" in quiet.stderr and "INFO" not in quiet.stderr

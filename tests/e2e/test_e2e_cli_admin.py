@@ -4,6 +4,7 @@ runs them: tables, --json, runtime thresholds, stop-all/start-all, policy, and c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from flowbroker.broker.cli import main
+from flowbroker.broker.cli import _log_level, main
 from flowbroker.client import blocking
 from daemon import FLOWBROKER, free_port, wait_listening
 
@@ -70,7 +71,10 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
             broker.communicate()
             raise
     assert broker.returncode == 0, err
-    assert f"wrote it to {token_file}" in err
+    # the startup lines once each: where it listens, where the admin API and its token are
+    assert err.count(f"flowbroker listening on 127.0.0.1:{port}") == 1
+    assert err.count(f"admin API on http://127.0.0.1:{admin_port}, token in {token_file} (generated at start") == 1
+    assert "Running on" not in err and err.count(f":{admin_port}") == 1
 
 
 def _publish(daemon: Daemon, *messages: str, background: bool = False) -> subprocess.Popen[str]:
@@ -197,7 +201,8 @@ def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
 
 def test_every_management_command_has_help() -> None:
     runner = CliRunner()
-    for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["connections"], ["producers"],
+    for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["queue", "purge"],
+                    ["queue", "delete"], ["connections"], ["producers"],
                     ["producers", "stop-all"], ["producers", "start-all"], ["policy"], ["policy", "show"],
                     ["policy", "set"], ["exchanges"], ["exchange"], ["exchange", "delete"]):
         result = runner.invoke(main, [*command, "--help"])
@@ -275,3 +280,106 @@ def test_exchanges_list_and_delete(daemon: Daemon) -> None:
     builtin = daemon.cli("exchange", "delete", "amq.direct", ok=False)
     assert builtin.returncode == 1 and "cannot be deleted" in builtin.stderr
     assert [e["name"] for e in daemon.json("exchanges")["exchanges"]] == ["amq.direct", "amq.fanout", "amq.topic"]
+
+
+# -- issue 10: the CLI people expect -------------------------------------------------------------
+
+
+def test_publish_during_stop_all_reports_sent_not_completed_with_exit_3(daemon: Daemon) -> None:
+    """The message is enqueued and later delivered: the outcome says so (exit 3), not an error to retry."""
+    _publish(daemon, "warm-up")
+    daemon.cli("producers", "stop-all")
+    held = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--timeout", "0.5", "-k", "orders", "held"],
+                          capture_output=True, text=True, timeout=30)
+    assert held.returncode == 3, held.stderr
+    assert "1 message(s) sent and enqueued, not yet completed after 0.5 s" in held.stderr
+    assert "* (a broker-wide stop: `flowbroker producers stop-all`, or the broker's memory alarm)" in held.stderr
+    assert "would duplicate them" in held.stderr and "Traceback" not in held.stderr
+    as_json = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--timeout", "0.5", "-k", "orders", "--json",
+                              "held too"], capture_output=True, text=True, timeout=30)
+    assert as_json.returncode == 3
+    assert json.loads(as_json.stdout) == {
+        "outcome": "not_completed", "exit_code": 3, "requested": 1, "sent": 1, "completed": 0, "failed": 0,
+        "not_completed": 1, "not_sent": 0, "flow_stopped": ["*"], "error": None}
+    daemon.cli("producers", "start-all")
+    daemon.wait_for(lambda: daemon.json("queue", "show", "orders")["depth"]["count"] == 3)
+    got = subprocess.run([FLOWBROKER, "consume", "--url", daemon.url, "-n", "3", "--json", "orders"],
+                         capture_output=True, text=True, timeout=30)
+    assert got.returncode == 0, got.stderr
+    lines = [json.loads(line) for line in got.stdout.splitlines()]
+    assert [m["body"] for m in lines] == ["warm-up", "held", "held too"]  # each once: nothing to retry
+    assert lines[0] == {"exchange": "", "routing_key": "orders", "redelivered": False, "body": "warm-up", "headers": {}}
+    done = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "orders", "--json", "a", "b"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and json.loads(done.stdout)["outcome"] == "completed"
+    assert json.loads(done.stdout)["completed"] == 2 and done.stderr.count("published") == 0
+
+
+def test_publish_errors_exit_1_and_name_what_was_not_sent(daemon: Daemon) -> None:
+    refused = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--no-declare", "--exchange", "nope",
+                              "-k", "x", "--json", "m"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    outcome = json.loads(refused.stdout)
+    assert outcome["outcome"] == "error" and outcome["error"] and outcome["exit_code"] == 1
+    assert refused.stderr.startswith("Error: ")
+
+
+def test_version_quiet_verbose_url_from_the_environment_and_ranges(daemon: Daemon) -> None:
+    version = subprocess.run([FLOWBROKER, "--version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and version.stdout.strip() == "flowbroker 0.1.0"
+    env = {**os.environ, "FLOWBROKER_URL": daemon.url}
+    sent = subprocess.run([FLOWBROKER, "publish", "-k", "env", "hello"], capture_output=True, text=True, timeout=30,
+                          env=env)
+    assert sent.returncode == 0 and "published 1 message(s)" in sent.stderr
+    got = subprocess.run([FLOWBROKER, "consume", "-n", "1", "env"], capture_output=True, text=True, timeout=30, env=env)
+    assert got.stdout == "hello\n"
+    declared = subprocess.run([FLOWBROKER, "exchange", "declare", "logs", "--kind", "fanout"], capture_output=True,
+                              text=True, timeout=30, env=env)
+    assert declared.returncode == 0 and "exchange logs (fanout) declared" in declared.stdout
+    for args in (["publish", "-k", "q", "-n", "-3", "m"], ["publish", "-k", "q", "-n", "0", "m"],
+                 ["consume", "-n", "-1", "q"], ["consume", "--prefetch", "0", "q"]):
+        refused = subprocess.run([FLOWBROKER, *args], capture_output=True, text=True, timeout=30, env=env)
+        assert refused.returncode == 2 and "Invalid value" in refused.stderr, args
+    runner = CliRunner()
+    help_text = runner.invoke(main, ["--help"]).output
+    assert "-q, --quiet" in help_text and "-v, --verbose" in help_text and "--version" in help_text
+    assert "FLOWBROKER_URL" in runner.invoke(main, ["publish", "--help"]).output
+
+
+def test_log_level_options() -> None:
+    assert [_log_level(v, q) for v, q in ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2), (0, 5), (1, 1))] == [
+        logging.INFO, logging.DEBUG, logging.DEBUG, logging.WARNING, logging.ERROR, logging.ERROR, logging.INFO]
+
+
+def test_queue_purge_and_delete(daemon: Daemon) -> None:
+    _publish(daemon, "a", "b")
+    out = daemon.cli("queue", "purge", "orders").stdout
+    assert out.strip() == "queue orders purged (2 message(s) dropped)"
+    assert daemon.json("queue", "show", "orders")["depth"]["count"] == 0
+    _publish(daemon, "c")
+    assert daemon.json("queue", "delete", "orders") == {"queue": "orders", "deleted": 1}
+    assert daemon.cli("queues").stdout.strip() == "no queues"
+    missing = daemon.cli("queue", "delete", "orders", ok=False)
+    assert missing.returncode == 1 and "no queue named 'orders'" in missing.stderr
+
+
+def test_queue_set_a_stop_alone_keeps_the_resume_ratio(daemon: Daemon) -> None:
+    _publish(daemon, "a")  # declares "orders" with the defaults: stop 80 %, resume 70 % of 100 MiB
+    shown = daemon.json("queue", "set", "orders", "--flow-stop-size", "10MiB")["thresholds"]
+    assert shown["flow_stop_size"] == 10 * MiB and shown["flow_resume_size"] == 10 * MiB * 7 // 8
+    refused = daemon.cli("queue", "set", "orders", "--flow-stop-size", "1MiB", "--flow-resume-size", "2MiB", ok=False)
+    assert refused.returncode == 1 and "flow_resume_size" in refused.stderr
+
+
+def test_the_admin_cli_on_the_broker_port_says_so(daemon: Daemon) -> None:
+    port = daemon.url.rsplit(":", 1)[1]
+    wrong = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{port}", "--token-file",
+                            str(daemon.token_file)], capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    assert f"http://127.0.0.1:{port} is the flowbroker broker port, not its admin API" in wrong.stderr
+    assert daemon.admin[1] + "/api/" in wrong.stderr  # where the admin API is
+    assert len(wrong.stderr.splitlines()) == 1
+    refused = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{free_port()}"],
+                             capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "FLOWBROKER_ADMIN_TOKEN": "whatever-token"})
+    assert refused.returncode == 1 and "Connection refused" in refused.stderr

@@ -281,7 +281,7 @@ async def test_a_connection_closed_with_unread_input_still_reads_its_error_and_a
 async def test_names_and_error_texts_from_peers_are_escaped_and_capped_in_the_log(
     start_flowbroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="flowbroker")
+    caplog.set_level(logging.DEBUG, logger="flowbroker")  # a connection's client name is logged at DEBUG
     broker = await start_flowbroker()
     forged = "evil\n2026-01-01 00:00:00 INFO flowbroker: forged line\x1b[2J"
     async with await fc.connect(broker.url, client_name=forged, timeout=LIMIT) as conn:

@@ -1,0 +1,122 @@
+"""The admin HTTP API as the `flowbroker` management commands see it: requests with the standard
+library (they should start fast), the token, pages, and every failure as one readable line (a
+ClickException): a refused connection named as such, and a peer that is not the admin API (the
+broker port, which answers HTTP with a 400 naming the admin API) said to be so."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from flowbroker.broker.cliformat import printable
+from flowbroker.broker.config import DEFAULT_TOKEN_FILE
+
+__all__ = ["AdminClient", "DEFAULT_ADMIN_URL", "PAGE_SIZE", "TOKEN_ENV"]
+
+BROKER_PORT_ANSWER = "This is the flowbroker broker port"
+"""How the broker's HTTP 400 to a request on its protocol port begins (broker/server.py)."""
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
+TOKEN_ENV = "FLOWBROKER_ADMIN_TOKEN"
+PAGE_SIZE = 1000
+"""Objects asked for per request when listing: the admin API's maximum `limit`."""
+
+
+class AdminClient:
+    """The admin API over HTTP with the standard library; every failure is a ClickException.
+
+    The token comes from `token_file` when one is given (--token-file, FLOWBROKER_ADMIN_TOKEN_FILE),
+    else from FLOWBROKER_ADMIN_TOKEN, else from the file a broker without a configured token writes.
+    Never from the command line, where `ps` shows it to every user of the host."""
+
+    def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        from_env = os.environ.get(TOKEN_ENV, "").strip()
+        if token_file is None and from_env:
+            self.token, self.token_source = from_env, TOKEN_ENV
+            return
+        path = Path(token_file or DEFAULT_TOKEN_FILE).expanduser()
+        try:
+            self.token = path.read_text().strip()
+        except OSError as exc:
+            raise click.ClickException(
+                f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker wrote "
+                f"its generated token ({printable(path)}: {exc.strerror or exc})"
+            ) from None
+        if not self.token:
+            raise click.ClickException(f"no admin token: {printable(path)} is empty")
+        self.token_source = str(path)
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
+                     "Accept": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raise click.ClickException(self._describe(exc.code, exc.read())) from None
+        except urllib.error.URLError as exc:
+            reason = getattr(exc.reason, "strerror", None) or exc.reason
+            raise click.ClickException(
+                f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
+            ) from None
+        except http.client.HTTPException as exc:  # BadStatusLine, RemoteDisconnected: a peer that is not HTTP
+            raise click.ClickException(
+                f"{self.url} did not answer in HTTP ({type(exc).__name__}): it is not the admin API; is it the "
+                f"broker port? The admin (HTTP) API listens on port 5681 unless [admin] port says otherwise "
+                f"(--admin-url, FLOWBROKER_ADMIN_URL)"
+            ) from None
+        except (TimeoutError, OSError) as exc:
+            raise click.ClickException(f"admin API at {self.url}: {exc}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise click.ClickException(f"admin API at {self.url} answered something that is not JSON") from None
+        if not isinstance(answer, dict):
+            raise click.ClickException(f"admin API at {self.url} answered an unexpected {type(answer).__name__}")
+        return answer
+
+    def _describe(self, status: int, raw: bytes) -> str:
+        try:
+            error = json.loads(raw)["error"]
+            message = f"{error['message']}"
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace")[:400].strip() or "no details"
+            if message.startswith(BROKER_PORT_ANSWER):  # the broker's answer to HTTP on its own port
+                return f"{self.url} is the flowbroker broker port, not its admin API: {printable(message)}"
+        text = f"admin API: HTTP {status}: {printable(message, backslash=False)}"
+        if status in (401, 403):
+            text += f" (token from {printable(self.token_source)})"
+        return text
+
+    def pages(self, path: str, key: str, after: str | None, limit: int) -> Iterator[tuple[list[dict[str, Any]], Any]]:
+        """Follow the API's cursor: (objects, next cursor) for each page of `path`'s list `key`,
+        from after `after` (the start when None), until the end or `limit` objects (0: no limit).
+        The last cursor is where a later `--after` would go on (None: nothing is left)."""
+        cursor: Any = after
+        remaining = limit
+        while True:
+            query: dict[str, Any] = {"limit": min(PAGE_SIZE, remaining) if limit else PAGE_SIZE}
+            if cursor is not None:
+                query["after"] = cursor
+            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
+            items, cursor = answer[key], answer.get("next")
+            yield items, cursor
+            remaining -= len(items)
+            if cursor is None or (limit and remaining <= 0):
+                return

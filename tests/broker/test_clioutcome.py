@@ -1,0 +1,41 @@
+"""`flowbroker publish`'s outcome and exit code from its counts (issue 10.3), without a broker."""
+
+from __future__ import annotations
+
+import json
+
+from flowbroker.broker.clioutcome import BROKER_WIDE, PublishOutcome, explain_destinations, message_json
+
+
+def test_every_message_completed_is_exit_0() -> None:
+    outcome = PublishOutcome(requested=2, sent=2, completed=2)
+    assert (outcome.outcome, outcome.exit_code, outcome.text()) == ("completed", 0, "published 2 message(s)")
+
+
+def test_all_sent_some_held_by_a_flow_stop_is_exit_3_and_names_the_stop() -> None:
+    outcome = PublishOutcome(requested=3, sent=3, completed=1, timeout=2.0, flow_stopped=["*", "orders"])
+    assert (outcome.outcome, outcome.exit_code, outcome.outstanding) == ("not_completed", 3, 2)
+    text = outcome.text()
+    assert text.startswith("1 of 3 message(s) completed; 2 message(s) sent and enqueued, not yet completed after 2 s")
+    assert f"flow-stopped on {BROKER_WIDE}, 'orders'" in text and "would duplicate them" in text
+    assert json.loads(outcome.as_json())["not_completed"] == 2
+
+
+def test_messages_never_sent_refused_or_an_error_are_exit_1() -> None:
+    unsent = PublishOutcome(requested=5, sent=3, completed=0, timeout=1.0, flow_stopped=["*"])
+    assert (unsent.outcome, unsent.exit_code) == ("error", 1)
+    assert unsent.text().startswith(f"no credit to send after 1 s; flow-stopped on {BROKER_WIDE}; 3 of 5 message(s) sent")
+    assert unsent.text().endswith("3 not yet completed), 2 not sent")
+    refused = PublishOutcome(requested=2, sent=2, completed=1, failed=1)
+    assert (refused.outcome, refused.exit_code) == ("error", 1)
+    failed = PublishOutcome(requested=1, error="HandshakeError: cannot connect")
+    assert failed.exit_code == 1 and failed.text().startswith("HandshakeError: cannot connect; 0 of 1 message(s) sent")
+
+
+def test_explained_destinations_and_consumed_messages_as_json() -> None:
+    assert explain_destinations(["*"]) == BROKER_WIDE and explain_destinations([]) == "none"
+    assert "stop-all" in BROKER_WIDE and "memory alarm" in BROKER_WIDE
+    line = json.loads(message_json(b"\xff\x00", {"k": b"v", "n": 1}, "ex", "key", True))
+    assert line == {"exchange": "ex", "routing_key": "key", "redelivered": True, "body_base64": "/wA=",
+                    "headers": {"k": "v", "n": 1}}
+    assert json.loads(message_json(b"text", None, "", "q", False))["body"] == "text"
