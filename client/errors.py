@@ -17,7 +17,10 @@ attributes a program can match on, not only text.
     │   ├── MessageTooLarge            above the broker's max_message_size (`limit`)
     │   ├── KeyTooLong                 a routing key above MAX_KEY_BYTES (`limit`)
     │   ├── TooManyHeaders             more headers than MAX_HEADERS (`limit`)
-    │   └── NotFound                   no such queue/exchange
+    │   ├── NotFound                   no such queue/exchange
+    │   └── Unroutable                 the exchange routed it to no queue (a `mandatory` producer)
+    ├── PublishFailures                leaving a producer's or connection's block: what failed (`errors`,
+    │                                  `failed`) and what was not completed in time (`unconfirmed`)
     ├── RequestError                   a declare/bind/... request failed; `request_id`
     │   └── RequestTimeout             no answer before the deadline (also a TimeoutError)
     ├── ReceiveTimeout                 no message before the deadline (also a TimeoutError)
@@ -44,6 +47,8 @@ __all__ = [
     "KeyTooLong",
     "TooManyHeaders",
     "NotFound",
+    "Unroutable",
+    "PublishFailures",
     "RequestError",
     "RequestTimeout",
     "ReceiveTimeout",
@@ -155,11 +160,60 @@ class NotFound(PublishError):
     """The destination does not exist (e.g. the default exchange's routing key names no queue)."""
 
 
+class Unroutable(PublishError):
+    """The exchange (`destination`) routed the message to no queue: no binding matched its routing key.
+    Raised only for producers created with `mandatory=True`; others count it in `stats.unroutable`."""
+
+
+class PublishFailures(FlowbrokerError):
+    """Raised when a producer's or a connection's `async with` (or `with`) block ends while messages sent
+    in it were refused, or were still not completed when the close timeout ran out: what `flush()` would
+    have raised, for everything not yet reported by a `flush()`. Never raised over an exception of the
+    block itself (that one passes through; these are logged).
+
+    `errors`: the refusals, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), oldest first, at most
+    MAX_KEPT_ERRORS per producer; `failed`: how many messages were refused in all; `unconfirmed`: how many
+    were sent and not completed when the wait ended (held by a flow-stopped queue, or the connection
+    closed): they may still be enqueued and delivered, so resending them may duplicate them;
+    `destinations`: the flow-stopped queues at that moment ("*": all producers stopped by an operator or
+    the broker's memory alarm; see FlowControlled)."""
+
+    def __init__(
+        self,
+        errors: Iterable[PublishError],
+        failed: int,
+        unconfirmed: int = 0,
+        destinations: Iterable[str] = (),
+        why_unconfirmed: str = "",
+    ):
+        self.errors: tuple[PublishError, ...] = tuple(errors)
+        self.failed = failed
+        self.unconfirmed = unconfirmed
+        self.destinations: tuple[str, ...] = tuple(destinations)
+        parts = []
+        if failed:
+            first = f" (first: {self.errors[0]})" if self.errors else ""
+            parts.append(f"{failed} message{'s' * (failed != 1)} refused{first}")
+        if unconfirmed:
+            stopped = f"; flow-stopped: {', '.join(self.destinations)}" if self.destinations else ""
+            parts.append(
+                f"{unconfirmed} message{'s' * (unconfirmed != 1)} sent and not completed {why_unconfirmed}".rstrip()
+                + f" (they may still be enqueued and delivered: resending may duplicate them){stopped}"
+            )
+        super().__init__("; ".join(parts) or "no failures")
+
+    @property
+    def first(self) -> PublishError | None:
+        """The oldest refusal kept (what `flush()` would have raised), or None."""
+        return self.errors[0] if self.errors else None
+
+
 _PUBLISH_ERRORS: dict[ErrorCode, type[PublishError]] = {
     ErrorCode.QUEUE_FULL: QueueFull,
     ErrorCode.MESSAGE_TOO_LARGE: MessageTooLarge,
     ErrorCode.KEY_TOO_LONG: KeyTooLong,
     ErrorCode.NOT_FOUND: NotFound,
+    ErrorCode.UNROUTABLE: Unroutable,
 }
 
 
