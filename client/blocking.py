@@ -49,10 +49,7 @@ class _BlockRaised(Exception):
 
     def __init__(self, original: BaseException) -> None:
         super().__init__(repr(original))
-        self.original_repr = repr(original)
-
-    def __repr__(self) -> str:
-        return self.original_repr
+        self.block_error_name = type(original).__name__
 
 
 def connect(url: str = DEFAULT_URL, **options: Any) -> BlockingConnection:

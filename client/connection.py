@@ -48,6 +48,7 @@ from flowbroker.client.errors import (
     PublishFailures,
     RequestError,
     RequestTimeout,
+    block_error_name,
     publish_error,
 )
 from flowbroker.client.flow import FlowEvents, FlowState, FlowTracker
@@ -293,7 +294,7 @@ class Connection:
                     failures = self._take_failures()
                 else:
                     for producer in list(self._active_producers):
-                        producer._log_unreported(f"connection block ended by {exc!r}")
+                        producer._log_unreported(f"connection block ended by {block_error_name(exc)}")
                 await self._close_by(deadline)
             self._nursery.cancel_scope.cancel()
             # The nursery must be exited in the scope it was entered in, not inside the shield.

@@ -54,6 +54,7 @@ __all__ = [
     "ReceiveTimeout",
     "AlreadySettled",
     "publish_error",
+    "block_error_name",
 ]
 
 
@@ -245,3 +246,10 @@ class ReceiveTimeout(FlowbrokerError, TimeoutError):
 
 class AlreadySettled(FlowbrokerError):
     """A message can be acked, rejected or requeued once."""
+
+
+def block_error_name(exc: BaseException) -> str:
+    """The name of the exception that ended a block, for the log (the blocking API's stand-in carries
+    the name of the exception its `with` block raised)."""
+    name = getattr(exc, "block_error_name", None)
+    return name if isinstance(name, str) else type(exc).__name__

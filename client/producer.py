@@ -43,6 +43,7 @@ from flowbroker.client.errors import (
     PublishError,
     PublishFailures,
     TooManyHeaders,
+    block_error_name,
 )
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
@@ -237,7 +238,7 @@ class Producer:
         `PublishFailures` for what was refused or is still not completed. If the block raised, that
         exception goes on untouched: nothing is waited for, and the failures are logged."""
         if exc is not None:
-            self._log_unreported(f"producer block ended by {exc!r}")
+            self._log_unreported(f"producer block ended by {block_error_name(exc)}")
             return
         with trio.CancelScope(shield=True):
             await self._conn._wait_outstanding([self], trio.current_time() + self._conn.close_timeout)
