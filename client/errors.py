@@ -165,6 +165,10 @@ class Unroutable(PublishError):
     """The exchange (`destination`) routed the message to no queue: no binding matched its routing key.
     Raised only for producers created with `mandatory=True`; others count it in `stats.unroutable`."""
 
+    def __init__(self, code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None):
+        super().__init__(code, text, destination, transfer_id)
+        self.args = (f"{code.name}: {text}",)  # `destination` is the exchange, which the text names
+
 
 class PublishFailures(FlowbrokerError):
     """Raised when a producer's or a connection's `async with` (or `with`) block ends while messages sent
