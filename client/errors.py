@@ -55,6 +55,7 @@ __all__ = [
     "AlreadySettled",
     "publish_error",
     "block_error_name",
+    "describe_stopped",
 ]
 
 
@@ -200,7 +201,7 @@ class PublishFailures(FlowbrokerError):
             first = f" (first: {self.errors[0]})" if self.errors else ""
             parts.append(f"{failed} message{'s' * (failed != 1)} refused{first}")
         if unconfirmed:
-            stopped = f"; flow-stopped: {', '.join(self.destinations)}" if self.destinations else ""
+            stopped = f"; flow-stopped: {describe_stopped(self.destinations)}" if self.destinations else ""
             parts.append(
                 f"{unconfirmed} message{'s' * (unconfirmed != 1)} sent and not completed {why_unconfirmed}".rstrip()
                 + f" (they may still be enqueued and delivered: resending may duplicate them){stopped}"
@@ -257,3 +258,12 @@ def block_error_name(exc: BaseException) -> str:
     the name of the exception its `with` block raised)."""
     name = getattr(exc, "block_error_name", None)
     return name if isinstance(name, str) else type(exc).__name__
+
+
+def describe_stopped(destinations: Iterable[str]) -> str:
+    """Flow-stopped destinations for a message, "*" explained: it is not a queue but every producer,
+    stopped by an operator's stop-all or by the broker's memory alarm."""
+    return ", ".join(
+        "* (all producers: an operator's stop-all or the broker's memory alarm)" if d == "*" else d
+        for d in destinations
+    )

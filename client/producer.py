@@ -44,6 +44,7 @@ from flowbroker.client.errors import (
     PublishFailures,
     TooManyHeaders,
     block_error_name,
+    describe_stopped,
 )
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
@@ -285,7 +286,7 @@ class Producer:
             if what == "send":
                 self._blocked_seconds += trio.current_time() - start
         destinations = conn.flow_state.destinations
-        stopped = f"; flow-stopped: {', '.join(destinations)}" if destinations else ""
+        stopped = f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
         raise FlowControlTimeout(
             f"{what} timed out after {timeout:g} s ({self._describe_wait()}{stopped})",
             destinations,
