@@ -19,6 +19,7 @@ import trio
 
 import flowbroker.client as fc
 from flowbroker.client import blocking
+from flowbroker.client.producer import MAX_KEPT_ERRORS
 from flowbroker.protocol import (
     CAPABILITY_MANDATORY,
     PROTOCOL_VERSION,
@@ -175,6 +176,18 @@ async def test_leaving_a_producer_block_raises_its_refusals_and_the_connection_d
             with pytest.raises(fc.NotFound):
                 await quiet.flush(timeout=LIMIT)
     # and the connection block found nothing more to report
+
+
+async def test_a_producer_keeps_a_bounded_number_of_refusals_and_counts_the_rest(start_flowbroker) -> None:
+    broker = await start_flowbroker()
+    count = MAX_KEPT_ERRORS + 50
+    with pytest.raises(fc.PublishFailures) as info:
+        async with await fc.connect(broker.url, timeout=LIMIT, flow_control=False) as conn:
+            producer = conn.producer(routing_key="no-such-queue", window=count)
+            for i in range(count):
+                await producer.send(b"%d" % i)
+    assert info.value.failed == count and len(info.value.errors) == MAX_KEPT_ERRORS
+    assert [e.transfer_id for e in info.value.errors] == list(range(1, MAX_KEPT_ERRORS + 1))  # the oldest
 
 
 async def test_an_exception_of_the_block_is_not_masked_and_the_failures_are_logged(
