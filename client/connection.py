@@ -307,7 +307,8 @@ class Connection:
 
     def _take_failures(self) -> PublishFailures | None:
         """Every active producer's unreported refusals and uncompleted transfers, as one error."""
-        taken = [p._take_failures(f"within close_timeout {self.close_timeout:g} s") for p in list(self._active_producers)]
+        why = f"within close_timeout {self.close_timeout:g} s"
+        taken = [p._take_failures(why) for p in list(self._active_producers)]
         found = [f for f in taken if f is not None]
         if not found:
             return None
@@ -996,7 +997,8 @@ async def connect(
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(address.host, address.port)
-            await stream.send_all(proto.send(Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)))
+            hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+            await stream.send_all(proto.send(hello))
             welcome = await _await_welcome(stream, proto)
     except trio.TooSlowError:
         await _close_quietly(stream)

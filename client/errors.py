@@ -178,9 +178,10 @@ class PublishFailures(FlowbrokerError):
     block itself (that one passes through; these are logged).
 
     `errors`: the refusals, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), oldest first, at most
-    `producer.MAX_KEPT_ERRORS` (100) per producer; `failed`: how many messages were refused in all; `unconfirmed`: how many
-    were sent and not completed when the wait ended (held by a flow-stopped queue, or the connection
-    closed): they may still be enqueued and delivered, so resending them may duplicate them;
+    `producer.MAX_KEPT_ERRORS` (100) per producer; `failed`: how many messages were refused in all;
+    `unconfirmed`: how many were sent and not completed when the wait ended (held by a flow-stopped
+    queue, or the connection closed): they may still be enqueued and delivered, so resending them may
+    duplicate them;
     `destinations`: the flow-stopped queues at that moment ("*": all producers stopped by an operator or
     the broker's memory alarm; see FlowControlled)."""
 
