@@ -35,7 +35,7 @@ from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, Ha
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
 from flowbroker.client.producer import Producer, ProducerStats
 from flowbroker.client.url import DEFAULT_URL
-from flowbroker.protocol import ErrorCode, Headers
+from flowbroker.protocol import ErrorCode, Headers, Welcome
 
 __all__ = ["connect", "BlockingConnection", "BlockingProducer", "BlockingConsumer", "BlockingMessage", "BlockingFlowEvents"]
 
@@ -144,6 +144,25 @@ class BlockingConnection:
     @property
     def is_closed(self) -> bool:
         return self._conn is None or self._conn.is_closed or not self._thread.is_alive()
+
+    @property
+    def close_error(self) -> BaseException | None:
+        """Why the connection is closed (None while open): see `Connection.close_error`."""
+        return self._conn.close_error if self._conn is not None else None
+
+    @property
+    def welcome(self) -> Welcome:
+        """The broker's WELCOME (see `Connection.welcome`)."""
+        return self.connection.welcome
+
+    @property
+    def producer_buffer_size(self) -> int:
+        """The producer byte buffer the broker grants now (see `Connection.producer_buffer_size`)."""
+        return self._run_sync(lambda: self.connection.producer_buffer_size)
+
+    @property
+    def consumer_buffer_size(self) -> int:
+        return self._run_sync(lambda: self.connection.consumer_buffer_size)
 
     # -------------------------------------------------------------- lifecycle
 

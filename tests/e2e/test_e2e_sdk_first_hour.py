@@ -126,6 +126,8 @@ async def test_blocking_receive_on_a_consumer_never_entered_gets_the_message(sta
             producer = conn.producer(routing_key="blocking-first-use")
             producer.send(b"hello", timeout=LIMIT)
             producer.flush(timeout=LIMIT)
+            assert conn.welcome.connection_id == conn.connection.connection_id and conn.close_error is None
+            assert conn.producer_buffer_size > 1 and conn.consumer_buffer_size == 0
             consumer = conn.consumer("blocking-first-use")
             msg = consumer.receive(timeout=3)
             msg.ack()
