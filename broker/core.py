@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +26,7 @@ from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
+from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError, message_size
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, message_wire_size, utf8_len
@@ -120,7 +121,12 @@ class BrokerCore:
     # -- sessions ----------------------------------------------------------------------------
 
     def open_session(
-        self, client_name: str, identity: str, flow_control: bool, wake: Callable[[], None]
+        self,
+        client_name: str,
+        identity: str,
+        flow_control: bool,
+        wake: Callable[[], None],
+        capabilities: Collection[str] = (),
     ) -> Session:
         conn_id = self._next_conn_id
         self._next_conn_id += 1
@@ -136,6 +142,7 @@ class BrokerCore:
             max_delivery_frame_bytes=min(self.config.server.max_frame_size // 4, MAX_ENTRIES_PER_FRAME * MESSAGE_OVERHEAD),
         )
         self.sessions[conn_id] = session
+        session.report_unroutable = CAPABILITY_MANDATORY in capabilities
         if flow_control:
             # Every flow-controlled connection holds a grant from connect on: WAIT_GRANT (1 byte, one
             # message) until its first TRANSFER registers it as a producer, so a connection that only
@@ -321,6 +328,11 @@ class BrokerCore:
                 targets = ex.route(routing_key)
                 if not targets:
                     self.unroutable += 1
+                    if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
+                        self._refuse(session, tid, size, ErrorCode.UNROUTABLE,
+                                     f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
+                        tid += 1
+                        continue
             held: list[Message] = []
             for queue in targets:
                 msg = Message(exchange, routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)

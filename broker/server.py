@@ -340,7 +340,9 @@ class ConnectionHandler:
 
     async def _serve(self, hello: Hello) -> None:
         core = self.core
-        session = core.open_session(hello.client_name, "anonymous", hello.flow_control, self._wake)
+        session = core.open_session(
+            hello.client_name, "anonymous", hello.flow_control, self._wake, hello.capabilities
+        )
         self.session = session
         self.server.connections[session.conn_id] = self
         try:

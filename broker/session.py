@@ -83,6 +83,8 @@ class Session:
         # shrunk buffer leaves credit_limit above acknowledged + buffer (the core returns it to the pool)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
+        self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
+        # that reached no queue (protocol/capabilities.py)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
         self.broker_stop: FlowStopped | None = None  # the FLOW_STOPPED "*" that announced them
         self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue

@@ -6,7 +6,7 @@ Every wait takes a deadline; every error is a `FlowbrokerError`. See docs/client
 """
 
 from flowbroker.client.connection import Connection, connect
-from flowbroker.client.consumer import Consumer, Message
+from flowbroker.client.consumer import Consumer, ConsumerStats, Message
 from flowbroker.client.errors import (
     AlreadySettled,
     BrokerConnectionError,
@@ -20,11 +20,13 @@ from flowbroker.client.errors import (
     NotFound,
     ProtocolViolation,
     PublishError,
+    PublishFailures,
     QueueFull,
     ReceiveTimeout,
     RequestError,
     RequestTimeout,
     TooManyHeaders,
+    Unroutable,
 )
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState, FlowStop
 from flowbroker.client.producer import Producer, ProducerStats
@@ -37,6 +39,7 @@ __all__ = [
     "Producer",
     "ProducerStats",
     "Consumer",
+    "ConsumerStats",
     "Message",
     "FlowState",
     "FlowStop",
@@ -60,6 +63,8 @@ __all__ = [
     "KeyTooLong",
     "TooManyHeaders",
     "NotFound",
+    "Unroutable",
+    "PublishFailures",
     "RequestError",
     "RequestTimeout",
     "ReceiveTimeout",

@@ -4,8 +4,9 @@ Why a thread rather than a second implementation: the flow-control semantics (cr
 deadlines, buffer acks, noops) live in one place. `connect()` starts a dedicated thread running
 `trio.run`; the connection and its tasks live there; each blocking method calls in with
 `trio.from_thread.run(..., trio_token=...)` and returns or raises what the trio method did. Closing
-the connection (or leaving its `with` block) ends the thread. Every blocking call that can wait takes
-a deadline (`timeout`), with the same defaults as the trio API.
+the connection (or leaving its `with` block) ends the thread, and raises what leaving the trio block
+raises (`PublishFailures`). Every blocking call that can wait takes a deadline (`timeout`), with the same
+defaults as the trio API; a thread hop waits only for the trio call it makes, which has its deadline.
 
     with flowbroker.client.blocking.connect("flowbroker://127.0.0.1:5680") as conn:
         producer = conn.producer(routing_key="orders")
@@ -29,17 +30,26 @@ from typing import Any, ParamSpec, TypeVar
 import trio
 
 from flowbroker.client.connection import Connection, connect as trio_connect
-from flowbroker.client.consumer import Consumer, Message
-from flowbroker.client.errors import ConnectionClosed, HandshakeError
+from flowbroker.client.consumer import Consumer, ConsumerStats, Message
+from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
 from flowbroker.client.producer import Producer, ProducerStats
 from flowbroker.client.url import DEFAULT_URL
-from flowbroker.protocol import ErrorCode, Headers
+from flowbroker.protocol import ErrorCode, Headers, Welcome
 
 __all__ = ["connect", "BlockingConnection", "BlockingProducer", "BlockingConsumer", "BlockingMessage", "BlockingFlowEvents"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class _BlockRaised(Exception):
+    """Raised inside the trio thread's `async with` when the blocking `with` block raised, so that the
+    trio connection closes as for a block that raised: nothing waited for, failures logged, not raised."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(repr(original))
+        self.block_error_name = type(original).__name__
 
 
 def connect(url: str = DEFAULT_URL, **options: Any) -> BlockingConnection:
@@ -59,6 +69,10 @@ class BlockingConnection:
         self._conn: Connection | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._block_error: BaseException | None = None
+        """The exception the `with` block raised, if any (see `_BlockRaised`)."""
+        self._close_failures: PublishFailures | None = None
+        """What leaving the trio block raised, for `close()` to raise in the caller's thread."""
         self._thread = threading.Thread(target=self._thread_main, name=f"flowbroker {url}", daemon=True)
         self._thread.start()
         timeout = float(options.get("timeout", 10.0))
@@ -83,12 +97,19 @@ class BlockingConnection:
         except BaseException as exc:
             self._startup_error = exc
             return
-        async with conn:
-            self._conn = conn
-            self._token = trio.lowlevel.current_trio_token()
-            self._stop = trio.Event()
-            self._ready.set()
-            await self._stop.wait()
+        try:
+            async with conn:
+                self._conn = conn
+                self._token = trio.lowlevel.current_trio_token()
+                self._stop = trio.Event()
+                self._ready.set()
+                await self._stop.wait()
+                if self._block_error is not None:
+                    raise _BlockRaised(self._block_error)
+        except _BlockRaised:
+            pass
+        except PublishFailures as exc:
+            self._close_failures = exc
 
     # -------------------------------------------------------------- calling into the trio thread
 
@@ -124,16 +145,45 @@ class BlockingConnection:
     def is_closed(self) -> bool:
         return self._conn is None or self._conn.is_closed or not self._thread.is_alive()
 
+    @property
+    def close_error(self) -> BaseException | None:
+        """Why the connection is closed (None while open): see `Connection.close_error`."""
+        return self._conn.close_error if self._conn is not None else None
+
+    @property
+    def welcome(self) -> Welcome:
+        """The broker's WELCOME (see `Connection.welcome`)."""
+        return self.connection.welcome
+
+    @property
+    def producer_buffer_size(self) -> int:
+        """The producer byte buffer the broker grants now (see `Connection.producer_buffer_size`)."""
+        return self._run_sync(lambda: self.connection.producer_buffer_size)
+
+    @property
+    def consumer_buffer_size(self) -> int:
+        return self._run_sync(lambda: self.connection.consumer_buffer_size)
+
     # -------------------------------------------------------------- lifecycle
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Close the connection (queued data is written, then CLOSE) and end its thread."""
+    def close(self, timeout: float | None = None) -> None:
+        """Close the connection as leaving the trio `async with` block does: wait for the producers'
+        outstanding transfers and write what is queued, then CLOSE (all within the connection's
+        `close_timeout`), and end the thread. Raises `PublishFailures` for what was refused and not yet
+        reported, or not completed in time; `BrokerConnectionError` if the thread has not ended within
+        `timeout` (None: `close_timeout` + 5 s)."""
         if self._thread.is_alive() and self._token is not None and self._stop is not None:
             try:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
             except trio.RunFinishedError:
                 pass
-        self._thread.join(timeout)
+        limit = float(self._options.get("close_timeout", 5.0)) + 5.0 if timeout is None else timeout
+        self._thread.join(limit)
+        if self._thread.is_alive():
+            raise BrokerConnectionError(f"the connection thread did not end within {limit:g} s")
+        failures, self._close_failures = self._close_failures, None
+        if failures is not None:
+            raise failures
 
     def __enter__(self) -> BlockingConnection:
         return self
@@ -141,7 +191,15 @@ class BlockingConnection:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        """Close; if the block raised, that exception goes on (failures are logged, not raised)."""
+        if exc is not None:
+            self._block_error = exc
+            try:
+                self.close()
+            except BrokerConnectionError:
+                pass
+        else:
+            self.close()
 
     # -------------------------------------------------------------- requests
 
@@ -176,10 +234,17 @@ class BlockingConnection:
     # -------------------------------------------------------------- producers and consumers
 
     def producer(
-        self, exchange: str = "", routing_key: str = "", *, window: int = 1000, send_timeout: float = 60.0
+        self,
+        exchange: str = "",
+        routing_key: str = "",
+        *,
+        window: int = 1000,
+        send_timeout: float = 60.0,
+        mandatory: bool = False,
     ) -> BlockingProducer:
         producer = self._run_sync(
-            self.connection.producer, exchange, routing_key, window=window, send_timeout=send_timeout
+            self.connection.producer, exchange, routing_key, window=window, send_timeout=send_timeout,
+            mandatory=mandatory,
         )
         return BlockingProducer(self, producer)
 
@@ -189,11 +254,20 @@ class BlockingConnection:
 
 
 class BlockingProducer:
-    """`Producer` with blocking methods; same deadlines and errors."""
+    """`Producer` with blocking methods; same deadlines and errors. As a context manager, leaving the
+    `with` block waits for its outstanding transfers and raises `PublishFailures` as the trio one does."""
 
     def __init__(self, conn: BlockingConnection, producer: Producer) -> None:
         self._conn = conn
         self._producer = producer
+
+    def __enter__(self) -> BlockingProducer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._conn._run(self._producer.__aexit__, exc_type, exc, tb)
 
     def send(
         self,
@@ -329,8 +403,13 @@ class BlockingConsumer:
 
     def receive(self, timeout: float | None = None) -> BlockingMessage:
         """The next message; raises ReceiveTimeout after `timeout` seconds (None: no deadline),
-        `trio.EndOfChannel` once the consumer is closed, the connection's error if it failed."""
+        `trio.EndOfChannel` once the consumer is closed, the connection's error if it failed. Subscribes
+        first if the consumer was never entered, within the same deadline."""
         return BlockingMessage(self._conn, self._conn._run(self._consumer.receive, timeout))
+
+    @property
+    def stats(self) -> ConsumerStats:
+        return self._conn._run_sync(lambda: self._consumer.stats)
 
     def set_buffer_size(self, size: int) -> None:
         self._conn._run(self._consumer.set_buffer_size, size)

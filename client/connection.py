@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
@@ -45,13 +45,16 @@ from flowbroker.client.errors import (
     FlowbrokerError,
     HandshakeError,
     ProtocolViolation,
+    PublishFailures,
     RequestError,
     RequestTimeout,
+    block_error_name,
     publish_error,
 )
 from flowbroker.client.flow import FlowEvents, FlowState, FlowTracker
 from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
+    CAPABILITY_MANDATORY,
     PROTOCOL_VERSION,
     AckScheduler,
     Bind,
@@ -134,6 +137,8 @@ class _PendingRequest:
     on_ok: Callable[[dict[str, Any]], None] | None = None
     """Called by the reader with the OK's result, before it handles the next frame (SUBSCRIBE: the
     prefetch in force must be known before that subscription's first DELIVER)."""
+    on_error: Callable[[], None] | None = None
+    """Called by the reader when the broker answers with ERROR."""
 
 
 class Connection:
@@ -194,6 +199,10 @@ class Connection:
         """The producer of the last run (None when there is none or it is completed): a send by this
         producer extends that run instead of adding one."""
         self._credit_lot = trio.lowlevel.ParkingLot()
+        self._active_producers: dict[Producer, None] = {}
+        """Producers with uncompleted transfers or unreported refusals, in order: what the end of the
+        `async with` block waits for and reports. A producer leaves it once it has neither, so it holds
+        no more producers than have something to report."""
         # requests and consumers
         self._next_request_id = REQUEST_ID_BASE
         self._requests: dict[int, _PendingRequest] = {}
@@ -223,7 +232,20 @@ class Connection:
         return self.welcome.max_message_size
 
     @property
+    def producer_buffer_size(self) -> int:
+        """The producer byte buffer the broker grants this connection now, shared by its producers:
+        WELCOME's `buffer_size`, then each BUFFER_CONTROL's (0: not paced). `credit` has the positions:
+        `credit.outstanding` bytes sent and not yet acknowledged, `credit.sent_total`, `credit.acked_total`."""
+        return self.credit.max_bytes
+
+    @property
+    def consumer_buffer_size(self) -> int:
+        """The connection-level consumer byte buffer this side grants the broker (`set_buffer_size`; 0: off)."""
+        return self._buffer.buffer_size
+
+    @property
     def is_closed(self) -> bool:
+        """True once the connection is closed, by either side or by a failure (`close_error` says why)."""
         return self._closed is not None
 
     @property
@@ -258,26 +280,60 @@ class Connection:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        # Errors of the block pass through untouched (the nursery sees none): our tasks never raise.
+        """Wait for every producer's outstanding transfers, then close (all within `close_timeout`), and
+        raise `PublishFailures` for what was refused and not yet reported by a `flush()` or a producer's
+        block, or is still not completed. Errors of the block pass through untouched (the nursery sees
+        none: our tasks never raise); then nothing is waited for and the failures are logged."""
         assert self._nursery is not None
+        failures: PublishFailures | None = None
         try:
             with trio.CancelScope(shield=True):
-                await self.aclose()
+                deadline = trio.current_time() + self.close_timeout
+                if exc is None:
+                    await self._wait_outstanding(list(self._active_producers), deadline)
+                    failures = self._take_failures()
+                else:
+                    for producer in list(self._active_producers):
+                        producer._log_unreported(f"connection block ended by {block_error_name(exc)}")
+                await self._close_by(deadline)
             self._nursery.cancel_scope.cancel()
             # The nursery must be exited in the scope it was entered in, not inside the shield.
             await self._nursery_cm.__aexit__(None, None, None)
         finally:
             with trio.CancelScope(shield=True):
                 await self._stream.aclose()
+        if failures is not None:
+            raise failures
+
+    def _take_failures(self) -> PublishFailures | None:
+        """Every active producer's unreported refusals and uncompleted transfers, as one error."""
+        why = f"within close_timeout {self.close_timeout:g} s"
+        taken = [p._take_failures(why) for p in list(self._active_producers)]
+        found = [f for f in taken if f is not None]
+        if not found:
+            return None
+        if len(found) == 1:
+            return found[0]
+        return PublishFailures(
+            [e for f in found for e in f.errors],
+            sum(f.failed for f in found),
+            sum(f.unconfirmed for f in found),
+            self.flow_state.destinations,
+            f"within close_timeout {self.close_timeout:g} s",
+        )
 
     async def aclose(self) -> None:
         """Close in order: queued messages and settlements are written, then CLOSE(NORMAL). Waits at most
-        `close_timeout`. Completions not yet received are not waited for: call `producer.flush()` first."""
+        `close_timeout`. Completions not yet received are not waited for, nor refusals raised: leaving the
+        `async with` block does both (call `producer.flush()` first when closing this way)."""
+        await self._close_by(trio.current_time() + self.close_timeout)
+
+    async def _close_by(self, deadline: float) -> None:
         if self._closed is None:
             self._shutdown(ConnectionClosed(ErrorCode.NORMAL, "closed by the application"), graceful=True)
             self._final_frames.append(Close(ErrorCode.NORMAL, "client closing"))
         if self._nursery is not None:
-            with trio.move_on_after(self.close_timeout):
+            with trio.move_on_at(deadline):
                 await self._writer_done.wait()
         await trio.lowlevel.checkpoint()
 
@@ -305,28 +361,42 @@ class Connection:
 
     # ------------------------------------------------------------------ requests
 
-    async def _request(
+    async def _request(self, make: Callable[[int], Frame], timeout: float | None) -> dict[str, Any]:
+        request_id, pending = self._send_request(make)
+        return await self._await_answer(request_id, pending, timeout)
+
+    def _send_request(
         self,
         make: Callable[[int], Frame],
-        timeout: float | None,
         on_ok: Callable[[dict[str, Any]], None] | None = None,
-    ) -> dict[str, Any]:
+        on_error: Callable[[], None] | None = None,
+    ) -> tuple[int, _PendingRequest]:
+        """Queue a request; the reader sets the answer on the returned `_PendingRequest` and drops it."""
         self._check_open()
         request_id = self._next_request_id
         self._next_request_id += 1
-        pending = _PendingRequest(on_ok=on_ok)
+        pending = _PendingRequest(on_ok=on_ok, on_error=on_error)
         self._requests[request_id] = pending
         self._queue_control(make(request_id))
+        return request_id, pending
+
+    async def _await_answer(
+        self, request_id: int, pending: _PendingRequest, timeout: float | None, *, keep: bool = False
+    ) -> dict[str, Any]:
+        """Wait for the answer at most `timeout` (None: `request_timeout`) -> RequestTimeout. Unless
+        `keep`, a request not answered in time is forgotten (its late answer is ignored); a kept one
+        still gets its answer (and its `on_ok` runs), which a later call can wait for again."""
         limit = self.request_timeout if timeout is None else timeout
         try:
             with trio.move_on_after(limit):
                 await pending.event.wait()
         finally:
-            del self._requests[request_id]
+            if not keep:
+                self._requests.pop(request_id, None)
         if pending.error is not None:
             raise pending.error
         if pending.result is None:
-            raise RequestTimeout(ErrorCode.INTERNAL_ERROR, f"no answer within {limit} s", request_id)
+            raise RequestTimeout(ErrorCode.INTERNAL_ERROR, f"no answer within {limit:g} s", request_id)
         return pending.result
 
     async def declare_queue(
@@ -389,13 +459,28 @@ class Connection:
     # ------------------------------------------------------------------ producers
 
     def producer(
-        self, exchange: str = "", routing_key: str = "", *, window: int = 1000, send_timeout: float = 60.0
+        self,
+        exchange: str = "",
+        routing_key: str = "",
+        *,
+        window: int = 1000,
+        send_timeout: float = 60.0,
+        mandatory: bool = False,
     ) -> Producer:
         """A producer on this connection. `window` bounds its uncompleted transfers (Qpid's capacity);
-        `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever)."""
+        `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever);
+        `mandatory`: a message the exchange routes to no queue is a refusal (`Unroutable`), raised like
+        the others, instead of only counted in `stats.unroutable`."""
         from flowbroker.client.producer import Producer
 
-        return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout)
+        return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)
+
+    async def _wait_outstanding(self, producers: Collection[Producer], deadline: float) -> None:
+        """Wait until none of `producers` has an uncompleted transfer, the connection is closed (they
+        will never complete), or `deadline` (trio's clock) passes. Never raises."""
+        with trio.move_on_at(deadline):
+            while self._closed is None and any(p._outstanding for p in producers):
+                await self._credit_lot.park()
 
     def _enqueue_transfer(self, producer: Producer, entry: QueuedEntry, size: int) -> int:
         """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
@@ -522,15 +607,18 @@ class Connection:
         self._next_subscription_id += 1
         return Consumer(self, queue, subscription_id, prefetch=prefetch, buffer_size=buffer_size)
 
-    async def _subscribe(self, consumer: Consumer, timeout: float | None) -> None:
+    def _send_subscribe(self, consumer: Consumer) -> tuple[int, _PendingRequest]:
+        """Register `consumer` and queue its SUBSCRIBE. The reader calls `consumer._on_subscribed` with
+        the OK before it handles the next frame (which may be a DELIVER for it), whether or not anyone
+        still waits for the answer: a subscription the broker made is never left unknown to us."""
         self._consumers[consumer.subscription_id] = consumer
         try:
-            await self._request(
+            return self._send_request(
                 lambda rid: Subscribe(
                     rid, consumer.subscription_id, consumer.queue, consumer.prefetch, consumer.buffer_size
                 ),
-                timeout,
                 consumer._on_subscribed,
+                consumer._on_subscribe_refused,
             )
         except BaseException:
             self._consumers.pop(consumer.subscription_id, None)
@@ -542,6 +630,15 @@ class Connection:
                 await self._request(lambda rid: Cancel(rid, consumer.subscription_id), timeout)
         finally:
             self._consumers.pop(consumer.subscription_id, None)
+
+    def _cancel_nowait(self, consumer: Consumer) -> None:
+        """CANCEL a subscription whose consumer was closed before the broker's OK to its SUBSCRIBE came:
+        called by the reader with that OK. Nobody waits for the answer (it is ignored); deliveries
+        until then are dropped, and the broker requeues them with the cancel."""
+        self._consumers.pop(consumer.subscription_id, None)
+        if self._closed is None:
+            self._queue_control(Cancel(self._next_request_id, consumer.subscription_id))
+            self._next_request_id += 1
 
     async def set_buffer_size(self, size: int) -> None:
         """Set the connection-level consumer byte buffer (DCP `connection_buffer_size`; 0 = off), at any
@@ -735,7 +832,7 @@ class Connection:
             else:
                 self._drop_deliveries(frame)
         elif isinstance(frame, Ok):
-            pending = self._requests.get(frame.request_id)
+            pending = self._requests.pop(frame.request_id, None)
             if pending is not None:
                 pending.result = frame.result
                 if pending.on_ok is not None:
@@ -778,9 +875,11 @@ class Connection:
     def _on_error(self, frame: Error) -> None:
         ref = frame.ref_id
         if ref is not None and ref >= REQUEST_ID_BASE:
-            pending = self._requests.get(ref)
+            pending = self._requests.pop(ref, None)
             if pending is not None:
                 pending.error = RequestError(frame.code, frame.text, ref, frame.destination)
+                if pending.on_error is not None:
+                    pending.on_error()
                 pending.event.set()
                 return
         elif ref is not None:
@@ -898,7 +997,8 @@ async def connect(
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(address.host, address.port)
-            await stream.send_all(proto.send(Hello(PROTOCOL_VERSION, client_name, flow_control, [], auth)))
+            hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+            await stream.send_all(proto.send(hello))
             welcome = await _await_welcome(stream, proto, address)
     except trio.TooSlowError:
         await _close_quietly(stream)

@@ -49,11 +49,36 @@ from flowbroker.protocol import AckScheduler, DeliveryEntry, Headers, Outcome, m
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
 if TYPE_CHECKING:
-    from flowbroker.client.connection import Connection
+    from flowbroker.client.connection import Connection, _PendingRequest
 
-__all__ = ["Consumer", "Message"]
+__all__ = ["Consumer", "ConsumerStats", "Message"]
 
 YIELD_EVERY = 128
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStats:
+    """A subscription's counters, and the consumer credit it grants the broker: `prefetch_in_force`
+    messages unsettled at most (`unsettled` are), and, with `buffer_size`, at most that many bytes
+    delivered and not acknowledged (`received_bytes - acked_bytes`; one message may overflow it).
+    Bytes are `message_size(body, headers)`, as the broker counts them."""
+
+    received: int
+    """Deliveries received on this subscription."""
+    unsettled: int
+    """Received and not yet acked, rejected or requeued: the count credit in use."""
+    buffered: int
+    """Received and not yet handed to the application."""
+    prefetch_in_force: int | None
+    """The bound on `unsettled` the broker applies (None until the OK for prefetch 0)."""
+    buffer_size: int
+    """This subscription's byte buffer (0: off; the connection's may still apply)."""
+    received_bytes: int
+    processed_bytes: int
+    """Bytes of messages processed: settled, or the application asked for the next message."""
+    acked_bytes: int
+    """Of those, acknowledged to the broker with BUFFER_ACK (due after 20 % of the buffer or 50 KiB, and
+    every 5 s; counted whatever the buffer size, acknowledged only while it is not 0)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -144,9 +169,11 @@ class Message:
 class Consumer:
     """A subscription to `queue`. `async with conn.consumer(q) as c: async for msg in c: ...`.
 
-    Iteration ends when the consumer or the connection is closed normally; if the connection failed,
-    its error (e.g. `ConnectionClosed`) is raised instead, and if the broker deleted the queue,
-    `NotFound` naming it (after the messages already received).
+    Entering the block subscribes; so does the first `receive()` or `async for` step of a consumer that
+    was never entered (within that call's deadline), so a consumer used without `async with` still gets
+    its messages (then close it with `aclose()`). Iteration ends when the consumer or the connection is
+    closed normally; if the connection failed, its error (e.g. `ConnectionClosed`) is raised instead,
+    and if the broker deleted the queue, `NotFound` naming it (after the messages already received).
     """
 
     def __init__(self, conn: Connection, queue: str, subscription_id: int, *, prefetch: int = 1000, buffer_size: int = 0) -> None:
@@ -171,12 +198,17 @@ class Consumer:
         self._buffered: collections.deque[Message] = collections.deque()
         self._unsettled = 0
         """Deliveries received and not settled (those in `_buffered` among them): at most the prefetch."""
+        self._received = 0
+        self._received_bytes = 0
         self._ended = False
         self._readable = trio.lowlevel.ParkingLot()  # receivers waiting for a message
         self._current: Message | None = None
         self._since_yield = 0
         self._settles_since_yield = 0  # see Message._settle_counted
         self._subscribed = False
+        """The broker's OK to SUBSCRIBE has arrived (set by the reader)."""
+        self._subscribing: tuple[int, _PendingRequest] | None = None
+        """The SUBSCRIBE sent and not yet answered: its request id and pending answer."""
         self._closed = False
         self._error: PublishError | None = None  # the queue was deleted
 
@@ -184,6 +216,20 @@ class Consumer:
     def buffered(self) -> int:
         """Messages received and not yet handed to the application."""
         return len(self._buffered)
+
+    @property
+    def stats(self) -> ConsumerStats:
+        positions = self._buffer
+        return ConsumerStats(
+            self._received,
+            self._unsettled,
+            len(self._buffered),
+            self.prefetch_in_force,
+            self.buffer_size,
+            self._received_bytes,
+            positions.processed_total,
+            positions.advertised_total,
+        )
 
     # -------------------------------------------------------------- lifecycle
 
@@ -198,15 +244,27 @@ class Consumer:
             await self.aclose()
 
     async def subscribe(self, timeout: float | None = None) -> None:
-        """SUBSCRIBE and wait for the broker's OK (`async with` does this)."""
+        """SUBSCRIBE and wait for the broker's OK, at most `timeout` (None: the connection's
+        `request_timeout`) -> `RequestTimeout`. `async with` does this, and so does the first `receive()`
+        or iteration step; once subscribed it returns at once. A SUBSCRIBE not answered in time is not
+        abandoned: the subscription is taken when its OK comes, and the next call waits for it again.
+        Raises `RequestError` (e.g. `NOT_FOUND` for a missing queue) if the broker refused it, and
+        RuntimeError for a closed consumer."""
         if self._subscribed:
-            raise RuntimeError("already subscribed")
-        await self._conn._subscribe(self, timeout)
-        self._subscribed = True
+            await trio.lowlevel.checkpoint()
+            return
+        if self._closed:
+            raise RuntimeError(f"the consumer of {self.queue!r} is closed")
+        conn = self._conn
+        if self._subscribing is None:
+            self._subscribing = conn._send_subscribe(self)
+        request_id, pending = self._subscribing
+        await conn._await_answer(request_id, pending, timeout, keep=True)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Cancel the subscription. Messages received but never handed to the application are requeued
-        first; messages handed out and not settled are left to the broker's cancel (it requeues them)."""
+        first; messages handed out and not settled are left to the broker's cancel (it requeues them).
+        Waits at most `timeout` (None: the connection's `close_timeout`) for the broker's answers."""
         if self._closed:
             return
         self._closed = True
@@ -220,12 +278,16 @@ class Consumer:
             else:
                 msg._mark_processed()
         self._end()
+        # A SUBSCRIBE still unanswered is left to the reader: its OK cancels the subscription at once
+        # (`_on_subscribed`), its ERROR forgets the consumer (`_on_subscribe_refused`).
         if self._subscribed:
             limit = self._conn.close_timeout if timeout is None else timeout
             try:
                 await self._conn._cancel(self, limit)
             except Exception:  # the broker may be gone; the subscription is over on our side regardless
                 pass
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def set_buffer_size(self, size: int) -> None:
         """Change this subscription's byte buffer mid-stream (DCP `stream_buffer_size`; 0 = off). Turning
@@ -264,7 +326,9 @@ class Consumer:
 
     async def receive(self, timeout: float | None = None) -> Message:
         """The next message, waiting at most `timeout` seconds (None: no deadline) -> ReceiveTimeout.
-        Raises `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed."""
+        Subscribes first if the consumer was never entered (within the same deadline; with none, the
+        connection's `request_timeout` bounds the SUBSCRIBE -> `RequestTimeout`). Raises
+        `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed."""
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
             msg = await self._next()
             if msg is None:
@@ -296,6 +360,9 @@ class Consumer:
                     if error is not None and getattr(error, "code", None) not in (None, 0) and not self._closed:
                         raise error from None
                     return None
+                if not self._subscribed:  # never entered: subscribe on first use (see the class docstring)
+                    await self.subscribe()
+                    continue
                 await self._readable.park()
             msg = buffered.popleft()
         self._current = msg
@@ -314,10 +381,22 @@ class Consumer:
     # -------------------------------------------------------------- called by the connection's reader
 
     def _on_subscribed(self, result: dict[str, Any]) -> None:
-        """The broker's OK to SUBSCRIBE, taken by the reader before any later frame: the prefetch in force."""
+        """The broker's OK to SUBSCRIBE, taken by the reader before any later frame: the prefetch in
+        force. Whoever waited for it may have given up, or closed the consumer: then cancel."""
         in_force = result.get("prefetch")
         if type(in_force) is int and in_force > 0:
             self.prefetch_in_force = min(in_force, self.prefetch) if self.prefetch else in_force
+        self._subscribing = None
+        if self._closed:  # nobody will use it: cancel it at once (`aclose` then has nothing to cancel)
+            self._conn._cancel_nowait(self)
+        else:
+            self._subscribed = True
+
+    def _on_subscribe_refused(self) -> None:
+        """The broker's ERROR to SUBSCRIBE (taken by the reader): nothing to cancel; a later `subscribe()`
+        (or receive) sends a new SUBSCRIBE, which may succeed (e.g. once the queue is declared)."""
+        self._subscribing = None
+        self._conn._consumers.pop(self.subscription_id, None)
 
     def _on_deliver(self, entries: list[DeliveryEntry]) -> None:
         """Take a DELIVER frame's messages. Never waits: the buffer is bounded by the prefetch in force,
@@ -334,15 +413,16 @@ class Consumer:
             )
             return
         self._unsettled = unsettled
+        self._received += len(entries)
         # The size is taken here, inline for the common message without headers: every delivery is
         # counted on the byte positions, whatever the buffer sizes (see the module docstring).
-        self._buffered.extend(
-            [
-                Message(body, headers, exchange, key, redelivered, tag, self,
-                        len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers))
-                for tag, exchange, key, body, headers, redelivered in entries
-            ]
-        )
+        messages = [
+            Message(body, headers, exchange, key, redelivered, tag, self,
+                    len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers))
+            for tag, exchange, key, body, headers, redelivered in entries
+        ]
+        self._received_bytes += sum([msg._size for msg in messages])
+        self._buffered.extend(messages)
         if self._readable:
             self._readable.unpark_all()
 

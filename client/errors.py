@@ -17,7 +17,10 @@ attributes a program can match on, not only text.
     │   ├── MessageTooLarge            above the broker's max_message_size (`limit`)
     │   ├── KeyTooLong                 a routing key above MAX_KEY_BYTES (`limit`)
     │   ├── TooManyHeaders             more headers than MAX_HEADERS (`limit`)
-    │   └── NotFound                   no such queue/exchange
+    │   ├── NotFound                   no such queue/exchange
+    │   └── Unroutable                 the exchange routed it to no queue (a `mandatory` producer)
+    ├── PublishFailures                leaving a producer's or connection's block: what failed (`errors`,
+    │                                  `failed`) and what was not completed in time (`unconfirmed`)
     ├── RequestError                   a declare/bind/... request failed; `request_id`
     │   └── RequestTimeout             no answer before the deadline (also a TimeoutError)
     ├── ReceiveTimeout                 no message before the deadline (also a TimeoutError)
@@ -44,11 +47,15 @@ __all__ = [
     "KeyTooLong",
     "TooManyHeaders",
     "NotFound",
+    "Unroutable",
+    "PublishFailures",
     "RequestError",
     "RequestTimeout",
     "ReceiveTimeout",
     "AlreadySettled",
     "publish_error",
+    "block_error_name",
+    "describe_stopped",
 ]
 
 
@@ -155,11 +162,65 @@ class NotFound(PublishError):
     """The destination does not exist (e.g. the default exchange's routing key names no queue)."""
 
 
+class Unroutable(PublishError):
+    """The exchange (`destination`) routed the message to no queue: no binding matched its routing key.
+    Raised only for producers created with `mandatory=True`; others count it in `stats.unroutable`."""
+
+    def __init__(self, code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None):
+        super().__init__(code, text, destination, transfer_id)
+        self.args = (f"{code.name}: {text}",)  # `destination` is the exchange, which the text names
+
+
+class PublishFailures(FlowbrokerError):
+    """Raised when a producer's or a connection's `async with` (or `with`) block ends while messages sent
+    in it were refused, or were still not completed when the close timeout ran out: what `flush()` would
+    have raised, for everything not yet reported by a `flush()`. Never raised over an exception of the
+    block itself (that one passes through; these are logged).
+
+    `errors`: the refusals, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), oldest first, at most
+    `producer.MAX_KEPT_ERRORS` (100) per producer; `failed`: how many messages were refused in all;
+    `unconfirmed`: how many were sent and not completed when the wait ended (held by a flow-stopped
+    queue, or the connection closed): they may still be enqueued and delivered, so resending them may
+    duplicate them;
+    `destinations`: the flow-stopped queues at that moment ("*": all producers stopped by an operator or
+    the broker's memory alarm; see FlowControlled)."""
+
+    def __init__(
+        self,
+        errors: Iterable[PublishError],
+        failed: int,
+        unconfirmed: int = 0,
+        destinations: Iterable[str] = (),
+        why_unconfirmed: str = "",
+    ):
+        self.errors: tuple[PublishError, ...] = tuple(errors)
+        self.failed = failed
+        self.unconfirmed = unconfirmed
+        self.destinations: tuple[str, ...] = tuple(destinations)
+        parts = []
+        if failed:
+            first = f" (first: {self.errors[0]})" if self.errors else ""
+            parts.append(f"{failed} message{'s' * (failed != 1)} refused{first}")
+        if unconfirmed:
+            stopped = f"; flow-stopped: {describe_stopped(self.destinations)}" if self.destinations else ""
+            parts.append(
+                f"{unconfirmed} message{'s' * (unconfirmed != 1)} sent and not completed {why_unconfirmed}".rstrip()
+                + f" (they may still be enqueued and delivered: resending may duplicate them){stopped}"
+            )
+        super().__init__("; ".join(parts) or "no failures")
+
+    @property
+    def first(self) -> PublishError | None:
+        """The oldest refusal kept (what `flush()` would have raised), or None."""
+        return self.errors[0] if self.errors else None
+
+
 _PUBLISH_ERRORS: dict[ErrorCode, type[PublishError]] = {
     ErrorCode.QUEUE_FULL: QueueFull,
     ErrorCode.MESSAGE_TOO_LARGE: MessageTooLarge,
     ErrorCode.KEY_TOO_LONG: KeyTooLong,
     ErrorCode.NOT_FOUND: NotFound,
+    ErrorCode.UNROUTABLE: Unroutable,
 }
 
 
@@ -191,3 +252,19 @@ class ReceiveTimeout(FlowbrokerError, TimeoutError):
 
 class AlreadySettled(FlowbrokerError):
     """A message can be acked, rejected or requeued once."""
+
+
+def block_error_name(exc: BaseException) -> str:
+    """The name of the exception that ended a block, for the log (the blocking API's stand-in carries
+    the name of the exception its `with` block raised)."""
+    name = getattr(exc, "block_error_name", None)
+    return name if isinstance(name, str) else type(exc).__name__
+
+
+def describe_stopped(destinations: Iterable[str]) -> str:
+    """Flow-stopped destinations for a message, "*" explained: it is not a queue but every producer,
+    stopped by an operator's stop-all or by the broker's memory alarm."""
+    return ", ".join(
+        "* (all producers: an operator's stop-all or the broker's memory alarm)" if d == "*" else d
+        for d in destinations
+    )

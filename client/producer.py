@@ -12,6 +12,12 @@ Two credits pace a flow-controlled producer, as in the architecture:
 once. A message the broker refuses is still completed (credit keeps flowing); the refusal is kept and
 raised by `flush`, typed (`QueueFull`, `MessageTooLarge`, `NotFound`) and naming the queue.
 
+**No silent losses.** A refusal nobody flushed is not dropped: leaving the producer's `async with` (or
+the connection's) waits for the outstanding transfers, at most the connection's `close_timeout`, and
+raises `PublishFailures` with what was refused and what is still not completed. A message an exchange
+routed to no queue is counted (`stats.unroutable`: the SDK asks the broker to report them, see
+protocol/capabilities.py) and, for a producer created with `mandatory=True`, is a refusal (`Unroutable`).
+
 `send` refuses at once, before anything is sent, a message the broker could not take: more headers than
 `MAX_HEADERS` (the broker would refuse the whole TRANSFER frame and close the connection), a routing key
 over `MAX_KEY_BYTES`, or a whole message (body, routing key, exchange, header keys and values) over the
@@ -20,8 +26,10 @@ broker's `max_message_size` (a DELIVER carries all of these, so the broker check
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import trio
@@ -33,7 +41,10 @@ from flowbroker.client.errors import (
     KeyTooLong,
     MessageTooLarge,
     PublishError,
+    PublishFailures,
     TooManyHeaders,
+    block_error_name,
+    describe_stopped,
 )
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
@@ -42,7 +53,13 @@ from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES, message_wire_
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection
 
-__all__ = ["Producer", "ProducerStats"]
+__all__ = ["Producer", "ProducerStats", "MAX_KEPT_ERRORS"]
+
+log = logging.getLogger("flowbroker.client")
+
+MAX_KEPT_ERRORS = 100
+"""Refusals a producer keeps between two reports (`flush`, the end of its block); beyond them it counts.
+A producer that sends a million messages to a missing queue must not keep a million exceptions."""
 
 _SHORT_KEY = MAX_KEY_BYTES // 4
 """A key of at most this many characters is within MAX_KEY_BYTES whatever they are (UTF-8: 4 bytes at most)."""
@@ -60,13 +77,26 @@ class ProducerStats:
     """Sends that had to wait for credit (or were refused with block=False)."""
     blocked_seconds: float
     """Total time sends spent waiting for credit."""
+    unroutable: int = 0
+    """Messages the exchange routed to no queue (completed, not enqueued anywhere). With `mandatory=True`
+    they are refusals too, and counted in `failed` as well."""
 
 
 class Producer:
-    """Publishes to one exchange (default "" routes by queue name) with a default routing key."""
+    """Publishes to one exchange (default "" routes by queue name) with a default routing key.
+
+    Use it as `async with conn.producer(...) as producer:` to have its refusals raised when the block ends
+    (`PublishFailures`), or call `flush()`; either way the connection's block raises what is left."""
 
     def __init__(
-        self, conn: Connection, exchange: str, routing_key: str, *, window: int = 1000, send_timeout: float = 60.0
+        self,
+        conn: Connection,
+        exchange: str,
+        routing_key: str,
+        *,
+        window: int = 1000,
+        send_timeout: float = 60.0,
+        mandatory: bool = False,
     ) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
@@ -77,12 +107,18 @@ class Producer:
         self.routing_key = routing_key
         self.window = window
         self.send_timeout = send_timeout
+        self.mandatory = mandatory
+        """A message the exchange routes to no queue is a refusal (`Unroutable`), not only counted."""
         self._outstanding = 0
         self._completed = 0
         self._failed = 0
+        self._unroutable = 0
         self._blocked_count = 0
         self._blocked_seconds = 0.0
-        self._first_error: PublishError | None = None
+        self._errors: list[PublishError] = []
+        """Refusals not yet reported, oldest first, at most MAX_KEPT_ERRORS."""
+        self._unreported = 0
+        """Refusals not yet reported (also those beyond MAX_KEPT_ERRORS)."""
 
     # -------------------------------------------------------------- state
 
@@ -112,6 +148,7 @@ class Producer:
             self._outstanding,
             self._blocked_count,
             self._blocked_seconds,
+            self._unroutable,
         )
 
     def has_credit(self) -> bool:
@@ -163,6 +200,8 @@ class Producer:
             await self._wait_for(self.has_credit, self.send_timeout if timeout is None else timeout, "send")
         transfer_id = conn._enqueue_transfer(self, (self.exchange, key, body, headers, None, None), size)
         self._outstanding += 1
+        if self._outstanding == 1:
+            conn._active_producers[self] = None  # something to wait for when a block ends
         if len(conn._transfers) % TRANSFER_BATCH == 0:
             # Yield only when a batch is ready: yielding after every message would let the writer run
             # after every message and send one-entry frames. Nor after every message while more than a
@@ -175,16 +214,61 @@ class Producer:
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every message sent so far is complete, then raise the first publish error since the
-        last flush, if any (and forget it). Raises `FlowControlTimeout` naming the flow-stopped queues if
+        last flush, if any, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), and forget the refusals
+        (`stats.failed` counts them all). Raises `FlowControlTimeout` naming the flow-stopped queues if
         completions do not arrive in time: a saturated queue holds them."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._outstanding:
             self._conn._check_open()
             await self._wait_for(lambda: self._outstanding == 0, self.send_timeout if timeout is None else timeout, "flush")
-        error, self._first_error = self._first_error, None
+        error = self._errors[0] if self._errors else None
+        self._forget_errors()
         await trio.lowlevel.cancel_shielded_checkpoint()
         if error is not None:
             raise error
+
+    # -------------------------------------------------------------- the end of a block
+
+    async def __aenter__(self) -> Producer:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Wait for the outstanding transfers (at most the connection's `close_timeout`) and raise
+        `PublishFailures` for what was refused or is still not completed. If the block raised, that
+        exception goes on untouched: nothing is waited for, and the failures are logged."""
+        if exc is not None:
+            self._log_unreported(f"producer block ended by {block_error_name(exc)}")
+            return
+        with trio.CancelScope(shield=True):
+            await self._conn._wait_outstanding([self], trio.current_time() + self._conn.close_timeout)
+        failures = self._take_failures(f"within close_timeout {self._conn.close_timeout:g} s")
+        if failures is not None:
+            raise failures
+
+    def _take_failures(self, why_unconfirmed: str) -> PublishFailures | None:
+        """What is unreported, as a `PublishFailures` (None if nothing is), and forget the refusals."""
+        if not self._unreported and not self._outstanding:
+            return None
+        conn = self._conn
+        destinations = conn.flow_state.destinations if self._outstanding else ()
+        if self._outstanding and conn.is_closed:
+            why_unconfirmed = f"before the connection closed ({conn.close_error})"
+        failures = PublishFailures(self._errors, self._unreported, self._outstanding, destinations, why_unconfirmed)
+        self._forget_errors()
+        return failures
+
+    def _log_unreported(self, why: str) -> None:
+        if self._unreported or self._outstanding:
+            log.warning("flowbroker producer to %r: %s with %s", self.exchange or self.routing_key, why,
+                        self._take_failures("yet"))
+
+    def _forget_errors(self) -> None:
+        self._errors = []
+        self._unreported = 0
+        if not self._outstanding:
+            self._conn._active_producers.pop(self, None)
 
     async def _wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         conn = self._conn
@@ -202,7 +286,7 @@ class Producer:
             if what == "send":
                 self._blocked_seconds += trio.current_time() - start
         destinations = conn.flow_state.destinations
-        stopped = f"; flow-stopped: {', '.join(destinations)}" if destinations else ""
+        stopped = f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
         raise FlowControlTimeout(
             f"{what} timed out after {timeout:g} s ({self._describe_wait()}{stopped})",
             destinations,
@@ -228,11 +312,19 @@ class Producer:
         """`count` of this producer's transfers are complete (the connection counts them per run)."""
         self._outstanding -= count
         self._completed += count
+        if not self._outstanding and not self._unreported:
+            self._conn._active_producers.pop(self, None)
 
     def _on_error(self, error: PublishError) -> None:
+        if error.code is ErrorCode.UNROUTABLE:
+            self._unroutable += 1
+            if not self.mandatory:
+                return
         self._failed += 1
-        if self._first_error is None:
-            self._first_error = error
+        self._unreported += 1
+        if len(self._errors) < MAX_KEPT_ERRORS:
+            self._errors.append(error)
+        self._conn._active_producers[self] = None
 
 
 def _refusal(exchange: str, key: str, body: bytes, headers: Headers | None, max_size: int) -> PublishError | None:

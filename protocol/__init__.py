@@ -16,6 +16,7 @@ from flowbroker.protocol.credit import (
     CreditError,
     message_size,
 )
+from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
 from flowbroker.protocol.errors import (
     ErrorCode,
     FrameTooLarge,
@@ -42,6 +43,7 @@ __all__ = [
     "BufferState",
     "CreditError",
     "message_size",
+    "CAPABILITY_MANDATORY",
     "ErrorCode",
     "FrameTooLarge",
     "LocalProtocolError",

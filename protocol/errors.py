@@ -42,6 +42,7 @@ class ErrorCode(enum.IntEnum):
     RESOURCE_EXHAUSTED = 17  # the broker is over a broker-wide bound (memory watermark, connection limit)
     KEY_TOO_LONG = 18  # a routing or binding key over MAX_KEY_BYTES (protocol/limits.py)
     LIMIT_EXCEEDED = 19  # a frame over a per-frame limit of protocol/limits.py (entries, ranges, headers)
+    UNROUTABLE = 20  # a transfer reached no queue, on a connection whose HELLO asked for it (CAPABILITY_MANDATORY)
 
 
 class ProtocolError(Exception):

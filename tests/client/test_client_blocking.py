@@ -37,7 +37,7 @@ async def test_blocking_round_trip(start_broker) -> None:
 
 async def test_blocking_consumer_and_flow_state(start_broker) -> None:
     broker = await start_broker(buffer_size=100, auto_complete=False)
-    conn = await trio.to_thread.run_sync(lambda: blocking.connect(broker.url, timeout=5))
+    conn = await trio.to_thread.run_sync(lambda: blocking.connect(broker.url, timeout=5, close_timeout=0.5))
     try:
         fake = await broker.connection()
         consumer = await trio.to_thread.run_sync(lambda: conn.consumer("q", prefetch=10).__enter__())
@@ -77,6 +77,10 @@ async def test_blocking_consumer_and_flow_state(start_broker) -> None:
         error = await trio.to_thread.run_sync(produce)
         assert error.destinations == ("q",)
         await trio.to_thread.run_sync(consumer.close)
+        # The message the fake broker never completed is not lost silently: closing says so.
+        with pytest.raises(fc.PublishFailures) as closing:
+            await trio.to_thread.run_sync(conn.close)
+        assert (closing.value.unconfirmed, closing.value.failed, closing.value.destinations) == (1, 0, ("q",))
     finally:
         await trio.to_thread.run_sync(conn.close)
     assert conn.is_closed

@@ -120,29 +120,31 @@ async def test_a_broker_that_reads_nothing_is_declared_dead_after_the_idle_timeo
     """The writer's wait for the broker to take its bytes is bounded: a broker that still sends (so the
     reader hears it) but reads nothing ends the connection after one idle timeout of a stalled write."""
     broker = await start_broker(idle_timeout_ms=3000, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        fake = await broker.connection()
-        fake.pause_reading()
-        async with trio.open_nursery() as nursery:
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            fake = await broker.connection()
+            fake.pause_reading()
+            async with trio.open_nursery() as nursery:
 
-            async def keep_talking() -> None:
-                for nonce in range(1, 100):
-                    await fake.send(Noop(nonce, False))
-                    await trio.sleep(0.5)
+                async def keep_talking() -> None:
+                    for nonce in range(1, 100):
+                        await fake.send(Noop(nonce, False))
+                        await trio.sleep(0.5)
 
-            nursery.start_soon(keep_talking)
-            producer = conn.producer(routing_key="q", window=10_000)
-            body = b"x" * 65536
-            for _ in range(400):  # 26 MB: more than the kernel buffers of a loopback connection hold
-                await producer.send(body)
-            start = trio.current_time()
-            with pytest.raises(fc.ConnectionClosed) as info:
-                await producer.flush(timeout=60)
-            nursery.cancel_scope.cancel()
-        assert info.value.code == ErrorCode.IDLE_TIMEOUT
-        assert "took none of our bytes for 3 s" in info.value.reason
-        assert 3.0 <= trio.current_time() - start <= 4.6  # one idle timeout after the write stalled, plus ticks
-        assert not conn._writing and conn._writer_done.is_set()
+                nursery.start_soon(keep_talking)
+                producer = conn.producer(routing_key="q", window=10_000)
+                body = b"x" * 65536
+                for _ in range(400):  # 26 MB: more than the kernel buffers of a loopback connection hold
+                    await producer.send(body)
+                start = trio.current_time()
+                with pytest.raises(fc.ConnectionClosed) as info:
+                    await producer.flush(timeout=60)
+                nursery.cancel_scope.cancel()
+            assert info.value.code == ErrorCode.IDLE_TIMEOUT
+            assert "took none of our bytes for 3 s" in info.value.reason
+            assert 3.0 <= trio.current_time() - start <= 4.6  # one idle timeout after the write stalled, plus ticks
+            assert not conn._writing and conn._writer_done.is_set()
+    assert closing.value.unconfirmed == 400 and closing.value.failed == 0
 
 
 async def test_broker_close_wakes_waiters_with_code(start_broker) -> None:

@@ -13,6 +13,7 @@ from flowbroker.protocol import (
     Cancel,
     Deliver,
     DeliveryEntry,
+    Ok,
     Outcome,
     Settle,
     Subscribe,
@@ -189,3 +190,39 @@ async def test_connection_failure_ends_iteration_with_the_error(start_broker) ->
             with pytest.raises(fc.ConnectionClosed):
                 async for _ in consumer:
                     pass
+
+
+async def test_a_subscribe_not_answered_in_time_is_kept_and_taken_when_its_ok_comes(start_broker) -> None:
+    """First use subscribes within the receive's deadline; a late OK is not lost: the subscription it
+    made is the consumer's, and its messages arrive (no SUBSCRIBE is sent twice)."""
+    broker = await start_broker(answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        consumer = conn.consumer("q", prefetch=5)
+        with pytest.raises(fc.ReceiveTimeout):
+            await consumer.receive(timeout=0.2)
+        with pytest.raises(fc.RequestTimeout):
+            await consumer.subscribe(timeout=0.1)
+        (sub,) = fake.frames(Subscribe)
+        await fake.send(Ok(sub.request_id, {"queue": "q", "prefetch": 3}), Deliver(sub.subscription_id, entries(1, 2)))
+        msg = await consumer.receive(timeout=5)
+        assert msg.body == BODY and consumer.prefetch_in_force == 3
+        assert len(fake.frames(Subscribe)) == 1
+        assert consumer.stats.received == 2
+
+
+async def test_a_consumer_closed_before_its_subscribe_is_answered_cancels_on_the_ok(start_broker) -> None:
+    broker = await start_broker(answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        consumer = conn.consumer("q")
+        with pytest.raises(fc.ReceiveTimeout):
+            await consumer.receive(timeout=0.2)
+        await consumer.aclose()
+        with pytest.raises(trio.EndOfChannel):
+            await consumer.receive(timeout=1)
+        (sub,) = fake.frames(Subscribe)
+        await fake.send(Ok(sub.request_id, {"queue": "q", "prefetch": 10}), Deliver(sub.subscription_id, entries(1, 1)))
+        await fake.wait_for(lambda: fake.frames(Cancel) != [])
+        assert fake.frames(Cancel)[0].subscription_id == sub.subscription_id
+        assert consumer.subscription_id not in conn._consumers

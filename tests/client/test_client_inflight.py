@@ -86,23 +86,25 @@ async def test_error_for_a_transfer_in_the_middle_of_a_run(start_broker) -> None
 
 async def test_complete_range_naming_unsent_transfers_is_a_protocol_violation(start_broker) -> None:
     broker = await start_broker(buffer_size=1 << 20, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q")
-        for _ in range(5):
-            await producer.send(BODY)
-        fake = await broker.connection()
-        await fake.wait_for(lambda: len(fake.transfers) == 5)
-        await fake.send(Complete(1, [(3, 3)]))
-        with trio.fail_after(5):
-            while producer.outstanding != 3:
-                await trio.sleep(0.01)
-        await fake.send(Complete(1, [(4, 6)]))  # 6 was never sent
-        with pytest.raises(fc.ProtocolViolation, match="only 5 were sent"):
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q")
+            for _ in range(5):
+                await producer.send(BODY)
+            fake = await broker.connection()
+            await fake.wait_for(lambda: len(fake.transfers) == 5)
+            await fake.send(Complete(1, [(3, 3)]))
             with trio.fail_after(5):
-                await producer.flush()
-        assert producer.outstanding == 3  # the refused frame completed nothing
-        await fake.wait_for(lambda: fake.frames(Error) != [])
-        assert fake.frames(Error)[0].code == ErrorCode.UNEXPECTED_FRAME
+                while producer.outstanding != 3:
+                    await trio.sleep(0.01)
+            await fake.send(Complete(1, [(4, 6)]))  # 6 was never sent
+            with pytest.raises(fc.ProtocolViolation, match="only 5 were sent"):
+                with trio.fail_after(5):
+                    await producer.flush()
+            assert producer.outstanding == 3  # the refused frame completed nothing
+            await fake.wait_for(lambda: fake.frames(Error) != [])
+            assert fake.frames(Error)[0].code == ErrorCode.UNEXPECTED_FRAME
+    assert closing.value.unconfirmed == 3 and closing.value.failed == 0
 
 
 async def test_writer_splits_frames_by_count_and_bytes(start_broker) -> None:
@@ -127,6 +129,8 @@ async def test_writer_splits_frames_by_count_and_bytes(start_broker) -> None:
         assert all(sum(message_size(e.body) for e in f.entries) < limit for f in frames)
         assert len([f for f in frames if len(f.entries) < 45]) >= 3  # the 100 large ones: about 40 a frame
         assert fake.violations == []
+        await fake.complete()
+        await producer.flush(timeout=5)
 
 
 # -- the run bookkeeping against a model, without sockets ---------------------------------------

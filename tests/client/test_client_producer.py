@@ -52,109 +52,117 @@ async def test_sends_are_batched_into_few_transfer_frames(start_broker) -> None:
 
 async def test_send_blocks_at_byte_buffer_one_message_overflow_and_resumes_on_ack(start_broker, io_clock) -> None:
     broker = await start_broker(buffer_size=2 * SIZE + SIZE // 2, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q")
-        fake = await broker.connection()
-        # 0, SIZE, 2 SIZE are all under 2.5 SIZE: three messages start, the third overflows to 3 SIZE.
-        for _ in range(3):
-            await producer.send(BODY, block=False)
-        assert conn.credit.outstanding == 3 * SIZE
-        with pytest.raises(fc.FlowControlled) as info:
-            await producer.send(BODY, block=False)
-        assert type(info.value) is fc.FlowControlled and info.value.limit == "buffer"
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q")
+            fake = await broker.connection()
+            # 0, SIZE, 2 SIZE are all under 2.5 SIZE: three messages start, the third overflows to 3 SIZE.
+            for _ in range(3):
+                await producer.send(BODY, block=False)
+            assert conn.credit.outstanding == 3 * SIZE
+            with pytest.raises(fc.FlowControlled) as info:
+                await producer.send(BODY, block=False)
+            assert type(info.value) is fc.FlowControlled and info.value.limit == "buffer"
 
-        sent_after: list[float] = []
+            sent_after: list[float] = []
 
-        async def blocked_sender() -> None:
-            await producer.send(BODY, timeout=30)
-            sent_after.append(trio.current_time())
+            async def blocked_sender() -> None:
+                await producer.send(BODY, timeout=30)
+                sent_after.append(trio.current_time())
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(blocked_sender)
-            await trio.sleep(5)
-            assert sent_after == []
-            # A stale and a duplicated ack change nothing.
-            await fake.ack(0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocked_sender)
+                await trio.sleep(5)
+                assert sent_after == []
+                # A stale and a duplicated ack change nothing.
+                await fake.ack(0)
+                await trio.sleep(1)
+                assert sent_after == [] and conn.credit.acked_total == 0
+                await fake.complete([1])  # completes transfer 1 and acks its SIZE bytes
+                await fake.wait_for(lambda: len(fake.transfers) == 4)
+            assert conn.credit.acked_total == SIZE and conn.credit.outstanding == 3 * SIZE
+            await fake.ack(SIZE)  # duplicate
             await trio.sleep(1)
-            assert sent_after == [] and conn.credit.acked_total == 0
-            await fake.complete([1])  # completes transfer 1 and acks its SIZE bytes
-            await fake.wait_for(lambda: len(fake.transfers) == 4)
-        assert conn.credit.acked_total == SIZE and conn.credit.outstanding == 3 * SIZE
-        await fake.ack(SIZE)  # duplicate
-        await trio.sleep(1)
-        assert conn.credit.acked_total == SIZE
-        assert fake.violations == []
+            assert conn.credit.acked_total == SIZE
+            assert fake.violations == []
+    assert closing.value.unconfirmed == 3 and closing.value.failed == 0
 
 
 async def test_window_limits_outstanding_transfers(start_broker, io_clock) -> None:
     broker = await start_broker(buffer_size=0, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q", window=10)
-        for _ in range(10):
-            await producer.send(BODY)
-        with pytest.raises(fc.FlowControlled) as info:
-            await producer.send(BODY, block=False)
-        assert info.value.limit == "window"
-        fake = await broker.connection()
-        await fake.wait_for(lambda: len(fake.transfers) == 10)
-        await fake.complete([1, 2, 3])
-        with trio.fail_after(5):
-            for _ in range(3):
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q", window=10)
+            for _ in range(10):
                 await producer.send(BODY)
-        with pytest.raises(fc.FlowControlTimeout):
-            await producer.send(BODY, timeout=1)
+            with pytest.raises(fc.FlowControlled) as info:
+                await producer.send(BODY, block=False)
+            assert info.value.limit == "window"
+            fake = await broker.connection()
+            await fake.wait_for(lambda: len(fake.transfers) == 10)
+            await fake.complete([1, 2, 3])
+            with trio.fail_after(5):
+                for _ in range(3):
+                    await producer.send(BODY)
+            with pytest.raises(fc.FlowControlTimeout):
+                await producer.send(BODY, timeout=1)
+    assert closing.value.unconfirmed == 10 and closing.value.failed == 0
 
 
 async def test_flow_control_timeout_names_the_stopped_queue(start_broker, io_clock) -> None:
     broker = await start_broker(buffer_size=10 * SIZE)  # the window (4) is the limit here
     broker.held_queues.add("slow")
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        fake = await broker.connection()
-        producer = conn.producer(routing_key="slow", window=4)
-        async with producer.flow_events() as events:
-            for _ in range(4):
-                await producer.send(BODY)
-            await fake.wait_for(lambda: len(fake.held) == 4)
-            await fake.send(FlowStopped("slow", "flow_stop_count", 4, 4, "queue over its stop threshold"))
-            event = await events.get()
-            assert event is not None and event.kind == "stopped" and event.destination == "slow"
-            assert event.stop is not None and event.stop.threshold == "flow_stop_count"
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            fake = await broker.connection()
+            producer = conn.producer(routing_key="slow", window=4)
+            async with producer.flow_events() as events:
+                for _ in range(4):
+                    await producer.send(BODY)
+                await fake.wait_for(lambda: len(fake.held) == 4)
+                await fake.send(FlowStopped("slow", "flow_stop_count", 4, 4, "queue over its stop threshold"))
+                event = await events.get()
+                assert event is not None and event.kind == "stopped" and event.destination == "slow"
+                assert event.stop is not None and event.stop.threshold == "flow_stop_count"
+                state = producer.flow_state
+                assert state.is_stopped and state.destinations == ("slow",)
+                assert state.stopped["slow"].limit == 4
+                start = trio.current_time()
+                with pytest.raises(fc.FlowControlTimeout) as info:
+                    await producer.send(BODY, timeout=7)
+                assert trio.current_time() - start == pytest.approx(7, abs=0.1)
+                assert info.value.destinations == ("slow",) and info.value.destination == "slow"
+                assert info.value.limit == "window" and info.value.timeout == 7
+                assert isinstance(info.value, TimeoutError) and "slow" in str(info.value)
+                # flush times out the same way while the transfers are held
+                with pytest.raises(fc.FlowControlTimeout) as info:
+                    await producer.flush(timeout=2)
+                assert info.value.destinations == ("slow",)
+                # Release: completion, then resume.
+                await fake.release_held()
+                await fake.send(FlowResumed("slow"), FlowResumed("slow"))  # the duplicate changes nothing
+                event = await events.get()
+                assert event is not None and event.kind == "resumed" and event.stopped == frozenset()
+                await producer.flush(timeout=5)
+                await producer.send(BODY, block=False)
             state = producer.flow_state
-            assert state.is_stopped and state.destinations == ("slow",)
-            assert state.stopped["slow"].limit == 4
-            start = trio.current_time()
-            with pytest.raises(fc.FlowControlTimeout) as info:
-                await producer.send(BODY, timeout=7)
-            assert trio.current_time() - start == pytest.approx(7, abs=0.1)
-            assert info.value.destinations == ("slow",) and info.value.destination == "slow"
-            assert info.value.limit == "window" and info.value.timeout == 7
-            assert isinstance(info.value, TimeoutError) and "slow" in str(info.value)
-            # flush times out the same way while the transfers are held
-            with pytest.raises(fc.FlowControlTimeout) as info:
-                await producer.flush(timeout=2)
-            assert info.value.destinations == ("slow",)
-            # Release: completion, then resume.
-            await fake.release_held()
-            await fake.send(FlowResumed("slow"), FlowResumed("slow"))  # the duplicate changes nothing
-            event = await events.get()
-            assert event is not None and event.kind == "resumed" and event.stopped == frozenset()
-            await producer.flush(timeout=5)
-            await producer.send(BODY, block=False)
-        state = producer.flow_state
-        assert not state.is_stopped and state.stop_count == 1 and state.resume_count == 1
-        assert state.stopped_seconds >= 9
-        assert producer.stats.blocked_count >= 1 and producer.stats.blocked_seconds >= 7
+            assert not state.is_stopped and state.stop_count == 1 and state.resume_count == 1
+            assert state.stopped_seconds >= 9
+            assert producer.stats.blocked_count >= 1 and producer.stats.blocked_seconds >= 7
+    assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 
 async def test_send_default_deadline_is_the_producer_send_timeout(start_broker, io_clock) -> None:
     broker = await start_broker(buffer_size=SIZE, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q", send_timeout=12)
-        await producer.send(BODY)
-        start = trio.current_time()
-        with pytest.raises(fc.FlowControlTimeout):
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q", send_timeout=12)
             await producer.send(BODY)
-        assert trio.current_time() - start == pytest.approx(12, abs=0.1)
+            start = trio.current_time()
+            with pytest.raises(fc.FlowControlTimeout):
+                await producer.send(BODY)
+            assert trio.current_time() - start == pytest.approx(12, abs=0.1)
+    assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 
 async def test_flush_raises_queue_full_naming_the_queue(start_broker) -> None:
@@ -245,72 +253,80 @@ async def test_the_brokers_key_too_long_is_typed(start_broker) -> None:
 
 async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> None:
     broker = await start_broker(buffer_size=SIZE, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q")
-        await producer.send(BODY)
-        assert not producer.has_credit()
-        fake = await broker.connection()
-        fake.credit.resize(10 * SIZE)
-        await fake.send(BufferControl(0, 10 * SIZE))
-        with trio.fail_after(5):
-            while conn.credit.max_bytes != 10 * SIZE:
-                await trio.sleep(0.01)
-        await producer.send(BODY, block=False)
-        fake.credit.resize(0)
-        await fake.send(BufferControl(0, 0))  # 0: no pacing by bytes
-        await fake.wait_for(lambda: len(fake.transfers) == 2)
-        for _ in range(20):
-            await producer.send(BODY, timeout=5)
-        await fake.wait_for(lambda: len(fake.transfers) == 22)
-        assert fake.violations == []
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q")
+            await producer.send(BODY)
+            assert not producer.has_credit()
+            fake = await broker.connection()
+            fake.credit.resize(10 * SIZE)
+            await fake.send(BufferControl(0, 10 * SIZE))
+            with trio.fail_after(5):
+                while conn.credit.max_bytes != 10 * SIZE:
+                    await trio.sleep(0.01)
+            await producer.send(BODY, block=False)
+            fake.credit.resize(0)
+            await fake.send(BufferControl(0, 0))  # 0: no pacing by bytes
+            await fake.wait_for(lambda: len(fake.transfers) == 2)
+            for _ in range(20):
+                await producer.send(BODY, timeout=5)
+            await fake.wait_for(lambda: len(fake.transfers) == 22)
+            assert fake.violations == []
+    assert closing.value.unconfirmed == 22 and closing.value.failed == 0
 
 
 async def test_connection_close_fails_blocked_sender(start_broker) -> None:
     broker = await start_broker(buffer_size=SIZE, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q")
-        await producer.send(BODY)
-        fake = await broker.connection()
-        async with trio.open_nursery() as nursery:
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q")
+            await producer.send(BODY)
+            fake = await broker.connection()
+            async with trio.open_nursery() as nursery:
 
-            async def close_soon() -> None:
-                await fake.wait_for(lambda: len(fake.transfers) == 1)
-                await fake.close(ErrorCode.SHUTDOWN, "stopping")
+                async def close_soon() -> None:
+                    await fake.wait_for(lambda: len(fake.transfers) == 1)
+                    await fake.close(ErrorCode.SHUTDOWN, "stopping")
 
-            nursery.start_soon(close_soon)
-            with pytest.raises(fc.ConnectionClosed) as info:
-                await producer.send(BODY, timeout=math.inf)
-        assert info.value.code == ErrorCode.SHUTDOWN
+                nursery.start_soon(close_soon)
+                with pytest.raises(fc.ConnectionClosed) as info:
+                    await producer.send(BODY, timeout=math.inf)
+            assert info.value.code == ErrorCode.SHUTDOWN
+    assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 
 async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) -> None:
     broker = await start_broker(buffer_size=10 * SIZE, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q", window=1)
-        await producer.send(BODY)
-        fake = await broker.connection()
-        await fake.wait_for(lambda: len(fake.transfers) == 1)
-        await fake.send(BufferAck(0, 5 * SIZE, 5 * SIZE))  # only SIZE bytes were sent
-        with pytest.raises(fc.ProtocolViolation):
-            await producer.send(BODY, timeout=5)
-        await fake.wait_for(lambda: fake.frames(Error) != [])
-        assert fake.frames(Error)[0].code == ErrorCode.INVALID_ARGUMENT
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q", window=1)
+            await producer.send(BODY)
+            fake = await broker.connection()
+            await fake.wait_for(lambda: len(fake.transfers) == 1)
+            await fake.send(BufferAck(0, 5 * SIZE, 5 * SIZE))  # only SIZE bytes were sent
+            with pytest.raises(fc.ProtocolViolation):
+                await producer.send(BODY, timeout=5)
+            await fake.wait_for(lambda: fake.frames(Error) != [])
+            assert fake.frames(Error)[0].code == ErrorCode.INVALID_ARGUMENT
+    assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 
 async def test_complete_naming_unsent_transfers_is_a_protocol_violation(start_broker) -> None:
     """A COMPLETE for ids never sent is refused at once (and cannot make the client loop to 2**63)."""
     broker = await start_broker(buffer_size=10 * SIZE, auto_complete=False)
-    async with await fc.connect(broker.url, timeout=5) as conn:
-        producer = conn.producer(routing_key="q", window=10)
-        await producer.send(BODY)
-        fake = await broker.connection()
-        await fake.wait_for(lambda: len(fake.transfers) == 1)
-        await fake.send(Complete(2**63, []))
-        with pytest.raises(fc.ProtocolViolation, match="only 1 were sent"):
-            with trio.fail_after(5):
-                await producer.flush()
-        await fake.wait_for(lambda: fake.frames(Error) != [])
-        assert fake.frames(Error)[0].code == ErrorCode.UNEXPECTED_FRAME
+    with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q", window=10)
+            await producer.send(BODY)
+            fake = await broker.connection()
+            await fake.wait_for(lambda: len(fake.transfers) == 1)
+            await fake.send(Complete(2**63, []))
+            with pytest.raises(fc.ProtocolViolation, match="only 1 were sent"):
+                with trio.fail_after(5):
+                    await producer.flush()
+            await fake.wait_for(lambda: fake.frames(Error) != [])
+            assert fake.frames(Error)[0].code == ErrorCode.UNEXPECTED_FRAME
+    assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 
 async def test_throughput_smoke(start_broker) -> None:
