@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
-import socket
 import struct
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import trio
 
 import flowbroker.client as fb
 from flowbroker.broker.cli import parse_size
-from procs import cpu_seconds, free_port, rss, stop_broker
+from procs import cpu_seconds, free_port, rss, stop_broker, wait_listening
 
 STAMP = struct.Struct("<Q")
 MiB = 1024 * 1024
@@ -52,15 +51,7 @@ QUEUE = "bench"
 def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("flowbroker")
     proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--no-admin", *extra], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("broker did not start within 15 s")
+    return wait_listening(proc, port)
 
 
 async def _queue_count(url: str, stop_size: int | None = None) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ from hostile import (  # noqa: E402
     percentile,
     strategy_corpus,
 )
-from procs import cpu_seconds, free_port, rss, stop_broker  # noqa: E402
+from procs import cpu_seconds, free_port, rss, stop_broker, wait_listening  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -57,15 +56,7 @@ def start_broker(port: int, quota: str, profile: str | None) -> subprocess.Popen
     run = [sys.executable, "-m", "cProfile", "-o", profile, exe] if profile else [exe]
     cmd = [*run, "serve", "--port", str(port), "--no-admin", "--memory-quota", quota]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("broker did not start within 15 s")
+    return wait_listening(proc, port)
 
 
 # -- the bystander process ----------------------------------------------------------------------

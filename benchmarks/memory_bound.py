@@ -23,7 +23,6 @@ Nothing here asserts: it prints.
 from __future__ import annotations
 
 import argparse
-import socket
 import struct
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import trio
 import flowbroker.client as fb
 from flowbroker.broker.cli import parse_size
 from flowbroker.protocol import PROTOCOL_VERSION, Connection, Hello, Role
-from procs import free_port, rss, stop_broker
+from procs import free_port, rss, stop_broker, wait_listening
 
 MiB = 1024 * 1024
 PARTIAL_BUDGET = 64 * MiB  # [server] max_partial_frame_bytes default (docs/configuration.md)
@@ -52,15 +51,7 @@ def start_broker(port: int, config: str) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("flowbroker")
     proc = subprocess.Popen([str(exe), "serve", "--config", str(path), "--port", str(port), "--no-admin"],
                             stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("broker did not start within 15 s")
+    return wait_listening(proc, port)
 
 
 class RssWatch:

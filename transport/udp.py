@@ -325,7 +325,7 @@ async def open_publication_endpoint(channel: ChannelUri) -> UdpEndpoint:
 
 
 # ==========================================================================================================
-# Publication and subscription drivers (written by T2, who owns publication.py/subscription.py).
+# Publication and subscription drivers.
 #
 # The sans-IO state machines need a shell that feeds them received datagrams, calls their duty cycle on
 # time and sends what they return. Sends are non-blocking and happen in the caller's task right after an
