@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -28,3 +29,16 @@ def wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
         except OSError:
             time.sleep(0.05)
     raise AssertionError(f"nothing listened on {port} within 20 s")
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM the broker we started, wait for its clean exit and return its stderr (SIGKILL if it
+    has not exited within 15 s, and the test fails with TimeoutExpired)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return str(err)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from daemon import FLOWBROKER, free_port, wait_listening
+from daemon import FLOWBROKER, free_port, stop, wait_listening
 
 
 
@@ -36,12 +35,7 @@ def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
                                  capture_output=True, text=True, timeout=30)
         assert missing.returncode != 0 and "no queue named 'nope'" in missing.stderr
     finally:
-        broker.send_signal(signal.SIGTERM)
-        try:
-            _, err = broker.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            raise
+        err = stop(broker)
     assert broker.returncode == 0, err
     assert "received SIGTERM: shutting down" in err
 
@@ -79,8 +73,7 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
                              env={**os.environ, "FLOWBROKER_URL": f"flowbroker://127.0.0.1:{ports['port']}"})
         assert pub.returncode == 0, pub.stderr
     finally:
-        broker.send_signal(signal.SIGTERM)
-        _, err = broker.communicate(timeout=15)
+        err = stop(broker)
     assert broker.returncode == 0, err
     assert f"admin API on http://127.0.0.1:{ports['admin_port']}, token in" in err
     assert not port_file.exists()

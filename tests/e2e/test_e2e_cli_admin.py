@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,7 +18,7 @@ from click.testing import CliRunner
 
 from flowbroker.broker.cli import _log_level, main
 from flowbroker.client import blocking
-from daemon import FLOWBROKER, free_port, wait_listening
+from daemon import FLOWBROKER, free_port, stop, wait_listening
 
 MiB = 1024 * 1024
 
@@ -63,13 +62,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         yield Daemon(f"flowbroker://127.0.0.1:{port}",
                      ["--admin-url", f"http://127.0.0.1:{admin_port}", "--token-file", str(token_file)], token_file)
     finally:
-        broker.send_signal(signal.SIGTERM)
-        try:
-            _, err = broker.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            broker.communicate()
-            raise
+        err = stop(broker)
     assert broker.returncode == 0, err
     # the startup lines once each: where it listens, where the admin API and its token are
     assert err.count(f"flowbroker listening on 127.0.0.1:{port}") == 1

@@ -8,7 +8,6 @@ serve_listeners logged EMFILE ten times a second for as long as it lasted.
 from __future__ import annotations
 
 import resource
-import signal
 import socket
 import subprocess
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import trio
 
 import flowbroker.client as fc
-from daemon import FLOWBROKER, free_port, wait_listening
+from daemon import FLOWBROKER, free_port, stop, wait_listening
 
 DESCRIPTORS = 64
 
@@ -57,12 +56,7 @@ def test_out_of_descriptors_backs_off_logs_rarely_and_recovers(tmp_path: Path) -
     finally:
         for sock in silent:
             sock.close()
-        broker.send_signal(signal.SIGTERM)
-        try:
-            _, err = broker.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            raise
+        err = stop(broker)
     assert broker.returncode == 0, err
     assert f"descriptor limit {DESCRIPTORS} (hard limit {DESCRIPTORS}), max_connections 1000" in err
     assert f"descriptor limit {DESCRIPTORS} is below max_connections 1000" in err
