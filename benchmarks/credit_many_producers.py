@@ -9,7 +9,7 @@ them leave midway (after a flush) and rejoin as new producers, to resize every b
 
 Every second it prints the broker's RSS and its growth over idle, the queue depth (count / bytes, from
 a short-lived connection's `declare_queue`), the sum of the buffers the broker granted (each producer
-process sums `conn.credit.max_bytes` over its live connections once a second; the parent adds the
+process sums `conn.sender_window.window` over its live connections once a second; the parent adds the
 processes up) and the number of live producer connections. After the load the consumer drains the
 queue at full speed, and the script checks that every message a producer saw completed by `flush()`
 arrived exactly once (no loss, no duplicate, nothing unknown), that no message was refused, and the
@@ -204,7 +204,7 @@ def producer_process(plan: Plan, proc_index: int, samples: Any, results: Any) ->
         k = 0
         while True:
             await sleep_until(plan.t0 + k)
-            granted = sum(conn.credit.max_bytes for conn in state.live.values())
+            granted = sum(conn.sender_window.window for conn in state.live.values())
             samples.put((k, proc_index, granted, len(state.live), state.sent))
             k += 1
 

@@ -189,7 +189,7 @@ class BrokerCore:
                 s.send(BufferControl(0, size))
             # credit_limit is monotonic (the client may not have seen a shrink yet), so what it may
             # still have unacknowledged stays charged to the pool until acknowledgements overtake it.
-            s.window_listener = self._window_moved if s.credit_limit - s.credit.advertised_total > size else None
+            s.window_listener = self._window_moved if s.receiver_window.limit - s.receiver_window.acked_position > size else None
 
     def _window_moved(self, session: Session) -> None:
         """An acknowledgement went to a producer whose window was above its grant: the promise it
@@ -197,7 +197,7 @@ class BrokerCore:
         if not session.open or session.conn_id not in self.credit:
             session.window_listener = None
             return
-        window = session.credit_limit - session.credit.advertised_total
+        window = session.receiver_window.limit - session.receiver_window.acked_position
         if window <= session.buffer_size:
             session.window_listener = None
         self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
@@ -213,7 +213,7 @@ class BrokerCore:
         # Windows granted before a switch to `none` are not known to the allocator: report them.
         for s in list(self.sessions.values()):
             if s.flow_control and s.conn_id in self.credit and s.buffer_size:
-                window = s.credit_limit - s.credit.advertised_total
+                window = s.receiver_window.limit - s.receiver_window.acked_position
                 if window > self.credit.window_of(s.conn_id):
                     self._apply_buffer_sizes(self.credit.set_window(s.conn_id, window))
                     if window > s.buffer_size:
@@ -272,7 +272,7 @@ class BrokerCore:
             )
         # Checked against the grant the client had when it sent this frame: on a first transfer that is
         # the provisional one, not the share that registering below grants.
-        credit_limit, buffer_size = session.credit_limit, session.buffer_size
+        credit_limit, buffer_size = session.receiver_window.limit, session.buffer_size
         if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
         now = self.clock_ns()
@@ -288,14 +288,14 @@ class BrokerCore:
         for entry in frame.entries:
             body = entry.body
             size = message_size(body, entry.headers)
-            if checked and session.received_bytes >= credit_limit:
+            if checked and session.receiver_window.position >= credit_limit:
                 raise SessionFault(
                     ErrorCode.CREDIT_VIOLATION,
-                    f"transfer {tid} starts at byte {session.received_bytes}, beyond the credit limit "
+                    f"transfer {tid} starts at byte {session.receiver_window.position}, beyond the credit limit "
                     f"{credit_limit} (buffer {buffer_size} bytes): only one message may "
                     "overflow the buffer",
                 )
-            session.received_bytes += size
+            session.receiver_window.position += size
             exchange = entry.exchange
             routing_key = entry.routing_key
             # Two comparisons for the common message; the exact check only when it could fail.
@@ -478,27 +478,27 @@ class BrokerCore:
 
     def on_buffer_control(self, session: Session, frame: BufferControl) -> None:
         if frame.opaque == 0:
-            session.consumer_buffer.resize(frame.buffer_size)
+            session.sender_window.resize(frame.buffer_size)
             self._dispatch_session(session)
             return
         sub = session.subscriptions.get(frame.opaque)
         if sub is None:
             session.send(Error(ErrorCode.NOT_FOUND, f"no subscription {frame.opaque} for BUFFER_CONTROL"))
             return
-        sub.buffer.resize(frame.buffer_size)
+        sub.sender_window.resize(frame.buffer_size)
         sub.queue.resume_subscription(sub)
         sub.queue.dispatch()
 
     def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:
         try:
             if frame.opaque == 0:
-                session.consumer_buffer.on_ack(frame.acked_total)
+                session.sender_window.on_ack(frame.acked_position)
                 self._dispatch_session(session)
                 return
             sub = session.subscriptions.get(frame.opaque)
             if sub is None:
                 return  # a late ack for a cancelled subscription
-            sub.buffer.on_ack(frame.acked_total)
+            sub.sender_window.on_ack(frame.acked_position)
             sub.queue.resume_subscription(sub)
             sub.queue.dispatch()
         except CreditError as exc:
@@ -517,8 +517,8 @@ class BrokerCore:
         subs = subs[turn:] + subs[:turn]
         for sub in subs:
             sub.queue.resume_subscription(sub)
-        buffer = session.consumer_buffer
-        if buffer.max_bytes:
+        buffer = session.sender_window
+        if buffer.window:
             sharing = subs
             while sharing and buffer.may_send():
                 sharing = [sub for sub in sharing if sub.queue.ready and sub.has_credit()]

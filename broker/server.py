@@ -636,8 +636,8 @@ class ConnectionHandler:
             session.poll_credit(int(now * 1e9))
             # DCP's stuck detection: a consumer whose buffer is full and whose acknowledgements
             # have not moved is reported, and optionally disconnected (MB-65403).
-            buf = session.consumer_buffer
-            if buf.max_bytes and not buf.may_send() and buf.acked_total == stuck_acked:
+            buf = session.sender_window
+            if buf.window and not buf.may_send() and buf.acked_position == stuck_acked:
                 stuck_since = stuck_since if stuck_since is not None else now
                 if now - stuck_since >= cfg.stuck_timeout:
                     LOGGER.warning("connection %d is stuck: buffer full, no ack for %.0fs", session.conn_id,
@@ -648,7 +648,7 @@ class ConnectionHandler:
                     stuck_since = now
             else:
                 stuck_since = None
-                stuck_acked = buf.acked_total
+                stuck_acked = buf.acked_position
 
     async def _finish(self, session: Session) -> None:
         """Send what is due (completions, credit, errors; not deliveries, which are requeued), then

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flowbroker.protocol.credit import MESSAGE_OVERHEAD, AckScheduler, BufferLog
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import (
     BufferAck,
@@ -75,12 +75,11 @@ class Session:
         self.completed = IdSet()
         self._newly_completed: list[int] = []
         self._sent_cumulative = 0
-        self.received_bytes = 0
-        self.credit = AckScheduler(buffer_size if flow_control else 0)
-        self.credit_limit = self.credit.buffer_size  # highest position ever granted (monotonic)
+        # position: bytes received; limit: the highest limit ever granted (monotonic)
+        self.receiver_window = ReceiverWindow(buffer_size if flow_control else 0)
         self.credit_waiting = False  # a producer waiting for a share of the pool: BUFFER_ACKs withheld
         self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a
-        # shrunk buffer leaves credit_limit above acknowledged + buffer (the core returns it to the pool)
+        # shrunk window leaves the limit above acknowledged + buffer (the core returns it to the pool)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
@@ -96,7 +95,7 @@ class Session:
         self.unsettled_tags: list[int] = []
         self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
         self.next_delivery_tag = 1
-        self.consumer_buffer = BufferLog(0)
+        self.sender_window = SenderWindow(0)
         # outbox
         self._control: list[Frame] = []
         self._deliveries: dict[int, list[DeliveryEntry]] = {}  # open DELIVER frame per subscription
@@ -110,7 +109,7 @@ class Session:
 
     @property
     def buffer_size(self) -> int:
-        return self.credit.buffer_size
+        return self.receiver_window.window
 
     # -- outbox ------------------------------------------------------------------------------
 
@@ -145,7 +144,7 @@ class Session:
                 frames.append(Complete(cumulative, above[start : start + MAX_RANGES_PER_FRAME]))
             self._newly_completed = []
             self._sent_cumulative = cumulative
-        credit = self.credit
+        credit = self.receiver_window
         if credit.pending >= credit.threshold() and not self.credit_waiting:
             ack = credit.flush(now_ns)  # None when byte flow control is off
             if ack is not None:
@@ -163,13 +162,14 @@ class Session:
     def poll_credit(self, now_ns: int) -> None:
         """Timer: after the interval, acknowledge what is pending and re-advertise the absolute position
         (even unchanged), so a lost grant costs a producer at most one interval."""
-        ack = None if self.credit_waiting else self.credit.poll(now_ns)
+        ack = None if self.credit_waiting else self.receiver_window.poll(now_ns)
         if ack is not None:
             self.send(self._granted(ack))
 
     def _granted(self, ack: BufferAck) -> BufferAck:
         """Every grant raises the limit the credit check allows (monotonic: a shrink never lowers it)."""
-        self.credit_limit = max(self.credit_limit, ack.acked_total + self.credit.buffer_size)
+        window = self.receiver_window
+        window.limit = max(window.limit, ack.acked_position + window.window)
         if self.window_listener is not None:
             self.window_listener(self)
         return ack
@@ -185,14 +185,15 @@ class Session:
         else:
             completed.add(transfer_id)
             self._newly_completed.append(transfer_id)
-        self.credit.processed_total += size
+        self.receiver_window.consumed_position += size
         self.wake()
 
     def resize_buffer(self, size: int, now_ns: int) -> None:
         """A credit policy changed this producer's buffer. Shrinking below what is in flight loses
         nothing: the client just waits until acknowledgements bring it under the new size."""
-        self.credit.buffer_size = size
-        self.credit_limit = max(self.credit_limit, self.credit.advertised_total + size)
+        window = self.receiver_window
+        window.window = size
+        window.limit = max(window.limit, window.acked_position + size)
 
     def flow_stopped(self, queue: Queue) -> None:
         threshold, limit, value = queue.stop_reason
@@ -230,7 +231,7 @@ class Session:
         self.next_delivery_tag = tag + 1
         self.unsettled[tag] = (sub, msg)
         self.unsettled_tags.append(tag)
-        self.consumer_buffer.on_sent(msg.size)
+        self.sender_window.on_sent(msg.size)
         sub_id = sub.sub_id
         entries = self._deliveries.get(sub_id)
         if entries is None:

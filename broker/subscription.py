@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flowbroker.protocol.credit import BufferLog
+from flowbroker.protocol.credit import SenderWindow
 
 if TYPE_CHECKING:
     from flowbroker.broker.message import Message
@@ -26,14 +26,14 @@ __all__ = ["Subscription"]
 
 
 class Subscription:
-    __slots__ = ("session", "sub_id", "queue", "prefetch", "buffer", "unsettled", "delivered_total", "active", "closed")
+    __slots__ = ("session", "sub_id", "queue", "prefetch", "sender_window", "unsettled", "delivered_total", "active", "closed")
 
     def __init__(self, session: Session, sub_id: int, queue: Queue, prefetch: int, buffer_size: int):
         self.session = session
         self.sub_id = sub_id
         self.queue = queue
         self.prefetch = prefetch
-        self.buffer = BufferLog(buffer_size)
+        self.sender_window = SenderWindow(buffer_size)
         self.unsettled = 0
         self.delivered_total = 0
         self.active = False  # in its queue's rotation of subscriptions that may have credit
@@ -43,12 +43,12 @@ class Subscription:
         """`prefetch` is always positive here: the broker caps "0 = unbounded" at its own maximum."""
         return (
             self.unsettled < self.prefetch
-            and self.buffer.may_send()
-            and self.session.consumer_buffer.may_send()
+            and self.sender_window.may_send()
+            and self.session.sender_window.may_send()
         )
 
     def deliver(self, msg: Message) -> None:
         self.unsettled += 1
         self.delivered_total += 1
-        self.buffer.on_sent(msg.size)
+        self.sender_window.on_sent(msg.size)
         self.session.deliver(self, msg)

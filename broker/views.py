@@ -28,7 +28,7 @@ from flowbroker.broker.queue import Queue
 from flowbroker.broker.session import Session
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditPolicyConfig
-from flowbroker.protocol.credit import BufferLog
+from flowbroker.protocol.credit import SenderWindow
 
 __all__ = [
     "THRESHOLD_KEYS",
@@ -72,9 +72,9 @@ def _seconds(now_ns: int, since_ns: int) -> float:
     return round(max(0, now_ns - since_ns) / 1e9, 3)
 
 
-def _buffer(log: BufferLog) -> dict[str, int]:
+def _buffer(log: SenderWindow) -> dict[str, int]:
     """A byte buffer the broker sends into (a consumer's): size 0 = no flow control."""
-    return {"size": log.max_bytes, "unacked": log.outstanding}
+    return {"size": log.window, "unacked": log.outstanding}
 
 
 # -- queues ------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def _subscription(sub: Subscription) -> dict[str, Any]:
         "prefetch": sub.prefetch,
         "unsettled": sub.unsettled,
         "delivered": sub.delivered_total,
-        "buffer": _buffer(sub.buffer),
+        "buffer": _buffer(sub.sender_window),
     }
 
 
@@ -202,8 +202,8 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
 
 def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -> dict[str, Any]:
     """One connection; `peer` is its address."""
-    credit = session.credit
-    received = session.received_bytes
+    credit = session.receiver_window
+    received = session.receiver_window.position
     return {
         "id": session.conn_id,
         "client_name": session.client_name,
@@ -214,16 +214,16 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
         "producer": {
             "buffer_size": session.buffer_size,
             "received_bytes": received,
-            "acknowledged_bytes": credit.advertised_total,
-            "unacked_bytes": received - credit.advertised_total,
-            "completed_bytes": credit.processed_total,
+            "acknowledged_bytes": credit.acked_position,
+            "unacked_bytes": received - credit.acked_position,
+            "completed_bytes": credit.consumed_position,
             "transfers": session.next_transfer_id - 1,
             "transfers_held": session.transfers_held_now,
             "transfers_held_total": session.transfers_held_total,
         },
         "flow": _flow(session, now_ns),
         "consumer": {
-            "buffer": _buffer(session.consumer_buffer),
+            "buffer": _buffer(session.sender_window),
             "subscriptions": [_subscription(sub) for sub in islice(session.subscriptions.values(), NESTED_LIMIT)],
             "subscriptions_total": len(session.subscriptions),
             "unsettled": len(session.unsettled),
@@ -286,7 +286,7 @@ def policy_view(core: BrokerCore, sessions: Iterable[Session] | None = None) -> 
     promised = 0
     for s in live.values():
         if s.flow_control and s.buffer_size:  # not paced under `none`: nothing promised
-            promised += max(0, s.credit_limit - s.received_bytes)
+            promised += max(0, s.receiver_window.limit - s.receiver_window.position)
     states = {cid: _grant_state(core, cid) for cid in sizes}
     return {
         "policy": _policy_settings(allocator.config),

@@ -3,7 +3,7 @@
 Why it is shaped this way:
 
 - **Sans-IO underneath.** Framing, validation and the state machine are `flowbroker.protocol.Connection`;
-  credit arithmetic is `BufferLog` (producer bytes) and `AckScheduler` (consumer buffer acks). This module
+  credit arithmetic is `SenderWindow` (producer bytes) and `ReceiverWindow` (consumer buffer acks). This module
   only moves bytes and wakes tasks.
 - **One writer task** owns the socket's send side. Producers, settlements, buffer acks, requests and noop
   replies put work in small queues and wake it; it writes control traffic first (acks, settlements, noops:
@@ -56,11 +56,11 @@ from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
     CAPABILITY_MANDATORY,
     PROTOCOL_VERSION,
-    AckScheduler,
+    ReceiverWindow,
     Bind,
     BufferAck,
     BufferControl,
-    BufferLog,
+    SenderWindow,
     Cancel,
     Close,
     Complete,
@@ -160,7 +160,7 @@ class Connection:
         self.welcome = welcome
         self.request_timeout = request_timeout
         self.close_timeout = close_timeout
-        self.credit = BufferLog(welcome.buffer_size)
+        self.sender_window = SenderWindow(welcome.buffer_size)
         """Producer byte credit for this connection, shared by its producers (DCP: one buffer per connection)."""
         self._flow = FlowTracker()
         self._closed: BrokerConnectionError | ProtocolViolation | None = None
@@ -209,7 +209,7 @@ class Connection:
         self._consumers: dict[int, Consumer] = {}
         self._next_subscription_id = 1
         now = trio.current_time()
-        self._buffer = AckScheduler(0, opaque=0, last_sent_ns=int(now * 1e9))
+        self._receiver_window = ReceiverWindow(0, opaque=0, last_sent_ns=int(now * 1e9))
         """The connection-level consumer byte positions (counted whatever the size: see consumer.py)."""
         self._last_received = now
         self._last_sent = now
@@ -235,13 +235,13 @@ class Connection:
     def producer_buffer_size(self) -> int:
         """The producer byte buffer the broker grants this connection now, shared by its producers:
         WELCOME's `buffer_size`, then each BUFFER_CONTROL's (0: not paced). `credit` has the positions:
-        `credit.outstanding` bytes sent and not yet acknowledged, `credit.sent_total`, `credit.acked_total`."""
-        return self.credit.max_bytes
+        `sender_window.outstanding` bytes sent and not yet acknowledged, `sender_window.position`, `sender_window.acked_position`."""
+        return self.sender_window.window
 
     @property
     def consumer_buffer_size(self) -> int:
         """The connection-level consumer byte buffer this side grants the broker (`set_buffer_size`; 0: off)."""
-        return self._buffer.buffer_size
+        return self._receiver_window.window
 
     @property
     def is_closed(self) -> bool:
@@ -486,7 +486,7 @@ class Connection:
         """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
         transfer_id = self._next_transfer_id
         self._next_transfer_id = transfer_id + 1
-        self.credit.on_sent(size)
+        self.sender_window.on_sent(size)
         if producer is not self._tail:
             self._runs.append((transfer_id, producer))
             self._tail = producer
@@ -647,34 +647,34 @@ class Connection:
         if size < 0:
             raise ValueError("buffer size must be >= 0")
         self._check_open()
-        self._set_buffer(self._buffer, size)
+        self._set_buffer(self._receiver_window, size)
         await trio.lowlevel.checkpoint()
 
-    def _set_buffer(self, positions: AckScheduler, size: int) -> None:
+    def _set_buffer(self, positions: ReceiverWindow, size: int) -> None:
         """Resize a consumer buffer. The scheduler has counted every processed byte whatever the size,
         as the broker has counted every delivered one, so the ack due now (if any) covers all of them:
         after a 0 -> n change, the broker's position and ours agree at once."""
         if size:
-            positions.buffer_size = size
+            positions.window = size
         ack = positions.flush(_now_ns())  # at the new size; when turning off, at the old one
-        positions.buffer_size = size
+        positions.window = size
         if ack is not None:
             self._queue_ack(ack)
         self._queue_control(BufferControl(positions.opaque, size))
 
-    def _processed(self, nbytes: int, sub: AckScheduler | None) -> None:
+    def _processed(self, nbytes: int, sub: ReceiverWindow | None) -> None:
         """Deliveries of `nbytes` were processed (settled, or their handler returned): count them on the
         connection's positions and, unless the subscription is gone, on the subscription's, and queue
         the acknowledgements that are due."""
-        for positions in (self._buffer, sub):
+        for positions in (self._receiver_window, sub):
             if positions is None:
                 continue
-            if positions.buffer_size:
-                ack = positions.on_processed(nbytes, _now_ns())
+            if positions.window:
+                ack = positions.on_consumed(nbytes, _now_ns())
                 if ack is not None:
                     self._queue_ack(ack)
             else:
-                positions.processed_total += nbytes
+                positions.consumed_position += nbytes
 
     def _broker_violated_credit(self, text: str) -> None:
         """The broker delivered beyond a consumer's credit (its prefetch): a protocol violation."""
@@ -844,7 +844,7 @@ class Connection:
             self._flow.on_resumed(frame.destination, trio.current_time())
         elif isinstance(frame, BufferControl):
             if frame.opaque == 0:
-                self.credit.resize(frame.buffer_size)
+                self.sender_window.resize(frame.buffer_size)
                 self._credit_lot.unpark_all()
         elif isinstance(frame, Noop):
             if not frame.reply:
@@ -865,7 +865,7 @@ class Connection:
             )
             return
         try:
-            freed = self.credit.on_ack(frame.acked_total)
+            freed = self.sender_window.on_ack(frame.acked_position)
         except CreditError as exc:
             self._protocol_violation(str(exc), ErrorCode.INVALID_ARGUMENT, self._proto.frames_received)
             return
@@ -935,7 +935,7 @@ class Connection:
                     self._noop_nonce += 1
                     self._queue_control(Noop(self._noop_nonce, False))
             now_ns = int(now * 1e9)
-            for positions in [self._buffer] + [c._buffer for c in self._consumers.values()]:
+            for positions in [self._receiver_window] + [c._receiver_window for c in self._consumers.values()]:
                 ack = positions.poll(now_ns)
                 if ack is not None:
                     self._queue_ack(ack)

@@ -6,7 +6,7 @@ Two separate things flow back to the broker, as in DCP:
   slots and can clear a saturated queue upstream. The writer coalesces tags into SETTLE ranges.
 - **Buffer acknowledgements** return *byte* credit when a message has been *processed*: settled, or the
   application moved on to the next message (its handler returned). The SDK sends them by itself, via
-  `AckScheduler`: after 20 % of the buffer or 50 KiB, and from the timer every 5 s. Both the
+  `ReceiverWindow`: after 20 % of the buffer or 50 KiB, and from the timer every 5 s. Both the
   subscription's buffer (`buffer_size`) and the connection's (`conn.set_buffer_size`) are honoured.
 
 **The reader never waits for the application.** The connection's reader appends each DELIVER frame to
@@ -29,8 +29,8 @@ connection closes. (Between SUBSCRIBE and its OK, a subscription with prefetch 0
 the broker answers SUBSCRIBE before it delivers on it, so nothing arrives in that gap.)
 
 **Byte positions count from the start, whatever the size.** Every processed delivery is counted on its
-subscription's and the connection's `AckScheduler`, even while their buffer size is 0, because the
-broker counts every delivered byte (`BufferLog.sent_total`) from the start. So turning a buffer on
+subscription's and the connection's `ReceiverWindow`, even while their buffer size is 0, because the
+broker counts every delivered byte (`SenderWindow.position`) from the start. So turning a buffer on
 mid-stream acknowledges at once everything processed so far, and nothing the broker counted is left
 unacknowledged (that stalled a consumer for good when the SDK restarted its count at 0).
 """
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout
-from flowbroker.protocol import AckScheduler, DeliveryEntry, Headers, Outcome, message_size
+from flowbroker.protocol import ReceiverWindow, DeliveryEntry, Headers, Outcome, message_size
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
 if TYPE_CHECKING:
@@ -125,13 +125,13 @@ class Message:
         consumer._unsettled -= 1
         if self._unprocessed:  # `_mark_processed` inlined: settling is the hot path
             self._unprocessed = False
-            sub = consumer._buffer
-            conn = consumer._conn_buffer
-            if sub.buffer_size or conn.buffer_size:
+            sub = consumer._receiver_window
+            conn = consumer._conn_receiver_window
+            if sub.window or conn.window:
                 consumer._conn._processed(self._size, sub)
             else:
-                sub.processed_total += self._size
-                conn.processed_total += self._size
+                sub.consumed_position += self._size
+                conn.consumed_position += self._size
 
     def _settle_counted(self, outcome: Outcome) -> bool:
         """`settle_nowait`, counted towards the next yield: True when one is due.
@@ -157,13 +157,13 @@ class Message:
         if self._unprocessed:
             self._unprocessed = False
             consumer = self._consumer
-            sub = consumer._buffer
-            conn = consumer._conn_buffer
-            if sub.buffer_size or conn.buffer_size:
+            sub = consumer._receiver_window
+            conn = consumer._conn_receiver_window
+            if sub.window or conn.window:
                 consumer._conn._processed(self._size, sub)
             else:
-                sub.processed_total += self._size
-                conn.processed_total += self._size
+                sub.consumed_position += self._size
+                conn.consumed_position += self._size
 
 
 class Consumer:
@@ -189,9 +189,9 @@ class Consumer:
         """The bound on unsettled deliveries the broker applies: `prefetch`, or lower if the broker's OK
         says so; None until the OK for prefetch 0 (the broker's cap)."""
         self.buffer_size = buffer_size
-        self._buffer = AckScheduler(buffer_size, opaque=subscription_id, last_sent_ns=_now_ns())
+        self._receiver_window = ReceiverWindow(buffer_size, opaque=subscription_id, last_sent_ns=_now_ns())
         """This subscription's byte positions (counted whatever the size: see the module docstring)."""
-        self._conn_buffer = conn._buffer
+        self._conn_receiver_window = conn._receiver_window
         # The hand-off from the connection's reader: whole DELIVER frames are appended, never waited
         # for; bounded by the prefetch in force (see the module docstring). `_ended`: no message will
         # be added (closed, or the connection or the queue went away); what is buffered can still be taken.
@@ -219,7 +219,7 @@ class Consumer:
 
     @property
     def stats(self) -> ConsumerStats:
-        positions = self._buffer
+        positions = self._receiver_window
         return ConsumerStats(
             self._received,
             self._unsettled,
@@ -227,8 +227,8 @@ class Consumer:
             self.prefetch_in_force,
             self.buffer_size,
             self._received_bytes,
-            positions.processed_total,
-            positions.advertised_total,
+            positions.consumed_position,
+            positions.acked_position,
         )
 
     # -------------------------------------------------------------- lifecycle
@@ -296,7 +296,7 @@ class Consumer:
             raise ValueError("buffer size must be >= 0")
         self._conn._check_open()
         self.buffer_size = size
-        self._conn._set_buffer(self._buffer, size)
+        self._conn._set_buffer(self._receiver_window, size)
         await trio.lowlevel.checkpoint()
 
     # -------------------------------------------------------------- receiving
@@ -402,7 +402,7 @@ class Consumer:
         """Take a DELIVER frame's messages. Never waits: the buffer is bounded by the prefetch in force,
         which is checked here (see the module docstring)."""
         if self._ended:  # never handed out; the broker's cancel requeues them. Processed, for the positions.
-            self._conn._processed(sum(message_size(e.body, e.headers) for e in entries), self._buffer)
+            self._conn._processed(sum(message_size(e.body, e.headers) for e in entries), self._receiver_window)
             return
         unsettled = self._unsettled + len(entries)
         limit = self.prefetch_in_force

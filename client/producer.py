@@ -2,7 +2,7 @@
 
 Two credits pace a flow-controlled producer, as in the architecture:
 
-- the connection's **byte buffer** (`BufferLog`, DCP semantics): messages may start while unacknowledged
+- the connection's **byte buffer** (`SenderWindow`, DCP semantics): messages may start while unacknowledged
   bytes are under the buffer size, so one message may overflow it; the broker frees space with BUFFER_ACK;
 - the producer's **window** of uncompleted transfers (Qpid's capacity): a transfer routed to a saturated
   queue is not completed, so a stopped queue closes the window of exactly the producers that feed it.
@@ -153,7 +153,7 @@ class Producer:
 
     def has_credit(self) -> bool:
         """True when a send would not wait."""
-        return self._outstanding < self.window and self._conn.credit.may_send()
+        return self._outstanding < self.window and self._conn.sender_window.may_send()
 
     # -------------------------------------------------------------- sending
 
@@ -191,7 +191,7 @@ class Producer:
             if refusal is not None:
                 raise refusal
         size = message_size(body, headers)
-        if self._outstanding >= self.window or not conn.credit.may_send():  # not self.has_credit(), inlined
+        if self._outstanding >= self.window or not conn.sender_window.may_send():  # not self.has_credit(), inlined
             if not block:
                 self._blocked_count += 1
                 raise FlowControlled(
@@ -300,10 +300,10 @@ class Producer:
         return "window" if self._outstanding >= self.window else "buffer"
 
     def _describe_wait(self) -> str:
-        credit = self._conn.credit
+        credit = self._conn.sender_window
         return (
             f"{self._outstanding}/{self.window} transfers outstanding, "
-            f"{credit.outstanding}/{credit.max_bytes} bytes unacknowledged"
+            f"{credit.outstanding}/{credit.window} bytes unacknowledged"
         )
 
     # -------------------------------------------------------------- called by the connection

@@ -2,18 +2,22 @@
 
 Two halves of one buffer:
 
-- `BufferLog` lives with the *sender* of data (a producer client; the broker delivering to a
-  consumer). It counts bytes sent and bytes the receiver has acknowledged, and says whether it may
-  send: while unacknowledged bytes are under the buffer size, one message may overflow it (DCP's
-  rule, so a message larger than the whole buffer still goes through when the buffer is empty).
-- `AckScheduler` lives with the *receiver*. It counts bytes *processed* (a transfer completed, a
-  delivery settled or handled) and decides when to send a BUFFER_ACK: after 20 % of the buffer or
-  50 KiB, whichever is less, and every 5 s when anything is freed. It also re-advertises the
-  absolute position periodically, so a lost acknowledgement costs at most one interval.
+- `SenderWindow` lives with the *sender* of data (a producer client; the broker delivering to a
+  consumer). It counts bytes sent (`position`) and bytes the receiver has acknowledged
+  (`acked_position`), and says whether it may send: while the position is under its `limit`
+  (acked_position + window), one message may overflow it (DCP's rule, so a message larger than the
+  whole window still goes through when nothing is outstanding).
+- `ReceiverWindow` lives with the *receiver*. It counts bytes received (`position`) and *consumed*
+  (`consumed_position`: a transfer completed, a delivery settled or handled) and decides when to send a
+  BUFFER_ACK: after 20 % of the window or 50 KiB, whichever is less, and every 5 s when anything is
+  freed. It also re-advertises the absolute position periodically, so a lost acknowledgement costs at
+  most one interval.
 
-The acknowledgement carries `acked_total`, the absolute byte count processed so far. `BufferLog`
-takes the maximum of what it has seen, so acknowledgements are idempotent and may be duplicated or
-reordered freely. No clocks: time arrives as `now_ns`.
+The vocabulary is Aeron's (position, limit, window) over DCP's mechanism, and every package uses
+it: all positions are absolute byte counts since the connection opened. The acknowledgement carries
+`acked_position`, the consumed position so far. `SenderWindow` takes the maximum of what it has seen,
+so acknowledgements are idempotent and may be duplicated or reordered freely. No clocks: time
+arrives as `now_ns`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from flowbroker.protocol.frames import BufferAck, Headers
 
 __all__ = [
     "BufferState",
-    "BufferLog",
+    "SenderWindow",
     "CreditError",
-    "AckScheduler",
+    "ReceiverWindow",
     "message_size",
     "ACK_RATIO",
     "ACK_BYTES",
@@ -83,106 +87,115 @@ class BufferState(enum.Enum):
     FULL = "full"
 
 
-class BufferLog:
-    """Sender side of a byte buffer: bytes sent vs bytes the receiver acknowledged."""
+class SenderWindow:
+    """Sender side of a byte buffer: the position sent vs the position the receiver acknowledged."""
 
-    __slots__ = ("max_bytes", "sent_total", "acked_total")
+    __slots__ = ("window", "position", "acked_position")
 
-    def __init__(self, max_bytes: int = 0):
-        if max_bytes < 0:
-            raise CreditError(f"buffer size must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.sent_total = 0
-        self.acked_total = 0
+    def __init__(self, window: int = 0):
+        if window < 0:
+            raise CreditError(f"window must be >= 0, got {window}")
+        self.window = window
+        self.position = 0
+        self.acked_position = 0
 
     @property
     def outstanding(self) -> int:
         """Bytes sent and not yet acknowledged. Never negative."""
-        return self.sent_total - self.acked_total
+        return self.position - self.acked_position
 
     @property
     def state(self) -> BufferState:
-        if self.max_bytes == 0:
+        if self.window == 0:
             return BufferState.DISABLED
-        return BufferState.SPACE_AVAILABLE if self.outstanding < self.max_bytes else BufferState.FULL
+        return BufferState.SPACE_AVAILABLE if self.outstanding < self.window else BufferState.FULL
 
     @property
     def limit(self) -> int:
         """The absolute position the sender may start a message below (acked + buffer size)."""
-        return self.acked_total + self.max_bytes
+        return self.acked_position + self.window
 
     def may_send(self) -> bool:
         """True while any space is left (or flow control is off): the next message may overflow."""
-        return self.max_bytes == 0 or self.sent_total < self.acked_total + self.max_bytes
+        return self.window == 0 or self.position < self.acked_position + self.window
 
     def on_sent(self, nbytes: int) -> None:
-        self.sent_total += nbytes
+        self.position += nbytes
 
-    def on_ack(self, acked_total: int) -> int:
+    def on_ack(self, acked_position: int) -> int:
         """Apply an acknowledgement; returns the bytes it newly freed (0 for a stale or duplicate one)."""
-        if acked_total > self.sent_total:
-            raise CreditError(f"acknowledged {acked_total} bytes in total but only {self.sent_total} were sent")
-        freed = acked_total - self.acked_total
+        if acked_position > self.position:
+            raise CreditError(f"acknowledged position {acked_position} is beyond the {self.position} bytes sent")
+        freed = acked_position - self.acked_position
         if freed <= 0:
             return 0
-        self.acked_total = acked_total
+        self.acked_position = acked_position
         return freed
 
-    def resize(self, max_bytes: int) -> None:
+    def resize(self, window: int) -> None:
         """Change the buffer size. Shrinking below what is in flight loses nothing: the sender just
         waits until acknowledgements bring it under the new size. 0 turns flow control off."""
-        if max_bytes < 0:
-            raise CreditError(f"buffer size must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
+        if window < 0:
+            raise CreditError(f"window must be >= 0, got {window}")
+        self.window = window
 
 
 @dataclass(slots=True)
-class AckScheduler:
-    """Receiver side: when to return a BUFFER_ACK for processed bytes.
+class ReceiverWindow:
+    """Receiver side: the positions received and consumed, and when to return a BUFFER_ACK.
 
-    `opaque` is 0 for the connection-level buffer or a subscription id. `buffer_size` is the size the
-    sender was told; 0 means flow control is off and no acknowledgements are due.
+    `opaque` is 0 for the connection-level buffer or a subscription id. `window` is the size the
+    sender was told; 0 means flow control is off and no acknowledgements are due. `position` counts
+    bytes received and `limit` is the highest limit ever granted (acked_position + window, never
+    lowered: a shrink cannot turn bytes the sender was already allowed into a violation); the shell
+    that checks incoming data against them keeps them up to date.
     """
 
-    buffer_size: int
+    window: int
     opaque: int = 0
     ack_ratio: float = ACK_RATIO
     ack_bytes: int = ACK_BYTES
     interval_ns: int = ACK_INTERVAL_NS
-    processed_total: int = 0
-    advertised_total: int = 0
+    position: int = 0
+    consumed_position: int = 0
+    acked_position: int = 0
+    limit: int = -1
     last_sent_ns: int = 0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            self.limit = self.window
 
     @property
     def pending(self) -> int:
-        """Processed bytes not yet acknowledged to the sender."""
-        return self.processed_total - self.advertised_total
+        """Consumed bytes not yet acknowledged to the sender."""
+        return self.consumed_position - self.acked_position
 
     def threshold(self) -> int:
-        return max(1, min(int(self.buffer_size * self.ack_ratio), self.ack_bytes))
+        return max(1, min(int(self.window * self.ack_ratio), self.ack_bytes))
 
-    def on_processed(self, nbytes: int, now_ns: int) -> BufferAck | None:
-        """Count processed bytes; returns an acknowledgement when one is due."""
-        self.processed_total += nbytes
-        if self.buffer_size and self.pending >= self.threshold():
+    def on_consumed(self, nbytes: int, now_ns: int) -> BufferAck | None:
+        """Count consumed bytes; returns an acknowledgement when one is due."""
+        self.consumed_position += nbytes
+        if self.window and self.pending >= self.threshold():
             return self._ack(now_ns)
         return None
 
     def poll(self, now_ns: int) -> BufferAck | None:
         """Timer tick: acknowledge anything pending after the interval, and re-advertise the absolute
         position once per interval even when nothing changed (a lost ack then cannot stall the sender)."""
-        if not self.buffer_size or now_ns - self.last_sent_ns < self.interval_ns:
+        if not self.window or now_ns - self.last_sent_ns < self.interval_ns:
             return None
         return self._ack(now_ns)
 
     def flush(self, now_ns: int) -> BufferAck | None:
         """Acknowledge whatever is pending now (used when the buffer is resized or a sender is blocked)."""
-        if not self.buffer_size or not self.pending:
+        if not self.window or not self.pending:
             return None
         return self._ack(now_ns)
 
     def _ack(self, now_ns: int) -> BufferAck:
         freed = self.pending
-        self.advertised_total = self.processed_total
+        self.acked_position = self.consumed_position
         self.last_sent_ns = now_ns
-        return BufferAck(self.opaque, freed, self.processed_total)
+        return BufferAck(self.opaque, freed, self.consumed_position)

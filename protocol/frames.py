@@ -6,7 +6,7 @@ fast to decode. `decode_body` validates every field's type and range so that not
 reaches the broker: a bad frame becomes a `RemoteProtocolError` naming the frame and field.
 
 Credit frames follow Couchbase DCP with one change: BUFFER_ACK carries the *absolute* number of
-bytes acknowledged so far (`acked_total`) beside DCP's delta, so a lost, duplicated or reordered
+bytes acknowledged so far (`acked_position`) beside DCP's delta, so a lost, duplicated or reordered
 acknowledgement can neither stall a sender nor let it overrun (see protocol/credit.py).
 """
 
@@ -246,12 +246,12 @@ class BufferControl:
 
 @dataclass(frozen=True, slots=True)
 class BufferAck:
-    """The receiver of data frees buffer space. `acked_total` is absolute, `freed` the DCP-style delta."""
+    """The receiver of data frees buffer space. `acked_position` is absolute, `freed` the DCP-style delta."""
 
     TYPE: ClassVar[FrameType] = FrameType.BUFFER_ACK
     opaque: int
     freed: int
-    acked_total: int
+    acked_position: int
 
 
 @dataclass(frozen=True, slots=True)

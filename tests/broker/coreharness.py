@@ -3,7 +3,7 @@
 `Harness` builds a core with a fake clock. `Producer` and `Consumer` each open a session, feed frames
 to `core.handle()` and read what the client would receive with `session.collect(now)`. They keep the
 client's own bookkeeping, mirrored from those frames: a producer's window of uncompleted transfers and
-its byte credit (`BufferLog`, moved only by BUFFER_ACK / BUFFER_CONTROL frames), its flow-stopped
+its byte credit (`SenderWindow`, moved only by BUFFER_ACK / BUFFER_CONTROL frames), its flow-stopped
 destinations and the errors it got; a consumer's deliveries, unsettled tags and buffer positions.
 Nothing here reads broker internals except the session object the broker hands out.
 """
@@ -17,7 +17,7 @@ from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.session import Session
 from flowbroker.policies.credit import WAIT_GRANT
-from flowbroker.protocol.credit import BufferLog, message_size
+from flowbroker.protocol.credit import SenderWindow, message_size
 from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
@@ -167,7 +167,7 @@ class Producer(Client):
         super().__init__(harness, name, flow_control=flow_control)
         self.window = window
         # The WELCOME frame carries session.buffer_size; nothing else is read from the session.
-        self.credit = BufferLog(self.session.buffer_size if flow_control else 0)
+        self.credit = SenderWindow(self.session.buffer_size if flow_control else 0)
         self.welcome_buffer = self.session.buffer_size
         self.next_id = 1
         self.sizes: dict[int, int] = {}
@@ -206,7 +206,7 @@ class Producer(Client):
         ids: list[int] = []
         for exchange, key, body, headers in messages:
             if not force:
-                assert self.can_send(), f"no credit: {len(self.outstanding)}/{self.window}, {self.credit.outstanding}/{self.credit.max_bytes}"
+                assert self.can_send(), f"no credit: {len(self.outstanding)}/{self.window}, {self.credit.outstanding}/{self.credit.window}"
             size = message_size(body, headers)
             tid = self.next_id + len(entries)
             entries.append(TransferEntry(exchange, key, body, headers))
@@ -232,7 +232,7 @@ class Producer(Client):
         elif isinstance(frame, BufferAck):
             assert frame.opaque == 0, frame
             self.grants.append(frame)
-            self.credit.on_ack(frame.acked_total)  # raises if the broker acknowledges bytes never sent
+            self.credit.on_ack(frame.acked_position)  # raises if the broker acknowledges bytes never sent
         elif isinstance(frame, BufferControl):
             assert frame.opaque == 0, frame
             self.buffer_controls.append(frame)
@@ -267,7 +267,7 @@ class Consumer(Client):
         self.deliveries: list[tuple[int, DeliveryEntry]] = []  # (subscription id, entry), tag order
         self.unsettled: dict[int, tuple[int, DeliveryEntry]] = {}  # tag -> (sub id, entry)
         self.delivered_bytes: dict[int, int] = {0: 0}  # opaque (0 = connection) -> bytes delivered
-        self.acked_bytes: dict[int, int] = {0: 0}  # opaque -> acked_total last sent
+        self.acked_bytes: dict[int, int] = {0: 0}  # opaque -> acked_position last sent
         self._next_sub = 1
         self.last_tag: dict[int, int] = {}
         self.tags_seen: set[int] = set()
@@ -321,9 +321,9 @@ class Consumer(Client):
     def requeue(self, tags: Iterable[int]) -> None:
         self.settle(Outcome.REQUEUE, tags)
 
-    def buffer_ack(self, opaque: int = 0, acked_total: int | None = None) -> None:
+    def buffer_ack(self, opaque: int = 0, acked_position: int | None = None) -> None:
         """Acknowledge buffer bytes (absolute); default: everything delivered on that buffer so far."""
-        total = self.delivered_bytes.get(opaque, 0) if acked_total is None else acked_total
+        total = self.delivered_bytes.get(opaque, 0) if acked_position is None else acked_position
         freed = max(0, total - self.acked_bytes.get(opaque, 0))
         self.acked_bytes[opaque] = max(self.acked_bytes.get(opaque, 0), total)
         self.handle(BufferAck(opaque, freed, total))

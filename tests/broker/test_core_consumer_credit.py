@@ -64,15 +64,15 @@ def test_subscription_buffer_pauses_allows_one_overflow_and_resumes_on_ack() -> 
     assert delivered(c) == 2  # 0 < BUFFER: one; SIZE < BUFFER: a second overflows the buffer; 2 SIZE: pause
     c.ack()  # settlement is not a buffer acknowledgement
     assert delivered(c) == 2
-    c.buffer_ack(sub, acked_total=SIZE)  # absolute: 2 SIZE - SIZE = SIZE < BUFFER -> one more
+    c.buffer_ack(sub, acked_position=SIZE)  # absolute: 2 SIZE - SIZE = SIZE < BUFFER -> one more
     assert delivered(c) == 3
-    c.buffer_ack(sub, acked_total=SIZE)  # a duplicate changes nothing
-    c.buffer_ack(sub, acked_total=10)  # nor does a stale one
+    c.buffer_ack(sub, acked_position=SIZE)  # a duplicate changes nothing
+    c.buffer_ack(sub, acked_position=10)  # nor does a stale one
     assert delivered(c) == 3
     c.buffer_ack(sub)  # everything delivered (3 SIZE): two more
     assert delivered(c) == 5
     with pytest.raises(SessionFault) as info:
-        c.buffer_ack(sub, acked_total=c.delivered_bytes[sub] + 1)
+        c.buffer_ack(sub, acked_position=c.delivered_bytes[sub] + 1)
     assert info.value.code is ErrorCode.CREDIT_VIOLATION
 
 
@@ -84,7 +84,7 @@ def test_message_bigger_than_the_whole_buffer_goes_when_empty() -> None:
     c = h.consumer()
     sub = c.subscribe("q", buffer_size=50)
     assert c.bodies() == [big]
-    c.buffer_ack(sub, acked_total=message_size(big) - 1)  # 1 byte outstanding of 50: space left
+    c.buffer_ack(sub, acked_position=message_size(big) - 1)  # 1 byte outstanding of 50: space left
     assert delivered(c) == 2
 
 
@@ -95,7 +95,7 @@ def test_connection_level_buffer_pauses_all_subscriptions() -> None:
     c.subscribe("a", sub_id=1)
     c.subscribe("b", sub_id=2)
     assert delivered(c) == 2  # shared: SIZE, 2 SIZE -> full for both
-    c.buffer_ack(0, acked_total=SIZE)  # one more on either subscription
+    c.buffer_ack(0, acked_position=SIZE)  # one more on either subscription
     assert delivered(c) == 3
     c.buffer_ack(0)
     assert delivered(c) == 5

@@ -25,7 +25,7 @@ def check_pool(h: Harness) -> dict[str, int]:
     flow_controlled = [s for s in h.core.sessions.values() if s.flow_control]
     granted = sum(s.buffer_size for s in flow_controlled)
     assert view["granted"]["total"] == granted == credit.total_granted() <= credit.pool
-    windows = sum(max(s.buffer_size, s.credit_limit - s.credit.advertised_total) for s in flow_controlled)
+    windows = sum(max(s.buffer_size, s.receiver_window.limit - s.receiver_window.acked_position) for s in flow_controlled)
     assert view["committed"] == windows == credit.total_committed() <= credit.pool
     assert all(s.buffer_size >= WAIT_GRANT for s in flow_controlled)
     return {"granted": granted, "committed": windows, "waiting": view["granted"]["waiting"]}
@@ -83,11 +83,11 @@ def test_producers_that_ignore_shrinks_cannot_hold_more_than_the_pool() -> None:
         attackers.append(a)
         for b in attackers:  # everyone sends up to the highest limit it was ever granted
             s = b.session
-            while s.received_bytes < s.credit_limit:
+            while s.receiver_window.position < s.receiver_window.limit:
                 b.handle(Transfer(b.next_id, [TransferEntry("", "q", BODY)]))
                 b.next_id += 1
         check_pool(h)
-    held = sum(a.session.received_bytes for a in attackers)
+    held = sum(a.session.receiver_window.position for a in attackers)
     pool = h.core.credit.pool
     # what the pool bounds, plus DCP's one message of overflow per connection
     assert held <= pool + 30 * SIZE

@@ -36,7 +36,7 @@ def ready(h: Harness, name: str = "producer") -> Producer:
     h.advance(5)
     p.session.poll_credit(h.now)
     p.pump()
-    assert p.credit.acked_total == REG and p.credit.outstanding == 0
+    assert p.credit.acked_position == REG and p.credit.outstanding == 0
     p.grants.clear()
     return p
 
@@ -55,7 +55,7 @@ def test_welcome_buffer_and_one_message_overflow_then_violation() -> None:
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = ready(h, "bad")
     good = ready(h, "good")
-    assert p.credit.max_bytes == BUFFER
+    assert p.credit.window == BUFFER
     assert fill(p) == 5  # 0, SIZE, 2 SIZE, 3 SIZE, 4 SIZE < BUFFER: the fifth overflows the buffer
     assert p.credit.outstanding == 5 * SIZE
     with pytest.raises(SessionFault) as info:
@@ -89,7 +89,7 @@ def test_grants_follow_completions_and_carry_absolute_position() -> None:
     # two completed (2 SIZE) >= threshold (20 % of BUFFER): granted; three held by the saturated queue
     acks = [f for f in frames if isinstance(f, BufferAck)]
     assert acks == [BufferAck(0, 2 * SIZE, REG + 2 * SIZE)]
-    assert p.credit.acked_total == REG + 2 * SIZE
+    assert p.credit.acked_position == REG + 2 * SIZE
     assert p.can_send()  # 5 SIZE < 2 SIZE + BUFFER
     assert fill(p) == 2  # 5 SIZE, 6 SIZE < 6.33 SIZE -> 7 SIZE
     c = h.consumer()
@@ -97,7 +97,7 @@ def test_grants_follow_completions_and_carry_absolute_position() -> None:
     c.ack()
     p.pump()
     assert p.outstanding == {}
-    assert p.credit.acked_total == REG + 7 * SIZE == p.credit.sent_total
+    assert p.credit.acked_position == REG + 7 * SIZE == p.credit.position
 
 
 def test_poll_credit_readvertises_after_a_dropped_grant() -> None:
@@ -124,8 +124,8 @@ def test_poll_credit_readvertises_after_a_dropped_grant() -> None:
     h.advance(5)
     p.session.poll_credit(h.now)
     frames = p.pump()
-    totals = [f.acked_total for f in frames if isinstance(f, BufferAck)]
-    assert totals == [p.credit.sent_total] * 2
+    totals = [f.acked_position for f in frames if isinstance(f, BufferAck)]
+    assert totals == [p.credit.position] * 2
 
 
 def test_poll_credit_flushes_pending_below_threshold() -> None:
@@ -194,7 +194,7 @@ def test_aggressive_shares_the_pool_and_a_shrunk_window_stays_charged_until_it_d
             p1.send("", "q", big)
         p1.pump()
     p2.pump()
-    assert p1.credit.max_bytes == p2.credit.max_bytes == half
+    assert p1.credit.window == p2.credit.window == half
     assert p2.buffer_controls[-1] == BufferControl(0, half)
     producers = [p1, p2]
     for i in range(3, 31):
@@ -206,14 +206,14 @@ def test_aggressive_shares_the_pool_and_a_shrunk_window_stays_charged_until_it_d
         assert credit.total_committed() <= credit.pool
         need = credit.need()
         for p in producers:
-            assert p.credit.max_bytes >= need or credit.is_waiting(p.session.conn_id)
+            assert p.credit.window >= need or credit.is_waiting(p.session.conn_id)
     assert credit.waiting() > 0  # p1 and p2 hold their windows: later ones wait for a share
     assert legacy.pump() == []
     for p in producers[2:]:
         p.close()
     p1.pump()
     p2.pump()
-    assert p1.credit.max_bytes == p2.credit.max_bytes == half
+    assert p1.credit.window == p2.credit.window == half
 
 
 def test_aggressive_shrink_below_in_flight_loses_nothing() -> None:
@@ -224,7 +224,7 @@ def test_aggressive_shrink_below_in_flight_loses_nothing() -> None:
     p1 = h.producer("p1")
     p1.register()
     shareable = h.core.credit.shareable
-    assert p1.credit.max_bytes == shareable  # alone: the whole pool but its reserve
+    assert p1.credit.window == shareable  # alone: the whole pool but its reserve
     sent = 0
     while p1.can_send():
         p1.send("", "q", big)
@@ -236,7 +236,7 @@ def test_aggressive_shrink_below_in_flight_loses_nothing() -> None:
         o.register()  # each first transfer registers it: p1 shrinks to pool / 10 while full
     p1.pump()
     assert p1.buffer_controls[-1] == BufferControl(0, shrunk)
-    assert p1.credit.max_bytes == shrunk
+    assert p1.credit.window == shrunk
     assert p1.outstanding == {}
     assert p1.credit.outstanding == 0  # completions were granted back under the new size
     c = h.consumer()
@@ -263,9 +263,9 @@ def test_set_credit_policy_while_running_pushes_new_sizes() -> None:
     h.core.set_credit_policy(static_size=5 * BUFFER)
     p.pump()
     assert p.buffer_controls == [BufferControl(0, BUFFER), BufferControl(0, 5 * BUFFER)]
-    assert p.credit.max_bytes == 5 * BUFFER
+    assert p.credit.window == 5 * BUFFER
     fill(p)  # no violation with the larger size
-    assert p.credit.sent_total > 5 * SIZE
+    assert p.credit.position > 5 * SIZE
 
 
 # -- registration on the first transfer: connections that only consume do not dilute the shares --
@@ -277,7 +277,7 @@ def test_consumer_only_flow_controlled_connections_do_not_dilute_aggressive_shar
     h.queue("q", flow_stop_count=0, flow_stop_size=0)
     p = h.producer("p")
     p.register()
-    assert p.credit.max_bytes == 4 * MiB
+    assert p.credit.window == 4 * MiB
     consumers = [h.consumer(f"c{i}", flow_control=True) for i in range(10)]  # the SDK's default
     for c in consumers:
         assert c.session.buffer_size == WAIT_GRANT  # WELCOME: the provisional grant, one byte
@@ -320,7 +320,7 @@ def test_welcome_carries_the_provisional_grant_and_the_first_transfer_registers(
     assert h.core.credit.size_of(p.session.conn_id) == registered
     # told only when the registered size differs from the one it already has
     assert p.buffer_controls == ([] if registered == provisional else [BufferControl(0, registered)])
-    assert p.credit.max_bytes == registered
+    assert p.credit.window == registered
     p.register()  # later transfers do not register again
     assert p.buffer_controls == ([] if registered == provisional else [BufferControl(0, registered)])
     assert h.core.credit.producers() == (p.session.conn_id,)
@@ -342,7 +342,7 @@ def test_first_transfer_registers_and_pushes_the_new_shares() -> None:
     # what p1's old 4 MiB limit leaves, until p1 has sent past it and been acknowledged
     assert p2.buffer_controls == [BufferControl(0, h.core.credit.shareable - (4 * MiB - 1) + 1)]
     assert p2.is_complete(tid) and h.core.queues["q"].count == 1  # the transfer itself went through
-    while p1.credit.acked_total < 4 * MiB:
+    while p1.credit.acked_position < 4 * MiB:
         while p1.can_send():
             p1.send("", "q", b"y" * 60_000)
         p1.pump()
@@ -370,7 +370,7 @@ def test_closing_a_provisional_connection_pushes_nothing() -> None:
     c.close()  # with an unsettled delivery: it is requeued, nothing else changes
     assert p.pump() == []
     assert (h.core.credit.total_granted(), len(p.frames)) == (before[0] - 2, before[1])
-    assert p.credit.max_bytes == 4 * MiB and len(h.core.credit) == 1
+    assert p.credit.window == 4 * MiB and len(h.core.credit) == 1
 
 
 def test_provisional_connection_may_send_one_message_then_waits_for_its_share() -> None:
@@ -419,7 +419,7 @@ def test_a_waiting_producer_gets_no_acknowledgement_until_it_has_a_share() -> No
     h.advance(5)
     late.session.poll_credit(h.now)  # and its acknowledgements flow again
     late.pump()
-    assert late.grants[-1].acked_total == SIZE
+    assert late.grants[-1].acked_position == SIZE
 
 
 def test_policy_change_keeps_provisional_grants_at_one_byte() -> None:

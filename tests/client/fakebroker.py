@@ -19,7 +19,7 @@ import trio
 
 from flowbroker.protocol import (
     BufferAck,
-    BufferLog,
+    SenderWindow,
     Close,
     Complete,
     DeclareExchange,
@@ -55,7 +55,7 @@ class FakeConn:
     transfer_frames: list[Transfer] = field(default_factory=list)
     completed: set[int] = field(default_factory=set)
     held: list[int] = field(default_factory=list)
-    credit: BufferLog = field(default_factory=BufferLog)
+    sender_window: SenderWindow = field(default_factory=SenderWindow)
     acked_bytes: int = 0
     completed_bytes: int = 0
     violations: list[str] = field(default_factory=list)
@@ -100,13 +100,13 @@ class FakeConn:
         total = self.completed_bytes if acked_total is None else acked_total
         freed = max(0, total - self.acked_bytes)
         self.acked_bytes = max(self.acked_bytes, total)
-        self.credit.on_ack(max(self.credit.acked_total, total))
+        self.sender_window.on_ack(max(self.sender_window.acked_position, total))
         await self.send(BufferAck(0, freed, total))
 
     def _ack_frame(self) -> BufferAck:
         freed = self.completed_bytes - self.acked_bytes
         self.acked_bytes = self.completed_bytes
-        self.credit.on_ack(self.completed_bytes)
+        self.sender_window.on_ack(self.completed_bytes)
         return BufferAck(0, freed, self.completed_bytes)
 
     def _complete_frame(self) -> Complete:
@@ -132,11 +132,11 @@ class FakeConn:
         for offset, entry in enumerate(frame.entries):
             tid = frame.first_id + offset
             size = message_size(entry.body, entry.headers)
-            if not self.credit.may_send():
+            if not self.sender_window.may_send():
                 self.violations.append(
-                    f"transfer {tid}: sent {self.credit.sent_total} bytes, credit limit {self.credit.limit}"
+                    f"transfer {tid}: sent {self.sender_window.position} bytes, credit limit {self.sender_window.limit}"
                 )
-            self.credit.on_sent(size)
+            self.sender_window.on_sent(size)
             self.transfers[tid] = (entry, size)
             queue = entry.routing_key
             if queue in broker.full_queues:
@@ -217,7 +217,7 @@ class FakeBroker:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         conn = FakeConn(self, stream)
-        conn.credit = BufferLog(self.buffer_size)
+        conn.sender_window = SenderWindow(self.buffer_size)
         try:
             async with stream:
                 while True:

@@ -13,7 +13,7 @@ from flowbroker.protocol import Bind, Close, DeclareQueue, Error, ErrorCode, Hel
 async def test_connect_handshake_and_declare(start_broker) -> None:
     broker = await start_broker(buffer_size=4096)
     async with await fc.connect(broker.url, client_name="t1", timeout=5) as conn:
-        assert conn.credit.max_bytes == 4096
+        assert conn.sender_window.window == 4096
         assert conn.server_name == "fake"
         result = await conn.declare_queue("q1", flow_stop_count=10, flow_resume_count=5, overflow="drop-head")
         assert result == {"name": "q1", "type": "DeclareQueue"}

@@ -104,7 +104,7 @@ async def test_buffer_acks_after_twenty_percent_and_on_timer(start_broker, io_cl
             await m2.reject()  # 2 SIZE = 20 %: an ack is due now
             await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 1)
             ack = fake.frames(BufferAck)[0]
-            assert (ack.opaque, ack.freed, ack.acked_total) == (sub.subscription_id, 2 * SIZE, 2 * SIZE)
+            assert (ack.opaque, ack.freed, ack.acked_position) == (sub.subscription_id, 2 * SIZE, 2 * SIZE)
             await consumer.receive(timeout=5)  # m3, never settled
             await consumer.receive(timeout=5)  # asking for m4 means m3 was handled: 3 SIZE
             t0 = trio.current_time()
@@ -112,7 +112,7 @@ async def test_buffer_acks_after_twenty_percent_and_on_timer(start_broker, io_cl
             await fake.wait_for(lambda: len(fake.frames(BufferAck)) == 2, timeout=10)
             assert 3.0 <= trio.current_time() - t0 <= 6.5
             ack = fake.frames(BufferAck)[1]
-            assert (ack.freed, ack.acked_total) == (SIZE, 3 * SIZE)
+            assert (ack.freed, ack.acked_position) == (SIZE, 3 * SIZE)
 
 
 async def test_buffer_acks_every_fifty_kib_for_large_buffers(start_broker) -> None:
@@ -126,11 +126,11 @@ async def test_buffer_acks_every_fifty_kib_for_large_buffers(start_broker) -> No
             await fake.send(Deliver(sub_id, entries(1, 120, body)))
             for _ in range(120):
                 await (await consumer.receive(timeout=5)).ack()
-            await fake.wait_for(lambda: any(a.acked_total == 100 * 1024 for a in fake.frames(BufferAck)))
+            await fake.wait_for(lambda: any(a.acked_position == 100 * 1024 for a in fake.frames(BufferAck)))
             # Acks are due at every 50 KiB processed. Acks due while the application has not yielded
             # coalesce (they are absolute), so 120 acks in a row may travel as one frame; none may be
             # sent before 50 KiB was processed or at a position that is not a 50 KiB step.
-            totals = [a.acked_total for a in fake.frames(BufferAck)]
+            totals = [a.acked_position for a in fake.frames(BufferAck)]
             assert totals[-1] == 100 * 1024
             assert all(t % (50 * 1024) == 0 and t > 0 for t in totals), totals
 

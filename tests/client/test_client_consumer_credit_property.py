@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from flowbroker.client.connection import Connection
 from flowbroker.client.consumer import Consumer
-from flowbroker.protocol import AckScheduler, BufferAck, DeliveryEntry, Outcome, message_size
+from flowbroker.protocol import ReceiverWindow, BufferAck, DeliveryEntry, Outcome, message_size
 
 
 class StandInConnection:
@@ -28,7 +28,7 @@ class StandInConnection:
     _set_buffer = Connection._set_buffer
 
     def __init__(self) -> None:
-        self._buffer = AckScheduler(0)
+        self._receiver_window = ReceiverWindow(0)
         self.settled: list[int] = []
         self.violations: list[str] = []
         self.acks: list[BufferAck] = []
@@ -111,9 +111,9 @@ def test_the_buffer_is_bounded_by_the_prefetch_and_the_guard_fires_only_past_it(
             assert conn.violations == []
             assert consumer._unsettled <= broker_unsettled <= prefetch
             assert len(consumer._buffered) <= prefetch
-            assert consumer._buffer.processed_total == conn._buffer.processed_total == processed_bytes
+            assert consumer._receiver_window.consumed_position == conn._receiver_window.consumed_position == processed_bytes
             if conn.acks:  # an acknowledgement never covers more than was processed
-                assert max(a.acked_total for a in conn.acks) <= processed_bytes
+                assert max(a.acked_position for a in conn.acks) <= processed_bytes
         # Once the broker has heard every settlement, one delivery past the prefetch is caught.
         broker_unsettled -= len(conn.settled) - heard
         if prefetch - broker_unsettled > 0:

@@ -59,7 +59,7 @@ async def test_send_blocks_at_byte_buffer_one_message_overflow_and_resumes_on_ac
             # 0, SIZE, 2 SIZE are all under 2.5 SIZE: three messages start, the third overflows to 3 SIZE.
             for _ in range(3):
                 await producer.send(BODY, block=False)
-            assert conn.credit.outstanding == 3 * SIZE
+            assert conn.sender_window.outstanding == 3 * SIZE
             with pytest.raises(fc.FlowControlled) as info:
                 await producer.send(BODY, block=False)
             assert type(info.value) is fc.FlowControlled and info.value.limit == "buffer"
@@ -77,13 +77,13 @@ async def test_send_blocks_at_byte_buffer_one_message_overflow_and_resumes_on_ac
                 # A stale and a duplicated ack change nothing.
                 await fake.ack(0)
                 await trio.sleep(1)
-                assert sent_after == [] and conn.credit.acked_total == 0
+                assert sent_after == [] and conn.sender_window.acked_position == 0
                 await fake.complete([1])  # completes transfer 1 and acks its SIZE bytes
                 await fake.wait_for(lambda: len(fake.transfers) == 4)
-            assert conn.credit.acked_total == SIZE and conn.credit.outstanding == 3 * SIZE
+            assert conn.sender_window.acked_position == SIZE and conn.sender_window.outstanding == 3 * SIZE
             await fake.ack(SIZE)  # duplicate
             await trio.sleep(1)
-            assert conn.credit.acked_total == SIZE
+            assert conn.sender_window.acked_position == SIZE
             assert fake.violations == []
     assert closing.value.unconfirmed == 3 and closing.value.failed == 0
 
@@ -259,13 +259,13 @@ async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> Non
             await producer.send(BODY)
             assert not producer.has_credit()
             fake = await broker.connection()
-            fake.credit.resize(10 * SIZE)
+            fake.sender_window.resize(10 * SIZE)
             await fake.send(BufferControl(0, 10 * SIZE))
             with trio.fail_after(5):
-                while conn.credit.max_bytes != 10 * SIZE:
+                while conn.sender_window.window != 10 * SIZE:
                     await trio.sleep(0.01)
             await producer.send(BODY, block=False)
-            fake.credit.resize(0)
+            fake.sender_window.resize(0)
             await fake.send(BufferControl(0, 0))  # 0: no pacing by bytes
             await fake.wait_for(lambda: len(fake.transfers) == 2)
             for _ in range(20):

@@ -212,12 +212,12 @@ async def test_policy_set_pushes_new_buffers_to_connected_producers(broker: Any)
     assert before["policy"]["policy"] == "aggressive"
     assert before["granted"] == {"total": 0, "producers": 0, "provisional": 0, "waiting": 0, "connections": []}
     async with await fb.connect(broker.url, client_name="p1") as conn:
-        assert conn.credit.max_bytes == 1  # WELCOME: the provisional grant (one message) until it sends
+        assert conn.sender_window.window == 1  # WELCOME: the provisional grant (one message) until it sends
         granted = (await ok(broker, "GET", "/api/policy"))["granted"]
         assert granted["total"] == 1 and granted["provisional"] == 1  # counted like any grant
         await conn.declare_queue("q")
         await send_one(conn)  # its first transfer registers it as a producer
-        await wait_until(lambda: conn.credit.max_bytes == 50 * MiB)  # 5 % of the 1 GiB quota, clamped
+        await wait_until(lambda: conn.sender_window.window == 50 * MiB)  # 5 % of the 1 GiB quota, clamped
         answer = await ok(broker, "PUT", "/api/policy", {"policy": "aggressive", "quota": 400 * MiB, "min_size": MiB})
         assert answer["policy"]["quota"] == 400 * MiB and answer["policy"]["min_size"] == MiB
         share = 20 * MiB - 10_000  # the 20 MiB pool but its reserve (one byte per connection slot)
@@ -225,9 +225,9 @@ async def test_policy_set_pushes_new_buffers_to_connected_producers(broker: Any)
         assert answer["granted"]["connections"] == [{"connection": conn.connection_id, "client_name": "p1",
                                                      "buffer_size": share, "state": "producer",
                                                      "window": 50 * MiB}]  # its old limit, not yet used
-        await wait_until(lambda: conn.credit.max_bytes == share)
+        await wait_until(lambda: conn.sender_window.window == share)
         async with await fb.connect(broker.url, client_name="p2") as conn2:
-            assert conn2.credit.max_bytes == 1
+            assert conn2.sender_window.window == 1
             await send_one(conn2)
             # p1 may still send up to its old 50 MiB limit: nothing is left for p2, which waits
             answer = await ok(broker, "GET", "/api/policy")
@@ -236,13 +236,13 @@ async def test_policy_set_pushes_new_buffers_to_connected_producers(broker: Any)
             for _ in range(60):  # p1 spends its old limit: acknowledgements overtake it
                 await producer.send(b"z" * MiB, timeout=5)
             await producer.flush(timeout=5)
-            await wait_until(lambda: conn2.credit.max_bytes == share // 2)  # the 20 MiB pool shared by two
-            await wait_until(lambda: conn.credit.max_bytes == share // 2)
+            await wait_until(lambda: conn2.sender_window.window == share // 2)  # the 20 MiB pool shared by two
+            await wait_until(lambda: conn.sender_window.window == share // 2)
             answer = await ok(broker, "GET", "/api/policy")
             assert answer["granted"]["total"] == 2 * (share // 2) and answer["granted"]["waiting"] == 0
         answer = await ok(broker, "PUT", "/api/policy", {"policy": "static", "static_size": 3 * MiB})
         assert answer["granted"]["total"] == 3 * MiB
-        await wait_until(lambda: conn.credit.max_bytes == 3 * MiB)
+        await wait_until(lambda: conn.sender_window.window == 3 * MiB)
     for body, field in (({"policy": "greedy"}, "policy"), ({"min_size": 0}, "min_size"), ({"nope": 1}, "nope"),
                         ({"quota": True}, "quota")):
         status, answer, _ = await api(broker, "PUT", "/api/policy", body)

@@ -435,7 +435,7 @@ async def test_producer_that_honours_credit_is_never_disconnected_under_load(sta
                 for i, size in enumerate(sizes):
                     body = b"%06d" % i + b"y" * size
                     await producer.send(body, timeout=LIMIT)
-                    assert pconn.credit.outstanding < buffer + message_size(body)  # never more than one message over
+                    assert pconn.sender_window.outstanding < buffer + message_size(body)  # never more than one message over
                 await producer.flush(timeout=LIMIT)
 
             with trio.fail_after(4 * LIMIT):

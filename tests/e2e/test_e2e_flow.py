@@ -97,7 +97,7 @@ async def test_fast_producers_are_paced_and_queue_stays_within_bounds(start_flow
                     await trio.sleep(0.001)  # 50 per tick
             await producer.flush(timeout=LIMIT)
             assert producer.stats.completed == per_producer and producer.stats.failed == 0
-            assert conn.credit.max_bytes == buffer  # static: the same share for both
+            assert conn.sender_window.window == buffer  # static: the same share for both
 
     received: list[bytes] = []
     redelivered = 0

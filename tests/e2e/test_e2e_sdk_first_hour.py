@@ -321,7 +321,7 @@ async def test_the_broker_reports_unroutable_only_to_connections_that_asked(star
 async def test_consumer_stats_count_the_credit_it_grants(start_flowbroker) -> None:
     broker = await start_flowbroker()
     async with await fc.connect(broker.url, timeout=LIMIT) as conn:
-        assert conn.producer_buffer_size == conn.credit.max_bytes
+        assert conn.producer_buffer_size == conn.sender_window.window
         await _fill(conn, "counted", 4)
         assert conn.producer_buffer_size > 1  # a producer now: its share of the pool
         await conn.set_buffer_size(1 << 20)

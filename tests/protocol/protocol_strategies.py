@@ -122,7 +122,7 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
     ),
     FrameType.COMPLETE: st.builds(Complete, cumulative_id=u64, ranges=ranges),
     FrameType.BUFFER_CONTROL: st.builds(BufferControl, opaque=u64, buffer_size=u64),
-    FrameType.BUFFER_ACK: st.builds(BufferAck, opaque=u64, freed=u64, acked_total=u64),
+    FrameType.BUFFER_ACK: st.builds(BufferAck, opaque=u64, freed=u64, acked_position=u64),
     FrameType.FLOW_STOPPED: st.builds(
         FlowStopped, destination=names, threshold=text, limit=u64, value=u64, reason=text
     ),

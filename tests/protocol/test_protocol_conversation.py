@@ -1,7 +1,7 @@
 """Whole conversations through a ConnectionPair: the frames, state machine and credit halves together.
 
 The broker's side here is played by the test with the same sans-IO pieces the broker uses
-(BufferLog, AckScheduler, message_size), so these check that the protocol carries the credit model
+(SenderWindow, ReceiverWindow, message_size), so these check that the protocol carries the credit model
 end to end, byte for byte, not the broker's queueing.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from pair import ConnectionPair
 
 from flowbroker.protocol import (
-    AckScheduler,
+    ReceiverWindow,
     BufferAck,
     BufferControl,
-    BufferLog,
+    SenderWindow,
     Complete,
     Deliver,
     DeliveryEntry,
@@ -37,8 +37,8 @@ S = 1_000_000_000
 def test_producer_paced_by_broker_credit() -> None:
     pair = ConnectionPair()
     welcome = pair.handshake(flow_control=True, buffer_size=1000)
-    credit = BufferLog(welcome.buffer_size)  # client side
-    grants = AckScheduler(welcome.buffer_size)  # broker side: the DCP consumer toward the producer
+    credit = SenderWindow(welcome.buffer_size)  # client side
+    grants = ReceiverWindow(welcome.buffer_size)  # broker side: the DCP consumer toward the producer
     next_id = 1
     received = 0
     now = 0
@@ -63,10 +63,10 @@ def test_producer_paced_by_broker_credit() -> None:
             assert isinstance(frame, Transfer)
             for offset, entry in enumerate(frame.entries):
                 size = message_size(entry.body, entry.headers)
-                assert received < grants.advertised_total + welcome.buffer_size  # never beyond credit
+                assert received < grants.acked_position + welcome.buffer_size  # never beyond credit
                 received += size
                 now += 1000
-                ack = grants.on_processed(size, now)
+                ack = grants.on_consumed(size, now)
                 pair.send(Role.BROKER, Complete(frame.first_id + offset, []))
                 if ack is not None:
                     pair.send(Role.BROKER, ack)
@@ -82,9 +82,9 @@ def test_producer_paced_by_broker_credit() -> None:
                 completed_up_to = frame.cumulative_id
             else:
                 assert isinstance(frame, BufferAck) and frame.opaque == 0
-                credit.on_ack(frame.acked_total)
+                credit.on_ack(frame.acked_position)
     assert completed_up_to == len(bodies)
-    assert credit.sent_total == received == credit.acked_total == grants.processed_total
+    assert credit.position == received == credit.acked_position == grants.consumed_position
 
 
 def test_held_transfer_flow_stopped_then_completed_out_of_order() -> None:
@@ -113,8 +113,8 @@ def test_consumer_buffer_paces_deliveries() -> None:
     pair = ConnectionPair()
     pair.handshake()
     pair.exchange(Role.CLIENT, Subscribe(1, 7, "q", 0, 0), BufferControl(7, 400))
-    sub_buffer = BufferLog(400)  # broker side
-    acks = AckScheduler(400, opaque=7)  # client side
+    sub_buffer = SenderWindow(400)  # broker side
+    acks = ReceiverWindow(400, opaque=7)  # client side
     bodies = [b"x" * n for n in (10, 100, 300, 5, 1000, 20, 20, 20)]
     backlog = list(bodies)
     tag = 0
@@ -133,7 +133,7 @@ def test_consumer_buffer_paces_deliveries() -> None:
                 seen.append(entry.body)
                 now += 1
                 pair.send(Role.CLIENT, Settle(Outcome.ACK, [(entry.delivery_tag, entry.delivery_tag)]))
-                ack = acks.on_processed(message_size(entry.body), now)
+                ack = acks.on_consumed(message_size(entry.body), now)
                 if ack is not None:
                     pair.send(Role.CLIENT, ack)
         else:
@@ -144,7 +144,7 @@ def test_consumer_buffer_paces_deliveries() -> None:
         for frame in pair.deliver(Role.CLIENT):
             if isinstance(frame, BufferAck):
                 assert frame.opaque == 7
-                sub_buffer.on_ack(frame.acked_total)
+                sub_buffer.on_ack(frame.acked_position)
     assert seen == bodies
 
 

@@ -64,7 +64,7 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
     FrameType.TRANSFER: [("first_id", "pos"), ("entries", "transfer_entries")],
     FrameType.COMPLETE: [("cumulative_id", "uint"), ("ranges", "ranges")],
     FrameType.BUFFER_CONTROL: [("opaque", "uint"), ("buffer_size", "uint")],
-    FrameType.BUFFER_ACK: [("opaque", "uint"), ("freed", "uint"), ("acked_total", "uint")],
+    FrameType.BUFFER_ACK: [("opaque", "uint"), ("freed", "uint"), ("acked_position", "uint")],
     FrameType.FLOW_STOPPED: [
         ("destination", "name"),
         ("threshold", "str"),
