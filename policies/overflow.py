@@ -18,6 +18,21 @@ from typing import Final
 from flowbroker.policies.credit import MiB, PolicyConfigError
 from flowbroker.protocol.names import OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
 
+__all__ = [
+    "ACCEPTED",
+    "DEFAULT_THRESHOLD_DEFAULTS",
+    "Admission",
+    "Limit",
+    "OverflowPolicy",
+    "QueueLimits",
+    "ThresholdDefaults",
+    "Thresholds",
+    "Verdict",
+    "admit",
+    "is_over_stop",
+    "is_under_resume",
+]
+
 _OFF: Final = sys.maxsize  # an "off" threshold compares as never reached, so predicates need no branches
 
 
