@@ -43,6 +43,7 @@ from flowbroker.broker.config import AdminConfig
 from flowbroker.broker.core import BrokerCore, RequestError
 from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
 
 __all__ = ["AdminServer", "AdminStartError", "create_app", "resolve_token", "write_token_file"]
 
@@ -291,9 +292,10 @@ class AdminApi:
             if key not in views.THRESHOLD_KEYS:
                 raise ApiError(400, "invalid_argument",
                                f"unknown threshold {key!r}; known: {', '.join(views.THRESHOLD_KEYS)}", key)
-            if key == "overflow":
+            if key == OVERFLOW:
                 if not isinstance(value, str):
-                    raise ApiError(400, "invalid_argument", "overflow must be \"reject\" or \"drop-head\"", key)
+                    raise ApiError(400, "invalid_argument",
+                                   f"overflow must be \"{OVERFLOW_REJECT}\" or \"{OVERFLOW_DROP_HEAD}\"", key)
             elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ApiError(400, "invalid_argument", f"{key} must be an integer >= 0 (or null for the default)", key)
         queue = self.core.set_queue_thresholds(name, body)

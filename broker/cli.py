@@ -38,6 +38,8 @@ from flowbroker.broker.cliformat import (
 )
 from flowbroker.broker.clioutcome import EXIT_COMPLETED, EXIT_ERROR, PublishOutcome, message_json
 from flowbroker.broker.config import DEFAULT_TOKEN_FILE, ConfigError, load_config, parse_size
+from flowbroker.policies.credit import CreditPolicy
+from flowbroker.protocol.names import EXCHANGE_DIRECT, EXCHANGE_KINDS, OVERFLOW_POLICIES, QUEUE_ARGUMENTS
 
 if TYPE_CHECKING:
     from flowbroker.broker.server import BrokerServer
@@ -100,7 +102,7 @@ def _url_option(func: F) -> F:
 @click.option("--host", help="Address to listen on [default: 127.0.0.1].")
 @click.option("--port", type=int, help="TCP port for clients [default: 5680].")
 @click.option("--memory-quota", type=SIZE, help="Memory the credit policies share out, e.g. 2GiB [default: 1/4 of RAM].")
-@click.option("--credit-policy", type=click.Choice(["none", "static", "dynamic", "aggressive"]),
+@click.option("--credit-policy", type=click.Choice([p.value for p in CreditPolicy]),
               help="Producer credit policy [default: aggressive].")
 @click.option("--idle-timeout", type=float, help="Seconds of silence before a peer is declared dead [default: 60].")
 @click.option("--admin-host", help="Address of the management HTTP API [default: 127.0.0.1].")
@@ -309,8 +311,7 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
 
 # -- management: the admin HTTP API (docs/management.md) -----------------------------------------
 
-THRESHOLD_OPTIONS = ("flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
-                     "max_count", "max_size", "overflow")
+THRESHOLD_OPTIONS = QUEUE_ARGUMENTS
 
 
 def _refuse_token_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -392,7 +393,7 @@ def queue_show(name: str, **options: Any) -> None:
               help="Clear when under this many messages (default: the queue's resume/stop ratio kept).")
 @click.option("--max-size", type=SIZE, help="Hard limit in bytes (0 = unlimited).")
 @click.option("--max-count", type=int, help="Hard limit in messages (0 = unlimited).")
-@click.option("--overflow", type=click.Choice(["reject", "drop-head"]), help="What the hard limit does.")
+@click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), help="What the hard limit does.")
 @_admin_options
 def queue_set(name: str, **options: Any) -> None:
     """Change NAME's thresholds now: a raised one releases held producers at once, a lowered one stops
@@ -473,7 +474,7 @@ def exchange() -> None:
 
 @exchange.command("declare")
 @click.argument("name")
-@click.option("--kind", type=click.Choice(["direct", "fanout", "topic"]), default="direct", show_default=True)
+@click.option("--kind", type=click.Choice(EXCHANGE_KINDS), default=EXCHANGE_DIRECT, show_default=True)
 @_url_option
 def exchange_declare(name: str, kind: str, url: str) -> None:
     """Declare exchange NAME of KIND (over the broker protocol, as the SDK does); an existing one of the
@@ -544,7 +545,7 @@ def policy_show(**options: Any) -> None:
 
 
 @policy.command("set")
-@click.argument("name", required=False, type=click.Choice(["none", "static", "dynamic", "aggressive"]))
+@click.argument("name", required=False, type=click.Choice([p.value for p in CreditPolicy]))
 @click.option("--quota", type=SIZE, help="Memory the policies share out, e.g. 2GiB.")
 @click.option("--static-size", type=SIZE, help="static: every producer's buffer.")
 @click.option("--min-size", type=SIZE, help="dynamic/aggressive: smallest buffer.")

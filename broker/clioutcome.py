@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowbroker.protocol.names import ALL_DESTINATIONS
+
 __all__ = ["EXIT_COMPLETED", "EXIT_ERROR", "EXIT_NOT_COMPLETED", "BROKER_WIDE", "PublishOutcome",
            "explain_destinations", "message_json"]
 
@@ -28,7 +30,7 @@ BROKER_WIDE = "* (a broker-wide stop: `flowbroker producers stop-all`, or the br
 
 def explain_destinations(destinations: tuple[str, ...] | list[str]) -> str:
     """The flow-stopped destinations as a person reads them: queue names, and `*` explained."""
-    return ", ".join(BROKER_WIDE if d == "*" else repr(d) for d in destinations) or "none"
+    return ", ".join(BROKER_WIDE if d == ALL_DESTINATIONS else repr(d) for d in destinations) or "none"
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from flowbroker.policies.credit import CreditPolicyConfig, PolicyConfigError
 from flowbroker.policies.overflow import OverflowPolicy, ThresholdDefaults
+from flowbroker.protocol.names import OVERFLOW_REJECT
 
 __all__ = [
     "ConfigError",
@@ -120,7 +121,7 @@ class QueueDefaults:
     max_size: int = 100 * MiB
     flow_stop_percent: float = 80.0
     flow_resume_percent: float = 70.0
-    overflow: str = "reject"
+    overflow: str = OVERFLOW_REJECT
     max_prefetch: int = 10_000
 
     def validate(self) -> None:

@@ -30,6 +30,14 @@ from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError, message_size
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, message_wire_size, utf8_len
+from flowbroker.protocol.names import (
+    ALL_DESTINATIONS,
+    BUILTIN_EXCHANGES as _BUILTIN,
+    OVERFLOW,
+    QUEUE_ARGUMENTS,
+    THRESHOLD_ADMIN,
+    THRESHOLD_MEMORY,
+)
 from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
@@ -58,17 +66,7 @@ __all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS", "BUILTIN_EXCHANGES"]
 
 LOGGER = logging.getLogger("flowbroker.broker")
 
-QUEUE_ARGUMENTS = (
-    "max_count",
-    "max_size",
-    "flow_stop_count",
-    "flow_resume_count",
-    "flow_stop_size",
-    "flow_resume_size",
-    "overflow",
-)
-
-BUILTIN_EXCHANGES = frozenset({"amq.direct", "amq.fanout", "amq.topic"})
+BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 """Declared at start and never deleted (AMQP's rule), as the default exchange "" is not."""
 
 
@@ -93,11 +91,7 @@ class BrokerCore:
         self.routes = RouteCache()  # routing results of every exchange, bounded
         self.exchanges: SortedKeyDict[str, Exchange] = SortedKeyDict(
             (name, Exchange(name, kind, self.routes))
-            for name, kind in (
-                ("amq.direct", ExchangeKind.DIRECT),
-                ("amq.fanout", ExchangeKind.FANOUT),
-                ("amq.topic", ExchangeKind.TOPIC),
-            )
+            for name, kind in ((name, ExchangeKind(kind)) for name, kind in _BUILTIN)
         )
         self.sessions: SortedKeyDict[int, Session] = SortedKeyDict()
         # floor: a share holds at least one maximum message (message_size of a max_message_size body)
@@ -308,7 +302,7 @@ class BrokerCore:
             if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
                 self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
                              f"the broker is over its memory watermark ({self.memory.held} of "
-                             f"{self.memory.watermark} bytes held); retry later or use flow control", "*")
+                             f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
                 tid += 1
                 continue
             if exchange == "":
@@ -382,13 +376,14 @@ class BrokerCore:
         if self.producers_stopped:
             return
         self.producers_stopped = True
-        self._set_broker_stop("admin", FlowStopped("*", "admin", 0, 0, "an operator stopped all producers"))
+        self._set_broker_stop(THRESHOLD_ADMIN, FlowStopped(ALL_DESTINATIONS, THRESHOLD_ADMIN, 0, 0,
+                                                           "an operator stopped all producers"))
 
     def start_all_producers(self) -> None:
         if not self.producers_stopped:
             return
         self.producers_stopped = False
-        self._set_broker_stop("admin", None)
+        self._set_broker_stop(THRESHOLD_ADMIN, None)
 
     def admin_held(self) -> tuple[HeldTransfer, ...]:
         """Transfers held by a broker-wide stop (stop-all, the memory alarm) now, for the views."""
@@ -400,20 +395,20 @@ class BrokerCore:
         memory.alarms_total += 1
         LOGGER.warning("memory alarm: %d bytes of messages held, watermark %d: producers are flow-stopped "
                        "until under %d", memory.held, memory.watermark, memory.resume)
-        self._set_broker_stop("memory", FlowStopped(
-            "*", "memory", memory.watermark, memory.held,
+        self._set_broker_stop(THRESHOLD_MEMORY, FlowStopped(
+            ALL_DESTINATIONS, THRESHOLD_MEMORY, memory.watermark, memory.held,
             f"the broker holds {memory.held} bytes of messages, over its memory watermark {memory.watermark}; "
             "transfers are held until consumers take messages",
         ))
 
     def _memory_cleared(self) -> None:
         LOGGER.warning("memory alarm cleared: %d bytes of messages held", self.memory.held)
-        self._set_broker_stop("memory", None)
+        self._set_broker_stop(THRESHOLD_MEMORY, None)
 
     def _broker_stop(self) -> FlowStopped:
         """The FLOW_STOPPED on `*` that says why, the memory alarm first (an operator can see stop-all)."""
         stops = self._broker_stops
-        return stops.get("memory") or stops["admin"]
+        return stops.get(THRESHOLD_MEMORY) or stops[THRESHOLD_ADMIN]
 
     def _set_broker_stop(self, reason: str, stop: FlowStopped | None) -> None:
         """Start (stop given) or end a broker-wide stop; producers hear of every change of reason."""
@@ -535,8 +530,8 @@ class BrokerCore:
         for key in arguments:
             if key not in QUEUE_ARGUMENTS:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown queue argument {key!r}; known: {', '.join(QUEUE_ARGUMENTS)}")
-        overflow = OverflowPolicy.parse(arguments.get("overflow", self.config.queues.overflow), "overflow")
-        numeric = {k: v for k, v in arguments.items() if k != "overflow"}
+        overflow = OverflowPolicy.parse(arguments.get(OVERFLOW, self.config.queues.overflow), OVERFLOW)
+        numeric = {k: v for k, v in arguments.items() if k != OVERFLOW}
         thresholds = Thresholds(**numeric, defaults=self.config.queues.thresholds())
         return thresholds, overflow
 
@@ -569,8 +564,8 @@ class BrokerCore:
         """Change a queue's thresholds while running; saturation is re-evaluated at once."""
         queue = self.get_queue(name)
         t = queue.thresholds
-        current: dict[str, Any] = {k: getattr(t, k) for k in QUEUE_ARGUMENTS if k != "overflow"}
-        current["overflow"] = queue.overflow.value
+        current: dict[str, Any] = {k: getattr(t, k) for k in QUEUE_ARGUMENTS if k != OVERFLOW}
+        current[OVERFLOW] = queue.overflow.value
         # A changed stop threshold without its resume keeps the queue's resume/stop ratio (its
         # hysteresis; the [queues] percentages' when it had no stop), so `queue set --flow-stop-size`
         # does not silently turn resume = stop. A stop set to null (the default) derives both.

@@ -11,6 +11,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from flowbroker.broker.topic import TopicIndex
+from flowbroker.protocol.names import EXCHANGE_DIRECT, EXCHANGE_FANOUT, EXCHANGE_TOPIC
 
 if TYPE_CHECKING:
     from flowbroker.broker.queue import Queue
@@ -19,9 +20,11 @@ __all__ = ["ExchangeKind", "Exchange", "RouteCache", "topic_matches"]
 
 
 class ExchangeKind(enum.StrEnum):
-    DIRECT = "direct"
-    FANOUT = "fanout"
-    TOPIC = "topic"
+    """DECLARE_EXCHANGE's kinds (their names are defined in ``protocol.names``)."""
+
+    DIRECT = EXCHANGE_DIRECT
+    FANOUT = EXCHANGE_FANOUT
+    TOPIC = EXCHANGE_TOPIC
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:

@@ -28,6 +28,7 @@ from flowbroker.policies.overflow import (
     is_over_stop,
     is_under_resume,
 )
+from flowbroker.protocol.names import THRESHOLD_FLOW_STOP_COUNT, THRESHOLD_FLOW_STOP_SIZE
 
 if TYPE_CHECKING:
     from flowbroker.broker.session import Session
@@ -163,9 +164,9 @@ class Queue:
     def _saturate(self, now_ns: int) -> None:
         t = self.thresholds
         if t.flow_stop_count and self.count > t.flow_stop_count:
-            self.stop_reason = ("flow_stop_count", t.flow_stop_count, self.count)
+            self.stop_reason = (THRESHOLD_FLOW_STOP_COUNT, t.flow_stop_count, self.count)
         else:
-            self.stop_reason = ("flow_stop_size", t.flow_stop_size, self.size)
+            self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
         self.saturated = True
         self.stats.flow_stopped_count += 1
         self.stats.saturated_since_ns = now_ns

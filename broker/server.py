@@ -56,6 +56,7 @@ from flowbroker.broker.framebudget import PartialFrameBudget
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.protocol.codec import encode_frames
+from flowbroker.transport.udp.clock import now_ns
 from flowbroker.protocol.connection import Connection, Role, State
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from flowbroker.protocol.frames import (
@@ -82,11 +83,6 @@ CONNECTION_SUMMARY_SECONDS = 60.0  # connections open and close at DEBUG; INFO g
 HTTP_METHODS = (b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE", b"PATC", b"OPTI", b"CONN", b"TRAC")
 """First bytes of an HTTP request. As a length prefix each is over 1 GiB, more than any max_frame_size,
 so a peer that sends one is never a broker client: it is told in HTTP where the admin API is."""
-
-
-def now_ns() -> int:
-    """trio's clock in nanoseconds: virtual under MockClock, so timing tests are deterministic."""
-    return int(trio.current_time() * 1e9)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from flowbroker.protocol.frames import (
     Frame,
 )
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.names import ALL_DESTINATIONS
 from flowbroker.protocol.ranges import IdSet, to_ranges
 
 if TYPE_CHECKING:
@@ -36,9 +37,8 @@ __all__ = ["Session", "SessionFault", "ADMIN_DESTINATION"]
 
 _make_entry = DeliveryEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
 
-ADMIN_DESTINATION = "*"
-"""The destination named in FLOW_STOPPED/FLOW_RESUMED for a broker-wide stop: an operator's stop-all
-(threshold `admin`) or the memory alarm (threshold `memory`)."""
+ADMIN_DESTINATION = ALL_DESTINATIONS
+"""protocol.names.ALL_DESTINATIONS under its old name here (kept while the session is rewritten)."""
 
 
 class SessionFault(Exception):

@@ -29,6 +29,7 @@ from flowbroker.broker.session import Session
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditPolicyConfig
 from flowbroker.protocol.credit import SenderWindow
+from flowbroker.protocol.names import QUEUE_ARGUMENTS, THRESHOLD_ADMIN, THRESHOLD_MEMORY
 
 __all__ = [
     "THRESHOLD_KEYS",
@@ -47,15 +48,7 @@ __all__ = [
     "connection_role",
 ]
 
-THRESHOLD_KEYS = (
-    "flow_stop_count",
-    "flow_resume_count",
-    "flow_stop_size",
-    "flow_resume_size",
-    "max_count",
-    "max_size",
-    "overflow",
-)
+THRESHOLD_KEYS = QUEUE_ARGUMENTS
 """Every key of a queue's `thresholds` object, which is also what PATCH /api/queues/{name} accepts."""
 
 PeerOf = Callable[[int], str | None]
@@ -184,7 +177,7 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
             stop = session.broker_stop
             entry.update(reason=stop.threshold, threshold=stop.threshold, limit=stop.limit, value=stop.value)
         else:
-            entry.update(reason="admin", threshold="admin", limit=0, value=0)
+            entry.update(reason=THRESHOLD_ADMIN, threshold=THRESHOLD_ADMIN, limit=0, value=0)
         destinations.append(entry)
     # A destination is added when it stops the producer and removed when it resumes it, never
     # re-stamped in between, so the first is the earliest: no walk over every stopping queue.
@@ -193,8 +186,8 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
         "stopped": bool(destinations),
         "stopped_for_seconds": _seconds(now_ns, first[1]) if first is not None else None,
         "blocking_queues": [d["destination"] for d in destinations if d["reason"] == "queue"],
-        "admin_stopped": "admin" in session.broker_stops,
-        "memory_stopped": "memory" in session.broker_stops,
+        "admin_stopped": THRESHOLD_ADMIN in session.broker_stops,
+        "memory_stopped": THRESHOLD_MEMORY in session.broker_stops,
         "destinations": destinations,
         "destinations_total": len(session.flow_stopped_on),
     }

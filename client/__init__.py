@@ -28,7 +28,7 @@ from flowbroker.client.errors import (
     TooManyHeaders,
     Unroutable,
 )
-from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState, FlowStop
+from flowbroker.client.flow import ALL_DESTINATIONS, FlowEvent, FlowEvents, FlowState, FlowStop
 from flowbroker.client.producer import Producer, ProducerStats
 from flowbroker.client.url import DEFAULT_URL, BrokerAddress, parse_url
 from flowbroker.protocol import ErrorCode, Outcome
@@ -45,6 +45,7 @@ __all__ = [
     "FlowStop",
     "FlowEvent",
     "FlowEvents",
+    "ALL_DESTINATIONS",
     "DEFAULT_URL",
     "BrokerAddress",
     "parse_url",

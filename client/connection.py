@@ -94,6 +94,8 @@ from flowbroker.protocol import (
 )
 from flowbroker.protocol import Connection as ProtocolConnection
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.names import EXCHANGE_KINDS, OVERFLOW_POLICIES
+from flowbroker.protocol.ranges import to_ranges
 
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
@@ -424,13 +426,13 @@ class Connection:
             "max_size": max_size,
             "overflow": overflow,
         }
-        if overflow is not None and overflow not in ("reject", "drop-head"):
+        if overflow is not None and overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be 'reject' or 'drop-head', not {overflow!r}")
         arguments = {k: v for k, v in given.items() if v is not None} or None
         return await self._request(lambda rid: DeclareQueue(rid, name, durable, arguments), timeout)
 
     async def declare_exchange(self, name: str, kind: str = "direct", *, timeout: float | None = None) -> dict[str, Any]:
-        if kind not in ("direct", "fanout", "topic"):
+        if kind not in EXCHANGE_KINDS:
             raise ValueError(f"exchange kind must be direct, fanout or topic, not {kind!r}")
         return await self._request(lambda rid: DeclareExchange(rid, name, kind), timeout)
 
@@ -711,7 +713,7 @@ class Connection:
         if self._settle:
             settle, self._settle = self._settle, {}
             for outcome, tags in settle.items():
-                ranges = coalesce(tags)
+                ranges = to_ranges(tags)
                 # Split, so that no frame asks the broker for more than the protocol allows.
                 for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):
                     out.append(send(Settle(outcome, ranges[start : start + MAX_RANGES_PER_FRAME])))
@@ -957,23 +959,6 @@ def _check_binding_key(key: str) -> None:
         raise RequestError(
             ErrorCode.KEY_TOO_LONG, f"binding key of {size} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)"
         )
-
-
-def coalesce(tags: list[int]) -> list[tuple[int, int]]:
-    """Sorted inclusive ranges covering `tags` (duplicates allowed): [1, 2, 3, 7] -> [(1, 3), (7, 7)]."""
-    if tags:
-        # The common case, without a Python loop: consecutive tags (settled in any order, no duplicates).
-        low, high = min(tags), max(tags)
-        if high - low + 1 == len(tags) and len(set(tags)) == len(tags):
-            return [(low, high)]
-    ranges: list[tuple[int, int]] = []
-    for tag in sorted(tags):
-        if ranges and tag <= ranges[-1][1] + 1:
-            if tag > ranges[-1][1]:
-                ranges[-1] = (ranges[-1][0], tag)
-        else:
-            ranges.append((tag, tag))
-    return ranges
 
 
 async def connect(

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flowbroker.protocol import ErrorCode
+from flowbroker.protocol.names import ALL_DESTINATIONS
 
 __all__ = [
     "FlowbrokerError",
@@ -265,6 +266,6 @@ def describe_stopped(destinations: Iterable[str]) -> str:
     """Flow-stopped destinations for a message, "*" explained: it is not a queue but every producer,
     stopped by an operator's stop-all or by the broker's memory alarm."""
     return ", ".join(
-        "* (all producers: an operator's stop-all or the broker's memory alarm)" if d == "*" else d
+        "* (all producers: an operator's stop-all or the broker's memory alarm)" if d == ALL_DESTINATIONS else d
         for d in destinations
     )

@@ -24,10 +24,10 @@ from typing import Literal
 import trio
 
 from flowbroker.protocol import FlowStopped
+from flowbroker.protocol.names import ALL_DESTINATIONS
 
 __all__ = ["FlowStop", "FlowEvent", "FlowState", "FlowEvents", "FlowTracker", "ALL_DESTINATIONS"]
 
-ALL_DESTINATIONS = "*"
 """The destination of an administrative stop-all."""
 
 

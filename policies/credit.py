@@ -16,6 +16,26 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Final, Generic, TypeVar
 
+__all__ = [
+    "MAX_BUFFER_SIZE",
+    "MiB",
+    "WAIT_GRANT",
+    "CreditAllocator",
+    "CreditPolicy",
+    "CreditPolicyConfig",
+    "DuplicateConnectionError",
+    "PolicyConfigError",
+    "PolicyError",
+    "PoolExhaustedError",
+    "UnknownConnectionError",
+    "aggressive_size",
+    "clamp",
+    "dynamic_size",
+    "reserve_for",
+    "share_target",
+    "static_size",
+]
+
 MiB: Final = 1024 * 1024
 
 #: Hard ceiling for any buffer: Couchbase had to cap DCP buffers at UINT32_MAX after >4 GiB buffers

@@ -16,6 +16,22 @@ from fractions import Fraction
 from typing import Final
 
 from flowbroker.policies.credit import MiB, PolicyConfigError
+from flowbroker.protocol.names import OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
+
+__all__ = [
+    "ACCEPTED",
+    "DEFAULT_THRESHOLD_DEFAULTS",
+    "Admission",
+    "Limit",
+    "OverflowPolicy",
+    "QueueLimits",
+    "ThresholdDefaults",
+    "Thresholds",
+    "Verdict",
+    "admit",
+    "is_over_stop",
+    "is_under_resume",
+]
 
 _OFF: Final = sys.maxsize  # an "off" threshold compares as never reached, so predicates need no branches
 
@@ -29,10 +45,11 @@ def _non_negative(key: str, value: object) -> int:
 
 
 class OverflowPolicy(StrEnum):
-    """What a full queue does with one more message (Qpid ``reject``; RabbitMQ/Qpid-ring ``drop-head``)."""
+    """What a full queue does with one more message (Qpid ``reject``; RabbitMQ/Qpid-ring ``drop-head``).
+    The names travel in DECLARE_QUEUE, so they are defined in ``protocol.names``."""
 
-    REJECT = "reject"
-    DROP_HEAD = "drop-head"
+    REJECT = OVERFLOW_REJECT
+    DROP_HEAD = OVERFLOW_DROP_HEAD
 
     @classmethod
     def parse(cls, value: object, key: str = "overflow_policy") -> OverflowPolicy:

@@ -26,6 +26,15 @@ from flowbroker.protocol.errors import (
 )
 from flowbroker.protocol.frames import *  # noqa: F403
 from flowbroker.protocol.frames import __all__ as _frames_all
+from flowbroker.protocol.names import (
+    ALL_DESTINATIONS,
+    BUILTIN_EXCHANGES,
+    DEFAULT_EXCHANGE,
+    EXCHANGE_KINDS,
+    QUEUE_ARGUMENTS,
+    STOP_THRESHOLDS,
+)
+from flowbroker.protocol.ranges import IdSet, to_ranges
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
@@ -50,4 +59,16 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     *_frames_all,
+]
+
+# The wire's names (protocol/names.py has them all, one by one) and the id ranges of COMPLETE and SETTLE.
+__all__ += [
+    "ALL_DESTINATIONS",
+    "BUILTIN_EXCHANGES",
+    "DEFAULT_EXCHANGE",
+    "EXCHANGE_KINDS",
+    "QUEUE_ARGUMENTS",
+    "STOP_THRESHOLDS",
+    "IdSet",
+    "to_ranges",
 ]

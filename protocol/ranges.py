@@ -17,10 +17,18 @@ __all__ = ["to_ranges", "IdSet"]
 
 
 def to_ranges(ids: Iterable[int]) -> list[Range]:
-    """Coalesce ids into sorted inclusive ranges: [1, 2, 3, 7, 5] -> [(1, 3), (5, 5), (7, 7)]."""
+    """Coalesce ids (>= 0, duplicates allowed) into sorted inclusive ranges: [1, 2, 3, 7, 5, 5] ->
+    [(1, 3), (5, 5), (7, 7)]. The broker's COMPLETE and the SDK's SETTLE both build their ranges here."""
+    seq = ids if isinstance(ids, list) else list(ids)
+    if not seq:
+        return []
+    low, high = min(seq), max(seq)
+    if high - low + 1 == len(seq) and len(set(seq)) == len(seq):
+        # The common case without a Python loop: one run (settled in any order, no duplicates).
+        return [(low, high)]
     out: list[Range] = []
     lo = hi = -2
-    for i in sorted(ids):
+    for i in sorted(seq):
         if i == hi + 1:
             hi = i
         elif i > hi:

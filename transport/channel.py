@@ -38,6 +38,26 @@ from flowbroker.transport.positions import (
     term_count,
 )
 
+__all__ = [
+    "AERON_PREFIX",
+    "DEFAULT_LINGER_NS",
+    "DEFAULT_MAX_RESEND",
+    "DEFAULT_MTU",
+    "DEFAULT_NAK_DELAY_NS",
+    "DEFAULT_RECEIVER_WINDOW",
+    "DEFAULT_SO_RCVBUF",
+    "DEFAULT_TERM_LENGTH",
+    "DEFAULT_TTL",
+    "MAX_RESEND_LIMIT",
+    "ChannelUri",
+    "CongestionControlName",
+    "ControlMode",
+    "Endpoint",
+    "InterfaceSpec",
+    "parse_aeron_size",
+    "parse_channel",
+]
+
 AERON_PREFIX: Final = "aeron:"
 DEFAULT_MTU: Final = 1408
 DEFAULT_TERM_LENGTH: Final = 16 * 1024 * 1024
@@ -199,8 +219,13 @@ class ChannelUri:
 # ---------------------------------------------------------------------------------------------- parsing
 
 
-def parse_size(text: str) -> int:
-    """Aeron size syntax: digits with an optional k/m/g (binary) suffix."""
+def parse_aeron_size(text: str) -> int:
+    """Aeron's size syntax in a channel URI: digits with an optional k/m/g (binary) suffix, nothing else.
+
+    Not the broker's ``parse_size`` (``flowbroker.broker.config``, which also takes "1.5GiB", KiB/MiB/TiB
+    and a B suffix) on purpose: a channel URI must mean the same to the real Aeron driver
+    (``SystemUtil.parseSize``), so what Aeron would refuse is refused here too, and a URI that works
+    against our transport works against theirs."""
     match = _SIZE.match(text.strip())
     if match is None:
         raise ValueError(f"{text!r} is not a size (<int>[k|m|g])")
@@ -376,21 +401,21 @@ def _parse_cc(text: str) -> CongestionControlName:
 
 
 def _parse_mtu(text: str) -> int:
-    mtu = parse_size(text)
+    mtu = parse_aeron_size(text)
     if not MIN_MTU <= mtu <= MAX_MTU or mtu % FRAME_ALIGNMENT:
         raise ValueError(f"{mtu} must be a multiple of {FRAME_ALIGNMENT} in [{MIN_MTU}, {MAX_MTU}]")
     return mtu
 
 
 def _parse_term_length(text: str) -> int:
-    length = parse_size(text)
+    length = parse_aeron_size(text)
     if not is_valid_term_length(length):
         raise ValueError(f"{length} must be a power of two in [{TERM_MIN_LENGTH}, {TERM_MAX_LENGTH}]")
     return length
 
 
 def _positive_size(text: str, what: str) -> int:
-    size = parse_size(text)
+    size = parse_aeron_size(text)
     if size <= 0 or size > _INT32_MAX:
         raise ValueError(f"{what} {size} must be in [1, {_INT32_MAX}]")
     return size

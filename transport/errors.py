@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["ChannelUriError", "EndpointClosedError", "TransportError"]
+
 
 class TransportError(Exception):
     """Base of everything the transport raises."""

@@ -39,7 +39,7 @@ from flowbroker.transport.loss import LossDetector
 from flowbroker.transport.positions import compute_position, compute_term_id_from_position
 from flowbroker.transport.terms import FragmentAssembler, TermRebuilder
 
-__all__ = ["Image", "ImageState", "ImageTimers", "MessageHandler", "SubscriberState"]
+__all__ = ["Image", "ImageState", "ImageStatistics", "ImageTimers", "MessageHandler", "SubscriberState"]
 
 Address = Hashable
 MessageHandler = Callable[[memoryview | bytes], None]
@@ -72,6 +72,41 @@ class ImageTimers:
     def draining_ns(self) -> int:
         """How long a draining image keeps sending EOS SMs: 5 x SM timeout (1 s by default)."""
         return 5 * self.sm_timeout_ns
+
+
+@dataclass(frozen=True, slots=True)
+class ImageStatistics:
+    """A snapshot of an image (``Image.statistics()``), in Aeron's words.
+
+    Positions are bytes since the stream's start: ``join_position`` where this image joined,
+    ``rebuild_position`` contiguous data received, ``hwm_position`` the highest byte seen (a gap lies
+    between the two), ``consumption_position`` the slowest holding subscriber's processed position,
+    ``status_message_position`` the position the last status message reported and ``receiver_window`` the
+    window it advertised (so the sender may send up to their sum). ``loss_gaps`` counts gaps found, NAKs
+    sent for them ``naks_sent``; ``underruns``/``overruns`` are datagrams refused as outside the window,
+    ``duplicates`` datagrams whose bytes were already in.
+    """
+
+    session_id: int
+    stream_id: int
+    state: ImageState
+    join_position: int
+    rebuild_position: int
+    hwm_position: int
+    consumption_position: int
+    status_message_position: int
+    receiver_window: int
+    end_of_stream_position: int | None
+    subscribers: int
+    datagrams_inserted: int
+    duplicates: int
+    heartbeats_received: int
+    underruns: int
+    overruns: int
+    loss_gaps: int
+    naks_sent: int
+    status_messages_sent: int
+    rttms_sent: int
 
 
 class _Subscriber:
@@ -166,6 +201,16 @@ class Image:
         self.naks_sent = 0
         self.rttms_sent = 0
 
+    def statistics(self) -> ImageStatistics:
+        """A frozen snapshot of positions and counters (reads them; nothing is counted for it)."""
+        return ImageStatistics(
+            self.session_id, self.stream_id, self.state, self.join_position, self.rebuild_position,
+            self.hwm_position, self._consumption_positions()[0], self.last_sm_position, self.window_length,
+            self.end_of_stream_position, len(self._subscribers), self.packets_inserted, self.duplicates,
+            self.heartbeats, self.underruns, self.overruns, self.loss.gaps_found, self.naks_sent,
+            self.status_messages_sent, self.rttms_sent,
+        )
+
     # ------------------------------------------------------------------------------------ subscribers
 
     def add_subscriber(self, subscriber_id: int, tether: bool, now_ns: int) -> None:
@@ -181,6 +226,13 @@ class Image:
 
     def subscriber_position(self, subscriber_id: int) -> int:
         return self._subscribers[subscriber_id].position
+
+    def has_subscriber(self, subscriber_id: int) -> bool:
+        return subscriber_id in self._subscribers
+
+    def subscriber_messages(self, subscriber_id: int) -> int:
+        """Whole messages this subscriber's handler was given from this image."""
+        return self._subscribers[subscriber_id].messages
 
     def subscriber_state(self, subscriber_id: int) -> SubscriberState:
         return self._subscribers[subscriber_id].state

@@ -11,6 +11,34 @@ from __future__ import annotations
 
 from typing import Final
 
+__all__ = [
+    "MAX_MESSAGE_LENGTH_CAP",
+    "PAGE_MAX_SIZE",
+    "PAGE_MIN_SIZE",
+    "PARTITION_COUNT",
+    "TERM_MAX_LENGTH",
+    "TERM_MIN_LENGTH",
+    "check_term_length",
+    "compute_fragmented_frame_length",
+    "compute_max_message_length",
+    "compute_position",
+    "compute_term_begin_position",
+    "compute_term_id_from_position",
+    "compute_term_offset_from_position",
+    "index_by_position",
+    "index_by_term",
+    "index_by_term_count",
+    "is_valid_page_size",
+    "is_valid_term_length",
+    "max_possible_position",
+    "pack_tail",
+    "position_bits_to_shift",
+    "tail_term_id",
+    "tail_term_offset",
+    "term_count",
+    "wrap_int32",
+]
+
 PARTITION_COUNT: Final = 3
 TERM_MIN_LENGTH: Final = 64 * 1024
 TERM_MAX_LENGTH: Final = 1024 * 1024 * 1024

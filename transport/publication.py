@@ -3,7 +3,7 @@
 The application ``offer``s messages; they are appended to a three-partition term log (``terms``) at the
 publication's tail position. The *sender* side of the same object copies runs of frames out of the log into
 datagrams when ``do_work(now_ns)`` is called and hands them back as ``(datagram, address)`` pairs; the I/O
-shell (``udp.py``) sends them and feeds received control frames to ``on_datagram``. Nothing here reads a
+shell (``transport.udp``) sends them and feeds received control frames to ``on_datagram``. Nothing here reads a
 clock or touches a socket.
 
 Positions (Aeron's counters, snake_case):
@@ -52,13 +52,12 @@ from flowbroker.transport.positions import (
 )
 from flowbroker.transport.terms import TermAppender, scan_for_availability
 
-__all__ = ["OfferResult", "Publication", "PublicationConfig", "PublicationStats"]
+__all__ = ["OfferResult", "Publication", "PublicationConfig", "PublicationStatistics", "PublicationStats"]
 
 Address = Hashable
 
 #: Bound on control replies (RTTM) queued between duty cycles; a flood of probes cannot grow memory.
 _MAX_PENDING_CONTROL = 64
-
 
 
 class OfferResult(enum.IntEnum):
@@ -132,6 +131,43 @@ class PublicationStats:
     invalid_packets: int = 0
     errors_received: int = 0
     rttm_replies_sent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationStatistics:
+    """A snapshot of a publication (``Publication.statistics()``), in Aeron's words.
+
+    Positions are bytes since the stream's start: ``position`` the tail (next append), ``sender_position``
+    sent at least once, ``sender_limit`` what the receivers' status messages allow (through the flow-control
+    strategy), ``publication_limit`` how far ``offer`` may append (``sender_position + publication_window``
+    while connected), ``receiver_window`` the window in the last status message. The counters are
+    ``PublicationStats``' at that moment.
+    """
+
+    session_id: int
+    stream_id: int
+    position: int
+    sender_position: int
+    sender_limit: int
+    publication_limit: int
+    publication_window: int
+    receiver_window: int
+    receiver_count: int
+    connected: bool
+    closed: bool
+    setups_sent: int
+    data_datagrams_sent: int
+    bytes_sent: int
+    heartbeats_sent: int
+    status_messages_received: int
+    naks_received: int
+    naks_ignored: int
+    retransmits_sent: int
+    retransmitted_bytes: int
+    back_pressure_events: int
+    invalid_packets: int
+    errors_received: int
+    rttm_replies_sent: int
 
 
 @dataclass(slots=True)
@@ -279,6 +315,18 @@ class Publication:
     def receiver_count(self) -> int:
         """Receivers heard from (by receiver id) and not yet gone (timeout, EOS SM or ERR)."""
         return len(self._receivers)
+
+    def statistics(self) -> PublicationStatistics:
+        """A frozen snapshot of positions and counters (reads them; nothing is counted for it)."""
+        st = self.stats
+        return PublicationStatistics(
+            self.session_id, self.stream_id, self.appender.position, self.sender_position, self.sender_limit,
+            self.publication_limit, self.publication_window, self._receiver_window, len(self._receivers),
+            self.is_connected, self.is_closed, st.setups_sent, st.data_datagrams_sent, st.bytes_sent,
+            st.heartbeats_sent, st.status_messages_received, st.naks_received, st.naks_ignored,
+            st.retransmits_sent, st.retransmitted_bytes, st.back_pressure_events, st.invalid_packets,
+            st.errors_received, st.rttm_replies_sent,
+        )
 
     def offer(self, payload: bytes | bytearray | memoryview) -> int:
         """Append one message; return the new position, or an ``OfferResult`` (negative) saying why not."""

@@ -48,7 +48,14 @@ from flowbroker.transport.image import Image, ImageState, ImageTimers, MessageHa
 from flowbroker.transport.loss import DEFAULT_NAK_UNICAST_DELAY_NS, LossDetector
 from flowbroker.transport.positions import TERM_MAX_LENGTH
 
-__all__ = ["ReceiveChannel", "ReceiverConfig", "Subscription"]
+__all__ = [
+    "HANDLED_DISPOSITIONS",
+    "ReceiveChannel",
+    "ReceiveChannelStatistics",
+    "ReceiverConfig",
+    "Subscription",
+    "SubscriptionStatistics",
+]
 
 Address = Hashable
 ImageCallback = Callable[[Image], None]
@@ -60,6 +67,51 @@ PENDING_SETUP_TIMEOUT_NS = 1_000_000_000
 #: (session, stream) field offsets in a SETUP, read from one that failed validation to address the ERR.
 _SETUP_IDS = struct.Struct("<ii")
 _SETUP_IDS_OFFSET = 12
+
+
+#: Dispositions of datagrams the receiver used (or answered as the protocol says); every other key of
+#: ``ReceiveChannel.dispositions`` is a datagram refused, and its key says why.
+HANDLED_DISPOSITIONS = frozenset({"data", "heartbeat", "setup", "rttm", "setup_for_existing_image", "elicit_setup"})
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveChannelStatistics:
+    """A snapshot of a receive channel (``ReceiveChannel.statistics()``).
+
+    ``dispositions``: every datagram received, counted under exactly one key, as ``(key, count)`` pairs
+    sorted by key (so ``sum`` of the counts is ``datagrams_received``); ``refused``: the pairs whose key is
+    not in ``HANDLED_DISPOSITIONS``, i.e. the datagrams refused by reason (``rejected:<reason>``,
+    ``out_of_window``, ``unknown_session``, ``other_stream``, ``setup_rejected:<why>``, ...).
+    """
+
+    stream_id: int
+    images: int
+    subscriptions: int
+    datagrams_received: int
+    announcements_sent: int
+    errors_sent: int
+    dispositions: tuple[tuple[str, int], ...]
+    refused: tuple[tuple[str, int], ...]
+
+    @property
+    def datagrams_refused(self) -> int:
+        return sum(count for _, count in self.refused)
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionStatistics:
+    """A snapshot of a subscription (``Subscription.statistics()``).
+
+    ``consumption_positions``: ``(session_id, position)`` for each image this subscription reads, the bytes
+    its handler has processed (what the image's status messages report when it is the slowest);
+    ``messages``: whole messages handed to the handler from the images still there.
+    """
+
+    subscription_id: int
+    tether: bool
+    closed: bool
+    consumption_positions: tuple[tuple[int, int], ...]
+    messages: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +186,15 @@ class ReceiveChannel:
         #: One entry per datagram: how it was handled ("data", "heartbeat", "setup", "rttm", "duplicate",
         #: "rejected:<reason>", "unknown_session", "other_stream", "out_of_window", "no_image", ...).
         self.dispositions: Counter[str] = Counter()
+
+    def statistics(self) -> ReceiveChannelStatistics:
+        """A frozen snapshot of the counters (reads them; nothing is counted for it)."""
+        dispositions = tuple(sorted(self.dispositions.items()))
+        return ReceiveChannelStatistics(
+            self.stream_id, len(self.images), len(self._subscriptions), self.datagrams_received,
+            self.announcements_sent, self.errors_sent, dispositions,
+            tuple(kv for kv in dispositions if kv[0] not in HANDLED_DISPOSITIONS),
+        )
 
     # ------------------------------------------------------------------------------------ subscriptions
 
@@ -417,6 +478,17 @@ class Subscription:
     def position(self, session_id: int) -> int:
         """This subscription's consumption position on the session's image."""
         return self.channel.images[session_id].subscriber_position(self.subscription_id)
+
+    def statistics(self) -> SubscriptionStatistics:
+        """A frozen snapshot of this subscription's positions (reads them; nothing is counted for it)."""
+        sid = self.subscription_id
+        joined = [(session_id, image) for session_id, image in sorted(self.channel.images.items())
+                  if image.has_subscriber(sid)]
+        return SubscriptionStatistics(
+            sid, self.tether, self._closed,
+            tuple((session_id, image.subscriber_position(sid)) for session_id, image in joined),
+            sum(image.subscriber_messages(sid) for _, image in joined),
+        )
 
     def poll(self, handler: MessageHandler, fragment_limit: int = 10) -> int:
         """Deliver up to ``fragment_limit`` fragments as whole messages to ``handler``; return fragments read.

@@ -42,6 +42,19 @@ from flowbroker.transport.positions import (
     wrap_int32,
 )
 
+__all__ = [
+    "Buffer",
+    "FragmentAssembler",
+    "FragmentHandler",
+    "Gap",
+    "MessageHandler",
+    "TermAppender",
+    "TermLog",
+    "TermRebuilder",
+    "check_mtu",
+    "scan_for_availability",
+]
+
 _INT32: Final = struct.Struct("<i")
 _TYPE: Final = struct.Struct("<H")
 _HEADER: Final = struct.Struct("<iBBH")

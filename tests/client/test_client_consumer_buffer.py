@@ -12,7 +12,8 @@ import pytest
 import trio
 
 import flowbroker.client as fc
-from flowbroker.client.connection import TRANSFER_BATCH, coalesce
+from flowbroker.client.connection import TRANSFER_BATCH
+from flowbroker.protocol.ranges import to_ranges
 from flowbroker.protocol import (
     BufferAck,
     Cancel,
@@ -189,8 +190,8 @@ async def test_settling_is_not_a_cancel_point_iterating_is(start_broker) -> None
         ([], []),
     ],
 )
-def test_coalesce(tags: list[int], ranges: list[tuple[int, int]]) -> None:
-    assert coalesce(tags) == ranges
+def test_to_ranges(tags: list[int], ranges: list[tuple[int, int]]) -> None:
+    assert to_ranges(tags) == ranges
 
 
 async def test_settle_frames_are_split_at_max_ranges_per_frame(start_broker) -> None:

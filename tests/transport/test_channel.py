@@ -11,7 +11,7 @@ from flowbroker.transport.channel import (
     Endpoint,
     InterfaceSpec,
     parse_channel,
-    parse_size,
+    parse_aeron_size,
 )
 from flowbroker.transport.errors import ChannelUriError, TransportError
 
@@ -100,10 +100,10 @@ def test_hosts_and_ipv6() -> None:
 
 
 def test_parse_size() -> None:
-    assert parse_size("64k") == 65536 and parse_size("1M") == 1 << 20 and parse_size("1g") == 1 << 30
-    assert parse_size("1408") == 1408
+    assert parse_aeron_size("64k") == 65536 and parse_aeron_size("1M") == 1 << 20 and parse_aeron_size("1g") == 1 << 30
+    assert parse_aeron_size("1408") == 1408
     with pytest.raises(ValueError):
-        parse_size("12q")
+        parse_aeron_size("12q")
 
 
 BAD = [

@@ -7,7 +7,7 @@ import trio
 from flowbroker.transport.channel import parse_channel
 from flowbroker.transport.publication import OfferResult, Publication
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig
-from flowbroker.transport.udp import PublicationDriver, SubscriptionDriver, open_udp
+from flowbroker.transport.udp import PublicationDriver, SubscriptionDriver, now_ns, open_udp
 
 COUNT = 3_000
 
@@ -20,7 +20,7 @@ async def test_messages_arrive_in_order_over_loopback_and_end_of_stream_tears_do
     gone: list[object] = []
     subscription = channel.add_subscription(0, on_unavailable_image=gone.append)
     pub_endpoint = open_udp(("127.0.0.1", 0))
-    now = int(trio.current_time() * 1e9)
+    now = now_ns()
     publication = Publication.from_channel(uri, 10, 5001, now, destination=sub_endpoint.local_address)
     pub_driver = PublicationDriver(publication, pub_endpoint)
     sub_driver = SubscriptionDriver(channel, sub_endpoint)
@@ -43,7 +43,7 @@ async def test_messages_arrive_in_order_over_loopback_and_end_of_stream_tears_do
                         i.to_bytes(4, "little") + b"m" * (i % 700), deadline=trio.current_time() + 5
                     )
                     assert position > 0, f"publish {i} failed with {position}"
-                publication.close(int(trio.current_time() * 1e9))
+                publication.close(now_ns())
 
             nursery.start_soon(produce)
             while len(received) < COUNT:
@@ -66,7 +66,7 @@ async def test_a_refused_image_comes_back_to_the_publication_as_an_err_frame() -
     channel.add_subscription(0)
     pub_endpoint = open_udp(("127.0.0.1", 0))
     uri = parse_channel(f"aeron:udp?endpoint=127.0.0.1:{port}|mtu=8k|term-length=64k")
-    publication = Publication.from_channel(uri, 10, 5002, int(trio.current_time() * 1e9),
+    publication = Publication.from_channel(uri, 10, 5002, now_ns(),
                                            destination=sub_endpoint.local_address)
     pub_driver = PublicationDriver(publication, pub_endpoint)
     sub_driver = SubscriptionDriver(channel, sub_endpoint)

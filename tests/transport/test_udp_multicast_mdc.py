@@ -28,6 +28,7 @@ from flowbroker.transport.udp import (
     UdpEndpoint,
     open_publication_endpoint,
     open_subscription_endpoint,
+    now_ns,
     open_udp,
     resolve,
 )
@@ -43,10 +44,6 @@ def free_port() -> int:
     port = probe.local_address[1]
     probe.close()
     return port
-
-
-def now_ns() -> int:
-    return int(trio.current_time() * 1_000_000_000)
 
 
 def message(i: int) -> bytes:

@@ -1,10 +1,10 @@
-"""The transport's only I/O: non-blocking UDP sockets driven by trio.
+"""Non-blocking UDP sockets driven by trio: the transport's sockets (the drivers' trio loops are in ``tasks``).
 
 Why stdlib sockets plus ``trio.lowlevel.wait_readable`` rather than ``trio.socket``: the data path moves
 well over 100k datagrams a second, and trio's socket methods yield to the scheduler on every call. Here a
 send is a plain non-blocking ``sendto`` (a full kernel buffer is a dropped datagram, as UDP allows; it is
 counted, and NAKs repair it), and a receive drains whatever the kernel holds in one go
-(``receive_batch``) after a single wait. Everything above this module is sans-IO: publications and images
+(``receive_batch``) after a single wait. Everything outside this package is sans-IO: publications and images
 take datagrams and return datagrams to send.
 
 Buffers are bounded: one receive buffer of ``max_datagram`` bytes per endpoint plus the kernel's
@@ -14,7 +14,6 @@ SO_RCVBUF/SO_SNDBUF (Aeron's defaults: 128 KiB receive, OS default send).
 from __future__ import annotations
 
 import errno
-import math
 import ipaddress
 import socket
 import struct
@@ -26,6 +25,19 @@ import trio
 
 from flowbroker.transport.channel import ChannelUri, Endpoint
 from flowbroker.transport.errors import EndpointClosedError, TransportError
+
+__all__ = [
+    "DEFAULT_BATCH",
+    "MAX_UDP_PAYLOAD",
+    "Address",
+    "UdpCounters",
+    "UdpEndpoint",
+    "UdpEndpointStatistics",
+    "open_publication_endpoint",
+    "open_subscription_endpoint",
+    "open_udp",
+    "resolve",
+]
 
 Address = tuple[str, int]
 Buffer = bytes | bytearray | memoryview
@@ -46,6 +58,26 @@ class UdpCounters:
     datagrams_received: int = 0
     bytes_received: int = 0
     receive_errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UdpEndpointStatistics:
+    """A snapshot of one endpoint's counters (``UdpEndpoint.statistics()``).
+
+    ``send_drops``: datagrams the kernel refused on our side (full buffer, ICMP error): UDP loses them, NAKs
+    repair them. ``receive_errors``: ICMP errors reported on the socket instead of a datagram. What the
+    datagrams received were, and which were refused by reason, is the receive channel's to say
+    (``ReceiveChannel.statistics().refused``): the socket does not decode them.
+    """
+
+    local_address: Address | None
+    datagrams_sent: int
+    bytes_sent: int
+    send_drops: int
+    datagrams_received: int
+    bytes_received: int
+    receive_errors: int
+    closed: bool
 
 
 class UdpEndpoint:
@@ -80,6 +112,15 @@ class UdpEndpoint:
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    def statistics(self) -> UdpEndpointStatistics:
+        """A frozen snapshot of the counters (cheap: no syscall once closed, one ``getsockname`` otherwise)."""
+        c = self.counters
+        return UdpEndpointStatistics(
+            None if self._closed else self.local_address,
+            c.datagrams_sent, c.bytes_sent, c.send_drops, c.datagrams_received, c.bytes_received,
+            c.receive_errors, self._closed,
+        )
 
     def close(self) -> None:
         if not self._closed:
@@ -322,137 +363,3 @@ async def open_publication_endpoint(channel: ChannelUri) -> UdpEndpoint:
     port = channel.interface.port if channel.interface is not None and channel.interface.port else 0
     return open_udp((_interface_host(channel, family), port), so_rcvbuf=channel.so_rcvbuf,
                     so_sndbuf=channel.so_sndbuf or None)
-
-
-# ==========================================================================================================
-# Publication and subscription drivers.
-#
-# The sans-IO state machines need a shell that feeds them received datagrams, calls their duty cycle on
-# time and sends what they return. Sends are non-blocking and happen in the caller's task right after an
-# offer or a poll (so a publish costs no task switch); a background task handles received control/data
-# datagrams and the timers (SETUP, heartbeat, SM, NAK).
-# ==========================================================================================================
-
-from flowbroker.transport.publication import OfferResult, Publication  # noqa: E402
-from flowbroker.transport.subscription import ReceiveChannel, Subscription  # noqa: E402
-from flowbroker.transport.image import MessageHandler  # noqa: E402
-
-_RETRYABLE: Final = (OfferResult.BACK_PRESSURED, OfferResult.NOT_CONNECTED, OfferResult.ADMIN_ACTION)
-
-
-def _now_ns() -> int:
-    """Trio's clock in ns (so a MockClock drives the state machines too)."""
-    return int(trio.current_time() * 1_000_000_000)
-
-
-class PublicationDriver:
-    """Runs a ``Publication`` over a ``UdpEndpoint``: ``await publish(...)`` waits for window with a deadline.
-
-    Start ``run()`` in a nursery; it returns once the publication is closed, drained and done lingering.
-    """
-
-    def __init__(self, publication: Publication, endpoint: UdpEndpoint, *, receive_batch: int = DEFAULT_BATCH) -> None:
-        self.publication = publication
-        self.endpoint = endpoint
-        self._batch = receive_batch
-        self._progress = trio.Event()
-
-    def flush(self) -> None:
-        """Run one duty cycle now and send its datagrams (non-blocking)."""
-        for datagram, address in self.publication.do_work(_now_ns()):
-            assert isinstance(address, tuple)
-            self.endpoint.send(datagram, address)
-
-    def offer(self, payload: Buffer) -> int:
-        """``Publication.offer`` and send at once; returns the position or an ``OfferResult``."""
-        result = self.publication.offer(payload)
-        if result > 0:
-            self.flush()
-        return result
-
-    async def publish(self, payload: Buffer, *, deadline: float = math.inf) -> int:
-        """Offer ``payload``, waiting (until trio time ``deadline``) while back-pressured or not connected.
-
-        Returns the new position, or the last ``OfferResult`` if the deadline passed (``CLOSED`` and
-        ``MAX_POSITION_EXCEEDED`` at once): back pressure is a return value, not an exception.
-        """
-        await trio.lowlevel.checkpoint()
-        while True:
-            result = self.offer(payload)
-            if result > 0 or result not in _RETRYABLE:
-                return result
-            if result == OfferResult.ADMIN_ACTION:
-                continue
-            with trio.move_on_at(deadline):
-                await self._progress.wait()
-            if trio.current_time() >= deadline:
-                final = self.offer(payload)
-                return final
-
-    def _signal_progress(self) -> None:
-        self._progress.set()
-        self._progress = trio.Event()
-
-    async def run(self) -> None:
-        """Receive SMs/NAKs/RTTMs and keep the timers until the publication is done."""
-        pub = self.publication
-        while not pub.is_done:
-            limit_before = pub.publication_limit
-            with trio.move_on_at(pub.next_deadline_ns() / 1_000_000_000):
-                batch = await self.endpoint.receive_batch(self._batch)
-                now = _now_ns()
-                for datagram, source in batch:
-                    pub.on_datagram(datagram, source, now)
-            self.flush()
-            if pub.publication_limit != limit_before or pub.is_connected:
-                self._signal_progress()
-        self._signal_progress()
-
-
-class SubscriptionDriver:
-    """Runs a ``ReceiveChannel`` over a ``UdpEndpoint``; ``await poll(...)`` waits for messages."""
-
-    def __init__(self, channel: ReceiveChannel, endpoint: UdpEndpoint, *, receive_batch: int = DEFAULT_BATCH) -> None:
-        self.channel = channel
-        self.endpoint = endpoint
-        self._batch = receive_batch
-        self._arrived = trio.Event()
-
-    def flush(self) -> None:
-        """Run the channel's duty cycle now and send its SMs/NAKs (non-blocking)."""
-        for datagram, address in self.channel.do_work(_now_ns()):
-            assert isinstance(address, tuple)
-            self.endpoint.send(datagram, address)
-
-    def poll(self, subscription: Subscription, handler: MessageHandler, fragment_limit: int = 64) -> int:
-        """Poll without waiting; positions moved by processing go out in SMs at once."""
-        count = subscription.poll(handler, fragment_limit)
-        if count:
-            self.flush()
-        return count
-
-    async def receive(
-        self, subscription: Subscription, handler: MessageHandler, fragment_limit: int = 64, *,
-        deadline: float = math.inf,
-    ) -> int:
-        """Wait (until trio time ``deadline``) for at least one fragment, then poll; returns fragments read."""
-        await trio.lowlevel.checkpoint()
-        while True:
-            count = self.poll(subscription, handler, fragment_limit)
-            if count or trio.current_time() >= deadline:
-                return count
-            with trio.move_on_at(deadline):
-                await self._arrived.wait()
-
-    async def run(self) -> None:
-        """Receive data and SETUPs, keep the SM/NAK timers. Runs until cancelled."""
-        channel = self.channel
-        while True:
-            with trio.move_on_at(channel.next_deadline_ns(_now_ns()) / 1_000_000_000):
-                batch = await self.endpoint.receive_batch(self._batch)
-                now = _now_ns()
-                for datagram, source in batch:
-                    channel.on_datagram(datagram, source, now)
-            self.flush()
-            self._arrived.set()
-            self._arrived = trio.Event()
