@@ -37,8 +37,8 @@ def _offset(msg: Message) -> int:
 
 class QueueStore(Protocol):
     """The messages of one queue, in offset order. `len()` and iteration cover the ready messages
-    only (those not taken), lowest offset first. Bytes are counted once, by the queue (its size and
-    unsettled bytes), which does that accounting for its watermarks anyway."""
+    only (those not taken), lowest offset first. Bytes are counted once, by the queue, which does
+    that accounting for its watermarks anyway."""
 
     start_offset: int
     """The offset a queue over this store gives its first message: 0 for a new store, one past
@@ -78,8 +78,9 @@ class MemoryStore(deque[Message]):
     """The ready messages in memory, in offset order, and nothing else (a memory-only queue forgets
     a taken message: its consumer's delivery holds it until settled). It *is* the deque, so
     `append`, `take`, `len()` and truthiness, which the queue calls on every message, are the
-    deque's own C methods and the hot path keeps today's speed (a Python `take` cost 700
-    instructions a message more); only the operations of `QueueStore` are its interface.
+    deque's own C methods and the hot path keeps today's speed (a Python `take` costs about 700
+    instructions a message more); only the operations of `QueueStore` are its interface. A store
+    that must hear of deliveries (a journal flagging redelivery after a restart) overrides `take`.
 
     The ready deque is always sorted by offset: appends come with a higher offset than any, takes
     are from the head, and a requeue merges what returns with the head it overtakes. So a requeued
