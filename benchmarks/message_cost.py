@@ -126,9 +126,9 @@ def measure(state: str, body_size: int, headers_name: str, count: int, use_trace
     if state == "held":
         assert len(queue.held) == expected
     if state == "unsettled":
-        assert consumer is not None and len(consumer.unsettled) == expected and not queue.ready
+        assert consumer is not None and len(consumer.unsettled) == expected and not queue.store
     else:
-        assert len(queue.ready) == expected
+        assert len(queue.store) == expected
     per_message = (after - before) / count
     return {"per_message": per_message, "counted": counted, "overhead": per_message - counted, "size": size}
 

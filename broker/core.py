@@ -23,6 +23,7 @@ from flowbroker.broker.message import HeldTransfer, Message
 from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
+from flowbroker.broker.store import StoreFactory, memory_store
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
@@ -111,6 +112,9 @@ class BrokerCore:
         self.memory = MemoryMeter(watermark, watermark * server.memory_resume_percent // 100, self._memory_cleared)
         self._next_conn_id = 1
         self.unroutable = 0
+        # Where each declared queue keeps its messages (broker/store.py): in memory for every queue,
+        # durable or not, until the journal gives durable queues a store of their own.
+        self.store_factory: StoreFactory = memory_store
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -516,7 +520,7 @@ class BrokerCore:
         if buffer.window:
             sharing = subs
             while sharing and buffer.may_send():
-                sharing = [sub for sub in sharing if sub.queue.ready and sub.has_credit()]
+                sharing = [sub for sub in sharing if sub.queue.store and sub.has_credit()]
                 for sub in sharing:
                     if not buffer.may_send():
                         break
@@ -551,7 +555,7 @@ class BrokerCore:
         limit = self.config.server.max_queues
         if len(self.queues) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many queues (max_queues {limit})", name)
-        queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory)
+        queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory, self.store_factory(name, durable))
         return queue
 
     def get_queue(self, name: str) -> Queue:

@@ -1,7 +1,10 @@
 """Messages inside the broker, and the pending-completion counter that makes watermarks a brake.
 
-A transfer routed to N queues becomes N `Message`s sharing one body (per-queue state such as
-`redelivered` lives on each). When some of those queues are saturated the transfer is *held*: a
+A transfer routed to N queues becomes N `Message`s sharing one body: the per-queue state (the
+queue's `offset`, `redelivered`, `held`) lives on each, so a message has its own offset in every
+queue it was routed to and no body is copied. The producer's `producer_id` and `sequence` (from the
+TRANSFER entry) are the same on each: with the offset they are the identity a journal and an
+idempotent producer use (broker/store.py). When some of those queues are saturated the transfer is *held*: a
 `HeldTransfer` counts the saturated destinations still holding it, and the producer's transfer
 completes (returning its credit) only when the count reaches zero (Qpid's ingress completion).
 """
@@ -50,7 +53,7 @@ class Message:
         "sequence",
         "redelivered",
         "held",
-        "seq",
+        "offset",
     )
 
     def __init__(
@@ -72,7 +75,7 @@ class Message:
         self.sequence = sequence
         self.redelivered = False
         self.held: HeldTransfer | None = None
-        self.seq = 0  # position in its queue's enqueue order, so a requeue restores its place
+        self.offset = -1  # given by its queue's store at append: unique, monotonic; a requeue keeps it
 
     def release(self) -> None:
         """This queue no longer holds the producer's completion (dequeued, queue cleared, purged, deleted)."""

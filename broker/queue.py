@@ -10,15 +10,20 @@ rejected, dropped or purged) is released at once, as in Qpid.
 
 The hard limit (max count/size with overflow `reject` or `drop-head`) protects the broker from
 producers that do not do flow control; flow-controlled producers stop long before it.
+
+The messages themselves live in the queue's `QueueStore` (broker/store.py), which keeps their order
+and identity (the per-queue offset); the queue keeps the accounting and the flow rules.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import Message
+from flowbroker.broker.store import MemoryStore, QueueStore
 from flowbroker.policies.overflow import (
     Admission,
     OverflowPolicy,
@@ -34,11 +39,7 @@ if TYPE_CHECKING:
     from flowbroker.broker.session import Session
     from flowbroker.broker.subscription import Subscription
 
-__all__ = ["Queue", "QueueFull", "QueueStats"]
-
-
-def _by_seq(msg: Message) -> int:
-    return msg.seq
+__all__ = ["Queue", "QueueFull", "QueueStats", "QueueStatistics"]
 
 
 class QueueFull(Exception):
@@ -53,10 +54,10 @@ class QueueFull(Exception):
 
 
 class QueueStats:
-    """Counters for management and metrics: transitions and totals, not just sampled booleans."""
+    """Counters for management and metrics: transitions and totals, not just sampled booleans. The
+    messages ever enqueued are not counted here: the queue's offsets count them (`Queue.enqueued`)."""
 
     __slots__ = (
-        "enqueued",
         "dequeued",
         "rejected",
         "dropped",
@@ -66,13 +67,48 @@ class QueueStats:
     )
 
     def __init__(self) -> None:
-        self.enqueued = 0
         self.dequeued = 0
         self.rejected = 0
         self.dropped = 0
         self.flow_stopped_count = 0  # times the queue became saturated
         self.held_total = 0  # transfers ever held
         self.saturated_since_ns = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatistics:
+    """A snapshot of one queue, read from counters it keeps anyway (nothing is added per message).
+
+    Ready messages wait in the store; unsettled ones were delivered and wait for their consumer's
+    SETTLE; the queue owns both (its depth, which the watermarks compare). Their bytes are counted
+    together only: splitting them would cost two more additions on every message (measured: 1.4 %
+    of the broker's CPU per message). `dequeued` counts every message gone for good: settled (acked
+    or rejected), dropped by the overflow policy, or purged.
+    """
+
+    name: str
+    durable: bool
+    messages: int  # the depth the watermarks compare: ready + unsettled
+    bytes: int
+    ready_messages: int
+    unsettled_messages: int
+    next_offset: int  # the offset the next enqueued message gets
+    subscriptions: int
+    saturated: bool
+    saturated_since_ns: int  # 0 when not saturated
+    stop_threshold: str  # the threshold that tripped while saturated ("" otherwise), its limit and value
+    stop_limit: int
+    stop_value: int
+    thresholds: Thresholds
+    overflow: OverflowPolicy
+    held_transfers: int  # producer transfers this queue holds now
+    flow_stopped_producers: int  # producers told FLOW_STOPPED for this queue and not yet resumed
+    enqueued: int
+    dequeued: int
+    rejected: int
+    dropped: int
+    flow_stopped_count: int  # times the queue became saturated
+    held_total: int  # transfers ever held
 
 
 class Queue:
@@ -83,6 +119,7 @@ class Queue:
         overflow: OverflowPolicy = OverflowPolicy.REJECT,
         durable: bool = False,
         meter: MemoryMeter | None = None,
+        store: QueueStore | None = None,
     ):
         self.name = name
         self.thresholds = thresholds
@@ -90,7 +127,9 @@ class Queue:
         self.durable = durable
         # the broker-wide memory watermark's count (a queue made alone, in tests, gets its own)
         self.meter = meter if meter is not None else MemoryMeter(1 << 62, 1 << 62)
-        self.ready: deque[Message] = deque()
+        # the messages, in offset order (a queue made alone, in tests, keeps them in memory)
+        self.store: QueueStore = store if store is not None else MemoryStore()
+        self.next_offset = self.store.start_offset  # the offset of the next enqueued message
         self.count = 0
         self.size = 0
         self.saturated = False
@@ -101,10 +140,44 @@ class Queue:
         self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
         self.deleted = False
         self.stats = QueueStats()
-        self._next_seq = 0
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
+
+    @property
+    def enqueued(self) -> int:
+        """Messages ever enqueued (since the store's start): each took one offset."""
+        return self.next_offset - self.store.start_offset
+
+    def statistics(self) -> QueueStatistics:
+        store, stats = self.store, self.stats
+        ready = len(store)
+        threshold, limit, value = self.stop_reason if self.saturated else ("", 0, 0)
+        return QueueStatistics(
+            name=self.name,
+            durable=self.durable,
+            messages=self.count,
+            bytes=self.size,
+            ready_messages=ready,
+            unsettled_messages=self.count - ready,
+            next_offset=self.next_offset,
+            subscriptions=len(self.subscriptions),
+            saturated=self.saturated,
+            saturated_since_ns=stats.saturated_since_ns,
+            stop_threshold=threshold,
+            stop_limit=limit,
+            stop_value=value,
+            thresholds=self.thresholds,
+            overflow=self.overflow,
+            held_transfers=len(self.held),
+            flow_stopped_producers=len(self.stopped_producers),
+            enqueued=self.enqueued,
+            dequeued=stats.dequeued,
+            rejected=stats.rejected,
+            dropped=stats.dropped,
+            flow_stopped_count=stats.flow_stopped_count,
+            held_total=stats.held_total,
+        )
 
     # -- enqueue -----------------------------------------------------------------------------
 
@@ -124,13 +197,13 @@ class Queue:
             or (limits.max_size and self.size + msg.size > limits.max_size)
         ):
             self._apply_overflow(msg)
-        self._next_seq += 1
-        msg.seq = self._next_seq
-        self.ready.append(msg)
+        offset = self.next_offset
+        msg.offset = offset
+        self.next_offset = offset + 1
+        self.store.append(msg)
         self.count += 1
         self.size += msg.size
         self.meter.held += msg.size
-        self.stats.enqueued += 1
         if not self.saturated and is_over_stop(self.count, self.size, t):
             self._saturate(now_ns)
         # Only flow-controlled producers are held: a legacy producer (HELLO flow_control false) is
@@ -150,14 +223,17 @@ class Queue:
     def _apply_overflow(self, msg: Message) -> None:
         """At the hard limit: reject (raise QueueFull) or drop the oldest ready messages to make room."""
         admission = admit(
-            self.overflow, self.count, self.size, self.thresholds.limits, msg.size, (m.size for m in self.ready)
+            self.overflow, self.count, self.size, self.thresholds.limits, msg.size, (m.size for m in self.store)
         )
         if admission.verdict is Verdict.REJECT:
             self.stats.rejected += 1
             raise QueueFull(self.name, admission)
         if admission.verdict is Verdict.DROP_HEAD:
+            store = self.store
             for _ in range(admission.drop_count):
-                self._remove(self.ready.popleft())
+                dropped = store.take()
+                store.settle(dropped)
+                self._remove(dropped)
             self.stats.dropped += admission.drop_count
             self._check_resume()  # dropping is a dequeue: it may take the queue under resume
 
@@ -208,6 +284,7 @@ class Queue:
         Requeued deliveries go back through `requeue_many()`.
         """
         if not self.deleted:
+            self.store.settle(msg)
             self._remove(msg)
 
     def settled(self) -> None:
@@ -217,35 +294,26 @@ class Queue:
 
     def requeue_many(self, msgs: list[Message]) -> None:
         """Give back deliveries (requeue, or a consumer went away): each returns to its original place
-        in the queue's order, ahead of every message never delivered. Requeues arrive in separate
-        batches, so they are merged by sequence with the requeued messages already at the head."""
+        in the queue's order (its offset), ahead of every message never delivered, flagged redelivered."""
         if self.deleted or not msgs:
             return
-        returning = sorted(msgs, key=_by_seq)
-        for msg in returning:
+        for msg in msgs:
             msg.redelivered = True
-        ready = self.ready
-        last = returning[-1].seq
-        head: list[Message] = []
-        while ready and ready[0].seq < last:
-            head.append(ready.popleft())
-        if head:
-            returning = sorted(head + returning, key=_by_seq)
-        ready.extendleft(reversed(returning))
+        self.store.requeue(msgs)
         self.dispatch()
 
     def purge(self) -> int:
         """Drop every ready message (unsettled deliveries stay); releases what they held."""
-        ready, self.ready = self.ready, deque()
-        for msg in ready:
+        purged = self.store.purge()
+        for msg in purged:
             self._remove(msg)
         self._check_resume()
-        return len(ready)
+        return len(purged)
 
     def delete(self) -> list[Subscription]:
         """Release everything and detach; returns the subscriptions the caller must cancel."""
         self.deleted = True
-        self.ready.clear()
+        self.store.delete()
         self.meter.held -= self.size
         self.meter.released()
         if self.saturated or self.held or self.stopped_producers:
@@ -292,12 +360,12 @@ class Queue:
     def dispatch(self) -> None:
         """Hand ready messages to subscriptions with credit, round robin, until none has any. A
         subscription found without credit leaves the rotation until resume_subscription()."""
-        ready = self.ready
+        store = self.store
         active = self._active
-        while ready and active:
+        while store and active:
             sub = active[0]
             if not sub.closed and sub.has_credit():
-                sub.deliver(ready.popleft())
+                sub.deliver(store.take())
                 active.rotate(-1)
             else:
                 active.popleft()
@@ -305,4 +373,4 @@ class Queue:
 
     def deliver_to(self, sub: Subscription) -> None:
         """One ready message to `sub` (the caller checked ready and credit): sharing a connection's buffer."""
-        sub.deliver(self.ready.popleft())
+        sub.deliver(self.store.take())

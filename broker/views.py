@@ -87,13 +87,12 @@ def _subscription(sub: Subscription) -> dict[str, Any]:
 
 
 def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
-    t = queue.thresholds
-    stats = queue.stats
-    threshold, limit, value = queue.stop_reason
+    stats = queue.statistics()
+    t = stats.thresholds
     return {
-        "name": queue.name,
-        "durable": queue.durable,
-        "depth": {"count": queue.count, "bytes": queue.size, "ready": len(queue.ready)},
+        "name": stats.name,
+        "durable": stats.durable,
+        "depth": {"count": stats.messages, "bytes": stats.bytes, "ready": stats.ready_messages},
         "thresholds": {
             "flow_stop_count": t.flow_stop_count,
             "flow_resume_count": t.flow_resume_count,
@@ -101,19 +100,22 @@ def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
             "flow_resume_size": t.flow_resume_size,
             "max_count": t.max_count,
             "max_size": t.max_size,
-            "overflow": queue.overflow.value,
+            "overflow": stats.overflow.value,
         },
-        "saturated": queue.saturated,
-        "saturated_for_seconds": _seconds(now_ns, stats.saturated_since_ns) if queue.saturated else None,
-        "stop_reason": {"threshold": threshold, "limit": limit, "value": value} if queue.saturated else None,
-        "held_transfers": len(queue.held),
+        "saturated": stats.saturated,
+        "saturated_for_seconds": _seconds(now_ns, stats.saturated_since_ns) if stats.saturated else None,
+        "stop_reason": (
+            {"threshold": stats.stop_threshold, "limit": stats.stop_limit, "value": stats.stop_value}
+            if stats.saturated else None
+        ),
+        "held_transfers": stats.held_transfers,
         "flow_stopped_producers": [
             {"connection": s.conn_id, "client_name": s.client_name}
             for s in islice(queue.stopped_producers, NESTED_LIMIT)
         ],
-        "flow_stopped_producers_total": len(queue.stopped_producers),
+        "flow_stopped_producers_total": stats.flow_stopped_producers,
         "subscriptions": [_subscription(sub) for sub in islice(queue.subscriptions, NESTED_LIMIT)],
-        "subscriptions_total": len(queue.subscriptions),
+        "subscriptions_total": stats.subscriptions,
         "counters": {
             "enqueued": stats.enqueued,
             "dequeued": stats.dequeued,

@@ -168,7 +168,7 @@ def test_buffer_ack_for_cancelled_subscription_is_ignored() -> None:
     c.pump()
     assert c.errors == []
     assert h.core.queues["q"].count == 2
-    assert len(h.core.queues["q"].ready) == 2
+    assert len(h.core.queues["q"].store) == 2
 
 
 def test_requeue_keeps_order_and_marks_redelivered() -> None:
@@ -214,7 +214,7 @@ def test_close_session_requeues_unsettled_in_order() -> None:
     assert len(a.unsettled) == 3
     a.close()
     q = h.core.queues["q"]
-    assert (q.count, len(q.ready)) == (5, 5)
+    assert (q.count, len(q.store)) == (5, 5)
     b = h.consumer("b")
     b.subscribe("q")
     got = [(e.body[-3:], e.redelivered) for _, e in b.deliveries]

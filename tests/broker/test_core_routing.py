@@ -22,7 +22,7 @@ def setup(*queues: str) -> tuple[Harness, Producer]:
 
 
 def contents(h: Harness) -> dict[str, list[bytes]]:
-    return {name: [m.body for m in q.ready] for name, q in h.core.queues.items()}
+    return {name: [m.body for m in q.store] for name, q in h.core.queues.items()}
 
 
 @pytest.mark.parametrize(

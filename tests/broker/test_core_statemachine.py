@@ -415,7 +415,7 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def purge(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(self.queues)), label="queue")
-        ready = [parse(m.body) for m in self.h.core.queues[name].ready]
+        ready = [parse(m.body) for m in self.h.core.queues[name].store]
         answer = self.admin.purge(name)
         assert isinstance(answer, Ok) and answer.result == {"purged": len(ready)}
         for pid, tid in ready:
@@ -470,7 +470,7 @@ class CoreMachine(RuleBasedStateMachine):
             for sub, msg in s.unsettled.values():
                 unsettled[sub.queue.name].append(msg)
         for name, q in core.queues.items():
-            members = list(q.ready) + unsettled[name]
+            members = list(q.store) + unsettled[name]
             assert q.count == len(members) >= 0, (name, q.count, len(members))
             assert q.size == sum(m.size for m in members) >= 0, (name, q.size)
             assert len({id(m) for m in members}) == len(members), f"{name}: a message is in it twice"

@@ -282,7 +282,7 @@ async def test_frame_truncated_by_close_cleans_up_and_requeues(start_flowbroker)
         await wait_until(lambda: conn_id not in broker.core.sessions)
         assert not session.open and session.unsettled == {} and session.subscriptions == {}
         q = broker.core.queues["work"]
-        assert (q.count, len(q.ready), q.subscriptions) == (10, 10, {})  # the half ACK settled nothing
+        assert (q.count, len(q.store), q.subscriptions) == (10, 10, {})  # the half ACK settled nothing
         await b.progress()
     got = await receive_all(broker, "work", 10)
     assert got == [(b"m%d" % i, i < 4) for i in range(10)]  # requeued in order, marked redelivered
@@ -360,7 +360,7 @@ async def test_silent_consumer_is_dropped_after_idle_timeout_and_its_deliveries_
     assert error.code is ErrorCode.IDLE_TIMEOUT and "idle" in error.text
     await raw.aclose()
     q = broker.core.queues["work"]
-    assert (q.count, len(q.ready)) == (10, 10)
+    assert (q.count, len(q.store)) == (10, 10)
     got = await receive_all(broker, "work", 10)  # another consumer gets them, in order, flagged
     assert got == [(b"m%d" % i, i < 3) for i in range(10)]
 
@@ -491,8 +491,8 @@ async def test_shutdown_closes_clients_with_shutdown_and_loses_nothing_completed
             assert info.value.code is ErrorCode.SHUTDOWN
     await wait_until(lambda: not broker.server.connections and not broker.core.sessions)
     # nothing completed is lost: the 30 not acked are in the queue, in order, delivered ones flagged
-    assert [m.body for m in q.ready] == [b"m%d" % i for i in range(20, 50)]
-    assert all(m.redelivered for m in list(q.ready)[:10]) and q.count == 30
+    assert [m.body for m in q.store] == [b"m%d" % i for i in range(20, 50)]
+    assert all(m.redelivered for m in list(q.store)[:10]) and q.count == 30
 
 
 async def test_connection_over_max_connections_is_refused_with_a_reason(start_flowbroker) -> None:

@@ -39,7 +39,7 @@ async def test_cancel_requeues_unsettled_deliveries(start_flowbroker) -> None:
                     await trio.sleep(0.01)
         # leaving the consumer cancelled it: the 4 unsettled deliveries are ready again, in order
         with trio.fail_after(5):
-            while broker.core.queues["q"].count != 9 or len(broker.core.queues["q"].ready) != 9:
+            while broker.core.queues["q"].count != 9 or len(broker.core.queues["q"].store) != 9:
                 await trio.sleep(0.01)
         async with conn.consumer("q", prefetch=100) as consumer:
             got = []

@@ -1,0 +1,279 @@
+"""The queue store seam (broker/store.py) and message identity, without trio.
+
+Two hypothesis state machines check the store against a plain-list model: every message ever
+appended, in append order, and which of them are ready, taken or gone. The ready messages are
+then "those of the list still ready, in list order", so a requeued message must be back exactly
+where it was, whatever the batches it returns in. The first drives `MemoryStore` alone; the second
+drives a `Queue` over it with a subscription whose credit the test hands out, so delivery, settle,
+requeue and purge go through the queue's own accounting and `statistics()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import cast
+
+import pytest
+from coreharness import Harness
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from flowbroker.broker.message import Message
+from flowbroker.broker.queue import Queue, QueueStatistics
+from flowbroker.broker.store import MemoryStore, QueueStore, memory_store
+from flowbroker.broker.subscription import Subscription
+from flowbroker.policies.overflow import Thresholds
+from flowbroker.protocol.frames import Ok, Transfer, TransferEntry
+
+SIZES = st.integers(min_value=1, max_value=5000)
+
+
+def message(size: int, number: int = 0) -> Message:
+    return Message("", "q", b"m%d" % number, None, size, "producer-1", number)
+
+
+@dataclass
+class ListModel:
+    """Every message appended, in append order, and the fate of each."""
+
+    appended: list[Message] = field(default_factory=list)
+    ready: set[int] = field(default_factory=set)  # ids of the messages ready now
+    taken: list[Message] = field(default_factory=list)  # delivered, not settled nor requeued
+
+    def ready_in_order(self) -> list[Message]:
+        return [m for m in self.appended if id(m) in self.ready]
+
+    def take(self) -> Message:
+        msg = self.ready_in_order()[0]
+        self.ready.discard(id(msg))
+        self.taken.append(msg)
+        return msg
+
+    def pick_taken(self, data: st.DataObject) -> list[Message]:
+        """Some of the taken messages, in any order (consumers give them back in any batches)."""
+        picked = data.draw(st.lists(st.sampled_from(self.taken), unique_by=id, min_size=1))
+        for msg in picked:
+            self.taken.remove(msg)
+        return picked
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """`MemoryStore` against the list model; offsets are given here as a queue gives them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: QueueStore = MemoryStore()
+        self.model = ListModel()
+        self.next_offset = self.store.start_offset
+
+    @rule(size=SIZES)
+    def append(self, size: int) -> None:
+        msg = message(size, len(self.model.appended))
+        msg.offset = self.next_offset
+        self.next_offset += 1
+        self.store.append(msg)
+        self.model.appended.append(msg)
+        self.model.ready.add(id(msg))
+
+    @precondition(lambda self: self.model.ready)
+    @rule()
+    def take(self) -> None:
+        assert self.store.take() is self.model.take()
+
+    @precondition(lambda self: self.model.taken)
+    @rule(data=st.data())
+    def requeue(self, data: st.DataObject) -> None:
+        returning = self.model.pick_taken(data)
+        self.store.requeue(returning)
+        self.model.ready.update(id(m) for m in returning)
+
+    @precondition(lambda self: self.model.taken)
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        for msg in self.model.pick_taken(data):
+            self.store.settle(msg)
+
+    @rule()
+    def purge(self) -> None:
+        assert self.store.purge() == self.model.ready_in_order()
+        self.model.ready.clear()
+
+    @rule(data=st.data(), limit=st.integers(min_value=0, max_value=5))
+    def page(self, data: st.DataObject, limit: int) -> None:
+        after = data.draw(st.none() | st.integers(min_value=-1, max_value=self.next_offset))
+        expected = [m for m in self.model.ready_in_order() if after is None or m.offset > after][:limit]
+        assert self.store.page(after, limit) == expected
+
+    @invariant()
+    def ready_messages_are_the_models_in_order(self) -> None:
+        assert list(self.store) == self.model.ready_in_order()
+        assert len(self.store) == len(self.model.ready)
+        assert bool(self.store) is bool(self.model.ready)
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+class FakeSubscription:
+    """What `Queue` asks of a subscription, with credit the test hands out one message at a time."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.active = False
+        self.credit = 0
+        self.inbox: list[Message] = []
+
+    def has_credit(self) -> bool:
+        return self.credit > 0
+
+    def deliver(self, msg: Message) -> None:
+        self.credit -= 1
+        self.inbox.append(msg)
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """`Queue` over `MemoryStore` against the list model: delivery takes the head, settle and purge
+    forget, requeue restores the place and flags redelivered, counts and offsets agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = Queue("q", Thresholds(max_count=0, max_size=0))  # unlimited: nothing refused
+        self.fake = FakeSubscription()
+        self.sub = cast(Subscription, self.fake)
+        self.queue.add_subscription(self.sub)
+        self.model = ListModel()
+        self.requeued: set[int] = set()
+        self.settled = 0
+
+    def collect(self) -> None:
+        """What the queue delivered must be the head of the model's ready messages, in order."""
+        delivered, self.fake.inbox = self.fake.inbox, []
+        for msg in delivered:
+            assert msg is self.model.take()
+
+    @rule(size=SIZES)
+    def enqueue(self, size: int) -> None:
+        msg = message(size, len(self.model.appended))
+        expected_offset = self.queue.next_offset
+        held = self.queue.enqueue(msg, None, 0)
+        assert not held  # no stop threshold: never saturated
+        assert msg.offset == expected_offset
+        assert all(m.offset < msg.offset for m in self.model.appended)
+        self.model.appended.append(msg)
+        self.model.ready.add(id(msg))
+        self.collect()
+
+    @rule(n=st.integers(min_value=1, max_value=4))
+    def grant(self, n: int) -> None:
+        self.fake.credit += n
+        self.queue.resume_subscription(self.sub)
+        self.queue.dispatch()
+        self.collect()
+
+    @precondition(lambda self: self.model.taken)
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        for msg in self.model.pick_taken(data):
+            self.queue.settle(msg)
+            self.settled += 1
+        self.queue.settled()
+        self.collect()
+
+    @precondition(lambda self: self.model.taken)
+    @rule(data=st.data())
+    def requeue(self, data: st.DataObject) -> None:
+        returning = self.model.pick_taken(data)
+        offsets = [m.offset for m in returning]
+        self.queue.requeue_many(returning)
+        assert [m.offset for m in returning] == offsets, "a requeue keeps the offsets"
+        self.model.ready.update(id(m) for m in returning)
+        self.requeued.update(id(m) for m in returning)
+        self.collect()
+
+    @rule()
+    def purge(self) -> None:
+        assert self.queue.purge() == len(self.model.ready)
+        self.settled += len(self.model.ready)
+        self.model.ready.clear()
+
+    @invariant()
+    def the_queue_agrees_with_the_model(self) -> None:
+        ready = self.model.ready_in_order()
+        owned = ready + self.model.taken
+        assert list(self.queue.store) == ready
+        stats = self.queue.statistics()
+        assert (stats.messages, stats.bytes) == (len(owned), sum(m.size for m in owned))
+        assert (stats.ready_messages, stats.unsettled_messages) == (len(ready), len(self.model.taken))
+        assert (stats.enqueued, stats.dequeued) == (len(self.model.appended), self.settled)
+        assert stats.next_offset == len(self.model.appended)  # offsets 0, 1, 2, ... never reused
+        assert len({m.offset for m in self.model.appended}) == len(self.model.appended)
+        assert all((id(m) in self.requeued) is m.redelivered for m in owned)
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_statistics_is_a_frozen_snapshot() -> None:
+    queue = Queue("q", Thresholds(flow_stop_count=2, flow_resume_count=1))
+    for i in range(3):
+        queue.enqueue(message(10, i), None, 7)
+    stats = queue.statistics()
+    assert isinstance(stats, QueueStatistics)
+    assert (stats.name, stats.messages, stats.bytes, stats.ready_messages) == ("q", 3, 30, 3)
+    assert (stats.saturated, stats.saturated_since_ns, stats.held_transfers) == (True, 7, 1)  # the third tripped it
+    assert (stats.stop_threshold, stats.stop_limit, stats.stop_value) == ("flow_stop_count", 2, 3)
+    with pytest.raises(FrozenInstanceError):
+        stats.messages = 0  # type: ignore[misc]
+    queue.purge()
+    assert stats.messages == 3 and queue.statistics().messages == 0
+    assert queue.statistics().stop_threshold == ""
+
+
+def test_a_store_that_recovered_messages_starts_the_queue_past_them() -> None:
+    class Recovered(MemoryStore):
+        start_offset = 41
+
+    queue = Queue("q", Thresholds(), store=Recovered())
+    msg = message(1)
+    queue.enqueue(msg, None, 0)
+    assert msg.offset == 41 and queue.statistics().enqueued == 1
+
+
+def test_the_core_asks_its_store_factory_for_each_queue_with_the_durable_flag() -> None:
+    h = Harness()
+    asked: list[tuple[str, bool]] = []
+
+    def factory(name: str, durable: bool) -> QueueStore:
+        asked.append((name, durable))
+        return memory_store(name, durable)
+
+    h.core.store_factory = factory
+    h.core.declare_queue("plain")
+    h.core.declare_queue("kept", durable=True)
+    h.core.declare_queue("kept", durable=True)  # declared again: the queue exists, no new store
+    assert asked == [("plain", False), ("kept", True)]
+    assert h.core.queues["kept"].durable and isinstance(h.core.queues["kept"].store, MemoryStore)
+
+
+def test_producer_identity_reaches_every_queue_with_an_offset_of_each_queue() -> None:
+    h = Harness()
+    p = h.producer()
+    for name in ("a", "b"):
+        h.queue(name)
+        assert isinstance(p.bind(name, "amq.fanout"), Ok)
+    p.send("", "b", b"first in b")  # so b's offsets are one ahead of a's
+    entries = [
+        TransferEntry("amq.fanout", "", b"one", None, "spark-7", 100),
+        TransferEntry("amq.fanout", "", b"two", None, "spark-7", 101),
+    ]
+    p.handle(Transfer(p.next_id, entries))
+    p.next_id += len(entries)
+    a, b = (list(h.core.queues[name].store) for name in ("a", "b"))
+    assert [(m.body, m.producer_id, m.sequence, m.offset) for m in a] == [
+        (b"one", "spark-7", 100, 0), (b"two", "spark-7", 101, 1)]
+    assert [(m.body, m.producer_id, m.sequence, m.offset) for m in b] == [
+        (b"first in b", None, None, 0), (b"one", "spark-7", 100, 1), (b"two", "spark-7", 101, 2)]
+    assert a[0] is not b[1] and a[0].body is b[1].body  # a message each, one body
