@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from coreharness import Consumer, Harness, Producer
+from tests.broker.coreharness import Consumer, Harness, Producer
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -865,8 +865,9 @@ class CoreMachine(RuleBasedStateMachine):
             for q in qs:
                 assert (pid, tid, q) in self.fate, f"{(pid, tid, q)} was lost"
         assert not self.live
-        for name, q in self.h.core.queues.items():
-            assert (q.count, q.size, q.saturated, len(q.held), len(q.stopped_producers)) == (0, 0, False, 0, 0), q
+        for queue in self.h.core.queues.values():
+            assert (queue.count, queue.size, queue.saturated, len(queue.held), len(queue.stopped_producers)) == (
+                0, 0, False, 0, 0), queue
         for pid, p in enumerate(self.producers):
             if pid in self.closed_producers:
                 continue

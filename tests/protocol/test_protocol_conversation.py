@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pair import ConnectionPair
+from tests.protocol.pair import ConnectionPair
 
 from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
