@@ -73,7 +73,9 @@ class CoreBehindPair:
         return received
 
 
-def test_producer_paced_by_broker_credit() -> None:
+def test_producer_credit_model_carried_over_the_wire() -> None:
+    """The test plays the broker's credit side (AckScheduler): BUFFER_ACKs it sends move the client's
+    BufferLog through both Connections; the client never sends beyond it and everything is acked."""
     pair = ConnectionPair()
     welcome = pair.handshake(flow_control=True, buffer_size=1000)
     credit = BufferLog(welcome.buffer_size)  # client side
@@ -168,9 +170,10 @@ def test_refused_transfer_gets_error_with_ref_id_and_is_still_completed() -> Non
     assert not any(isinstance(f, Ok) for f in ok)
 
 
-def test_consumer_buffer_paces_deliveries() -> None:
-    """The consumer sets a subscription buffer; the broker (DCP producer toward consumers) delivers
-    while there is space; the consumer acknowledges processed bytes after 20 % of it."""
+def test_consumer_buffer_credit_model_carried_over_the_wire() -> None:
+    """The consumer sets a subscription buffer; the test, playing the broker with a BufferLog, delivers
+    while there is space; the consumer acknowledges processed bytes after 20 % of it. (The real
+    broker's pacing is tested in tests/broker/test_core_consumer_credit.py.)"""
     pair = ConnectionPair()
     pair.handshake()
     pair.exchange(Role.CLIENT, Subscribe(1, 7, "q", 0, 0), BufferControl(7, 400))
@@ -209,7 +212,7 @@ def test_consumer_buffer_paces_deliveries() -> None:
     assert seen == bodies
 
 
-def test_noop_liveness_both_ways() -> None:
+def test_noop_and_its_reply_pass_both_ways() -> None:
     pair = ConnectionPair()
     pair.handshake()
     pair.exchange(Role.BROKER, Noop(1, False))
