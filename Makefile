@@ -45,12 +45,15 @@ system-tools:
 	fi
 
 # mypy cannot follow setuptools' editable finder for the package-dir mapping, so it checks a
-# symlinked view of the flowbroker namespace, by package name.
+# symlinked view of the flowbroker namespace, by package name. tests/ is a package (tests.broker...,
+# strict but for unannotated test functions: pyproject.toml); benchmarks/ are scripts that import
+# their neighbours by module name (`from procs import ...`), so that folder is on the path too.
 PACKAGES := broker client policies protocol transport
 typecheck: $(VENV)/.installed-test
 	@mkdir -p build/typecheck/flowbroker
 	@for p in $(PACKAGES); do ln -sfn ../../../$$p build/typecheck/flowbroker/$$p; done
 	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p flowbroker.,$(PACKAGES))
+	MYPYPATH=build/typecheck:benchmarks $(BIN)/mypy tests benchmarks
 
 unit: $(VENV)/.installed-test system-tools
 	$(BIN)/pytest

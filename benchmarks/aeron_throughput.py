@@ -169,8 +169,8 @@ def sendto_ceiling(size: int, seconds: float) -> tuple[float, float]:
 
 
 def lossy(messages: int) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "transport"))
-    from fakenet import FakeNetwork, pump  # noqa: PLC0415
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.transport
+    from tests.transport.fakenet import FakeNetwork, pump  # noqa: PLC0415
 
     from flowbroker.transport.publication import PublicationConfig  # noqa: PLC0415
 

@@ -47,7 +47,7 @@ async def run(count: int) -> float:
     async def scripted_broker(nursery: trio.Nursery) -> None:
         """Answer SUBSCRIBE (prefetch in force: every message), then write every DELIVER; read the rest."""
         while True:
-            broker.receive_data(await broker_end.receive_some(65536))
+            broker.receive_data(bytes(await broker_end.receive_some(65536)))
             while (frame := broker.next_frame()) is not None:
                 if isinstance(frame, Subscribe):
                     await broker_end.send_all(broker.send(Ok(frame.request_id, {"queue": "q", "prefetch": count})))

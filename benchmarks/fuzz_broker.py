@@ -31,10 +31,12 @@ from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+# The hostile-frame generator is the fuzz test's (tests/e2e/hostile.py), imported as a package from
+# the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowbroker.client as fc  # noqa: E402
-from hostile import (  # noqa: E402
+from tests.e2e.hostile import (  # noqa: E402
     BYSTANDER_QUEUE,
     Bystander,
     HostileStats,

@@ -20,14 +20,15 @@ SIZE = 1024
 
 
 def relay(pin: int, pout: int) -> None:
-    async def main():
-        out_stream = None
+    async def main() -> None:
+        out_stream: trio.SocketStream | None = None
         ready = trio.Event()
-        async def on_consumer(stream):
+        async def on_consumer(stream: trio.SocketStream) -> None:
             nonlocal out_stream
             out_stream = stream; ready.set(); await trio.sleep_forever()
-        async def on_producer(stream):
+        async def on_producer(stream: trio.SocketStream) -> None:
             await ready.wait()
+            assert out_stream is not None  # set before ready
             while True:
                 data = await stream.receive_some(65536)
                 if not data: return
@@ -39,9 +40,9 @@ def relay(pin: int, pout: int) -> None:
 
 
 def consumer(pout: int, count: int, q: Any) -> None:
-    async def main():
+    async def main() -> None:
         s = await trio.open_tcp_stream("127.0.0.1", pout)
-        buf = b""; lat = []
+        buf = b""; lat: list[int] = []
         while len(lat) < count:
             buf += await s.receive_some(65536)
             while len(buf) >= SIZE:
@@ -51,7 +52,7 @@ def consumer(pout: int, count: int, q: Any) -> None:
 
 
 def producer(pin: int, count: int, rate: float) -> None:
-    async def main():
+    async def main() -> None:
         s = await trio.open_tcp_stream("127.0.0.1", pin)
         start = time.monotonic()
         for i in range(count):

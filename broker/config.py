@@ -95,7 +95,11 @@ class ServerConfig:
     memory_resume_percent: int = 90  # the alarm clears under this percentage of the watermark
 
     def validate(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError("server", "host", self.host, "must be a non-empty host name or address")
         _int_range("server", "port", self.port, 0, 65535)
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError("server", "name", self.name, "must be a non-empty string")
         _int_range("server", "max_frame_size", self.max_frame_size, 4096, 1 << 30)
         _int_range("server", "max_message_size", self.max_message_size, 1, self.max_frame_size // 2)
         _positive("server", "idle_timeout", self.idle_timeout)
@@ -109,6 +113,8 @@ class ServerConfig:
         _int_range("server", "max_exchanges", self.max_exchanges, 4, 10_000_000)
         _int_range("server", "max_bindings", self.max_bindings, 1, 10_000_000)
         _positive("server", "stuck_timeout", self.stuck_timeout)
+        if not isinstance(self.disconnect_when_stuck, bool):  # "false" would be truthy
+            raise ConfigError("server", "disconnect_when_stuck", self.disconnect_when_stuck, "must be true or false")
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
         _int_range("server", "memory_watermark", self.memory_watermark, 0, 1 << 50)
         _int_range("server", "memory_resume_percent", self.memory_resume_percent, 1, 100)

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from coreharness import Harness
+from tests.broker.coreharness import Harness
 
 from flowbroker.broker.subscription import Subscription
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import Complete, Deliver, Error, Outcome, Settle, Subscribe
+from flowbroker.protocol.frames import Complete, Deliver, Error, Headers, Outcome, Settle, Subscribe
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 
 
@@ -187,7 +187,7 @@ def test_a_message_whose_headers_fill_the_frame_is_refused_at_publish() -> None:
     c = h.consumer()
     c.subscribe("q")
     p = h.producer()
-    headers = {f"h{i}": "v" * 1000 for i in range(40)}  # 40 KB of headers on a 1-byte body
+    headers: Headers = {f"h{i}": "v" * 1000 for i in range(40)}  # 40 KB of headers on a 1-byte body
     tid = p.send("", "q", b"x", headers)
     p.pump()
     (e,) = p.errors_for(tid)

@@ -4,7 +4,7 @@ buffer acknowledgements, settlement, requeue and session close."""
 from __future__ import annotations
 
 import pytest
-from coreharness import Consumer, Harness, Producer
+from tests.broker.coreharness import Consumer, Harness, Producer
 
 from flowbroker.broker.session import SessionFault
 from flowbroker.protocol.credit import message_size

@@ -5,7 +5,7 @@ waiting ones included) and the windows stay within the policy's pool (issue 8, i
 from __future__ import annotations
 
 import pytest
-from coreharness import Harness, Producer
+from tests.broker.coreharness import Harness, Producer
 
 from flowbroker.broker import views
 from flowbroker.broker.session import SessionFault

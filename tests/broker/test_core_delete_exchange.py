@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coreharness import Harness
+from tests.broker.coreharness import Harness
 
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import DeleteExchange, Error, Ok

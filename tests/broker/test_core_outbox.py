@@ -4,7 +4,7 @@ session's frame caused the overflow, and never interrupt what the core was doing
 from __future__ import annotations
 
 import pytest
-from coreharness import Harness
+from tests.broker.coreharness import Harness
 
 from flowbroker.broker.session import SessionFault
 from flowbroker.protocol.errors import ErrorCode

@@ -4,7 +4,7 @@ re-advertisement, credit violations, and the aggressive policy resizing live con
 from __future__ import annotations
 
 import pytest
-from coreharness import Harness, MiB, Producer
+from tests.broker.coreharness import Harness, MiB, Producer
 
 from flowbroker.broker.session import SessionFault
 from flowbroker.policies.credit import WAIT_GRANT
@@ -19,7 +19,7 @@ BUFFER = 4 * SIZE + SIZE // 3
 
 
 def static(size: int, **sections: dict[str, object]) -> Harness:
-    return Harness(credit={"policy": "static", "static_size": size}, **sections)  # type: ignore[arg-type]
+    return Harness(credit={"policy": "static", "static_size": size}, **sections)
 
 
 REG = message_size(b"x")

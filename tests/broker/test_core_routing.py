@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from coreharness import Harness, Producer
+from tests.broker.coreharness import Harness, Producer
 
 from flowbroker.broker.exchange import topic_matches
 from flowbroker.broker.topic import TopicIndex

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coreharness import Consumer, Harness, MiB, Producer
+from tests.broker.coreharness import Consumer, Harness, MiB, Producer
 
 from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.errors import ErrorCode

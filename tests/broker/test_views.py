@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from coreharness import Harness, MiB
+from tests.broker.coreharness import Harness, MiB
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from fakebroker import FakeBroker
+from tests.client.fakebroker import FakeBroker
 
 
 @pytest.fixture

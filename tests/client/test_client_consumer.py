@@ -7,6 +7,7 @@ import trio
 import trio.testing
 
 import flowbroker.client as fc
+from flowbroker.protocol.frames import Headers
 from flowbroker.protocol import (
     BufferAck,
     BufferControl,
@@ -162,7 +163,7 @@ async def test_a_buffer_turned_on_midstream_acknowledges_everything_processed(st
         async with conn.consumer("q") as consumer:
             sub_id = fake.frames(Subscribe)[0].subscription_id
             opaque = 0 if level == "connection" else sub_id
-            headers = {"k": "v"}
+            headers: Headers = {"k": "v"}
             await fake.send(Deliver(sub_id, entries(1, 3)), Deliver(sub_id, [DeliveryEntry(4, "", "q", BODY, headers, False)]))
             for _ in range(3):
                 await (await consumer.receive(timeout=5)).ack()

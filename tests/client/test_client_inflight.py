@@ -182,11 +182,14 @@ def test_random_sends_and_completions_keep_every_count_exact(data: st.DataObject
                     owner[tid] = index
             elif step == "complete":
                 cum = data.draw(st.integers(0, highest), label="cumulative")
+                top = highest
+
+                def clip(r: tuple[int, int], top: int = top) -> tuple[int, int]:
+                    return r[0], min(top, r[0] + r[1])
+
                 ranges = data.draw(
                     st.lists(
-                        st.tuples(st.integers(1, highest), st.integers(0, 3)).map(
-                            lambda r, top=highest: (r[0], min(top, r[0] + r[1]))
-                        ),
+                        st.tuples(st.integers(1, highest), st.integers(0, 3)).map(clip),
                         max_size=4,
                     ),
                     label="ranges",

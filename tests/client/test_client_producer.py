@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 import flowbroker.client as fc
+from flowbroker.protocol.frames import Headers
 from flowbroker.protocol import (
     BufferAck,
     BufferControl,
@@ -191,7 +192,7 @@ async def test_a_whole_message_above_max_message_size_is_refused_locally(start_b
             await producer.send(b"x" * 1000)
         assert (info.value.destination, info.value.limit, info.value.transfer_id) == ("q", "max_message_size", None)
         # Header keys and values count: strings in UTF-8, binary as is, 9 bytes for any other value.
-        headers = {"k": "é", "b": b"12", "n": 7}  # 1 + 2, 1 + 2, 1 + 9
+        headers: Headers = {"k": "é", "b": b"12", "n": 7}  # 1 + 2, 1 + 2, 1 + 9
         with pytest.raises(fc.MessageTooLarge):
             await producer.send(b"x" * (999 - 16 + 1), headers)
         # And the exchange's name.
@@ -228,7 +229,7 @@ async def test_more_than_max_headers_is_refused_locally(start_broker) -> None:
     async with await fc.connect(broker.url, timeout=5) as conn:
         fake = await broker.connection()
         producer = conn.producer(routing_key="q")
-        headers = {f"h{i}": i for i in range(MAX_HEADERS)}
+        headers: Headers = {f"h{i}": i for i in range(MAX_HEADERS)}
         with pytest.raises(fc.TooManyHeaders, match=f"{MAX_HEADERS + 1} headers.*MAX_HEADERS") as info:
             await producer.send(b"b", {**headers, "more": 1})
         assert isinstance(info.value, fc.PublishError) and info.value.limit == "MAX_HEADERS"

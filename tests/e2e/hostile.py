@@ -24,11 +24,9 @@ from __future__ import annotations
 import random
 import time
 import struct
-import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -63,9 +61,7 @@ from flowbroker.protocol import (
 )
 from flowbroker.protocol.limits import MAX_CONTROL_FRAME, MAX_HEADERS, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 
-# protocol_strategies lives beside the protocol tests; pytest puts only this folder on sys.path.
-sys.path.append(str(Path(__file__).resolve().parent.parent / "protocol"))
-from protocol_strategies import any_frame  # noqa: E402
+from tests.protocol.protocol_strategies import any_frame
 
 U64 = 2**64 - 1
 LENGTH = struct.Struct(">I")

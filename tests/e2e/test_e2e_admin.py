@@ -394,7 +394,7 @@ class StallWatch:
 
 
 async def test_oversized_bodies_are_refused_before_they_are_read(broker: Any) -> None:
-    from test_e2e_faults import bystander
+    from tests.e2e.test_e2e_faults import bystander
 
     head = (f"PATCH /api/queues/q HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
             "Content-Type: application/json\r\n")

@@ -14,9 +14,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-from test_e2e_faults import LIMIT, RawClient, closing_frames, wait_until
+from tests.e2e.test_e2e_faults import LIMIT, RawClient, closing_frames, wait_until
 
 import flowbroker.client as fc
+from flowbroker.protocol.frames import Headers
 from flowbroker.protocol import (
     Bind,
     Complete,
@@ -108,7 +109,7 @@ async def test_a_routing_key_of_5000_words_is_refused_and_the_broker_carries_on(
         assert isinstance(await request(raw, Bind(3, "words", "t", "#.w")), Ok)
         key = ".".join(["w"] * 5000)
         await raw.send(Transfer(1, [TransferEntry("t", key, b"x"), TransferEntry("t", "w.w", b"y")]))
-        errors = []
+        errors: list[Error] = []
         while len(errors) < 1:
             frame = await raw.next_frame()
             if isinstance(frame, Error):
@@ -182,7 +183,7 @@ async def test_a_message_that_cannot_be_delivered_is_refused_at_publish(start_fl
     async with watched(broker):
         raw = await RawClient.connect(broker.port, flow_control=False)
         assert isinstance(await request(raw, DeclareQueue(1, "poison")), Ok)
-        headers = {f"h{i}": "v" * 900 for i in range(60)}  # 54 KB of headers on a 1-byte body
+        headers: Headers = {f"h{i}": "v" * 900 for i in range(60)}  # 54 KB of headers on a 1-byte body
         await raw.send(Transfer(1, [TransferEntry("", "poison", b"x", headers), TransferEntry("", "poison", b"ok")]))
         while True:
             frame = await raw.next_frame()

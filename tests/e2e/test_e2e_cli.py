@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from daemon import FLOWBROKER, free_port, stop, wait_listening
+from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
 
 
 

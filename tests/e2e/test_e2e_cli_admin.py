@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from flowbroker.broker.cli import _log_level, main
 from flowbroker.client import blocking
-from daemon import FLOWBROKER, free_port, stop, wait_listening
+from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
 
 MiB = 1024 * 1024
 
@@ -111,8 +111,8 @@ def test_queues_and_queue_set_release_a_blocked_publisher(daemon: Daemon) -> Non
     [publisher] = _me(daemon)
     assert publisher["role"] == "producer" and publisher["flow"]["blocking_queues"] == ["orders"]
     assert publisher["producer"]["transfers_held"] == 1 and publisher["peer"].startswith("127.0.0.1:")
-    table = daemon.cli("connections").stdout
-    assert "stopped" in table and "orders" in table
+    connections = daemon.cli("connections").stdout
+    assert "stopped" in connections and "orders" in connections
     shown = daemon.json("queue", "show", "orders")
     assert shown["held_transfers"] == 1 and shown["flow_stopped_producers"][0]["connection"] == publisher["id"]
     assert blocked.poll() is None

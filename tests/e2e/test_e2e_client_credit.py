@@ -16,6 +16,7 @@ import pytest
 import trio
 
 import flowbroker.client as fc
+from flowbroker.protocol.frames import Headers
 from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES
 
 STALL = 2.0
@@ -103,7 +104,7 @@ async def test_messages_over_a_limit_are_refused_by_send_and_the_connection_goes
     async with await fc.connect(broker.url, timeout=5) as conn:
         await conn.declare_queue("q")
         producer = conn.producer(routing_key="q")
-        headers = {"h%02d" % i: "v" for i in range(MAX_HEADERS)}  # 4 bytes each
+        headers: Headers = {"h%02d" % i: "v" for i in range(MAX_HEADERS)}  # 4 bytes each
         at_limit = b"x" * (max_message - len("q") - 4 * MAX_HEADERS)
         with pytest.raises(fc.TooManyHeaders, match="MAX_HEADERS"):
             await producer.send(b"b", {**headers, "one": "more"})

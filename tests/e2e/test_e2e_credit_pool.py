@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import trio
-from test_e2e_admin import TOKEN, ok
+from tests.e2e.test_e2e_admin import TOKEN, ok
 
 import flowbroker.client as fb
 

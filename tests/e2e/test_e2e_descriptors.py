@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 import flowbroker.client as fc
-from daemon import FLOWBROKER, free_port, stop, wait_listening
+from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
 
 DESCRIPTORS = 64
 

@@ -13,9 +13,9 @@ import socket
 import trio
 
 import flowbroker.client as fc
-from flowbroker.protocol import PROTOCOL_VERSION, Deliver, Hello, Outcome, Settle, Subscribe, Welcome
+from flowbroker.protocol import PROTOCOL_VERSION, Deliver, DeliveryEntry, Hello, Outcome, Settle, Subscribe, Welcome
 
-from test_e2e_faults import LIMIT, RawClient, wait_until
+from tests.e2e.test_e2e_faults import LIMIT, RawClient, wait_until
 
 BODY = 4096
 COUNT = 3000  # 12 MiB of bodies: far beyond what loopback socket buffers hold
@@ -58,7 +58,7 @@ async def test_deliveries_the_kernel_refused_arrive_whole_and_in_order(start_flo
             assert msg.body == b"not held up"
             await msg.ack()
 
-    entries = []
+    entries: list[DeliveryEntry] = []
     with trio.fail_after(LIMIT * 4):
         while len(entries) < COUNT:
             frame = await raw.next_frame()

@@ -11,6 +11,7 @@ changes that release held transfers, legacy producers and hard limits, and send 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -65,7 +66,7 @@ async def test_fast_producers_are_paced_and_queue_stays_within_bounds(start_flow
     if dimension == "count":
         buffer = 1 << 20  # bytes never limit: the window does
         windows = (16, 32)
-        args = {"flow_stop_count": 100, "flow_resume_count": 50}
+        args: dict[str, Any] = {"flow_stop_count": 100, "flow_resume_count": 50}
     else:
         buffer = 4096  # the byte buffer limits: windows are far larger
         windows = (1000, 1000)

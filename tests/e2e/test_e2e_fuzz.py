@@ -40,7 +40,7 @@ import flowbroker.client as fc
 from flowbroker.broker.config import load_config
 from flowbroker.broker.server import BrokerServer
 from flowbroker.protocol import Frame
-from hostile import (
+from tests.e2e.hostile import (
     BYSTANDER_QUEUE,
     SEND_TIMEOUT,
     WEIGHTS,
@@ -50,7 +50,7 @@ from hostile import (
     hostile_connection,
     moves,
 )
-from protocol_strategies import any_frame
+from tests.protocol.protocol_strategies import any_frame
 
 EXAMPLE_SECONDS = 1.5
 STALL_BOUND = 0.5

@@ -38,7 +38,7 @@ from flowbroker.protocol import (
     encode_frame,
 )
 
-from test_e2e_faults import LIMIT, Bystander, RawClient, bystander, closing_frames, raw_frame, wait_until
+from tests.e2e.test_e2e_faults import LIMIT, Bystander, RawClient, bystander, closing_frames, raw_frame, wait_until
 
 STALL = 0.5  # seconds the bystander may go without a delivery (it normally waits about a millisecond)
 MiB = 1024 * 1024
@@ -153,7 +153,7 @@ async def test_a_burst_of_expensive_frames_does_not_hold_the_event_loop(
         assert len(burst) < RECEIVE_SIZE  # one read's worth
         async with never_stalls(b):
             await raw.send_raw(burst)
-            replies = []
+            replies: list[Any] = []
             while len(replies) < count:
                 frame = await raw.next_frame()
                 assert frame is not None, "closed"

@@ -33,7 +33,7 @@ from flowbroker.protocol import (
     message_size,
 )
 
-from test_e2e_faults import LIMIT, RawClient, wait_until
+from tests.e2e.test_e2e_faults import LIMIT, RawClient, wait_until
 
 
 async def _fill(conn: fc.Connection, queue: str, count: int) -> None:

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from protocol_strategies import FRAME_STRATEGIES, SAMPLES, any_frame, raw_body, raw_frame
+from tests.protocol.protocol_strategies import FRAME_STRATEGIES, SAMPLES, any_frame, raw_body, raw_frame
 
 from flowbroker.protocol import (
     DEFAULT_MAX_FRAME_SIZE,

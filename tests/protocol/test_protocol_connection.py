@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pair import ConnectionPair
-from protocol_strategies import SAMPLES
+from tests.protocol.pair import ConnectionPair
+from tests.protocol.protocol_strategies import SAMPLES
 
 from flowbroker.protocol import (
     PROTOCOL_VERSION,
@@ -82,11 +82,11 @@ def expect_remote(pair: ConnectionPair, role: Role, code: ErrorCode, seq: int) -
 
 def test_handshake() -> None:
     pair = ConnectionPair()
-    assert pair.client.state is State.AWAIT_HELLO and pair.broker.state is State.AWAIT_HELLO
+    assert (pair.client.state, pair.broker.state) == (State.AWAIT_HELLO, State.AWAIT_HELLO)
     pair.exchange(Role.CLIENT, Hello(PROTOCOL_VERSION, "c", True, ["x"]))
-    assert pair.client.state is State.AWAIT_WELCOME and pair.broker.state is State.AWAIT_WELCOME
+    assert (pair.client.state, pair.broker.state) == (State.AWAIT_WELCOME, State.AWAIT_WELCOME)
     pair.exchange(Role.BROKER, SAMPLES[FrameType.WELCOME])
-    assert pair.client.state is State.OPEN and pair.broker.state is State.OPEN
+    assert (pair.client.state, pair.broker.state) == (State.OPEN, State.OPEN)
     assert pair.client.frames_sent == 1 and pair.client.frames_received == 1
     assert pair.broker.frames_sent == 1 and pair.broker.frames_received == 1
 
@@ -338,7 +338,9 @@ def test_negotiated_max_frame_size_applies_to_received_frames() -> None:
     pair = ConnectionPair()
     pair.handshake(max_frame_size=128)
     assert pair.client.max_frame_size == 128 and pair.broker.max_frame_size == 128
-    big = Deliver(1, [SAMPLES[FrameType.DELIVER].entries[0]._replace(body=b"x" * 200)])  # type: ignore[union-attr]
+    sample = SAMPLES[FrameType.DELIVER]
+    assert isinstance(sample, Deliver)
+    big = Deliver(1, [sample.entries[0]._replace(body=b"x" * 200)])
     pair.send(Role.BROKER, big)
     with pytest.raises(FrameTooLarge) as info:
         pair.deliver(Role.BROKER)

@@ -1,14 +1,20 @@
 """Whole conversations through a ConnectionPair: the frames, state machine and credit halves together.
 
-The broker's side here is played by the test with the same sans-IO pieces the broker uses
-(SenderWindow, ReceiverWindow, message_size), so these check that the protocol carries the credit model
-end to end, byte for byte, not the broker's queueing.
+In the credit and liveness conversations the broker's side is played by the test with the same
+sans-IO pieces the broker uses (SenderWindow, ReceiverWindow, message_size): they check that the protocol
+carries the credit model end to end, byte for byte, not the broker's queueing. The held and refused
+transfer conversations put the real `BrokerCore` behind the broker's `Connection` (`CoreBehindPair`),
+so what the client decodes is what the broker decides.
 """
 
 from __future__ import annotations
 
-from pair import ConnectionPair
+from typing import Any
 
+from tests.protocol.pair import ConnectionPair
+
+from flowbroker.broker.config import load_config
+from flowbroker.broker.core import BrokerCore
 from flowbroker.protocol import (
     ReceiverWindow,
     BufferAck,
@@ -21,10 +27,13 @@ from flowbroker.protocol import (
     ErrorCode,
     FlowResumed,
     FlowStopped,
+    Frame,
     Noop,
+    Ok,
     Outcome,
     Role,
     Settle,
+    State,
     Subscribe,
     Transfer,
     TransferEntry,
@@ -34,7 +43,39 @@ from flowbroker.protocol import (
 S = 1_000_000_000
 
 
-def test_producer_paced_by_broker_credit() -> None:
+class CoreBehindPair:
+    """A `BrokerCore` on the broker end of a ConnectionPair: frames the client's Connection sends are
+    decoded by the broker's Connection and handed to the core; what the core has for the client
+    (`session.collect`) is encoded by the broker's Connection and decoded by the client's."""
+
+    def __init__(self, *, flow_control: bool = True, **sections: dict[str, Any]) -> None:
+        overrides: dict[str, dict[str, Any]] = {"server": {"memory_quota": 1 << 30}}
+        for name, values in sections.items():
+            overrides.setdefault(name, {}).update(values)
+        self.now = 0
+        self.core = BrokerCore(load_config(None, overrides), lambda: self.now)
+        self.session = self.core.open_session("pair-client", "anonymous", flow_control, lambda: None)
+        self.pair = ConnectionPair()
+        self.welcome = self.pair.handshake(flow_control=flow_control, buffer_size=self.session.buffer_size)
+
+    def client_sends(self, *frames: Frame) -> list[Frame]:
+        """The client sends `frames`; the core handles them; returns what the client receives back."""
+        self.pair.send(Role.CLIENT, *frames)
+        for frame in self.pair.deliver(Role.CLIENT):
+            self.core.handle(self.session, frame)
+        return self.client_receives()
+
+    def client_receives(self) -> list[Frame]:
+        frames = self.session.collect(self.now)
+        self.pair.send(Role.BROKER, *frames)
+        received = self.pair.deliver(Role.BROKER)
+        assert received == frames
+        return received
+
+
+def test_producer_credit_model_carried_over_the_wire() -> None:
+    """The test plays the broker's credit side (ReceiverWindow): BUFFER_ACKs it sends move the client's
+    SenderWindow through both Connections; the client never sends beyond it and everything is acked."""
     pair = ConnectionPair()
     welcome = pair.handshake(flow_control=True, buffer_size=1000)
     credit = SenderWindow(welcome.buffer_size)  # client side
@@ -88,28 +129,51 @@ def test_producer_paced_by_broker_credit() -> None:
 
 
 def test_held_transfer_flow_stopped_then_completed_out_of_order() -> None:
-    pair = ConnectionPair()
-    pair.handshake(buffer_size=1 << 20)
-    pair.exchange(Role.CLIENT, Transfer(1, [TransferEntry("", name, b"m") for name in ("a", "a", "full", "a")]))
-    # Transfer 3 went to a saturated queue: held, and the producer is told why.
-    stopped = FlowStopped("full", "flow_stop_count", 2, 3, "queue 'full' is over flow_stop_count")
-    pair.exchange(Role.BROKER, stopped, Complete(2, [(4, 4)]))
-    pair.exchange(Role.BROKER, FlowResumed("full"), Complete(4, []))
+    """The broker holds the transfer that takes a queue over its stop threshold: the client decodes
+    FLOW_STOPPED naming the queue and a COMPLETE that skips the held id; once a consumer drains the
+    queue, FLOW_RESUMED and then the cumulative COMPLETE."""
+    broker = CoreBehindPair(credit={"policy": "static", "static_size": 1 << 20})
+    broker.core.declare_queue("a")
+    broker.core.declare_queue("full", {"flow_stop_count": 1, "flow_resume_count": 0})
+    # The first transfer registers the connection as a producer (its provisional grant is one message).
+    first = broker.client_sends(Transfer(1, [TransferEntry("", "a", b"m")]))
+    assert Complete(1, []) in first and BufferControl(0, 1 << 20) in first
+    received = broker.client_sends(Transfer(2, [TransferEntry("", name, b"m") for name in ("full", "full", "a")]))
+    stopped = [f for f in received if isinstance(f, FlowStopped)]
+    assert [(f.destination, f.threshold) for f in stopped] == [("full", "flow_stop_count")]
+    assert [f for f in received if isinstance(f, Complete)] == [Complete(2, [(4, 4)])]  # 3 is held
+    # A consumer on another connection takes the message and settles it: the queue clears.
+    consumer = broker.core.open_session("consumer", "anonymous", False, lambda: None)
+    broker.core.handle(consumer, Subscribe(1, 1, "full", 0, 0))
+    (deliver,) = [f for f in consumer.collect(broker.now) if isinstance(f, Deliver)]
+    assert len(deliver.entries) == 2
+    assert not [f for f in broker.client_receives() if isinstance(f, (Complete, FlowResumed))]  # unsettled: held
+    broker.core.handle(consumer, Settle(Outcome.ACK, [(deliver.entries[0].delivery_tag, deliver.entries[1].delivery_tag)]))
+    received = broker.client_receives()
+    assert FlowResumed("full") in received and Complete(4, []) in received
+    assert received.index(FlowResumed("full")) < received.index(Complete(4, []))
 
 
 def test_refused_transfer_gets_error_with_ref_id_and_is_still_completed() -> None:
-    pair = ConnectionPair()
-    pair.handshake(buffer_size=1 << 20)
-    pair.exchange(Role.CLIENT, Transfer(1, [TransferEntry("", "missing", b"m"), TransferEntry("", "q", b"m")]))
-    error = Error(ErrorCode.NOT_FOUND, "no queue named 'missing'", None, 1, "missing")
-    received = pair.exchange(Role.BROKER, error, Complete(2, []))
-    assert received[0].ref_id == 1 and received[0].destination == "missing"  # type: ignore[union-attr]
-    assert pair.client.state is pair.broker.state  # an ERROR about a transfer does not end anything
+    """A transfer to a queue that does not exist: the broker answers ERROR NOT_FOUND whose ref_id is the
+    transfer id, completes it all the same (so window and credit flow), and the connection stays open."""
+    broker = CoreBehindPair(flow_control=False)
+    broker.core.declare_queue("q")
+    received = broker.client_sends(Transfer(1, [TransferEntry("", "missing", b"m"), TransferEntry("", "q", b"m")]))
+    error, complete = received
+    assert isinstance(error, Error) and (error.code, error.ref_id, error.destination) == (ErrorCode.NOT_FOUND, 1, "missing")
+    assert complete == Complete(2, [])
+    assert broker.pair.client.state is broker.pair.broker.state is State.OPEN  # a transfer's ERROR ends nothing
+    assert broker.core.queues["q"].count == 1
+    ok = broker.client_sends(Transfer(3, [TransferEntry("", "q", b"m")]))  # still open, ids go on
+    assert ok == [Complete(3, [])]
+    assert not any(isinstance(f, Ok) for f in ok)
 
 
-def test_consumer_buffer_paces_deliveries() -> None:
-    """The consumer sets a subscription buffer; the broker (DCP producer toward consumers) delivers
-    while there is space; the consumer acknowledges processed bytes after 20 % of it."""
+def test_consumer_buffer_credit_model_carried_over_the_wire() -> None:
+    """The consumer sets a subscription buffer; the test, playing the broker with a SenderWindow, delivers
+    while there is space; the consumer acknowledges processed bytes after 20 % of it. (The real
+    broker's pacing is tested in tests/broker/test_core_consumer_credit.py.)"""
     pair = ConnectionPair()
     pair.handshake()
     pair.exchange(Role.CLIENT, Subscribe(1, 7, "q", 0, 0), BufferControl(7, 400))
@@ -148,7 +212,7 @@ def test_consumer_buffer_paces_deliveries() -> None:
     assert seen == bodies
 
 
-def test_noop_liveness_both_ways() -> None:
+def test_noop_and_its_reply_pass_both_ways() -> None:
     pair = ConnectionPair()
     pair.handshake()
     pair.exchange(Role.BROKER, Noop(1, False))

@@ -327,7 +327,8 @@ def test_lossy_duplicating_reordering_ack_channel_neither_stalls_nor_overruns(
             size = queue.pop(0)
             sender.on_sent(size)
             link.append(size)
-        if link and channel.draw(st.booleans()):
+        deliver: bool = channel.draw(st.booleans())  # drawn apart: `link and draw()` infers list[int]
+        if link and deliver:
             ack = receiver.on_consumed(link.pop(0), now)
             if ack is not None:
                 acks.append(ack)

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import SAMPLES, any_frame, raw_body, raw_frame
+from tests.protocol.protocol_strategies import SAMPLES, any_frame, raw_body, raw_frame
 
 from flowbroker.protocol import (
     ErrorCode,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from collections.abc import Hashable, Mapping
 from typing import Callable, Protocol
 
-Address = tuple[str, int]
+Address = Hashable  # as in transport/: any hashable address, (host, port) here
 
 __all__ = ["Address", "Endpoint", "FakeNetwork", "NetStats", "pump"]
 
@@ -132,7 +133,7 @@ class Endpoint(Protocol):
     def do_work(self, now_ns: int) -> list[tuple[bytes, Address]]: ...
 
 
-def pump(net: FakeNetwork, endpoints: dict[Address, Endpoint], now_ns: int) -> int:
+def pump(net: FakeNetwork, endpoints: Mapping[Address, Endpoint], now_ns: int) -> int:
     """One round: every endpoint's duty cycle onto the network, then every due datagram to its endpoint.
 
     Returns how many datagrams were delivered. Datagrams for an address with no endpoint vanish, like

@@ -10,7 +10,7 @@ import struct
 from typing import Callable
 
 import pytest
-from fakenet import FakeNetwork, pump
+from tests.transport.fakenet import FakeNetwork, pump
 
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription

@@ -229,7 +229,7 @@ def capture(traffic: list[bytes], tmp_path: Path) -> tuple[Path, int, int, list[
     try:
         heartbeat = f.encode_heartbeat(0, 1, 1, 1)
         wait_until(lambda: canary_port in lines, 30, "never saw the canary",
-                   lambda: canary.send(heartbeat, ("127.0.0.1", port)) and None)
+                   lambda: None if canary.send(heartbeat, ("127.0.0.1", port)) else None)
         for datagram in traffic:
             assert sender.send(datagram, ("127.0.0.1", port))
             time.sleep(0.002)  # keep well inside the capture buffer

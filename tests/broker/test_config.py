@@ -1,0 +1,263 @@
+"""`load_config` (broker/config.py) against docs/configuration.md, key by key.
+
+The documented TOML block is the reference: every key in it parses to the value written there, every
+default is the documented one, every key the code knows is documented, and every unknown key, value of
+the wrong type or out of range is refused with a ConfigError whose message starts `[section] key = `.
+Flags given to `flowbroker serve` override the file, and flags left out leave it alone. Size strings
+and the bounds of the [server] timeouts have their own files (test_config_sizes.py,
+test_config_server_bounds.py).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from click.testing import CliRunner
+
+from flowbroker.broker.config import (
+    AdminConfig,
+    BrokerConfig,
+    ConfigError,
+    QueueDefaults,
+    ServerConfig,
+    default_quota,
+    load_config,
+)
+from flowbroker.policies.credit import CreditPolicy, CreditPolicyConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1024 * 1024
+SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "queues": QueueDefaults, "admin": AdminConfig}
+CREDIT_KEYS = sorted(f.name for f in fields(CreditPolicyConfig) if f.init and f.name != "quota")
+"""[credit] keys a file may set; `quota` is one too but is documented as following memory_quota."""
+
+
+def documented() -> dict[str, dict[str, Any]]:
+    """The one ```toml block of docs/configuration.md, parsed."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    (block,) = re.findall(r"^```toml\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    return tomllib.loads(block)
+
+
+def section_values(config: BrokerConfig, section: str) -> dict[str, Any]:
+    """What `config` holds for `section`, keyed as in the file (the credit policy as its string)."""
+    if section == "credit":
+        policy = config.credit_policy()
+        return {key: str(getattr(policy, key)) if key == "policy" else getattr(policy, key) for key in CREDIT_KEYS}
+    obj = getattr(config, section)
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "flowbroker.toml"
+    path.write_text(text)
+    return path
+
+
+# -- the documented file --------------------------------------------------------------------------
+
+
+def test_the_documentation_lists_every_key_the_code_knows() -> None:
+    doc = documented()
+    assert sorted(doc) == ["admin", "credit", "queues", "server"]
+    for section, cls in SECTIONS.items():
+        assert sorted(doc[section]) == sorted(f.name for f in fields(cls)), section
+    assert sorted(doc["credit"]) == CREDIT_KEYS
+
+
+def test_every_documented_key_parses_to_its_documented_value(tmp_path: Path) -> None:
+    doc = documented()
+    config = load_config(write(tmp_path, tomllib_dump(doc)))
+    for section, values in doc.items():
+        assert section_values(config, section) == values, section
+    # [credit] quota is not in the file: it follows [server] memory_quota
+    assert config.credit_policy().quota == doc["server"]["memory_quota"]
+
+
+def test_the_defaults_are_the_documented_values() -> None:
+    """Except memory_quota, which depends on the machine: a quarter of its memory (at least 64 MiB)."""
+    doc = documented()
+    config = load_config()
+    for section, values in doc.items():
+        expected = dict(values)
+        if section == "server":
+            expected["memory_quota"] = default_quota()
+        assert section_values(config, section) == expected, section
+    assert default_quota() >= 64 * MiB
+    assert config.credit_policy().policy is CreditPolicy.AGGRESSIVE
+
+
+def tomllib_dump(doc: dict[str, dict[str, Any]]) -> str:
+    """Enough of a TOML writer for the documented block: tables of strings, bools, ints and floats."""
+    lines = []
+    for section, values in doc.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+# -- errors that name the key ---------------------------------------------------------------------
+
+
+def every_key() -> list[tuple[str, str, Any]]:
+    return [(section, key, value) for section, values in documented().items() for key, value in values.items()]
+
+
+def wrong_type(value: Any) -> Any:
+    """A value of another TOML type than the documented one."""
+    if isinstance(value, bool):
+        return "yes"
+    if isinstance(value, (int, float)):
+        return "many"
+    return 5
+
+
+@pytest.mark.parametrize(("section", "key", "value"), every_key(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(section: str, key: str, value: Any) -> None:
+    bad = wrong_type(value)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {section: {key: bad}})
+    shown = "'***'" if key == "token" else repr(str(bad) if key == "policy" else bad)  # the token is a secret
+    assert str(info.value).startswith(f"[{section}] {key} = {shown}: "), str(info.value)
+
+
+@pytest.mark.parametrize("section", ["server", "queues", "credit", "admin"])
+def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {section: {"max_sise": 1}})
+    message = str(info.value)
+    assert message.startswith(f"[{section}] max_sise = 1: unknown key; known: ")
+    for key in documented()[section]:
+        assert key in message
+
+
+def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, credit, queues, server$"):
+        load_config(write(tmp_path, "[sever]\nport = 1\n"))
+    for section in ("server", "queues", "admin", "credit"):
+        with pytest.raises(ConfigError, match=rf"^\[{section}\] \* = 3: must be a table$"):
+            load_config(write(tmp_path, f"{section} = 3\n"))
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "message"),
+    [
+        ("server", {"port": 65536}, "[server] port = 65536: must be an integer in [0, 65535]"),
+        ("server", {"port": True}, "[server] port = True: must be an integer in [0, 65535]"),
+        ("server", {"max_message_size": 5 * MiB}, "[server] max_message_size = 5242880: must be an integer in [1, 4194304]"),
+        ("server", {"idle_timeout": -1.0}, "[server] idle_timeout = -1.0: must be a number > 0"),
+        ("server", {"memory_quota": MiB - 1}, "[server] memory_quota = 1048575: must be an integer in [1048576, "),
+        ("server", {"memory_resume_percent": 0}, "[server] memory_resume_percent = 0: must be an integer in [1, 100]"),
+        ("server", {"max_exchanges": 3}, "[server] max_exchanges = 3: must be an integer in [4, "),
+        ("server", {"host": " "}, "[server] host = ' ': must be a non-empty host name or address"),
+        ("queues", {"flow_stop_percent": 120}, "[queues] flow_stop_percent = 120: must be a number in [0, 100]"),
+        ("queues", {"flow_stop_percent": 50, "flow_resume_percent": 60},
+         "[queues] flow_resume_percent = 60: must be <= flow_stop_percent"),
+        ("queues", {"overflow": "drop-tail"}, "[queues] overflow = 'drop-tail': unknown overflow policy"),
+        ("queues", {"max_prefetch": 0}, "[queues] max_prefetch = 0: must be an integer in [1, "),
+        ("credit", {"policy": "greedy"}, "[credit] policy = 'greedy': unknown policy; known: none, static, dynamic, aggressive"),
+        ("credit", {"min_size": 2 * MiB, "max_size": MiB}, "[credit] min_size = 2097152: must be <= max_size=1048576"),
+        ("credit", {"static_size": 0}, "[credit] static_size = 0: "),
+        ("credit", {"aggressive_percent": 101}, "[credit] aggressive_percent = 101: "),
+        ("admin", {"port": -1}, "[admin] port = -1: must be an integer in [0, 65535]"),
+        ("admin", {"token": "short"}, "[admin] token = '***': must be at least 16 printable ASCII characters"),
+        ("admin", {"token": "sixteen chars with spaces"}, "[admin] token = '***': "),
+        ("admin", {"token_file": ""}, "[admin] token_file = '': must be a non-empty path"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_naming_the_key(section: str, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {section: values})
+    assert str(info.value).startswith(message), str(info.value)
+    assert info.value.section == section
+
+
+def test_an_admin_token_is_never_echoed(tmp_path: Path) -> None:
+    secret = "hunter2 is not enough"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, f'[admin]\ntoken = "{secret}"\n'))
+    assert secret not in str(info.value) and info.value.value == "***"
+    token = "0123456789abcdef"
+    assert load_config(None, {"admin": {"token": token}}).admin.token == token
+
+
+def test_a_file_that_is_not_toml_or_cannot_be_read_is_named(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server\n")
+    with pytest.raises(ConfigError, match=rf"^\[file\] {re.escape(str(path))} = None: not valid TOML: "):
+        load_config(path)
+    missing = tmp_path / "nowhere.toml"
+    with pytest.raises(ConfigError, match=rf"^\[file\] {re.escape(str(missing))} = None: cannot be read: "):
+        load_config(missing)
+
+
+# -- precedence: defaults, then the file, then overrides (flags) ----------------------------------
+
+
+def test_overrides_win_over_the_file_and_none_leaves_the_file_alone(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nport = 7000\nidle_timeout = 5.0\nhost = "0.0.0.0"\n[credit]\npolicy = "static"\n')
+    config = load_config(path, {"server": {"port": 7001, "idle_timeout": None}, "credit": {"policy": None}})
+    assert (config.server.port, config.server.idle_timeout, config.server.host) == (7001, 5.0, "0.0.0.0")
+    assert config.credit_policy().policy is CreditPolicy.STATIC
+    assert config.server.name == "flowbroker"  # in neither: the default
+    # an override is validated like a file value, and a size string from it is parsed too
+    assert load_config(path, {"server": {"memory_quota": "2GiB"}}).server.memory_quota == 2048 * MiB
+    with pytest.raises(ConfigError, match=r"^\[server\] port = 70000: "):
+        load_config(path, {"server": {"port": 70000}})
+
+
+def test_serve_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`flowbroker serve --config F --flag ...` with trio.run replaced, so nothing listens: the flags
+    given win over the file, the flags left out leave the file's values (env vars play no part)."""
+    from flowbroker.broker.cli import main
+
+    seen: list[BrokerConfig] = []
+
+    def fake_run(_serve: Any, config: BrokerConfig, *args: Any) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(trio, "run", fake_run)
+    path = write(
+        tmp_path,
+        '[server]\nhost = "127.0.0.2"\nport = 7000\nidle_timeout = 5.0\nmemory_quota = "512MiB"\n'
+        '[credit]\npolicy = "static"\n[admin]\nport = 7001\nenabled = false\n',
+    )
+    runner = CliRunner()
+    result = runner.invoke(main, ["serve", "--config", str(path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(
+        main,
+        ["serve", "--config", str(path), "--port", "7100", "--memory-quota", "1GiB", "--credit-policy", "dynamic",
+         "--admin", "--admin-port", "7101"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    from_file, flagged = seen
+    assert (from_file.server.port, from_file.server.memory_quota, from_file.admin.enabled) == (7000, 512 * MiB, False)
+    assert from_file.credit_policy().policy is CreditPolicy.STATIC
+    assert (flagged.server.port, flagged.server.memory_quota, flagged.admin.port, flagged.admin.enabled) == (
+        7100, 1024 * MiB, 7101, True)
+    assert flagged.credit_policy().policy is CreditPolicy.DYNAMIC
+    assert (flagged.server.host, flagged.server.idle_timeout) == ("127.0.0.2", 5.0)  # not flagged: the file's
+
+
+def test_serve_reports_a_configuration_error_naming_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowbroker.broker.cli import main
+
+    monkeypatch.setattr(trio, "run", lambda *args: pytest.fail("must not start"))
+    path = write(tmp_path, "[queues]\nflow_stop_percent = 120\n")
+    result = CliRunner().invoke(main, ["serve", "--config", str(path)])
+    assert result.exit_code == 1
+    assert "configuration error: [queues] flow_stop_percent = 120: must be a number in [0, 100]" in result.output
