@@ -217,10 +217,10 @@ class BrokerServer:
         if self.open_sockets >= limit:
             self._refuse(stream, f"too many connections (max_connections {limit})")
             return
+        assert self._handlers is not None
+        self._handlers.start_soon(self._serve_one, stream)  # first: if this fails, the socket was not counted
         self.open_sockets += 1
         self.peak_sockets = max(self.peak_sockets, self.open_sockets)
-        assert self._handlers is not None
-        self._handlers.start_soon(self._serve_one, stream)
 
     def _refuse(self, stream: trio.SocketStream, text: str) -> None:
         """ERROR + CLOSE RESOURCE_EXHAUSTED and close, without a task or a wait: a new socket's send
