@@ -15,6 +15,11 @@ scheduler round for their writer tasks. Measured at 5,000 msgs/s that round was 
 buffer is full: a slow consumer) goes to that connection's writer task, which sends it before
 anything newer, so frames stay in order and a slow socket never blocks the reader.
 
+Any trio stream serves: a connection is read and written through broker/streamio.py, so a TLS stream
+over the accepted socket (or an in-memory stream in a test) drops in where the socket was
+(`serve_connection`). The write without waiting, and the reads and writes that know exactly where they
+stopped, are for a plain TCP socket only; on another stream the writer task sends everything.
+
 What one connection can cost the others is bounded here (docs/architecture.md, "Bounded everything"):
 
 - Every exception raised while serving a connection (in the core's handle(), in encoding, in the
@@ -40,8 +45,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.session import Session, SessionFault
+from flowbroker.broker.streamio import StreamIO, peer_name, refuse_now, stream_io
 from flowbroker.protocol.codec import encode_frames
 from flowbroker.transport.udp.clock import now_ns
 from flowbroker.protocol.connection import Connection, Role, State
@@ -98,13 +102,6 @@ class _FrameTimeout(Exception):
 
 
 _NO_DEADLINE = contextlib.nullcontext()  # most reads: no partial frame, so no cancel scope to enter
-
-
-def _peer_of(stream: trio.SocketStream) -> str:
-    try:
-        return "%s:%s" % stream.socket.getpeername()[:2]
-    except OSError:
-        return "?"
 
 
 class BrokerServer:
@@ -216,64 +213,62 @@ class BrokerServer:
         if self.open_sockets >= limit:
             self._refuse(stream, f"too many connections (max_connections {limit})")
             return
+        assert self._handlers is not None
+        self._handlers.start_soon(self._serve_one, stream)  # first: if this fails, the socket was not counted
         self.open_sockets += 1
         self.peak_sockets = max(self.peak_sockets, self.open_sockets)
-        assert self._handlers is not None
-        self._handlers.start_soon(self._serve_one, stream)
 
     def _refuse(self, stream: trio.SocketStream, text: str) -> None:
         """ERROR + CLOSE RESOURCE_EXHAUSTED and close, without a task or a wait: a new socket's send
         buffer is empty, so the kernel takes the two frames at once (a client reads them as the
         answer to its HELLO). What already arrived (a HELLO) is read first, so the close is a FIN."""
         self.refused += 1
-        self._log_refusal("refusing connection from %s: %s", _peer_of(stream), text)
-        sock = stream.socket
-        fd = sock.fileno()
-        try:
-            os.read(fd, RECEIVE_SIZE)
-        except OSError:  # nothing arrived yet (would block), or the peer is gone
-            pass
-        try:
-            code = ErrorCode.RESOURCE_EXHAUSTED
-            os.write(fd, encode_frames([Error(code, text), Close(code, text)]))
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-        sock.close()
+        self._log_refusal("refusing connection from %s: %s", peer_name(stream), text)
+        code = ErrorCode.RESOURCE_EXHAUSTED
+        refuse_now(stream, encode_frames([Error(code, text), Close(code, text)]))
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
+        try:
+            await self.serve_connection(stream)
+        finally:
+            self.open_sockets -= 1
+
+    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+        """Serve one client over `stream` until it ends: the accept loop's TCP sockets, or any other
+        trio stream (a TLS stream over one, an in-memory stream in a test). Never raises for what goes
+        wrong with this connection: that ends it alone (a cancellation still goes through)."""
         handler: ConnectionHandler | None = None
         try:
             handler = ConnectionHandler(self, stream)
             await handler.run()
         except Exception as exc:  # a bug in the handler's own error handling: still this connection's alone
-            LOGGER.error("connection from %s: unhandled error; closed", _peer_of(stream), exc_info=exc)
+            LOGGER.error("connection from %s: unhandled error; closed", peer_name(stream), exc_info=exc)
             await trio.aclose_forcefully(stream)
         finally:
-            self.open_sockets -= 1
             if handler is not None:
                 handler.frame_bytes.release()
 
 
-async def _send_and_close(
-    stream: trio.SocketStream, conn: Connection, frames: list[Frame], unsent: bytes = b""
-) -> None:
+async def _send_and_close(io: StreamIO, conn: Connection, frames: list[Frame], unsent: bytes = b"") -> None:
     """Send `unsent` (the rest of a frame already begun) and then `frames`, with a deadline; then shut
-    down our sending side and drain what the peer still sends before closing (see the module's doc)."""
+    down our sending side and drain what the peer still sends before closing (see the module's doc).
+    A stream a write was cut off on is closed without writing more: it may be inside a frame."""
+    stream = io.stream
     with trio.move_on_after(FINAL_FLUSH_SECONDS) as scope:
         scope.shield = True
         try:
-            data = unsent + b"".join(conn.send(f) for f in frames)
-            if data:
-                await stream.send_all(data)
-            await stream.send_eof()
-            await _drain(stream)
+            if not io.torn:
+                data = unsent + b"".join(conn.send(f) for f in frames)
+                if data:
+                    await stream.send_all(data)
+                await io.send_eof()
+                await _drain(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError, OSError):
             pass
     await trio.aclose_forcefully(stream)
 
 
-async def _drain(stream: trio.SocketStream) -> None:
+async def _drain(stream: trio.abc.Stream) -> None:
     """Read and discard until the peer ends its stream, for DRAIN_SECONDS and DRAIN_BYTES at most."""
     left = DRAIN_BYTES
     with trio.move_on_after(DRAIN_SECONDS):
@@ -285,10 +280,11 @@ async def _drain(stream: trio.SocketStream) -> None:
 
 
 class ConnectionHandler:
-    def __init__(self, server: BrokerServer, stream: trio.SocketStream):
+    def __init__(self, server: BrokerServer, stream: trio.abc.Stream):
         self.server = server
         self.core = server.core
         self.stream = stream
+        self.io = stream_io(stream)
         cfg = server.config.server
         self.conn = Connection(Role.BROKER, cfg.max_frame_size)
         self.session: Session | None = None
@@ -302,7 +298,7 @@ class ConnectionHandler:
         self.frame_started: float | None = None  # when the first byte of the partial frame in hand arrived
         self._eof = False  # the peer ended its byte stream
         self._noop_nonce = 0
-        self.peer = _peer_of(stream)
+        self.peer = peer_name(stream)
 
     def close(self, reason: _Closing) -> None:
         """End this connection with `reason` (from any task); the first reason wins."""
@@ -329,7 +325,7 @@ class ConnectionHandler:
             reason = self._closing
             assert reason is not None
             await _send_and_close(
-                self.stream, self.conn, [Error(reason.code, reason.text), Close(reason.code, reason.text)]
+                self.io, self.conn, [Error(reason.code, reason.text), Close(reason.code, reason.text)]
             )
         finally:
             self.frame_bytes.release()
@@ -358,7 +354,7 @@ class ConnectionHandler:
                         self.peer, logsafe(hello.client_name), "on" if hello.flow_control else "off",
                         session.buffer_size)
             with self._cancel:
-                await self.stream.send_all(self.conn.send(welcome))
+                await self._write(self.conn.send(welcome))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._contained, self._writer, session, "the writer")
                     nursery.start_soon(self._contained, self._timer, session, "the timer")
@@ -398,7 +394,7 @@ class ConnectionHandler:
                             # hands it to the core before it reads again.
                             self.frame_started = None
                             return frame
-                        await _send_and_close(self.stream, conn, [])
+                        await _send_and_close(self.io, conn, [])
                         return None
                     if conn.state is State.CLOSED:
                         await trio.aclose_forcefully(self.stream)
@@ -418,11 +414,11 @@ class ConnectionHandler:
             if head in HTTP_METHODS:
                 LOGGER.info("connection from %s: an HTTP request on the broker port; answered 400 naming the "
                             "admin API", self.peer)
-                await _send_and_close(self.stream, self.conn, [], self.server.http_answer())
+                await _send_and_close(self.io, self.conn, [], self.server.http_answer())
                 return None
             LOGGER.info("connection from %s: bad handshake: %s", self.peer, logsafe(exc))
             await _send_and_close(  # after a protocol error the state machine still allows ERROR + CLOSE
-                self.stream, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
+                self.io, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
             )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await trio.aclose_forcefully(self.stream)
@@ -445,9 +441,9 @@ class ConnectionHandler:
             self._internal_error(exc, "writing")
 
     def _flush_now(self) -> None:
-        session = self.session
-        if self._writing or self._unsent or session is None or self._closing is not None:
-            self._wakeup.set()  # after its current write, the writer collects what is due
+        session, io = self.session, self.io
+        if self._writing or self._unsent or session is None or self._closing is not None or not io.direct:
+            self._wakeup.set()  # the writer collects what is due (after its current write)
             return
         frames = session.collect(now_ns())
         if not frames:
@@ -455,10 +451,7 @@ class ConnectionHandler:
         data = self._encode(frames)
         if data is None:
             return
-        try:  # os.write on the socket's descriptor: trio sockets have no synchronous send (POSIX only)
-            sent = os.write(self.stream.socket.fileno(), data)
-        except OSError:  # would block, or the socket failed: the writer task retries or reports it
-            sent = 0
+        sent = io.try_send(data)
         if sent < len(data):
             self._unsent = data[sent:]
             self._wakeup.set()
@@ -467,34 +460,26 @@ class ConnectionHandler:
         """The next bytes from the peer (b"" once it ended its stream), no more than the partial-frame
         budget grants (waiting for it if need be); in the middle of a frame, before the frame's
         deadline, or _FrameTimeout. Yields once per read, as trio's own receive does."""
-        conn, frame_bytes = self.conn, self.frame_bytes
-        sock = self.stream.socket
-        fd = sock.fileno()
+        conn, frame_bytes, io = self.conn, self.frame_bytes, self.io
         started = self.frame_started
         deadline = math.inf if started is None else started + self.server.config.server.frame_timeout
         await trio.lowlevel.checkpoint_if_cancelled()
-        waited = False
         with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE:
             while True:
                 size = frame_bytes.grant_read(conn.buffered, RECEIVE_SIZE)
                 if not size:  # in the middle of a large frame, and the budget is spent
                     await frame_bytes.budget.wait_freed()
-                    waited = True
                     continue
-                try:  # os.read: trio sockets have no synchronous receive (POSIX only)
-                    data = os.read(fd, size)
-                except BlockingIOError:
-                    frame_bytes.settle(conn.buffered)  # hold no grant while waiting for the peer
-                    await trio.lowlevel.wait_readable(fd)
-                    waited = True
+                data = await io.receive(size, self._hold_no_grant)
+                if data is None:  # it waited for the peer: ask the budget again
                     continue
-                except OSError as exc:
-                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
                 self.last_received = trio.current_time()
-                if not waited:  # as trio's receive: one yield per read, not two
-                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return data
         raise _FrameTimeout
+
+    def _hold_no_grant(self) -> None:
+        """Before waiting for the peer: give back what the budget granted for a read that found nothing."""
+        self.frame_bytes.settle(self.conn.buffered)
 
     def _held(self, frames_before: int) -> None:
         """After decoding: charge what is left (part of a frame) to the budget and note since when."""
@@ -593,19 +578,15 @@ class ConnectionHandler:
                 await self._write(data)
 
     async def _write(self, data: bytes) -> None:
-        """send_all that knows how far it got: cancelled (the connection is closing), what the kernel
-        has not taken stays in `_unsent`, so `_finish` can still end the stream on a frame boundary.
-        (trio's socket send raises Cancelled only when it sent nothing in that call.)"""
-        sock = self.stream.socket
+        """send_all that knows how far it got: cancelled (the connection is closing), what the peer
+        has not been given stays in `_unsent`, so `_finish` can still end the stream on a frame
+        boundary (on a plain socket; another stream is `torn` then, and gets nothing more)."""
+        send_some = self.io.send_some
         view = memoryview(data)
         self._writing = True
         try:
             while view:
-                try:
-                    sent = await sock.send(view)
-                except OSError as exc:
-                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-                view = view[sent:]
+                view = view[await send_some(view):]
         finally:
             self._unsent = bytes(view)
             self._writing = False
@@ -665,7 +646,7 @@ class ConnectionHandler:
             frames.append(Error(reason.code, reason.text, reason.frame_seq))
         if not self.conn.closed_by_us:
             frames.append(Close(reason.code, reason.text))
-            await _send_and_close(self.stream, self.conn, frames, self._unsent)
+            await _send_and_close(self.io, self.conn, frames, self._unsent)
         else:
             await trio.aclose_forcefully(self.stream)
         self.server.closed += 1

@@ -22,6 +22,7 @@ The methods must not be called from inside the connection's own trio thread.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from types import TracebackType
@@ -38,6 +39,8 @@ from flowbroker.client.url import DEFAULT_URL
 from flowbroker.protocol import ErrorCode, Headers, Welcome
 
 __all__ = ["connect", "BlockingConnection", "BlockingProducer", "BlockingConsumer", "BlockingMessage", "BlockingFlowEvents"]
+
+log = logging.getLogger("flowbroker.client")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -73,6 +76,9 @@ class BlockingConnection:
         """The exception the `with` block raised, if any (see `_BlockRaised`)."""
         self._close_failures: PublishFailures | None = None
         """What leaving the trio block raised, for `close()` to raise in the caller's thread."""
+        self._thread_error: BaseException | None = None
+        """What ended the connection's thread unexpectedly after connecting (a bug): logged, and named by
+        the ConnectionClosed every later call raises."""
         self._thread = threading.Thread(target=self._thread_main, name=f"flowbroker {url}", daemon=True)
         self._thread.start()
         timeout = float(options.get("timeout", 10.0))
@@ -88,6 +94,9 @@ class BlockingConnection:
         except BaseException as exc:  # anything that escaped trio: report it to connect() if still waiting
             if not self._ready.is_set():
                 self._startup_error = exc
+            else:  # never silently: every later call says the thread failed, and why
+                self._thread_error = exc
+                log.error("flowbroker blocking connection %s: its thread failed", self._url, exc_info=exc)
         finally:
             self._ready.set()
 
@@ -130,6 +139,9 @@ class BlockingConnection:
             raise self._gone() from None
 
     def _gone(self) -> ConnectionClosed:
+        if self._thread_error is not None:
+            failure = self._thread_error
+            return ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"the connection thread failed: {failure!r}")
         error = self._conn.close_error if self._conn is not None else None
         if isinstance(error, ConnectionClosed):
             return error
@@ -171,7 +183,7 @@ class BlockingConnection:
         outstanding transfers and write what is queued, then CLOSE (all within the connection's
         `close_timeout`), and end the thread. Raises `PublishFailures` for what was refused and not yet
         reported, or not completed in time; `BrokerConnectionError` if the thread has not ended within
-        `timeout` (None: `close_timeout` + 5 s)."""
+        `timeout` (None: `close_timeout` + 5 s); `ConnectionClosed` (INTERNAL_ERROR) if the thread failed."""
         if self._thread.is_alive() and self._token is not None and self._stop is not None:
             try:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
@@ -184,6 +196,10 @@ class BlockingConnection:
         failures, self._close_failures = self._close_failures, None
         if failures is not None:
             raise failures
+        if self._thread_error is not None:  # raised once, as the failures are
+            error = self._gone()
+            self._thread_error = None
+            raise error
 
     def __enter__(self) -> BlockingConnection:
         return self

@@ -1,4 +1,4 @@
-"""The trio connection: one TCP stream, three tasks, every queue bounded.
+"""The trio connection: one byte stream, three tasks, every queue bounded.
 
 Why it is shaped this way:
 
@@ -15,7 +15,11 @@ Why it is shaped this way:
 - **One timer task** sends noops when we have been quiet for a third of the idle timeout, declares the
   broker dead after a whole idle timeout of silence, and re-advertises buffer acks every 5 s.
 - **Structured concurrency.** The tasks live in a nursery opened by `async with conn`; leaving the block
-  sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it.
+  sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it,
+  and nothing escapes from them: a bug in one closes the connection with ConnectionClosed(INTERNAL_ERROR),
+  which the application's calls raise, instead of cancelling its block from inside.
+- **Any trio stream.** Bytes go through `trio.abc.Stream`'s `send_all`/`receive_some` only: `connect` opens
+  TCP, `connect_stream` takes a stream the caller opened (a `trio.SSLStream`, an in-memory pair in tests).
 - **Bounded.** Transfers waiting for the writer are bounded by the producers' windows; settlements by the
   unsettled deliveries; buffer acks coalesce to one per buffer (they are absolute); noop replies keep the
   newest 16; requests are one per awaiting task; deliveries wait in each consumer's buffer, bounded by its
@@ -30,7 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 from bisect import bisect_right
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
@@ -101,7 +105,7 @@ if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
     from flowbroker.client.producer import Producer
 
-__all__ = ["Connection", "connect", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
+__all__ = ["Connection", "connect", "connect_stream", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
 
 log = logging.getLogger("flowbroker.client")
 
@@ -274,9 +278,9 @@ class Connection:
         self._entered = True
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
-        self._nursery.start_soon(self._reader)
-        self._nursery.start_soon(self._writer)
-        self._nursery.start_soon(self._timer)
+        self._nursery.start_soon(self._contained, self._reader, "reader")
+        self._nursery.start_soon(self._writer)  # contains its own failures: it still says why it ends
+        self._nursery.start_soon(self._contained, self._timer, "timer")
         return self
 
     async def __aexit__(
@@ -289,20 +293,23 @@ class Connection:
         assert self._nursery is not None
         failures: PublishFailures | None = None
         try:
-            with trio.CancelScope(shield=True):
-                deadline = trio.current_time() + self.close_timeout
-                if exc is None:
-                    await self._wait_outstanding(list(self._active_producers), deadline)
-                    failures = self._take_failures()
-                else:
-                    for producer in list(self._active_producers):
-                        producer._log_unreported(f"connection block ended by {block_error_name(exc)}")
-                await self._close_by(deadline)
-            self._nursery.cancel_scope.cancel()
-            # The nursery must be exited in the scope it was entered in, not inside the shield.
-            await self._nursery_cm.__aexit__(None, None, None)
+            try:
+                with trio.CancelScope(shield=True):
+                    deadline = trio.current_time() + self.close_timeout
+                    if exc is None:
+                        await self._wait_outstanding(list(self._active_producers), deadline)
+                        failures = self._take_failures()
+                    else:
+                        for producer in list(self._active_producers):
+                            producer._log_unreported(f"connection block ended by {block_error_name(exc)}")
+                    await self._close_by(deadline)
+            finally:  # whatever happened above: a nursery left open would corrupt trio's state
+                self._nursery.cancel_scope.cancel()
+                # The nursery must be exited in the scope it was entered in, not inside the shield.
+                await self._nursery_cm.__aexit__(None, None, None)
         finally:
-            with trio.CancelScope(shield=True):
+            # Bounded: a TLS stream's aclose sends close_notify, which a peer that reads nothing would hold up.
+            with trio.move_on_after(self.close_timeout, shield=True):
                 await self._stream.aclose()
         if failures is not None:
             raise failures
@@ -354,6 +361,28 @@ class Connection:
         self._flow.close()
         self._credit_lot.unpark_all()
         self._wake.set()
+
+    async def _contained(self, task: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run one of the connection's tasks so that a bug in it closes this connection with a typed
+        error instead of escaping into the nursery, where it would cancel the application's block and
+        come out of it as a bare exception (and from the blocking API's thread, not at all)."""
+        try:
+            await task()
+        except Exception as exc:
+            self._internal_error(exc, what)
+
+    def _internal_error(self, exc: Exception, what: str) -> None:
+        """An exception nobody expected in one of the connection's tasks: log it with its traceback, tell
+        the broker (ERROR + CLOSE INTERNAL_ERROR, if the writer still can) and close: every waiting call
+        wakes, and every later one raises ConnectionClosed(INTERNAL_ERROR) naming the task and the error."""
+        detail = str(exc)[:200]
+        log.error("flowbroker connection %s: internal error in the SDK's %s; closing the connection",
+                  self.connection_id, what, exc_info=exc)
+        if self._closed is not None:  # already closing: the error is logged, the close goes on
+            return
+        text = f"internal error in the client's {what} ({type(exc).__name__})"
+        self._final_frames += [Error(ErrorCode.INTERNAL_ERROR, text), Close(ErrorCode.INTERNAL_ERROR, text)]
+        self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"{text}: {detail}"))
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -748,40 +777,59 @@ class Connection:
 
     async def _writer(self) -> None:
         """Waits only for work (`_wake`) and for the broker to take our bytes (`_write`), which the timer
-        bounds by the idle timeout: a write stalled for that long ends the connection and this task."""
+        bounds by the idle timeout: a write stalled for that long ends the connection and this task.
+        A bug while encoding still lets it send ERROR + CLOSE INTERNAL_ERROR; one inside a write (the
+        stream may be cut inside a frame) or while sending the last frames ends it without more."""
         try:
             with self._writer_scope:
-                while self._closed is None:
-                    await self._wake.wait()
-                    self._wake = trio.Event()
-                    while self._closed is None and (
-                        self._transfers or self._control or self._settle or self._acks or self._noop_replies
-                    ):
-                        out: list[bytes] = []
-                        self._encode_control(out)
-                        self._encode_transfers(out)
-                        await self._write(b"".join(out))
-                        self._last_sent = trio.current_time()
-                out = []
-                if self._graceful:
-                    self._encode_control(out)
-                    while self._transfers:
-                        self._encode_transfers(out)
-                if not self._proto.closed_by_us:
-                    # Also after a remote protocol error (State.ERROR): the state machine still lets us
-                    # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
-                    out.extend(self._proto.send(frame) for frame in self._final_frames)
-                if out:
-                    # Bounded by `aclose`'s close_timeout, then by the end of the `async with` block.
-                    await self._write(b"".join(out))
+                try:
+                    await self._write_queued()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, LocalProtocolError):
+                    raise
+                except Exception as exc:
+                    if self._writing:
+                        raise
+                    self._internal_error(exc, "writer")
+                await self._write_final()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
         except LocalProtocolError as exc:  # a bug in the SDK or a frame the caller built wrongly
             log.error("flowbroker connection %s: cannot send: %s", self.connection_id, exc)
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"cannot send: {exc}"))
+        except Exception as exc:
+            self._internal_error(exc, "writer")
         finally:
             self._writing = False
             self._writer_done.set()
+
+    async def _write_queued(self) -> None:
+        """Until the connection closes: write what is queued whenever woken."""
+        while self._closed is None:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._closed is None and (
+                self._transfers or self._control or self._settle or self._acks or self._noop_replies
+            ):
+                out: list[bytes] = []
+                self._encode_control(out)
+                self._encode_transfers(out)
+                await self._write(b"".join(out))
+                self._last_sent = trio.current_time()
+
+    async def _write_final(self) -> None:
+        """Closed: write what a graceful close still sends, then `_final_frames` (CLOSE, and why)."""
+        out: list[bytes] = []
+        if self._graceful:
+            self._encode_control(out)
+            while self._transfers:
+                self._encode_transfers(out)
+        if not self._proto.closed_by_us:
+            # Also after a remote protocol error (State.ERROR): the state machine still lets us
+            # say why (ERROR + CLOSE), and answer a broker's CLOSE with ours.
+            out.extend(self._proto.send(frame) for frame in self._final_frames)
+        if out:
+            # Bounded by `aclose`'s close_timeout, then by the end of the `async with` block.
+            await self._write(b"".join(out))
 
     async def _write(self, data: bytes) -> None:
         """Send `data`, at most WRITE_CHUNK bytes per `send_all`, counting chunks for the timer."""
@@ -977,12 +1025,50 @@ async def connect(
     (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
     """
     address = parse_url(url)
-    stream: trio.SocketStream | None = None
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+
+    async def open_tcp() -> trio.abc.Stream:
+        return await trio.open_tcp_stream(address.host, address.port)
+
+    return await _open(open_tcp, hello, address, timeout, request_timeout, close_timeout)
+
+
+async def connect_stream(
+    stream: trio.abc.Stream,
+    *,
+    client_name: str = "flowbroker-python",
+    flow_control: bool = True,
+    timeout: float = 10.0,
+    auth: dict[str, Any] | None = None,
+    request_timeout: float = 30.0,
+    close_timeout: float = 5.0,
+) -> Connection:
+    """`connect` over a stream the caller opened (a `trio.SSLStream` over TCP, an in-memory stream in a
+    test): the HELLO/WELCOME handshake within `timeout`, then a Connection that owns the stream (it
+    closes it; so does a failed handshake). Raises HandshakeError as `connect` does."""
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+
+    async def given() -> trio.abc.Stream:
+        return stream
+
+    return await _open(given, hello, "the broker", timeout, request_timeout, close_timeout)
+
+
+async def _open(
+    open_stream: Callable[[], Awaitable[trio.abc.Stream]],
+    hello: Hello,
+    address: object,
+    timeout: float,
+    request_timeout: float,
+    close_timeout: float,
+) -> Connection:
+    """Open the stream and do the handshake on it, all within `timeout`; the one place a connection's
+    stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for)."""
+    stream: trio.abc.Stream | None = None
     proto = ProtocolConnection(Role.CLIENT)
     try:
         with trio.fail_after(timeout):
-            stream = await trio.open_tcp_stream(address.host, address.port)
-            hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+            stream = await open_stream()
             await stream.send_all(proto.send(hello))
             welcome = await _await_welcome(stream, proto, address)
     except trio.TooSlowError:
@@ -1003,7 +1089,7 @@ async def connect(
     return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
 
 
-async def _await_welcome(stream: trio.SocketStream, proto: ProtocolConnection, address: object = "the peer") -> Welcome:
+async def _await_welcome(stream: trio.abc.Stream, proto: ProtocolConnection, address: object = "the peer") -> Welcome:
     error: Error | None = None
     head = b""  # the first bytes: an HTTP answer ("HTTP/1.1 400 ...") means this is not the broker port
     while True:
@@ -1029,8 +1115,7 @@ async def _await_welcome(stream: trio.SocketStream, proto: ProtocolConnection, a
             raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
 
 
-async def _close_quietly(stream: trio.SocketStream | None) -> None:
+async def _close_quietly(stream: trio.abc.Stream | None) -> None:
     if stream is not None:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
+        await trio.aclose_forcefully(stream)
 

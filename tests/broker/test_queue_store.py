@@ -14,7 +14,7 @@ from dataclasses import FrozenInstanceError, dataclass, field
 from typing import cast
 
 import pytest
-from coreharness import Harness
+from tests.broker.coreharness import Harness
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

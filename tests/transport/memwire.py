@@ -22,7 +22,7 @@ _HEADER = struct.Struct("<iBBH")
 
 def is_data(datagram: bytes) -> bool:
     frame_length, _version, _flags, frame_type = _HEADER.unpack_from(datagram, 0)
-    return frame_type == FrameType.DATA and frame_length > 0
+    return bool(frame_type == FrameType.DATA and frame_length > 0)
 
 
 class MemWire:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from memwire import MemWire
+from tests.transport.memwire import MemWire
 
 from flowbroker.transport.drivers import OfferVerdict, offer_verdict
 from flowbroker.transport.publication import OfferResult
