@@ -226,8 +226,9 @@ class BrokerCore:
 
     def handle(self, session: Session, frame: Frame) -> None:
         """Act on one frame from a client. Raises SessionFault when the connection must end."""
-        if session.fault is not None:
-            raise session.fault
+        fault = session.outbox.fault
+        if fault is not None:
+            raise fault
         if type(frame) is Transfer:
             self.on_transfer(session, frame)
             return

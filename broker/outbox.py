@@ -34,12 +34,12 @@ class SessionFault(Exception):
 class Outbox:
     """Control frames in order, and DELIVER frames sealed by size."""
 
-    __slots__ = ("control", "_open", "_open_bytes", "sealed", "max_frames", "max_delivery_frame_bytes",
+    __slots__ = ("control", "open_frames", "_open_bytes", "sealed", "max_frames", "max_delivery_frame_bytes",
                  "fault", "_wake", "woken", "closed")
 
     def __init__(self, wake: Callable[[], None], max_frames: int, max_delivery_frame_bytes: int):
         self.control: list[Frame] = []
-        self._open: dict[int, list[DeliveryEntry]] = {}  # the open DELIVER frame of each subscription
+        self.open_frames: dict[int, list[DeliveryEntry]] = {}  # the DELIVER frame open per subscription
         self._open_bytes: dict[int, int] = {}
         self.sealed: list[Frame] = []  # DELIVER frames that reached the frame size budget
         self.max_frames = max_frames
@@ -68,9 +68,9 @@ class Outbox:
 
     def deliver(self, sub_id: int, entry: DeliveryEntry, size: int) -> None:
         """Add one delivery of `size` charged bytes to its subscription's open DELIVER frame."""
-        entries = self._open.get(sub_id)
+        entries = self.open_frames.get(sub_id)
         if entries is None:
-            entries = self._open[sub_id] = []
+            entries = self.open_frames[sub_id] = []
             self._open_bytes[sub_id] = 0
         entries.append(entry)
         size += self._open_bytes[sub_id]
@@ -78,7 +78,7 @@ class Outbox:
             # Seal the frame so none exceeds the frame size or the entries the client accepts (the
             # core keeps max_delivery_frame_bytes <= MAX_ENTRIES_PER_FRAME x MESSAGE_OVERHEAD).
             self.sealed.append(Deliver(sub_id, entries))
-            del self._open[sub_id], self._open_bytes[sub_id]
+            del self.open_frames[sub_id], self._open_bytes[sub_id]
         else:
             self._open_bytes[sub_id] = size
         self.wake()
@@ -94,13 +94,13 @@ class Outbox:
         if self.sealed:
             frames.extend(self.sealed)
             self.sealed = []
-        if self._open:
-            for sub_id, entries in self._open.items():
+        if self.open_frames:
+            for sub_id, entries in self.open_frames.items():
                 frames.append(Deliver(sub_id, entries))
-            self._open = {}
+            self.open_frames = {}
             self._open_bytes = {}
 
     @property
     def pending(self) -> int:
         """Frames waiting now (control frames, sealed and open DELIVER frames)."""
-        return len(self.control) + len(self.sealed) + len(self._open)
+        return len(self.control) + len(self.sealed) + len(self.open_frames)

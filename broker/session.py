@@ -165,11 +165,17 @@ class Session:
         """Everything due to the client now, in order: control, completions, credit, deliveries."""
         outbox, transfers = self.outbox, self.transfers
         frames = outbox.take_control()
-        frames += transfers.completions()
-        ack = transfers.ack_due(now_ns)
-        if ack is not None:
-            frames.append(self._granted(ack))
-        outbox.take_deliveries(frames)
+        # Each part is asked only when it may have something: this runs once per frame written, and
+        # a connection that only produces or only consumes would otherwise pay for the other half.
+        if transfers.newly_completed or transfers.completed.cumulative != transfers.reported_cumulative:
+            frames += transfers.completions()
+        window = transfers.window
+        if window.consumed_position != window.acked_position:
+            ack = transfers.ack_due(now_ns)
+            if ack is not None:
+                frames.append(self._granted(ack))
+        if outbox.sealed or outbox.open_frames:
+            outbox.take_deliveries(frames)
         return frames
 
     def poll_credit(self, now_ns: int) -> None:

@@ -54,7 +54,7 @@ class TransferReceiver:
     """
 
     __slots__ = ("flow_control", "window", "next_transfer_id", "completed", "credit_waiting",
-                 "_newly_completed", "_sent_cumulative")
+                 "newly_completed", "reported_cumulative")
 
     def __init__(self, window: int, flow_control: bool = True):
         self.flow_control = flow_control
@@ -62,8 +62,9 @@ class TransferReceiver:
         self.next_transfer_id = 1
         self.completed = IdSet()
         self.credit_waiting = False  # waiting for a share of the pool: BUFFER_ACKs withheld
-        self._newly_completed: list[int] = []  # ids completed out of order since the last COMPLETE
-        self._sent_cumulative = 0  # the cumulative id the last COMPLETE carried
+        # Read by a shell that wants to skip calling completions() when none is due (once a frame).
+        self.newly_completed: list[int] = []  # ids completed out of order since the last COMPLETE
+        self.reported_cumulative = 0  # the cumulative id the last COMPLETE carried
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -84,11 +85,12 @@ class TransferReceiver:
         sizes = [len(e.body) + MESSAGE_OVERHEAD if not e.headers else message_size(e.body, e.headers) for e in entries]
         window = self.window
         position = window.position
-        violation = None
+        total = sum(sizes)
         if self.flow_control and window.window and sizes:
             limit = window.limit
             # Positions only grow, so the last message starts furthest: one sum for the whole frame.
-            if position + sum(sizes) - sizes[-1] >= limit:
+            if position + total - sizes[-1] >= limit:
+                violation = None
                 for k, size in enumerate(sizes):
                     if position >= limit:
                         violation = RemoteProtocolError(
@@ -102,7 +104,7 @@ class TransferReceiver:
                 window.position = position
                 self.next_transfer_id = first_id + len(sizes)
                 return sizes, violation
-        window.position = position + sum(sizes)
+        window.position = position + total
         self.next_transfer_id = first_id + len(sizes)
         return sizes, None
 
@@ -122,18 +124,18 @@ class TransferReceiver:
                     ErrorCode.INTERNAL_ERROR,
                 )
             completed.add(transfer_id)
-            self._newly_completed.append(transfer_id)
+            self.newly_completed.append(transfer_id)
         self.window.consumed_position += size
 
     def completions(self) -> list[Complete]:
         """The COMPLETE frames due (none if nothing completed since the last call): the cumulative
         point, and the ids completed above it since, at most MAX_RANGES_PER_FRAME ranges a frame."""
         cumulative = self.completed.cumulative
-        if not self._newly_completed and cumulative == self._sent_cumulative:
+        if not self.newly_completed and cumulative == self.reported_cumulative:
             return []
-        above = to_ranges(i for i in self._newly_completed if i > cumulative)
-        self._newly_completed = []
-        self._sent_cumulative = cumulative
+        above = to_ranges(i for i in self.newly_completed if i > cumulative)
+        self.newly_completed = []
+        self.reported_cumulative = cumulative
         return [
             Complete(cumulative, above[start : start + MAX_RANGES_PER_FRAME])
             for start in range(0, max(len(above), 1), MAX_RANGES_PER_FRAME)
