@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from flowbroker.protocol.credit import ACK_INTERVAL_NS, MESSAGE_OVERHEAD, message_size
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from flowbroker.protocol.frames import BufferAck, Complete, TransferEntry
+from flowbroker.protocol.frames import BufferAck, Complete, Headers, TransferEntry
 from flowbroker.protocol.limits import MAX_RANGES_PER_FRAME
 from flowbroker.protocol.ranges import IdSet
 from flowbroker.protocol.session import TransferReceiver
@@ -21,7 +21,7 @@ from flowbroker.protocol.session import TransferReceiver
 S = 1_000_000_000  # ns per second
 
 
-def entries(*bodies: int, headers: dict[str, str | bytes | int] | None = None) -> list[TransferEntry]:
+def entries(*bodies: int, headers: Headers | None = None) -> list[TransferEntry]:
     return [TransferEntry("", "q", bytes(n), headers) for n in bodies]
 
 
@@ -43,7 +43,7 @@ def test_transfer_ids_continue_the_connection_sequence() -> None:
 
 def test_sizes_are_message_size_with_or_without_headers() -> None:
     r = TransferReceiver(0, flow_control=False)
-    headers: dict[str, str | bytes | int] = {"a": "b", "n": 7}
+    headers: Headers = {"a": "b", "n": 7}
     assert received(r, 1, entries(100, headers=headers)) == [message_size(bytes(100), headers)]
 
 
