@@ -10,7 +10,6 @@ holding completions and credit, not by back-pressuring TCP.
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
@@ -28,8 +27,8 @@ from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
 from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
-from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError, message_size
-from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError
+from flowbroker.protocol.errors import ErrorCode, RemoteProtocolError
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, message_wire_size, utf8_len
 from flowbroker.protocol.names import (
     ALL_DESTINATIONS,
@@ -185,9 +184,9 @@ class BrokerCore:
             if size != s.buffer_size:
                 s.resize_buffer(size, now)
                 s.send(BufferControl(0, size))
-            # credit_limit is monotonic (the client may not have seen a shrink yet), so what it may
+            # the limit is monotonic (the client may not have seen a shrink yet), so what it may
             # still have unacknowledged stays charged to the pool until acknowledgements overtake it.
-            s.window_listener = self._window_moved if s.receiver_window.limit - s.receiver_window.acked_position > size else None
+            s.window_listener = self._window_moved if s.transfers.promised > size else None
 
     def _window_moved(self, session: Session) -> None:
         """An acknowledgement went to a producer whose window was above its grant: the promise it
@@ -195,7 +194,7 @@ class BrokerCore:
         if not session.open or session.conn_id not in self.credit:
             session.window_listener = None
             return
-        window = session.receiver_window.limit - session.receiver_window.acked_position
+        window = session.transfers.promised
         if window <= session.buffer_size:
             session.window_listener = None
         self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
@@ -211,7 +210,7 @@ class BrokerCore:
         # Windows granted before a switch to `none` are not known to the allocator: report them.
         for s in list(self.sessions.values()):
             if s.flow_control and s.conn_id in self.credit and s.buffer_size:
-                window = s.receiver_window.limit - s.receiver_window.acked_position
+                window = s.transfers.promised
                 if window > self.credit.window_of(s.conn_id):
                     self._apply_buffer_sizes(self.credit.set_window(s.conn_id, window))
                     if window > s.buffer_size:
@@ -225,8 +224,9 @@ class BrokerCore:
 
     def handle(self, session: Session, frame: Frame) -> None:
         """Act on one frame from a client. Raises SessionFault when the connection must end."""
-        if session.fault is not None:
-            raise session.fault
+        fault = session.outbox.fault
+        if fault is not None:
+            raise fault
         if type(frame) is Transfer:
             self.on_transfer(session, frame)
             return
@@ -263,37 +263,31 @@ class BrokerCore:
     # -- producing ---------------------------------------------------------------------------
 
     def on_transfer(self, session: Session, frame: Transfer) -> None:
+        """Route one TRANSFER. The session rules (ids, credit, completions) are the TransferReceiver's
+        (protocol/session.py); routing, holding and refusing are the core's."""
+        receiver = session.transfers
         tid = frame.first_id
-        if tid != session.next_transfer_id:
-            raise SessionFault(
-                ErrorCode.TRANSFER_ID_GAP, f"transfer id {tid} received, expected {session.next_transfer_id}"
-            )
         # Checked against the grant the client had when it sent this frame: on a first transfer that is
         # the provisional one, not the share that registering below grants.
-        credit_limit, buffer_size = session.receiver_window.limit, session.buffer_size
+        try:
+            sizes, violation = receiver.receive(tid, frame.entries)
+        except RemoteProtocolError as exc:  # a transfer id gap: nothing was received
+            raise SessionFault(exc.code, str(exc)) from None
         if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
         now = self.clock_ns()
         session.now_ns = now
+        consumed = receiver.window.consumed_position
         max_message = self.config.server.max_message_size
         # A body this short, with a short key and no headers, is within max_message_size whatever its
         # exchange (a name of at most 255 characters) and key: at most 4 UTF-8 bytes a character.
         fast_body = max_message - 4 * (_SHORT_KEY + 255)
-        checked = session.flow_control and buffer_size > 0
         broker_hold = session.flow_control and bool(self._broker_stops)
         memory_refusal = self.memory.alarm and not session.flow_control
         queues_by_name = self.queues
-        for entry in frame.entries:
+        # Only the messages received: up to a credit violation, raised once they are routed.
+        for entry, size in zip(frame.entries, sizes):
             body = entry.body
-            size = message_size(body, entry.headers)
-            if checked and session.receiver_window.position >= credit_limit:
-                raise SessionFault(
-                    ErrorCode.CREDIT_VIOLATION,
-                    f"transfer {tid} starts at byte {session.receiver_window.position}, beyond the credit limit "
-                    f"{credit_limit} (buffer {buffer_size} bytes): only one message may "
-                    "overflow the buffer",
-                )
-            session.receiver_window.position += size
             exchange = entry.exchange
             routing_key = entry.routing_key
             # Two comparisons for the common message; the exact check only when it could fail.
@@ -348,11 +342,14 @@ class BrokerCore:
                     self._broker_held.append(transfer)
                 session.transfers_held_total += 1
             else:
-                session.complete_transfer(tid, size)
+                receiver.complete(tid, size)
             tid += 1
-        session.next_transfer_id = tid
+        if receiver.window.consumed_position != consumed:
+            session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
             self._memory_alarm()
+        if violation is not None:
+            raise SessionFault(violation.code, str(violation))
 
     @staticmethod
     def _check_entry(entry: TransferEntry, max_message: int) -> tuple[ErrorCode, str, str | None] | None:
@@ -436,33 +433,23 @@ class BrokerCore:
     # -- consuming ---------------------------------------------------------------------------
 
     def on_settle(self, session: Session, frame: Settle) -> None:
-        """Settle by ranges against the ascending list of outstanding tags: each range costs a
-        bisection plus the deliveries it really settles, so a SETTLE of 1,000 wide ranges over tags
-        never delivered costs 1,000 bisections (it walked every tag of every range: 1.3 s)."""
+        """Settle by ranges: the session's DeliveryLedger (protocol/delivery.py) finds what each range
+        settles by bisection, so the frame costs its own size plus what it settles; the core gives the
+        messages to their queues (settled, or requeued in tag order) and resumes the subscriptions."""
         requeue = frame.outcome is Outcome.REQUEUE
-        unsettled = session.unsettled
-        tags = session.unsettled_tags
-        unknown = 0
+        settled, unknown = session.deliveries.settle(frame.ranges)
         subs: dict[Subscription, None] = {}
         touched: dict[Queue, list[Message]] = {}
-        for lo, hi in frame.ranges:
-            i = bisect_left(tags, lo)
-            j = bisect_right(tags, hi, i)
-            unknown += (hi - lo + 1) - (j - i)
-            if i == j:
-                continue
-            for tag in tags[i:j]:
-                sub, msg = unsettled.pop(tag)
-                sub.unsettled -= 1
-                subs[sub] = None
-                queue = sub.queue
-                if queue not in touched:
-                    touched[queue] = []
-                if requeue:
-                    touched[queue].append(msg)
-                else:
-                    queue.settle(msg)
-            del tags[i:j]
+        for sub, msg in settled:
+            sub.unsettled -= 1
+            subs[sub] = None
+            queue = sub.queue
+            if queue not in touched:
+                touched[queue] = []
+            if requeue:
+                touched[queue].append(msg)
+            else:
+                queue.settle(msg)
         for sub in subs:
             sub.queue.resume_subscription(sub)  # prefetch freed; dispatch follows below
         for queue, msgs in touched.items():
@@ -697,11 +684,7 @@ class BrokerCore:
         sub.queue.remove_subscription(sub)
         # Deliveries the consumer never settled go back to the queue, in order, as when its
         # connection closes: a cancelled subscription must not pin messages until disconnect.
-        msgs: list[Message] = []
-        if sub.unsettled:
-            tags = [tag for tag, (owner, _) in session.unsettled.items() if owner is sub]
-            msgs = [session.unsettled.pop(tag)[1] for tag in tags]
-            session.unsettled_tags = [tag for tag in session.unsettled_tags if tag in session.unsettled]
+        msgs = session.deliveries.cancel(sub) if sub.unsettled else []
         sub.unsettled = 0
         sub.queue.requeue_many(msgs)
         return {"requeued": len(msgs)}

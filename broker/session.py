@@ -1,52 +1,62 @@
-"""The broker's state for one client connection, and the outbox its writer task drains.
+"""The broker's state for one client connection: who it is, whether it is open, and its two halves.
 
-A session may produce and consume at once. As a producer it has contiguous transfer ids, a set of
-completed ids (cumulative point plus ranges), a byte buffer whose acknowledgements it schedules
-(the broker is the DCP *consumer* toward producers) and the destinations it is flow-stopped on.
-As a consumer it has subscriptions, unsettled deliveries by tag, and an optional connection-level
-byte buffer. Nothing here does I/O: queues and the router append to the outbox and call `wake`,
-and the connection's writer task turns the outbox into frames with `collect()`.
+A session may produce and consume at once. Its producer half is a `TransferReceiver`
+(protocol/session.py: transfer ids, credit check, completions, BUFFER_ACK scheduling) plus what the
+broker adds around it: the destinations it is flow-stopped on and the transfers held for it. Its
+consumer half is a `DeliveryLedger` (protocol/delivery.py: delivery tags, unsettled deliveries,
+the connection-level byte buffer) plus its subscriptions. What is due to the client waits in its
+`Outbox` (broker/outbox.py) until the connection's writer task calls `collect()`. Nothing here does
+I/O, and the session rules themselves live in protocol/, where their tests need no broker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flowbroker.broker.outbox import Outbox, SessionFault
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
-from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import (
-    BufferAck,
-    Complete,
-    DeliveryEntry,
-    Deliver,
-    FlowResumed,
-    FlowStopped,
-    Frame,
-)
-from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.delivery import DeliveryLedger
+from flowbroker.protocol.frames import BufferAck, FlowResumed, FlowStopped, Frame
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.protocol.names import ALL_DESTINATIONS
-from flowbroker.protocol.ranges import IdSet, to_ranges
+from flowbroker.protocol.ranges import IdSet
+from flowbroker.protocol.session import TransferReceiver
 
 if TYPE_CHECKING:
     from flowbroker.broker.message import Message
     from flowbroker.broker.queue import Queue
     from flowbroker.broker.subscription import Subscription
 
-__all__ = ["Session", "SessionFault", "ADMIN_DESTINATION"]
-
-_make_entry = DeliveryEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
-
-ADMIN_DESTINATION = ALL_DESTINATIONS
-"""protocol.names.ALL_DESTINATIONS under its old name here (kept while the session is rewritten)."""
+__all__ = ["Session", "SessionFault", "SessionStatistics"]
 
 
-class SessionFault(Exception):
-    """The client broke a rule that ends its connection (credit violation, transfer id gap, ...)."""
+@dataclass(frozen=True, slots=True)
+class SessionStatistics:
+    """A snapshot of one connection, in the credit vocabulary (bytes); cheap, read from live counters."""
 
-    def __init__(self, code: ErrorCode, text: str):
-        super().__init__(text)
-        self.code = code
+    conn_id: int
+    client_name: str
+    open: bool
+    # producer half (the broker receives transfers)
+    position: int
+    consumed_position: int
+    acked_position: int
+    window: int
+    limit: int
+    transfers_received: int
+    transfers_completed: int
+    transfers_held_now: int
+    transfers_held_total: int
+    flow_stopped_destinations: int
+    # consumer half (the broker delivers)
+    subscriptions: int
+    unsettled: int
+    delivered: int
+    sender_position: int
+    sender_acked_position: int
+    sender_window: int
 
 
 class Session:
@@ -66,134 +76,128 @@ class Session:
         self.identity = identity
         self.flow_control = flow_control
         self.open = True
-        self._wake = wake
-        self._woken = False
-        self.max_outbox_frames = max_outbox_frames
-        self.max_delivery_frame_bytes = max_delivery_frame_bytes
-        # producer side
-        self.next_transfer_id = 1
-        self.completed = IdSet()
-        self._newly_completed: list[int] = []
-        self._sent_cumulative = 0
-        # position: bytes received; limit: the highest limit ever granted (monotonic)
-        self.receiver_window = ReceiverWindow(buffer_size if flow_control else 0)
-        self.credit_waiting = False  # a producer waiting for a share of the pool: BUFFER_ACKs withheld
+        self.outbox = Outbox(wake, max_outbox_frames, max_delivery_frame_bytes)
+        self.now_ns = 0  # set by the shell before it hands frames to the core
+        # producer half
+        self.transfers = TransferReceiver(buffer_size, flow_control)
         self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a
         # shrunk window leaves the limit above acknowledged + buffer (the core returns it to the pool)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
+        self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
         self.broker_stop: FlowStopped | None = None  # the FLOW_STOPPED "*" that announced them
-        self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
-        # consumer side
+        # consumer half
+        self.deliveries: DeliveryLedger[Subscription, Message] = DeliveryLedger()
         self.subscriptions: dict[int, Subscription] = {}
-        self.unsettled: dict[int, tuple[Subscription, Message]] = {}
-        # The same tags in ascending order (tags only grow, so delivering appends): a SETTLE range finds
-        # what it settles by bisection, costing its own size, never the number of tags outstanding.
-        self.unsettled_tags: list[int] = []
         self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
-        self.next_delivery_tag = 1
-        self.sender_window = SenderWindow(0)
-        # outbox
-        self._control: list[Frame] = []
-        self._deliveries: dict[int, list[DeliveryEntry]] = {}  # open DELIVER frame per subscription
-        self._delivery_bytes: dict[int, int] = {}
-        self._sealed: list[Frame] = []  # DELIVER frames that reached the frame size budget
-        self.now_ns = 0  # set by the shell before it hands frames to the core
-        self.fault: SessionFault | None = None  # set when the outbox overflowed; see send()
 
     def __repr__(self) -> str:
         return f"<Session {self.conn_id} {self.client_name!r}>"
 
+    # -- the halves' state, under the names the core, the views and the tests read -------------
+
     @property
     def buffer_size(self) -> int:
-        return self.receiver_window.window
+        return self.transfers.window.window
+
+    @property
+    def receiver_window(self) -> ReceiverWindow:
+        return self.transfers.window
+
+    @property
+    def next_transfer_id(self) -> int:
+        return self.transfers.next_transfer_id
+
+    @property
+    def completed(self) -> IdSet:
+        return self.transfers.completed
+
+    @property
+    def credit_waiting(self) -> bool:
+        """A producer waiting for a share of the pool: its BUFFER_ACKs are withheld."""
+        return self.transfers.credit_waiting
+
+    @credit_waiting.setter
+    def credit_waiting(self, waiting: bool) -> None:
+        self.transfers.credit_waiting = waiting
+
+    @property
+    def sender_window(self) -> SenderWindow:
+        return self.deliveries.window
+
+    @property
+    def unsettled(self) -> dict[int, tuple[Subscription, Message]]:
+        return self.deliveries.unsettled
+
+    @property
+    def fault(self) -> SessionFault | None:
+        """Set when the outbox overflowed or the connection was refused; raised at its next frame."""
+        return self.outbox.fault
+
+    @fault.setter
+    def fault(self, fault: SessionFault | None) -> None:
+        self.outbox.fault = fault
+
+    @property
+    def max_outbox_frames(self) -> int:
+        return self.outbox.max_frames
+
+    @max_outbox_frames.setter
+    def max_outbox_frames(self, frames: int) -> None:
+        self.outbox.max_frames = frames
 
     # -- outbox ------------------------------------------------------------------------------
 
     def wake(self) -> None:
-        if not self._woken and self.open:
-            self._woken = True
-            self._wake()
+        self.outbox.wake()
 
     def send(self, frame: Frame) -> None:
-        """Queue a control frame. A client that lets them pile up without reading is cut off.
-
-        Never raises: frames for this session are often sent while *another* session's frame is
-        handled (a consumer's ack resumes producers), and that session must not pay for this one.
-        The fault is kept and raised by the core when this session next sends a frame."""
-        if not self.open:
-            return
-        if len(self._control) >= self.max_outbox_frames:
-            if self.fault is None:
-                self.fault = SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending")
-            return
-        self._control.append(frame)
-        self.wake()
+        """Queue a control frame (never raises: see broker/outbox.py)."""
+        self.outbox.send(frame)
 
     def collect(self, now_ns: int) -> list[Frame]:
         """Everything due to the client now, in order: control, completions, credit, deliveries."""
-        self._woken = False
-        frames, self._control = self._control, []
-        cumulative = self.completed.cumulative
-        if self._newly_completed or cumulative != self._sent_cumulative:
-            above = to_ranges(i for i in self._newly_completed if i > cumulative)
-            for start in range(0, max(len(above), 1), MAX_RANGES_PER_FRAME):
-                frames.append(Complete(cumulative, above[start : start + MAX_RANGES_PER_FRAME]))
-            self._newly_completed = []
-            self._sent_cumulative = cumulative
-        credit = self.receiver_window
-        if credit.pending >= credit.threshold() and not self.credit_waiting:
-            ack = credit.flush(now_ns)  # None when byte flow control is off
+        outbox, transfers = self.outbox, self.transfers
+        frames = outbox.take_control()
+        # Each part is asked only when it may have something: this runs once per frame written, and
+        # a connection that only produces or only consumes would otherwise pay for the other half.
+        if transfers.newly_completed or transfers.completed.cumulative != transfers.reported_cumulative:
+            frames += transfers.completions()
+        window = transfers.window
+        if window.consumed_position != window.acked_position:
+            ack = transfers.ack_due(now_ns)
             if ack is not None:
                 frames.append(self._granted(ack))
-        if self._sealed:
-            frames.extend(self._sealed)
-            self._sealed = []
-        if self._deliveries:
-            for sub_id, entries in self._deliveries.items():
-                frames.append(Deliver(sub_id, entries))
-            self._deliveries = {}
-            self._delivery_bytes = {}
+        if outbox.sealed or outbox.open_frames:
+            outbox.take_deliveries(frames)
         return frames
 
     def poll_credit(self, now_ns: int) -> None:
-        """Timer: after the interval, acknowledge what is pending and re-advertise the absolute position
-        (even unchanged), so a lost grant costs a producer at most one interval."""
-        ack = None if self.credit_waiting else self.receiver_window.poll(now_ns)
+        """Timer: re-advertise the position after the interval (see TransferReceiver.poll)."""
+        ack = self.transfers.poll(now_ns)
         if ack is not None:
             self.send(self._granted(ack))
 
     def _granted(self, ack: BufferAck) -> BufferAck:
-        """Every grant raises the limit the credit check allows (monotonic: a shrink never lowers it)."""
-        window = self.receiver_window
-        window.limit = max(window.limit, ack.acked_position + window.window)
         if self.window_listener is not None:
             self.window_listener(self)
         return ack
 
-    # -- producer side -----------------------------------------------------------------------
+    # -- producer half -----------------------------------------------------------------------
 
     def complete_transfer(self, transfer_id: int, size: int) -> None:
+        """A held transfer is released (the core completes the others through `transfers` directly)."""
         if not self.open:
             return
-        completed = self.completed
-        if transfer_id == completed.cumulative + 1 and not completed.holes:
-            completed.cumulative = transfer_id  # the common case, without IdSet's bookkeeping
-        else:
-            completed.add(transfer_id)
-            self._newly_completed.append(transfer_id)
-        self.receiver_window.consumed_position += size
-        self.wake()
+        self.transfers.complete(transfer_id, size)
+        self.outbox.wake()
 
     def resize_buffer(self, size: int, now_ns: int) -> None:
-        """A credit policy changed this producer's buffer. Shrinking below what is in flight loses
-        nothing: the client just waits until acknowledgements bring it under the new size."""
-        window = self.receiver_window
-        window.window = size
-        window.limit = max(window.limit, window.acked_position + size)
+        """A credit policy changed this producer's buffer (the caller sends the BUFFER_CONTROL)."""
+        self.transfers.resize(size)
 
     def flow_stopped(self, queue: Queue) -> None:
         threshold, limit, value = queue.stop_reason
@@ -218,44 +222,21 @@ class Session:
         self.broker_stops = reasons
         self.broker_stop = stop
         if stop is not None:
-            since = self.flow_stopped_on.get(ADMIN_DESTINATION, (None, self.now_ns))[1]
-            self.flow_stopped_on[ADMIN_DESTINATION] = (None, since)
+            since = self.flow_stopped_on.get(ALL_DESTINATIONS, (None, self.now_ns))[1]
+            self.flow_stopped_on[ALL_DESTINATIONS] = (None, since)
             self.send(stop)
-        elif self.flow_stopped_on.pop(ADMIN_DESTINATION, None) is not None:
-            self.send(FlowResumed(ADMIN_DESTINATION))
+        elif self.flow_stopped_on.pop(ALL_DESTINATIONS, None) is not None:
+            self.send(FlowResumed(ALL_DESTINATIONS))
 
-    # -- consumer side -----------------------------------------------------------------------
-
-    def deliver(self, sub: Subscription, msg: Message) -> None:
-        tag = self.next_delivery_tag
-        self.next_delivery_tag = tag + 1
-        self.unsettled[tag] = (sub, msg)
-        self.unsettled_tags.append(tag)
-        self.sender_window.on_sent(msg.size)
-        sub_id = sub.sub_id
-        entries = self._deliveries.get(sub_id)
-        if entries is None:
-            entries = self._deliveries[sub_id] = []
-            self._delivery_bytes[sub_id] = 0
-        entries.append(_make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)))
-        size = self._delivery_bytes[sub_id] + msg.size
-        if size >= self.max_delivery_frame_bytes:
-            # Seal the frame so none exceeds the frame size or the entries the client accepts (the
-            # core keeps max_delivery_frame_bytes <= MAX_ENTRIES_PER_FRAME x MESSAGE_OVERHEAD).
-            self._sealed.append(Deliver(sub_id, entries))
-            del self._deliveries[sub_id], self._delivery_bytes[sub_id]
-        else:
-            self._delivery_bytes[sub_id] = size
-        self.wake()
+    # -- end ---------------------------------------------------------------------------------
 
     def detach(self) -> None:
         """The connection ended: give back unsettled deliveries in order, leave every queue."""
         self.open = False
+        self.outbox.closed = True
         by_queue: dict[Queue, list[Message]] = {}
-        for sub, msg in self.unsettled.values():
+        for sub, msg in self.deliveries.close():
             by_queue.setdefault(sub.queue, []).append(msg)
-        self.unsettled.clear()
-        self.unsettled_tags.clear()
         for sub in self.subscriptions.values():
             sub.queue.remove_subscription(sub)
         self.subscriptions.clear()
@@ -265,3 +246,27 @@ class Session:
             if stopped_queue is not None:
                 stopped_queue.stopped_producers.pop(self, None)
         self.flow_stopped_on.clear()
+
+    def statistics(self) -> SessionStatistics:
+        producer, consumer = self.transfers.statistics(), self.deliveries.statistics()
+        return SessionStatistics(
+            conn_id=self.conn_id,
+            client_name=self.client_name,
+            open=self.open,
+            position=producer.position,
+            consumed_position=producer.consumed_position,
+            acked_position=producer.acked_position,
+            window=producer.window,
+            limit=producer.limit,
+            transfers_received=producer.transfers_received,
+            transfers_completed=producer.transfers_completed,
+            transfers_held_now=self.transfers_held_now,
+            transfers_held_total=self.transfers_held_total,
+            flow_stopped_destinations=len(self.flow_stopped_on),
+            subscriptions=len(self.subscriptions),
+            unsettled=consumer.unsettled,
+            delivered=consumer.delivered,
+            sender_position=consumer.position,
+            sender_acked_position=consumer.acked_position,
+            sender_window=consumer.window,
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowbroker.protocol.credit import SenderWindow
+from flowbroker.protocol.frames import DeliveryEntry
 
 if TYPE_CHECKING:
     from flowbroker.broker.message import Message
@@ -24,9 +25,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Subscription"]
 
+_make_entry = DeliveryEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
+
 
 class Subscription:
-    __slots__ = ("session", "sub_id", "queue", "prefetch", "sender_window", "unsettled", "delivered_total", "active", "closed")
+    __slots__ = ("session", "sub_id", "queue", "prefetch", "sender_window", "connection_window", "unsettled",
+                 "delivered_total", "active", "closed")
 
     def __init__(self, session: Session, sub_id: int, queue: Queue, prefetch: int, buffer_size: int):
         self.session = session
@@ -34,6 +38,7 @@ class Subscription:
         self.queue = queue
         self.prefetch = prefetch
         self.sender_window = SenderWindow(buffer_size)
+        self.connection_window = session.deliveries.window  # the connection's buffer, shared (opaque 0)
         self.unsettled = 0
         self.delivered_total = 0
         self.active = False  # in its queue's rotation of subscriptions that may have credit
@@ -44,11 +49,18 @@ class Subscription:
         return (
             self.unsettled < self.prefetch
             and self.sender_window.may_send()
-            and self.session.sender_window.may_send()
+            and self.connection_window.may_send()
         )
 
     def deliver(self, msg: Message) -> None:
+        """Deliver `msg` now: it gets its connection's next tag and goes into its outbox's DELIVER frame
+        (the ledger and the outbox are called from here, not through the session: once per message)."""
         self.unsettled += 1
         self.delivered_total += 1
-        self.sender_window.on_sent(msg.size)
-        self.session.deliver(self, msg)
+        size = msg.size
+        self.sender_window.on_sent(size)
+        session = self.session
+        tag = session.deliveries.deliver(self, msg, size)
+        session.outbox.deliver(
+            self.sub_id, _make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)), size
+        )

@@ -157,8 +157,10 @@ def held_by_connection(core: BrokerCore) -> dict[int, int]:
 
 def connection_role(session: Session) -> str:
     """producer (has sent transfers), consumer (has subscriptions), both, or idle."""
-    produced = session.next_transfer_id > 1
-    consumes = bool(session.subscriptions)
+    return _role(session.next_transfer_id > 1, bool(session.subscriptions))
+
+
+def _role(produced: bool, consumes: bool) -> str:
     if produced and consumes:
         return "both"
     if produced:
@@ -197,31 +199,30 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
 
 def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -> dict[str, Any]:
     """One connection; `peer` is its address."""
-    credit = session.receiver_window
-    received = session.receiver_window.position
+    stats = session.statistics()
     return {
-        "id": session.conn_id,
-        "client_name": session.client_name,
+        "id": stats.conn_id,
+        "client_name": stats.client_name,
         "peer": peer,
         "identity": session.identity,
-        "role": connection_role(session),
+        "role": _role(stats.transfers_received > 0, stats.subscriptions > 0),
         "flow_control": session.flow_control,
         "producer": {
-            "buffer_size": session.buffer_size,
-            "received_bytes": received,
-            "acknowledged_bytes": credit.acked_position,
-            "unacked_bytes": received - credit.acked_position,
-            "completed_bytes": credit.consumed_position,
-            "transfers": session.next_transfer_id - 1,
-            "transfers_held": session.transfers_held_now,
-            "transfers_held_total": session.transfers_held_total,
+            "buffer_size": stats.window,
+            "received_bytes": stats.position,
+            "acknowledged_bytes": stats.acked_position,
+            "unacked_bytes": stats.position - stats.acked_position,
+            "completed_bytes": stats.consumed_position,
+            "transfers": stats.transfers_received,
+            "transfers_held": stats.transfers_held_now,
+            "transfers_held_total": stats.transfers_held_total,
         },
         "flow": _flow(session, now_ns),
         "consumer": {
             "buffer": _buffer(session.sender_window),
             "subscriptions": [_subscription(sub) for sub in islice(session.subscriptions.values(), NESTED_LIMIT)],
-            "subscriptions_total": len(session.subscriptions),
-            "unsettled": len(session.unsettled),
+            "subscriptions_total": stats.subscriptions,
+            "unsettled": stats.unsettled,
         },
     }
 

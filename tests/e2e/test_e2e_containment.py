@@ -34,7 +34,7 @@ from flowbroker.protocol import (
     Subscribe,
 )
 
-from test_e2e_faults import LIMIT, RawClient, bystander, closing_frames, wait_until
+from tests.e2e.test_e2e_faults import LIMIT, RawClient, bystander, closing_frames, wait_until
 
 
 StartBroker = Callable[..., Awaitable[Any]]

@@ -28,7 +28,7 @@ from flowbroker.broker.streamio import SocketIO, StreamIO
 from flowbroker.client.connection import connect_stream
 from flowbroker.protocol import DeclareQueue, ErrorCode, Frame
 
-from test_e2e_faults import LIMIT, wait_until
+from tests.e2e.test_e2e_faults import LIMIT, wait_until
 
 StartBroker = Callable[..., Awaitable[Any]]
 """The `start_flowbroker` fixture."""

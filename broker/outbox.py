@@ -1,0 +1,106 @@
+"""The frames due to one client connection, waiting for its writer task: `Outbox`.
+
+Two kinds: control frames (answers, ERROR, FLOW_STOPPED/RESUMED, BUFFER_CONTROL, ...), kept in order
+and bounded, and deliveries, gathered into one open DELIVER frame per subscription and sealed once
+it reaches the frame size budget. Queues and the router add to it and call `wake`; the writer task
+takes everything with `Session.collect()`. Nothing here does I/O.
+
+A client that lets control frames pile up without reading is cut off: past `max_frames` the outbox
+keeps a `SessionFault` instead of growing, and the core raises it when that connection next sends a
+frame (or the timer closes it). It never raises from `send()` itself, because frames for one
+connection are often sent while *another* connection's frame is handled (a consumer's settle resumes
+producers), and that connection must not pay for this one. Deliveries need no such bound: credit
+(prefetch and byte buffers) already limits them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame
+
+__all__ = ["Outbox", "SessionFault"]
+
+
+class SessionFault(Exception):
+    """The client broke a rule that ends its connection (credit violation, transfer id gap, ...)."""
+
+    def __init__(self, code: ErrorCode, text: str):
+        super().__init__(text)
+        self.code = code
+
+
+class Outbox:
+    """Control frames in order, and DELIVER frames sealed by size."""
+
+    __slots__ = ("control", "open_frames", "_open_bytes", "sealed", "max_frames", "max_delivery_frame_bytes",
+                 "fault", "_wake", "woken", "closed")
+
+    def __init__(self, wake: Callable[[], None], max_frames: int, max_delivery_frame_bytes: int):
+        self.control: list[Frame] = []
+        self.open_frames: dict[int, list[DeliveryEntry]] = {}  # the DELIVER frame open per subscription
+        self._open_bytes: dict[int, int] = {}
+        self.sealed: list[Frame] = []  # DELIVER frames that reached the frame size budget
+        self.max_frames = max_frames
+        self.max_delivery_frame_bytes = max_delivery_frame_bytes
+        self.fault: SessionFault | None = None  # set when the control frames overflowed
+        self._wake = wake
+        self.woken = False
+        self.closed = False
+
+    def wake(self) -> None:
+        """Tell the writer task there is something to collect (once until it collects)."""
+        if not self.woken and not self.closed:
+            self.woken = True
+            self._wake()
+
+    def send(self, frame: Frame) -> None:
+        """Queue a control frame; never raises (see the module's docstring)."""
+        if self.closed:
+            return
+        if len(self.control) >= self.max_frames:
+            if self.fault is None:
+                self.fault = SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending")
+            return
+        self.control.append(frame)
+        self.wake()
+
+    def deliver(self, sub_id: int, entry: DeliveryEntry, size: int) -> None:
+        """Add one delivery of `size` charged bytes to its subscription's open DELIVER frame."""
+        entries = self.open_frames.get(sub_id)
+        if entries is None:
+            entries = self.open_frames[sub_id] = []
+            self._open_bytes[sub_id] = 0
+        entries.append(entry)
+        size += self._open_bytes[sub_id]
+        if size >= self.max_delivery_frame_bytes:
+            # Seal the frame so none exceeds the frame size or the entries the client accepts (the
+            # core keeps max_delivery_frame_bytes <= MAX_ENTRIES_PER_FRAME x MESSAGE_OVERHEAD).
+            self.sealed.append(Deliver(sub_id, entries))
+            del self.open_frames[sub_id], self._open_bytes[sub_id]
+        else:
+            self._open_bytes[sub_id] = size
+        self.wake()
+
+    def take_control(self) -> list[Frame]:
+        """The control frames queued, in order; the writer is no longer woken for them."""
+        self.woken = False
+        frames, self.control = self.control, []
+        return frames
+
+    def take_deliveries(self, frames: list[Frame]) -> None:
+        """Append every DELIVER frame due, sealed ones first, to `frames`."""
+        if self.sealed:
+            frames.extend(self.sealed)
+            self.sealed = []
+        if self.open_frames:
+            for sub_id, entries in self.open_frames.items():
+                frames.append(Deliver(sub_id, entries))
+            self.open_frames = {}
+            self._open_bytes = {}
+
+    @property
+    def pending(self) -> int:
+        """Frames waiting now (control frames, sealed and open DELIVER frames)."""
+        return len(self.control) + len(self.sealed) + len(self.open_frames)

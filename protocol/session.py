@@ -1,0 +1,195 @@
+"""The broker's rules for the transfers one connection produces, without I/O: `TransferReceiver`.
+
+The broker is the receiver (DCP's consumer) toward a producer. For each TRANSFER it checks that the
+transfer ids continue the connection's sequence (TRANSFER_ID_GAP) and that every message starts below
+the credit limit (CREDIT_VIOLATION; DCP's rule lets the one message that starts below it overflow the
+window); it records completions as an `IdSet` (a cumulative point plus ranges) and turns them into
+COMPLETE frames; and it schedules BUFFER_ACKs through its `ReceiverWindow`.
+
+The limit a transfer is checked against is the highest ever granted (monotonic), and it moves only
+with what the broker actually sends: a BUFFER_ACK returned by `ack_due()`/`poll()` or a resize that the
+caller announces with BUFFER_CONTROL. A shrink never lowers it, since the producer may not have seen the
+smaller window yet. While the producer waits for a share of the credit pool (`credit_waiting`), its
+acknowledgements are withheld: that is what makes it wait.
+
+What the caller does with the messages (routing, holding a completion while a queue is saturated) is
+the broker core's business; this class only asks it to `complete()` each transfer id once, and refuses
+(LocalProtocolError) a completion of an id never received or completed twice, so a core bug cannot
+reach the wire as a COMPLETE the client would misread. No clock: time arrives as `now_ns`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, message_size
+from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from flowbroker.protocol.frames import BufferAck, Complete, TransferEntry
+from flowbroker.protocol.limits import MAX_RANGES_PER_FRAME
+from flowbroker.protocol.ranges import IdSet, to_ranges
+
+__all__ = ["TransferReceiver", "TransferReceiverStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReceiverStatistics:
+    """A snapshot of one producer connection's receiving side, in the credit vocabulary (bytes)."""
+
+    position: int  # bytes received
+    consumed_position: int  # bytes of completed transfers
+    acked_position: int  # consumed bytes acknowledged in a BUFFER_ACK
+    window: int  # the window granted now (0: flow control off)
+    limit: int  # the highest limit ever granted
+    transfers_received: int
+    transfers_completed: int
+    credit_waiting: bool
+
+
+class TransferReceiver:
+    """Receives one connection's TRANSFER frames: contiguity, credit, completions, BUFFER_ACKs.
+
+    `window` is the `ReceiverWindow` (position received, consumed, acknowledged, and the monotonic
+    limit). A connection without flow control still counts positions but is never checked or acked.
+    """
+
+    __slots__ = ("flow_control", "window", "next_transfer_id", "completed", "credit_waiting",
+                 "newly_completed", "reported_cumulative")
+
+    def __init__(self, window: int, flow_control: bool = True):
+        self.flow_control = flow_control
+        self.window = ReceiverWindow(window if flow_control else 0)
+        self.next_transfer_id = 1
+        self.completed = IdSet()
+        self.credit_waiting = False  # waiting for a share of the pool: BUFFER_ACKs withheld
+        # Read by a shell that wants to skip calling completions() when none is due (once a frame).
+        self.newly_completed: list[int] = []  # ids completed out of order since the last COMPLETE
+        self.reported_cumulative = 0  # the cumulative id the last COMPLETE carried
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def receive(self, first_id: int, entries: Sequence[TransferEntry]) -> tuple[list[int], RemoteProtocolError | None]:
+        """Check and count a TRANSFER; returns the charged size of each message the caller may take.
+
+        Raises RemoteProtocolError(TRANSFER_ID_GAP) when `first_id` does not continue the sequence.
+        A message that starts at or beyond the credit limit is a CREDIT_VIOLATION: the messages before
+        it are still received (their sizes are returned, so the caller routes them as it always did)
+        and the error comes back beside them, for the caller to raise once it has. The ids returned
+        are taken: `next_transfer_id` moves past them.
+        """
+        if first_id != self.next_transfer_id:
+            raise RemoteProtocolError(
+                f"transfer id {first_id} received, expected {self.next_transfer_id}", ErrorCode.TRANSFER_ID_GAP
+            )
+        # message_size() inlined for the common message without headers (one call less per message)
+        sizes = [len(e.body) + MESSAGE_OVERHEAD if not e.headers else message_size(e.body, e.headers) for e in entries]
+        window = self.window
+        position = window.position
+        total = sum(sizes)
+        if self.flow_control and window.window and sizes:
+            limit = window.limit
+            # Positions only grow, so the last message starts furthest: one sum for the whole frame.
+            if position + total - sizes[-1] >= limit:
+                violation = None
+                for k, size in enumerate(sizes):
+                    if position >= limit:
+                        violation = RemoteProtocolError(
+                            f"transfer {first_id + k} starts at byte {position}, beyond the credit limit "
+                            f"{limit} (buffer {window.window} bytes): only one message may overflow the buffer",
+                            ErrorCode.CREDIT_VIOLATION,
+                        )
+                        del sizes[k:]
+                        break
+                    position += size
+                window.position = position
+                self.next_transfer_id = first_id + len(sizes)
+                return sizes, violation
+        window.position = position + total
+        self.next_transfer_id = first_id + len(sizes)
+        return sizes, None
+
+    def complete(self, transfer_id: int, size: int) -> None:
+        """Transfer `transfer_id` (charged `size` bytes) is done: its bytes are consumed.
+
+        The common case, the id just above the cumulative point with no ranges above it, costs three
+        comparisons and no IdSet bookkeeping (this runs once per message)."""
+        completed = self.completed
+        if transfer_id == completed.cumulative + 1 and not completed.holes and transfer_id < self.next_transfer_id:
+            completed.cumulative = transfer_id
+        else:
+            if transfer_id >= self.next_transfer_id or transfer_id < 1 or transfer_id in completed:
+                raise LocalProtocolError(
+                    f"cannot complete transfer {transfer_id}: received up to {self.next_transfer_id - 1}, "
+                    f"completed {completed.cumulative} and {completed.ranges_above()[:4]}",
+                    ErrorCode.INTERNAL_ERROR,
+                )
+            completed.add(transfer_id)
+            self.newly_completed.append(transfer_id)
+        self.window.consumed_position += size
+
+    def completions(self) -> list[Complete]:
+        """The COMPLETE frames due (none if nothing completed since the last call): the cumulative
+        point, and the ids completed above it since, at most MAX_RANGES_PER_FRAME ranges a frame."""
+        cumulative = self.completed.cumulative
+        if not self.newly_completed and cumulative == self.reported_cumulative:
+            return []
+        above = to_ranges(i for i in self.newly_completed if i > cumulative)
+        self.newly_completed = []
+        self.reported_cumulative = cumulative
+        return [
+            Complete(cumulative, above[start : start + MAX_RANGES_PER_FRAME])
+            for start in range(0, max(len(above), 1), MAX_RANGES_PER_FRAME)
+        ]
+
+    # -- credit --------------------------------------------------------------------------------
+
+    def ack_due(self, now_ns: int) -> BufferAck | None:
+        """The BUFFER_ACK to send now: once the consumed bytes pending reach the window's threshold,
+        unless the producer waits for a pool share. Sending it raises the limit (see `_granted`)."""
+        window = self.window
+        if window.consumed_position - window.acked_position < window.threshold() or self.credit_waiting:
+            return None
+        ack = window.flush(now_ns)  # None when flow control is off
+        return None if ack is None else self._granted(ack)
+
+    def poll(self, now_ns: int) -> BufferAck | None:
+        """Timer: after the interval, acknowledge what is pending and re-advertise the absolute position
+        (even unchanged), so a lost grant costs a producer at most one interval."""
+        if self.credit_waiting:
+            return None
+        ack = self.window.poll(now_ns)
+        return None if ack is None else self._granted(ack)
+
+    def resize(self, window: int) -> None:
+        """The broker grants another window (announced with BUFFER_CONTROL). Shrinking below what is in
+        flight loses nothing: the producer waits until acknowledgements bring it under the new size."""
+        if window < 0:
+            raise LocalProtocolError(f"window must be >= 0, got {window}", ErrorCode.INTERNAL_ERROR)
+        state = self.window
+        state.window = window
+        state.limit = max(state.limit, state.acked_position + window)
+
+    @property
+    def promised(self) -> int:
+        """Bytes the producer may still have in flight unacknowledged: limit - acked_position. Above the
+        window after a shrink the producer has not caught up with (the pool keeps it charged)."""
+        return self.window.limit - self.window.acked_position
+
+    def _granted(self, ack: BufferAck) -> BufferAck:
+        """Every grant raises the limit the credit check allows (monotonic: a shrink never lowers it)."""
+        window = self.window
+        window.limit = max(window.limit, ack.acked_position + window.window)
+        return ack
+
+    def statistics(self) -> TransferReceiverStatistics:
+        window, completed = self.window, self.completed
+        return TransferReceiverStatistics(
+            position=window.position,
+            consumed_position=window.consumed_position,
+            acked_position=window.acked_position,
+            window=window.window,
+            limit=window.limit,
+            transfers_received=self.next_transfer_id - 1,
+            transfers_completed=completed.cumulative + sum(hi - lo + 1 for lo, hi in completed.ranges_above()),
+            credit_waiting=self.credit_waiting,
+        )
