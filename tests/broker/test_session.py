@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from coreharness import Harness, MiB
+from tests.broker.coreharness import Harness, MiB
 
 from flowbroker.broker.session import SessionStatistics
 from flowbroker.protocol.credit import message_size
@@ -58,6 +58,6 @@ def test_a_closed_session_gives_its_deliveries_back_and_stops_collecting() -> No
     h.core.close_session(session)
     stats = session.statistics()
     assert (stats.open, stats.unsettled, stats.subscriptions) == (False, 0, 0)
-    assert h.core.queues["q"].count == 3 and len(h.core.queues["q"].ready) == 3
+    assert h.core.queues["q"].count == 3 and len(h.core.queues["q"].store) == 3
     session.send(Noop(1, True))
     assert session.collect(h.now) == []  # nothing is queued after the close
