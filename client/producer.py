@@ -48,6 +48,7 @@ from flowbroker.client.errors import (
 )
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES, message_wire_size, utf8_len
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ log = logging.getLogger("flowbroker.client")
 MAX_KEPT_ERRORS = 100
 """Refusals a producer keeps between two reports (`flush`, the end of its block); beyond them it counts.
 A producer that sends a million messages to a missing queue must not keep a million exceptions."""
+
+_HEADER_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+"""What a header value may be (protocol/frames.py); anything else would make the connection's writer refuse
+the whole TRANSFER frame (`Connection.send` checks every frame), so `send` refuses it first."""
 
 _SHORT_KEY = MAX_KEY_BYTES // 4
 """A key of at most this many characters is within MAX_KEY_BYTES whatever they are (UTF-8: 4 bytes at most)."""
@@ -172,7 +177,8 @@ class Producer:
         `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
         Returns without yielding to other tasks unless the messages waiting for the writer reach another
         full batch (see the comment below), so the writer can batch a burst of sends into one frame.
-        Raises, before anything is sent, `TooManyHeaders` (over `MAX_HEADERS`), `KeyTooLong` (a routing key
+        Raises, before anything is sent, `TypeError` for a body that is not bytes or headers that are not
+        a dict of str to str, bytes, int, float, bool or None, `TooManyHeaders` (over `MAX_HEADERS`), `KeyTooLong` (a routing key
         over `MAX_KEY_BYTES` in UTF-8) or `MessageTooLarge` (the whole message over the broker's
         `max_message_size`), and `ConnectionClosed` if the connection is or becomes closed.
         """
@@ -187,10 +193,16 @@ class Producer:
         max_size = conn.welcome.max_message_size
         # One comparison for the common message (no headers, a short key); the exact checks otherwise.
         if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
+            if headers and (
+                type(headers) is not dict
+                or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())
+            ):
+                raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
             refusal = _refusal(exchange, key, body, headers, max_size)
             if refusal is not None:
                 raise refusal
-        size = message_size(body, headers)
+        # message_size inlined for the common message without headers (as the consumer does on arrival)
+        size = len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers)
         if self._outstanding >= self.window or not conn.sender_window.may_send():  # not self.has_credit(), inlined
             if not block:
                 self._blocked_count += 1
