@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
     from flowbroker.client.producer import Producer
 
-__all__ = ["Connection", "connect", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
+__all__ = ["Connection", "ConnectionStatistics", "connect", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
 
 log = logging.getLogger("flowbroker.client")
 
@@ -122,6 +122,39 @@ msgpack writes both alike."""
 
 def _now_ns() -> int:
     return int(trio.current_time() * 1e9)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStatistics:
+    """A snapshot of a connection: its producers' transfers and byte credit (`SenderWindow`: position,
+    acked_position, window, limit), the connection-level consumer buffer it grants the broker
+    (`ReceiverWindow`, fields `consumer_*`), and its frames. Bytes are `message_size` bytes since connect."""
+
+    transfers_sent: int
+    transfers_completed: int
+    transfers_in_flight: int
+    producers_active: int
+    """Producers with uncompleted transfers or unreported refusals."""
+    position: int
+    """Producer bytes sent."""
+    acked_position: int
+    """Producer bytes the broker acknowledged."""
+    window: int
+    """The producer buffer the broker grants (`producer_buffer_size`; 0: not paced)."""
+    limit: int
+    """The position below which a message may start (acked_position + window)."""
+    flow_stopped: int
+    """Destinations flow-stopped now."""
+    consumers: int
+    """Subscriptions registered on the connection."""
+    consumer_window: int
+    """The connection-level consumer buffer (`consumer_buffer_size`; 0: off)."""
+    consumer_consumed_position: int
+    """Delivered bytes processed, over all subscriptions."""
+    consumer_acked_position: int
+    """Of those, acknowledged to the broker at the connection level."""
+    frames_sent: int
+    frames_received: int
 
 
 @dataclass
@@ -230,6 +263,29 @@ class Connection:
     def consumer_buffer_size(self) -> int:
         """The connection-level consumer byte buffer this side grants the broker (`set_buffer_size`; 0: off)."""
         return self._receiver_window.window
+
+    def statistics(self) -> ConnectionStatistics:
+        """A snapshot of the connection's producer and consumer side (see `ConnectionStatistics`)."""
+        ledger = self._ledger
+        credit = ledger.window
+        receiver = self._receiver_window
+        return ConnectionStatistics(
+            ledger.highest_sent,
+            ledger.completed,
+            ledger.in_flight,
+            len(self._active_producers),
+            credit.position,
+            credit.acked_position,
+            credit.window,
+            credit.limit,
+            len(self._flow.stopped),
+            len(self._consumers),
+            receiver.window,
+            receiver.consumed_position,
+            receiver.acked_position,
+            self._proto.frames_sent,
+            self._proto.frames_received,
+        )
 
     @property
     def is_closed(self) -> bool:

@@ -54,7 +54,7 @@ from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES, message_wire_
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection
 
-__all__ = ["Producer", "ProducerStats", "MAX_KEPT_ERRORS"]
+__all__ = ["Producer", "ProducerStatistics", "ProducerStats", "MAX_KEPT_ERRORS"]
 
 log = logging.getLogger("flowbroker.client")
 
@@ -71,20 +71,46 @@ _SHORT_KEY = MAX_KEY_BYTES // 4
 
 
 @dataclass(frozen=True, slots=True)
-class ProducerStats:
-    """Counters for monitoring: transitions and time, not a sampled "blocked" boolean."""
+class ProducerStatistics:
+    """A snapshot for monitoring: counters, transitions and time (not a sampled "blocked" boolean), and the
+    credit that paces the producer. Taking it reads counters the producer keeps anyway."""
 
     sent: int
+    """Transfers sent (queued for the writer with a transfer id)."""
     completed: int
+    """Of those, completed by the broker (enqueued, or refused: see `failed`)."""
     failed: int
-    outstanding: int
+    """Refusals (QUEUE_FULL, NOT_FOUND, ..., and UNROUTABLE for a `mandatory` producer)."""
+    in_flight: int
+    """Sent and not yet completed: what the producer's `transfer_window` bounds."""
     blocked_count: int
     """Sends that had to wait for credit (or were refused with block=False)."""
     blocked_seconds: float
     """Total time sends spent waiting for credit."""
-    unroutable: int = 0
+    unroutable: int
     """Messages the exchange routed to no queue (completed, not enqueued anywhere). With `mandatory=True`
     they are refusals too, and counted in `failed` as well."""
+    transfer_window: int
+    """The producer's window of uncompleted transfers (`window`, Qpid's capacity)."""
+    flow_stopped: int
+    """Destinations flow-stopped on the connection now (`flow_state` has which, since when, why)."""
+    position: int
+    """The connection's producer byte credit, shared by its producers (`conn.sender_window`): bytes sent,"""
+    acked_position: int
+    """bytes the broker acknowledged,"""
+    window: int
+    """the buffer it grants (0: not paced)"""
+    limit: int
+    """and the position below which a message may start (acked_position + window)."""
+
+    @property
+    def outstanding(self) -> int:
+        """`in_flight`, by its name in `ProducerStats` (kept for one release)."""
+        return self.in_flight
+
+
+ProducerStats = ProducerStatistics
+"""The name of `ProducerStatistics` before issue 9, kept for one release (`producer.stats`)."""
 
 
 class Producer:
@@ -144,9 +170,11 @@ class Producer:
         """`async with producer.flow_events() as events: async for event in events: ...`"""
         return self._conn.flow_events(max_buffered)
 
-    @property
-    def stats(self) -> ProducerStats:
-        return ProducerStats(
+    def statistics(self) -> ProducerStatistics:
+        """A snapshot of the producer's counters and of the connection's producer byte credit."""
+        conn = self._conn
+        credit = conn.sender_window
+        return ProducerStatistics(
             self._completed + self._outstanding,  # every message sent is outstanding until completed
             self._completed,
             self._failed,
@@ -154,7 +182,18 @@ class Producer:
             self._blocked_count,
             self._blocked_seconds,
             self._unroutable,
+            self.window,
+            len(conn._flow.stopped),
+            credit.position,
+            credit.acked_position,
+            credit.window,
+            credit.limit,
         )
+
+    @property
+    def stats(self) -> ProducerStatistics:
+        """`statistics()`, by its name before issue 9 (kept for one release)."""
+        return self.statistics()
 
     def has_credit(self) -> bool:
         """True when a send would not wait."""
