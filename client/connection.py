@@ -514,7 +514,7 @@ class Connection:
         """A producer on this connection. `window` bounds its uncompleted transfers (Qpid's capacity);
         `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever);
         `mandatory`: a message the exchange routes to no queue is a refusal (`Unroutable`), raised like
-        the others, instead of only counted in `stats.unroutable`."""
+        the others, instead of only counted in `statistics().unroutable`."""
         from flowbroker.client.producer import Producer
 
         return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)

@@ -15,7 +15,7 @@ raised by `flush`, typed (`QueueFull`, `MessageTooLarge`, `NotFound`) and naming
 **No silent losses.** A refusal nobody flushed is not dropped: leaving the producer's `async with` (or
 the connection's) waits for the outstanding transfers, at most the connection's `close_timeout`, and
 raises `PublishFailures` with what was refused and what is still not completed. A message an exchange
-routed to no queue is counted (`stats.unroutable`: the SDK asks the broker to report them, see
+routed to no queue is counted (`statistics().unroutable`: the SDK asks the broker to report them, see
 protocol/capabilities.py) and, for a producer created with `mandatory=True`, is a refusal (`Unroutable`).
 
 `send` refuses at once, before anything is sent, a message the broker could not take: more headers than
@@ -266,7 +266,7 @@ class Producer:
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every message sent so far is complete, then raise the first publish error since the
         last flush, if any, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), and forget the refusals
-        (`stats.failed` counts them all). Raises `FlowControlTimeout` naming the flow-stopped queues if
+        (`statistics().failed` counts them all). Raises `FlowControlTimeout` naming the flow-stopped queues if
         completions do not arrive in time: a saturated queue holds them."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._outstanding:
