@@ -90,8 +90,8 @@ from flowbroker.protocol import (
     message_size,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
-from flowbroker.protocol.producer import ProducerLedger
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.producer import ProducerLedger
 
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
@@ -119,6 +119,7 @@ QueuedEntry = tuple[str, str, bytes, Headers | None, None, None]
 """A message waiting for the writer: the fields of a `TransferEntry` (exchange, routing key, body, headers,
 producer id, sequence) in a plain tuple, a fraction of the cost of building the NamedTuple per message.
 msgpack writes both alike."""
+
 
 def _now_ns() -> int:
     return int(trio.current_time() * 1e9)
