@@ -107,6 +107,23 @@ class LedgerMachine(RuleBasedStateMachine):
         self.completed += got
         self.cumulative = cumulative
 
+    @precondition(lambda self: len(self.done) < self.highest)
+    @rule(data=st.data())
+    def complete_one(self, data: st.DataObject) -> None:
+        """One transfer in flight completes out of order (a queue held it): the common case, and the one that
+        makes completed runs meet (they must merge)."""
+        tid = data.draw(st.sampled_from(sorted(set(self.owner) - self.done)), label="one")
+        ranges = [(tid, tid)] if tid > self.cumulative + 1 else []
+        cumulative = self.cumulative + 1 if not ranges else self.cumulative
+        newly = {i for i in range(1, cumulative + 1) if i not in self.done} | {tid}
+        got = Counter[Owner]()
+        for owner, count in self.ledger.on_complete(Complete(cumulative, ranges)):
+            got[owner] += count
+        assert got == Counter(self.owner[i] for i in newly)
+        self.done |= newly
+        self.completed += got
+        self.cumulative = cumulative
+
     @rule(data=st.data())
     def complete_again(self, data: st.DataObject) -> None:
         """A COMPLETE repeating what is known (same cumulative, ranges already completed) completes nothing."""
@@ -249,6 +266,15 @@ def test_a_complete_that_cannot_be_right_is_refused_and_changes_nothing(frame: C
         ledger.on_complete(frame)
     assert info.value.code == code
     assert ledger.runs() == [(1, 2, A), (3, 3, B)] and ledger.cumulative == 0 and ledger.completed == 0
+
+
+def test_completed_runs_that_meet_merge() -> None:
+    ledger = _ledger(A, A, B, A)
+    assert ledger.on_complete(Complete(0, [(4, 4)])) == [(A, 1)]
+    assert ledger.on_complete(Complete(0, [(3, 3)])) == [(B, 1)]  # ends where the completed run 4 begins
+    assert ledger.runs() == [(1, 2, A), (3, 4, None)]
+    assert ledger.on_complete(Complete(0, [(2, 2)])) == [(A, 1)]  # and one that begins where it ends
+    assert ledger.runs() == [(1, 1, A), (2, 4, None)]
 
 
 def test_the_cumulative_id_cannot_go_back() -> None:
