@@ -5,8 +5,8 @@ Trio: `async with await flowbroker.client.connect(url) as conn:` then `conn.prod
 Every wait takes a deadline; every error is a `FlowbrokerError`. See docs/client.md.
 """
 
-from flowbroker.client.connection import Connection, connect
-from flowbroker.client.consumer import Consumer, ConsumerStats, Message
+from flowbroker.client.connection import Connection, ConnectionStatistics, connect
+from flowbroker.client.consumer import Consumer, ConsumerStatistics, ConsumerStats, Message
 from flowbroker.client.errors import (
     AlreadySettled,
     BrokerConnectionError,
@@ -29,16 +29,19 @@ from flowbroker.client.errors import (
     Unroutable,
 )
 from flowbroker.client.flow import ALL_DESTINATIONS, FlowEvent, FlowEvents, FlowState, FlowStop
-from flowbroker.client.producer import Producer, ProducerStats
+from flowbroker.client.producer import Producer, ProducerStatistics, ProducerStats
 from flowbroker.client.url import DEFAULT_URL, BrokerAddress, parse_url
 from flowbroker.protocol import ErrorCode, Outcome
 
 __all__ = [
     "connect",
     "Connection",
+    "ConnectionStatistics",
     "Producer",
+    "ProducerStatistics",
     "ProducerStats",
     "Consumer",
+    "ConsumerStatistics",
     "ConsumerStats",
     "Message",
     "FlowState",

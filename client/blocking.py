@@ -30,11 +30,11 @@ from typing import Any, ParamSpec, TypeVar
 
 import trio
 
-from flowbroker.client.connection import Connection, connect as trio_connect
-from flowbroker.client.consumer import Consumer, ConsumerStats, Message
+from flowbroker.client.connection import Connection, ConnectionStatistics, connect as trio_connect
+from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
 from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
-from flowbroker.client.producer import Producer, ProducerStats
+from flowbroker.client.producer import Producer, ProducerStatistics
 from flowbroker.client.url import DEFAULT_URL
 from flowbroker.protocol import ErrorCode, Headers, Welcome
 
@@ -247,6 +247,10 @@ class BlockingConnection:
     def flow_state(self) -> FlowState:
         return self._run_sync(lambda: self.connection.flow_state)
 
+    def statistics(self) -> ConnectionStatistics:
+        """`Connection.statistics()`, taken in the connection's thread."""
+        return self._run_sync(self.connection.statistics)
+
     # -------------------------------------------------------------- producers and consumers
 
     def producer(
@@ -302,7 +306,7 @@ class BlockingProducer:
     ) -> int:
         """Send several messages in one call into the trio thread (one thread hop instead of one per
         message: use it for throughput). `timeout` bounds the whole call. Returns how many were sent;
-        on an error, the messages before it were sent (see `stats.sent`)."""
+        on an error, the messages before it were sent (see `statistics().sent`)."""
         items = list(bodies)
         producer = self._producer
         limit = producer.send_timeout if timeout is None else timeout
@@ -322,9 +326,14 @@ class BlockingProducer:
     def flow_state(self) -> FlowState:
         return self._conn._run_sync(lambda: self._producer.flow_state)
 
+    def statistics(self) -> ProducerStatistics:
+        """`Producer.statistics()`, taken in the connection's thread."""
+        return self._conn._run_sync(self._producer.statistics)
+
     @property
-    def stats(self) -> ProducerStats:
-        return self._conn._run_sync(lambda: self._producer.stats)
+    def stats(self) -> ProducerStatistics:
+        """`statistics()`, by its name before issue 9 (kept for one release)."""
+        return self.statistics()
 
     @property
     def outstanding(self) -> int:
@@ -423,9 +432,14 @@ class BlockingConsumer:
         first if the consumer was never entered, within the same deadline."""
         return BlockingMessage(self._conn, self._conn._run(self._consumer.receive, timeout))
 
+    def statistics(self) -> ConsumerStatistics:
+        """`Consumer.statistics()`, taken in the connection's thread."""
+        return self._conn._run_sync(self._consumer.statistics)
+
     @property
-    def stats(self) -> ConsumerStats:
-        return self._conn._run_sync(lambda: self._consumer.stats)
+    def stats(self) -> ConsumerStatistics:
+        """`statistics()`, by its name before issue 9 (kept for one release)."""
+        return self.statistics()
 
     def set_buffer_size(self, size: int) -> None:
         self._conn._run(self._consumer.set_buffer_size, size)

@@ -3,8 +3,8 @@
 Why it is shaped this way:
 
 - **Sans-IO underneath.** Framing, validation and the state machine are `flowbroker.protocol.Connection`;
-  credit arithmetic is `SenderWindow` (producer bytes) and `ReceiverWindow` (consumer buffer acks). This module
-  only moves bytes and wakes tasks.
+  the producer half (transfer ids, producer byte credit, the transfers in flight, COMPLETE validation) is
+  `ProducerLedger`, and consumer buffer acks are `ReceiverWindow`. This module only moves bytes and wakes tasks.
 - **One writer task** owns the socket's send side. Producers, settlements, buffer acks, requests and noop
   replies put work in small queues and wake it; it writes control traffic first (acks, settlements, noops:
   never stuck behind data) and then up to `TRANSFER_BATCH` messages per TRANSFER frame, several frames per
@@ -37,7 +37,6 @@ from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import itemgetter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -64,11 +63,9 @@ from flowbroker.protocol import (
     Bind,
     BufferAck,
     BufferControl,
-    SenderWindow,
     Cancel,
     Close,
     Complete,
-    CreditError,
     DeclareExchange,
     DeclareQueue,
     DeleteExchange,
@@ -100,12 +97,13 @@ from flowbroker.protocol import Connection as ProtocolConnection
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 from flowbroker.protocol.names import EXCHANGE_KINDS, OVERFLOW_POLICIES
 from flowbroker.protocol.ranges import to_ranges
+from flowbroker.protocol.producer import ProducerLedger
 
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
     from flowbroker.client.producer import Producer
 
-__all__ = ["Connection", "connect", "connect_stream", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
+__all__ = ["Connection", "ConnectionStatistics", "connect", "connect_stream", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
 
 log = logging.getLogger("flowbroker.client")
 
@@ -128,11 +126,42 @@ QueuedEntry = tuple[str, str, bytes, Headers | None, None, None]
 producer id, sequence) in a plain tuple, a fraction of the cost of building the NamedTuple per message.
 msgpack writes both alike."""
 
-_run_first = itemgetter(0)
-
 
 def _now_ns() -> int:
     return int(trio.current_time() * 1e9)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStatistics:
+    """A snapshot of a connection: its producers' transfers and byte credit (`SenderWindow`: position,
+    acked_position, window, limit), the connection-level consumer buffer it grants the broker
+    (`ReceiverWindow`, fields `consumer_*`), and its frames. Bytes are `message_size` bytes since connect."""
+
+    transfers_sent: int
+    transfers_completed: int
+    transfers_in_flight: int
+    producers_active: int
+    """Producers with uncompleted transfers or unreported refusals."""
+    position: int
+    """Producer bytes sent."""
+    acked_position: int
+    """Producer bytes the broker acknowledged."""
+    window: int
+    """The producer buffer the broker grants (`producer_buffer_size`; 0: not paced)."""
+    limit: int
+    """The position below which a message may start (acked_position + window)."""
+    flow_stopped: int
+    """Destinations flow-stopped now."""
+    consumers: int
+    """Subscriptions registered on the connection."""
+    consumer_window: int
+    """The connection-level consumer buffer (`consumer_buffer_size`; 0: off)."""
+    consumer_consumed_position: int
+    """Delivered bytes processed, over all subscriptions."""
+    consumer_acked_position: int
+    """Of those, acknowledged to the broker at the connection level."""
+    frames_sent: int
+    frames_received: int
 
 
 @dataclass
@@ -166,7 +195,9 @@ class Connection:
         self.welcome = welcome
         self.request_timeout = request_timeout
         self.close_timeout = close_timeout
-        self.sender_window = SenderWindow(welcome.buffer_size)
+        self._ledger: ProducerLedger[Producer] = ProducerLedger(welcome.buffer_size)
+        """Transfer ids, producer byte credit and the transfers in flight, per run of one producer's transfers."""
+        self.sender_window = self._ledger.window
         """Producer byte credit for this connection, shared by its producers (DCP: one buffer per connection)."""
         self._flow = FlowTracker()
         self._closed: BrokerConnectionError | ProtocolViolation | None = None
@@ -177,7 +208,7 @@ class Connection:
         # writer queues
         self._wake = trio.Event()
         self._transfers: list[QueuedEntry] = []
-        """Messages waiting for the writer: the newest transfer ids, in order, up to `_next_transfer_id - 1`
+        """Messages waiting for the writer: the newest transfer ids, in order, up to `_ledger.next_id - 1`
         (ids are assigned and queued in one step, and the writer takes the oldest)."""
         self._transfer_costs: list[int] = []
         """Their estimated bytes in a TRANSFER frame, for the writer's frame-size budget."""
@@ -195,15 +226,6 @@ class Connection:
         self._stuck_since = 0.0
         self._final_frames: list[Frame] = []
         # producer side
-        self._next_transfer_id = 1
-        self._cumulative = 0
-        self._runs: list[tuple[int, Producer | None]] = []
-        """The transfers above `_cumulative` (every id up to it is complete), as runs of consecutive ids
-        sent by one producer: (first id, producer), sorted. A run ends where the next begins, the last
-        at the highest id sent. Producer None: completed out of order (by a COMPLETE range)."""
-        self._tail: Producer | None = None
-        """The producer of the last run (None when there is none or it is completed): a send by this
-        producer extends that run instead of adding one."""
         self._credit_lot = trio.lowlevel.ParkingLot()
         self._active_producers: dict[Producer, None] = {}
         """Producers with uncompleted transfers or unreported refusals, in order: what the end of the
@@ -248,6 +270,29 @@ class Connection:
     def consumer_buffer_size(self) -> int:
         """The connection-level consumer byte buffer this side grants the broker (`set_buffer_size`; 0: off)."""
         return self._receiver_window.window
+
+    def statistics(self) -> ConnectionStatistics:
+        """A snapshot of the connection's producer and consumer side (see `ConnectionStatistics`)."""
+        ledger = self._ledger
+        credit = ledger.window
+        receiver = self._receiver_window
+        return ConnectionStatistics(
+            ledger.highest_sent,
+            ledger.completed,
+            ledger.in_flight,
+            len(self._active_producers),
+            credit.position,
+            credit.acked_position,
+            credit.window,
+            credit.limit,
+            len(self._flow.stopped),
+            len(self._consumers),
+            receiver.window,
+            receiver.consumed_position,
+            receiver.acked_position,
+            self._proto.frames_sent,
+            self._proto.frames_received,
+        )
 
     @property
     def is_closed(self) -> bool:
@@ -501,7 +546,7 @@ class Connection:
         """A producer on this connection. `window` bounds its uncompleted transfers (Qpid's capacity);
         `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever);
         `mandatory`: a message the exchange routes to no queue is a refusal (`Unroutable`), raised like
-        the others, instead of only counted in `stats.unroutable`."""
+        the others, instead of only counted in `statistics().unroutable`."""
         from flowbroker.client.producer import Producer
 
         return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)
@@ -515,12 +560,7 @@ class Connection:
 
     def _enqueue_transfer(self, producer: Producer, entry: QueuedEntry, size: int) -> int:
         """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
-        transfer_id = self._next_transfer_id
-        self._next_transfer_id = transfer_id + 1
-        self.sender_window.on_sent(size)
-        if producer is not self._tail:
-            self._runs.append((transfer_id, producer))
-            self._tail = producer
+        transfer_id = self._ledger.on_sent(producer, size)
         self._transfers.append(entry)
         self._transfer_costs.append(size + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD)
         self._wake.set()
@@ -530,101 +570,21 @@ class Connection:
         await self._credit_lot.park()
 
     def _on_complete(self, frame: Complete) -> None:
-        # Completing an id never sent is a broker bug; refusing it also bounds the loops below by
-        # what we actually sent, so a COMPLETE naming id 2**63 cannot spin this task.
-        highest_sent = self._next_transfer_id - 1
-        if frame.cumulative_id > highest_sent or any(last > highest_sent for _, last in frame.ranges):
-            self._protocol_violation(
-                f"COMPLETE names transfer ids up to {max([frame.cumulative_id, *(l for _, l in frame.ranges)])} "
-                f"but only {highest_sent} were sent",
-                ErrorCode.UNEXPECTED_FRAME,
-            )
+        """Count a COMPLETE to the producers it completes (one call per run of a producer's transfers) and
+        wake whoever waits for their window; one that cannot be right is the broker's protocol violation."""
+        try:
+            done = self._ledger.on_complete(frame)
+        except RemoteProtocolError as exc:
+            self._protocol_violation(str(exc), exc.code, self._proto.frames_received)
             return
-        completed = False
-        if frame.cumulative_id > self._cumulative:
-            completed = self._complete_through(frame.cumulative_id, highest_sent)
-        for first, last in frame.ranges:
-            if last > self._cumulative:
-                completed = self._complete_range(max(first, self._cumulative + 1), last, highest_sent) or completed
-        if completed:
+        for producer, count in done:
+            producer._on_completed(count)
+        if done:
             self._credit_lot.unpark_all()
-
-    def _complete_through(self, cumulative: int, highest_sent: int) -> bool:
-        """Every transfer up to `cumulative` (above `_cumulative`, at most `highest_sent`) is complete:
-        retire the runs it covers, one producer call per run. Returns whether any was in flight."""
-        runs = self._runs
-        self._cumulative = cumulative
-        count = len(runs)
-        completed = False
-        i = 0
-        while i < count:
-            first, producer = runs[i]
-            last = runs[i + 1][0] - 1 if i + 1 < count else highest_sent
-            if last > cumulative:  # the run goes on above the cumulative point: cut its head off
-                if first <= cumulative:
-                    if producer is not None:
-                        producer._on_completed(cumulative - first + 1)
-                        completed = True
-                    runs[i] = (cumulative + 1, producer)
-                break
-            if producer is not None:
-                producer._on_completed(last - first + 1)
-                completed = True
-            i += 1
-        if i:
-            del runs[:i]
-            if not runs:
-                self._tail = None
-        return completed
-
-    def _complete_range(self, first: int, last: int, highest_sent: int) -> bool:
-        """Transfers `first`..`last` (above `_cumulative`, at most `highest_sent`) are complete, out of
-        order: count them to their producers and mark them completed (a run with producer None), merged
-        with completed neighbours so that repeated ranges do not split runs. Returns whether any was in
-        flight."""
-        runs = self._runs
-        count = len(runs)
-        start = bisect_right(runs, first, key=_run_first) - 1  # the run holding `first`
-        stop = start
-        completed = False
-        while stop < count and runs[stop][0] <= last:
-            run_first, producer = runs[stop]
-            stop += 1
-            if producer is not None:
-                run_last = runs[stop][0] - 1 if stop < count else highest_sent
-                producer._on_completed(min(run_last, last) - max(run_first, first) + 1)
-                completed = True
-        if not completed:
-            return False
-        # Replace runs[start:stop] by: the head of the first one (below `first`), a completed run from
-        # `first` (unless the run before it is completed too and goes on), and the tail of the last one
-        # (above `last`, unless it is a completed run: then the completed run goes on).
-        head_first, head_producer = runs[start]
-        tail_producer = runs[stop - 1][1]
-        tail_last = runs[stop][0] - 1 if stop < count else highest_sent
-        replacement: list[tuple[int, Producer | None]] = []
-        if head_first < first:
-            replacement.append((head_first, head_producer))
-            extends_previous = head_producer is None
-        else:
-            extends_previous = start > 0 and runs[start - 1][1] is None
-        if not extends_previous:
-            replacement.append((first, None))
-        if tail_last > last:
-            if tail_producer is not None:
-                replacement.append((last + 1, tail_producer))
-        elif stop < count and runs[stop][1] is None:
-            stop += 1  # the next run is completed too: it joins this one
-        runs[start:stop] = replacement
-        self._tail = runs[-1][1]
-        return True
 
     def _producer_of(self, transfer_id: int) -> Producer | None:
         """The producer of an uncompleted transfer (None if the id is completed or was never sent)."""
-        if not self._cumulative < transfer_id < self._next_transfer_id:
-            return None
-        runs = self._runs
-        return runs[bisect_right(runs, transfer_id, key=_run_first) - 1][1]
+        return self._ledger.owner_of(transfer_id)
 
     # ------------------------------------------------------------------ consumers
 
@@ -768,7 +728,7 @@ class Connection:
                 frame_costs = costs[taken:stop]
                 if sum(frame_costs) > budget:  # the most that fit the budget, at least one
                     stop = taken + max(1, bisect_right(list(accumulate(frame_costs)), budget))
-                first_id = self._next_transfer_id - (queued - taken)
+                first_id = self._ledger.next_id - (queued - taken)
                 entries = cast(list[TransferEntry], transfers[taken:stop])  # QueuedEntry: encoded alike
                 taken = stop
                 out.append(self._proto.send(Transfer(first_id, entries)))
@@ -893,8 +853,7 @@ class Connection:
         elif isinstance(frame, FlowResumed):
             self._flow.on_resumed(frame.destination, trio.current_time())
         elif isinstance(frame, BufferControl):
-            if frame.opaque == 0:
-                self.sender_window.resize(frame.buffer_size)
+            if self._ledger.on_buffer_control(frame):
                 self._credit_lot.unpark_all()
         elif isinstance(frame, Noop):
             if not frame.reply:
@@ -909,15 +868,10 @@ class Connection:
             raise AssertionError(f"unhandled frame {frame!r}")
 
     def _on_buffer_ack(self, frame: BufferAck) -> None:
-        if frame.opaque != 0:
-            self._protocol_violation(
-                f"BUFFER_ACK for opaque {frame.opaque}: producer credit is per connection", ErrorCode.UNEXPECTED_FRAME
-            )
-            return
         try:
-            freed = self.sender_window.on_ack(frame.acked_position)
-        except CreditError as exc:
-            self._protocol_violation(str(exc), ErrorCode.INVALID_ARGUMENT, self._proto.frames_received)
+            freed = self._ledger.on_buffer_ack(frame)
+        except RemoteProtocolError as exc:
+            self._protocol_violation(str(exc), exc.code, self._proto.frames_received)
             return
         if freed:
             self._credit_lot.unpark_all()

@@ -51,17 +51,17 @@ from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection, _PendingRequest
 
-__all__ = ["Consumer", "ConsumerStats", "Message"]
+__all__ = ["Consumer", "ConsumerStatistics", "ConsumerStats", "Message"]
 
 YIELD_EVERY = 128
 
 
 @dataclass(frozen=True, slots=True)
-class ConsumerStats:
+class ConsumerStatistics:
     """A subscription's counters, and the consumer credit it grants the broker: `prefetch_in_force`
-    messages unsettled at most (`unsettled` are), and, with `buffer_size`, at most that many bytes
-    delivered and not acknowledged (`received_bytes - acked_bytes`; one message may overflow it).
-    Bytes are `message_size(body, headers)`, as the broker counts them."""
+    messages unsettled at most (`unsettled` are), and, with a byte `window`, at most that many bytes
+    delivered and not acknowledged (`position - acked_position`; one message may overflow it).
+    Bytes are `message_size(body, headers)`, as the broker counts them, since the subscription began."""
 
     received: int
     """Deliveries received on this subscription."""
@@ -71,14 +71,40 @@ class ConsumerStats:
     """Received and not yet handed to the application."""
     prefetch_in_force: int | None
     """The bound on `unsettled` the broker applies (None until the OK for prefetch 0)."""
-    buffer_size: int
-    """This subscription's byte buffer (0: off; the connection's may still apply)."""
-    received_bytes: int
-    processed_bytes: int
+    window: int
+    """This subscription's byte buffer, `buffer_size` (0: off; the connection's may still apply)."""
+    position: int
+    """Bytes received."""
+    consumed_position: int
     """Bytes of messages processed: settled, or the application asked for the next message."""
-    acked_bytes: int
+    acked_position: int
     """Of those, acknowledged to the broker with BUFFER_ACK (due after 20 % of the buffer or 50 KiB, and
     every 5 s; counted whatever the buffer size, acknowledged only while it is not 0)."""
+
+    # The names of `ConsumerStats` before issue 9, kept for one release.
+    @property
+    def buffer_size(self) -> int:
+        """`window` (its name before issue 9)."""
+        return self.window
+
+    @property
+    def received_bytes(self) -> int:
+        """`position` (its name before issue 9)."""
+        return self.position
+
+    @property
+    def processed_bytes(self) -> int:
+        """`consumed_position` (its name before issue 9)."""
+        return self.consumed_position
+
+    @property
+    def acked_bytes(self) -> int:
+        """`acked_position` (its name before issue 9)."""
+        return self.acked_position
+
+
+ConsumerStats = ConsumerStatistics
+"""The name of `ConsumerStatistics` before issue 9, kept for one release (`consumer.stats`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -217,10 +243,10 @@ class Consumer:
         """Messages received and not yet handed to the application."""
         return len(self._buffered)
 
-    @property
-    def stats(self) -> ConsumerStats:
+    def statistics(self) -> ConsumerStatistics:
+        """A snapshot of the subscription's counters and the credit it grants the broker."""
         positions = self._receiver_window
-        return ConsumerStats(
+        return ConsumerStatistics(
             self._received,
             self._unsettled,
             len(self._buffered),
@@ -230,6 +256,11 @@ class Consumer:
             positions.consumed_position,
             positions.acked_position,
         )
+
+    @property
+    def stats(self) -> ConsumerStatistics:
+        """`statistics()`, by its name before issue 9 (kept for one release)."""
+        return self.statistics()
 
     # -------------------------------------------------------------- lifecycle
 

@@ -165,7 +165,7 @@ class NotFound(PublishError):
 
 class Unroutable(PublishError):
     """The exchange (`destination`) routed the message to no queue: no binding matched its routing key.
-    Raised only for producers created with `mandatory=True`; others count it in `stats.unroutable`."""
+    Raised only for producers created with `mandatory=True`; others count it in `statistics().unroutable`."""
 
     def __init__(self, code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None):
         super().__init__(code, text, destination, transfer_id)

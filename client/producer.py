@@ -15,7 +15,7 @@ raised by `flush`, typed (`QueueFull`, `MessageTooLarge`, `NotFound`) and naming
 **No silent losses.** A refusal nobody flushed is not dropped: leaving the producer's `async with` (or
 the connection's) waits for the outstanding transfers, at most the connection's `close_timeout`, and
 raises `PublishFailures` with what was refused and what is still not completed. A message an exchange
-routed to no queue is counted (`stats.unroutable`: the SDK asks the broker to report them, see
+routed to no queue is counted (`statistics().unroutable`: the SDK asks the broker to report them, see
 protocol/capabilities.py) and, for a producer created with `mandatory=True`, is a refusal (`Unroutable`).
 
 `send` refuses at once, before anything is sent, a message the broker could not take: more headers than
@@ -48,12 +48,13 @@ from flowbroker.client.errors import (
 )
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES, message_wire_size, utf8_len
 
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection
 
-__all__ = ["Producer", "ProducerStats", "MAX_KEPT_ERRORS"]
+__all__ = ["Producer", "ProducerStatistics", "ProducerStats", "MAX_KEPT_ERRORS"]
 
 log = logging.getLogger("flowbroker.client")
 
@@ -61,25 +62,55 @@ MAX_KEPT_ERRORS = 100
 """Refusals a producer keeps between two reports (`flush`, the end of its block); beyond them it counts.
 A producer that sends a million messages to a missing queue must not keep a million exceptions."""
 
+_HEADER_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+"""What a header value may be (protocol/frames.py); anything else would make the connection's writer refuse
+the whole TRANSFER frame (`Connection.send` checks every frame), so `send` refuses it first."""
+
 _SHORT_KEY = MAX_KEY_BYTES // 4
 """A key of at most this many characters is within MAX_KEY_BYTES whatever they are (UTF-8: 4 bytes at most)."""
 
 
 @dataclass(frozen=True, slots=True)
-class ProducerStats:
-    """Counters for monitoring: transitions and time, not a sampled "blocked" boolean."""
+class ProducerStatistics:
+    """A snapshot for monitoring: counters, transitions and time (not a sampled "blocked" boolean), and the
+    credit that paces the producer. Taking it reads counters the producer keeps anyway."""
 
     sent: int
+    """Transfers sent (queued for the writer with a transfer id)."""
     completed: int
+    """Of those, completed by the broker (enqueued, or refused: see `failed`)."""
     failed: int
-    outstanding: int
+    """Refusals (QUEUE_FULL, NOT_FOUND, ..., and UNROUTABLE for a `mandatory` producer)."""
+    in_flight: int
+    """Sent and not yet completed: what the producer's `transfer_window` bounds."""
     blocked_count: int
     """Sends that had to wait for credit (or were refused with block=False)."""
     blocked_seconds: float
     """Total time sends spent waiting for credit."""
-    unroutable: int = 0
+    unroutable: int
     """Messages the exchange routed to no queue (completed, not enqueued anywhere). With `mandatory=True`
     they are refusals too, and counted in `failed` as well."""
+    transfer_window: int
+    """The producer's window of uncompleted transfers (`window`, Qpid's capacity)."""
+    flow_stopped: int
+    """Destinations flow-stopped on the connection now (`flow_state` has which, since when, why)."""
+    position: int
+    """The connection's producer byte credit, shared by its producers (`conn.sender_window`): bytes sent,"""
+    acked_position: int
+    """bytes the broker acknowledged,"""
+    window: int
+    """the buffer it grants (0: not paced)"""
+    limit: int
+    """and the position below which a message may start (acked_position + window)."""
+
+    @property
+    def outstanding(self) -> int:
+        """`in_flight`, by its name in `ProducerStats` (kept for one release)."""
+        return self.in_flight
+
+
+ProducerStats = ProducerStatistics
+"""The name of `ProducerStatistics` before issue 9, kept for one release (`producer.stats`)."""
 
 
 class Producer:
@@ -139,9 +170,11 @@ class Producer:
         """`async with producer.flow_events() as events: async for event in events: ...`"""
         return self._conn.flow_events(max_buffered)
 
-    @property
-    def stats(self) -> ProducerStats:
-        return ProducerStats(
+    def statistics(self) -> ProducerStatistics:
+        """A snapshot of the producer's counters and of the connection's producer byte credit."""
+        conn = self._conn
+        credit = conn.sender_window
+        return ProducerStatistics(
             self._completed + self._outstanding,  # every message sent is outstanding until completed
             self._completed,
             self._failed,
@@ -149,7 +182,18 @@ class Producer:
             self._blocked_count,
             self._blocked_seconds,
             self._unroutable,
+            self.window,
+            len(conn._flow.stopped),
+            credit.position,
+            credit.acked_position,
+            credit.window,
+            credit.limit,
         )
+
+    @property
+    def stats(self) -> ProducerStatistics:
+        """`statistics()`, by its name before issue 9 (kept for one release)."""
+        return self.statistics()
 
     def has_credit(self) -> bool:
         """True when a send would not wait."""
@@ -172,7 +216,8 @@ class Producer:
         `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
         Returns without yielding to other tasks unless the messages waiting for the writer reach another
         full batch (see the comment below), so the writer can batch a burst of sends into one frame.
-        Raises, before anything is sent, `TooManyHeaders` (over `MAX_HEADERS`), `KeyTooLong` (a routing key
+        Raises, before anything is sent, `TypeError` for a body that is not bytes or headers that are not
+        a dict of str to str, bytes, int, float, bool or None, `TooManyHeaders` (over `MAX_HEADERS`), `KeyTooLong` (a routing key
         over `MAX_KEY_BYTES` in UTF-8) or `MessageTooLarge` (the whole message over the broker's
         `max_message_size`), and `ConnectionClosed` if the connection is or becomes closed.
         """
@@ -187,10 +232,16 @@ class Producer:
         max_size = conn.welcome.max_message_size
         # One comparison for the common message (no headers, a short key); the exact checks otherwise.
         if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
+            if headers and (
+                type(headers) is not dict
+                or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())
+            ):
+                raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
             refusal = _refusal(exchange, key, body, headers, max_size)
             if refusal is not None:
                 raise refusal
-        size = message_size(body, headers)
+        # message_size inlined for the common message without headers (as the consumer does on arrival)
+        size = len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers)
         if self._outstanding >= self.window or not conn.sender_window.may_send():  # not self.has_credit(), inlined
             if not block:
                 self._blocked_count += 1
@@ -215,7 +266,7 @@ class Producer:
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every message sent so far is complete, then raise the first publish error since the
         last flush, if any, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), and forget the refusals
-        (`stats.failed` counts them all). Raises `FlowControlTimeout` naming the flow-stopped queues if
+        (`statistics().failed` counts them all). Raises `FlowControlTimeout` naming the flow-stopped queues if
         completions do not arrive in time: a saturated queue holds them."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._outstanding:

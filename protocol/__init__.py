@@ -17,6 +17,7 @@ from flowbroker.protocol.credit import (
     message_size,
 )
 from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
+from flowbroker.protocol.producer import ProducerLedger, ProducerLedgerStatistics
 from flowbroker.protocol.errors import (
     ErrorCode,
     FrameTooLarge,
@@ -53,6 +54,8 @@ __all__ = [
     "CreditError",
     "message_size",
     "CAPABILITY_MANDATORY",
+    "ProducerLedger",
+    "ProducerLedgerStatistics",
     "ErrorCode",
     "FrameTooLarge",
     "LocalProtocolError",

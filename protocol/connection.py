@@ -3,8 +3,9 @@
 The shell feeds received bytes in with `receive_data()`, takes validated frames out with
 `next_frame()`, and turns frames it wants to send into bytes with `send()`. The state machine
 checks direction (a client never sends DELIVER, a broker never sends TRANSFER) and phase (HELLO
-first, nothing after CLOSE) for both sides, so a misbehaving peer and a buggy caller fail the same
-way, with a typed error that names the frame.
+first, nothing after CLOSE) for both sides, and `send()` checks a frame's fields with the checks
+a received frame goes through (`frames.check_frame`, the checkers of `decode_body`): a misbehaving
+peer and a buggy caller fail the same way, with a typed error that names the frame and field.
 
 Theory of operation: states move only through the table `_TRANSITIONS`, keyed by
 (state, frame type). A frame that is not in `_ALLOWED[sender role][state]` is an UNEXPECTED_FRAME
@@ -27,7 +28,7 @@ import enum
 
 from flowbroker.protocol.codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from flowbroker.protocol.frames import PROTOCOL_VERSION, Frame, FrameType
+from flowbroker.protocol.frames import PROTOCOL_VERSION, Frame, FrameType, check_frame
 
 __all__ = ["Role", "State", "Connection"]
 
@@ -167,7 +168,10 @@ class Connection:
         return frame
 
     def send(self, frame: Frame) -> bytes:
-        """Bytes for `frame`, checked against our role and the state; raises LocalProtocolError."""
+        """Bytes for `frame`, checked against our role, the state and the protocol's field types and
+        limits (what the peer's `next_frame()` would refuse); raises LocalProtocolError, and then nothing
+        changes (the frame is not counted as sent)."""
+        check_frame(frame)
         self._advance(self.role, frame, LocalProtocolError)
         self.frames_sent += 1
         return encode_frame(frame)

@@ -26,6 +26,9 @@ async def test_blocking_round_trip(start_broker) -> None:
                 producer.flush(timeout=5)
             assert info.value.destination == "full"
             assert producer.stats.completed == 6
+            assert producer.statistics() == producer.stats and producer.statistics().failed == 1
+            whole = conn.statistics()
+            assert (whole.transfers_sent, whole.transfers_completed) == (6, 6) and whole.consumers == 0
             return ids
 
     ids = await trio.to_thread.run_sync(producer_side)
@@ -52,6 +55,8 @@ async def test_blocking_consumer_and_flow_state(start_broker) -> None:
                 msg.ack()
             with pytest.raises(fc.ReceiveTimeout):
                 consumer.receive(timeout=0.2)
+            stats = consumer.statistics()
+            assert (stats.received, stats.unsettled, stats.prefetch_in_force) == (3, 0, 10) and consumer.stats == stats
             return bodies
 
         assert await trio.to_thread.run_sync(consume) == [b"m1", b"m2", b"m3"]

@@ -239,6 +239,22 @@ async def test_more_than_max_headers_is_refused_locally(start_broker) -> None:
         assert not conn.is_closed
 
 
+async def test_headers_of_the_wrong_types_are_refused_before_anything_is_sent(start_broker) -> None:
+    """Connection.send refuses a frame the broker would refuse (protocol/frames.py check_frame), so a header
+    value the protocol cannot carry must be refused by `send`, not end the connection in the writer."""
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        producer = conn.producer(routing_key="q")
+        for headers in ({"h": [1, 2]}, {1: "v"}, {"h": {"nested": 1}}):
+            with pytest.raises(TypeError, match="headers must be a dict of str keys"):
+                await producer.send(b"b", headers)  # type: ignore[dict-item, arg-type]
+        await producer.send(b"b", {"s": "v", "b": b"v", "i": 1, "f": 1.5, "t": True, "n": None})
+        await producer.flush(timeout=5)
+        assert len(fake.transfers) == 1 and producer.stats.sent == 1
+        assert not conn.is_closed
+
+
 async def test_the_brokers_key_too_long_is_typed(start_broker) -> None:
     broker = await start_broker(auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
