@@ -1,4 +1,5 @@
-"""The flowbroker wire protocol without I/O: frames, codec, connection state machine, byte credit.
+"""The flowbroker wire protocol without I/O: frames, codec, connection state machine, byte credit, and
+the session protocol (the producer's ledger, the broker's transfer and delivery rules).
 
 Nothing here reads a socket or a clock; the broker and the client SDK are trio shells around it.
 See docs/protocol.md for every frame and field.
@@ -18,6 +19,8 @@ from flowbroker.protocol.credit import (
 )
 from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
 from flowbroker.protocol.producer import ProducerLedger, ProducerLedgerStatistics
+from flowbroker.protocol.session import TransferReceiver, TransferReceiverStatistics
+from flowbroker.protocol.delivery import DeliveryLedger, DeliveryLedgerStatistics
 from flowbroker.protocol.errors import (
     ErrorCode,
     FrameTooLarge,
@@ -56,6 +59,10 @@ __all__ = [
     "CAPABILITY_MANDATORY",
     "ProducerLedger",
     "ProducerLedgerStatistics",
+    "TransferReceiver",
+    "TransferReceiverStatistics",
+    "DeliveryLedger",
+    "DeliveryLedgerStatistics",
     "ErrorCode",
     "FrameTooLarge",
     "LocalProtocolError",

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from pair import ConnectionPair
-from protocol_strategies import FRAME_STRATEGIES
+from tests.protocol.pair import ConnectionPair
+from tests.protocol.protocol_strategies import FRAME_STRATEGIES
 
 from flowbroker.protocol import (
     PROTOCOL_VERSION,
@@ -49,24 +49,24 @@ def open_pair() -> ConnectionPair:
 
 
 INVALID_CLIENT_FRAMES: list[tuple[str, Any, ErrorCode, str]] = [
-    ("transfer id 0", Transfer(0, [ENTRY]), MALFORMED, "first_id: expected a positive integer"),
+    ("transfer id 0", Transfer(0, [ENTRY]), MALFORMED, "first_id: expected a positive integer"),  # type: ignore[list-item]
     ("Transfer(0, [])", Transfer(0, []), MALFORMED, "first_id"),
     ("no entries", Transfer(1, []), MALFORMED, "entries must be a non-empty list"),
-    ("too many entries", Transfer(1, [ENTRY] * (MAX_ENTRIES_PER_FRAME + 1)), LIMIT, "MAX_ENTRIES_PER_FRAME"),
-    ("body not bytes", Transfer(1, [("", "q", "text", None, None, None)]), MALFORMED, "body must be bytes"),
-    ("routing key not a string", Transfer(1, [("", 7, b"x", None, None, None)]), MALFORMED, "routing_key must be strings"),
-    ("entry too short", Transfer(1, [("", "q")]), MALFORMED, "each entry must be"),
-    ("entry not a sequence", Transfer(1, [42]), MALFORMED, "each entry must be"),
+    ("too many entries", Transfer(1, [ENTRY] * (MAX_ENTRIES_PER_FRAME + 1)), LIMIT, "MAX_ENTRIES_PER_FRAME"),  # type: ignore[list-item]
+    ("body not bytes", Transfer(1, [("", "q", "text", None, None, None)]), MALFORMED, "body must be bytes"),  # type: ignore[list-item]
+    ("routing key not a string", Transfer(1, [("", 7, b"x", None, None, None)]), MALFORMED, "routing_key must be strings"),  # type: ignore[list-item]
+    ("entry too short", Transfer(1, [("", "q")]), MALFORMED, "each entry must be"),  # type: ignore[list-item]
+    ("entry not a sequence", Transfer(1, [42]), MALFORMED, "each entry must be"),  # type: ignore[list-item]
     (
         "too many headers",
         Transfer(1, [TransferEntry("", "q", b"x", {f"h{i}": i for i in range(MAX_HEADERS + 1)})]),
         LIMIT,
         "MAX_HEADERS",
     ),
-    ("header value a list", Transfer(1, [TransferEntry("", "q", b"x", {"h": [1]})]), MALFORMED, "headers must map strings to scalars"),
+    ("header value a list", Transfer(1, [TransferEntry("", "q", b"x", {"h": [1]})]), MALFORMED, "headers must map strings to scalars"),  # type: ignore[dict-item]
     ("header key not a string", Transfer(1, [TransferEntry("", "q", b"x", {1: "v"})]), MALFORMED, "headers must map"),  # type: ignore[dict-item]
-    ("producer id not a string", Transfer(1, [("", "q", b"x", None, 5, None)]), MALFORMED, "producer_id"),
-    ("negative sequence", Transfer(1, [("", "q", b"x", None, "p", -1)]), MALFORMED, "sequence"),
+    ("producer id not a string", Transfer(1, [("", "q", b"x", None, 5, None)]), MALFORMED, "producer_id"),  # type: ignore[list-item]
+    ("negative sequence", Transfer(1, [("", "q", b"x", None, "p", -1)]), MALFORMED, "sequence"),  # type: ignore[list-item]
     ("queue name too long", DeclareQueue(1, "q" * 256), MALFORMED, "field queue: expected a name of at most 255"),
     ("settle range reversed", Settle(Outcome.ACK, [(3, 2)]), MALFORMED, "bad range"),
     ("settle range from 0", Settle(Outcome.ACK, [(0, 2)]), MALFORMED, "bad range"),
@@ -94,7 +94,7 @@ def test_an_invalid_frame_is_refused_locally_and_the_connection_goes_on(frame: F
         decode_body([int(frame.TYPE), *frame_to_wire(frame)[1:]], 1)
     assert remote.value.code == code
     # The connection is still usable.
-    assert pair.exchange(Role.CLIENT, Transfer(1, [ENTRY])) == [Transfer(1, [TransferEntry("", "q", b"body")])]
+    assert pair.exchange(Role.CLIENT, Transfer(1, [ENTRY])) == [Transfer(1, [TransferEntry("", "q", b"body")])]  # type: ignore[list-item]
 
 
 def test_the_broker_side_is_checked_too() -> None:
