@@ -97,6 +97,7 @@ from flowbroker.protocol import Connection as ProtocolConnection
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
 from flowbroker.protocol.names import EXCHANGE_KINDS, OVERFLOW_POLICIES
 from flowbroker.protocol.ranges import to_ranges
+from flowbroker.protocol.frames import check_frame
 from flowbroker.protocol.producer import ProducerLedger
 
 if TYPE_CHECKING:
@@ -447,13 +448,23 @@ class Connection:
         on_ok: Callable[[dict[str, Any]], None] | None = None,
         on_error: Callable[[], None] | None = None,
     ) -> tuple[int, _PendingRequest]:
-        """Queue a request; the reader sets the answer on the returned `_PendingRequest` and drops it."""
+        """Queue a request; the reader sets the answer on the returned `_PendingRequest` and drops it.
+
+        A request the broker would refuse as malformed (a queue name over 255 characters, a negative
+        prefetch) raises RequestError here, with the code the broker would answer, and the connection
+        stays open: the frame is checked before it is queued, not in the writer, where a bad frame can
+        only end the connection."""
         self._check_open()
         request_id = self._next_request_id
         self._next_request_id += 1
+        frame = make(request_id)
+        try:
+            check_frame(frame)
+        except LocalProtocolError as exc:
+            raise RequestError(exc.code, str(exc), request_id) from None
         pending = _PendingRequest(on_ok=on_ok, on_error=on_error)
         self._requests[request_id] = pending
-        self._queue_control(make(request_id))
+        self._queue_control(frame)
         return request_id, pending
 
     async def _await_answer(

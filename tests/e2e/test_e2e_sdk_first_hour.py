@@ -338,3 +338,16 @@ async def test_consumer_stats_count_the_credit_it_grants(start_flowbroker) -> No
             stats = consumer.stats
             assert (stats.unsettled, stats.buffered) == (0, 0)
             assert stats.processed_bytes == stats.acked_bytes == 4 * size
+
+
+async def test_a_malformed_request_raises_request_error_and_the_connection_stays_open(start_flowbroker) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=LIMIT) as conn:
+        with pytest.raises(fc.RequestError, match="queue") as info:
+            await conn.declare_queue("q" * 256)
+        assert info.value.code is ErrorCode.MALFORMED_FRAME
+        await conn.declare_queue("kept")  # the same connection goes on
+        async with conn.producer("", "kept") as producer:
+            await producer.send(b"after")
+        async with conn.consumer("kept") as consumer:
+            assert (await consumer.receive(timeout=LIMIT)).body == b"after"
