@@ -60,7 +60,7 @@ from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.streamio import StreamIO, peer_name, refuse_now, stream_io
 from flowbroker.protocol.codec import encode_frames
-from flowbroker.transport.udp.clock import now_ns
+from flowbroker.transport.udp.tasks import now_ns
 from flowbroker.protocol.connection import Connection, Role, State
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from flowbroker.protocol.frames import (

@@ -1,8 +1,7 @@
 """The transport's I/O: UDP sockets (``sockets``), the trio tasks that drive publications and receive
-channels over them (``tasks``) and the clock (``clock``). The only part of ``flowbroker.transport`` that
+channels over them, with the shells' clock ``now_ns`` (``tasks``). The only part of ``flowbroker.transport`` that
 imports trio or socket; everything else takes datagrams and ``now_ns`` and returns datagrams to send."""
 
-from flowbroker.transport.udp.clock import now_ns
 from flowbroker.transport.udp.sockets import (
     DEFAULT_BATCH,
     MAX_UDP_PAYLOAD,
@@ -15,7 +14,7 @@ from flowbroker.transport.udp.sockets import (
     open_udp,
     resolve,
 )
-from flowbroker.transport.udp.tasks import PublicationDriver, SubscriptionDriver
+from flowbroker.transport.udp.tasks import PublicationDriver, SubscriptionDriver, now_ns
 
 __all__ = [
     "DEFAULT_BATCH",

@@ -1,4 +1,4 @@
-"""The trio tasks that run a publication or a receive channel over a ``UdpEndpoint``.
+"""The trio tasks that run a publication or a receive channel over a ``UdpEndpoint``, and the shells' clock.
 
 Each is the sans-IO duty cycle of ``transport.drivers`` plus the waits: for datagrams (with the duty
 cycle's deadline as the timeout) and, for a publisher, for window. Sends are non-blocking and happen in the
@@ -16,10 +16,18 @@ from flowbroker.transport.drivers import Buffer, OfferVerdict, Outgoing, Receive
 from flowbroker.transport.image import MessageHandler
 from flowbroker.transport.publication import Publication
 from flowbroker.transport.subscription import ReceiveChannel, Subscription
-from flowbroker.transport.udp.clock import now_ns
 from flowbroker.transport.udp.sockets import DEFAULT_BATCH, UdpEndpoint
 
-__all__ = ["PublicationDriver", "SubscriptionDriver"]
+__all__ = ["PublicationDriver", "SubscriptionDriver", "now_ns"]
+
+
+def now_ns() -> int:
+    """trio's clock in nanoseconds, the ``now_ns`` every sans-IO core takes; call it only inside ``trio.run``.
+
+    trio's clock rather than ``time.monotonic_ns``: under ``trio.testing.MockClock`` it is virtual, so tests
+    of timers (SETUP, heartbeats, status messages, buffer acks) are deterministic. The broker uses the same
+    function for its core."""
+    return int(trio.current_time() * 1_000_000_000)
 
 
 def _send_all(endpoint: UdpEndpoint, out: Outgoing) -> None:
