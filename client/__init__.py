@@ -5,7 +5,8 @@ Trio: `async with await flowbroker.client.connect(url) as conn:` then `conn.prod
 Every wait takes a deadline; every error is a `FlowbrokerError`. See docs/client.md.
 """
 
-from flowbroker.client.connection import Connection, ConnectionStatistics, connect
+from flowbroker.client.connection import Connection, ConnectionStatistics
+from flowbroker.client.handshake import connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, ConsumerStats, Message
 from flowbroker.client.errors import (
     AlreadySettled,

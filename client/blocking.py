@@ -30,7 +30,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import trio
 
-from flowbroker.client.connection import Connection, ConnectionStatistics, connect as trio_connect
+from flowbroker.client.connection import Connection, ConnectionStatistics
+from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
 from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState

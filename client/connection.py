@@ -18,8 +18,9 @@ Why it is shaped this way:
   sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it,
   and nothing escapes from them: a bug in one closes the connection with ConnectionClosed(INTERNAL_ERROR),
   which the application's calls raise, instead of cancelling its block from inside.
-- **Any trio stream.** Bytes go through `trio.abc.Stream`'s `send_all`/`receive_some` only: `connect` opens
-  TCP, `connect_stream` takes a stream the caller opened (a `trio.SSLStream`, an in-memory pair in tests).
+- **Any trio stream.** Bytes go through `trio.abc.Stream`'s `send_all`/`receive_some` only; the stream and
+  the handshake come from client/handshake.py (`connect` opens TCP, `connect_stream` takes a stream the
+  caller opened: a `trio.SSLStream`, an in-memory pair in tests).
 - **Bounded.** Transfers waiting for the writer are bounded by the producers' windows; settlements by the
   unsettled deliveries; buffer acks coalesce to one per buffer (they are absolute); noop replies keep the
   newest 16; requests are one per awaiting task; deliveries wait in each consumer's buffer, bounded by its
@@ -46,7 +47,6 @@ from flowbroker.client.errors import (
     BrokerConnectionError,
     ConnectionClosed,
     FlowbrokerError,
-    HandshakeError,
     ProtocolViolation,
     PublishFailures,
     RequestError,
@@ -55,10 +55,7 @@ from flowbroker.client.errors import (
     publish_error,
 )
 from flowbroker.client.flow import FlowEvents, FlowState, FlowTracker
-from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
-    CAPABILITY_MANDATORY,
-    PROTOCOL_VERSION,
     ReceiverWindow,
     Bind,
     BufferAck,
@@ -77,14 +74,12 @@ from flowbroker.protocol import (
     FlowStopped,
     Frame,
     Headers,
-    Hello,
     LocalProtocolError,
     Noop,
     Ok,
     Outcome,
     PurgeQueue,
     RemoteProtocolError,
-    Role,
     Settle,
     Subscribe,
     Transfer,
@@ -104,7 +99,7 @@ if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
     from flowbroker.client.producer import Producer
 
-__all__ = ["Connection", "ConnectionStatistics", "connect", "connect_stream", "TRANSFER_BATCH", "REQUEST_ID_BASE"]
+__all__ = ["Connection", "ConnectionStatistics", "TRANSFER_BATCH", "REQUEST_ID_BASE", "RECEIVE_SIZE"]
 
 log = logging.getLogger("flowbroker.client")
 
@@ -972,115 +967,3 @@ def _check_binding_key(key: str) -> None:
         raise RequestError(
             ErrorCode.KEY_TOO_LONG, f"binding key of {size} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)"
         )
-
-
-async def connect(
-    url: str = DEFAULT_URL,
-    *,
-    client_name: str = "flowbroker-python",
-    flow_control: bool = True,
-    timeout: float = 10.0,
-    auth: dict[str, Any] | None = None,
-    request_timeout: float = 30.0,
-    close_timeout: float = 5.0,
-) -> Connection:
-    """Open TCP and do the HELLO/WELCOME handshake, all within `timeout` seconds.
-
-    Returns a Connection to use as `async with await connect(...) as conn`. Raises HandshakeError
-    (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
-    """
-    address = parse_url(url)
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
-
-    async def open_tcp() -> trio.abc.Stream:
-        return await trio.open_tcp_stream(address.host, address.port)
-
-    return await _open(open_tcp, hello, address, timeout, request_timeout, close_timeout)
-
-
-async def connect_stream(
-    stream: trio.abc.Stream,
-    *,
-    client_name: str = "flowbroker-python",
-    flow_control: bool = True,
-    timeout: float = 10.0,
-    auth: dict[str, Any] | None = None,
-    request_timeout: float = 30.0,
-    close_timeout: float = 5.0,
-) -> Connection:
-    """`connect` over a stream the caller opened (a `trio.SSLStream` over TCP, an in-memory stream in a
-    test): the HELLO/WELCOME handshake within `timeout`, then a Connection that owns the stream (it
-    closes it; so does a failed handshake). Raises HandshakeError as `connect` does."""
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
-
-    async def given() -> trio.abc.Stream:
-        return stream
-
-    return await _open(given, hello, "the broker", timeout, request_timeout, close_timeout)
-
-
-async def _open(
-    open_stream: Callable[[], Awaitable[trio.abc.Stream]],
-    hello: Hello,
-    address: object,
-    timeout: float,
-    request_timeout: float,
-    close_timeout: float,
-) -> Connection:
-    """Open the stream and do the handshake on it, all within `timeout`; the one place a connection's
-    stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for)."""
-    stream: trio.abc.Stream | None = None
-    proto = ProtocolConnection(Role.CLIENT)
-    try:
-        with trio.fail_after(timeout):
-            stream = await open_stream()
-            await stream.send_all(proto.send(hello))
-            welcome = await _await_welcome(stream, proto, address)
-    except trio.TooSlowError:
-        await _close_quietly(stream)
-        raise HandshakeError(f"no WELCOME from {address} within {timeout} s") from None
-    except OSError as exc:
-        await _close_quietly(stream)
-        raise HandshakeError(f"cannot connect to {address}: {exc}") from exc
-    except (HandshakeError, RemoteProtocolError, trio.BrokenResourceError) as exc:
-        await _close_quietly(stream)
-        if isinstance(exc, HandshakeError):
-            raise
-        raise HandshakeError(f"handshake with {address} failed: {exc}") from exc
-    except BaseException:
-        await _close_quietly(stream)
-        raise
-    proto.set_max_frame_size(max(64, welcome.max_frame_size))
-    return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
-
-
-async def _await_welcome(stream: trio.abc.Stream, proto: ProtocolConnection, address: object = "the peer") -> Welcome:
-    error: Error | None = None
-    head = b""  # the first bytes: an HTTP answer ("HTTP/1.1 400 ...") means this is not the broker port
-    while True:
-        data = await stream.receive_some(RECEIVE_SIZE)
-        if len(head) < 4:
-            head += bytes(data[: 4 - len(head)])
-            if head == b"HTTP":
-                raise HandshakeError(
-                    f"{address} answered in HTTP: this is an HTTP port (the broker's admin API?), not the broker "
-                    f"port; the broker port is 5680 unless [server] port says otherwise (flowbroker://HOST:5680)"
-                )
-        proto.receive_data(bytes(data))
-        while (frame := proto.next_frame()) is not None:
-            if isinstance(frame, Welcome):
-                return frame
-            if isinstance(frame, Error):
-                error = frame
-            elif isinstance(frame, Close):
-                code = error.code if error is not None else frame.code
-                text = f"{error.text}; " if error is not None else ""
-                raise HandshakeError(f"broker refused the connection: {text}{frame.reason}", code)
-        if not data:
-            raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
-
-
-async def _close_quietly(stream: trio.abc.Stream | None) -> None:
-    if stream is not None:
-        await trio.aclose_forcefully(stream)
-

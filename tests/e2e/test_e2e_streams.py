@@ -25,7 +25,7 @@ from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.server import BrokerServer
 from flowbroker.broker.session import Session
 from flowbroker.broker.streamio import SocketIO, StreamIO
-from flowbroker.client.connection import connect_stream
+from flowbroker.client.handshake import connect_stream
 from flowbroker.protocol import DeclareQueue, ErrorCode, Frame
 
 from tests.e2e.test_e2e_faults import LIMIT, wait_until
