@@ -118,9 +118,9 @@ def publisher(port: int, size: int, seconds: float, result_queue: mp.Queue) -> N
             if got is None:
                 break
             pub.on_datagram(got[0], got[1], now)
-        if pub.is_closed and pub.sender_position >= pub.position and pub.stats.heartbeats_sent:
+        if pub.is_closed and pub.sender_position >= pub.position and pub.counters.heartbeats_sent:
             break
-    s = pub.stats
+    s = pub.counters
     result_queue.put((seq, s.retransmits_sent, s.naks_received, endpoint.counters.send_drops))
 
 
@@ -211,7 +211,7 @@ def lossy(messages: int) -> None:
     print(f"lossy: {state['next']:,} of {messages:,} messages delivered, {state['bad']} out of order/duplicate, "
           f"{wall:.1f} s wall ({now / 1e9:.2f} s simulated); network dropped {net.stats.dropped:,}, "
           f"duplicated {net.stats.duplicated:,}, reordered {net.stats.reordered:,}; "
-          f"NAKs {image.naks_sent:,}, retransmits {pub.stats.retransmits_sent:,}")
+          f"NAKs {image.naks_sent:,}, retransmits {pub.counters.retransmits_sent:,}")
 
 
 def main() -> None:

@@ -82,7 +82,7 @@ def run(messages: int, batch: int, size: int) -> float:
         clock[0] += 1_000_000
     elapsed = time.process_time() - start
     queue = core.queues["bench"]
-    assert queue.stats.dequeued == len(frames) * batch + 1 and queue.count == 0, "every message delivered and acked"
+    assert queue.counters.dequeued == len(frames) * batch + 1 and queue.count == 0, "every message delivered and acked"
     return elapsed / (len(frames) * batch) * 1e6
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from flowbroker.broker.session import Session
     from flowbroker.broker.subscription import Subscription
 
-__all__ = ["Queue", "QueueFull", "QueueStats", "QueueStatistics"]
+__all__ = ["Queue", "QueueFull", "QueueCounters", "QueueStatistics"]
 
 
 class QueueFull(Exception):
@@ -53,7 +53,7 @@ class QueueFull(Exception):
         self.admission = admission
 
 
-class QueueStats:
+class QueueCounters:
     """Counters for management and metrics: transitions and totals, not just sampled booleans. The
     messages ever enqueued are not counted here: the queue's offsets count them (`Queue.enqueued`)."""
 
@@ -139,7 +139,7 @@ class Queue:
         self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
         self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
         self.deleted = False
-        self.stats = QueueStats()
+        self.counters = QueueCounters()
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
@@ -150,7 +150,7 @@ class Queue:
         return self.next_offset - self.store.start_offset
 
     def statistics(self) -> QueueStatistics:
-        store, stats = self.store, self.stats
+        store, counters = self.store, self.counters
         ready = len(store)
         threshold, limit, value = self.stop_reason if self.saturated else ("", 0, 0)
         return QueueStatistics(
@@ -163,7 +163,7 @@ class Queue:
             next_offset=self.next_offset,
             subscriptions=len(self.subscriptions),
             saturated=self.saturated,
-            saturated_since_ns=stats.saturated_since_ns,
+            saturated_since_ns=counters.saturated_since_ns,
             stop_threshold=threshold,
             stop_limit=limit,
             stop_value=value,
@@ -172,11 +172,11 @@ class Queue:
             held_transfers=len(self.held),
             flow_stopped_producers=len(self.stopped_producers),
             enqueued=self.enqueued,
-            dequeued=stats.dequeued,
-            rejected=stats.rejected,
-            dropped=stats.dropped,
-            flow_stopped_count=stats.flow_stopped_count,
-            held_total=stats.held_total,
+            dequeued=counters.dequeued,
+            rejected=counters.rejected,
+            dropped=counters.dropped,
+            flow_stopped_count=counters.flow_stopped_count,
+            held_total=counters.held_total,
         )
 
     # -- enqueue -----------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class Queue:
         # never paced (as with stop-all); the hard limit and overflow policy protect the queue from it.
         if self.saturated and (producer is None or producer.flow_control):
             self.held[msg] = None
-            self.stats.held_total += 1
+            self.counters.held_total += 1
             if producer is not None and producer not in self.stopped_producers:
                 self.stopped_producers[producer] = None
                 producer.flow_stopped(self)
@@ -226,7 +226,7 @@ class Queue:
             self.overflow, self.count, self.size, self.thresholds.limits, msg.size, (m.size for m in self.store)
         )
         if admission.verdict is Verdict.REJECT:
-            self.stats.rejected += 1
+            self.counters.rejected += 1
             raise QueueFull(self.name, admission)
         if admission.verdict is Verdict.DROP_HEAD:
             store = self.store
@@ -234,7 +234,7 @@ class Queue:
                 dropped = store.take()
                 store.settle(dropped)
                 self._remove(dropped)
-            self.stats.dropped += admission.drop_count
+            self.counters.dropped += admission.drop_count
             self._check_resume()  # dropping is a dequeue: it may take the queue under resume
 
     def _saturate(self, now_ns: int) -> None:
@@ -244,8 +244,8 @@ class Queue:
         else:
             self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
         self.saturated = True
-        self.stats.flow_stopped_count += 1
-        self.stats.saturated_since_ns = now_ns
+        self.counters.flow_stopped_count += 1
+        self.counters.saturated_since_ns = now_ns
 
     # -- removal and release -----------------------------------------------------------------
 
@@ -255,7 +255,7 @@ class Queue:
         self.size -= msg.size
         meter = self.meter
         meter.held -= msg.size
-        self.stats.dequeued += 1
+        self.counters.dequeued += 1
         if msg.held is not None:
             self.held.pop(msg, None)
             msg.release()
@@ -269,7 +269,7 @@ class Queue:
     def _clear(self) -> None:
         """Leave saturation: complete every held transfer, tell each stopped producer to resume."""
         self.saturated = False
-        self.stats.saturated_since_ns = 0
+        self.counters.saturated_since_ns = 0
         held, self.held = self.held, {}
         for msg in held:
             msg.release()

@@ -52,7 +52,7 @@ from flowbroker.transport.positions import (
 )
 from flowbroker.transport.terms import TermAppender, scan_for_availability
 
-__all__ = ["OfferResult", "Publication", "PublicationConfig", "PublicationStatistics", "PublicationStats"]
+__all__ = ["OfferResult", "Publication", "PublicationConfig", "PublicationStatistics", "PublicationCounters"]
 
 Address = Hashable
 
@@ -115,7 +115,7 @@ class PublicationConfig:
 
 
 @dataclass(slots=True)
-class PublicationStats:
+class PublicationCounters:
     """Counters, named after the driver's where one exists."""
 
     setups_sent: int = 0
@@ -141,7 +141,7 @@ class PublicationStatistics:
     sent at least once, ``sender_limit`` what the receivers' status messages allow (through the flow-control
     strategy), ``publication_limit`` how far ``offer`` may append (``sender_position + publication_window``
     while connected), ``receiver_window`` the window in the last status message. The counters are
-    ``PublicationStats``' at that moment.
+    ``PublicationCounters``' at that moment.
     """
 
     session_id: int
@@ -237,7 +237,7 @@ class Publication:
         self.sender_position = start
         self.sender_limit = start
         self.publication_limit = start
-        self.stats = PublicationStats()
+        self.counters = PublicationCounters()
         self._state = _State.ACTIVE
         self._destinations: dict[Address, int | None] = {}
         if destination is not None:
@@ -318,7 +318,7 @@ class Publication:
 
     def statistics(self) -> PublicationStatistics:
         """A frozen snapshot of positions and counters (reads them; nothing is counted for it)."""
-        st = self.stats
+        st = self.counters
         return PublicationStatistics(
             self.session_id, self.stream_id, self.appender.position, self.sender_position, self.sender_limit,
             self.publication_limit, self.publication_window, self._receiver_window, len(self._receivers),
@@ -346,7 +346,7 @@ class Publication:
                 self.appender.pad_and_rotate()
                 return OfferResult.ADMIN_ACTION
             return self.appender.append(payload, self.config.reserved_value)
-        self.stats.back_pressure_events += 1
+        self.counters.back_pressure_events += 1
         if position + length >= self.max_possible_position:
             return OfferResult.MAX_POSITION_EXCEEDED
         return OfferResult.BACK_PRESSURED if self.is_connected else OfferResult.NOT_CONNECTED
@@ -375,7 +375,7 @@ class Publication:
         """A datagram arrived on the control address (SM, NAK, ERR, RTTM); anything else is counted."""
         frames, reason = decode_datagram(data, self.term_length)
         if reason is not None or not frames:
-            self.stats.invalid_packets += 1
+            self.counters.invalid_packets += 1
             return
         frame = frames[0]
         if isinstance(frame, StatusMessage):
@@ -387,7 +387,7 @@ class Publication:
         elif isinstance(frame, ErrorFrame):
             self._on_error_frame(frame, source, now_ns)
         else:
-            self.stats.invalid_packets += 1
+            self.counters.invalid_packets += 1
 
     def _on_status_message(self, sm: StatusMessage, source: Address, now_ns: int) -> None:
         if sm.is_setup_request and sm.session_id in (0, self.session_id) and sm.stream_id in (0, self.stream_id):
@@ -398,7 +398,7 @@ class Publication:
             return
         if sm.session_id != self.session_id or sm.stream_id != self.stream_id:
             return
-        self.stats.status_messages_received += 1
+        self.counters.status_messages_received += 1
         if sm.is_eos:
             self._receivers.pop(sm.receiver_id, None)
         else:
@@ -431,7 +431,7 @@ class Publication:
         """
         if err.session_id != self.session_id or err.stream_id != self.stream_id:
             return  # another publication's (several may share a control port), like SMs and NAKs
-        self.stats.errors_received += 1
+        self.counters.errors_received += 1
         self.last_error = err
         self.flow_control.on_error(err.receiver_id, now_ns)
         self._receivers.pop(err.receiver_id, None)
@@ -447,18 +447,18 @@ class Publication:
     def _on_nak(self, nak: Nak, now_ns: int) -> None:
         if nak.session_id != self.session_id or nak.stream_id != self.stream_id:
             return
-        self.stats.naks_received += 1
+        self.counters.naks_received += 1
         position = compute_position(nak.term_id, nak.term_offset, self.position_bits_to_shift, self.initial_term_id)
         bottom = self.sender_position - (self.term_length // 2) - self.max_message_length
         if not bottom <= position < self.sender_position or nak.length <= 0:
-            self.stats.naks_ignored += 1
+            self.counters.naks_ignored += 1
             return
         existing = self._resends.get(position)
         if existing is not None and existing.lingering and now_ns - existing.due_ns >= 0:
             del self._resends[position]  # its linger is over: this NAK is a new request
             existing = None
         if existing is not None or len(self._resends) >= self.config.max_resend:
-            self.stats.naks_ignored += 1  # already resent and lingering, or too many resends in flight
+            self.counters.naks_ignored += 1  # already resent and lingering, or too many resends in flight
             return
         length = self.flow_control.max_retransmission_length(nak.length, max(self._receiver_window, self.mtu))
         length = min(length, self.term_length - nak.term_offset, self.sender_position - position)
@@ -471,7 +471,7 @@ class Publication:
             reply = RttMeasurement(self.session_id, self.stream_id, rttm.echo_timestamp, 0, rttm.receiver_id, 0)
             if len(self._pending_control) < _MAX_PENDING_CONTROL:
                 self._pending_control.append((encode_rttm(reply), source))
-                self.stats.rttm_replies_sent += 1
+                self.counters.rttm_replies_sent += 1
 
     # ------------------------------------------------------------------------------------ duty cycle
 
@@ -547,7 +547,7 @@ class Publication:
             self.config.ttl,
         )
         self._emit(out, encode_setup(setup))
-        self.stats.setups_sent += 1
+        self.counters.setups_sent += 1
         self.sender_limit = self.flow_control.on_setup(self.sender_limit, self.sender_position, now_ns)
         self._setup_due_ns = None if self._has_initial_connection else now_ns + self.config.setup_interval_ns
 
@@ -558,7 +558,7 @@ class Publication:
             self.sender_position & (self.term_length - 1), self.session_id, self.stream_id, term_id, eos=eos
         )
         self._emit(out, datagram)
-        self.stats.heartbeats_sent += 1
+        self.counters.heartbeats_sent += 1
         self._time_of_last_send_ns = now_ns
         if eos:
             self._eos_sent = True
@@ -593,8 +593,8 @@ class Publication:
             datagram = self._datagram(position, copy)
             self._emit(out, datagram)
             self.sender_position = position + advance
-            self.stats.data_datagrams_sent += 1
-            self.stats.bytes_sent += copy
+            self.counters.data_datagrams_sent += 1
+            self.counters.bytes_sent += copy
             sent += copy
         return sent
 
@@ -613,8 +613,8 @@ class Publication:
                 if advance == 0:
                     break
                 self._emit(out, self._datagram(position, copy))
-                self.stats.retransmits_sent += 1
-                self.stats.retransmitted_bytes += copy
+                self.counters.retransmits_sent += 1
+                self.counters.retransmitted_bytes += copy
                 position += advance
             resend.lingering = True
             resend.due_ns = now_ns + self.config.retransmit_linger_ns

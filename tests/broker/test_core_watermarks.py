@@ -375,7 +375,7 @@ def test_legacy_producer_drop_head_keeps_newest() -> None:
     p.pump()
     assert p.errors == [] and p.outstanding == {}
     q = h.core.queues["q"]
-    assert (q.count, q.stats.dropped) == (2, 3)
+    assert (q.count, q.counters.dropped) == (2, 3)
     c = h.consumer()
     c.subscribe("q")
     assert c.bodies() == [b"m3", b"m4"]
@@ -542,7 +542,7 @@ def test_drop_head_that_empties_a_saturated_queue_clears_it() -> None:
     assert sorted(p.outstanding) == [big, small]
     tid = legacy.send("", "q", b"L" * 168)  # big + small + legacy > max_size: drops the big head
     q = h.core.queues["q"]
-    assert (q.count, q.size, q.stats.dropped) == (2, small_size + legacy_size, 1)
+    assert (q.count, q.size, q.counters.dropped) == (2, small_size + legacy_size, 1)
     frames = p.pump()
     assert p.outstanding == {}, "small + legacy < resume: the queue must clear"
     assert FlowResumed("q") in frames

@@ -120,7 +120,7 @@ async def test_fast_producers_are_paced_and_queue_stays_within_bounds(start_flow
 
     q = broker.core.queues["paced"]
     # flow control really acted: the queue saturated (repeatedly) and both producers had to wait
-    assert q.stats.flow_stopped_count >= 2 and q.stats.held_total > 0
+    assert q.counters.flow_stopped_count >= 2 and q.counters.held_total > 0
     assert all(p.stats.blocked_count > 0 for p in producers)
     assert peak[dimension] <= bound, (peak, bound)
     assert peak[dimension] > (args["flow_stop_count"] if dimension == "count" else args["flow_stop_size"])
@@ -344,7 +344,7 @@ async def test_legacy_producer_reject_names_queue_and_keeps_connection(start_flo
         assert info.value.code is ErrorCode.QUEUE_FULL and info.value.transfer_id == 6
         assert producer.stats.failed == 3 and producer.outstanding == 0
         q = broker.core.queues["small"]
-        assert q.count == 5 and q.stats.rejected == 3
+        assert q.count == 5 and q.counters.rejected == 3
 
         # the connection is still usable, and later sends work once there is room
         assert not conn.is_closed and conn.connection_id in broker.core.sessions
@@ -367,7 +367,7 @@ async def test_legacy_producer_drop_head_keeps_the_newest(start_flowbroker) -> N
         await producer.flush(timeout=LIMIT)  # nothing refused
         assert producer.stats.failed == 0
         q = broker.core.queues["ring"]
-        assert (q.count, q.stats.dropped) == (3, 7)
+        assert (q.count, q.counters.dropped) == (3, 7)
         got = await consume(conn, "ring", 3)
         assert [m.body for m in got] == [b"m7", b"m8", b"m9"]
 

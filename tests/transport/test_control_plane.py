@@ -128,12 +128,12 @@ def test_err_from_the_only_receiver_disconnects_the_publication() -> None:
     assert pub.is_connected and pub.offer(b"x") > 0
     err = ErrorFrame(7, 10, 3, ERROR_CODE_IMAGE_REJECTED, "image rejected: go away")
     pub.on_datagram(encode_error(err), SUB_A, 2 * MS)
-    assert pub.stats.errors_received == 1 and pub.last_error == err and seen == [(err, SUB_A)]
+    assert pub.counters.errors_received == 1 and pub.last_error == err and seen == [(err, SUB_A)]
     assert not pub.is_connected
     assert pub.offer(b"y") == OfferResult.NOT_CONNECTED
     # Someone else's ERR (another session on the same control port) changes nothing.
     pub.on_datagram(encode_error(ErrorFrame(8, 10, 3, ERROR_CODE_IMAGE_REJECTED, "")), SUB_A, 3 * MS)
-    assert pub.stats.errors_received == 1 and pub.stats.invalid_packets == 0
+    assert pub.counters.errors_received == 1 and pub.counters.invalid_packets == 0
 
 
 def test_err_removes_the_receiver_from_min_flow_control() -> None:
@@ -174,8 +174,8 @@ def test_refused_image_end_to_end_by_hand() -> None:
         for datagram, address in rc.do_work(now):
             assert address == PUB
             pub.on_datagram(datagram, SUB_A, now)
-    assert pub.stats.setups_sent == 6 and rc.errors_sent == 3
-    assert pub.stats.errors_received == 3 and pub.last_error is not None
+    assert pub.counters.setups_sent == 6 and rc.errors_sent == 3
+    assert pub.counters.errors_received == 3 and pub.last_error is not None
     assert pub.last_error.receiver_id == 3 and "mtu_exceeds_window" in pub.last_error.message
     assert not pub.is_connected and not rc.images
 

@@ -82,7 +82,7 @@ def test_exactly_once_in_order_through_loss_duplication_and_reordering(seed: int
     assert image.rebuild_position > 3 * TERM
     assert image.rebuilder.term_id_for_position(image.rebuild_position) < 0
     assert net.stats.dropped > 0 and net.stats.duplicated > 0 and net.stats.reordered > 0
-    assert image.naks_sent > 0 and pub.stats.retransmits_sent > 0
+    assert image.naks_sent > 0 and pub.counters.retransmits_sent > 0
     assert image.duplicates > 0
 
 
@@ -90,7 +90,7 @@ def test_fragmented_messages_survive_loss_across_the_wrap() -> None:
     net = FakeNetwork(7, loss=0.05, duplicate=0.01, reorder=0.01)
     received, pub, _ = run(net, 2_000, max_extra=5_000, initial_term_id=2**31 - 1)
     assert received == list(range(2_000))
-    assert pub.stats.retransmits_sent > 0
+    assert pub.counters.retransmits_sent > 0
 
 
 def test_cubic_congestion_control_delivers_everything_and_shrinks_on_loss() -> None:
@@ -98,7 +98,7 @@ def test_cubic_congestion_control_delivers_everything_and_shrinks_on_loss() -> N
     received, pub, channel = run(net, 10_000, cc="cubic")
     assert received == list(range(10_000))
     image = channel.images[1234]
-    assert image.rttms_sent > 0 and pub.stats.rttm_replies_sent > 0
+    assert image.rttms_sent > 0 and pub.counters.rttm_replies_sent > 0
     assert image.window_length < image.congestion.max_window_length() or image.loss.gaps_found > 0
 
 
@@ -118,5 +118,5 @@ def test_slow_consumer_paces_the_publication_by_processing() -> None:
     bound = pub.publication_window + receiver_window + 200
     assert max(lead) <= bound
     assert max(lead) > receiver_window  # the bound is reached: the consumer, not the network, sets the pace
-    assert pub.stats.back_pressure_events > 500
+    assert pub.counters.back_pressure_events > 500
     assert channel.images[1234].overruns == 0

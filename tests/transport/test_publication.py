@@ -97,7 +97,7 @@ def test_heartbeat_after_100ms_without_data() -> None:
     assert pub.do_work(100 * MS) == []
     beat = frames(pub.do_work(101 * MS))
     assert beat == [DataFrame(0, 0xC0, 64, 5, 10, 100, 0, b"", FrameType.DATA)]
-    assert pub.stats.heartbeats_sent == 1
+    assert pub.counters.heartbeats_sent == 1
 
 
 def test_publication_window_back_pressures_the_application() -> None:
@@ -152,8 +152,8 @@ def test_nak_retransmits_at_once_then_lingers_and_caps_concurrent_resends() -> N
     assert nak(1536, 256, 5 * MS) == []  # two resends already in flight (max-resend=2)
     assert len(nak(256, 256, 13 * MS)) == 1  # linger over: served again
     assert nak(4096, 256, 14 * MS) == []  # never sent: not a retransmit
-    assert pub.stats.retransmits_sent == 3 and pub.stats.retransmitted_bytes == 512 + 256 + 256
-    assert pub.stats.naks_ignored == 3
+    assert pub.counters.retransmits_sent == 3 and pub.counters.retransmitted_bytes == 512 + 256 + 256
+    assert pub.counters.naks_ignored == 3
 
 
 def test_connection_lost_after_five_seconds_without_sms() -> None:
@@ -218,7 +218,7 @@ def test_garbage_on_the_control_port_is_counted_not_raised() -> None:
     pub = make()
     for junk in (b"", b"\x00" * 7, b"\xff" * 64, encode_nak(Nak(5, 10, 100, 0, 0))[:20]):
         pub.on_datagram(junk, SUB, 0)
-    assert pub.stats.invalid_packets == 4
+    assert pub.counters.invalid_packets == 4
 
 
 def test_from_channel_uses_the_uri_parameters() -> None:

@@ -53,9 +53,9 @@ async def test_messages_arrive_in_order_over_loopback_and_end_of_stream_tears_do
             while publication.is_done is False or gone == []:
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
-    assert publication.stats.data_datagrams_sent > 0
+    assert publication.counters.data_datagrams_sent > 0
     assert channel.dispositions["data"] > 0
-    assert publication.stats.setups_sent >= 1
+    assert publication.counters.setups_sent >= 1
 
 
 async def test_a_refused_image_comes_back_to_the_publication_as_an_err_frame() -> None:
@@ -74,7 +74,7 @@ async def test_a_refused_image_comes_back_to_the_publication_as_an_err_frame() -
         async with pub_endpoint, sub_endpoint, trio.open_nursery() as nursery:
             nursery.start_soon(pub_driver.run)
             nursery.start_soon(sub_driver.run)
-            while publication.stats.errors_received < 2:
+            while publication.counters.errors_received < 2:
                 await trio.sleep(0.01)
             assert await pub_driver.publish(b"x", deadline=trio.current_time()) == OfferResult.NOT_CONNECTED
             nursery.cancel_scope.cancel()
