@@ -451,7 +451,7 @@ async def test_producer_that_honours_credit_is_never_disconnected_under_load(sta
                                 break
             assert not pconn.is_closed and pconn.connection_id in broker.core.sessions
             assert producer.stats.blocked_count > 0  # credit really paced it
-            assert broker.core.queues["load"].stats.flow_stopped_count > 0
+            assert broker.core.queues["load"].counters.flow_stopped_count > 0
     assert received == [b"%06d" % i for i in range(len(sizes))]
 
 
