@@ -141,14 +141,6 @@ class Session:
     def fault(self, fault: SessionFault | None) -> None:
         self.outbox.fault = fault
 
-    @property
-    def max_outbox_frames(self) -> int:
-        return self.outbox.max_frames
-
-    @max_outbox_frames.setter
-    def max_outbox_frames(self, frames: int) -> None:
-        self.outbox.max_frames = frames
-
     # -- outbox ------------------------------------------------------------------------------
 
     def wake(self) -> None:

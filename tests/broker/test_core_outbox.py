@@ -22,7 +22,7 @@ def test_overflowing_outbox_faults_its_own_session_not_the_sender_of_the_frame()
     deaf.pump()
     good.pump()
     assert set(deaf.stopped) == set(good.stopped) == {"q"}
-    deaf.session.max_outbox_frames = 0  # stopped reading long ago
+    deaf.session.outbox.max_frames = 0  # stopped reading long ago
     c = h.consumer()
     c.subscribe("q")
     c.ack()  # clears q: resumes both producers; must not raise for the deaf one
@@ -44,7 +44,7 @@ def test_overflowing_outbox_faults_its_own_session_not_the_sender_of_the_frame()
 def test_timer_frames_to_a_deaf_session_do_not_raise() -> None:
     h = Harness(credit={"policy": "static", "static_size": 1000})
     p = h.producer()
-    p.session.max_outbox_frames = 0
+    p.session.outbox.max_frames = 0
     p.session.send(Noop(1, False))  # what the shell's timer does
     h.advance(10)
     p.session.poll_credit(h.now)
