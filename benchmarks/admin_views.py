@@ -70,7 +70,8 @@ def measure(admin_url: str) -> None:
 
 async def main(queues: int) -> None:
     config = load_config(None, {"server": {"port": 0, "memory_quota": 1 << 30},
-                                "admin": {"host": "127.0.0.1", "port": 0, "token": TOKEN}})
+                                "admin": {"host": "127.0.0.1", "port": 0, "token": TOKEN},
+                                "udp": {"enabled": False}})
     server = BrokerServer(config)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)

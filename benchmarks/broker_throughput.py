@@ -50,7 +50,7 @@ QUEUE = "bench"
 
 def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("flowbroker")
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--no-admin", *extra], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--no-admin", "--no-udp", *extra], stderr=subprocess.DEVNULL)
     return wait_listening(proc, port)
 
 

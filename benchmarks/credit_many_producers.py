@@ -64,7 +64,7 @@ TARGET_SLACK = 64 * MiB
 
 def start_broker(port: int, quota: int, config: Path, log: Any) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("flowbroker")
-    cmd = [str(exe), "serve", "--port", str(port), "--host", "127.0.0.1", "--no-admin", "--credit-policy", "aggressive",
+    cmd = [str(exe), "serve", "--port", str(port), "--host", "127.0.0.1", "--no-admin", "--no-udp", "--credit-policy", "aggressive",
            "--memory-quota", str(quota), "--config", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 15

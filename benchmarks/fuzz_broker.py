@@ -56,7 +56,7 @@ def start_broker(port: int, quota: str, profile: str | None) -> subprocess.Popen
     """`flowbroker serve` on `port`, under cProfile (writing `profile` when it stops) if asked."""
     exe = str(Path(sys.executable).with_name("flowbroker"))  # the console script is a Python file
     run = [sys.executable, "-m", "cProfile", "-o", profile, exe] if profile else [exe]
-    cmd = [*run, "serve", "--port", str(port), "--no-admin", "--memory-quota", quota]
+    cmd = [*run, "serve", "--port", str(port), "--no-admin", "--no-udp", "--memory-quota", quota]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     return wait_listening(proc, port)
 

@@ -49,7 +49,7 @@ def start_broker(port: int, config: str) -> subprocess.Popen[bytes]:
     path = Path(tempfile.mkdtemp()) / "flowbroker.toml"
     path.write_text(config)
     exe = Path(sys.executable).with_name("flowbroker")
-    proc = subprocess.Popen([str(exe), "serve", "--config", str(path), "--port", str(port), "--no-admin"],
+    proc = subprocess.Popen([str(exe), "serve", "--config", str(path), "--port", str(port), "--no-admin", "--no-udp"],
                             stderr=subprocess.DEVNULL)
     return wait_listening(proc, port)
 

@@ -108,18 +108,24 @@ def _url_option(func: F) -> F:
 @click.option("--admin-host", help="Address of the management HTTP API [default: 127.0.0.1].")
 @click.option("--admin-port", type=int, help="Port of the management HTTP API (0 = any free) [default: 5681].")
 @click.option("--admin/--no-admin", "admin_enabled", default=None, help="Serve the management HTTP API [default: on].")
+@click.option("--udp-endpoint", metavar="HOST:PORT",
+              help="UDP endpoint of the Aeron data path (port 0 = any free) [default: 127.0.0.1:5682].")
+@click.option("--udp/--no-udp", "udp_enabled", default=None, help="Serve the UDP data path [default: on].")
 @click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
-              help='Once listening, write {"port": N, "admin_port": M or null} to this file as JSON (for scripts '
-                   "that start it with --port 0 / --admin-port 0); removed when the broker stops.")
+              help='Once listening, write {"port": N, "admin_port": M or null, "udp_port": U or null} to this file '
+                   "as JSON (for scripts that start it with --port 0 / --admin-port 0 / --udp-endpoint "
+                   "127.0.0.1:0); removed when the broker stops.")
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
-          admin_enabled: bool | None, port_file: Path | None) -> None:
+          admin_enabled: bool | None, udp_endpoint: str | None, udp_enabled: bool | None,
+          port_file: Path | None) -> None:
     """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
     admin token are."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
         "credit": {"policy": credit_policy},
         "admin": {"host": admin_host, "port": admin_port, "enabled": admin_enabled},
+        "udp": {"endpoint": udp_endpoint, "enabled": udp_enabled},
     }
     try:
         config = load_config(config_path, overrides)
@@ -128,11 +134,12 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
     import trio
 
     from flowbroker.broker.admin import AdminStartError
+    from flowbroker.broker.server import UdpStartError
 
     try:
         trio.run(_serve, config, port_file)
     except Exception as exc:  # trio wraps what a nursery raised in exception groups
-        admin_error = _find(exc, AdminStartError) or _find(exc, PortFileError)
+        admin_error = _find(exc, AdminStartError) or _find(exc, PortFileError) or _find(exc, UdpStartError)
         if admin_error is not None:
             raise click.ClickException(str(admin_error)) from None
         os_error = _find(exc, OSError)
@@ -159,11 +166,12 @@ class PortFileError(Exception):
     """--port-file cannot be written; the broker stops."""
 
 
-def _write_port_file(path: Path, port: int, admin_port: int | None) -> None:
-    """{"port": ..., "admin_port": ...} to `path`, atomically: a script polling for it never reads half."""
+def _write_port_file(path: Path, port: int, admin_port: int | None, udp_port: int | None = None) -> None:
+    """{"port": ..., "admin_port": ..., "udp_port": ...} to `path`, atomically: a script polling for it never
+    reads half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"port": port, "admin_port": admin_port}) + "\n")
+        tmp.write_text(json.dumps({"port": port, "admin_port": admin_port, "udp_port": udp_port}) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -182,7 +190,7 @@ async def _serve(config: Any, port_file: Path | None = None) -> None:
         # each: printing them here too doubled them).
         port = await nursery.start(server.serve)
         if port_file is not None:
-            _write_port_file(port_file, port, server.admin_port)
+            _write_port_file(port_file, port, server.admin_port, server.udp_port)
         try:
             await server.shutdown_requested.wait()
         finally:

@@ -22,6 +22,7 @@ __all__ = [
     "ServerConfig",
     "QueueDefaults",
     "AdminConfig",
+    "UdpConfig",
     "BrokerConfig",
     "load_config",
     "default_quota",
@@ -35,6 +36,7 @@ SIZE_KEYS = {
     "server": ("max_frame_size", "max_message_size", "max_partial_frame_bytes", "memory_quota", "memory_watermark"),
     "queues": ("max_size",),
     "credit": ("quota", "static_size", "min_size", "max_size", "override_size"),
+    "udp": ("term_length", "min_receiver_window", "max_receiver_window"),
 }
 """The byte-valued keys: in the TOML file as on the command line, each takes an integer or a size
 string such as "2GiB" (parse_size)."""
@@ -189,12 +191,70 @@ class AdminConfig:
         return Path(self.token_file).expanduser()
 
 
+CONGESTION_CONTROLS = ("static", "cubic")
+
+
+@dataclass(frozen=True)
+class UdpConfig:
+    """The Aeron data path (docs/transport.md, "The broker's UDP data path"): one UDP endpoint for the
+    publications producers register over TCP and the broker's publications to UDP consumers.
+
+    The window an image advertises is its producer's credit grant, clamped to [min_receiver_window,
+    max_receiver_window] and never above the congestion window; 0 while the producer waits for a share
+    of the pool. Publications and images hold three terms each (allocated lazily by the OS), so
+    `term_length` x 3 x (max_publications + max_subscriptions) bounds what the data path can hold."""
+
+    enabled: bool = True
+    endpoint: str = "127.0.0.1:5682"
+    term_length: int = 2 * MiB
+    mtu: int = 8192
+    min_receiver_window: int = 8192
+    max_receiver_window: int = MiB
+    congestion_control: str = "static"
+    max_publications: int = 64
+    max_publications_per_connection: int = 8
+    max_subscriptions: int = 64
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("udp", "enabled", self.enabled, "must be true or false")
+        try:
+            self.address()
+        except ValueError as exc:
+            raise ConfigError("udp", "endpoint", self.endpoint, str(exc)) from None
+        tl = self.term_length
+        if isinstance(tl, bool) or not isinstance(tl, int) or tl < 64 * 1024 or tl > 1 << 30 or tl & (tl - 1):
+            raise ConfigError("udp", "term_length", tl, "must be a power of two in [64KiB, 1GiB]")
+        _int_range("udp", "mtu", self.mtu, 64, 65504)
+        if self.mtu % 32 or self.mtu > tl // 8:
+            raise ConfigError("udp", "mtu", self.mtu, "must be a multiple of 32 and at most term_length / 8")
+        _int_range("udp", "max_receiver_window", self.max_receiver_window, self.mtu, tl // 2)
+        _int_range("udp", "min_receiver_window", self.min_receiver_window, self.mtu, self.max_receiver_window)
+        if self.congestion_control not in CONGESTION_CONTROLS:
+            raise ConfigError("udp", "congestion_control", self.congestion_control,
+                              f"must be one of {', '.join(CONGESTION_CONTROLS)}")
+        _int_range("udp", "max_publications", self.max_publications, 0, 65536)
+        _int_range("udp", "max_publications_per_connection", self.max_publications_per_connection, 0, 65536)
+        _int_range("udp", "max_subscriptions", self.max_subscriptions, 0, 65536)
+
+    def address(self) -> tuple[str, int]:
+        """`endpoint` as (host, port); ValueError naming what is wrong."""
+        if not isinstance(self.endpoint, str):
+            raise ValueError("must be a string host:port")
+        host, sep, port = self.endpoint.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError("must be host:port with a port in [0, 65535], e.g. 127.0.0.1:5682")
+        return host, int(port)
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     queues: QueueDefaults = field(default_factory=QueueDefaults)
     credit: dict[str, Any] = field(default_factory=dict)  # [credit] table, see credit_policy()
     admin: AdminConfig = field(default_factory=AdminConfig)
+    udp: UdpConfig = field(default_factory=UdpConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -209,6 +269,7 @@ class BrokerConfig:
         self.queues.validate()
         self.credit_policy()
         self.admin.validate()
+        self.udp.validate()
         return self
 
 
@@ -260,15 +321,16 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit", "admin"):
-            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, queues, server")
+        if section not in ("server", "queues", "credit", "admin", "udp"):
+            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, queues, server, udp")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
     admin = _section(AdminConfig, "admin", data.get("admin", {}))
+    udp = _section(UdpConfig, "udp", data.get("udp", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit), admin).validate()
+    return BrokerConfig(server, queues, dict(credit), admin, udp).validate()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
@@ -44,6 +44,7 @@ from flowbroker.protocol.frames import (
     BufferControl,
     Cancel,
     Close,
+    ClosePublication,
     DeclareExchange,
     DeclareQueue,
     DeleteExchange,
@@ -55,12 +56,17 @@ from flowbroker.protocol.frames import (
     Ok,
     Outcome,
     PurgeQueue,
+    RegisterPublication,
     Settle,
     Subscribe,
+    SubscribeUdp,
     Transfer,
     TransferEntry,
     Unbind,
 )
+
+if TYPE_CHECKING:
+    from flowbroker.broker.udp.datapath import DataPath
 
 __all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS", "BUILTIN_EXCHANGES"]
 
@@ -114,6 +120,9 @@ class BrokerCore:
         # Where each declared queue keeps its messages (broker/store.py): in memory for every queue,
         # durable or not, until the journal gives durable queues a store of their own.
         self.store_factory: StoreFactory = memory_store
+        # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
+        # and SUBSCRIBE_UDP go to it; without one they are refused.
+        self.udp: DataPath | None = None
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -168,6 +177,8 @@ class BrokerCore:
             return
         session.detach()
         session.window_listener = None
+        if self.udp is not None:  # its UDP publications and subscriptions end with it
+            self.udp.close_owner(session.conn_id, self.clock_ns())
         if session.conn_id in self.credit:
             self._apply_buffer_sizes(self.credit.disconnect(session.conn_id))
 
@@ -689,6 +700,32 @@ class BrokerCore:
         sub.queue.requeue_many(msgs)
         return {"requeued": len(msgs)}
 
+    def _data_path(self, session: Session) -> tuple[DataPath, str]:
+        """The UDP data path and the client's host, or the RequestError that says why there is none."""
+        if self.udp is None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               "this broker has no UDP data path ([udp] enabled = false); use transport=\"tcp\"")
+        if session.peer_host is None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               "UDP needs a TCP connection with a peer address (this connection has none)")
+        return self.udp, session.peer_host
+
+    def _req_register_publication(self, session: Session, f: RegisterPublication) -> dict[str, Any]:
+        udp, host = self._data_path(session)
+        if f.exchange != "" and f.exchange not in self.exchanges:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {f.exchange!r}", f.exchange)
+        return udp.ingress.register(session, f.exchange, f.routing_key, f.stream_id, (host, f.source_port),
+                                    self.clock_ns())
+
+    def _req_close_publication(self, session: Session, f: ClosePublication) -> dict[str, Any]:
+        udp, _ = self._data_path(session)
+        return udp.ingress.close_publication(session, f.session_id, self.clock_ns())
+
+    def _req_subscribe_udp(self, session: Session, f: SubscribeUdp) -> dict[str, Any]:
+        udp, host = self._data_path(session)
+        return udp.egress.subscribe(session, f.subscription_id, f.queue, f.prefetch, f.buffer_size,
+                                    (host, f.port), f.stream_id, self.clock_ns())
+
     _requests: dict[type[Any], Callable[[BrokerCore, Session, Any], dict[str, Any]]] = {
         DeclareQueue: _req_declare_queue,
         DeclareExchange: _req_declare_exchange,
@@ -699,4 +736,7 @@ class BrokerCore:
         DeleteExchange: _req_delete_exchange,
         Subscribe: _req_subscribe,
         Cancel: _req_cancel,
+        RegisterPublication: _req_register_publication,
+        ClosePublication: _req_close_publication,
+        SubscribeUdp: _req_subscribe_udp,
     }

@@ -58,7 +58,8 @@ from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.session import Session, SessionFault
-from flowbroker.broker.streamio import StreamIO, peer_name, refuse_now, stream_io
+from flowbroker.broker.udp.shell import UdpShell, open_data_path
+from flowbroker.broker.streamio import StreamIO, peer_host, peer_name, refuse_now, stream_io
 from flowbroker.protocol.codec import encode_frames
 from flowbroker.transport.udp.tasks import now_ns
 from flowbroker.protocol.connection import Connection, Role, State
@@ -97,6 +98,10 @@ class _Closing:
     error: bool = True  # send an ERROR frame before CLOSE
 
 
+class UdpStartError(Exception):
+    """The UDP data path's endpoint cannot be bound; the broker does not start."""
+
+
 class _FrameTimeout(Exception):
     """The frame being received did not complete within [server] frame_timeout."""
 
@@ -115,6 +120,8 @@ class BrokerServer:
         self.port: int | None = None
         self.admin: AdminServer | None = None
         self.admin_port: int | None = None
+        self.udp: UdpShell | None = None  # the UDP data path (broker/udp/), when [udp] enabled
+        self.udp_port: int | None = None
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
         self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
@@ -144,6 +151,16 @@ class BrokerServer:
                                "off) before max_connections is reached", limits[0], cfg.max_connections,
                                DESCRIPTOR_RESERVE)
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        if self.config.udp.enabled:
+            try:
+                self.udp = open_data_path(self.config.udp, self.core)
+            except OSError as exc:
+                for listener in listeners:
+                    await trio.aclose_forcefully(listener)
+                raise UdpStartError(f"[udp] cannot bind the UDP endpoint {self.config.udp.endpoint}: "
+                                    f"{exc.strerror or exc} (--udp-endpoint HOST:PORT to choose another, "
+                                    "--no-udp to run without it)") from None
+            self.udp_port = self.udp.port
         if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
             try:
                 self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port)
@@ -151,9 +168,13 @@ class BrokerServer:
             except BaseException:
                 for listener in listeners:
                     await trio.aclose_forcefully(listener)
+                if self.udp is not None:
+                    self.udp.endpoint.close()
                 raise
         self.port = listeners[0].socket.getsockname()[1]
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
+        if self.udp is not None:
+            LOGGER.info("flowbroker UDP data path on %s", self.udp.datapath.endpoint_text)
         async with trio.open_nursery() as nursery:
             self._handlers = nursery  # connections run here, beside the accept loops
             for listener in listeners:
@@ -161,6 +182,8 @@ class BrokerServer:
             if self.admin is not None:
                 await nursery.start(self.admin.serve)
             nursery.start_soon(self._summarise_connections)
+            if self.udp is not None:
+                nursery.start_soon(self.udp.run)
             task_status.started(self.port)
             await self.shutdown_requested.wait()
             if self.admin is not None:
@@ -335,6 +358,7 @@ class ConnectionHandler:
         session = core.open_session(
             hello.client_name, "anonymous", hello.flow_control, self._wake, hello.capabilities
         )
+        session.peer_host = peer_host(self.stream)
         self.session = session
         self.server.connections[session.conn_id] = self
         try:

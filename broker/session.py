@@ -78,6 +78,7 @@ class Session:
         self.open = True
         self.outbox = Outbox(wake, max_outbox_frames, max_delivery_frame_bytes)
         self.now_ns = 0  # set by the shell before it hands frames to the core
+        self.peer_host: str | None = None  # the client's IP address (TCP): where its UDP datagrams come from
         # producer half
         self.transfers = TransferReceiver(buffer_size, flow_control)
         self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a

@@ -48,6 +48,18 @@ def peer_name(stream: trio.abc.Stream) -> str:
     return type(stream).__name__
 
 
+def peer_host(stream: trio.abc.Stream) -> str | None:
+    """The peer's IP address for a TCP stream (under TLS, of the TCP stream it runs on), else None."""
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    if isinstance(stream, trio.SocketStream):
+        try:
+            return str(stream.socket.getpeername()[0])
+        except OSError:
+            return None
+    return None
+
+
 class StreamIO:
     """Reads and writes one connection through any trio stream (TLS, in-memory); no fast path."""
 

@@ -61,6 +61,9 @@ _CLIENT_OPEN = _SESSION | {
     FrameType.SUBSCRIBE,
     FrameType.CANCEL,
     FrameType.SETTLE,
+    FrameType.REGISTER_PUBLICATION,
+    FrameType.CLOSE_PUBLICATION,
+    FrameType.SUBSCRIBE_UDP,
 }
 _BROKER_OPEN = _SESSION | {
     FrameType.OK,

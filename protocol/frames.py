@@ -51,10 +51,15 @@ __all__ = [
     "Noop",
     "Error",
     "Close",
+    "RegisterPublication",
+    "ClosePublication",
+    "SubscribeUdp",
     "Frame",
     "PROTOCOL_VERSION",
     "decode_body",
     "check_frame",
+    "check_headers",
+    "check_delivery_entry",
     "frame_to_wire",
 ]
 
@@ -90,6 +95,9 @@ class FrameType(enum.IntEnum):
     ERROR = 21
     CLOSE = 22
     DELETE_EXCHANGE = 23
+    REGISTER_PUBLICATION = 24
+    CLOSE_PUBLICATION = 25
+    SUBSCRIBE_UDP = 26
 
 
 class Outcome(enum.IntEnum):
@@ -344,6 +352,52 @@ class Close:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class RegisterPublication:
+    """Client -> broker: the client will publish over UDP (the Aeron data path, docs/transport.md) on
+    `stream_id` from its UDP port `source_port` at the address of this TCP connection, to `exchange` with
+    `routing_key` unless a message's envelope names another key (protocol/envelope.py).
+
+    The broker answers OK with {"session_id", "stream_id", "endpoint", "term_length", "mtu"}: the Aeron
+    session id the publication must use, and where to send. Only datagrams of that (session id, stream
+    id) from that address are accepted; the image's receiver window is this publication's credit."""
+
+    TYPE: ClassVar[FrameType] = FrameType.REGISTER_PUBLICATION
+    request_id: int
+    exchange: str
+    routing_key: str
+    stream_id: int
+    source_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClosePublication:
+    """Client -> broker: the UDP publication `session_id` registered by this connection is done; the
+    broker forgets it once the messages it received are routed (its image drains)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.CLOSE_PUBLICATION
+    request_id: int
+    session_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeUdp:
+    """Client -> broker: SUBSCRIBE, with deliveries sent over UDP (an Aeron publication of the broker's) to
+    `port` at the address of this TCP connection on `stream_id`. `buffer_size` is the consumer's byte
+    credit: the receiver window its status messages advertise. Settlement stays on TCP (SETTLE by
+    delivery tag, as for a TCP subscription). The broker answers OK as for SUBSCRIBE, plus {"session_id",
+    "stream_id", "endpoint"}: the session its datagrams carry and the endpoint they come from."""
+
+    TYPE: ClassVar[FrameType] = FrameType.SUBSCRIBE_UDP
+    request_id: int
+    subscription_id: int
+    queue: str
+    prefetch: int
+    buffer_size: int
+    port: int
+    stream_id: int
+
+
 Frame = Union[
     Hello,
     Welcome,
@@ -368,6 +422,9 @@ Frame = Union[
     Noop,
     Error,
     Close,
+    RegisterPublication,
+    ClosePublication,
+    SubscribeUdp,
 ]
 
 _U64 = 2**64 - 1
@@ -417,6 +474,21 @@ def _pos(v: Any) -> int:
     if type(v) is not int or v < 1:
         raise _Bad(f"expected a positive integer, got {v!r}")
     return v
+
+
+def _within(low: int, high: int) -> Checker:
+    """An integer in [low, high]: a UDP port, an Aeron stream or session id (a signed 32-bit integer)."""
+
+    def check(v: Any) -> int:
+        if type(v) is not int or not low <= v <= high:
+            raise _Bad(f"expected an integer in [{low}, {high}], got {v!r}")
+        return v
+
+    return check
+
+
+_PORT = _within(1, 65535)
+_STREAM_ID = _within(-(2**31), 2**31 - 1)
 
 
 def _str(v: Any) -> str:
@@ -657,6 +729,9 @@ _register(Settle, _enum(Outcome), _ranges)
 _register(Noop, _uint, _bool)
 _register(Error, _enum(ErrorCode), _str, _opt(_uint), _opt(_uint), _opt(_str))
 _register(Close, _enum(ErrorCode), _str)
+_register(RegisterPublication, _uint, _name, _str, _STREAM_ID, _PORT)
+_register(ClosePublication, _uint, _STREAM_ID)
+_register(SubscribeUdp, _uint, _uint, _name, _uint, _uint, _PORT, _STREAM_ID)
 
 
 def decode_body(obj: Any, frame_seq: int) -> Frame:
@@ -703,6 +778,23 @@ def check_frame(frame: Frame) -> None:
             check(getattr(frame, name))
         except _Bad as exc:
             raise LocalProtocolError(f"{frame.TYPE.name} frame, field {name}: {exc}", exc.code) from None
+
+
+def check_headers(value: Any) -> Headers | None:
+    """The checks a TRANSFER entry's headers get, for payloads that carry them outside a frame (the UDP
+    envelope, protocol/envelope.py). Raises ValueError naming what is wrong."""
+    try:
+        return _headers(value)
+    except _Bad as exc:
+        raise ValueError(str(exc)) from None
+
+
+def check_delivery_entry(entry: Any) -> None:
+    """The checks a DELIVER entry gets (tag, field types, headers). Raises ValueError naming what is wrong."""
+    try:
+        _delivery_entries([entry], False)
+    except _Bad as exc:
+        raise ValueError(str(exc)) from None
 
 
 _SCHEMA_BY_INT: dict[int, FrameType] = {int(t): t for t in _SCHEMA}

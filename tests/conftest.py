@@ -23,17 +23,20 @@ class RunningBroker:
         self.url = f"flowbroker://127.0.0.1:{port}"
         self.admin_url = f"http://127.0.0.1:{server.admin_port}" if server.admin_port is not None else None
         self.admin_token = server.admin.token if server.admin is not None else None
+        self.udp_port = server.udp_port  # the UDP data path's port (None with udp={"enabled": False})
 
 
 @pytest.fixture
 def start_flowbroker(nursery: trio.Nursery) -> Callable[..., Awaitable[RunningBroker]]:
     """`broker = await start_flowbroker(server={...}, queues={...}, credit={...})`. The admin API is
-    off unless an `admin={...}` section is given (then it listens on 127.0.0.1, port 0)."""
+    off unless an `admin={...}` section is given (then it listens on 127.0.0.1, port 0); the UDP data path
+    is on, on an ephemeral port (`broker.udp_port`)."""
 
     async def start(**sections: dict[str, Any]) -> RunningBroker:
         overrides: dict[str, dict[str, Any]] = {
             "server": {"port": 0, "memory_quota": 1 << 30},
             "admin": {"enabled": "admin" in sections, "host": "127.0.0.1", "port": 0},
+            "udp": {"endpoint": "127.0.0.1:0"},  # the UDP data path on an ephemeral port too
         }
         for name, values in sections.items():
             overrides.setdefault(name, {}).update(values)

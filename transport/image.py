@@ -113,7 +113,7 @@ class _Subscriber:
     """One subscription's cursor on the image, with its own fragment reassembly."""
 
     __slots__ = ("subscriber_id", "position", "tether", "state", "time_of_last_update_ns", "assembler",
-                 "handler", "messages")
+                 "handler", "messages", "hold")
 
     def __init__(self, subscriber_id: int, position: int, tether: bool, now_ns: int) -> None:
         self.subscriber_id = subscriber_id
@@ -123,6 +123,7 @@ class _Subscriber:
         self.time_of_last_update_ns = now_ns
         self.handler: MessageHandler | None = None
         self.messages = 0
+        self.hold = 0  # bytes polled but not yet released by the application (see Image.hold)
         self.assembler = FragmentAssembler(self._deliver)
 
     def _deliver(self, message: memoryview | bytes) -> None:
@@ -190,6 +191,10 @@ class Image:
         self._time_of_last_sm_ns = now_ns
         self._overrun_threshold = self.join_position + self.term_length // 2
         self._subscribers: dict[int, _Subscriber] = {}
+        #: The most the SMs may advertise, whatever the congestion window says (None: no cap). The broker
+        #: sets it to the producer's credit grant, the SDK's UDP consumer to its byte buffer: over UDP
+        #: the receiver window *is* the credit. 0 closes the window.
+        self.window_cap: int | None = None
         self._control: list[bytes] = []
         # counters
         self.packets_inserted = 0
@@ -233,6 +238,25 @@ class Image:
     def subscriber_messages(self, subscriber_id: int) -> int:
         """Whole messages this subscriber's handler was given from this image."""
         return self._subscribers[subscriber_id].messages
+
+    def hold(self, subscriber_id: int, nbytes: int) -> None:
+        """The application still holds ``nbytes`` of what this subscriber polled (a message routed but
+        not completed, one handed up but not processed): the SM's consumption position stays that far
+        behind the subscriber's position until ``release``. This is how "consumed" means *completed* or
+        *processed* rather than *polled*, without keeping the data in the term: the position is the
+        subscriber's, the hold is only subtracted from what the SMs report."""
+        sub = self._subscribers.get(subscriber_id)
+        if sub is not None:
+            sub.hold += nbytes
+
+    def release(self, subscriber_id: int, nbytes: int) -> None:
+        """``nbytes`` of a ``hold`` are done: the consumption position may move past them."""
+        sub = self._subscribers.get(subscriber_id)
+        if sub is not None:
+            sub.hold = max(0, sub.hold - nbytes)
+
+    def subscriber_hold(self, subscriber_id: int) -> int:
+        return self._subscribers[subscriber_id].hold
 
     def subscriber_state(self, subscriber_id: int) -> SubscriberState:
         return self._subscribers[subscriber_id].state
@@ -368,8 +392,9 @@ class Image:
         for sub in self._subscribers.values():
             if sub.state is SubscriberState.RESTING:
                 continue
-            low = sub.position if low is None or sub.position < low else low
-            high = sub.position if high is None or sub.position > high else high
+            position = sub.position - sub.hold
+            low = position if low is None or position < low else low
+            high = position if high is None or position > high else high
         if low is None or high is None:
             return self.next_sm_position, self.next_sm_position
         return low, high
@@ -399,6 +424,9 @@ class Image:
             now_ns, min_position, self.next_sm_position, self.hwm_position, start, position, scan.loss_found
         )
         window = outcome.window_length
+        cap = self.window_cap
+        if cap is not None and cap < window:
+            window = cap
         threshold = window // 4
         new_term = (min_position >> self.position_bits_to_shift) != (self.next_sm_position >> self.position_bits_to_shift)
         if (

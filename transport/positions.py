@@ -154,3 +154,15 @@ def compute_fragmented_frame_length(length: int, max_payload_length: int) -> int
     if last > 0:
         aligned_full += (last + 32 + 31) & ~31
     return aligned_full
+
+
+def frame_space(length: int, mtu: int) -> int:
+    """Term bytes a message of ``length`` occupies as DATA frames of at most ``mtu`` bytes (headers and
+    alignment included, end-of-term padding not): what its publication's position moves by, and so what
+    a receiver that holds the message back from its consumption position holds (``Image.hold``)."""
+    header = 32  # DATA_HEADER_LENGTH (transport/frames.py)
+    max_payload = mtu - header
+    if length <= max_payload:
+        return (length + header + 31) & ~31
+    full, last = divmod(length, max_payload)
+    return int(full * mtu + ((last + header + 31) & ~31 if last else 0))

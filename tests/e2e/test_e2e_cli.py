@@ -18,7 +18,7 @@ def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[server]\nport = {port}\nidle_timeout = 30.0\n\n[credit]\npolicy = "static"\n\n'
-                      f'[admin]\nport = 0\ntoken_file = "{tmp_path / "admin-token"}"\n')
+                      f'[admin]\nport = 0\ntoken_file = "{tmp_path / "admin-token"}"\n\n[udp]\nendpoint = "127.0.0.1:0"\n')
     url = f"flowbroker://127.0.0.1:{port}"
     broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
     try:
@@ -59,7 +59,7 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
     `admin API on` line says the same; F is removed when the broker stops. -q silences the INFO lines."""
     port_file = tmp_path / "ports.json"
     config = tmp_path / "flowbroker.toml"
-    config.write_text(f'[admin]\ntoken_file = "{tmp_path / "admin-token"}"\n')
+    config.write_text(f'[admin]\ntoken_file = "{tmp_path / "admin-token"}"\n\n[udp]\nendpoint = "127.0.0.1:0"\n')
     broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config), "--port", "0", "--admin-port", "0",
                                "--port-file", str(port_file)], stderr=subprocess.PIPE, text=True)
     try:

@@ -54,7 +54,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     token_file = tmp_path / "admin-token"
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[server]\nport = {port}\nmemory_quota = 1073741824\n\n'
-                      f'[admin]\nport = {admin_port}\ntoken_file = "{token_file}"\n')
+                      f'[admin]\nport = {admin_port}\ntoken_file = "{token_file}"\n\n[udp]\nendpoint = "127.0.0.1:0"\n')
     broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
     try:
         wait_listening(port, broker)
@@ -210,7 +210,7 @@ def test_admin_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         admin_port = busy.getsockname()[1]
-        result = subprocess.run([FLOWBROKER, "serve", "--port", "0", "--admin-port", str(admin_port)],
+        result = subprocess.run([FLOWBROKER, "serve", "--port", "0", "--admin-port", str(admin_port), "--no-udp"],
                                 capture_output=True, text=True, timeout=30,
                                 env={**os.environ, "HOME": str(tmp_path)})
     assert result.returncode != 0

@@ -28,7 +28,7 @@ def _limit_descriptors() -> None:
 def test_out_of_descriptors_backs_off_logs_rarely_and_recovers(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "flowbroker.toml"
-    config.write_text(f"[server]\nport = {port}\nhandshake_timeout = 1.0\nmax_connections = 1000\n")
+    config.write_text(f"[server]\nport = {port}\nhandshake_timeout = 1.0\nmax_connections = 1000\n[udp]\nenabled = false\n")
     broker = subprocess.Popen([FLOWBROKER, "serve", "--no-admin", "--config", str(config)],
                               stderr=subprocess.PIPE, text=True, preexec_fn=_limit_descriptors)
     silent: list[socket.socket] = []

@@ -63,6 +63,7 @@ MiB = 1024 * 1024
 BROKER_CONFIG: dict[str, dict[str, Any]] = {
     "server": {"port": 0, "memory_quota": 1 << 30},
     "admin": {"enabled": False},
+    "udp": {"enabled": False},
     "queues": {"max_size": 4 * MiB},
 }
 

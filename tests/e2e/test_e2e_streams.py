@@ -52,7 +52,7 @@ def tls() -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 def make_broker() -> BrokerServer:
     """A broker that serves only the streams the test hands it (`serve_connection`), no listener."""
-    return BrokerServer(load_config(None, {"server": {"memory_quota": 1 << 30}, "admin": {"enabled": False}}))
+    return BrokerServer(load_config(None, {"server": {"memory_quota": 1 << 30}, "admin": {"enabled": False}, "udp": {"enabled": False}}))
 
 
 @asynccontextmanager

@@ -1,0 +1,154 @@
+"""Every datagram of the broker's UDP endpoint, sorted: to an ingress image, to an egress publication, or
+refused and counted (sans-IO).
+
+A datagram is looked at only as far as its Aeron header: its type says which side it is for (DATA, PAD
+and SETUP go to the images of registered publications; SM, NAK and ERR to the broker's publications to
+UDP consumers; RTTM to whichever owns its session id), its session id must be one the broker handed out
+over TCP, and its source address must be the one registered for that session. Anything else is dropped
+and counted by reason (``refused``) before it reaches an image, so it creates nothing and costs the
+broker no memory, and, as the Aeron C driver does for a SETUP it refuses, it is answered with nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flowbroker.broker.config import UdpConfig
+from flowbroker.transport.frames import FrameType
+
+if TYPE_CHECKING:
+    from flowbroker.broker.core import BrokerCore
+    from flowbroker.broker.udp.egress import Egress
+    from flowbroker.broker.udp.ingress import Ingress
+
+__all__ = ["Address", "DataPath", "DataPathStatistics", "Outgoing", "REFUSAL_REASONS", "SessionIds"]
+
+Address = Hashable
+Outgoing = list[tuple[bytes, Address]]
+
+_TYPE = struct.Struct("<H")
+_IDS = struct.Struct("<ii")
+_DATA_IDS_OFFSET = 12  # DATA, PAD, SETUP: session id, stream id
+_CONTROL_IDS_OFFSET = 8  # SM, NAK, ERR, RTTM
+_TO_INGRESS = frozenset({FrameType.DATA, FrameType.PAD, FrameType.SETUP})
+_TO_EGRESS = frozenset({FrameType.SM, FrameType.NAK, FrameType.ERR})
+
+REFUSAL_REASONS = (
+    "malformed",  # shorter than its header, or a type no receiver or sender takes
+    "unregistered_session",  # a session id the broker did not hand out (or no longer has)
+    "wrong_stream",  # a registered session id with another stream id
+    "wrong_source",  # a registered session from another address than the registering client's
+    "wrong_direction",  # a sender's frame for a receiver's session, or the reverse
+)
+"""Why ``DataPath`` drops a datagram before any image or publication sees it (``refused``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataPathStatistics:
+    """The data path's counters, for the admin views (and the metrics of issue 12)."""
+
+    endpoint: str
+    datagrams_received: int
+    refused: tuple[tuple[str, int], ...]
+    publications: int
+    subscriptions: int
+
+
+class SessionIds:
+    """Aeron session ids handed out by the broker: random (as the driver's), non-zero, never two live at once,
+    in one space for both sides so a datagram's session id alone says whose it is."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+        self.live: set[int] = set()
+
+    def take(self) -> int:
+        while True:
+            session_id = self._rng.randrange(-(2**31), 2**31)
+            if session_id and session_id not in self.live:
+                self.live.add(session_id)
+                return session_id
+
+    def give_back(self, session_id: int) -> None:
+        self.live.discard(session_id)
+
+
+class DataPath:
+    """The broker's UDP endpoint, sans-IO: datagrams in (``on_datagram``), datagrams out (``do_work``).
+
+    ``wake`` is the shell's: called when something outside a datagram (a completion, a settle, a grant)
+    means ``do_work`` has SMs or data to send now rather than at the next timer.
+    """
+
+    def __init__(self, config: UdpConfig, core: BrokerCore, endpoint: tuple[str, int], wake: Callable[[], None],
+                 seed: int | None = None) -> None:
+        from flowbroker.broker.udp.egress import Egress
+        from flowbroker.broker.udp.ingress import Ingress
+
+        self.config = config
+        self.core = core
+        self.endpoint = endpoint
+        self.wake = wake
+        self.session_ids = SessionIds(seed)
+        self.ingress: Ingress = Ingress(self)
+        self.egress: Egress = Egress(self)
+        self.datagrams_received = 0
+        self.refused: Counter[str] = Counter()
+
+    @property
+    def endpoint_text(self) -> str:
+        host, port = self.endpoint
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def statistics(self) -> DataPathStatistics:
+        return DataPathStatistics(
+            self.endpoint_text, self.datagrams_received, tuple(sorted(self.refused.items())),
+            len(self.ingress.publications), len(self.egress.subscriptions),
+        )
+
+    def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:
+        """Sort one datagram; never raises for any content."""
+        self.datagrams_received += 1
+        if len(data) < 8:
+            self.refused["malformed"] += 1
+            return
+        ftype = _TYPE.unpack_from(data, 6)[0]
+        if ftype in _TO_INGRESS:
+            if len(data) < _DATA_IDS_OFFSET + 8:
+                self.refused["malformed"] += 1
+                return
+            session_id, stream_id = _IDS.unpack_from(data, _DATA_IDS_OFFSET)
+            reason = self.ingress.on_datagram(data, source, session_id, stream_id, now_ns)
+        elif ftype in _TO_EGRESS or ftype == FrameType.RTTM:
+            if len(data) < _CONTROL_IDS_OFFSET + 8:
+                self.refused["malformed"] += 1
+                return
+            session_id, stream_id = _IDS.unpack_from(data, _CONTROL_IDS_OFFSET)
+            if ftype == FrameType.RTTM and session_id in self.ingress.publications:
+                reason = self.ingress.on_datagram(data, source, session_id, stream_id, now_ns)
+            else:
+                reason = self.egress.on_datagram(data, source, session_id, stream_id, now_ns)
+        else:
+            reason = "malformed"
+        if reason is not None:
+            self.refused[reason] += 1
+
+    def do_work(self, now_ns: int) -> Outgoing:
+        """Both sides' duty cycles: SMs, NAKs and RTTMs for the images, data and SETUPs for the publications."""
+        out = self.ingress.do_work(now_ns)
+        out += self.egress.do_work(now_ns)
+        return out
+
+    def deadline_ns(self, now_ns: int) -> int:
+        """When ``do_work`` must run again if nothing arrives."""
+        return min(self.ingress.deadline_ns(now_ns), self.egress.deadline_ns(now_ns))
+
+    def close_owner(self, owner_conn_id: int, now_ns: int) -> None:
+        """The TCP connection ``owner_conn_id`` ended: its publications and UDP subscriptions end with it."""
+        self.ingress.close_owner(owner_conn_id, now_ns)
+        self.egress.close_owner(owner_conn_id, now_ns)

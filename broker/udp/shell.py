@@ -1,0 +1,80 @@
+"""The trio shell of the broker's UDP data path: one socket, two tasks, the sans-IO ``DataPath`` between.
+
+The receiver task waits for datagrams (with the data path's next deadline as the timeout), hands a batch
+to ``DataPath.on_datagram`` and sends what ``do_work`` returns. The waker task runs ``do_work`` when the
+core says something changed outside a datagram: a completion released a held message (the image's window
+may open), a settle or a grant let a UDP subscription take more deliveries. Both run in the server's
+nursery; sends never block (a full socket buffer drops the datagram, which Aeron's NAKs and heartbeats
+recover, and is counted on the endpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from flowbroker.broker.config import UdpConfig
+from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.udp.datapath import DataPath, Outgoing
+from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
+
+__all__ = ["UdpShell", "open_data_path"]
+
+LOGGER = logging.getLogger("flowbroker.broker")
+
+SOCKET_BUFFER = 4 * 1024 * 1024  # SO_RCVBUF/SO_SNDBUF asked for (the kernel may clamp them)
+
+
+class UdpShell:
+    """Runs a ``DataPath`` over a bound ``UdpEndpoint``; start ``run()`` in a nursery."""
+
+    def __init__(self, config: UdpConfig, core: BrokerCore, endpoint: UdpEndpoint) -> None:
+        self.endpoint = endpoint
+        self._woken = trio.Event()
+        self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
+        core.udp = self.datapath
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.local_address[1])
+
+    def wake(self) -> None:
+        """Something changed outside a datagram: run the duty cycle soon (in the waker task)."""
+        self._woken.set()
+
+    def _send(self, out: Outgoing) -> None:
+        endpoint = self.endpoint
+        for datagram, address in out:
+            endpoint.send(datagram, address)  # type: ignore[arg-type]
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._waker)
+                await self._receiver()
+        finally:
+            self.endpoint.close()
+
+    async def _receiver(self) -> None:
+        datapath, endpoint = self.datapath, self.endpoint
+        while True:
+            batch: list[tuple[bytes, tuple[str, int]]] = []
+            with trio.move_on_at(datapath.deadline_ns(now_ns()) / 1_000_000_000):
+                batch = await endpoint.receive_batch(DEFAULT_BATCH)
+            now = now_ns()
+            for datagram, source in batch:
+                datapath.on_datagram(datagram, source, now)
+            self._send(datapath.do_work(now))
+
+    async def _waker(self) -> None:
+        while True:
+            await self._woken.wait()
+            self._woken = trio.Event()
+            self._send(self.datapath.do_work(now_ns()))
+
+
+def open_data_path(config: UdpConfig, core: BrokerCore) -> UdpShell:
+    """Bind the UDP endpoint of ``[udp] endpoint`` (OSError if it cannot be bound) and wrap it."""
+    endpoint = open_udp(config.address(), so_rcvbuf=SOCKET_BUFFER, so_sndbuf=SOCKET_BUFFER)
+    return UdpShell(config, core, endpoint)

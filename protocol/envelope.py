@@ -1,0 +1,122 @@
+"""The compact envelope of a message carried over UDP (the Aeron data path), inside the DATA frame's payload.
+
+A UDP publication is registered over TCP with an exchange and a default routing key
+(REGISTER_PUBLICATION), so most messages need nothing but their body. The first byte of every payload
+says what follows:
+
+- ``0x00`` PUBLISH: the body alone; exchange and routing key are the registration's, no headers.
+- ``0x01`` PUBLISH_ENVELOPED: a big-endian u16 length, a msgpack array ``[routing_key, headers]`` of that
+  length (``routing_key`` nil for the registration's, ``headers`` nil or a map), then the body.
+- ``0x02`` DELIVER (broker -> UDP consumer): a u16 length, a msgpack array
+  ``[delivery_tag, exchange, routing_key, headers, redelivered]``, then the body.
+
+The same field checks as the TCP frames apply (protocol/frames.py): a payload that fails them raises
+``EnvelopeError`` naming what was wrong; the broker counts and drops it (completing its bytes, so the
+producer's window keeps moving), never lets it reach a queue. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from flowbroker.protocol.frames import DeliveryEntry, Headers, check_delivery_entry, check_headers
+
+__all__ = [
+    "DELIVER",
+    "EnvelopeError",
+    "PUBLISH",
+    "PUBLISH_ENVELOPED",
+    "decode_delivery",
+    "decode_publish",
+    "encode_delivery",
+    "encode_publish",
+    "envelope_overhead",
+]
+
+PUBLISH = 0x00
+PUBLISH_ENVELOPED = 0x01
+DELIVER = 0x02
+
+_LENGTH = struct.Struct(">BH")
+_MAX_ENVELOPE = 0xFFFF
+
+
+class EnvelopeError(ValueError):
+    """A UDP payload that is not a valid envelope; the message says which part."""
+
+
+def encode_publish(body: bytes, routing_key: str | None = None, headers: Headers | None = None) -> bytes:
+    """The payload for one message: bare when it uses the registration's routing key and no headers."""
+    if routing_key is None and not headers:
+        return b"\x00" + body
+    meta: bytes = msgpack.packb([routing_key, headers or None], use_bin_type=True)
+    if len(meta) > _MAX_ENVELOPE:
+        raise EnvelopeError(f"routing key and headers take {len(meta)} bytes, over {_MAX_ENVELOPE}")
+    return _LENGTH.pack(PUBLISH_ENVELOPED, len(meta)) + meta + body
+
+
+def envelope_overhead(routing_key: str | None = None, headers: Headers | None = None) -> int:
+    """Bytes the envelope adds to a body (1 for a bare message)."""
+    return len(encode_publish(b"", routing_key, headers))
+
+
+def _meta(payload: bytes | memoryview, what: str) -> tuple[Any, int]:
+    if len(payload) < 3:
+        raise EnvelopeError(f"{what}: payload of {len(payload)} bytes is shorter than its envelope header")
+    _, length = _LENGTH.unpack_from(payload, 0)
+    end = 3 + length
+    if end > len(payload):
+        raise EnvelopeError(f"{what}: envelope of {length} bytes overruns the payload of {len(payload)}")
+    try:
+        meta = msgpack.unpackb(payload[3:end], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise EnvelopeError(f"{what}: envelope is not valid msgpack ({type(exc).__name__})") from None
+    return meta, end
+
+
+def decode_publish(payload: bytes | memoryview) -> tuple[str | None, Headers | None, bytes]:
+    """(routing_key or None for the registration's, headers or None, body) of a PUBLISH payload."""
+    if not len(payload):
+        raise EnvelopeError("empty payload: a UDP message starts with its envelope byte")
+    kind = payload[0]
+    if kind == PUBLISH:
+        return None, None, bytes(payload[1:])
+    if kind != PUBLISH_ENVELOPED:
+        raise EnvelopeError(f"envelope kind {kind:#04x} is not a publish (0x00 or 0x01)")
+    meta, end = _meta(payload, "publish")
+    if not isinstance(meta, list) or len(meta) != 2:
+        raise EnvelopeError("publish envelope must be [routing_key, headers]")
+    routing_key, headers = meta
+    if routing_key is not None and type(routing_key) is not str:
+        raise EnvelopeError("publish envelope: routing_key must be a string or nil")
+    try:
+        checked = check_headers(headers)
+    except ValueError as exc:
+        raise EnvelopeError(f"publish envelope: headers: {exc}") from None
+    return routing_key, checked, bytes(payload[end:])
+
+
+def encode_delivery(entry: DeliveryEntry) -> bytes:
+    """The payload for one delivery to a UDP consumer."""
+    meta: bytes = msgpack.packb(
+        [entry.delivery_tag, entry.exchange, entry.routing_key, entry.headers, entry.redelivered], use_bin_type=True
+    )
+    return _LENGTH.pack(DELIVER, len(meta)) + meta + entry.body
+
+
+def decode_delivery(payload: bytes | memoryview) -> DeliveryEntry:
+    """The delivery a DELIVER payload carries (checked as a DELIVER frame's entry is)."""
+    if not len(payload) or payload[0] != DELIVER:
+        raise EnvelopeError("not a delivery envelope (kind 0x02)")
+    meta, end = _meta(payload, "deliver")
+    if not isinstance(meta, list) or len(meta) != 5:
+        raise EnvelopeError("deliver envelope must be [delivery_tag, exchange, routing_key, headers, redelivered]")
+    entry = DeliveryEntry(meta[0], meta[1], meta[2], bytes(payload[end:]), meta[3], meta[4])
+    try:
+        check_delivery_entry(entry)
+    except ValueError as exc:
+        raise EnvelopeError(f"deliver envelope: {exc}") from None
+    return entry
