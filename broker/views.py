@@ -44,6 +44,7 @@ __all__ = [
     "exchanges_page",
     "policy_view",
     "broker_view",
+    "udp_view",
     "held_by_connection",
     "connection_role",
 ]
@@ -326,4 +327,20 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "producers_stopped": core.producers_stopped,
         "credit_policy": core.credit.config.policy.value,
         "unroutable": core.unroutable,
+        "udp": udp_view(core),
+    }
+
+
+def udp_view(core: BrokerCore) -> dict[str, Any] | None:
+    """The UDP data path (broker/udp/): where it listens, what it carries, what it refused and why; None
+    when the broker runs without it."""
+    if core.udp is None:
+        return None
+    stats = core.udp.statistics()
+    return {
+        "endpoint": stats.endpoint,
+        "publications": stats.publications,
+        "subscriptions": stats.subscriptions,
+        "datagrams_received": stats.datagrams_received,
+        "refused": dict(stats.refused),
     }

@@ -265,7 +265,7 @@ def test_broker_view() -> None:
     view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
     assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
                     "exchanges": 3, "producers_stopped": False,
-                    "credit_policy": "static", "unroutable": 0}
+                    "credit_policy": "static", "unroutable": 0, "udp": None}
 
 
 def test_lists_inside_one_object_show_their_first_entries_and_a_total() -> None:

@@ -55,8 +55,8 @@ def test_every_command_has_help() -> None:
 
 
 def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(tmp_path: Path) -> None:
-    """`serve --port 0 --admin-port 0 --port-file F`: F says both ports once listening, and the
-    `admin API on` line says the same; F is removed when the broker stops. -q silences the INFO lines."""
+    """`serve --port 0 --admin-port 0 --port-file F` (and [udp] endpoint port 0): F says the three ports once
+    listening, and the `admin API on` and `UDP data path on` lines say the same; F is removed when the broker stops. -q silences the INFO lines."""
     port_file = tmp_path / "ports.json"
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[admin]\ntoken_file = "{tmp_path / "admin-token"}"\n\n[udp]\nendpoint = "127.0.0.1:0"\n')
@@ -68,7 +68,8 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
             assert time.monotonic() < deadline and broker.poll() is None, "no port file"
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        assert set(ports) == {"port", "admin_port"} and ports["port"] > 0 and ports["admin_port"] > 0
+        assert set(ports) == {"port", "admin_port", "udp_port"}
+        assert ports["port"] > 0 and ports["admin_port"] > 0 and ports["udp_port"] > 0
         pub = subprocess.run([FLOWBROKER, "publish", "-k", "q", "x"], capture_output=True, text=True, timeout=30,
                              env={**os.environ, "FLOWBROKER_URL": f"flowbroker://127.0.0.1:{ports['port']}"})
         assert pub.returncode == 0, pub.stderr
@@ -76,6 +77,7 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
         err = stop(broker)
     assert broker.returncode == 0, err
     assert f"admin API on http://127.0.0.1:{ports['admin_port']}, token in" in err
+    assert f"flowbroker UDP data path on 127.0.0.1:{ports['udp_port']}" in err
     assert not port_file.exists()
     quiet = subprocess.run([FLOWBROKER, "-q", "serve", "--config", str(config), "--port", "0", "--admin-port", "0",
                             "--port-file", str(tmp_path / "no" / "such" / "dir")], capture_output=True, text=True,

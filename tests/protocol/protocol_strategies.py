@@ -13,6 +13,7 @@ from flowbroker.protocol import (
     BufferControl,
     Cancel,
     Close,
+    ClosePublication,
     Complete,
     DeclareExchange,
     DeclareQueue,
@@ -31,8 +32,10 @@ from flowbroker.protocol import (
     Ok,
     Outcome,
     PurgeQueue,
+    RegisterPublication,
     Settle,
     Subscribe,
+    SubscribeUdp,
     Transfer,
     TransferEntry,
     Unbind,
@@ -44,6 +47,8 @@ U64 = 2**64 - 1
 I64_MIN = -(2**63)
 
 u64 = st.integers(0, U64)
+int32 = st.integers(-(2**31), 2**31 - 1)  # Aeron stream and session ids
+ports = st.integers(1, 65535)
 pos64 = st.integers(1, U64)
 # msgpack cannot carry surrogates; hypothesis' default text alphabet has none.
 text = st.text(max_size=40)
@@ -145,6 +150,14 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
         destination=st.one_of(st.none(), text),
     ),
     FrameType.CLOSE: st.builds(Close, code=error_codes, reason=text),
+    FrameType.REGISTER_PUBLICATION: st.builds(
+        RegisterPublication, request_id=u64, exchange=names, routing_key=text, stream_id=int32, source_port=ports
+    ),
+    FrameType.CLOSE_PUBLICATION: st.builds(ClosePublication, request_id=u64, session_id=int32),
+    FrameType.SUBSCRIBE_UDP: st.builds(
+        SubscribeUdp, request_id=u64, subscription_id=u64, queue=names, prefetch=u64, buffer_size=u64, port=ports,
+        stream_id=int32,
+    ),
 }
 
 any_frame: st.SearchStrategy[Frame] = st.one_of(*FRAME_STRATEGIES.values())
@@ -174,6 +187,9 @@ SAMPLES: dict[FrameType, Frame] = {
     FrameType.NOOP: Noop(1, False),
     FrameType.ERROR: Error(ErrorCode.QUEUE_FULL, "queue q is full", 2, 1, "q"),
     FrameType.CLOSE: Close(ErrorCode.NORMAL, "bye"),
+    FrameType.REGISTER_PUBLICATION: RegisterPublication(9, "", "q", 1001, 40123),
+    FrameType.CLOSE_PUBLICATION: ClosePublication(10, -12345),
+    FrameType.SUBSCRIBE_UDP: SubscribeUdp(11, 2, "q", 100, 1 << 20, 40124, 1002),
 }
 
 

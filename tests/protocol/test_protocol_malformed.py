@@ -92,6 +92,23 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
         ("destination", "optstr"),
     ],
     FrameType.CLOSE: [("code", "error_code"), ("reason", "str")],
+    FrameType.REGISTER_PUBLICATION: [
+        ("request_id", "uint"),
+        ("exchange", "name"),
+        ("routing_key", "str"),
+        ("stream_id", "int32"),
+        ("source_port", "port"),
+    ],
+    FrameType.CLOSE_PUBLICATION: [("request_id", "uint"), ("session_id", "int32")],
+    FrameType.SUBSCRIBE_UDP: [
+        ("request_id", "uint"),
+        ("subscription_id", "uint"),
+        ("queue", "name"),
+        ("prefetch", "uint"),
+        ("buffer_size", "uint"),
+        ("port", "port"),
+        ("stream_id", "int32"),
+    ],
 }
 
 # Required field counts (fields with a default may be left off the end of the array).
@@ -111,6 +128,8 @@ BAD: dict[str, list[Any]] = {
     "outcome": [3, -1, True, 0.0, "ack", None],
     "optuint": [-1, "x", True, 1.5],
     "optstr": [1, b"x", True],
+    "int32": [2**31, -(2**31) - 1, *_NOT_INT],
+    "port": [0, 65536, -1, *_NOT_INT],
     "ranges": [
         None,
         "x",
@@ -174,6 +193,8 @@ GOOD: dict[str, list[Any]] = {
     "outcome": [0, 1, 2],
     "optuint": [None, 0, 2**64 - 1],
     "optstr": [None, "", "q"],
+    "int32": [0, -(2**31), 2**31 - 1],
+    "port": [1, 65535],
     "ranges": [[], [[1, 1]], [[1, 5], [7, 2**64 - 1]]],
     "transfer_entries": [
         [["e", "k", b"", None, "p", 2**64 - 1]],
@@ -255,7 +276,7 @@ def test_wrong_field_count(ftype: FrameType) -> None:
     assert_malformed(raw_frame([int(ftype)]), after=1)
 
 
-@pytest.mark.parametrize("type_code", [0, 24, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
+@pytest.mark.parametrize("type_code", [0, 27, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
 def test_unknown_frame_type(type_code: Any) -> None:
     assert_malformed(raw_frame([type_code, 1, False]), after=3, mentions="type")
 

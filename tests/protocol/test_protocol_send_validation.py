@@ -114,6 +114,7 @@ CLIENT_TYPES = {
     FrameType.DECLARE_QUEUE, FrameType.DECLARE_EXCHANGE, FrameType.BIND, FrameType.UNBIND, FrameType.DELETE_QUEUE,
     FrameType.PURGE_QUEUE, FrameType.DELETE_EXCHANGE, FrameType.TRANSFER, FrameType.BUFFER_CONTROL,
     FrameType.BUFFER_ACK, FrameType.SUBSCRIBE, FrameType.CANCEL, FrameType.SETTLE, FrameType.NOOP, FrameType.ERROR,
+    FrameType.REGISTER_PUBLICATION, FrameType.CLOSE_PUBLICATION, FrameType.SUBSCRIBE_UDP,
 }
 
 

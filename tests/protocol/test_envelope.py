@@ -1,0 +1,76 @@
+"""The UDP envelope (protocol/envelope.py): what goes in comes out, and nothing malformed gets through."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowbroker.protocol.envelope import (
+    EnvelopeError,
+    decode_delivery,
+    decode_publish,
+    encode_delivery,
+    encode_publish,
+    envelope_overhead,
+)
+from flowbroker.protocol.frames import DeliveryEntry
+from tests.protocol.protocol_strategies import delivery_entries, headers, text
+
+bodies = st.binary(max_size=2000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(bodies, st.one_of(st.none(), text), headers)
+def test_a_publish_round_trips(body: bytes, routing_key: str | None, hdrs: dict[str, object] | None) -> None:
+    payload = encode_publish(body, routing_key, hdrs)  # type: ignore[arg-type]
+    assert decode_publish(payload) == (routing_key, hdrs or None, body)
+    assert len(payload) == len(body) + envelope_overhead(routing_key, hdrs)  # type: ignore[arg-type]
+
+
+def test_a_bare_body_costs_one_byte() -> None:
+    assert encode_publish(b"abc") == b"\x00abc"
+    assert envelope_overhead() == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(delivery_entries)
+def test_a_delivery_round_trips(entry: DeliveryEntry) -> None:
+    assert decode_delivery(encode_delivery(entry)) == entry
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_decode_or_raise_envelope_error_only(payload: bytes) -> None:
+    for decode in (decode_publish, decode_delivery):
+        try:
+            decode(payload)
+        except EnvelopeError:
+            pass
+
+
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        (b"", "empty payload"),
+        (b"\x07body", "kind 0x07 is not a publish"),
+        (b"\x01\x00", "shorter than its envelope header"),
+        (b"\x01\x00\x09ab", "overruns the payload"),
+        (b"\x01\x00\x01\xc1", "not valid msgpack"),
+        (encode_publish(b"x", "k", {"a": [1]}), "headers"),  # type: ignore[dict-item]
+        (b"\x01\x00\x02\x91\x01", "must be [routing_key, headers]"),
+        (b"\x01\x00\x03\x92\x01\xc0", "routing_key must be a string"),
+    ],
+)
+def test_a_bad_publish_names_what_is_wrong(payload: bytes, problem: str) -> None:
+    with pytest.raises(EnvelopeError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+        decode_publish(payload)
+
+
+def test_a_bad_delivery_names_what_is_wrong() -> None:
+    with pytest.raises(EnvelopeError, match="not a delivery"):
+        decode_delivery(encode_publish(b"x"))
+    good = encode_delivery(DeliveryEntry(1, "", "q", b"x", None, False))
+    bad_tag = good[:3] + good[3:].replace(b"\x95\x01", b"\x95\x00", 1)
+    with pytest.raises(EnvelopeError, match="delivery_tag"):
+        decode_delivery(bad_tag)
