@@ -9,8 +9,10 @@ A producer registers a UDP publication and sends MESSAGES to a queue, a TCP cons
 meanwhile an attacker on its own sockets sends ATTACK datagrams to the broker's UDP endpoint, three kinds
 in turn:
 - "wrong session": valid-looking DATA/SETUP/SM/NAK/RTTM frames with session ids the broker never handed out;
-- "wrong source": DATA and SETUP frames with the producer's own session and stream id, from another port
-  than the one the producer registered (what an attacker who sniffed the session id would send);
+- "wrong source": DATA, SETUP and RTTM frames with the producer's own session and stream id, from another
+  port than the one the producer registered (what an attacker who sniffed the session id would send);
+- "wrong direction": SM, NAK and ERR frames (a receiver's frames, for the broker's publications) with the
+  producer's session id: the broker only receives that session, it never sends it;
 - "random bytes": short garbage and headers of types no side speaks.
 The producer's messages must all arrive exactly once and in order, the attacker must create nothing (one
 publication, no subscription, no extra session), and ``DataPath.refused`` must show the attack by reason.
@@ -55,10 +57,23 @@ def _wrong_source(rng: random.Random, session_id: int) -> bytes:
     """The producer's own (session, stream) with plausible positions: only the source port gives it away."""
     term_id = rng.randrange(-(2**31), 2**31)
     offset = rng.randrange(0, 1 << 16) & ~31
-    if rng.random() < 0.2:
+    draw = rng.random()
+    if draw < 0.15:
         return f.encode_setup(f.Setup(offset, session_id, STREAM_ID, term_id, term_id, 2 << 20, 8192))
+    if draw < 0.25:
+        return f.encode_rttm(f.RttMeasurement(session_id, STREAM_ID, rng.getrandbits(62), 0, 1, flags=f.RTTM_REPLY_FLAG))
     body = rng.randbytes(rng.randrange(0, 1024))
     return f.encode_data(f.DataFrame(32 + len(body), f.UNFRAGMENTED, offset, session_id, STREAM_ID, term_id, 0, body))
+
+
+def _wrong_direction(rng: random.Random, session_id: int) -> bytes:
+    """A receiver's frames about the producer's session, as if the broker were sending it."""
+    term_id = rng.randrange(-(2**31), 2**31)
+    return rng.choice([
+        f.encode_status_message(f.StatusMessage(session_id, STREAM_ID, term_id, 0, 1 << 30, 1)),
+        f.encode_nak(f.Nak(session_id, STREAM_ID, term_id, 0, 1 << 20)),
+        f.encode_error(f.ErrorFrame(session_id, STREAM_ID, 1, f.ERROR_CODE_IMAGE_REJECTED, "go away")),
+    ])
 
 
 def _random_bytes(rng: random.Random) -> bytes:
@@ -70,21 +85,23 @@ def _random_bytes(rng: random.Random) -> bytes:
 
 
 async def _attack(broker: RunningBroker, session_id: int, sent: Counter[str]) -> None:
-    """ATTACK datagrams from three sockets (none of them the producer's), paced so that the broker's socket
+    """ATTACK datagrams from four sockets (none of them the producer's), paced so that the broker's socket
     buffer, not the broker, is what an attacker could at most overflow."""
     rng = random.Random(1123)
     target = ("127.0.0.1", broker.udp_port or 0)
     datapath = broker.core.udp
     assert datapath is not None
     live = set(datapath.session_ids.live)
-    sockets = [open_udp(("127.0.0.1", 0)) for _ in range(3)]
+    sockets = [open_udp(("127.0.0.1", 0)) for _ in range(4)]
     try:
         for i in range(ATTACK):
-            kind = i % 3
+            kind = i % 4
             if kind == 0:
                 datagram, reason = _wrong_session(rng, live), "wrong_session"
             elif kind == 1:
                 datagram, reason = _wrong_source(rng, session_id), "wrong_source"
+            elif kind == 2:
+                datagram, reason = _wrong_direction(rng, session_id), "wrong_direction"
             else:
                 datagram, reason = _random_bytes(rng), "random_bytes"
             if sockets[kind].send(datagram, target):
@@ -142,7 +159,11 @@ async def test_a_registered_udp_producer_is_untouched_by_spoofed_and_random_data
     # Each kind shows under its reason. Only the broker's kernel receive buffer may lose some (it is not
     # the broker's to count), so each count is at most what was sent and at least most of it.
     assert sent["wrong_source"] * 0.9 <= refused["wrong_source"] <= sent["wrong_source"]
-    assert sent["wrong_session"] * 0.9 <= refused["unregistered_session"] + refused["wrong_stream"] \
-        <= sent["wrong_session"]
+    # a receiver's frame for the producer's session: "wrong_direction" (or "unregistered_session" if the
+    # egress, which never handed that id out, answers first); never taken
+    assert refused["wrong_direction"] <= sent["wrong_direction"]
+    unknown = sent["wrong_session"] + sent["wrong_direction"]
+    assert unknown * 0.9 <= refused["unregistered_session"] + refused["wrong_stream"] + refused["wrong_direction"] \
+        <= unknown
     assert sent["random_bytes"] * 0.9 <= refused["malformed"] <= sent["random_bytes"]
-    assert set(refused) <= {"wrong_source", "unregistered_session", "wrong_stream", "malformed"}
+    assert set(refused) <= {"wrong_source", "unregistered_session", "wrong_stream", "wrong_direction", "malformed"}
