@@ -87,7 +87,8 @@ class Broker:
             return "not measured (the broker runs with --no-admin; --admin asks its admin API)"
         try:
             from flowbroker.broker.adminclient import AdminClient
-            found = _find_counters(AdminClient(f"http://127.0.0.1:{self.admin_port}", None).request("GET", "/api/broker"))
+            client = AdminClient(f"http://127.0.0.1:{self.admin_port}", None)
+            found = _find_counters(client.request("GET", "/api/broker"))
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             return f"not measured (admin API: {type(exc).__name__}: {exc})"
         return _format(found) if found else "not measured (GET /api/broker reports no NAK or retransmit counter)"
@@ -448,7 +449,8 @@ def scenario_lossy(args: argparse.Namespace) -> None:
         print(f"latency p50 {percentile_ms(lat, 0.5):.3f} ms, p99 {percentile_ms(lat, 0.99):.3f} ms; "
               f"broker peak RSS {pair.peak / MiB:.1f} MiB")
         if "relay" in last:
-            print(f"publication: NAKs received {last['naks_received']:,}, retransmits sent {last['retransmits_sent']:,}")
+            print(f"publication: NAKs received {last['naks_received']:,}, "
+                  f"retransmits sent {last['retransmits_sent']:,}")
             for direction, counters in last["relay"].items():
                 print(f"relay {direction}: " + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
         else:
@@ -474,7 +476,8 @@ def main() -> None:
                         help="the slow consumer's msgs/s (default: a tenth of the udp-tcp rate measured)")
     parser.add_argument("--lossy", action="store_true", help="also run the lossy scenario")
     parser.add_argument("--lossy-messages", type=int, default=1_000_000)
-    parser.add_argument("--loss", type=float, default=0.05, help="lossy: loss; duplication and reordering are 1/5 of it")
+    parser.add_argument("--loss", type=float, default=0.05,
+                        help="lossy: loss; duplication and reordering are 1/5 of it")
     parser.add_argument("--admin", action="store_true",
                         help="start the broker with its admin API (instead of --no-admin) to read its UDP counters")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a pairing may take")

@@ -61,7 +61,8 @@ def _wrong_source(rng: random.Random, session_id: int) -> bytes:
     if draw < 0.15:
         return f.encode_setup(f.Setup(offset, session_id, STREAM_ID, term_id, term_id, 2 << 20, 8192))
     if draw < 0.25:
-        return f.encode_rttm(f.RttMeasurement(session_id, STREAM_ID, rng.getrandbits(62), 0, 1, flags=f.RTTM_REPLY_FLAG))
+        rttm = f.RttMeasurement(session_id, STREAM_ID, rng.getrandbits(62), 0, 1, flags=f.RTTM_REPLY_FLAG)
+        return f.encode_rttm(rttm)
     body = rng.randbytes(rng.randrange(0, 1024))
     return f.encode_data(f.DataFrame(32 + len(body), f.UNFRAGMENTED, offset, session_id, STREAM_ID, term_id, 0, body))
 

@@ -35,6 +35,7 @@ say what the relay did.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -42,7 +43,7 @@ import trio
 
 from flowbroker.transport.udp import Address, UdpEndpoint, open_udp
 
-__all__ = ["Impairment", "LaneCounters", "LossyRelay"]
+__all__ = ["CLEAN", "Impairment", "Lane", "LaneCounters", "LossyRelay", "Send"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +74,15 @@ class LaneCounters:
 
 
 @dataclass(slots=True)
-class _Lane:
+class Lane:
+    """One direction's impairments, sans-IO: ``forward`` decides, ``send`` (any callable) puts on the wire."""
+
     impairment: Impairment
     rng: random.Random
     counters: LaneCounters = field(default_factory=LaneCounters)
     held: bytes | None = None
 
-    def forward(self, datagram: bytes, send: _Send) -> None:
+    def forward(self, datagram: bytes, send: Callable[[bytes], None]) -> None:
         """One datagram through the impairments; ``send`` puts one on the wire."""
         imp, c = self.impairment, self.counters
         c.received += 1
@@ -102,14 +105,16 @@ class _Lane:
             held, self.held = self.held, None
             send(held)
 
-    def release(self, send: _Send) -> None:
+    def release(self, send: Callable[[bytes], None]) -> None:
         if self.held is not None:
             held, self.held = self.held, None
             self.counters.released_idle += 1
             send(held)
 
 
-class _Send:
+class Send:
+    """Sends one datagram to ``destination`` from ``endpoint``, counting it as forwarded or dropped."""
+
     def __init__(self, endpoint: UdpEndpoint, destination: Address, counters: LaneCounters) -> None:
         self.endpoint = endpoint
         self.destination = destination
@@ -148,8 +153,8 @@ class LossyRelay:
         self.client: Address | None = None
         self.hold_timeout = hold_timeout
         self._batch = batch
-        self.upstream = _Lane(to_server, random.Random(seed * 2 + 1))  # client -> server
-        self.downstream = _Lane(to_client, random.Random(seed * 2 + 2))  # server -> client
+        self.upstream = Lane(to_server, random.Random(seed * 2 + 1))  # client -> server
+        self.downstream = Lane(to_client, random.Random(seed * 2 + 2))  # server -> client
 
     @property
     def client_address(self) -> Address:
@@ -186,7 +191,7 @@ class LossyRelay:
     async def _pump(self, upstream: bool) -> None:
         source, sink = (self.client_side, self.server_side) if upstream else (self.server_side, self.client_side)
         lane = self.upstream if upstream else self.downstream
-        send: _Send | None = None
+        send: Send | None = None
         while True:
             batch: list[tuple[bytes, Address]] = []
             if lane.held is not None:
@@ -210,5 +215,5 @@ class LossyRelay:
                     lane.counters.no_destination += 1
                     continue
                 if send is None or send.destination != destination:
-                    send = _Send(sink, destination, lane.counters)
+                    send = Send(sink, destination, lane.counters)
                 lane.forward(datagram, send)
