@@ -286,6 +286,16 @@ class BrokerCore:
             raise SessionFault(exc.code, str(exc)) from None
         if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
+        self.route(session, tid, frame.entries, sizes)
+        if violation is not None:
+            raise SessionFault(violation.code, str(violation))
+
+    def route(self, session: Session, tid: int, entries: list[TransferEntry], sizes: list[int]) -> None:
+        """Route received messages, transfer ids `tid`, `tid` + 1, ... charged `sizes`: enqueue, hold or
+        refuse each and complete what is not held. One path for a TCP TRANSFER's entries and for the
+        messages of a UDP publication's image (broker/udp/ingress.py), so both obey the same watermarks,
+        hard limits, stop-all and memory alarm."""
+        receiver = session.transfers
         now = self.clock_ns()
         session.now_ns = now
         consumed = receiver.window.consumed_position
@@ -297,7 +307,7 @@ class BrokerCore:
         memory_refusal = self.memory.alarm and not session.flow_control
         queues_by_name = self.queues
         # Only the messages received: up to a credit violation, raised once they are routed.
-        for entry, size in zip(frame.entries, sizes):
+        for entry, size in zip(entries, sizes):
             body = entry.body
             exchange = entry.exchange
             routing_key = entry.routing_key
@@ -359,8 +369,6 @@ class BrokerCore:
             session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
             self._memory_alarm()
-        if violation is not None:
-            raise SessionFault(violation.code, str(violation))
 
     @staticmethod
     def _check_entry(entry: TransferEntry, max_message: int) -> tuple[ErrorCode, str, str | None] | None:

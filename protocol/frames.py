@@ -335,7 +335,9 @@ class Noop:
 @dataclass(frozen=True, slots=True)
 class Error:
     """An error about one frame (`frame_seq`, 1-based count of frames the sender of the bad frame sent),
-    optionally one transfer or request (`ref_id`) and a destination it concerns."""
+    optionally one transfer or request (`ref_id`), a destination it concerns, and the UDP publication
+    whose message it is about (`session_id`: a message that came over UDP has no transfer id the client
+    knows, so the broker names its publication instead)."""
 
     TYPE: ClassVar[FrameType] = FrameType.ERROR
     code: ErrorCode
@@ -343,6 +345,7 @@ class Error:
     frame_seq: int | None = None
     ref_id: int | None = None
     destination: str | None = None
+    session_id: int | None = None  # the UDP publication (REGISTER_PUBLICATION's session id) it concerns
 
 
 @dataclass(frozen=True, slots=True)
@@ -727,7 +730,7 @@ _register(Cancel, _uint, _uint)
 _register(Deliver, _uint, _delivery_entries)
 _register(Settle, _enum(Outcome), _ranges)
 _register(Noop, _uint, _bool)
-_register(Error, _enum(ErrorCode), _str, _opt(_uint), _opt(_uint), _opt(_str))
+_register(Error, _enum(ErrorCode), _str, _opt(_uint), _opt(_uint), _opt(_str), _opt(_STREAM_ID))
 _register(Close, _enum(ErrorCode), _str)
 _register(RegisterPublication, _uint, _name, _str, _STREAM_ID, _PORT)
 _register(ClosePublication, _uint, _STREAM_ID)

@@ -108,6 +108,16 @@ class TransferReceiver:
         self.next_transfer_id = first_id + len(sizes)
         return sizes, None
 
+    def receive_unchecked(self, entries: Sequence[TransferEntry]) -> tuple[int, list[int]]:
+        """Take messages that arrived outside a TRANSFER frame (a UDP publication's image): the next
+        transfer ids and their charged sizes, without the credit check, because there the image's window
+        is the credit (the producer cannot send past it). Returns (first id, sizes)."""
+        first_id = self.next_transfer_id
+        sizes = [len(e.body) + MESSAGE_OVERHEAD if not e.headers else message_size(e.body, e.headers) for e in entries]
+        self.window.position += sum(sizes)
+        self.next_transfer_id = first_id + len(sizes)
+        return first_id, sizes
+
     def complete(self, transfer_id: int, size: int) -> None:
         """Transfer `transfer_id` (charged `size` bytes) is done: its bytes are consumed.
 

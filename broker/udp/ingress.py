@@ -1,45 +1,340 @@
 """The images of the UDP publications producers registered over TCP (sans-IO): the status-message window
 is the producer's credit, the consumption position its completion point.
 
-TO BE BUILT (issue 11, helper "ingress"); the interface DataPath and the core call is fixed:
+A registration (REGISTER_PUBLICATION) gets a session id and a *publication session*: a broker `Session` of
+its own, registered as a producer with the credit allocator at once, so the same credit policy, quota,
+stop-all, memory alarm and queue watermarks apply to it as to a TCP producer (and it shows in the admin
+views as `<client name> udp:<session id>`). Its image is read by one broker subscription:
+
+- each polled message becomes a transfer of the publication session (`TransferReceiver.receive_unchecked`:
+  no credit check, the image's window already bounds what the producer can send) routed by the core's one
+  routing path (`BrokerCore.route`), and is *held* in the image (`Image.hold`, its `frame_space`) until
+  that transfer completes; holds are released in transfer-id order, so the consumption position the SMs
+  carry is the completion point and a saturated queue closes the producer's window;
+- the image's `window_cap` is the publication session's grant from the pool, clamped to
+  [min_receiver_window, max_receiver_window] (and under the congestion window); 0 while it waits for a
+  share of the pool;
+- the publication session's outbox is drained here: FLOW_STOPPED / FLOW_RESUMED go to the owner's TCP
+  session as they are, ERRORs about its messages go there with the publication's session id
+  (`Error.session_id`), and COMPLETE / BUFFER_ACK / BUFFER_CONTROL stay here (they are the hold and the cap).
+
+Only datagrams of a registered (session id, stream id) from the registering client's address reach the
+image; a SETUP must use the broker's term length and at most its mtu. Everything else is refused by reason
+(`DataPath.refused`) and creates nothing.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
+from flowbroker.protocol.envelope import EnvelopeError, decode_publish
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import Error, FlowResumed, FlowStopped, TransferEntry
+from flowbroker.transport.frames import FrameType, Setup, decode_datagram
+from flowbroker.transport.image import Image
+from flowbroker.transport.positions import frame_space
+from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
 
 if TYPE_CHECKING:
     from flowbroker.broker.session import Session
     from flowbroker.broker.udp.datapath import DataPath
 
-__all__ = ["Ingress"]
+__all__ = ["Ingress", "UdpPublication", "MAX_MESSAGES_PER_CYCLE"]
+
+LOGGER = logging.getLogger("flowbroker.broker")
+
+MAX_MESSAGES_PER_CYCLE = 4096
+"""Messages one publication may have routed in one duty cycle; more wait for the next (the shell runs it
+again at once), so one fast producer cannot hold the event loop for long."""
+
+_POLL_FRAGMENTS = 256  # fragments one Subscription.poll call hands over
+LOG_INTERVAL_NS = 10_000_000_000
+
+
+@dataclass(eq=False)
+class UdpPublication:
+    """One registered publication: who owns it, where its datagrams must come from, and its image."""
+
+    session_id: int
+    stream_id: int
+    owner: Session
+    source: tuple[str, int]
+    exchange: str
+    routing_key: str
+    session: Session  # the publication session its messages are routed from
+    channel: ReceiveChannel
+    subscription: Subscription
+    image: Image | None = None
+    pending: deque[tuple[int, int]] = field(default_factory=deque)
+    """(transfer id, term bytes) of each message polled and not yet released, in transfer-id order (id 0:
+    a message that was never routed, a bad envelope, released with the ones before it)."""
+    woken: bool = True  # the publication session's outbox or completions changed: drain it
+    messages: int = 0
+    bad_envelopes: int = 0
 
 
 class Ingress:
+    """Every registered UDP publication; DataPath hands it their datagrams and runs its duty cycle."""
+
     def __init__(self, datapath: DataPath) -> None:
         self.datapath = datapath
-        self.publications: dict[int, Any] = {}  # session id -> the publication's state
+        self.publications: dict[int, UdpPublication] = {}
+        self._rng = random.Random()
+        self._last_warning_ns: int | None = None  # bad envelopes are logged at most every LOG_INTERVAL_NS
+        self.bad_envelopes = 0
+
+    # ------------------------------------------------------------------ registration
 
     def register(self, owner: Session, exchange: str, routing_key: str, stream_id: int,
                  source: tuple[str, int], now_ns: int) -> dict[str, Any]:
         """REGISTER_PUBLICATION from `owner`: the OK's result. Raises core.RequestError when refused."""
-        raise NotImplementedError
+        from flowbroker.broker.core import RequestError
+
+        datapath = self.datapath
+        config, core = datapath.config, datapath.core
+        if len(self.publications) >= config.max_publications:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"too many UDP publications ([udp] max_publications {config.max_publications})")
+        mine = sum(1 for p in self.publications.values() if p.owner is owner)
+        if mine >= config.max_publications_per_connection:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               "too many UDP publications on this connection "
+                               f"([udp] max_publications_per_connection {config.max_publications_per_connection})")
+        session_id = datapath.session_ids.take()
+        holder: list[UdpPublication] = []  # the publication, once made, for the callbacks below
+
+        def wake() -> None:
+            if holder:
+                holder[0].woken = True
+            datapath.wake()
+
+        session = core.open_session(f"{owner.client_name} udp:{session_id}", owner.identity, True, wake)
+        if session.fault is not None:  # the pool cannot hold one more connection
+            core.close_session(session)
+            datapath.session_ids.give_back(session_id)
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(session.fault))
+        session.peer_host = owner.peer_host
+        core._register_producer(session)
+        window = config.max_receiver_window
+        receiver = ReceiverConfig(
+            receiver_id=self._rng.randrange(1, 2**31),
+            receiver_window=window,
+            congestion_control=config.congestion_control,
+            session_id=session_id,
+            so_rcvbuf=max(window, config.mtu),
+            max_images=1,
+            max_pending_setups=4,
+        )
+        channel = ReceiveChannel(stream_id, receiver)
+        subscription = channel.add_subscription(
+            now_ns,
+            on_available_image=lambda image: self._image_available(holder[0], image),
+            on_unavailable_image=lambda image: self._image_gone(holder[0], image),
+        )
+        pub = UdpPublication(session_id, stream_id, owner, source, exchange, routing_key, session, channel,
+                             subscription)
+        holder.append(pub)
+        self.publications[session_id] = pub
+        LOGGER.info("connection %d registered UDP publication %d (stream %d) from %s:%d to exchange %r",
+                    owner.conn_id, session_id, stream_id, source[0], source[1], exchange)
+        return {"session_id": session_id, "stream_id": stream_id, "endpoint": datapath.endpoint_text,
+                "term_length": config.term_length, "mtu": config.mtu, "connection": session.conn_id}
+
+    def _image_available(self, pub: UdpPublication, image: Image) -> None:
+        pub.image = image
+        pub.pending.clear()
+        self._apply_window(pub)
+
+    def _image_gone(self, pub: UdpPublication, image: Image) -> None:
+        """The image drained after end of stream or timed out: its holds go with it (what was routed stays
+        routed). A new SETUP from the same publication makes a new image."""
+        if pub.image is image:
+            pub.image = None
+            pub.pending.clear()
 
     def close_publication(self, owner: Session, session_id: int, now_ns: int) -> dict[str, Any]:
-        raise NotImplementedError
+        from flowbroker.broker.core import RequestError
+
+        pub = self.publications.get(session_id)
+        if pub is None or pub.owner is not owner:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no UDP publication {session_id} on this connection")
+        self._close(pub, now_ns)
+        return {"session_id": session_id, "messages": pub.messages}
 
     def close_owner(self, owner_conn_id: int, now_ns: int) -> None:
-        pass
+        for pub in [p for p in self.publications.values() if p.owner.conn_id == owner_conn_id]:
+            self._close(pub, now_ns)
+
+    def _close(self, pub: UdpPublication, now_ns: int) -> None:
+        if self.publications.pop(pub.session_id, None) is None:
+            return
+        self._drain_outbox(pub, now_ns)  # the last FLOW_RESUMED / ERRORs still reach the owner
+        pub.subscription.close(now_ns)
+        pub.image = None
+        pub.pending.clear()
+        self.datapath.core.close_session(pub.session)
+        self.datapath.session_ids.give_back(pub.session_id)
+
+    # ------------------------------------------------------------------ datagrams in
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, session_id: int, stream_id: int,
                     now_ns: int) -> str | None:
         """Hand a DATA/PAD/SETUP/RTTM datagram to its image; the refusal reason, or None if taken."""
-        return "unregistered_session"
+        pub = self.publications.get(session_id)
+        if pub is None:
+            return "unregistered_session"
+        if stream_id != pub.stream_id:
+            return "wrong_stream"
+        if source != pub.source:
+            return "wrong_source"
+        if data[6] == FrameType.SETUP and data[7] == 0:
+            problem = self._setup_problem(data)
+            if problem is not None:
+                return problem
+        pub.channel.on_datagram(data, source, now_ns)
+        pub.woken = True
+        return None
+
+    def _setup_problem(self, data: bytes | bytearray | memoryview) -> str | None:
+        frames, reason = decode_datagram(data)
+        if reason is not None or not frames or not isinstance(frames[0], Setup):
+            return None  # the channel counts a malformed SETUP itself
+        setup = frames[0]
+        config = self.datapath.config
+        if setup.term_length != config.term_length:
+            return "setup_term_length"
+        if setup.mtu > config.mtu:
+            return "setup_mtu"
+        return None
+
+    # ------------------------------------------------------------------ duty cycle
 
     def do_work(self, now_ns: int) -> Outgoing:
-        return []
+        """Each image's duty cycle, its messages routed, holds released, windows set, SMs out."""
+        out: Outgoing = []
+        for pub in list(self.publications.values()):
+            out += pub.channel.do_work(now_ns)  # rebuild what arrived; timers
+            if pub.image is not None and (pub.woken or pub.image.rebuild_position > pub.image.subscriber_position(
+                    pub.subscription.subscription_id)):
+                pub.woken = False
+                if self._poll(pub, now_ns) or self._drain_outbox(pub, now_ns):
+                    out += pub.channel.do_work(now_ns)  # the SM the new consumption position calls for
+            elif pub.woken:
+                pub.woken = False
+                self._drain_outbox(pub, now_ns)
+        return out
+
+    def _poll(self, pub: UdpPublication, now_ns: int) -> bool:
+        """Route what the image has (at most MAX_MESSAGES_PER_CYCLE); True if anything was polled."""
+        image = pub.image
+        assert image is not None
+        sub_id = pub.subscription.subscription_id
+        mtu = image.mtu
+        entries: list[TransferEntry] = []
+        spaces: list[int] = []
+        exchange, default_key = pub.exchange, pub.routing_key
+
+        def on_message(message: memoryview | bytes) -> None:
+            space = frame_space(len(message), mtu)
+            try:
+                key, headers, body = decode_publish(message)
+            except EnvelopeError as exc:
+                pub.bad_envelopes += 1
+                self.bad_envelopes += 1
+                last = self._last_warning_ns
+                if last is None or now_ns - last >= LOG_INTERVAL_NS:
+                    self._last_warning_ns = now_ns
+                    LOGGER.warning("UDP publication %d: message dropped (%d so far): %s", pub.session_id,
+                                   self.bad_envelopes, logsafe(exc))
+                spaces.append(-space)  # never routed: released with the messages before it
+                return
+            entries.append(TransferEntry(exchange, default_key if key is None else key, body, headers))
+            spaces.append(space)
+
+        polled = 0
+        while polled < MAX_MESSAGES_PER_CYCLE:
+            count = image.poll(sub_id, on_message, _POLL_FRAGMENTS)
+            if not count:
+                break
+            polled += count
+        if not spaces:
+            return False
+        if polled >= MAX_MESSAGES_PER_CYCLE:
+            pub.woken = True
+            self.datapath.wake()  # more to route: the next cycle comes at once
+        total = 0
+        for space in spaces:
+            total += abs(space)
+        image.hold(sub_id, total)
+        session = pub.session
+        tid = 0
+        if entries:
+            tid, sizes = session.transfers.receive_unchecked(entries)
+            pub.messages += len(entries)
+        pending = pub.pending
+        next_tid = tid
+        for space in spaces:
+            if space < 0:
+                pending.append((0, -space))
+            else:
+                pending.append((next_tid, space))
+                next_tid += 1
+        if entries:
+            self.datapath.core.route(session, tid, entries, sizes)
+        self._drain_outbox(pub, now_ns)
+        return True
+
+    def _drain_outbox(self, pub: UdpPublication, now_ns: int) -> bool:
+        """Relay the publication session's frames, release completed holds, set the window; True if the
+        consumption position or the window moved."""
+        session = pub.session
+        owner = pub.owner
+        for frame in session.collect(now_ns):
+            kind = type(frame)
+            if kind is FlowStopped or kind is FlowResumed:
+                owner.send(frame)
+            elif kind is Error:
+                assert isinstance(frame, Error)
+                owner.send(Error(frame.code, frame.text, None, None, frame.destination, pub.session_id))
+        moved = self._release(pub)
+        return self._apply_window(pub) or moved
+
+    def _release(self, pub: UdpPublication) -> bool:
+        image = pub.image
+        pending = pub.pending
+        if image is None or not pending:
+            return False
+        cumulative = pub.session.transfers.completed.cumulative
+        released = 0
+        while pending and pending[0][0] <= cumulative:
+            released += pending.popleft()[1]
+        if released:
+            image.release(pub.subscription.subscription_id, released)
+        return bool(released)
+
+    def _apply_window(self, pub: UdpPublication) -> bool:
+        image = pub.image
+        if image is None:
+            return False
+        session = pub.session
+        config = self.datapath.config
+        if session.credit_waiting or not session.open:
+            cap = 0
+        else:
+            cap = min(max(session.buffer_size, config.min_receiver_window), config.max_receiver_window)
+        if image.window_cap == cap:
+            return False
+        image.window_cap = cap
+        return True
 
     def deadline_ns(self, now_ns: int) -> int:
-        return now_ns + 1_000_000_000
+        deadline = now_ns + 1_000_000_000
+        for pub in self.publications.values():
+            deadline = min(deadline, pub.channel.next_deadline_ns(now_ns))
+        return deadline

@@ -1,0 +1,266 @@
+"""The broker's UDP ingress in memory (no trio, no sockets): a transport `Publication` and the broker's
+`DataPath` exchange datagrams by hand. Over UDP the image's window is the producer's credit and the
+consumption position its completion point: a saturated queue stops it, draining the queue moves it on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowbroker.broker.udp.datapath import DataPath
+from flowbroker.protocol.envelope import encode_publish
+from flowbroker.protocol.frames import ClosePublication, Error, FlowResumed, FlowStopped, RegisterPublication
+from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
+from tests.broker.coreharness import Harness, Producer
+
+ENDPOINT = ("127.0.0.1", 5682)
+SOURCE = ("127.0.0.1", 40001)
+MS = 1_000_000
+
+
+class Rig:
+    """A broker core with its data path, one owner connection, and a publication registered by it."""
+
+    def __init__(self, *, stream_id: int = 1001, **sections: dict[str, Any]) -> None:
+        sections.setdefault("credit", {"policy": "static", "static_size": 64 * 1024})
+        self.h = Harness(**sections)
+        self.core = self.h.core
+        self.wakes = 0
+        self.datapath = DataPath(self.h.config.udp, self.core, ENDPOINT, self._wake, seed=7)
+        self.core.udp = self.datapath
+        self.owner: Producer = self.h.producer("owner")
+        self.owner.session.peer_host = SOURCE[0]
+        answer = self.owner.ok(lambda rid: RegisterPublication(rid, "", "q", stream_id, SOURCE[1]))
+        self.answer = answer
+        self.session_id: int = answer["session_id"]
+        udp = self.h.config.udp
+        self.pub = Publication(
+            PublicationConfig(self.session_id, stream_id, term_length=udp.term_length, mtu=udp.mtu,
+                              max_messages_per_send=64),
+            self.h.now, destination=ENDPOINT,
+        )
+
+    def _wake(self) -> None:
+        self.wakes += 1
+
+    def cycle(self, rounds: int = 3, step_ms: int = 1) -> None:
+        """Datagrams both ways until quiet, advancing the clock a little each round."""
+        for _ in range(rounds):
+            self.h.t[0] += step_ms * MS
+            now = self.h.now
+            for datagram, address in self.pub.do_work(now):
+                assert address == ENDPOINT
+                self.datapath.on_datagram(datagram, SOURCE, now)
+            for datagram, address in self.datapath.do_work(now):
+                assert address == SOURCE
+                self.pub.on_datagram(datagram, ENDPOINT, now)
+
+    def offer_all(self, bodies: list[bytes], rounds: int = 200) -> int:
+        """Offer every body in order, cycling while back-pressured; returns how many were offered."""
+        sent = 0
+        for _ in range(rounds):
+            while sent < len(bodies):
+                if self.pub.offer(encode_publish(bodies[sent])) < 0:
+                    break
+                sent += 1
+            self.cycle()
+            if sent == len(bodies):
+                break
+        return sent
+
+    @property
+    def image(self) -> Any:
+        return self.datapath.ingress.publications[self.session_id].image
+
+    def bodies(self, queue: str = "q") -> list[bytes]:
+        return [m.body for m in self.core.queues[queue].store]
+
+
+def test_registration_answers_the_session_and_geometry_and_opens_a_producer_session() -> None:
+    rig = Rig()
+    rig.h.queue("q")
+    udp = rig.h.config.udp
+    assert rig.answer["endpoint"] == "127.0.0.1:5682" and rig.answer["stream_id"] == 1001
+    assert (rig.answer["term_length"], rig.answer["mtu"]) == (udp.term_length, udp.mtu)
+    pub_session = rig.core.sessions[rig.answer["connection"]]
+    assert pub_session.client_name == f"owner udp:{rig.session_id}"
+    assert pub_session.conn_id in rig.core.credit.producer_ids
+
+
+def test_messages_are_routed_in_order_and_the_window_is_the_credit_grant() -> None:
+    rig = Rig()
+    rig.h.queue("q")
+    bodies = [b"m%05d" % i for i in range(500)]
+    assert rig.offer_all(bodies) == 500
+    rig.cycle()
+    assert rig.bodies() == bodies
+    assert rig.image.window_cap == 64 * 1024  # the static grant
+    assert rig.image.statistics().consumption_position == rig.pub.position  # all completed
+
+
+def test_a_saturated_queue_closes_the_window_and_draining_it_reopens_it() -> None:
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=10, flow_resume_count=5)
+    body = b"x" * 1000
+    total = 1500  # more than the publication's window (pub-wnd: term_length / 2) can buffer
+    sent = rig.offer_all([body] * total, rounds=30)
+    assert sent < total  # back-pressured: the broker's window closed, the sender stopped, the term filled
+    assert rig.pub.offer(encode_publish(body)) == OfferResult.BACK_PRESSURED
+    queue = rig.core.queues["q"]
+    # past the stop threshold by at most one window of messages (each 1,000 B + 32 B header + 1 B envelope)
+    assert 10 < len(queue.store) <= 10 + 64 * 1024 // 1056 + 1
+    rig.owner.pump()
+    stops = rig.owner.received(FlowStopped)
+    assert [s.destination for s in stops] == ["q"]
+    before = rig.image.statistics().consumption_position
+    rig.cycle(rounds=10, step_ms=300)  # time passes: nothing moves while the queue is saturated
+    assert rig.image.statistics().consumption_position == before
+    rig.owner.pump()
+    assert rig.core.delete_queue("q") or True
+    rig.h.queue("q")  # a fresh queue: the held transfers were released by the delete
+    rig.cycle(rounds=5)
+    rig.owner.pump()
+    assert rig.image.statistics().consumption_position > before
+    rest = rig.offer_all([body] * (total - sent))
+    assert rest == total - sent
+
+
+def test_resume_releases_the_holds_in_order() -> None:
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=20, flow_resume_count=10)
+    bodies = [b"%04d" % i + b"y" * 500 for i in range(300)]
+    sent = rig.offer_all(bodies, rounds=20)
+    assert rig.pub.sender_position < rig.pub.position  # stopped on the queue
+    consumer = rig.h.consumer("c")
+    consumer.subscribe("q", prefetch=7)
+    for _ in range(500):
+        consumer.pump()
+        consumer.ack()  # a consumer that takes and settles everything, 7 at a time
+        rig.cycle(rounds=1)
+        while sent < len(bodies) and rig.pub.offer(encode_publish(bodies[sent])) > 0:
+            sent += 1
+        if len(consumer.bodies()) == len(bodies):
+            break
+    assert consumer.bodies() == bodies
+    rig.owner.pump()
+    kinds = [type(f) for f in rig.owner.frames if isinstance(f, (FlowStopped, FlowResumed))]
+    assert kinds[:2] == [FlowStopped, FlowResumed]
+
+
+def test_stop_all_holds_udp_producers_too() -> None:
+    rig = Rig()
+    rig.h.queue("q")
+    rig.core.stop_all_producers()
+    sent = rig.offer_all([b"z" * 1000] * 200, rounds=20)
+    assert rig.pub.sender_position < rig.pub.position  # the broker's window closed: data waits in the term
+    rig.owner.pump()
+    stops = rig.owner.received(FlowStopped)
+    assert "*" in [s.destination for s in stops]
+    rig.core.start_all_producers()
+    assert rig.offer_all([b"z" * 1000] * (200 - sent)) == 200 - sent
+    rig.cycle()
+    assert len(rig.core.queues["q"].store) == 200
+
+
+def test_refusals_are_relayed_to_the_owner_with_the_session_id() -> None:
+    rig = Rig()  # no queue "q": every message is refused NOT_FOUND, and completed (the window moves on)
+    assert rig.offer_all([b"lost?"] * 50) == 50
+    rig.cycle()
+    rig.owner.pump()
+    errors = [e for e in rig.owner.errors if isinstance(e, Error)]
+    assert errors and all(e.session_id == rig.session_id and e.ref_id is None for e in errors)
+    assert rig.image.statistics().consumption_position == rig.pub.position
+
+
+def test_datagrams_that_are_not_the_registered_publications_are_refused_by_reason() -> None:
+    rig = Rig()
+    rig.h.queue("q")
+    rig.offer_all([b"a"])
+    setup_like = [d for d, _ in rig.pub.do_work(rig.h.now + 200 * MS)] or [b""]
+    refused = rig.datapath.refused
+    for datagram in setup_like:
+        if len(datagram) >= 20:
+            rig.datapath.on_datagram(datagram, ("127.0.0.1", SOURCE[1] + 1), rig.h.now)  # another port
+            rig.datapath.on_datagram(datagram, ("127.0.0.2", SOURCE[1]), rig.h.now)  # another host
+    assert refused["wrong_source"] >= 2
+    other = Publication(PublicationConfig(rig.session_id, 999, term_length=rig.h.config.udp.term_length,
+                                          mtu=rig.h.config.udp.mtu), rig.h.now, destination=ENDPOINT)
+    for datagram, _ in other.do_work(rig.h.now):
+        rig.datapath.on_datagram(datagram, SOURCE, rig.h.now)
+    assert refused["wrong_stream"] >= 1
+    assert len(rig.datapath.ingress.publications) == 1
+
+
+def test_a_setup_with_other_geometry_is_refused() -> None:
+    rig = Rig()
+    udp = rig.h.config.udp
+    for config, reason in (
+        (PublicationConfig(rig.session_id, 1001, term_length=udp.term_length * 2, mtu=udp.mtu), "setup_term_length"),
+        (PublicationConfig(rig.session_id, 1001, term_length=udp.term_length, mtu=udp.mtu * 2), "setup_mtu"),
+    ):
+        wrong = Publication(config, rig.h.now, destination=ENDPOINT)
+        for datagram, _ in wrong.do_work(rig.h.now):
+            rig.datapath.on_datagram(datagram, SOURCE, rig.h.now)
+        assert rig.datapath.refused[reason] == 1
+    assert rig.image is None
+
+
+def test_closing_the_publication_or_its_owner_ends_it() -> None:
+    rig = Rig()
+    rig.h.queue("q")
+    rig.offer_all([b"a"] * 10)
+    pub_conn = rig.answer["connection"]
+    assert rig.owner.ok(lambda rid: ClosePublication(rid, rig.session_id)) == {"session_id": rig.session_id,
+                                                                                "messages": 10}
+    assert rig.datapath.ingress.publications == {} and pub_conn not in rig.core.sessions
+    assert rig.session_id not in rig.datapath.session_ids.live
+    again = rig.owner.ok(lambda rid: RegisterPublication(rid, "", "q", 1001, SOURCE[1]))
+    rig.owner.close()
+    assert rig.datapath.ingress.publications == {}
+    assert again["connection"] not in rig.core.sessions
+
+
+def test_registrations_are_bounded() -> None:
+    rig = Rig(udp={"max_publications_per_connection": 1})
+    answer = rig.owner.request(lambda rid: RegisterPublication(rid, "", "q", 1002, SOURCE[1] + 1))
+    assert isinstance(answer, Error) and "max_publications_per_connection 1" in answer.text
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=120), st.integers(0, 2**32))
+def test_every_message_lands_once_in_order_and_the_held_bytes_stay_within_the_window(
+    sizes: list[int], seed: int
+) -> None:
+    import random
+
+    rng = random.Random(seed)
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=15, flow_resume_count=5)
+    consumer = rig.h.consumer("c")
+    consumer.subscribe("q", prefetch=10)
+    bodies = [b"%06d" % i + b"b" * n for i, n in enumerate(sizes)]
+    sent = 0
+    for _ in range(3000):
+        while sent < len(bodies) and rig.pub.offer(encode_publish(bodies[sent])) > 0:
+            sent += 1
+        now = rig.h.now
+        for datagram, _ in rig.pub.do_work(now):  # 5 % lost each way
+            if rng.random() > 0.05:
+                rig.datapath.on_datagram(datagram, SOURCE, now)
+        for datagram, _ in rig.datapath.do_work(now):
+            if rng.random() > 0.05:
+                rig.pub.on_datagram(datagram, ENDPOINT, now)
+        rig.h.t[0] += rng.choice([1, 5, 50]) * MS
+        image = rig.image
+        if image is not None:
+            sub_id = rig.datapath.ingress.publications[rig.session_id].subscription.subscription_id
+            # what the broker holds for this producer (routed, not completed) stays within its window
+            assert image.subscriber_hold(sub_id) <= image.window_length
+        if rng.random() < 0.3:
+            consumer.pump()
+            consumer.ack()
+        if len(consumer.bodies()) == len(bodies):
+            break
+    assert consumer.bodies() == bodies
