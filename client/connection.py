@@ -98,6 +98,7 @@ from flowbroker.protocol.producer import ProducerLedger
 if TYPE_CHECKING:
     from flowbroker.client.consumer import Consumer
     from flowbroker.client.producer import Producer
+    from flowbroker.client.udpproducer import UdpProducer
 
 __all__ = ["Connection", "ConnectionStatistics", "TRANSFER_BATCH", "REQUEST_ID_BASE", "RECEIVE_SIZE"]
 
@@ -232,6 +233,7 @@ class Connection:
         self._requests: dict[int, _PendingRequest] = {}
         self._consumers: dict[int, Consumer] = {}
         self._next_subscription_id = 1
+        self._udp_producers: dict[int, UdpProducer] = {}  # by the session id of their UDP publication
         now = trio.current_time()
         self._receiver_window = ReceiverWindow(0, opaque=0, last_sent_ns=int(now * 1e9))
         """The connection-level consumer byte positions (counted whatever the size: see consumer.py)."""
@@ -548,14 +550,49 @@ class Connection:
         window: int = 1000,
         send_timeout: float = 60.0,
         mandatory: bool = False,
+        transport: str = "tcp",
+        stream_id: int | None = None,
+        udp_endpoint: str | None = None,
     ) -> Producer:
         """A producer on this connection. `window` bounds its uncompleted transfers (Qpid's capacity);
         `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever);
         `mandatory`: a message the exchange routes to no queue is a refusal (`Unroutable`), raised like
-        the others, instead of only counted in `statistics().unroutable`."""
+        the others, instead of only counted in `statistics().unroutable`.
+
+        `transport="udp"`: the messages go over the broker's UDP data path (an Aeron publication on
+        `stream_id`, default 1001, registered over this connection; `udp_endpoint` "host:port" overrides
+        the broker's UDP endpoint). The producer behaves the same (client/udpproducer.py)."""
+        if transport == "udp":
+            from flowbroker.client.udpproducer import DEFAULT_PUBLICATION_STREAM, UdpProducer
+
+            return UdpProducer(self, exchange, routing_key, window=window, send_timeout=send_timeout,
+                               mandatory=mandatory, stream_id=DEFAULT_PUBLICATION_STREAM if stream_id is None
+                               else stream_id, udp_endpoint=udp_endpoint)
+        if transport != "tcp":
+            raise ValueError(f"transport must be \"tcp\" or \"udp\", not {transport!r}")
         from flowbroker.client.producer import Producer
 
         return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)
+
+    def _local_host(self) -> str:
+        """The address of this end of the TCP connection: where a UDP socket of ours binds, so the broker
+        sees our datagrams come from the host it knows us by."""
+        return self._socket_address(getpeer=False) or "127.0.0.1"
+
+    def _peer_host(self) -> str | None:
+        return self._socket_address(getpeer=True)
+
+    def _socket_address(self, *, getpeer: bool) -> str | None:
+        stream: Any = self._stream
+        while isinstance(stream, trio.SSLStream):
+            stream = stream.transport_stream
+        if isinstance(stream, trio.SocketStream):
+            try:
+                address = stream.socket.getpeername() if getpeer else stream.socket.getsockname()
+            except OSError:
+                return None
+            return str(address[0])
+        return None
 
     async def _wait_outstanding(self, producers: Collection[Producer], deadline: float) -> None:
         """Wait until none of `producers` has an uncompleted transfer, the connection is closed (they
@@ -891,6 +928,11 @@ class Connection:
                 if pending.on_error is not None:
                     pending.on_error()
                 pending.event.set()
+                return
+        elif frame.session_id is not None:
+            udp_producer = self._udp_producers.get(frame.session_id)
+            if udp_producer is not None:  # a refusal of a message that came over UDP
+                udp_producer._on_error(publish_error(frame.code, frame.text, frame.destination))
                 return
         elif ref is not None:
             producer = self._producer_of(ref)

@@ -441,8 +441,23 @@ class Image:
             self._sm_pending = True
 
     def _send_status_message(self, out: list[bytes], now_ns: int) -> None:
-        if self._sm_pending or now_ns - self._time_of_last_sm_ns > self.timers.sm_timeout_ns:
+        if self._sm_pending:
             self._emit_sm(out, now_ns, 0)
+        elif now_ns - self._time_of_last_sm_ns > self.timers.sm_timeout_ns:
+            # The periodic SM reports the consumption position as it is now, not as it was when the
+            # position last moved a quarter window: otherwise the last quarter of a stream that then
+            # goes quiet would never be reported (the sender could not learn it was consumed).
+            self.next_sm_position = max(self.next_sm_position, self._consumption_positions()[0])
+            self._emit_sm(out, now_ns, 0)
+
+    def report_now(self) -> None:
+        """Send an SM with the consumption position as it is now at the next duty cycle, below the quarter
+        window that normally triggers one: for an owner that knows its sender waits for exactly that
+        (the broker once it has completed everything it received, so a producer's flush ends at once)."""
+        position = self._consumption_positions()[0]
+        if position > self.next_sm_position:
+            self.next_sm_position = position
+            self._sm_pending = True
 
     def _emit_sm(self, out: list[bytes], now_ns: int, flags: int) -> None:
         position = self.next_sm_position

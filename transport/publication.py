@@ -183,6 +183,7 @@ class _Receiver:
     address: Address
     last_sm_ns: int
     window: int = 0
+    position: int = 0  # the consumption position of its last SM
 
 
 class Publication:
@@ -298,6 +299,16 @@ class Publication:
         return self.appender.position
 
     @property
+    def consumption_position(self) -> int:
+        """The lowest consumption position the live receivers' status messages report (the start position
+        before any): how far every receiver has *consumed*. Over flowbroker's UDP data path that is the
+        broker's completion point, so a producer's messages below it are complete."""
+        receivers = self._receivers
+        if not receivers:
+            return self.start_position
+        return min(r.position for r in receivers.values())
+
+    @property
     def is_closed(self) -> bool:
         return self._state is not _State.ACTIVE
 
@@ -409,6 +420,10 @@ class Publication:
                 receiver = self._receivers[sm.receiver_id] = _Receiver(source, now_ns)
             receiver.last_sm_ns = now_ns
             receiver.window = sm.receiver_window
+            position = compute_position(sm.consumption_term_id, sm.consumption_term_offset,
+                                        self.position_bits_to_shift, self.initial_term_id)
+            if position > receiver.position:
+                receiver.position = position
             self._receiver_window = sm.receiver_window
             if not self._has_initial_connection:
                 self._has_initial_connection = True

@@ -315,7 +315,10 @@ class Ingress:
         while pending and pending[0][0] <= cumulative:
             released += pending.popleft()[1]
         if released:
-            image.release(pub.subscription.subscription_id, released)
+            sub_id = pub.subscription.subscription_id
+            image.release(sub_id, released)
+            if not pending and image.rebuild_position == image.subscriber_position(sub_id):
+                image.report_now()  # caught up: the producer may be waiting for exactly this (flush)
         return bool(released)
 
     def _apply_window(self, pub: UdpPublication) -> bool:

@@ -1,0 +1,329 @@
+"""A producer whose messages travel over UDP, the Aeron data path (docs/client.md, "Producing over UDP").
+
+`conn.producer(..., transport="udp")` returns one. It behaves like the TCP `Producer` (it is one: the same
+deadlines, errors, statistics, flow events and end-of-block report) but sends each message as an Aeron
+DATA frame of its own `Publication` to the broker's UDP endpoint, registered over the TCP connection:
+
+- on first use it binds a UDP socket on the TCP connection's local address, sends REGISTER_PUBLICATION
+  (exchange, default routing key, stream id, its UDP port) and gets the session id, term length and mtu
+  to publish with;
+- the broker's status messages pace it: their window is this producer's credit grant and their
+  consumption position is the broker's completion point. `send` offers the message to the publication's
+  term and returns its position; while the term is full (the broker's window closed: a saturated queue,
+  a stop-all, the memory alarm) it waits, at most `timeout`, then raises `FlowControlTimeout` naming the
+  flow-stopped queues (`block=False`: `FlowControlled` at once);
+- a message is complete once the consumption position passes it: `flush()` waits for that, and raises
+  the refusals the broker relayed for this publication (ERROR with its session id), typed as for TCP.
+  Leaving the producer's `async with` flushes (at most `close_timeout`) and closes the publication.
+
+A message carries its routing key and headers only when they differ from the registration's (the
+envelope of protocol/envelope.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, describe_stopped
+from flowbroker.client.producer import _HEADER_TYPES, Producer, _refusal
+from flowbroker.protocol import ErrorCode, Headers
+from flowbroker.protocol.envelope import encode_publish
+from flowbroker.protocol.frames import ClosePublication, RegisterPublication
+from flowbroker.transport.drivers import OfferVerdict, offer_verdict
+from flowbroker.transport.publication import Publication, PublicationConfig
+from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
+
+if TYPE_CHECKING:
+    from flowbroker.client.connection import Connection
+
+__all__ = ["UdpProducer", "DEFAULT_PUBLICATION_STREAM"]
+
+log = logging.getLogger("flowbroker.client")
+
+DEFAULT_PUBLICATION_STREAM = 1001
+"""The Aeron stream id a UDP producer publishes on unless given one."""
+
+PUBLICATION_WINDOW = 256 * 1024
+"""Bytes the application may offer beyond what the broker's window lets the publication send (Aeron's
+pub-wnd): how much a producer buffers on its own side before `send` waits."""
+
+_LINGER_NS = 100_000_000  # after close: keep answering NAKs this long (the broker has completed everything)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class UdpProducer(Producer):
+    """A `Producer` over the UDP data path. Create it with `conn.producer(..., transport="udp")`."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        exchange: str,
+        routing_key: str,
+        *,
+        window: int = 1000,
+        send_timeout: float = 60.0,
+        mandatory: bool = False,
+        stream_id: int = DEFAULT_PUBLICATION_STREAM,
+        udp_endpoint: str | None = None,
+    ) -> None:
+        super().__init__(conn, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)
+        self.stream_id = stream_id
+        self.udp_endpoint = udp_endpoint
+        """The broker's UDP endpoint as host:port; None: the one REGISTER_PUBLICATION answers."""
+        self.session_id: int | None = None
+        self.publication: Publication | None = None
+        self._endpoint: UdpEndpoint | None = None
+        self._broker: tuple[str, int] | None = None
+        self._ends: collections.deque[int] = collections.deque()
+        """The end position of each message sent and not yet complete, in order."""
+        self._opening: trio.Lock = trio.Lock()
+        self._dirty = trio.Event()
+        self._done = trio.Event()
+        self._closed = False
+        self._scope = trio.CancelScope()  # the run task's: aclose ends it
+
+    # -------------------------------------------------------------- state
+
+    def has_credit(self) -> bool:
+        """A message may be offered now without waiting (the publication's term has room)."""
+        pub = self.publication
+        return (pub is not None and self._outstanding < self.window and pub.is_connected
+                and pub.position < pub.publication_limit)
+
+    def _describe_wait(self) -> str:
+        pub = self.publication
+        if pub is None:
+            return "UDP publication not registered yet"
+        return (f"{self._outstanding}/{self.window} messages not complete, UDP publication {self.session_id}: "
+                f"position {pub.position}, limit {pub.publication_limit}, broker's window "
+                f"{pub.statistics().receiver_window} bytes")
+
+    def _limit_name(self) -> str:
+        if self._conn.is_closed:
+            return "closed"
+        return "window" if self._outstanding >= self.window else "buffer"
+
+    # -------------------------------------------------------------- opening
+
+    async def open(self, timeout: float | None = None) -> None:
+        """Register the publication with the broker (done by the first `send` if not called)."""
+        async with self._opening:
+            if self.publication is not None:
+                return
+            conn = self._conn
+            conn._check_open()
+            local_host = conn._local_host()
+            endpoint = open_udp((local_host, 0), so_rcvbuf=1 << 20, so_sndbuf=1 << 20)
+            try:
+                port = int(endpoint.local_address[1])
+                answer: dict[str, Any] = await conn._request(
+                    lambda rid: RegisterPublication(rid, self.exchange, self.routing_key, self.stream_id, port),
+                    timeout,
+                )
+            except BaseException:
+                endpoint.close()
+                raise
+            host, broker_port = _host_port(self.udp_endpoint or str(answer["endpoint"]))
+            if host in ("0.0.0.0", "::", ""):
+                host = conn._peer_host() or host
+            self.session_id = int(answer["session_id"])
+            config = PublicationConfig(
+                session_id=self.session_id, stream_id=self.stream_id, term_length=int(answer["term_length"]),
+                mtu=int(answer["mtu"]), initial_term_id=random.randrange(-(2**31), 2**31),
+                publication_window=min(PUBLICATION_WINDOW, int(answer["term_length"]) // 2),
+                max_messages_per_send=1024, linger_ns=_LINGER_NS,
+            )
+            self._endpoint = endpoint
+            self._broker = (host, broker_port)
+            self.publication = Publication(config, now_ns(), destination=self._broker)
+            conn._udp_producers[self.session_id] = self
+            assert conn._nursery is not None
+            conn._nursery.start_soon(conn._contained, self._run, f"UDP publication {self.session_id}")
+            self._send_now()
+
+    # -------------------------------------------------------------- sending
+
+    async def send(
+        self,
+        body: bytes,
+        headers: Headers | None = None,
+        routing_key: str | None = None,
+        *,
+        timeout: float | None = None,
+        block: bool = True,
+    ) -> int:
+        """Offer one message to the publication; returns the position after it (its completion point).
+
+        Waits while the broker's window is closed, at most `timeout` seconds (None: `send_timeout`;
+        math.inf: no deadline), then raises `FlowControlTimeout`; `block=False` raises `FlowControlled` at
+        once instead. Refuses what the broker could not take before sending, as the TCP producer does."""
+        conn = self._conn
+        await trio.lowlevel.checkpoint_if_cancelled()
+        conn._check_open()
+        if self.publication is None:
+            await self.open()
+        pub = self.publication
+        assert pub is not None
+        if not isinstance(body, bytes):
+            raise TypeError(f"body must be bytes, not {type(body).__name__}")
+        key = self.routing_key if routing_key is None else routing_key
+        if headers and (
+            type(headers) is not dict or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())
+        ):
+            raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
+        refusal = _refusal(self.exchange, key, body, headers, conn.welcome.max_message_size)
+        if refusal is not None:
+            raise refusal
+        payload = encode_publish(body, None if key == self.routing_key else key, headers)
+        if len(payload) > pub.max_message_length:
+            raise ValueError(f"a message of {len(payload)} bytes exceeds the UDP publication's maximum "
+                             f"{pub.max_message_length} (term_length / 8); send it over TCP")
+        timeout = self.send_timeout if timeout is None else timeout
+        deadline = trio.current_time() + timeout if timeout != math.inf else math.inf
+        waited_since: float | None = None
+        try:
+            while True:
+                if self._closed:
+                    raise ConnectionClosed(ErrorCode.NORMAL, f"UDP publication {self.session_id} is closed")
+                if self._outstanding < self.window:
+                    result = pub.offer(payload)
+                    verdict = offer_verdict(result)
+                else:  # the producer's own window of messages not yet complete is full
+                    verdict = OfferVerdict.WAIT
+                if verdict is OfferVerdict.DONE:
+                    if result < 0:
+                        raise ConnectionClosed(ErrorCode.INTERNAL_ERROR,
+                                               f"UDP publication {self.session_id} cannot send (offer {result})")
+                    break
+                if verdict is OfferVerdict.RETRY_NOW:
+                    continue
+                if not block:
+                    self._blocked_count += 1
+                    raise FlowControlled(f"no credit ({self._describe_wait()})", conn.flow_state.destinations,
+                                         self._limit_name())
+                if waited_since is None:
+                    waited_since = trio.current_time()
+                    self._blocked_count += 1
+                    self._send_now()
+                if trio.current_time() >= deadline:
+                    destinations = conn.flow_state.destinations
+                    stopped = f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
+                    raise FlowControlTimeout(f"send timed out after {timeout:g} s ({self._describe_wait()}{stopped})",
+                                             destinations, self._limit_name(), timeout)
+                with trio.move_on_at(deadline):
+                    await conn._wait_credit()
+                conn._check_open()
+        finally:
+            if waited_since is not None:
+                self._blocked_seconds += trio.current_time() - waited_since
+        self._ends.append(result)
+        self._outstanding += 1
+        if self._outstanding == 1:
+            conn._active_producers[self] = None
+        # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
+        # a burst of sends packs several messages into each datagram.
+        if result - pub.sender_position >= pub.mtu:
+            self._send_now()
+        else:
+            self._dirty.set()
+        return result
+
+    def _send_now(self) -> None:
+        pub, endpoint = self.publication, self._endpoint
+        if pub is None or endpoint is None or endpoint.closed:
+            return
+        for datagram, address in pub.do_work(now_ns()):
+            endpoint.send(datagram, address)  # type: ignore[arg-type]
+
+    def _on_progress(self) -> None:
+        """Status messages arrived: count the messages the broker's consumption position passed, wake waiters."""
+        pub = self.publication
+        assert pub is not None
+        position = pub.consumption_position
+        ends = self._ends
+        done = 0
+        while ends and ends[0] <= position:
+            ends.popleft()
+            done += 1
+        if done:
+            self._on_completed(done)
+        self._conn._credit_lot.unpark_all()
+
+    # -------------------------------------------------------------- the task
+
+    async def _run(self) -> None:
+        """Status messages, NAKs and timers in; data, SETUPs and heartbeats out, until closed."""
+        pub, endpoint = self.publication, self._endpoint
+        assert pub is not None and endpoint is not None
+        try:
+            with self._scope:
+                await self._serve(pub, endpoint)
+        finally:
+            endpoint.close()
+            self._done.set()
+            self._conn._credit_lot.unpark_all()
+
+    async def _serve(self, pub: Publication, endpoint: UdpEndpoint) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sender)
+            while not pub.is_done:
+                batch: list[tuple[bytes, tuple[str, int]]] = []
+                with trio.move_on_at(pub.next_deadline_ns() / 1_000_000_000):
+                    batch = await endpoint.receive_batch(DEFAULT_BATCH)
+                now = now_ns()
+                for datagram, source in batch:
+                    pub.on_datagram(datagram, source, now)
+                self._send_now()
+                if batch:
+                    self._on_progress()
+            nursery.cancel_scope.cancel()
+
+    async def _sender(self) -> None:
+        """Sends what `send` left for later (less than a datagram), once the sending task yields."""
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            self._send_now()
+
+    # -------------------------------------------------------------- closing
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Close the publication: CLOSE_PUBLICATION to the broker, then its socket. Messages not yet
+        complete are not waited for (`flush()` first, or leave the `async with` block, which does); the
+        broker forgets the publication at once, so nothing more is sent on it (no end of stream)."""
+        if self._closed or self.publication is None:
+            self._closed = True
+            return
+        self._closed = True
+        conn = self._conn
+        session_id = self.session_id
+        assert session_id is not None
+        if not conn.is_closed:
+            try:
+                await conn._request(lambda rid: ClosePublication(rid, session_id), timeout)
+            except Exception as exc:  # the connection is going away: the broker ends it with the connection
+                log.debug("closing UDP publication %s: %s", session_id, exc)
+        conn._udp_producers.pop(session_id, None)
+        self._scope.cancel()
+        with trio.move_on_after(conn.close_timeout):
+            await self._done.wait()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await super().__aexit__(exc_type, exc, tb)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.aclose()
