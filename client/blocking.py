@@ -262,10 +262,14 @@ class BlockingConnection:
         window: int = 1000,
         send_timeout: float = 60.0,
         mandatory: bool = False,
+        transport: str = "tcp",
+        stream_id: int | None = None,
+        udp_endpoint: str | None = None,
     ) -> BlockingProducer:
+        """`Connection.producer`; `transport="udp"` sends over the broker's UDP data path."""
         producer = self._run_sync(
             self.connection.producer, exchange, routing_key, window=window, send_timeout=send_timeout,
-            mandatory=mandatory,
+            mandatory=mandatory, transport=transport, stream_id=stream_id, udp_endpoint=udp_endpoint,
         )
         return BlockingProducer(self, producer)
 

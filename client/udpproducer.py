@@ -151,6 +151,19 @@ class UdpProducer(Producer):
             assert conn._nursery is not None
             conn._nursery.start_soon(conn._contained, self._run, f"UDP publication {self.session_id}")
             self._send_now()
+            # Connected once the broker's image answered the SETUP with a status message: only then does
+            # `send(block=False)` mean what it says (no window yet is not a closed window).
+            limit = conn.request_timeout if timeout is None else timeout
+            with trio.move_on_after(limit):
+                while not self.publication.is_connected:
+                    conn._check_open()
+                    await conn._wait_credit()
+            if not self.publication.is_connected:
+                raise ConnectionClosed(
+                    ErrorCode.IDLE_TIMEOUT,
+                    f"UDP publication {self.session_id}: no status message from the broker's UDP endpoint "
+                    f"{host}:{broker_port} within {limit:g} s; is UDP from this host to it allowed?",
+                )
 
     # -------------------------------------------------------------- sending
 

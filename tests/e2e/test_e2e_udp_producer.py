@@ -1,0 +1,211 @@
+"""Producers over UDP end to end: the SDK's `conn.producer(..., transport="udp")` against a real
+`BrokerServer`, over real UDP and TCP sockets on 127.0.0.1.
+
+The broker's image window is the producer's credit and its consumption position the completion point:
+a saturated queue closes the window (FLOW_STOPPED over TCP), draining it reopens it (FLOW_RESUMED); the
+queue never passes its stop threshold by more than one window; stop-all holds UDP producers as it holds
+TCP ones; refusals come back to the producer; closing the TCP connection ends the publication.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+
+import flowbroker.client as fc
+from flowbroker.client import blocking
+from flowbroker.client.udpproducer import UdpProducer
+from tests.conftest import RunningBroker
+
+LIMIT = 20.0
+BODY = b"u" * 1024
+# One message in the image's window: 1,024 B + 1 B envelope + 32 B header, 32-aligned.
+FRAME = 1088
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = LIMIT) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+Start = Callable[..., Awaitable[RunningBroker]]
+
+
+async def test_a_udp_producer_ten_times_faster_than_its_consumer_is_paced(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
+    stop_count = 100
+    window_messages = 64 * 1024 // FRAME + 1
+    total = 1500
+    got: list[bytes] = []
+    depth_max = 0
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("paced", flow_stop_count=stop_count, flow_resume_count=50)
+        queue = broker.core.queues["paced"]
+
+        async def consume() -> None:
+            async with conn.consumer("paced", prefetch=20) as consumer:
+                while len(got) < total:
+                    msg = await consumer.receive(timeout=LIMIT)
+                    await trio.sleep(0.0005)  # a slow consumer
+                    await msg.ack()
+                    got.append(msg.body)
+
+        async def watch() -> None:
+            nonlocal depth_max
+            while len(got) < total:
+                depth_max = max(depth_max, len(queue.store))
+                await trio.sleep(0)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume)
+                nursery.start_soon(watch)
+                async with conn.producer("", "paced", transport="udp") as producer:
+                    assert isinstance(producer, UdpProducer)
+                    for i in range(total):
+                        await producer.send(b"%06d" % i + BODY)
+                    await producer.flush()
+    assert got == [b"%06d" % i + BODY for i in range(total)]
+    assert stop_count < depth_max <= stop_count + window_messages
+    assert broker.core.udp is not None and broker.core.udp.refused.total() == 0
+
+
+async def test_saturation_closes_the_window_and_draining_reopens_it(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("full", flow_stop_count=50, flow_resume_count=10)
+        async with conn.producer("", "full", transport="udp", send_timeout=LIMIT) as producer:
+            async with producer.flow_events() as events:
+                with trio.fail_after(LIMIT):
+                    sent = 0
+                    while True:  # until the broker's window closes and the publication's term fills
+                        try:
+                            await producer.send(BODY, block=False)
+                        except fc.FlowControlled as exc:
+                            assert "full" in exc.destinations
+                            break
+                        sent += 1
+                        if sent % 64 == 0:
+                            await trio.sleep(0.001)
+                    event = await events.get()
+                    assert event is not None and (event.kind, event.destination) == ("stopped", "full")
+                with pytest.raises(fc.FlowControlTimeout) as info:
+                    await producer.send(BODY, timeout=0.3)
+                assert "full" in info.value.destinations and "full" in str(info.value)
+                received = 0
+                async with conn.consumer("full", prefetch=100) as consumer:
+                    with trio.fail_after(LIMIT):
+                        while True:
+                            event = events.get_nowait()
+                            if event is not None and event.kind == "resumed":
+                                assert event.destination == "full"
+                                break
+                            msg = await consumer.receive()
+                            await msg.ack()
+                            received += 1
+                    await producer.send(BODY, timeout=LIMIT)  # the window is open again
+
+                    async def drain() -> None:
+                        nonlocal received
+                        while received < sent + 1:
+                            await (await consumer.receive()).ack()
+                            received += 1
+
+                    with trio.fail_after(LIMIT):
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(drain)
+                            await producer.flush()
+    assert received == sent + 1 and broker.core.queues["full"].store.__len__() == 0
+
+
+async def test_stop_all_holds_udp_producers(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        async with conn.producer("", "q", transport="udp") as producer:
+            await producer.send(b"before")
+            await producer.flush(timeout=LIMIT)
+            broker.core.stop_all_producers()
+            await producer.send(b"held")
+            with pytest.raises(fc.FlowControlTimeout) as info:
+                await producer.flush(timeout=0.5)
+            assert "*" in info.value.destinations
+            broker.core.start_all_producers()
+            await producer.flush(timeout=LIMIT)
+    assert [m.body for m in broker.core.queues["q"].store] == [b"before", b"held"]
+
+
+async def test_refusals_come_back_to_the_producer_and_routing_keys_travel(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("a")
+        await conn.declare_queue("b")
+        async with conn.producer("", "a", transport="udp") as producer:
+            await producer.send(b"to a")
+            await producer.send(b"to b", routing_key="b", headers={"k": "v"})
+            await producer.send(b"to nowhere", routing_key="missing")
+            with pytest.raises(fc.NotFound) as info:
+                await producer.flush(timeout=LIMIT)
+            assert info.value.destination == "missing"
+            await producer.flush(timeout=LIMIT)  # reported once
+    assert [(m.body, m.headers) for m in broker.core.queues["a"].store] == [(b"to a", None)]
+    assert [(m.body, m.headers) for m in broker.core.queues["b"].store] == [(b"to b", {"k": "v"})]
+
+
+async def test_closing_the_connection_ends_its_publications(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    datapath = broker.core.udp
+    assert datapath is not None
+    sessions_before = len(broker.core.sessions)
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        producer = conn.producer("", "q", transport="udp")
+        await producer.send(b"x")
+        await producer.flush(timeout=LIMIT)
+        assert len(datapath.ingress.publications) == 1
+        assert len(broker.core.sessions) == sessions_before + 2  # the connection and its publication
+    await wait_until(lambda: not datapath.ingress.publications)
+    assert len(broker.core.sessions) == sessions_before and not datapath.session_ids.live
+
+
+async def test_the_blocking_api_sends_over_udp(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    done: list[int] = []
+
+    def produce() -> None:
+        with blocking.connect(broker.url) as conn:
+            conn.declare_queue("blocking")
+            with conn.producer("", "blocking", transport="udp") as producer:
+                producer.send_many([b"%d" % i for i in range(500)])
+                producer.flush(timeout=LIMIT)
+                done.append(producer.statistics().completed)
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    with trio.fail_after(LIMIT * 2):
+        while thread.is_alive():
+            await trio.sleep(0.01)
+    thread.join()
+    assert done == [500]
+    assert [m.body for m in broker.core.queues["blocking"].store] == [b"%d" % i for i in range(500)]
+
+
+async def test_an_unknown_transport_is_refused(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        with pytest.raises(ValueError, match="transport"):
+            conn.producer("", "q", transport="carrier-pigeon")
+
+
+async def test_without_a_udp_data_path_registration_is_refused(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker(udp={"enabled": False})
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        producer = conn.producer("", "q", transport="udp", send_timeout=math.inf)
+        with pytest.raises(fc.RequestError, match="no UDP data path"):
+            await producer.send(b"x")
