@@ -1,11 +1,9 @@
 """A registered UDP publication reaches the broker through a lossy relay (tests/e2e/udprelay.py) and every
 message is routed exactly once, in order.
 
-PENDING: this file needs the broker's UDP ingress (built on another branch); its name does not start with
-``test_`` so pytest does not collect it until that is merged; then rename it to
-tests/e2e/test_e2e_udp_lossy.py (``git mv``). It does not need the SDK's UDP producer: it registers with
-REGISTER_PUBLICATION itself, naming the relay's server-side port as its source (the SDK registers its
-own socket's port, which the relay cannot present), and publishes with the transport's PublicationDriver.
+It registers with REGISTER_PUBLICATION itself, naming the relay's server-side port as its source (the SDK
+registers its own socket's port, which the relay cannot present), and publishes with the transport's
+PublicationDriver.
 
 Loss, duplication and reordering hit DATA and SETUP on the way in and the broker's SMs and NAK
 answers on the way out; the image's NAKs and the publication's retransmits repair them, and the broker

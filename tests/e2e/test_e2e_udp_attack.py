@@ -1,10 +1,5 @@
 """Spoofed and random datagrams beside a registered UDP producer, end to end over real sockets on 127.0.0.1.
 
-PENDING: this file needs the broker's UDP ingress and the SDK's UDP producer
-(``conn.producer(exchange, routing_key, transport="udp")``), which are built on other branches. Its name
-does not start with ``test_`` so pytest does not collect it until they are merged; then rename it to
-tests/e2e/test_e2e_udp_attack.py (``git mv``) and drop the ``cast(Any, ...)`` around ``conn.producer``.
-
 A producer registers a UDP publication and sends MESSAGES to a queue, a TCP consumer reads them, and
 meanwhile an attacker on its own sockets sends ATTACK datagrams to the broker's UDP endpoint, three kinds
 in turn:
@@ -23,7 +18,6 @@ from __future__ import annotations
 import random
 import struct
 from collections import Counter
-from typing import Any, cast
 
 import trio
 
@@ -125,7 +119,7 @@ async def test_a_registered_udp_producer_is_untouched_by_spoofed_and_random_data
                 await fb.connect(broker.url, client_name="tcp-consumer") as consumer_conn:
             await conn.declare_queue(QUEUE)
             sessions_before = len(broker.core.sessions)
-            producer = cast(Any, conn).producer("", QUEUE, transport="udp")
+            producer = conn.producer("", QUEUE, transport="udp")
             async with producer:
                 await producer.send(b"first", timeout=10)  # registered and connected before the attack
                 assert len(datapath.ingress.publications) == 1
