@@ -461,6 +461,11 @@ class Image:
 
     def _emit_sm(self, out: list[bytes], now_ns: int, flags: int) -> None:
         position = self.next_sm_position
+        # The sender may now write up to a window past this position, into the partition that held the
+        # term before the previous one: clean it first, or a later rebuild would read its stale frames
+        # as new ones (whoever moved next_sm_position, the quarter-window rule, the periodic SM or
+        # report_now).
+        self.rebuilder.clean_to(position - self.term_length)
         term_id = compute_term_id_from_position(position, self.position_bits_to_shift, self.initial_term_id)
         sm = StatusMessage(
             self.session_id,

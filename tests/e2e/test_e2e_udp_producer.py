@@ -209,3 +209,17 @@ async def test_without_a_udp_data_path_registration_is_refused(start_flowbroker:
         producer = conn.producer("", "q", transport="udp", send_timeout=math.inf)
         with pytest.raises(fc.RequestError, match="no UDP data path"):
             await producer.send(b"x")
+
+
+async def test_across_many_terms_every_message_arrives_once_in_order(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker(udp={"endpoint": "127.0.0.1:0", "term_length": 65536, "mtu": 4096,
+                                         "min_receiver_window": 4096, "max_receiver_window": 32768})
+    bodies = [b"%06d" % i + b"m" * 200 for i in range(5000)]  # 5,000 x 256 term bytes: ~20 terms
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("terms")
+        with trio.fail_after(60):
+            async with conn.producer("", "terms", transport="udp") as producer:
+                for body in bodies:
+                    await producer.send(body)
+                await producer.flush()
+    assert [m.body for m in broker.core.queues["terms"].store] == bodies
