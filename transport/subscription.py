@@ -71,7 +71,9 @@ _SETUP_IDS_OFFSET = 12
 
 #: Dispositions of datagrams the receiver used (or answered as the protocol says); every other key of
 #: ``ReceiveChannel.dispositions`` is a datagram refused, and its key says why.
-HANDLED_DISPOSITIONS = frozenset({"data", "heartbeat", "setup", "rttm", "setup_for_existing_image", "elicit_setup"})
+HANDLED_DISPOSITIONS = frozenset(
+    {"data", "heartbeat", "setup", "rttm", "setup_for_existing_image", "elicit_setup", "draining"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +275,11 @@ class ReceiveChannel:
             self._elicit_setup(session_id, flags, source, now_ns)
             return
         is_heartbeat = frame_length == 0
+        if image.state is not ImageState.ACTIVE:
+            # Draining after end of stream (or a timeout): the publication's heartbeats and a last
+            # retransmit still arrive. Not a refusal (it was counted as out_of_window).
+            self.dispositions["draining"] += 1
+            return
         if image.insert_packet(
             term_id, term_offset, data, now_ns, is_heartbeat=is_heartbeat, is_eos=bool(flags & EOS_FLAG)
         ):
@@ -308,7 +315,9 @@ class ReceiveChannel:
         """Why the image cannot be created (the driver's checks), or None."""
         if setup.mtu < 32 or setup.mtu > MAX_MTU or setup.mtu % 32:
             return "bad_mtu"
-        if setup.mtu > window:
+        # Against the configured receiver window, not the one clamped to term_length / 2, as the C driver
+        # does: mtu=65504 with term-length=65536 works between C drivers and must work from one to us.
+        if setup.mtu > max(window, self.config.receiver_window):
             return "mtu_exceeds_window"
         if self.config.so_rcvbuf < window or self.config.so_rcvbuf < setup.mtu:
             return "so_rcvbuf_too_small"

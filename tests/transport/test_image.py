@@ -177,6 +177,12 @@ def test_end_of_stream_after_everything_is_consumed() -> None:
     sub.poll(lambda m: None, 10)
     channel.do_work(2 * MS)
     assert image.state is ImageState.DRAINING  # type: ignore[comparison-overlap]  # mypy keeps the narrowing above
+    # Issue 11, transport fix (c): the publication's heartbeats while the image drains are what they are,
+    # not out_of_window refusals.
+    for t in range(3, 6):
+        channel.on_datagram(encode_heartbeat(64, 7, 10, INITIAL, eos=True), PUB, t * MS)
+    assert channel.dispositions["draining"] == 3 and channel.dispositions["out_of_window"] == 0
+    assert "draining" not in dict(channel.statistics().refused)
 
 
 def test_tethered_subscriptions_hold_the_window_at_the_slowest() -> None:
@@ -254,3 +260,14 @@ def test_receiver_config_from_channel() -> None:
     config = ReceiverConfig.from_channel(uri, receiver_id=11)
     assert (config.receiver_window, config.congestion_control, config.group_tag, config.session_id) == (
         64 * 1024, "cubic", 9, 7)
+
+
+def test_an_mtu_above_half_the_term_but_within_the_configured_window_is_accepted() -> None:
+    """Issue 11, transport fix (b): the C driver checks the SETUP's mtu against the receiver window as
+    configured, not as clamped to term_length / 2, so mtu=65504 with term-length=65536 works from a C
+    driver to us as it does between C drivers."""
+    channel = ReceiveChannel(10, ReceiverConfig(receiver_id=3, receiver_window=128 * 1024, so_rcvbuf=1 << 20))
+    channel.add_subscription(0)
+    channel.on_datagram(encode_setup(Setup(0, 7, 10, INITIAL, INITIAL, 65536, 65504, 0)), PUB, 0)
+    assert 7 in channel.images and channel.dispositions["setup"] == 1
+    assert channel.images[7].window_length == 32 * 1024  # the window itself stays clamped to term / 2
