@@ -175,6 +175,10 @@ class Ingress:
         if self.publications.pop(pub.session_id, None) is None:
             return
         self._drain_outbox(pub, now_ns)  # the last FLOW_RESUMED / ERRORs still reach the owner
+        # A publication that ends while flow-stopped must not leave its owner's flow state stopped for ever.
+        for destination in list(pub.session.flow_stopped_on):
+            if destination not in pub.owner.flow_stopped_on:
+                pub.owner.send(FlowResumed(destination))
         pub.subscription.close(now_ns)
         pub.image = None
         pub.pending.clear()
@@ -297,8 +301,12 @@ class Ingress:
         owner = pub.owner
         for frame in session.collect(now_ns):
             kind = type(frame)
-            if kind is FlowStopped or kind is FlowResumed:
+            if kind is FlowStopped:
                 owner.send(frame)
+            elif kind is FlowResumed:
+                assert isinstance(frame, FlowResumed)
+                if frame.destination not in owner.flow_stopped_on:  # still stopped by its own transfers
+                    owner.send(frame)
             elif kind is Error:
                 assert isinstance(frame, Error)
                 owner.send(Error(frame.code, frame.text, None, None, frame.destination, pub.session_id))

@@ -280,3 +280,13 @@ def test_many_terms_later_every_message_is_still_routed_once_in_order() -> None:
         if sent == len(bodies) and rig.image.statistics().consumption_position == rig.pub.position:
             break
     assert rig.bodies() == bodies
+
+
+def test_a_publication_closed_while_flow_stopped_leaves_its_owner_resumed() -> None:
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=5, flow_resume_count=2)
+    rig.offer_all([b"s" * 500] * 100, rounds=10)
+    rig.owner.pump()
+    assert [f.destination for f in rig.owner.received(FlowStopped)] == ["q"]
+    rig.owner.ok(lambda rid: ClosePublication(rid, rig.session_id))
+    assert [f.destination for f in rig.owner.received(FlowResumed)] == ["q"]

@@ -148,6 +148,7 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
         frame_seq=st.one_of(st.none(), u64),
         ref_id=st.one_of(st.none(), u64),
         destination=st.one_of(st.none(), text),
+        session_id=st.one_of(st.none(), int32),
     ),
     FrameType.CLOSE: st.builds(Close, code=error_codes, reason=text),
     FrameType.REGISTER_PUBLICATION: st.builds(

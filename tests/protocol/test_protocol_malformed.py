@@ -90,6 +90,7 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
         ("frame_seq", "optuint"),
         ("ref_id", "optuint"),
         ("destination", "optstr"),
+        ("session_id", "optint32"),
     ],
     FrameType.CLOSE: [("code", "error_code"), ("reason", "str")],
     FrameType.REGISTER_PUBLICATION: [
@@ -129,6 +130,7 @@ BAD: dict[str, list[Any]] = {
     "optuint": [-1, "x", True, 1.5],
     "optstr": [1, b"x", True],
     "int32": [2**31, -(2**31) - 1, *_NOT_INT],
+    "optint32": [2**31, "x", True, 1.5],
     "port": [0, 65536, -1, *_NOT_INT],
     "ranges": [
         None,
@@ -194,6 +196,7 @@ GOOD: dict[str, list[Any]] = {
     "optuint": [None, 0, 2**64 - 1],
     "optstr": [None, "", "q"],
     "int32": [0, -(2**31), 2**31 - 1],
+    "optint32": [None, -(2**31), 2**31 - 1],
     "port": [1, 65535],
     "ranges": [[], [[1, 1]], [[1, 5], [7, 2**64 - 1]]],
     "transfer_entries": [
