@@ -677,20 +677,25 @@ class BrokerCore:
     def _req_purge_queue(self, session: Session, f: PurgeQueue) -> dict[str, Any]:
         return {"purged": self.get_queue(f.queue).purge()}
 
-    def _req_subscribe(self, session: Session, f: Subscribe) -> dict[str, Any]:
-        if f.subscription_id == 0:
+    def check_subscribe(self, session: Session, subscription_id: int, queue_name: str,
+                        prefetch: int) -> tuple[Queue, int]:
+        """What SUBSCRIBE and SUBSCRIBE_UDP check: the queue, and the prefetch in force (capped)."""
+        if subscription_id == 0:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                "subscription id 0 is reserved for the connection's buffer (BUFFER_CONTROL/"
                                "BUFFER_ACK opaque 0); use 1 or more")
-        queue = self.get_queue(f.queue)
+        queue = self.get_queue(queue_name)
         limit = self.config.server.max_subscriptions
         if len(session.subscriptions) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"too many subscriptions on this connection (max_subscriptions {limit})")
-        if f.subscription_id in session.subscriptions:
-            raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {f.subscription_id} is in use")
+        if subscription_id in session.subscriptions:
+            raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {subscription_id} is in use")
         cap = self.config.queues.max_prefetch
-        prefetch = min(f.prefetch, cap) if f.prefetch else cap
+        return queue, min(prefetch, cap) if prefetch else cap
+
+    def _req_subscribe(self, session: Session, f: Subscribe) -> dict[str, Any]:
+        queue, prefetch = self.check_subscribe(session, f.subscription_id, f.queue, f.prefetch)
         sub = Subscription(session, f.subscription_id, queue, prefetch, f.buffer_size)
         session.subscriptions[f.subscription_id] = sub
         queue.add_subscription(sub)

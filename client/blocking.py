@@ -273,8 +273,11 @@ class BlockingConnection:
         )
         return BlockingProducer(self, producer)
 
-    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0) -> BlockingConsumer:
-        consumer = self._run_sync(self.connection.consumer, queue, prefetch=prefetch, buffer_size=buffer_size)
+    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0, transport: str = "tcp",
+                 stream_id: int | None = None) -> BlockingConsumer:
+        """`Connection.consumer`; `transport="udp"` receives over the broker's UDP data path."""
+        consumer = self._run_sync(self.connection.consumer, queue, prefetch=prefetch, buffer_size=buffer_size,
+                                  transport=transport, stream_id=stream_id)
         return BlockingConsumer(self, consumer)
 
 

@@ -631,13 +631,27 @@ class Connection:
 
     # ------------------------------------------------------------------ consumers
 
-    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0) -> Consumer:
+    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0, transport: str = "tcp",
+                 stream_id: int | None = None) -> Consumer:
         """A consumer of `queue`; use it as `async with conn.consumer(...) as c: async for msg in c`.
         `prefetch` bounds unsettled deliveries (0 = unbounded); `buffer_size` is the subscription's byte
-        buffer (0 = off); the SDK returns its buffer acknowledgements by itself."""
+        buffer (0 = off); the SDK returns its buffer acknowledgements by itself.
+
+        `transport="udp"`: the deliveries come over the broker's UDP data path (an Aeron publication of the
+        broker's on `stream_id`, default 1002); `buffer_size` is then the window of its status messages
+        (0: 1 MiB), and settlement stays on this connection (client/udpconsumer.py)."""
+        subscription_id = self._next_subscription_id
+        if transport == "udp":
+            from flowbroker.client.udpconsumer import DEFAULT_SUBSCRIPTION_STREAM, UdpConsumer
+
+            self._check_open()
+            self._next_subscription_id += 1
+            return UdpConsumer(self, queue, subscription_id, prefetch=prefetch, buffer_size=buffer_size,
+                               stream_id=DEFAULT_SUBSCRIPTION_STREAM if stream_id is None else stream_id)
+        if transport != "tcp":
+            raise ValueError(f"transport must be \"tcp\" or \"udp\", not {transport!r}")
         from flowbroker.client.consumer import Consumer
 
-        subscription_id = self._next_subscription_id
         self._next_subscription_id += 1
         return Consumer(self, queue, subscription_id, prefetch=prefetch, buffer_size=buffer_size)
 
@@ -648,9 +662,7 @@ class Connection:
         self._consumers[consumer.subscription_id] = consumer
         try:
             return self._send_request(
-                lambda rid: Subscribe(
-                    rid, consumer.subscription_id, consumer.queue, consumer.prefetch, consumer.buffer_size
-                ),
+                consumer._subscribe_frame,
                 consumer._on_subscribed,
                 consumer._on_subscribe_refused,
             )

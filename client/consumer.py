@@ -40,12 +40,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 from types import TracebackType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout
-from flowbroker.protocol import ReceiverWindow, DeliveryEntry, Headers, Outcome, message_size
+from flowbroker.protocol import DeliveryEntry, Frame, Headers, Outcome, ReceiverWindow, Subscribe, message_size
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
 if TYPE_CHECKING:
@@ -158,6 +159,8 @@ class Message:
             else:
                 sub.consumed_position += self._size
                 conn.consumed_position += self._size
+            if consumer._on_processed is not None:  # the UDP consumer: its image may advance past it
+                consumer._on_processed(self)
 
     def _settle_counted(self, outcome: Outcome) -> bool:
         """`settle_nowait`, counted towards the next yield: True when one is due.
@@ -237,6 +240,8 @@ class Consumer:
         """The SUBSCRIBE sent and not yet answered: its request id and pending answer."""
         self._closed = False
         self._error: PublishError | None = None  # the queue was deleted
+        self._on_processed: Callable[[Message], None] | None = None
+        """Told of each message once it is processed (client/udpconsumer.py releases its bytes in the image)."""
 
     @property
     def buffered(self) -> int:
@@ -273,6 +278,10 @@ class Consumer:
     ) -> None:
         with trio.CancelScope(shield=True):
             await self.aclose()
+
+    def _subscribe_frame(self, request_id: int) -> Frame:
+        """The request that subscribes (SUBSCRIBE; the UDP consumer's is SUBSCRIBE_UDP)."""
+        return Subscribe(request_id, self.subscription_id, self.queue, self.prefetch, self.buffer_size)
 
     async def subscribe(self, timeout: float | None = None) -> None:
         """SUBSCRIBE and wait for the broker's OK, at most `timeout` (None: the connection's

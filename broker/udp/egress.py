@@ -1,42 +1,193 @@
 """The broker's publications to UDP consumers (sans-IO): one per UDP subscription; the consumer's
-status-message window is its byte credit, its consumption position advances as its application processes.
+status-message window is its byte credit, and its consumption position advances as its application
+processes messages.
 
-TO BE BUILT (issue 11, helper "egress"); the interface DataPath and the core call is fixed:
+SUBSCRIBE_UDP makes a `UdpSubscription`: a `Subscription` of the consumer's TCP session like any other
+(prefetch, SETTLE by tag, CANCEL and the connection's end requeue what is unsettled), whose deliveries go
+into an Aeron `Publication` of the broker's (to the consumer's host and the port it named) instead of the
+session's outbox, each as a DELIVER envelope (protocol/envelope.py) with its delivery tag. It takes a
+message from its queue only while the consumer's window has room (the publication's position below the
+sender limit its status messages set; one message may overflow it, as DCP lets one), so the broker never
+has more than that window plus one message in flight to a consumer that has not processed them. A delivery
+the publication cannot take at once waits in one slot and goes first when the window opens; status messages
+that open the window put the subscription back in its queue's rotation.
 """
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowbroker.broker.subscription import Subscription
 from flowbroker.broker.udp.datapath import Address, Outgoing
+from flowbroker.protocol.envelope import encode_delivery
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import DeliveryEntry
+from flowbroker.transport.publication import Publication, PublicationConfig
 
 if TYPE_CHECKING:
+    from flowbroker.broker.message import Message
+    from flowbroker.broker.queue import Queue
     from flowbroker.broker.session import Session
     from flowbroker.broker.udp.datapath import DataPath
 
-__all__ = ["Egress"]
+__all__ = ["Egress", "UdpSubscription", "MAX_CLOSING"]
+
+MAX_CLOSING = 256
+"""Closed publications kept until their end of stream went out and they lingered; beyond, dropped at once."""
+
+_LINGER_NS = 200_000_000
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One UDP subscription's publication and where it goes."""
+
+    session_id: int
+    stream_id: int
+    owner: Session
+    destination: tuple[str, int]
+    publication: Publication
+    subscription: UdpSubscription
+    slot: bytes | None = None  # a delivery the publication could not take yet (at most one)
+
+
+class UdpSubscription(Subscription):
+    """A subscription whose deliveries travel over UDP (see the module docstring)."""
+
+    __slots__ = ("stream", "egress")
+
+    stream: _Stream
+    egress: Egress
+
+    def has_credit(self) -> bool:
+        stream = self.stream
+        pub = stream.publication
+        return (self.unsettled < self.prefetch and stream.slot is None and pub.is_connected
+                and pub.position < pub.sender_limit)
+
+    def deliver(self, msg: Message) -> None:
+        """The next tag of the connection, then the publication's term (not the outbox). Charged 0 bytes to
+        the connection's TCP byte buffer: the consumer's window for these is its status messages'."""
+        self.unsettled += 1
+        self.delivered_total += 1
+        tag = self.session.deliveries.deliver(self, msg, 0)
+        payload = encode_delivery(DeliveryEntry(tag, msg.exchange, msg.routing_key, msg.body, msg.headers,
+                                                msg.redelivered))
+        stream = self.stream
+        if stream.publication.offer(payload) < 0:
+            stream.slot = payload
+        self.egress.datapath.wake()
 
 
 class Egress:
+    """Every UDP subscription's publication; DataPath hands it their control datagrams and runs its cycle."""
+
     def __init__(self, datapath: DataPath) -> None:
         self.datapath = datapath
-        self.subscriptions: dict[int, Any] = {}  # session id -> the UDP subscription
+        self.subscriptions: dict[int, _Stream] = {}
+        self._closing: dict[int, _Stream] = {}
+        self._rng = random.Random()
 
     def subscribe(self, owner: Session, subscription_id: int, queue: str, prefetch: int, buffer_size: int,
                   destination: tuple[str, int], stream_id: int, now_ns: int) -> dict[str, Any]:
         """SUBSCRIBE_UDP from `owner`: the OK's result. Raises core.RequestError when refused."""
-        raise NotImplementedError
+        from flowbroker.broker.core import RequestError
+
+        datapath = self.datapath
+        config, core = datapath.config, datapath.core
+        if len(self.subscriptions) >= config.max_subscriptions:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"too many UDP subscriptions ([udp] max_subscriptions {config.max_subscriptions})")
+        the_queue, in_force = core.check_subscribe(owner, subscription_id, queue, prefetch)
+        session_id = datapath.session_ids.take()
+        publication = Publication(
+            PublicationConfig(session_id, stream_id, term_length=config.term_length, mtu=config.mtu,
+                              initial_term_id=self._rng.randrange(-(2**31), 2**31), max_messages_per_send=64,
+                              linger_ns=_LINGER_NS),
+            now_ns, destination=destination,
+        )
+        sub = UdpSubscription(owner, subscription_id, the_queue, in_force, 0)
+        stream = _Stream(session_id, stream_id, owner, destination, publication, sub)
+        sub.stream = stream
+        sub.egress = self
+        self.subscriptions[session_id] = stream
+        owner.subscriptions[subscription_id] = sub
+        the_queue.add_subscription(sub)
+        datapath.wake()  # SETUP goes out now
+        return {"queue": the_queue.name, "prefetch": in_force, "session_id": session_id, "stream_id": stream_id,
+                "endpoint": datapath.endpoint_text}
 
     def close_owner(self, owner_conn_id: int, now_ns: int) -> None:
-        pass
+        for stream in [s for s in self.subscriptions.values() if s.owner.conn_id == owner_conn_id]:
+            self._close(stream, now_ns)
+
+    def _close(self, stream: _Stream, now_ns: int) -> None:
+        """End of stream for a cancelled or closed subscription (its deliveries were requeued by the core)."""
+        if self.subscriptions.pop(stream.session_id, None) is None:
+            return
+        stream.slot = None
+        stream.publication.close(now_ns)
+        if len(self._closing) >= MAX_CLOSING:
+            oldest = next(iter(self._closing))
+            self.datapath.session_ids.give_back(self._closing.pop(oldest).session_id)
+        self._closing[stream.session_id] = stream
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, session_id: int, stream_id: int,
                     now_ns: int) -> str | None:
         """Hand an SM/NAK/ERR/RTTM to its publication; the refusal reason, or None if taken."""
-        return "unregistered_session"
+        stream = self.subscriptions.get(session_id) or self._closing.get(session_id)
+        if stream is None:
+            return "unregistered_session"
+        if stream_id != stream.stream_id:
+            return "wrong_stream"
+        if not isinstance(source, tuple) or source[0] != stream.destination[0]:
+            return "wrong_source"
+        pub = stream.publication
+        limit = pub.sender_limit
+        pub.on_datagram(data, source, now_ns)
+        if pub.sender_limit != limit and session_id in self.subscriptions:
+            self._window_opened(stream)
+        return None
+
+    def _window_opened(self, stream: _Stream) -> None:
+        """The consumer's status message moved the limit: the waiting delivery first, then the queue."""
+        slot = stream.slot
+        if slot is not None:
+            if stream.publication.offer(slot) < 0:
+                return
+            stream.slot = None
+        sub = stream.subscription
+        queue: Queue = sub.queue
+        if not sub.closed:
+            queue.resume_subscription(sub)
+            queue.dispatch()
 
     def do_work(self, now_ns: int) -> Outgoing:
-        return []
+        out: Outgoing = []
+        closed: list[_Stream] = []
+        for stream in self.subscriptions.values():
+            if stream.subscription.closed:  # cancelled, or its queue deleted
+                closed.append(stream)
+                continue
+            out += stream.publication.do_work(now_ns)
+        for stream in closed:
+            self._close(stream, now_ns)
+        done: list[int] = []
+        for session_id, stream in self._closing.items():
+            out += stream.publication.do_work(now_ns)
+            if stream.publication.is_done:
+                done.append(session_id)
+        for session_id in done:
+            del self._closing[session_id]
+            self.datapath.session_ids.give_back(session_id)
+        return out
 
     def deadline_ns(self, now_ns: int) -> int:
-        return now_ns + 1_000_000_000
+        deadline = now_ns + 1_000_000_000
+        for stream in self.subscriptions.values():
+            deadline = min(deadline, stream.publication.next_deadline_ns())
+        for stream in self._closing.values():
+            deadline = min(deadline, stream.publication.next_deadline_ns())
+        return deadline

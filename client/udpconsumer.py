@@ -1,0 +1,178 @@
+"""A consumer whose deliveries arrive over UDP, the Aeron data path (docs/client.md, "Consuming over UDP").
+
+`conn.consumer(queue, transport="udp")` returns one. It is a `Consumer` (same iteration, `receive`,
+`ack`/`reject`/`requeue`, statistics and closing) whose messages come through an Aeron image instead of
+DELIVER frames:
+
+- subscribing binds a UDP socket on the TCP connection's local address and sends SUBSCRIBE_UDP with its
+  port; the broker answers with the session id of the publication it delivers through;
+- the image's window (its status messages' window, the broker's limit) is the consumer's byte buffer:
+  `buffer_size`, or DEFAULT_WINDOW when 0, never more than half a term;
+- each message stays *held* in the image until the application has processed it (taken the next one, or
+  settled it), so the consumption position the broker sees advances on processing, not on arrival: a
+  slow handler paces the broker, which never has more than the window unprocessed in flight;
+- settlement goes over the TCP connection by delivery tag, as for a TCP consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from flowbroker.client.consumer import Consumer, Message
+from flowbroker.protocol import Frame
+from flowbroker.protocol.envelope import EnvelopeError, decode_delivery
+from flowbroker.protocol.frames import SubscribeUdp
+from flowbroker.transport.image import Image
+from flowbroker.transport.positions import frame_space
+from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
+from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
+
+if TYPE_CHECKING:
+    from flowbroker.client.connection import Connection
+
+__all__ = ["UdpConsumer", "DEFAULT_SUBSCRIPTION_STREAM", "DEFAULT_WINDOW"]
+
+log = logging.getLogger("flowbroker.client")
+
+DEFAULT_SUBSCRIPTION_STREAM = 1002
+"""The Aeron stream id a UDP consumer asks the broker to deliver on unless given one."""
+
+DEFAULT_WINDOW = 1024 * 1024
+"""The consumer's window (its byte credit) when `buffer_size` is 0."""
+
+_POLL_FRAGMENTS = 256
+
+
+class UdpConsumer(Consumer):
+    """A `Consumer` fed over the UDP data path. Create it with `conn.consumer(queue, transport="udp")`."""
+
+    def __init__(self, conn: Connection, queue: str, subscription_id: int, *, prefetch: int = 1000,
+                 buffer_size: int = 0, stream_id: int = DEFAULT_SUBSCRIPTION_STREAM) -> None:
+        super().__init__(conn, queue, subscription_id, prefetch=prefetch, buffer_size=0)
+        self.stream_id = stream_id
+        self.window = buffer_size or DEFAULT_WINDOW
+        """The byte credit this consumer's status messages grant the broker."""
+        self._endpoint: UdpEndpoint = open_udp((conn._local_host(), 0), so_rcvbuf=max(self.window, 1 << 20))
+        self.session_id: int | None = None
+        self._channel: ReceiveChannel | None = None
+        self._subscription: Subscription | None = None
+        self._image: Image | None = None
+        self._held: dict[int, int] = {}  # delivery tag -> bytes it holds in the image
+        self._dirty = trio.Event()
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._started = False
+        self.malformed = 0
+        """Payloads that were not delivery envelopes (dropped; their bytes released)."""
+        self._on_processed = self._release
+
+    def _subscribe_frame(self, request_id: int) -> Frame:
+        port = int(self._endpoint.local_address[1])
+        return SubscribeUdp(request_id, self.subscription_id, self.queue, self.prefetch, self.window, port,
+                            self.stream_id)
+
+    def _on_subscribed(self, result: dict[str, Any]) -> None:
+        """The broker's OK (from the reader): the publication's session id; start reading the image."""
+        self.session_id = int(result["session_id"])
+        window = min(self.window, 1 << 30)
+        config = ReceiverConfig(receiver_id=random.randrange(1, 2**31), receiver_window=window,
+                                session_id=self.session_id, so_rcvbuf=max(window, 1 << 20), max_images=1)
+        channel = ReceiveChannel(self.stream_id, config)
+        self._channel = channel
+        self._subscription = channel.add_subscription(now_ns(), on_available_image=self._image_available)
+        super()._on_subscribed(result)
+        nursery = self._conn._nursery
+        if nursery is not None and not self._started:
+            self._started = True
+            nursery.start_soon(self._conn._contained, self._run, f"UDP subscription {self.subscription_id}")
+
+    def _image_available(self, image: Image) -> None:
+        image.window_cap = self.window
+        self._image = image
+        self._held.clear()
+
+    # -------------------------------------------------------------- the image
+
+    def _on_message(self, payload: memoryview | bytes) -> None:
+        image = self._image
+        try:
+            entry = decode_delivery(payload)
+        except EnvelopeError as exc:
+            self.malformed += 1
+            log.warning("UDP subscription %s: payload dropped: %s", self.subscription_id, exc)
+            return
+        if image is not None and not self._ended:
+            space = frame_space(len(payload), image.mtu)
+            image.hold(self._subscription_id_in_image(), space)
+            self._held[entry.delivery_tag] = space
+        self._on_deliver([entry])
+
+    def _subscription_id_in_image(self) -> int:
+        assert self._subscription is not None
+        return self._subscription.subscription_id
+
+    def _release(self, msg: Message) -> None:
+        """`msg` is processed: the image may report its bytes consumed."""
+        space = self._held.pop(msg.delivery_tag, 0)
+        image = self._image
+        if space and image is not None:
+            image.release(self._subscription_id_in_image(), space)
+            self._dirty.set()
+
+    def _send(self, out: list[tuple[bytes, Any]]) -> None:
+        endpoint = self._endpoint
+        if endpoint.closed:
+            return
+        for datagram, address in out:
+            endpoint.send(datagram, address)
+
+    async def _run(self) -> None:
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._status)
+                    await self._receive()
+        finally:
+            self._endpoint.close()
+            self._done.set()
+
+    async def _receive(self) -> None:
+        """Datagrams into the image, messages out of it into the consumer's buffer, SMs and NAKs back."""
+        channel, subscription, endpoint = self._channel, self._subscription, self._endpoint
+        assert channel is not None and subscription is not None
+        while True:
+            batch: list[tuple[bytes, tuple[str, int]]] = []
+            with trio.move_on_at(channel.next_deadline_ns(now_ns()) / 1_000_000_000):
+                batch = await endpoint.receive_batch(DEFAULT_BATCH)
+            now = now_ns()
+            for datagram, source in batch:
+                channel.on_datagram(datagram, source, now)
+            self._send(channel.do_work(now))  # the rebuild moves here
+            while subscription.poll(self._on_message, _POLL_FRAGMENTS):
+                pass
+            self._send(channel.do_work(now))
+
+    async def _status(self) -> None:
+        """Processing released bytes: the status message that reports it goes out without waiting for a datagram."""
+        channel = self._channel
+        assert channel is not None
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            image = self._image
+            if image is not None and not self._held:
+                image.report_now()  # everything handed out is processed: say so now
+            self._send(channel.do_work(now_ns()))
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Cancel the subscription (as `Consumer.aclose`), then stop reading the image."""
+        try:
+            await super().aclose(timeout)
+        finally:
+            self._scope.cancel()
+            if not self._started:
+                self._endpoint.close()
