@@ -1,0 +1,226 @@
+"""The broker's UDP egress in memory (no trio, no sockets): a UDP subscription's publication and a transport
+`ReceiveChannel` playing the consumer exchange datagrams by hand. The consumer's window is its credit: the
+broker never has more than that window (plus one message) unprocessed in flight; settlement stays on TCP."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowbroker.broker.udp.datapath import DataPath
+from flowbroker.protocol.envelope import decode_delivery
+from flowbroker.protocol.frames import Cancel, Error, Outcome, SubscribeUdp, Transfer, TransferEntry
+from flowbroker.transport.positions import frame_space
+from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig
+from tests.broker.coreharness import Consumer, Harness
+
+ENDPOINT = ("127.0.0.1", 5682)
+CONSUMER = ("127.0.0.1", 41001)
+MS = 1_000_000
+
+
+class Rig:
+    """A core with its data path, a consumer connection with a UDP subscription, and its receive channel."""
+
+    def __init__(self, *, window: int = 16 * 1024, prefetch: int = 1000, **sections: dict[str, Any]) -> None:
+        self.h = Harness(**sections)
+        self.core = self.h.core
+        self.datapath = DataPath(self.h.config.udp, self.core, ENDPOINT, lambda: None, seed=3)
+        self.core.udp = self.datapath
+        self.h.queue("q")
+        self.owner: Consumer = self.h.consumer("udp-consumer")
+        self.owner.session.peer_host = CONSUMER[0]
+        self.answer = self.owner.ok(lambda rid: SubscribeUdp(rid, 1, "q", prefetch, window, CONSUMER[1], 1002))
+        self.channel = ReceiveChannel(1002, ReceiverConfig(receiver_id=9, receiver_window=window,
+                                                          session_id=self.answer["session_id"], so_rcvbuf=1 << 20))
+        self.sub = self.channel.add_subscription(0)
+        self.window = window
+        self.held: list[tuple[int, int]] = []  # (tag, term bytes) handed up, not processed
+        self.tags: list[int] = []
+        self.bodies: list[bytes] = []
+        self.loss = 0.0
+        self.rng = random.Random(5)
+
+    def publish(self, bodies: list[bytes]) -> None:
+        producer = self.h.producer("p", flow_control=False)
+        producer.handle(Transfer(producer.session.next_transfer_id, [TransferEntry("", "q", b) for b in bodies]))
+
+    def cycle(self, rounds: int = 2, step_ms: int = 1) -> None:
+        for _ in range(rounds):
+            self.h.t[0] += step_ms * MS
+            now = self.h.now
+            for datagram, address in self.datapath.do_work(now):
+                assert address == CONSUMER
+                if self.rng.random() >= self.loss:
+                    self.channel.on_datagram(datagram, ENDPOINT, now)
+            for datagram, address in self.channel.do_work(now):
+                assert address == ENDPOINT
+                if self.rng.random() >= self.loss:
+                    self.datapath.on_datagram(datagram, CONSUMER, now)
+            image = self.image
+
+            def take(payload: memoryview | bytes) -> None:
+                entry = decode_delivery(payload)
+                assert image is not None
+                space = frame_space(len(payload), image.mtu)
+                image.hold(self.sub.subscription_id, space)
+                self.held.append((entry.delivery_tag, space))
+                self.bodies.append(entry.body)
+
+            self.channel.do_work(now)
+            while self.sub.poll(take, 64):
+                pass
+
+    @property
+    def image(self) -> Any:
+        return next(iter(self.channel.images.values()), None)
+
+    def process(self, count: int, outcome: Outcome = Outcome.ACK) -> None:
+        """The application processes the `count` oldest messages: their bytes leave the hold, then settle."""
+        done, self.held = self.held[:count], self.held[count:]
+        for tag, space in done:
+            self.image.release(self.sub.subscription_id, space)
+        if done:
+            self.owner.settle(outcome, [tag for tag, _ in done])
+
+    @property
+    def stream(self) -> Any:
+        return self.datapath.egress.subscriptions[self.answer["session_id"]]
+
+    def unprocessed_in_flight(self) -> int:
+        """Term bytes the broker's publication holds beyond what the consumer has processed."""
+        image = self.image
+        processed = 0 if image is None else image.subscriber_position(self.sub.subscription_id) - image.subscriber_hold(
+            self.sub.subscription_id)
+        return int(self.stream.publication.position - processed)
+
+
+def test_subscribe_udp_answers_like_subscribe_plus_the_session() -> None:
+    rig = Rig()
+    assert rig.answer["queue"] == "q" and rig.answer["endpoint"] == "127.0.0.1:5682"
+    assert rig.answer["stream_id"] == 1002 and rig.answer["session_id"] in rig.datapath.session_ids.live
+    assert 1 in rig.owner.session.subscriptions
+
+
+def test_messages_arrive_in_order_over_udp_and_settle_over_tcp() -> None:
+    rig = Rig()
+    bodies = [b"m%04d" % i for i in range(300)]
+    rig.publish(bodies)
+    for _ in range(100):
+        rig.cycle()
+        rig.process(len(rig.held))
+        if len(rig.bodies) == 300:
+            break
+    assert rig.bodies == bodies
+    rig.cycle()
+    assert len(rig.core.queues["q"].store) == 0 and not rig.owner.session.deliveries.unsettled
+
+
+def test_an_unprocessing_consumer_gets_no_more_than_its_window() -> None:
+    rig = Rig(window=16 * 1024)
+    rig.publish([b"x" * 1000] * 200)
+    for _ in range(30):
+        rig.cycle(step_ms=50)
+    frame = frame_space(1000 + 40, rig.h.config.udp.mtu)  # body + the envelope's few bytes
+    assert 0 < len(rig.bodies) <= rig.window // frame + 2
+    assert rig.unprocessed_in_flight() <= rig.window + frame
+    rig.process(len(rig.held))
+    for _ in range(5):
+        rig.cycle()
+    assert len(rig.bodies) > rig.window // frame + 2  # processing opened the window
+
+
+def test_prefetch_bounds_unsettled_deliveries() -> None:
+    rig = Rig(prefetch=5, window=1 << 20)
+    rig.publish([b"p"] * 20)
+    for _ in range(10):
+        rig.cycle()
+    assert len(rig.bodies) == 5
+    rig.process(5)
+    for _ in range(10):
+        rig.cycle()
+    assert len(rig.bodies) == 10
+
+
+def test_closing_the_connection_requeues_in_order_and_ends_the_publication() -> None:
+    rig = Rig()
+    rig.publish([b"r%d" % i for i in range(10)])
+    for _ in range(5):
+        rig.cycle()
+    assert len(rig.bodies) == 10
+    session_id = rig.answer["session_id"]
+    rig.owner.close()
+    assert [m.body for m in rig.core.queues["q"].store] == [b"r%d" % i for i in range(10)]
+    assert all(m.redelivered for m in rig.core.queues["q"].store)
+    assert session_id not in rig.datapath.egress.subscriptions
+    for _ in range(40):
+        rig.cycle(step_ms=100)
+    assert session_id not in rig.datapath.session_ids.live  # end of stream sent, lingered, given back
+
+
+def test_cancel_requeues_and_closes_the_publication() -> None:
+    rig = Rig()
+    rig.publish([b"c%d" % i for i in range(4)])
+    for _ in range(5):
+        rig.cycle()
+    rig.owner.ok(lambda rid: Cancel(rid, 1))
+    rig.cycle()
+    assert rig.answer["session_id"] not in rig.datapath.egress.subscriptions
+    assert [m.body for m in rig.core.queues["q"].store] == [b"c%d" % i for i in range(4)]
+
+
+def test_control_datagrams_from_elsewhere_are_refused() -> None:
+    rig = Rig()
+    rig.cycle()
+    sm = [d for d, _ in rig.channel.do_work(rig.h.now + 300 * MS)]
+    assert sm
+    rig.datapath.on_datagram(sm[0], ("127.0.0.9", CONSUMER[1]), rig.h.now)
+    assert rig.datapath.refused["wrong_source"] == 1
+    bad = bytearray(sm[0])
+    bad[8:12] = (12345).to_bytes(4, "little", signed=True)
+    rig.datapath.on_datagram(bytes(bad), CONSUMER, rig.h.now)
+    assert rig.datapath.refused["unregistered_session"] == 1
+
+
+def test_subscriptions_are_bounded_and_checked_like_subscribe() -> None:
+    rig = Rig(udp={"max_subscriptions": 1})
+    again = rig.owner.request(lambda rid: SubscribeUdp(rid, 2, "q", 10, 0, CONSUMER[1] + 1, 1002))
+    assert isinstance(again, Error) and "max_subscriptions 1" in again.text
+    other = Rig()
+    missing = other.h.consumer("other")
+    missing.session.peer_host = CONSUMER[0]
+    answer = missing.request(lambda rid: SubscribeUdp(rid, 1, "nope", 10, 0, CONSUMER[1] + 2, 1002))
+    assert isinstance(answer, Error) and "nope" in answer.text
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 150), st.sampled_from([Outcome.ACK, Outcome.REQUEUE]))
+def test_with_loss_every_message_is_delivered_and_settled_exactly_once(seed: int, count: int,
+                                                                        second: Outcome) -> None:
+    rig = Rig(window=8 * 1024)
+    rig.rng = random.Random(seed)
+    rig.loss = 0.05
+    bodies = [b"%05d" % i + b"z" * rig.rng.randrange(0, 2000) for i in range(count)]
+    rig.publish(bodies)
+    acked: list[bytes] = []
+    requeued_once: set[bytes] = set()
+    for _ in range(3000):
+        rig.cycle(rounds=1, step_ms=rig.rng.choice([1, 10, 60]))
+        if rig.held and rig.rng.random() < 0.5:
+            n = rig.rng.randrange(1, len(rig.held) + 1)
+            first_body = rig.bodies[len(rig.bodies) - len(rig.held)]
+            outcome = second if first_body not in requeued_once else Outcome.ACK
+            if outcome is Outcome.REQUEUE:
+                requeued_once.add(first_body)
+                n = 1
+            taken = rig.bodies[len(rig.bodies) - len(rig.held):][:n]
+            rig.process(n, outcome)
+            if outcome is Outcome.ACK:
+                acked += taken
+        if sorted(acked) == sorted(bodies):
+            break
+    assert sorted(acked) == sorted(bodies) and len(acked) == len(set(acked))
+    assert len(rig.core.queues["q"].store) == 0

@@ -1,0 +1,144 @@
+"""Consumers over UDP end to end: `conn.consumer(queue, transport="udp")` against a real `BrokerServer`,
+over real UDP and TCP sockets on 127.0.0.1. The consumer's window is its credit and its processing, not
+the arrival of datagrams, moves the broker on; settlement stays on TCP."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+
+import trio
+
+import flowbroker.client as fc
+from flowbroker.client import blocking
+from flowbroker.client.udpconsumer import UdpConsumer
+from tests.conftest import RunningBroker
+
+LIMIT = 20.0
+Start = Callable[..., Awaitable[RunningBroker]]
+
+
+async def fill(conn: fc.Connection, queue: str, bodies: list[bytes]) -> None:
+    await conn.declare_queue(queue)
+    async with conn.producer("", queue) as producer:
+        for body in bodies:
+            await producer.send(body)
+
+
+async def test_a_slow_udp_consumer_paces_the_broker_within_its_window(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    window = 32 * 1024
+    bodies = [b"%05d" % i + b"s" * 1000 for i in range(400)]
+    worst = 0
+    got: list[bytes] = []
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "slow", bodies)
+        datapath = broker.core.udp
+        assert datapath is not None
+        with trio.fail_after(60):
+            async with conn.consumer("slow", transport="udp", buffer_size=window) as consumer:
+                assert isinstance(consumer, UdpConsumer)
+                async for msg in consumer:
+                    # what the broker has sent beyond what this consumer has processed (all before `msg`)
+                    stream = next(iter(datapath.egress.subscriptions.values()))
+                    sent = stream.publication.sender_position
+                    image, sub_id = consumer._image, consumer._subscription_id_in_image()
+                    assert image is not None
+                    processed = image.subscriber_position(sub_id) - image.subscriber_hold(sub_id)
+                    worst = max(worst, sent - processed)
+                    await trio.sleep(0.001)  # a slow handler
+                    got.append(msg.body)
+                    await msg.ack()
+                    if len(got) == len(bodies):
+                        break
+    assert got == bodies
+    assert worst <= window + 1088  # the window, and at most one message (1,056 term bytes) over it
+    assert worst > window // 2  # and the window was used
+    assert datapath.refused.total() == 0
+
+
+async def test_ack_reject_and_requeue_go_over_tcp(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "settle", [b"a", b"b", b"c"])
+        async with conn.consumer("settle", transport="udp", prefetch=10) as consumer:
+            with trio.fail_after(LIMIT):
+                first = await consumer.receive()
+                second = await consumer.receive()
+                third = await consumer.receive()
+                assert [first.body, second.body, third.body] == [b"a", b"b", b"c"]
+                await first.ack()
+                await second.reject()
+                await third.requeue()
+                again = await consumer.receive()
+                assert (again.body, again.redelivered) == (b"c", True)
+                await again.ack()
+        await trio.sleep(0.05)
+    assert len(broker.core.queues["settle"].store) == 0
+
+
+async def test_closing_the_connection_requeues_unsettled_in_order(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    bodies = [b"u%d" % i for i in range(20)]
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "back", bodies)
+    async with await fc.connect(broker.url) as conn:
+        consumer = conn.consumer("back", transport="udp")
+        with trio.fail_after(LIMIT):
+            for _ in range(5):
+                await consumer.receive()  # taken, never settled
+    datapath = broker.core.udp
+    assert datapath is not None
+    with trio.fail_after(LIMIT):
+        while datapath.egress.subscriptions:
+            await trio.sleep(0.01)
+    queue = broker.core.queues["back"]
+    assert [m.body for m in queue.store] == bodies
+    assert [m.redelivered for m in queue.store][:5] == [True] * 5
+
+
+async def test_the_blocking_api_consumes_over_udp(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "blocking", [b"%d" % i for i in range(50)])
+    got: list[bytes] = []
+
+    def consume() -> None:
+        with blocking.connect(broker.url) as bconn:
+            with bconn.consumer("blocking", transport="udp") as consumer:
+                for _ in range(50):
+                    msg = consumer.receive(timeout=LIMIT)
+                    got.append(msg.body)
+                    msg.ack()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    with trio.fail_after(LIMIT * 2):
+        while thread.is_alive():
+            await trio.sleep(0.01)
+    thread.join()
+    assert got == [b"%d" % i for i in range(50)]
+
+
+async def test_udp_producer_to_udp_consumer(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    bodies = [b"%06d" % i + b"e" * 500 for i in range(3000)]
+    got: list[bytes] = []
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("both")
+
+        async def consume() -> None:
+            async with conn.consumer("both", transport="udp") as consumer:
+                async for msg in consumer:
+                    got.append(msg.body)
+                    await msg.ack()
+                    if len(got) == len(bodies):
+                        return
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume)
+                async with conn.producer("", "both", transport="udp") as producer:
+                    for body in bodies:
+                        await producer.send(body)
+    assert got == bodies
