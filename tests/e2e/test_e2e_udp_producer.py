@@ -223,3 +223,25 @@ async def test_across_many_terms_every_message_arrives_once_in_order(start_flowb
                     await producer.send(body)
                 await producer.flush()
     assert [m.body for m in broker.core.queues["terms"].store] == bodies
+
+
+async def test_the_admin_api_shows_the_data_path_and_its_refusals(start_flowbroker: Start) -> None:
+    from tests.e2e.test_e2e_admin import TOKEN, ok
+
+    broker = await start_flowbroker(admin={"token": TOKEN})
+    async with await fc.connect(broker.url, client_name="shown") as conn:
+        await conn.declare_queue("q")
+        producer = conn.producer("", "q", transport="udp")
+        await producer.send(b"x")
+        await producer.flush(timeout=LIMIT)
+        udp = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+        with udp:
+            await udp.sendto(b"\x00" * 7, ("127.0.0.1", broker.udp_port))  # too short for any header
+        datapath = broker.core.udp
+        assert datapath is not None
+        await wait_until(lambda: datapath.refused["malformed"] == 1)
+        view = await ok(broker, "GET", "/api/broker")
+        assert view["udp"]["endpoint"] == f"127.0.0.1:{broker.udp_port}"
+        assert view["udp"]["publications"] == 1 and view["udp"]["refused"] == {"malformed": 1}
+        names = [c["client_name"] for c in (await ok(broker, "GET", "/api/connections"))["connections"]]
+        assert f"shown udp:{producer.session_id}" in names  # type: ignore[attr-defined]
