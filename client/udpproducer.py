@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, describe_stopped
-from flowbroker.client.producer import _HEADER_TYPES, Producer, _refusal
+from flowbroker.client.producer import _HEADER_TYPES, _SHORT_KEY, Producer, _refusal
 from flowbroker.protocol import ErrorCode, Headers
 from flowbroker.protocol.envelope import encode_publish
 from flowbroker.protocol.frames import ClosePublication, RegisterPublication
@@ -183,25 +183,48 @@ class UdpProducer(Producer):
         once instead. Refuses what the broker could not take before sending, as the TCP producer does."""
         conn = self._conn
         await trio.lowlevel.checkpoint_if_cancelled()
-        conn._check_open()
-        if self.publication is None:
-            await self.open()
+        if conn._closed is not None:
+            conn._check_open()
         pub = self.publication
-        assert pub is not None
-        if not isinstance(body, bytes):
+        if pub is None:
+            await self.open()
+            pub = self.publication
+            assert pub is not None
+        if type(body) is not bytes:
             raise TypeError(f"body must be bytes, not {type(body).__name__}")
+        own_key = routing_key is None or routing_key == self.routing_key
         key = self.routing_key if routing_key is None else routing_key
-        if headers and (
-            type(headers) is not dict or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())
-        ):
-            raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
-        refusal = _refusal(self.exchange, key, body, headers, conn.welcome.max_message_size)
-        if refusal is not None:
-            raise refusal
-        payload = encode_publish(body, None if key == self.routing_key else key, headers)
+        # One comparison for the common message (no headers, a short key); the exact checks otherwise.
+        if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(self.exchange)) > conn.welcome.max_message_size:
+            if headers and (type(headers) is not dict
+                            or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())):
+                raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
+            refusal = _refusal(self.exchange, key, body, headers, conn.welcome.max_message_size)
+            if refusal is not None:
+                raise refusal
+        payload = b"\x00" + body if own_key and not headers else encode_publish(body, None if own_key else key, headers)
         if len(payload) > pub.max_message_length:
             raise ValueError(f"a message of {len(payload)} bytes exceeds the UDP publication's maximum "
                              f"{pub.max_message_length} (term_length / 8); send it over TCP")
+        result = pub.offer(payload) if self._outstanding < self.window and not self._closed else -1
+        if result <= 0:  # the common case above: offered at once; otherwise wait for the window
+            result = await self._offer_waiting(pub, payload, timeout, block)
+        self._ends.append(result)
+        self._outstanding += 1
+        if self._outstanding == 1:
+            conn._active_producers[self] = None
+        # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
+        # a burst of sends packs several messages into each datagram.
+        if result - pub.sender_position >= pub.mtu:
+            self._send_now()
+        else:
+            self._dirty.set()
+        return result
+
+    async def _offer_waiting(self, pub: Publication, payload: bytes, timeout: float | None, block: bool) -> int:
+        """Offer `payload` until it is taken: while back-pressured, wait for the broker's window (at most
+        `timeout`) or, with `block=False`, raise FlowControlled at once."""
+        conn = self._conn
         timeout = self.send_timeout if timeout is None else timeout
         deadline = trio.current_time() + timeout if timeout != math.inf else math.inf
         waited_since: float | None = None
@@ -218,7 +241,7 @@ class UdpProducer(Producer):
                     if result < 0:
                         raise ConnectionClosed(ErrorCode.INTERNAL_ERROR,
                                                f"UDP publication {self.session_id} cannot send (offer {result})")
-                    break
+                    return result
                 if verdict is OfferVerdict.RETRY_NOW:
                     continue
                 if not block:
@@ -240,17 +263,6 @@ class UdpProducer(Producer):
         finally:
             if waited_since is not None:
                 self._blocked_seconds += trio.current_time() - waited_since
-        self._ends.append(result)
-        self._outstanding += 1
-        if self._outstanding == 1:
-            conn._active_producers[self] = None
-        # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
-        # a burst of sends packs several messages into each datagram.
-        if result - pub.sender_position >= pub.mtu:
-            self._send_now()
-        else:
-            self._dirty.set()
-        return result
 
     def _send_now(self) -> None:
         pub, endpoint = self.publication, self._endpoint
