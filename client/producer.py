@@ -225,21 +225,12 @@ class Producer:
         await trio.lowlevel.checkpoint_if_cancelled()
         if conn._closed is not None or conn._nursery is None:
             conn._check_open()
-        if not isinstance(body, bytes):
-            raise TypeError(f"body must be bytes, not {type(body).__name__}")
         key = self.routing_key if routing_key is None else routing_key
         exchange = self.exchange
         max_size = conn.welcome.max_message_size
-        # One comparison for the common message (no headers, a short key); the exact checks otherwise.
-        if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
-            if headers and (
-                type(headers) is not dict
-                or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())
-            ):
-                raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
-            refusal = _refusal(exchange, key, body, headers, max_size)
-            if refusal is not None:
-                raise refusal
+        # One comparison for the common message (bytes, no headers, a short key): the exact checks otherwise.
+        if type(body) is not bytes or headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
+            check_message(exchange, key, body, headers, max_size)
         # message_size inlined for the common message without headers (as the consumer does on arrival)
         size = len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers)
         if self._outstanding >= self.window or not conn.sender_window.may_send():  # not self.has_credit(), inlined
@@ -376,6 +367,24 @@ class Producer:
         if len(self._errors) < MAX_KEPT_ERRORS:
             self._errors.append(error)
         self._conn._active_producers[self] = None
+
+
+def check_message(exchange: str, key: str, body: bytes, headers: Headers | None, max_size: int) -> None:
+    """Raise, before anything is sent, what the broker would refuse (see the module's docstring): TypeError
+    for a body that is not bytes or headers of the wrong types, else the typed refusal. Callers skip it for
+    the common message (bytes, no headers, a short key, a body far under the limit: one comparison in
+    `send`). Shared by the TCP and the UDP producer (client/udpproducer.py)."""
+    if not isinstance(body, bytes):
+        raise TypeError(f"body must be bytes, not {type(body).__name__}")
+    if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
+        if headers and (
+            type(headers) is not dict
+            or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())
+        ):
+            raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
+        refusal = _refusal(exchange, key, body, headers, max_size)
+        if refusal is not None:
+            raise refusal
 
 
 def _refusal(exchange: str, key: str, body: bytes, headers: Headers | None, max_size: int) -> PublishError | None:

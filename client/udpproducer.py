@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, describe_stopped
-from flowbroker.client.producer import _HEADER_TYPES, _SHORT_KEY, Producer, _refusal
+from flowbroker.client.producer import _SHORT_KEY, Producer, check_message
 from flowbroker.protocol import ErrorCode, Headers
 from flowbroker.protocol.envelope import encode_publish
 from flowbroker.protocol.frames import ClosePublication, RegisterPublication
@@ -190,18 +190,11 @@ class UdpProducer(Producer):
             await self.open()
             pub = self.publication
             assert pub is not None
-        if type(body) is not bytes:
-            raise TypeError(f"body must be bytes, not {type(body).__name__}")
         own_key = routing_key is None or routing_key == self.routing_key
         key = self.routing_key if routing_key is None else routing_key
-        # One comparison for the common message (no headers, a short key); the exact checks otherwise.
-        if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(self.exchange)) > conn.welcome.max_message_size:
-            if headers and (type(headers) is not dict
-                            or not all(type(k) is str and type(v) in _HEADER_TYPES for k, v in headers.items())):
-                raise TypeError("headers must be a dict of str keys to str, bytes, int, float, bool or None values")
-            refusal = _refusal(self.exchange, key, body, headers, conn.welcome.max_message_size)
-            if refusal is not None:
-                raise refusal
+        max_size = conn.welcome.max_message_size
+        if type(body) is not bytes or headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(self.exchange)) > max_size:
+            check_message(self.exchange, key, body, headers, max_size)
         payload = b"\x00" + body if own_key and not headers else encode_publish(body, None if own_key else key, headers)
         if len(payload) > pub.max_message_length:
             raise ValueError(f"a message of {len(payload)} bytes exceeds the UDP publication's maximum "
