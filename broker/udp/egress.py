@@ -46,7 +46,6 @@ class _Stream:
 
     session_id: int
     stream_id: int
-    owner: Session
     destination: tuple[str, int]
     publication: Publication
     subscription: UdpSubscription
@@ -109,7 +108,7 @@ class Egress:
             now_ns, destination=destination,
         )
         sub = UdpSubscription(owner, subscription_id, the_queue, in_force, 0)
-        stream = _Stream(session_id, stream_id, owner, destination, publication, sub)
+        stream = _Stream(session_id, stream_id, destination, publication, sub)
         sub.stream = stream
         sub.egress = self
         self.subscriptions[session_id] = stream
@@ -120,7 +119,7 @@ class Egress:
                 "endpoint": datapath.endpoint_text}
 
     def close_owner(self, owner_conn_id: int, now_ns: int) -> None:
-        for stream in [s for s in self.subscriptions.values() if s.owner.conn_id == owner_conn_id]:
+        for stream in [s for s in self.subscriptions.values() if s.subscription.session.conn_id == owner_conn_id]:
             self._close(stream, now_ns)
 
     def _close(self, stream: _Stream, now_ns: int) -> None:
