@@ -234,6 +234,9 @@ class Connection:
         self._consumers: dict[int, Consumer] = {}
         self._next_subscription_id = 1
         self._udp_producers: dict[int, UdpProducer] = {}  # by the session id of their UDP publication
+        self.udp_endpoint: str | None = None
+        """The broker's UDP endpoint (host:port) for this connection's UDP producers, from the URL's `udp`
+        query; None: the one the broker announces when a publication registers."""
         now = trio.current_time()
         self._receiver_window = ReceiverWindow(0, opaque=0, last_sent_ns=int(now * 1e9))
         """The connection-level consumer byte positions (counted whatever the size: see consumer.py)."""

@@ -52,7 +52,9 @@ async def connect(
     async def open_tcp() -> trio.abc.Stream:
         return await trio.open_tcp_stream(address.host, address.port)
 
-    return await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout)
+    conn = await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout)
+    conn.udp_endpoint = address.udp
+    return conn
 
 
 async def connect_stream(

@@ -134,7 +134,7 @@ class UdpProducer(Producer):
             except BaseException:
                 endpoint.close()
                 raise
-            host, broker_port = _host_port(self.udp_endpoint or str(answer["endpoint"]))
+            host, broker_port = _host_port(self.udp_endpoint or conn.udp_endpoint or str(answer["endpoint"]))
             if host in ("0.0.0.0", "::", ""):
                 host = conn._peer_host() or host
             self.session_id = int(answer["session_id"])

@@ -1,14 +1,16 @@
-"""Broker URLs: `flowbroker://host:port`.
+"""Broker URLs: `flowbroker://host:port`, optionally `?udp=host:port`.
 
 A URL rather than (host, port) arguments so that configuration files, environment variables and Spark
-options can carry one string. Only the scheme, host and port mean anything today; the parser refuses
-the rest instead of silently ignoring it, so a typo in a URL fails at connect time, not in production.
+options can carry one string. The scheme, host and port mean something, and one query parameter, `udp`:
+the broker's UDP endpoint for UDP producers when it is not the one the broker announces (a broker behind
+NAT). The parser refuses the rest instead of silently ignoring it, so a typo in a URL fails at connect
+time, not in production.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 __all__ = ["BrokerAddress", "parse_url", "DEFAULT_URL", "DEFAULT_HOST", "DEFAULT_PORT", "SCHEME"]
 
@@ -22,10 +24,11 @@ DEFAULT_URL = f"{SCHEME}://{DEFAULT_HOST}:{DEFAULT_PORT}"
 class BrokerAddress:
     host: str
     port: int
+    udp: str | None = None  # the `udp` query: the broker's UDP endpoint as host:port
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{SCHEME}://{host}:{self.port}"
+        return f"{SCHEME}://{host}:{self.port}" + (f"?udp={self.udp}" if self.udp else "")
 
 
 def parse_url(url: str = DEFAULT_URL) -> BrokerAddress:
@@ -37,12 +40,30 @@ def parse_url(url: str = DEFAULT_URL) -> BrokerAddress:
     parts = urlsplit(url)
     if parts.scheme != SCHEME:
         raise ValueError(f"{url!r}: the scheme must be {SCHEME}://")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"{url!r}: a broker URL has no path, query or fragment")
+    if parts.path not in ("", "/") or parts.fragment:
+        raise ValueError(f"{url!r}: a broker URL has no path or fragment")
+    udp = _udp_query(url, parts.query)
     if parts.username is not None or parts.password is not None:
         raise ValueError(f"{url!r}: pass credentials with auth=, not in the URL")
     try:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"{url!r}: {exc}") from None
-    return BrokerAddress(parts.hostname or DEFAULT_HOST, DEFAULT_PORT if port is None else port)
+    return BrokerAddress(parts.hostname or DEFAULT_HOST, DEFAULT_PORT if port is None else port, udp)
+
+
+def _udp_query(url: str, query: str) -> str | None:
+    """The `udp=host:port` query, checked; ValueError for any other query."""
+    if not query:
+        return None
+    try:
+        params = parse_qs(query, strict_parsing=True)
+    except ValueError:
+        raise ValueError(f"{url!r}: the query must be udp=HOST:PORT") from None
+    if set(params) != {"udp"} or len(params["udp"]) != 1:
+        raise ValueError(f"{url!r}: the only query a broker URL takes is udp=HOST:PORT")
+    value = params["udp"][0]
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{url!r}: udp={value!r} must be HOST:PORT with a port in [1, 65535]")
+    return value

@@ -197,7 +197,12 @@ def test_parse_url() -> None:
     assert fc.parse_url("flowbroker://example.org:1234") == fc.BrokerAddress("example.org", 1234)
     assert fc.parse_url("flowbroker://") == fc.BrokerAddress("127.0.0.1", 5680)
     assert str(fc.parse_url()) == "flowbroker://127.0.0.1:5680"
-    for bad in ("amqp://h:1", "flowbroker://h:99999", "flowbroker://u:p@h:1", "flowbroker://h:1/vhost"):
+    for bad in ("amqp://h:1", "flowbroker://h:99999", "flowbroker://u:p@h:1", "flowbroker://h:1/vhost",
+                "flowbroker://h:1?vhost=x", "flowbroker://h:1?udp=h", "flowbroker://h:1?udp=h:0",
+                "flowbroker://h:1?udp=h:1&udp=h:2", "flowbroker://h:1#x"):
         with pytest.raises(ValueError):
             fc.parse_url(bad)
+    with_udp = fc.parse_url("flowbroker://example.org:1234?udp=10.0.0.7:5682")
+    assert with_udp == fc.BrokerAddress("example.org", 1234, "10.0.0.7:5682")
+    assert str(with_udp) == "flowbroker://example.org:1234?udp=10.0.0.7:5682"
     assert Ok(1, {}).request_id == 1

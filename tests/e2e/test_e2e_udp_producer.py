@@ -245,3 +245,16 @@ async def test_the_admin_api_shows_the_data_path_and_its_refusals(start_flowbrok
         assert view["udp"]["publications"] == 1 and view["udp"]["refused"] == {"malformed": 1}
         names = [c["client_name"] for c in (await ok(broker, "GET", "/api/connections"))["connections"]]
         assert f"shown udp:{producer.session_id}" in names  # type: ignore[attr-defined]
+
+
+async def test_the_url_names_the_udp_endpoint(start_flowbroker: Start) -> None:
+    """A broker behind NAT announces an endpoint its clients cannot reach: `?udp=` overrides it."""
+    broker = await start_flowbroker(udp={"endpoint": "0.0.0.0:0"})  # announces 0.0.0.0:<port>
+    async with await fc.connect(f"{broker.url}?udp=localhost:{broker.udp_port}") as conn:
+        assert conn.udp_endpoint == f"localhost:{broker.udp_port}"
+        await conn.declare_queue("q")
+        async with conn.producer("", "q", transport="udp") as producer:
+            await producer.send(b"via the URL's endpoint")
+            assert isinstance(producer, UdpProducer) and producer._broker == ("localhost", broker.udp_port)
+            await producer.flush(timeout=LIMIT)
+    assert [m.body for m in broker.core.queues["q"].store] == [b"via the URL's endpoint"]
