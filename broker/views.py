@@ -343,4 +343,9 @@ def udp_view(core: BrokerCore) -> dict[str, Any] | None:
         "subscriptions": stats.subscriptions,
         "datagrams_received": stats.datagrams_received,
         "refused": dict(stats.refused),
+        "images": stats.images,
+        "loss_gaps": stats.loss_gaps,
+        "naks_sent": stats.naks_sent,
+        "naks_received": stats.naks_received,
+        "retransmits_sent": stats.retransmits_sent,
     }

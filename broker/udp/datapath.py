@@ -50,13 +50,19 @@ REFUSAL_REASONS = (
 
 @dataclass(frozen=True, slots=True)
 class DataPathStatistics:
-    """The data path's counters, for the admin views (and the metrics of issue 12)."""
+    """The data path's counters, for the admin views (and the metrics of issue 12). NAK and loss figures are
+    those of the images and publications live now (a closed one's go with it)."""
 
     endpoint: str
     datagrams_received: int
     refused: tuple[tuple[str, int], ...]
     publications: int
     subscriptions: int
+    images: int  # of the publications: one while a producer's SETUP made it and it has not gone
+    loss_gaps: int  # gaps the images found in what producers sent (each NAKed)
+    naks_sent: int  # NAKs the images sent to producers
+    naks_received: int  # NAKs UDP consumers sent to the broker's publications
+    retransmits_sent: int  # data the broker's publications sent again for them
 
 
 class SessionIds:
@@ -106,9 +112,13 @@ class DataPath:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def statistics(self) -> DataPathStatistics:
+        images = [p.image.statistics() for p in self.ingress.publications.values() if p.image is not None]
+        streams = [s.publication.statistics() for s in self.egress.subscriptions.values()]
         return DataPathStatistics(
             self.endpoint_text, self.datagrams_received, tuple(sorted(self.refused.items())),
-            len(self.ingress.publications), len(self.egress.subscriptions),
+            len(self.ingress.publications), len(self.egress.subscriptions), len(images),
+            sum(i.loss_gaps for i in images), sum(i.naks_sent for i in images),
+            sum(p.naks_received for p in streams), sum(p.retransmits_sent for p in streams),
         )
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:
