@@ -12,6 +12,8 @@ import trio
 import flowbroker.client as fc
 from flowbroker.client import blocking
 from flowbroker.client.udpconsumer import UdpConsumer
+from flowbroker.protocol import Frame
+from flowbroker.protocol.frames import SubscribeUdp
 from tests.conftest import RunningBroker
 
 LIMIT = 20.0
@@ -142,3 +144,45 @@ async def test_udp_producer_to_udp_consumer(start_flowbroker: Start) -> None:
                     for body in bodies:
                         await producer.send(body)
     assert got == bodies
+
+
+async def test_through_a_lossy_relay_every_message_is_delivered_once_in_order(start_flowbroker: Start) -> None:
+    """Broker -> lossy relay (5 % loss, 1 % duplication, 1 % reordering, both ways) -> SDK UDP consumer.
+
+    The broker sends to the port SUBSCRIBE_UDP names; here that is the relay's server-side port (the consumer
+    below asks for it instead of its own), and the relay forwards to the consumer's socket."""
+    from tests.e2e.udprelay import Impairment, LossyRelay
+
+    broker = await start_flowbroker()
+    assert broker.udp_port is not None
+    count = 5000
+    bodies = [b"%06d" % i + b"r" * 300 for i in range(count)]
+    impairment = Impairment(0.05, 0.01, 0.01)
+    relay = LossyRelay(("127.0.0.1", broker.udp_port), seed=11, to_server=impairment, to_client=impairment)
+
+    class RelayedConsumer(UdpConsumer):
+        def _subscribe_frame(self, request_id: int) -> Frame:
+
+            relay.client = self._endpoint.local_address
+            return SubscribeUdp(request_id, self.subscription_id, self.queue, self.prefetch, self.window,
+                                relay.server_port, self.stream_id)
+
+    got: list[bytes] = []
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "lossy", bodies)
+        with trio.fail_after(90):
+            async with relay, trio.open_nursery() as nursery:
+                nursery.start_soon(relay.run)
+                consumer = RelayedConsumer(conn, "lossy", 100, prefetch=500, buffer_size=64 * 1024)
+                async with consumer:
+                    async for msg in consumer:
+                        got.append(msg.body)
+                        await msg.ack()
+                        if len(got) == count:
+                            break
+                nursery.cancel_scope.cancel()
+    assert got == bodies
+    counters = relay.counters
+    assert counters["to_client"].dropped > 0 and counters["to_client"].duplicated > 0
+    await trio.sleep(0.05)
+    assert len(broker.core.queues["lossy"].store) == 0
