@@ -35,3 +35,14 @@ def test_importing_the_transport_package_loads_no_trio_and_no_socket() -> None:
     code = "import sys, flowbroker.transport; print(sorted({'trio', 'socket'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_brokers_udp_data_path_is_sans_io_but_its_shell() -> None:
+    """broker/udp/: datapath, ingress and egress take datagrams and now_ns; only shell.py does I/O."""
+    import flowbroker.broker.udp
+
+    folder = Path(flowbroker.broker.udp.__file__).parent
+    sans_io = [folder / name for name in ("__init__.py", "datapath.py", "ingress.py", "egress.py")]
+    offenders = {p.name: imported(p) & IO_MODULES for p in sans_io if imported(p) & IO_MODULES}
+    assert offenders == {}
+    assert "trio" in imported(folder / "shell.py")
