@@ -2,7 +2,9 @@
 broker's own `trio.run` (docs/management.md).
 
 Every request needs the admin credential, `Authorization: Bearer <token>` (401 without it, 403 with a
-wrong one). Endpoints only translate HTTP to core calls and core objects to JSON through
+wrong one), or a web console session (flowbroker.broker.console: a cookie, plus a CSRF header to change
+anything); only the console's login page and its assets are public. Endpoints only translate HTTP to
+core calls and core objects to JSON through
 flowbroker.broker.views; every endpoint is `async def`, so it runs on the trio thread like the
 rest of the broker (Starlette would run a plain `def` endpoint in a worker thread, racing the core).
 Errors are `{"error": {"code": ..., "message": ..., "field": ...}}` with the HTTP status that fits.
@@ -37,9 +39,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from flowbroker.broker import views
+from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.config import AdminConfig
+from flowbroker.broker.console import PUBLIC_PATHS
 from flowbroker.broker.core import BrokerCore, RequestError
 from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
@@ -127,34 +130,64 @@ def resolve_token(config: AdminConfig) -> str:
     return token
 
 
-class BearerAuth:
-    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`."""
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
-    def __init__(self, app: ASGIApp, token: str):
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`, or the web console's
+    session cookie (flowbroker.broker.console), which for a state-changing method also needs that
+    session's CSRF header. PUBLIC_PATHS (the console's login page and its assets) need neither."""
+
+    def __init__(self, app: ASGIApp, token: str, sessions: console.SessionStore | None = None):
         self.app = app
         self._token = token.encode()
+        self._sessions = sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            header = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    header = value
-                    break
-            scheme, _, credential = header.partition(b" ")
-            if not header or scheme.lower() != b"bearer" or not credential.strip():
-                response = _error_response(
-                    401, "unauthorized",
-                    "the admin API needs 'Authorization: Bearer <token>' ([admin] token, or the token file)",
-                    headers={"WWW-Authenticate": 'Bearer realm="flowbroker"'},
-                )
-                await response(scope, receive, send)
-                return
-            if not hmac.compare_digest(credential.strip(), self._token):
-                response = _error_response(403, "forbidden", "the admin token is wrong")
-                await response(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        """None when the request may go on, else the answer that refuses it."""
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+                break
+        if not header and self._sessions is not None:
+            sid = console.session_id(scope)
+            if sid is not None:
+                return self._session_refusal(scope, self._sessions.csrf(sid))
+        scheme, _, credential = header.partition(b" ")
+        if not header or scheme.lower() != b"bearer" or not credential.strip():
+            return _error_response(
+                401, "unauthorized",
+                "the admin API needs 'Authorization: Bearer <token>' ([admin] token, or the token file)",
+                headers={"WWW-Authenticate": 'Bearer realm="flowbroker"'},
+            )
+        if not hmac.compare_digest(credential.strip(), self._token):
+            return _error_response(403, "forbidden", "the admin token is wrong")
+        return None
+
+    @staticmethod
+    def _session_refusal(scope: Scope, csrf: str | None) -> Response | None:
+        if csrf is None:
+            return _error_response(401, "unauthorized", "the console session has ended (logged out or expired): log in at /")
+        if scope["method"] in SAFE_METHODS:
+            return None
+        given = b""
+        for name, value in scope["headers"]:
+            if name == console.CSRF_HEADER.encode():
+                given = value
+                break
+        if not hmac.compare_digest(given, csrf.encode()):
+            return _error_response(403, "csrf", f"a {scope['method']} with the console's cookie needs its "
+                                                f"{console.CSRF_HEADER} header (GET /session)")
+        return None
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -390,8 +423,10 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         Route("/api/policy", j(api.get_policy), methods=["GET"]),
         Route("/api/policy", j(api.put_policy), methods=["PUT"]),
     ]
+    sessions = console.SessionStore()
+    routes += console.console_routes(token, sessions)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
-    return BearerAuth(app, token)
+    return BearerAuth(app, token, sessions)
 
 
 # -- the server --------------------------------------------------------------------------------

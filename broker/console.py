@@ -1,0 +1,207 @@
+"""The web console on the admin port (docs/console.md): a login page, browser sessions, and the static
+files of a plain-JS page that polls the JSON API every second.
+
+Why a server-side session map and not an HMAC of the token in the cookie: logging out must end the
+session for good (an HMAC cookie stays valid until the token itself changes, so a copied cookie would
+outlive the logout), and a random id says nothing about the token. The map is bounded (MAX_SESSIONS,
+the oldest dropped first) and every entry expires (SESSION_SECONDS), so logging in over and over
+cannot grow the broker. Each session carries a random CSRF value, handed to the page by `GET /session`
+(same origin only: the API sends no CORS headers) and required in `X-Flowbroker-CSRF` on every
+state-changing request made with the cookie; with SameSite=Strict that is a second, independent fence
+against another site driving the API through the operator's browser.
+
+The console itself holds no history: its charts are kept by the page from the polls, so the broker
+does nothing for a console it would not do for `flowbroker queues`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import Scope
+
+__all__ = [
+    "COOKIE",
+    "CSRF_HEADER",
+    "PUBLIC_PATHS",
+    "SessionStore",
+    "console_routes",
+    "session_id",
+]
+
+LOGGER = logging.getLogger("flowbroker.broker.console")
+
+COOKIE = "flowbroker_session"
+CSRF_HEADER = "x-flowbroker-csrf"
+MAX_SESSIONS = 64
+"""Browser sessions kept at once; a 65th login ends the oldest."""
+SESSION_SECONDS = 8 * 3600
+"""A session ends this long after login, used or not: log in again after a working day."""
+
+STATIC = "/console/"
+STATIC_FILES: dict[str, str] = {
+    # name in broker/static/console/ -> content type; anything else under /console/ is a 404
+    "console.html": "text/html; charset=utf-8",
+    "login.html": "text/html; charset=utf-8",
+    "console.js": "text/javascript; charset=utf-8",
+    "login.js": "text/javascript; charset=utf-8",
+    "console.css": "text/css; charset=utf-8",
+    "uPlot.iife.min.js": "text/javascript; charset=utf-8",
+    "uPlot.min.css": "text/css; charset=utf-8",
+}
+PUBLIC_PATHS = frozenset({"/", "/login", STATIC + "login.js", STATIC + "console.css"})
+"""What the admin app serves without a credential: the login page and its assets (`/` answers the
+login page unless the request carries a valid session)."""
+
+# The console's pages load only their own files and talk only to their own origin; no other site
+# may frame them (the stop-all button must not be clickjacked).
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    csrf: str
+    expires: float
+
+
+class SessionStore:
+    """Browser sessions: random id -> CSRF value and expiry, at most `limit`, oldest dropped first."""
+
+    def __init__(self, limit: int = MAX_SESSIONS, lifetime: float = SESSION_SECONDS,
+                 clock: Callable[[], float] = time.monotonic):
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._limit = limit
+        self._lifetime = lifetime
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def create(self) -> tuple[str, str]:
+        """A new session: (id for the cookie, CSRF value for the page)."""
+        now = self._clock()
+        for sid in [sid for sid, s in self._sessions.items() if s.expires <= now]:
+            del self._sessions[sid]
+        while len(self._sessions) >= self._limit:
+            self._sessions.popitem(last=False)
+        sid, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        self._sessions[sid] = _Session(csrf, now + self._lifetime)
+        return sid, csrf
+
+    def csrf(self, sid: str | None) -> str | None:
+        """The CSRF value of a live session, or None (unknown or expired: then forgotten)."""
+        if not sid:
+            return None
+        session = self._sessions.get(sid)
+        if session is None:
+            return None
+        if session.expires <= self._clock():
+            del self._sessions[sid]
+            return None
+        return session.csrf
+
+    def end(self, sid: str | None) -> None:
+        if sid:
+            self._sessions.pop(sid, None)
+
+
+def session_id(scope: Scope) -> str | None:
+    """The session cookie's value in a request's headers, if any."""
+    for name, value in scope.get("headers", ()):
+        if name == b"cookie":
+            for part in value.decode("latin-1").split(";"):
+                key, _, val = part.strip().partition("=")
+                if key == COOKIE and val:
+                    return val
+    return None
+
+
+def _static(name: str) -> Response:
+    data = resources.files("flowbroker.broker").joinpath("static", "console", name).read_bytes()
+    return Response(data, media_type=STATIC_FILES[name], headers=SECURITY_HEADERS)
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=SECURITY_HEADERS)
+
+
+def console_routes(token: str, sessions: SessionStore) -> list[BaseRoute]:
+    """The console's routes. `/login`, `/` (without a session) and the login assets are public
+    (PUBLIC_PATHS); the rest sits behind the admin app's auth middleware like /api/*."""
+    expected = token.encode()
+
+    async def index(request: Request) -> Response:
+        if sessions.csrf(session_id(request.scope)) is None:
+            return _static("login.html")
+        return _static("console.html")
+
+    async def login_page(request: Request) -> Response:
+        if sessions.csrf(session_id(request.scope)) is not None:
+            return RedirectResponse("/", status_code=303, headers=SECURITY_HEADERS)
+        return _static("login.html")
+
+    async def login(request: Request) -> Response:
+        # JSON only: a cross-site HTML form cannot send application/json, so it cannot log a
+        # browser into this broker under the attacker's credential either.
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return _error(415, "unsupported_media_type", "log in with a JSON body {\"token\": \"...\"}")
+        body = await request.body()
+        if len(body) > 4096:
+            return _error(413, "too_large", "request body over 4096 bytes")
+        try:
+            given = json.loads(body)["token"]
+        except (ValueError, KeyError, TypeError):
+            return _error(400, "invalid_json", "log in with a JSON body {\"token\": \"...\"}")
+        if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), expected):
+            LOGGER.warning("console: a login with a wrong admin token")
+            return _error(403, "forbidden", "the admin token is wrong")
+        sid, csrf = sessions.create()
+        LOGGER.info("console: logged in (%d session(s) open)", len(sessions))
+        response = JSONResponse({"csrf": csrf, "expires_in_seconds": SESSION_SECONDS}, headers=SECURITY_HEADERS)
+        response.set_cookie(COOKIE, sid, max_age=SESSION_SECONDS, path="/", httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https")
+        return response
+
+    async def session(request: Request) -> Response:
+        csrf = sessions.csrf(session_id(request.scope))
+        if csrf is None:  # reached with the bearer token: a script has no browser session
+            return _error(404, "not_found", "no browser session: log in at /")
+        return JSONResponse({"csrf": csrf}, headers=SECURITY_HEADERS)
+
+    async def logout(request: Request) -> Response:
+        sessions.end(session_id(request.scope))
+        response = JSONResponse({"logged_out": True}, headers=SECURITY_HEADERS)
+        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["file"]
+        if name not in STATIC_FILES:
+            return _error(404, "not_found", f"no endpoint {request.url.path}")
+        return _static(name)
+
+    return [
+        Route("/", index, methods=["GET"]),
+        Route("/login", login_page, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/session", session, methods=["GET"]),
+        Route("/logout", logout, methods=["POST"]),
+        Route(STATIC + "{file}", static, methods=["GET"]),
+    ]

@@ -1,0 +1,320 @@
+// The flowbroker web console (docs/console.md). Plain JS, no build step: it polls the admin JSON API
+// every second with the session cookie and keeps the depth history itself (bounded), so the broker
+// keeps nothing for it. Every name a client chose is put in the page with textContent, never as HTML.
+"use strict";
+
+const POLL_MS = 1000;
+const HISTORY_SECONDS = 300;   // what a chart shows
+const CHARTS = 6;              // charts for the deepest queues only
+const THRESHOLDS = ["flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size"];
+
+let csrf = null;
+let latestQueues = new Map();  // name -> queue view of the last poll
+const history = new Map();     // name -> {t, count, bytes, stopCount, resumeCount, stopSize, resumeSize}
+const charts = new Map();      // name -> {plot, element, unit}
+
+// -- the API --------------------------------------------------------------------------------------
+
+async function api(method, path, body) {
+  const headers = {};
+  if (method !== "GET") headers["X-Flowbroker-CSRF"] = csrf;
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, {
+    method, headers, credentials: "same-origin",
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  if (response.status === 401) {           // logged out elsewhere, or the session expired
+    window.location.assign("/login");
+    throw new Error("the session has ended");
+  }
+  const answer = await response.json().catch(() => null);
+  if (!response.ok) {
+    throw new Error(answer && answer.error ? answer.error.message : `HTTP ${response.status}`);
+  }
+  return answer;
+}
+
+// -- formatting -----------------------------------------------------------------------------------
+
+function bytes(n) {
+  if (n === null || n === undefined) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return i === 0 ? `${n} B` : `${n.toFixed(n < 10 ? 2 : 1)} ${units[i]}`;
+}
+
+function threshold(value, format) {
+  return value ? format(value) : "off";
+}
+
+function since(seconds) {
+  const at = new Date(Date.now() - seconds * 1000);
+  return `for ${seconds.toFixed(1)} s (since ${at.toLocaleTimeString()})`;
+}
+
+function cell(row, text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (className) td.className = className;
+  row.appendChild(td);
+  return td;
+}
+
+// -- history and charts ---------------------------------------------------------------------------
+
+function record(queue, t) {
+  let h = history.get(queue.name);
+  if (!h) {
+    h = {t: [], count: [], bytes: [], stopCount: [], resumeCount: [], stopSize: [], resumeSize: []};
+    history.set(queue.name, h);
+  }
+  const th = queue.thresholds;
+  h.t.push(t);
+  h.count.push(queue.depth.count);
+  h.bytes.push(queue.depth.bytes);
+  h.stopCount.push(th.flow_stop_count || null);       // 0 is "off": no line
+  h.resumeCount.push(th.flow_resume_count || null);
+  h.stopSize.push(th.flow_stop_size || null);
+  h.resumeSize.push(th.flow_resume_size || null);
+  while (h.t.length && h.t[0] < t - HISTORY_SECONDS) {
+    for (const key of Object.keys(h)) h[key].shift();
+  }
+}
+
+// A queue is charted in messages when it has a count threshold, else in bytes (its size thresholds).
+function unitOf(queue) {
+  return queue.thresholds.flow_stop_count ? "messages" : "bytes";
+}
+
+function chartData(name, unit) {
+  const h = history.get(name);
+  return unit === "messages"
+    ? [h.t, h.count, h.stopCount, h.resumeCount]
+    : [h.t, h.bytes, h.stopSize, h.resumeSize];
+}
+
+function makeChart(name, unit) {
+  const element = document.createElement("div");
+  element.className = "chart";
+  element.dataset.queue = name;
+  const title = document.createElement("h3");
+  title.textContent = `${name} (${unit})`;
+  element.appendChild(title);
+  const values = unit === "bytes" ? (u, ticks) => ticks.map(bytes) : undefined;
+  const plot = new uPlot({
+    width: 520, height: 220,
+    scales: {x: {time: true}, y: {range: (u, min, max) => [0, Math.max(1, max * 1.1)]}},
+    series: [
+      {},
+      {label: "depth", stroke: "#1565c0", width: 2, fill: "rgba(21,101,192,0.10)",
+       value: (u, v) => v === null ? "" : (unit === "bytes" ? bytes(v) : String(v))},
+      {label: "flow stop", stroke: "#b3261e", width: 1.5, dash: [6, 4]},
+      {label: "flow resume", stroke: "#2e7d32", width: 1.5, dash: [6, 4]},
+    ],
+    axes: [{}, {label: unit, size: 70, values}],
+  }, chartData(name, unit), element);
+  return {plot, element, unit};
+}
+
+function drawCharts(queues) {
+  const container = document.getElementById("charts");
+  const deepest = [...queues].sort((a, b) => b.depth.bytes - a.depth.bytes || (a.name < b.name ? -1 : 1))
+    .slice(0, CHARTS);
+  const wanted = new Set(deepest.map((q) => q.name));
+  for (const [name, chart] of charts) {
+    if (!wanted.has(name)) { chart.plot.destroy(); chart.element.remove(); charts.delete(name); }
+  }
+  for (const queue of deepest) {
+    const unit = unitOf(queue);
+    let chart = charts.get(queue.name);
+    if (chart && chart.unit !== unit) { chart.plot.destroy(); chart.element.remove(); chart = undefined; }
+    if (!chart) {
+      chart = makeChart(queue.name, unit);
+      charts.set(queue.name, chart);
+    } else {
+      chart.plot.setData(chartData(queue.name, unit));
+    }
+    container.appendChild(chart.element);  // keeps them in depth order
+  }
+}
+
+// -- tables ---------------------------------------------------------------------------------------
+
+function drawQueues(queues) {
+  const body = document.querySelector("#queues tbody");
+  body.replaceChildren();
+  for (const q of queues) {
+    const row = document.createElement("tr");
+    row.dataset.queue = q.name;
+    const th = q.thresholds;
+    cell(row, q.name, "name");
+    cell(row, String(q.depth.count), "num depth");
+    cell(row, bytes(q.depth.bytes), "num");
+    cell(row, `${threshold(th.flow_stop_count, String)} / ${threshold(th.flow_stop_size, bytes)}`, "stop");
+    cell(row, `${threshold(th.flow_resume_count, String)} / ${threshold(th.flow_resume_size, bytes)}`, "resume");
+    if (q.saturated) {
+      const r = q.stop_reason;
+      cell(row, `yes ${since(q.saturated_for_seconds)}${r ? `: ${r.threshold} ${r.value} > ${r.limit}` : ""}`,
+           "saturated yes");
+    } else {
+      cell(row, "no", "saturated no");
+    }
+    cell(row, String(q.held_transfers), "num held");
+    const producers = q.flow_stopped_producers.map((p) => `${p.connection}:${p.client_name}`);
+    const more = q.flow_stopped_producers_total - q.flow_stopped_producers.length;
+    cell(row, producers.join(", ") + (more > 0 ? ` (+${more} more)` : ""), "stopped-producers");
+    body.appendChild(row);
+  }
+}
+
+function drawConnections(connections) {
+  const body = document.querySelector("#connections tbody");
+  body.replaceChildren();
+  for (const c of connections) {
+    const row = document.createElement("tr");
+    row.dataset.connection = String(c.id);
+    row.dataset.client = c.client_name;
+    cell(row, String(c.id), "num");
+    cell(row, c.client_name, "client");
+    cell(row, c.peer || "", "peer");
+    cell(row, c.role, "role");
+    cell(row, c.flow_control ? bytes(c.producer.buffer_size) : "not paced", "num granted");
+    cell(row, bytes(c.producer.unacked_bytes), "num unacked");
+    cell(row, String(c.producer.transfers_held), "num held");
+    if (c.flow.stopped) {
+      cell(row, `stopped ${since(c.flow.stopped_for_seconds)}`, "flow stopped");
+    } else {
+      cell(row, "running", "flow running");
+    }
+    const destinations = c.flow.destinations.map((d) =>
+      d.destination === "*" ? `* (${d.reason === "memory" ? "memory alarm" : "stop-all"})`
+                            : `${d.destination} (${d.threshold} ${d.value} > ${d.limit})`);
+    const more = c.flow.destinations_total - c.flow.destinations.length;
+    cell(row, destinations.join(", ") + (more > 0 ? ` (+${more} more)` : ""), "destinations");
+    body.appendChild(row);
+  }
+}
+
+// -- the thresholds form --------------------------------------------------------------------------
+
+function fillForm(name) {
+  const queue = latestQueues.get(name);
+  for (const key of THRESHOLDS) {
+    document.getElementById(key).value = queue ? String(queue.thresholds[key]) : "";
+  }
+}
+
+function drawQueueChoice(queues) {
+  const select = document.getElementById("threshold-queue");
+  const names = queues.map((q) => q.name);
+  const current = [...select.options].map((o) => o.value);
+  if (names.length === current.length && names.every((n, i) => n === current[i])) return;
+  const chosen = select.value;
+  select.replaceChildren(...names.map((n) => { const o = document.createElement("option"); o.value = n; o.textContent = n; return o; }));
+  if (names.includes(chosen)) {
+    select.value = chosen;
+  } else if (names.length) {
+    select.value = names[0];
+    fillForm(names[0]);
+  }
+}
+
+async function applyThresholds(event) {
+  event.preventDefault();
+  const result = document.getElementById("thresholds-result");
+  const name = document.getElementById("threshold-queue").value;
+  const queue = latestQueues.get(name);
+  if (!queue) return;
+  const change = {};
+  for (const key of THRESHOLDS) {
+    const text = document.getElementById(key).value.trim();
+    if (text === "") continue;
+    const value = Number(text);
+    if (value !== queue.thresholds[key]) change[key] = value;
+  }
+  const keys = Object.keys(change);
+  if (!keys.length) {
+    result.className = "error";
+    result.textContent = "Nothing to change: edit a threshold first.";
+    return;
+  }
+  const what = keys.map((k) => `${k}: ${queue.thresholds[k]} -> ${change[k]}`).join("\n");
+  if (!window.confirm(`Change the thresholds of queue '${name}'?\n\n${what}`)) return;
+  try {
+    const answer = await api("PATCH", `/api/queues/${encodeURIComponent(name)}`, change);
+    result.className = "ok";
+    result.textContent = `Queue '${name}': ${THRESHOLDS.map((k) => `${k} ${answer.thresholds[k]}`).join(", ")}` +
+      (answer.saturated ? " (still saturated)" : "");
+    latestQueues.set(name, answer);
+    fillForm(name);
+  } catch (e) {
+    result.className = "error";
+    result.textContent = `Refused: ${e.message}`;
+  }
+}
+
+// -- stop-all, start-all, logout ------------------------------------------------------------------
+
+async function producers(action, question) {
+  const result = document.getElementById("action-result");
+  if (!window.confirm(question)) return;
+  try {
+    const answer = await api("POST", `/api/producers/${action}`);
+    result.className = "ok";
+    result.textContent = `${action}: producers ${answer.producers_stopped ? "stopped" : "running"} ` +
+      `(${answer.connections.length} flow-controlled connection(s))`;
+  } catch (e) {
+    result.className = "error";
+    result.textContent = `${action} failed: ${e.message}`;
+  }
+}
+
+// -- the poll -------------------------------------------------------------------------------------
+
+async function poll() {
+  try {
+    const [broker, q, c] = await Promise.all([
+      api("GET", "/api/broker"),
+      api("GET", "/api/queues?limit=1000"),
+      api("GET", "/api/connections?limit=1000"),
+    ]);
+    const t = Date.now() / 1000;
+    latestQueues = new Map(q.queues.map((queue) => [queue.name, queue]));
+    for (const queue of q.queues) record(queue, t);
+    for (const name of [...history.keys()]) if (!latestQueues.has(name)) history.delete(name);
+    document.getElementById("broker-summary").textContent =
+      `${broker.name}: ${broker.connections} connection(s), ${broker.queues} queue(s)`;
+    const banner = document.getElementById("banner");
+    banner.hidden = !broker.producers_stopped;
+    banner.textContent = broker.producers_stopped
+      ? "Every producer is stopped (stop-all): their sends wait until Start all producers." : "";
+    drawQueueChoice(q.queues);
+    drawQueues(q.queues);
+    drawConnections(c.connections);
+    drawCharts(q.queues);
+    const partial = (q.next !== null || c.next !== null) ? " (the first 1000 queues / connections)" : "";
+    document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}${partial}`;
+  } catch (e) {
+    document.getElementById("updated").textContent = `not updated: ${e.message}`;
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+async function start() {
+  const session = await api("GET", "/session");
+  csrf = session.csrf;
+  document.getElementById("stop-all").addEventListener("click", () =>
+    producers("stop-all", "Stop every producer of this broker? Their sends wait until you start them again."));
+  document.getElementById("start-all").addEventListener("click", () =>
+    producers("start-all", "Start every producer again?"));
+  document.getElementById("threshold-queue").addEventListener("change", (e) => fillForm(e.target.value));
+  document.getElementById("thresholds-form").addEventListener("submit", applyThresholds);
+  document.getElementById("logout").addEventListener("click", async () => {
+    await api("POST", "/logout").catch(() => null);
+    window.location.assign("/login");
+  });
+  poll();
+}
+
+start();

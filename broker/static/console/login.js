@@ -1,0 +1,25 @@
+// The login page: posts the admin token as JSON (the server sets an HttpOnly session cookie), then
+// opens the console. The token is not stored anywhere in the browser.
+"use strict";
+document.getElementById("login-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const error = document.getElementById("login-error");
+  error.textContent = "";
+  const token = document.getElementById("token").value;
+  try {
+    const response = await fetch("/login", {
+      method: "POST",
+      headers: {"Content-Type": "application/json"},
+      body: JSON.stringify({token}),
+      credentials: "same-origin",
+    });
+    if (response.ok) {
+      window.location.assign("/");
+      return;
+    }
+    const body = await response.json().catch(() => null);
+    error.textContent = body && body.error ? body.error.message : `HTTP ${response.status}`;
+  } catch (e) {
+    error.textContent = `cannot reach the broker: ${e}`;
+  }
+});
