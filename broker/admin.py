@@ -36,7 +36,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowbroker.broker import console, views
@@ -406,7 +406,7 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
     """The admin ASGI app: Starlette routes behind bearer-token auth."""
     api = AdminApi(core, peer_of, ports)
     j = _json_endpoint
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/api/broker", j(api.broker), methods=["GET"]),
         Route("/api/queues", j(api.list_queues), methods=["GET"]),
         # A queue or exchange name may contain "/" (sent as is or as %2F, which the server decodes

@@ -124,12 +124,14 @@ class SessionStore:
 
 def session_id(scope: Scope) -> str | None:
     """The session cookie's value in a request's headers, if any."""
+    name: bytes
+    value: bytes
     for name, value in scope.get("headers", ()):
         if name == b"cookie":
             for part in value.decode("latin-1").split(";"):
                 key, _, val = part.strip().partition("=")
                 if key == COOKIE and val:
-                    return val
+                    return str(val)
     return None
 
 

@@ -103,7 +103,7 @@ function makeChart(name, unit) {
   element.appendChild(title);
   const values = unit === "bytes" ? (u, ticks) => ticks.map(bytes) : undefined;
   const plot = new uPlot({
-    width: 520, height: 220,
+    width: 600, height: 240,
     scales: {x: {time: true}, y: {range: (u, min, max) => [0, Math.max(1, max * 1.1)]}},
     series: [
       {},

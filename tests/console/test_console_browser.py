@@ -1,0 +1,226 @@
+"""The web console in a real Chromium (Debian's /usr/bin/chromium, driven by Playwright's sync API)
+against a `flowbroker serve` process, while a real SDK producer sends to a queue nobody consumes:
+log in (a wrong token first), see the queue saturate and the producer it stops, raise its thresholds
+through the form (and see a bad change refused with the broker's message), stop every producer and
+see the producer's sends stop, start them again, log out. The broker's own API is the judge of every
+change the console makes. It also writes docs/console.png."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import ConsoleMessage, Dialog, Page, expect, sync_playwright
+
+import flowbroker.client as fc
+from flowbroker.client import blocking
+from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TOKEN = "console-e2e-token-0123456789"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "console.png"
+CLIENT = "orders-producer"
+
+
+@dataclass
+class Broker:
+    url: str
+    admin_url: str
+
+    def api(self, method: str, path: str) -> Any:
+        req = urllib.request.Request(self.admin_url + path, method=method,
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def producer_view(self) -> dict[str, Any]:
+        conns: list[dict[str, Any]] = self.api("GET", "/api/connections")["connections"]
+        [conn] = [c for c in conns if c["client_name"] == CLIENT]
+        return conn
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "flowbroker.toml"
+    config.write_text(f'[server]\nport = {port}\n\n[admin]\nport = {admin_port}\ntoken = "{TOKEN}"\n\n'
+                      '[udp]\nendpoint = "127.0.0.1:0"\n')
+    proc = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_listening(port, proc)
+        wait_listening(admin_port, proc)
+        yield Broker(f"flowbroker://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
+    finally:
+        err = stop(proc)
+    assert proc.returncode == 0, err
+
+
+class Producer(threading.Thread):
+    """A real SDK producer: one 100-byte message to 'orders' every 0.1 s, never waiting for credit
+    (`block=False`), with at most 5 transfers in flight; `sent` and `completed` as the SDK counts them."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url = url
+        self.ready = threading.Event()
+        self.finish = threading.Event()
+        self.sent = self.completed = self.refused_credit = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with blocking.connect(self.url, client_name=CLIENT, timeout=5) as conn:
+                conn.declare_queue("orders", flow_stop_count=30, flow_resume_count=15)
+                producer = conn.producer(routing_key="orders", window=5)
+                self.ready.set()
+                while not self.finish.is_set():
+                    try:
+                        producer.send(b"x" * 100, block=False)
+                    except fc.FlowControlled:
+                        self.refused_credit += 1
+                    stats = producer.statistics()
+                    self.sent, self.completed = stats.sent, stats.completed
+                    self.finish.wait(0.1)
+                producer.flush(timeout=10)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+            self.ready.set()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+def row(page: Page, table: str, key: str, value: str, column: str) -> Any:
+    return page.locator(f"#{table} tbody tr[data-{key}='{value}'] td.{column}")
+
+
+def test_the_console_watches_and_drives_a_broker_in_chromium(broker: Broker) -> None:
+    producer = Producer(broker.url)  # started once the console is open: its chart shows the queue fill
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1300, "height": 800})
+                _drive(page, broker, producer)
+            finally:
+                browser.close()
+    finally:
+        producer.finish.set()
+        if producer.is_alive():
+            producer.join(30)
+    assert not producer.is_alive() and producer.error is None, producer.error
+
+
+def _drive(page: Page, broker: Broker, producer: Producer) -> None:
+    errors: list[str] = []
+    dialogs: list[str] = []
+
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            errors.append(message.text)
+
+    def on_dialog(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.accept()
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("dialog", on_dialog)
+
+    # -- log in: a wrong token is refused on the page, the right one opens the console
+    page.goto(broker.admin_url + "/")
+    page.fill("#token", "not-the-admin-token-at-all")
+    page.click("#login")
+    expect(page.locator("#login-error")).to_have_text("the admin token is wrong")
+    assert page.context.cookies() == []
+    errors.clear()  # the browser logs the refused login's 403 as an error: expected
+    page.fill("#token", TOKEN)
+    page.click("#login")
+    expect(page.locator("#stop-all")).to_be_visible()
+    [cookie] = page.context.cookies()
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
+    assert page.evaluate("document.cookie") == ""  # the page's scripts cannot read the session
+    producer.start()
+    assert producer.ready.wait(20) and producer.error is None, producer.error
+
+    # -- the queue saturates under the producer, and the console names the producer it stops
+    saturated = row(page, "queues", "queue", "orders", "saturated")
+    expect(saturated).to_contain_text("yes for", timeout=20_000)
+    expect(saturated).to_contain_text("flow_stop_count")
+    conn_id = broker.producer_view()["id"]
+    expect(row(page, "queues", "queue", "orders", "stopped-producers")).to_have_text(f"{conn_id}:{CLIENT}")
+    expect(row(page, "queues", "queue", "orders", "stop")).to_contain_text("30 /")
+    expect(row(page, "queues", "queue", "orders", "held")).not_to_have_text("0")
+    expect(row(page, "connections", "client", CLIENT, "role")).to_have_text("producer")
+    expect(row(page, "connections", "client", CLIENT, "flow")).to_contain_text("stopped for")
+    expect(row(page, "connections", "client", CLIENT, "destinations")).to_contain_text("orders (flow_stop_count")
+    expect(row(page, "connections", "client", CLIENT, "granted")).to_contain_text("iB")
+    expect(page.locator("#charts .chart[data-queue='orders'] canvas")).to_have_count(1)
+    time.sleep(4)  # a few more seconds of history on the chart: the depth flat at the stop line
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert broker.api("GET", "/api/queues/orders")["saturated"]
+
+    # -- the thresholds form: a change the broker refuses shows its message, and nothing changes
+    page.select_option("#threshold-queue", "orders")
+    page.fill("#flow_stop_count", "1000")
+    page.fill("#flow_resume_count", "2000")
+    page.click("#apply-thresholds")
+    expect(page.locator("#thresholds-result")).to_contain_text("Refused: ")
+    expect(page.locator("#thresholds-result")).to_contain_text("flow_resume_count")
+    assert broker.api("GET", "/api/queues/orders")["thresholds"]["flow_stop_count"] == 30
+    # ... and an accepted one is applied by the broker, which releases the producer
+    page.fill("#flow_resume_count", "800")
+    completed = producer.completed
+    page.click("#apply-thresholds")
+    expect(page.locator("#thresholds-result")).to_contain_text("flow_stop_count 1000, flow_resume_count 800")
+    assert "flow_stop_count: 30 -> 1000" in dialogs[-1] and "flow_resume_count: 15 -> 800" in dialogs[-1]
+    orders = broker.api("GET", "/api/queues/orders")
+    assert orders["thresholds"]["flow_stop_count"] == 1000 and orders["thresholds"]["flow_resume_count"] == 800
+    assert orders["saturated"] is False
+    wait_for(lambda: producer.completed > completed + 10, "the released producer's messages complete")
+    expect(saturated).to_have_text("no")
+
+    # -- stop-all: the producer is held broker-wide and its sends stop
+    page.click("#stop-all")
+    assert "Stop every producer" in dialogs[-1]
+    expect(page.locator("#banner")).to_be_visible()
+    expect(row(page, "connections", "client", CLIENT, "destinations")).to_contain_text("* (stop-all)")
+    assert broker.api("GET", "/api/broker")["producers_stopped"] is True
+    wait_for(lambda: broker.producer_view()["flow"]["admin_stopped"], "the producer told it is stopped")
+    time.sleep(1.5)  # what was in flight when the stop came is held, then its window of 5 is full
+    sent, completed = producer.sent, producer.completed
+    time.sleep(2)  # ~20 sends were due in these 2 s
+    assert (producer.sent, producer.completed) == (sent, completed)
+    assert broker.producer_view()["producer"]["transfers_held"] > 0
+
+    # -- start-all: its sends go on
+    page.click("#start-all")
+    assert "Start every producer" in dialogs[-1]
+    expect(page.locator("#banner")).to_be_hidden()
+    wait_for(lambda: producer.completed > completed + 10, "the producer's sends go on after start-all")
+    assert broker.api("GET", "/api/broker")["producers_stopped"] is False
+    expect(row(page, "connections", "client", CLIENT, "flow")).to_have_text("running")
+
+    # no script error, no CSP violation, no missing file: only the refused PATCH's 400, logged by the browser
+    assert [e for e in errors if "status of 400" not in e] == [], errors
+
+    # -- log out: back at the login page, and the cookie opens nothing any more
+    page.click("#logout")
+    expect(page.locator("#token")).to_be_visible()
+    assert page.context.cookies() == []
+    old = {"Cookie": f"{cookie['name']}={cookie['value']}"}  # the cookie a copy of it would still carry
+    assert page.request.get(broker.admin_url + "/api/queues", headers=old).status == 401
