@@ -170,6 +170,8 @@ def _drive(page: Page, broker: Broker, producer: Producer) -> None:
     expect(row(page, "connections", "client", CLIENT, "destinations")).to_contain_text("orders (flow_stop_count")
     expect(row(page, "connections", "client", CLIENT, "granted")).to_contain_text("iB")
     expect(page.locator("#charts .chart[data-queue='orders'] canvas")).to_have_count(1)
+    expect(page.locator("#broker-summary")).to_have_text("flowbroker: 1 connection(s), 1 queue(s), 1 saturated, "
+                                                        "5 transfer(s) held")
     time.sleep(4)  # a few more seconds of history on the chart: the depth flat at the stop line
     page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert broker.api("GET", "/api/queues/orders")["saturated"]
@@ -193,6 +195,7 @@ def _drive(page: Page, broker: Broker, producer: Producer) -> None:
     assert orders["saturated"] is False
     wait_for(lambda: producer.completed > completed + 10, "the released producer's messages complete")
     expect(saturated).to_have_text("no")
+    expect(page.locator("#broker-summary")).to_contain_text("0 saturated, 0 transfer(s) held")
 
     # -- stop-all: the producer is held broker-wide and its sends stop
     page.click("#stop-all")

@@ -283,8 +283,13 @@ async function poll() {
     latestQueues = new Map(q.queues.map((queue) => [queue.name, queue]));
     for (const queue of q.queues) record(queue, t);
     for (const name of [...history.keys()]) if (!latestQueues.has(name)) history.delete(name);
+    // counted over the listed queues and connections; a held transfer counts once per connection
+    // (Connection.transfers_held), not once per queue that holds it
+    const saturated = q.queues.filter((queue) => queue.saturated).length;
+    const held = c.connections.reduce((sum, conn) => sum + conn.producer.transfers_held, 0);
     document.getElementById("broker-summary").textContent =
-      `${broker.name}: ${broker.connections} connection(s), ${broker.queues} queue(s)`;
+      `${broker.name}: ${broker.connections} connection(s), ${broker.queues} queue(s), ` +
+      `${saturated} saturated, ${held} transfer(s) held`;
     const banner = document.getElementById("banner");
     banner.hidden = !broker.producers_stopped;
     banner.textContent = broker.producers_stopped
