@@ -3,11 +3,14 @@ against a `flowbroker serve` process, while a real SDK producer sends to a queue
 log in (a wrong token first), see the queue saturate and the producer it stops, raise its thresholds
 through the form (and see a bad change refused with the broker's message), stop every producer and
 see the producer's sends stop, start them again, log out. The broker's own API is the judge of every
-change the console makes. It also writes docs/console.png."""
+change the console makes. The screenshot it takes is docs/console.png when FLOWBROKER_UPDATE_SCREENSHOT=1 (so that a test run
+leaves the work tree as it found it)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import threading
 import time
@@ -28,7 +31,9 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TOKEN = "console-e2e-token-0123456789"
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "console.png"
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "console.png"
+UPDATE_SCREENSHOT = "FLOWBROKER_UPDATE_SCREENSHOT"  # =1: the run also rewrites docs/console.png
+HOSTILE = "<img src=x onerror=\"alert('xss')\">"  # a queue name is the client's, not HTML
 CLIENT = "orders-producer"
 
 
@@ -97,6 +102,9 @@ class Producer(threading.Thread):
             self.ready.set()
 
 
+expect.set_options(timeout=15_000)  # 2 shared cores: a poll and a redraw may take a while
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -108,14 +116,14 @@ def row(page: Page, table: str, key: str, value: str, column: str) -> Any:
     return page.locator(f"#{table} tbody tr[data-{key}='{value}'] td.{column}")
 
 
-def test_the_console_watches_and_drives_a_broker_in_chromium(broker: Broker) -> None:
+def test_the_console_watches_and_drives_a_broker_in_chromium(broker: Broker, tmp_path: Path) -> None:
     producer = Producer(broker.url)  # started once the console is open: its chart shows the queue fill
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1300, "height": 800})
-                _drive(page, broker, producer)
+                _drive(page, broker, producer, tmp_path / "console.png")
             finally:
                 browser.close()
     finally:
@@ -125,7 +133,7 @@ def test_the_console_watches_and_drives_a_broker_in_chromium(broker: Broker) -> 
     assert not producer.is_alive() and producer.error is None, producer.error
 
 
-def _drive(page: Page, broker: Broker, producer: Producer) -> None:
+def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> None:
     errors: list[str] = []
     dialogs: list[str] = []
 
@@ -173,8 +181,18 @@ def _drive(page: Page, broker: Broker, producer: Producer) -> None:
     expect(page.locator("#broker-summary")).to_have_text("flowbroker: 1 connection(s), 1 queue(s), 1 saturated, "
                                                         "5 transfer(s) held")
     time.sleep(4)  # a few more seconds of history on the chart: the depth flat at the stop line
-    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    page.screenshot(path=str(screenshot), full_page=True)
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get(UPDATE_SCREENSHOT) == "1":
+        shutil.copyfile(screenshot, DOCS_SCREENSHOT)
     assert broker.api("GET", "/api/queues/orders")["saturated"]
+
+    # -- a name a client chose is shown as text, never run as HTML
+    with blocking.connect(broker.url, client_name="namer", timeout=5) as conn:
+        conn.declare_queue(HOSTILE)
+    expect(page.locator("#queues td.name", has_text="<img")).to_have_text(HOSTILE)
+    expect(page.locator("#threshold-queue option", has_text="<img")).to_have_count(1)
+    assert page.locator("img").count() == 0 and not any("xss" in d for d in dialogs)
 
     # -- the thresholds form: a change the broker refuses shows its message, and nothing changes
     page.select_option("#threshold-queue", "orders")
@@ -195,7 +213,7 @@ def _drive(page: Page, broker: Broker, producer: Producer) -> None:
     assert orders["saturated"] is False
     wait_for(lambda: producer.completed > completed + 10, "the released producer's messages complete")
     expect(saturated).to_have_text("no")
-    expect(page.locator("#broker-summary")).to_contain_text("0 saturated, 0 transfer(s) held")
+    expect(page.locator("#broker-summary")).to_contain_text("2 queue(s), 0 saturated, 0 transfer(s) held")
 
     # -- stop-all: the producer is held broker-wide and its sends stop
     page.click("#stop-all")
