@@ -337,7 +337,7 @@ def _admin_options(func: F) -> F:
                      show_envvar=True, help="The broker's admin API."),
         click.option("--token-file", envvar="FLOWBROKER_ADMIN_TOKEN_FILE", show_envvar=True,
                      help=f"File holding the admin token. Default: ${TOKEN_ENV} if set, else the file a broker "
-                          f"without a configured token writes ({DEFAULT_TOKEN_FILE})."),
+                          f"without a configured token writes ({DEFAULT_TOKEN_FILE}, {{port}} the --admin-url's port)."),
         click.option("--token", hidden=True, expose_value=False, callback=_refuse_token_flag),
         click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer (for scripts)."),
     )):
