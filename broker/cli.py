@@ -475,6 +475,24 @@ def exchanges(limit: int, after: str | None, **options: Any) -> None:
                       "no exchanges")
 
 
+@main.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--count", "-n", type=click.IntRange(min=0), default=0,
+              help="Refresh this many times, then exit (0: until Ctrl-C).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Queues shown: saturated first, then the deepest.")
+@_admin_options
+def top(interval: float, count: int, limit: int, **options: Any) -> None:
+    """A live view of queues and flow state, refreshed every second: the saturated and deepest queues
+    against their stop/resume watermarks, and every flow-stopped producer with what stops it and since
+    when. --json prints one JSON document per refresh, one per line."""
+    from flowbroker.broker.clitop import run_top
+
+    client, as_json = _client(options)
+    run_top(client, interval=interval, count=count, limit=limit, as_json=as_json)
+
+
 @main.group()
 def exchange() -> None:
     """Declare or delete an exchange."""
