@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import tempfile
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -41,14 +42,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
-from flowbroker.broker.config import AdminConfig
+from flowbroker.broker.config import AdminConfig, valid_token
 from flowbroker.broker.console import PUBLIC_PATHS
 from flowbroker.broker.core import BrokerCore, RequestError
 from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
 
-__all__ = ["AdminServer", "AdminStartError", "create_app", "resolve_token", "write_token_file"]
+__all__ = ["AdminServer", "AdminStartError", "create_app", "publish_token", "resolve_token", "reusable_token",
+           "write_token_file"]
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
@@ -113,21 +115,49 @@ def write_token_file(path: Path, token: str) -> None:
         raise
 
 
-def resolve_token(config: AdminConfig) -> str:
-    """The configured token, or a fresh random one written to `token_file` for the CLI to read."""
+def reusable_token(path: Path) -> str | None:
+    """The token in `path` if a broker may reuse it: a regular file of ours that no one else can read
+    (mode 0600 or stricter), holding a valid token. Anything else (missing, unreadable, someone
+    else's, loosened permissions, garbage) is not reused: a fresh token replaces it."""
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            return None
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return token if valid_token(token) else None
+
+
+def resolve_token(config: AdminConfig, port: int) -> tuple[str, bool]:
+    """The admin credential and whether it must be written to the token file once the port is bound.
+
+    The configured token if there is one; else the valid token already in the token file of `port`
+    (a restarted broker keeps the credential its CLI has); else a fresh random one. Nothing is
+    written here: a broker that then fails to bind must not replace the token of the broker that
+    holds the port (its CLI would get 403 until that broker restarted). With port 0 the file's name
+    is known only after the bind, so the token is always fresh."""
     if config.token:
-        return config.token
-    token = secrets.token_urlsafe(32)
-    path = config.token_path()
+        return config.token, False
+    if port:
+        existing = reusable_token(config.token_path(port))
+        if existing is not None:
+            return existing, False
+    return secrets.token_urlsafe(32), True
+
+
+def publish_token(config: AdminConfig, port: int, token: str) -> Path:
+    """Write a generated token to the token file of the bound `port`, for the CLI to read."""
+    path = config.token_path(port)
     try:
         write_token_file(path, token)
     except OSError as exc:
         raise AdminStartError(
-            f"[admin] token_file = {config.token_file!r}: cannot write the generated admin token: "
-            f"{exc.strerror or exc}; set [admin] token or another token_file"
+            f"[admin] token_file = {config.token_file!r}: cannot write the generated admin token to "
+            f"{path}: {exc.strerror or exc}; set [admin] token or another token_file"
         ) from None
     LOGGER.debug("no [admin] token configured: generated one and wrote it to %s (mode 0600)", path)
-    return token
+    return path
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -443,7 +473,8 @@ class AdminServer:
                  broker_port: Callable[[], int | None] | None = None):
         self.config = config
         self.core = core
-        self.token = resolve_token(config)
+        self.token, self._token_unwritten = resolve_token(config, config.port)
+        self._token_origin = "generated at start" if self._token_unwritten else "reused"
         self.port: int | None = None
         self._fd: int | None = None
         self._broker_port = broker_port or (lambda: None)
@@ -466,7 +497,15 @@ class AdminServer:
         except OSError as exc:
             sock.close()
             raise AdminStartError(f"[admin] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self.port = int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+        if self._token_unwritten:  # only now: a broker that could not bind must not touch the file
+            try:
+                publish_token(self.config, port, self.token)
+            except AdminStartError:
+                sock.close()
+                raise
+            self._token_unwritten = False
+        self.port = port
         self._fd = sock.detach()  # hypercorn takes the socket over by its descriptor
         return self.port
 
@@ -486,7 +525,7 @@ class AdminServer:
         # The one line that says where the API is and where its credential comes from (with
         # --admin-port 0, the only place the chosen port is printed: docs/management.md).
         token = ("[admin] token (configured)" if self.config.token
-                 else f"{self.config.token_path()} (generated at start, mode 0600)")
+                 else f"{self.config.token_path(self.port)} ({self._token_origin}, mode 0600)")
         LOGGER.info("admin API on http://%s:%d, token in %s", self.config.host, self.port, token)
         task_status.started(self.port)
         await hypercorn_serve(self.app, cfg, shutdown_trigger=self._shutdown.wait)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from flowbroker.broker.cliformat import printable
-from flowbroker.broker.config import DEFAULT_TOKEN_FILE
+from flowbroker.broker.config import DEFAULT_TOKEN_FILE, token_file_for
 
 __all__ = ["AdminClient", "DEFAULT_ADMIN_URL", "PAGE_SIZE", "TOKEN_ENV"]
 
@@ -35,17 +35,23 @@ class AdminClient:
     """The admin API over HTTP with the standard library; every failure is a ClickException.
 
     The token comes from `token_file` when one is given (--token-file, FLOWBROKER_ADMIN_TOKEN_FILE),
-    else from FLOWBROKER_ADMIN_TOKEN, else from the file a broker without a configured token writes.
+    else from FLOWBROKER_ADMIN_TOKEN, else from the file a broker without a configured token writes
+    for the admin port the URL names (DEFAULT_TOKEN_FILE with `{port}` replaced).
     Never from the command line, where `ps` shows it to every user of the host."""
 
     def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        parsed = urllib.parse.urlsplit(self.url)
+        try:
+            self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        except ValueError:
+            raise click.ClickException(f"--admin-url {printable(url)}: the port is not a number") from None
         from_env = os.environ.get(TOKEN_ENV, "").strip()
         if token_file is None and from_env:
             self.token, self.token_source = from_env, TOKEN_ENV
             return
-        path = Path(token_file or DEFAULT_TOKEN_FILE).expanduser()
+        path = Path(token_file).expanduser() if token_file else token_file_for(DEFAULT_TOKEN_FILE, self.port)
         try:
             self.token = path.read_text().strip()
         except OSError as exc:

@@ -337,7 +337,7 @@ def _admin_options(func: F) -> F:
                      show_envvar=True, help="The broker's admin API."),
         click.option("--token-file", envvar="FLOWBROKER_ADMIN_TOKEN_FILE", show_envvar=True,
                      help=f"File holding the admin token. Default: ${TOKEN_ENV} if set, else the file a broker "
-                          f"without a configured token writes ({DEFAULT_TOKEN_FILE})."),
+                          f"without a configured token writes ({DEFAULT_TOKEN_FILE}, {{port}} the --admin-url's port)."),
         click.option("--token", hidden=True, expose_value=False, callback=_refuse_token_flag),
         click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer (for scripts)."),
     )):
@@ -473,6 +473,24 @@ def exchanges(limit: int, after: str | None, **options: Any) -> None:
         stream_table(["EXCHANGE", "KIND", "BUILTIN", "BINDING-KEYS"], pages,
                       lambda e: [e["name"], e["kind"], "yes" if e["builtin"] else "no", e["binding_keys"]],
                       "no exchanges")
+
+
+@main.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--count", "-n", type=click.IntRange(min=0), default=0,
+              help="Refresh this many times, then exit (0: until Ctrl-C).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Queues shown: saturated first, then the deepest.")
+@_admin_options
+def top(interval: float, count: int, limit: int, **options: Any) -> None:
+    """A live view of queues and flow state, refreshed every second: the saturated and deepest queues
+    against their stop/resume watermarks, and every flow-stopped producer with what stops it and since
+    when. --json prints one JSON document per refresh, one per line."""
+    from flowbroker.broker.clitop import run_top
+
+    client, as_json = _client(options)
+    run_top(client, interval=interval, count=count, limit=limit, as_json=as_json)
 
 
 @main.group()

@@ -150,15 +150,29 @@ class QueueDefaults:
         return ThresholdDefaults(self.max_size, self.flow_stop_percent, self.flow_resume_percent)
 
 
-DEFAULT_TOKEN_FILE = "~/.flowbroker/admin-token"
+DEFAULT_TOKEN_FILE = "~/.flowbroker/admin-token-{port}"
+"""Where a generated admin token goes: one file per admin port, so two brokers on one host never
+overwrite each other's token, and the CLI finds the file from the port of the URL it is given."""
 MIN_TOKEN_LENGTH = 16
+
+
+def token_file_for(token_file: str, port: int) -> Path:
+    """`token_file` with `{port}` replaced by the admin port (the bound one, when configured as 0)."""
+    return Path(token_file.replace("{port}", str(port))).expanduser()
+
+
+def valid_token(token: str) -> bool:
+    """A token the API accepts: at least MIN_TOKEN_LENGTH printable ASCII characters, no spaces."""
+    return (len(token) >= MIN_TOKEN_LENGTH and token.isascii() and token.isprintable()
+            and not any(c.isspace() for c in token))
 
 
 @dataclass(frozen=True)
 class AdminConfig:
     """The management HTTP API (docs/management.md). Every request needs `Authorization: Bearer
     <token>`; with no token configured the broker generates one at start and writes it to
-    `token_file` (mode 0600), where the CLI finds it."""
+    `token_file` (mode 0600, `{port}` replaced by the admin port), where the CLI finds it; a valid
+    token already in that file is reused, so a broker restarted keeps its CLI's credential."""
 
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -174,10 +188,7 @@ class AdminConfig:
         _int_range("admin", "port", self.port, 0, 65535)
         if not isinstance(self.token, str):
             raise ConfigError("admin", "token", "***", "must be a string")
-        if self.token and (
-            len(self.token) < MIN_TOKEN_LENGTH or not self.token.isascii() or not self.token.isprintable()
-            or any(c.isspace() for c in self.token)
-        ):
+        if self.token and not valid_token(self.token):
             # The value itself is a secret: never echo it in the error.
             raise ConfigError(
                 "admin", "token", "***",
@@ -187,8 +198,9 @@ class AdminConfig:
         if not isinstance(self.token_file, str) or not self.token_file.strip():
             raise ConfigError("admin", "token_file", self.token_file, "must be a non-empty path")
 
-    def token_path(self) -> Path:
-        return Path(self.token_file).expanduser()
+    def token_path(self, port: int) -> Path:
+        """The token file of a broker whose admin API listens on `port`."""
+        return token_file_for(self.token_file, port)
 
 
 CONGESTION_CONTROLS = ("static", "cubic")

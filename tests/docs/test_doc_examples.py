@@ -3,7 +3,7 @@
 A new user copies these blocks first, and the acceptance scenarios follow them to the letter, so a doc
 example that does not run is a bug. Each Markdown file gets its own broker process on the documented
 default ports (5680 for clients, 5681 for the admin API) with HOME pointing at a fresh folder, so the
-admin token lands in `~/.flowbroker/admin-token` there; its blocks then run in order, as a reader would
+admin token lands in `~/.flowbroker/admin-token-5681` there; its blocks then run in order, as a reader would
 run them: ```python blocks with the suite's Python, ```sh blocks with bash (`set -e`, the venv's bin
 first on PATH). Every block must end by itself within BLOCK_TIMEOUT.
 
