@@ -151,6 +151,8 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
 
     # -- log in: a wrong token is refused on the page, the right one opens the console
     page.goto(broker.admin_url + "/")
+    admin_port = broker.admin_url.rsplit(":", 1)[1]
+    expect(page.locator("#token-file")).to_have_text(f"~/.flowbroker/admin-token-{admin_port}")
     page.fill("#token", "not-the-admin-token-at-all")
     page.click("#login")
     expect(page.locator("#login-error")).to_have_text("the admin token is wrong")

@@ -1,6 +1,9 @@
 // The login page: posts the admin token as JSON (the server sets an HttpOnly session cookie), then
 // opens the console. The token is not stored anywhere in the browser.
 "use strict";
+// the default token file is one per admin port: name this one's
+document.getElementById("token-file").textContent =
+  `~/.flowbroker/admin-token-${window.location.port || (window.location.protocol === "https:" ? 443 : 80)}`;
 document.getElementById("login-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const error = document.getElementById("login-error");
