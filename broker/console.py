@@ -37,12 +37,15 @@ __all__ = [
     "PUBLIC_PATHS",
     "SessionStore",
     "console_routes",
+    "cookie_name",
     "session_id",
 ]
 
 LOGGER = logging.getLogger("flowbroker.broker.console")
 
 COOKIE = "flowbroker_session"
+"""The session cookie's name, followed by `_<admin port>` (cookie_name): a browser keeps one cookie per
+name and host whatever the port, so two brokers on one host would otherwise log each other out."""
 CSRF_HEADER = "x-flowbroker-csrf"
 MAX_SESSIONS = 64
 """Browser sessions kept at once; a 65th login ends the oldest."""
@@ -122,15 +125,22 @@ class SessionStore:
             self._sessions.pop(sid, None)
 
 
+def cookie_name(scope: Scope) -> str:
+    """`flowbroker_session_<port>`, the port the admin server listens on (the same behind a proxy)."""
+    server = scope.get("server")
+    return f"{COOKIE}_{server[1]}" if server and server[1] else COOKIE
+
+
 def session_id(scope: Scope) -> str | None:
     """The session cookie's value in a request's headers, if any."""
+    wanted = cookie_name(scope)
     name: bytes
     value: bytes
     for name, value in scope.get("headers", ()):
         if name == b"cookie":
             for part in value.decode("latin-1").split(";"):
                 key, _, val = part.strip().partition("=")
-                if key == COOKIE and val:
+                if key == wanted and val:
                     return str(val)
     return None
 
@@ -177,7 +187,7 @@ def console_routes(token: str, sessions: SessionStore) -> list[BaseRoute]:
         sid, csrf = sessions.create()
         LOGGER.info("console: logged in (%d session(s) open)", len(sessions))
         response = JSONResponse({"csrf": csrf, "expires_in_seconds": SESSION_SECONDS}, headers=SECURITY_HEADERS)
-        response.set_cookie(COOKIE, sid, max_age=SESSION_SECONDS, path="/", httponly=True, samesite="strict",
+        response.set_cookie(cookie_name(request.scope), sid, max_age=SESSION_SECONDS, path="/", httponly=True, samesite="strict",
                             secure=request.url.scheme == "https")
         return response
 
@@ -190,7 +200,7 @@ def console_routes(token: str, sessions: SessionStore) -> list[BaseRoute]:
     async def logout(request: Request) -> Response:
         sessions.end(session_id(request.scope))
         response = JSONResponse({"logged_out": True}, headers=SECURITY_HEADERS)
-        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(cookie_name(request.scope), path="/", httponly=True, samesite="strict")
         return response
 
     async def static(request: Request) -> Response:

@@ -51,14 +51,19 @@ async def request(broker: Any, method: str, path: str, body: bytes | None = None
     return await trio.to_thread.run_sync(call)
 
 
+def cookie(broker: Any) -> str:
+    """The session cookie's name on this broker: one per admin port."""
+    return f"{COOKIE}_{broker.admin_url.rsplit(':', 1)[1]}"
+
+
 async def login(broker: Any, token: str = TOKEN) -> tuple[str, str]:
     """Log in as the page does; returns (the cookie header to send, the CSRF value)."""
     answer = await request(broker, "POST", "/login", json.dumps({"token": token}).encode(),
                         {"Content-Type": "application/json"})
     assert answer.status == 200, answer.text
-    [cookie] = answer.cookies
-    pair = cookie.split(";")[0]
-    assert pair.startswith(f"{COOKIE}=")
+    [set_cookie] = answer.cookies
+    pair = set_cookie.split(";")[0]
+    assert pair.startswith(f"{cookie(broker)}=")
     return pair, answer.json()["csrf"]
 
 
@@ -83,7 +88,7 @@ async def test_without_a_credential_only_the_login_page_and_its_assets_are_serve
     refused = await request(broker, "POST", "/api/producers/stop-all")
     assert refused.status == 401 and not broker.core.producers_stopped
     # a cookie that is no session is no credential either
-    forged = await request(broker, "GET", "/api/queues", headers={"Cookie": f"{COOKIE}=made-up"})
+    forged = await request(broker, "GET", "/api/queues", headers={"Cookie": f"{cookie(broker)}=made-up"})
     assert forged.status == 401 and "log in" in forged.json()["error"]["message"]
 
 
@@ -103,12 +108,12 @@ async def test_a_wrong_token_or_a_non_json_login_sets_no_cookie(broker: Any) -> 
 async def test_the_session_cookie_reads_and_needs_the_csrf_header_to_change(broker: Any) -> None:
     answer = await request(broker, "POST", "/login", json.dumps({"token": TOKEN}).encode(),
                         {"Content-Type": "application/json"})
-    [cookie] = answer.cookies
-    attributes = [a.strip().lower() for a in cookie.split(";")]
+    [set_cookie] = answer.cookies
+    attributes = [a.strip().lower() for a in set_cookie.split(";")]
     assert "httponly" in attributes and "samesite=strict" in attributes and "path=/" in attributes
     assert not any(a == "secure" for a in attributes)  # plain HTTP on 127.0.0.1 (docs/console.md)
-    session, csrf = cookie.split(";")[0], answer.json()["csrf"]
-    assert len(session.split("=", 1)[1]) >= 40 and len(csrf) >= 40 and TOKEN not in cookie
+    session, csrf = set_cookie.split(";")[0], answer.json()["csrf"]
+    assert len(session.split("=", 1)[1]) >= 40 and len(csrf) >= 40 and TOKEN not in set_cookie
 
     page = await request(broker, "GET", "/", headers={"Cookie": session})
     assert page.status == 200 and "/console/console.js" in page.text
@@ -131,7 +136,7 @@ async def test_the_session_cookie_reads_and_needs_the_csrf_header_to_change(brok
     assert done.status == 200 and broker.core.producers_stopped
 
     out = await request(broker, "POST", "/logout", headers={"Cookie": session, "X-Flowbroker-CSRF": csrf})
-    assert out.status == 200 and any(c.startswith(f'{COOKIE}=""') or "max-age=0" in c.lower() for c in out.cookies)
+    assert out.status == 200 and any(c.startswith(f'{cookie(broker)}=""') or "max-age=0" in c.lower() for c in out.cookies)
     after = await request(broker, "GET", "/api/queues", headers={"Cookie": session})
     assert after.status == 401  # the session is gone on the server, not only in the browser
     assert 'id="token"' in (await request(broker, "GET", "/", headers={"Cookie": session})).text
@@ -159,6 +164,20 @@ async def test_every_static_file_is_shipped_and_nothing_else_is_served(broker: A
         assert answer.status == 200 and answer.headers["content-type"] == content_type and answer.body, name
     for path in ("/console/../console.py", "/console/README.md", "/console/%2e%2e%2fconsole.py", "/console/"):
         assert (await request(broker, "GET", path, headers={"Cookie": session})).status == 404, path
+
+
+async def test_two_brokers_on_one_host_keep_their_own_sessions(broker: Any, start_flowbroker: Any) -> None:
+    """A browser keeps one cookie per name and host, whatever the port: each admin port names its own."""
+    other = await start_flowbroker(admin={"token": TOKEN})
+    mine, _ = await login(broker)
+    theirs, _ = await login(other)
+    assert mine.split("=")[0] != theirs.split("=")[0]
+    both = f"{mine}; {theirs}"  # what the browser sends to either port
+    assert (await request(broker, "GET", "/api/queues", headers={"Cookie": both})).status == 200
+    assert (await request(other, "GET", "/api/queues", headers={"Cookie": both})).status == 200
+    # and one broker's session is no credential on the other, under the other's cookie name
+    swapped = f"{cookie(other)}={mine.split('=', 1)[1]}"
+    assert (await request(other, "GET", "/api/queues", headers={"Cookie": swapped})).status == 401
 
 
 def test_the_session_store_is_bounded_and_sessions_expire() -> None:

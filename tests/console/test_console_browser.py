@@ -112,11 +112,19 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20) -> N
         time.sleep(0.1)
 
 
+def _chart_tail(page: Page, queue: str) -> list[int]:
+    """The last depth, stop and resume values of a queue's uPlot chart (console.js keeps its charts
+    in the page's `charts` map)."""
+    tail: list[int] = page.evaluate("(q) => charts.get(q).plot.data.slice(1).map((s) => s[s.length - 1])", queue)
+    return tail
+
+
 def row(page: Page, table: str, key: str, value: str, column: str) -> Any:
     return page.locator(f"#{table} tbody tr[data-{key}='{value}'] td.{column}")
 
 
 def test_the_console_watches_and_drives_a_broker_in_chromium(broker: Broker, tmp_path: Path) -> None:
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `make system-tools` installs Debian's chromium"
     producer = Producer(broker.url)  # started once the console is open: its chart shows the queue fill
     try:
         with sync_playwright() as pw:
@@ -162,6 +170,7 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     page.click("#login")
     expect(page.locator("#stop-all")).to_be_visible()
     [cookie] = page.context.cookies()
+    assert cookie["name"] == f"flowbroker_session_{admin_port}"
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
     assert page.evaluate("document.cookie") == ""  # the page's scripts cannot read the session
     producer.start()
@@ -180,6 +189,8 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     expect(row(page, "connections", "client", CLIENT, "destinations")).to_contain_text("orders (flow_stop_count")
     expect(row(page, "connections", "client", CLIENT, "granted")).to_contain_text("iB")
     expect(page.locator("#charts .chart[data-queue='orders'] canvas")).to_have_count(1)
+    # what the chart draws: the depth against the stop and resume lines (the last points, from the page)
+    assert _chart_tail(page, "orders") == [35, 30, 15]
     expect(page.locator("#broker-summary")).to_have_text("flowbroker: 1 connection(s), 1 queue(s), 1 saturated, "
                                                         "5 transfer(s) held")
     time.sleep(4)  # a few more seconds of history on the chart: the depth flat at the stop line
@@ -214,6 +225,7 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     assert orders["thresholds"]["flow_stop_count"] == 1000 and orders["thresholds"]["flow_resume_count"] == 800
     assert orders["saturated"] is False
     wait_for(lambda: producer.completed > completed + 10, "the released producer's messages complete")
+    wait_for(lambda: _chart_tail(page, "orders")[1:] == [1000, 800], "the chart's lines move to the new thresholds")
     expect(saturated).to_have_text("no")
     expect(page.locator("#broker-summary")).to_contain_text("2 queue(s), 0 saturated, 0 transfer(s) held")
 
