@@ -42,9 +42,10 @@ class Broker:
     url: str
     admin_url: str
 
-    def api(self, method: str, path: str) -> Any:
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         req = urllib.request.Request(self.admin_url + path, method=method,
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
@@ -215,7 +216,11 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     expect(page.locator("#thresholds-result")).to_contain_text("Refused: ")
     expect(page.locator("#thresholds-result")).to_contain_text("flow_resume_count")
     assert broker.api("GET", "/api/queues/orders")["thresholds"]["flow_stop_count"] == 30
-    # ... and an accepted one is applied by the broker, which releases the producer
+    # ... and an accepted one is applied by the broker, which releases the producer; only the fields
+    # edited are sent, so what another operator changed meanwhile (here a size, by the API) stays
+    broker.api("PATCH", "/api/queues/orders", {"flow_stop_size": 4 << 20, "flow_resume_size": 3 << 20})
+    expect(row(page, "queues", "queue", "orders", "stop")).to_have_text("30 / 4.00 MiB")  # the page has seen it
+    expect(page.locator("#flow_stop_size")).to_have_value(str(80 << 20))  # the form has not: stale
     page.fill("#flow_resume_count", "800")
     completed = producer.completed
     page.click("#apply-thresholds")
@@ -224,6 +229,7 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     orders = broker.api("GET", "/api/queues/orders")
     assert orders["thresholds"]["flow_stop_count"] == 1000 and orders["thresholds"]["flow_resume_count"] == 800
     assert orders["saturated"] is False
+    assert (orders["thresholds"]["flow_stop_size"], orders["thresholds"]["flow_resume_size"]) == (4 << 20, 3 << 20)
     wait_for(lambda: producer.completed > completed + 10, "the released producer's messages complete")
     wait_for(lambda: _chart_tail(page, "orders")[1:] == [1000, 800], "the chart's lines move to the new thresholds")
     expect(saturated).to_have_text("no")

@@ -198,10 +198,16 @@ function drawConnections(connections) {
 
 // -- the thresholds form --------------------------------------------------------------------------
 
+// The values the form was filled with: only the fields the operator edited are sent, so a change
+// someone else made meanwhile (the CLI, another console) is not undone by a stale field.
+let filled = {};
+
 function fillForm(name) {
   const queue = latestQueues.get(name);
+  filled = {};
   for (const key of THRESHOLDS) {
-    document.getElementById(key).value = queue ? String(queue.thresholds[key]) : "";
+    filled[key] = queue ? String(queue.thresholds[key]) : "";
+    document.getElementById(key).value = filled[key];
   }
 }
 
@@ -229,9 +235,14 @@ async function applyThresholds(event) {
   const change = {};
   for (const key of THRESHOLDS) {
     const text = document.getElementById(key).value.trim();
-    if (text === "") continue;
+    if (text === "" || text === filled[key]) continue;
     const value = Number(text);
-    if (value !== queue.thresholds[key]) change[key] = value;
+    if (!Number.isSafeInteger(value) || value < 0) {
+      result.className = "error";
+      result.textContent = `${key} must be an integer >= 0 (0 = off)`;
+      return;
+    }
+    change[key] = value;
   }
   const keys = Object.keys(change);
   if (!keys.length) {
