@@ -16,7 +16,9 @@ pace the producers (FLOW_STOPPED names the group's queue).
 
 Members join over TCP (JOIN_GROUP, with the receiver id their status messages carry); only registered
 members' SMs, ERRs and RTTMs reach the publication, so nobody else on the multicast group can pace it or
-stall it. A member leaves with CANCEL or when its connection ends (the publication forgets its receiver at
+stall it. After a JOIN the group offers nothing new until the new member's first status message (its image
+then starts before the next message, so a member gets every message the group sends after it joined), or
+until `group_receiver_timeout` has passed since it joined (a member that never reports cannot stall it). A member leaves with CANCEL or when its connection ends (the publication forgets its receiver at
 once); a member whose status messages stop for `[udp] group_receiver_timeout` stops counting (the flow
 control's receiver timeout), so a silent member cannot stall its group. When the last member leaves, the
 group closes: its publication ends (end of stream), and what it had sent but not seen processed by every
@@ -65,6 +67,7 @@ class Member:
     session: Session
     subscription_id: int
     receiver_id: int
+    joined_ns: int
 
 
 class GroupSubscription(Subscription):
@@ -129,6 +132,10 @@ class Group:
         )
         self.members: dict[tuple[int, int], Member] = {}  # (conn id, subscription id) -> member
         self.receivers: dict[int, Member] = {}  # receiver id -> member
+        self.timeout_ns = timeout_ns
+        # Members that joined and have not been heard from yet: the group offers nothing new until each has
+        # (its image then starts before the next message) or its receiver timeout passed since it joined.
+        self.awaited: dict[int, int] = {}  # receiver id -> join time
         self.in_flight: deque[tuple[int, Message]] = deque()  # (end position, message), in position order
         self.slot: tuple[bytes, Message] | None = None  # a delivery the publication could not take yet
         self.next_tag = 1
@@ -141,8 +148,15 @@ class Group:
 
     def may_send(self) -> bool:
         pub = self.publication
-        return (not self.closed and self.slot is None and pub.is_connected
+        return (not self.closed and self.slot is None and not self.awaited and pub.is_connected
                 and pub.position < pub.sender_limit)
+
+    def _check_awaited(self, now_ns: int) -> bool:
+        """Forget awaited members that have reported or timed out; True if none is awaited any more."""
+        fc = self.flow_control
+        for rid in [r for r, t in self.awaited.items() if fc.counts(r) or now_ns - t >= self.timeout_ns]:
+            del self.awaited[rid]
+        return not self.awaited
 
     def deliver(self, msg: Message) -> None:
         tag = self.next_tag
@@ -162,6 +176,14 @@ class Group:
             return False
         self.in_flight.append((result, msg))
         return True
+
+    def _may_resume(self, now_ns: int) -> None:
+        """After a datagram or a duty cycle (the limit, the receivers or the awaited members may have
+        changed): if the group was not taking messages, see whether it may now."""
+        if self.awaited:
+            self._check_awaited(now_ns)
+        if self.slot is not None or not self.subscription.active:
+            self._window_moved()
 
     def _window_moved(self) -> None:
         """Status messages or an expiry moved the limit: the waiting delivery first, then the queue."""
@@ -209,22 +231,24 @@ class Group:
         if isinstance(frame, (StatusMessage, ErrorFrame, RttMeasurement)) and frame.receiver_id not in self.receivers:
             return "unregistered_receiver"
         pub = self.publication
-        limit = pub.sender_limit
         pub.on_datagram(data, source, now_ns)
         self.settle()
-        if pub.sender_limit != limit and not self.closed:
-            self._window_moved()
+        if not self.closed:
+            self._may_resume(now_ns)
         return None
 
     def do_work(self, now_ns: int) -> Outgoing:
-        pub = self.publication
-        limit = pub.sender_limit
-        out = pub.do_work(now_ns)  # expires silent members: the min may jump
+        out = self.publication.do_work(now_ns)  # expires silent members: the min may jump
         if not self.closed:
             self.settle()
-            if pub.sender_limit != limit:
-                self._window_moved()
+            self._may_resume(now_ns)
         return out
+
+    def deadline_ns(self, now_ns: int) -> int:
+        deadline = self.publication.next_deadline_ns()
+        for joined in self.awaited.values():
+            deadline = min(deadline, joined + self.timeout_ns)
+        return deadline
 
     # ------------------------------------------------------------------ members
 
@@ -233,6 +257,7 @@ class Group:
         if member is None:
             return
         self.receivers.pop(member.receiver_id, None)
+        self.awaited.pop(member.receiver_id, None)
         self.publication.remove_receiver(member.receiver_id, now_ns)
         if not self.members:
             self.close(now_ns)
@@ -367,9 +392,10 @@ class Groups:
                                f"group {name!r} is full ([udp] max_group_members {config.max_group_members})", name)
         if receiver_id in group.receivers:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"receiver id {receiver_id} is another member's", name)
-        member = Member(owner, subscription_id, receiver_id)
+        member = Member(owner, subscription_id, receiver_id, now_ns)
         group.members[(owner.conn_id, subscription_id)] = member
         group.receivers[receiver_id] = member
+        group.awaited[receiver_id] = now_ns
         return {"queue": group.queue.name, "session_id": group.session_id, "stream_id": group.stream_id,
                 "channel": group.channel_text, "endpoint": f"{group.data[0]}:{group.data[1]}",
                 "group_tag": group.group_tag}
@@ -462,5 +488,5 @@ class Groups:
     def deadline_ns(self, now_ns: int) -> int:
         deadline = now_ns + 1_000_000_000
         for group in self.by_session.values():
-            deadline = min(deadline, group.publication.next_deadline_ns())
+            deadline = min(deadline, group.deadline_ns(now_ns))
         return deadline

@@ -340,3 +340,43 @@ def test_a_message_is_settled_only_after_every_live_member_processed_it(steps: l
     for i, m in enumerate(members):
         if i not in gone:
             assert m.bodies == [b"p%03d" % j for j in range(120)]
+
+
+def test_a_member_gets_every_message_the_group_sends_after_it_joined() -> None:
+    rig = Rig()
+    first = rig.join()
+    rig.cycle(3)
+    early = [b"e%03d" % i for i in range(100)]
+    rig.publish(early)
+    for _ in range(5):
+        rig.cycle()
+        first.process(len(first.held))
+    late_member = rig.join()  # joins mid-stream: nothing new is offered until it reports
+    late = [b"l%03d" % i for i in range(100)]
+    rig.publish(late)
+    for _ in range(300):
+        rig.cycle()
+        first.process(len(first.held))
+        late_member.process(len(late_member.held))
+        if rig.group.settled_total == 200:
+            break
+    assert first.bodies == early + late
+    got = late_member.bodies
+    assert got == (early + late)[-len(got):] and got[-100:] == late  # a suffix, with all sent after it joined
+    assert rig.group.settled_total == 200
+
+
+def test_a_member_that_never_reports_holds_the_group_only_for_the_receiver_timeout() -> None:
+    rig = Rig(udp={"group_receiver_timeout": 0.5})
+    m = rig.join()
+    rig.cycle(3)
+    ghost = rig.join()
+    ghost.live = False  # joined over TCP, never sends a status message
+    rig.publish([b"g%d" % i for i in range(20)])
+    rig.cycle(5)
+    assert m.bodies == [] and rig.group.awaited  # the group waits for it...
+    rig.cycle(1, step_ms=600)
+    for _ in range(20):
+        rig.cycle(step_ms=50)  # status messages report the processing
+        m.process(len(m.held))
+    assert m.bodies == [b"g%d" % i for i in range(20)] and rig.group.settled_total == 20  # ...not forever
