@@ -10,6 +10,7 @@ namespace tests do.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -74,3 +75,34 @@ def test_tagged_flow_control_is_selectable(namespace: str) -> None:
     r = run_scenario(namespace, "tagged", "239.7.7.3:40463")
     assert isinstance(r["group_tag"], int) and f"fc=tagged,g:{r['group_tag']}," in r["channel"]
     check_paced_by_the_slowest(r)
+
+
+DOC_RUNNER = r"""
+set -e
+"$FLOWBROKER" serve --no-admin 2>"$HOME/broker.log" &
+broker=$!
+trap 'kill $broker 2>/dev/null; wait $broker 2>/dev/null || true' EXIT
+for i in $(seq 200); do
+  "$PYTHON" -c 'import socket; socket.create_connection(("127.0.0.1", 5680), 0.2).close()' 2>/dev/null && break
+  sleep 0.05
+done
+"$PYTHON" -c "$BLOCK"
+"""
+
+
+def client_md_multicast_example() -> str:
+    """The python block of docs/client.md's "Multicast groups" section (skipped by the docs runner, which runs
+    on the host; run here instead, as written)."""
+    text = (ROOT / "docs" / "client.md").read_text()
+    section = text.split("### Multicast groups", 1)[1].split("\n### ", 1)[0]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return block
+
+
+def test_the_client_md_multicast_example_runs_as_written(namespace: str, tmp_path: Path) -> None:
+    env = {**os.environ, "HOME": str(tmp_path), "FLOWBROKER": str(Path(sys.executable).with_name("flowbroker")),
+           "PYTHON": sys.executable, "BLOCK": client_md_multicast_example()}
+    proc = subprocess.run(["ip", "netns", "exec", namespace, "bash", "-c", DOC_RUNNER], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.stdout.strip().splitlines()[-1] == "True"
