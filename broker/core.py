@@ -685,11 +685,15 @@ class BrokerCore:
                                "subscription id 0 is reserved for the connection's buffer (BUFFER_CONTROL/"
                                "BUFFER_ACK opaque 0); use 1 or more")
         queue = self.get_queue(queue_name)
+        if self.udp is not None and queue_name in self.udp.groups.by_name:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"queue {queue_name!r} is a multicast group's: join the group instead", queue_name)
         limit = self.config.server.max_subscriptions
         if len(session.subscriptions) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"too many subscriptions on this connection (max_subscriptions {limit})")
-        if subscription_id in session.subscriptions:
+        if subscription_id in session.subscriptions or (
+                self.udp is not None and self.udp.groups.find_member(session.conn_id, subscription_id) is not None):
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {subscription_id} is in use")
         cap = self.config.queues.max_prefetch
         return queue, min(prefetch, cap) if prefetch else cap

@@ -82,6 +82,11 @@ class GroupConsumer(UdpConsumer):
         super().__init__(conn, group, subscription_id, prefetch=0, buffer_size=buffer_size, stream_id=stream_id)
 
     def _open_endpoint(self) -> UdpEndpoint:
+        # By default the group is joined, and status messages sent, on the TCP connection's local address: the
+        # broker takes a member's status messages only from the host its connection comes from.
+        if self.interface is None:
+            local = self._conn._local_host()
+            self.interface = local if ":" not in local else None
         return open_group_endpoint(self.group_address, self.interface, max(self.window, 1 << 20))
 
     def _subscribe_frame(self, request_id: int) -> Frame:

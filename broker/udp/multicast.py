@@ -15,8 +15,8 @@ end: every member processed it. So the slowest member paces the group's queue, a
 pace the producers (FLOW_STOPPED names the group's queue).
 
 Members join over TCP (JOIN_GROUP, with the receiver id their status messages carry); only registered
-members' SMs, ERRs and RTTMs reach the publication, so nobody else on the multicast group can pace it or
-stall it. After a JOIN the group offers nothing new until the new member's first status message (its image
+members' SMs, ERRs and RTTMs, from their members' hosts (the TCP peer address), reach the publication, so
+nobody else on the multicast group can pace it or stall it. After a JOIN the group offers nothing new until the new member's first status message (its image
 then starts before the next message, so a member gets every message the group sends after it joined), or
 until `group_receiver_timeout` has passed since it joined (a member that never reports cannot stall it). A member leaves with CANCEL or when its connection ends (the publication forgets its receiver at
 once); a member whose status messages stop for `[udp] group_receiver_timeout` stops counting (the flow
@@ -228,8 +228,12 @@ class Group:
         if reason is not None or not frames:
             return "malformed"
         frame = frames[0]
-        if isinstance(frame, (StatusMessage, ErrorFrame, RttMeasurement)) and frame.receiver_id not in self.receivers:
-            return "unregistered_receiver"
+        if isinstance(frame, (StatusMessage, ErrorFrame, RttMeasurement)):
+            member = self.receivers.get(frame.receiver_id)
+            if member is None:
+                return "unregistered_receiver"
+            if not isinstance(source, tuple) or source[0] != member.session.peer_host:
+                return "wrong_source"  # a registered receiver id from another host than its member's
         pub = self.publication
         pub.on_datagram(data, source, now_ns)
         self.settle()

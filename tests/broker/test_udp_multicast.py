@@ -32,8 +32,8 @@ class Member:
                  fc: str = "min") -> None:
         self.rig = rig
         self.conn: Consumer = rig.h.consumer(name)
-        self.conn.session.peer_host = "127.0.0.1"
-        self.address = ("127.0.0.%d" % (len(rig.members) + 2), DATA[1])
+        self.conn.session.peer_host = "127.0.0.%d" % (len(rig.members) + 2)
+        self.address = (self.conn.session.peer_host, DATA[1])  # its status messages come from its host
         self.receiver_id = receiver_id
         self.answer = self.conn.ok(lambda rid: JoinGroup(rid, 1, "fan", "g", endpoint, fc, window, receiver_id, 1003))
         self.channel = ReceiveChannel(1003, ReceiverConfig(
@@ -261,6 +261,18 @@ def test_only_registered_members_status_messages_count() -> None:
             rig.datapath.on_datagram(datagram, ("127.0.0.9", DATA[1]), now)
     assert rig.datapath.refused["unregistered_receiver"] >= 1
     assert rig.group.flow_control.receiver_count == 1
+    # a member's receiver id from another host than the member's connection is refused too
+    impostor = ReceiveChannel(1003, ReceiverConfig(receiver_id=m.receiver_id, session_id=m.answer["session_id"],
+                                                   multicast=True, control_address=CONTROL))
+    impostor.add_subscription(0)
+    for _ in range(5):
+        rig.h.t[0] += 150 * MS
+        now = rig.h.now
+        for datagram, _ in rig.datapath.do_work(now):
+            impostor.on_datagram(datagram, ENDPOINT, now)
+        for datagram, _ in impostor.do_work(now):
+            rig.datapath.on_datagram(datagram, ("127.0.0.9", DATA[1]), now)
+    assert rig.datapath.refused["wrong_source"] >= 1
 
 
 def test_tagged_flow_control_is_selectable() -> None:
@@ -380,3 +392,25 @@ def test_a_member_that_never_reports_holds_the_group_only_for_the_receiver_timeo
         rig.cycle(step_ms=50)  # status messages report the processing
         m.process(len(m.held))
     assert m.bodies == [b"g%d" % i for i in range(20)] and rig.group.settled_total == 20  # ...not forever
+
+
+def test_the_group_queue_shows_its_group_and_deleting_it_ends_the_group() -> None:
+    from flowbroker.broker.views import queue_view
+    from flowbroker.protocol.frames import DeleteQueue, Subscribe
+
+    rig = Rig()
+    m = rig.join()
+    rig.cycle(3)
+    (sub,) = queue_view(rig.queue, rig.h.now)["subscriptions"]
+    assert sub["connection"] is None and sub["multicast_group"]["group"] == "g"
+    assert sub["multicast_group"]["members"] == 1 and sub["multicast_group"]["receivers"] == 1
+    # the membership's subscription id is taken on its connection
+    answer = m.conn.request(lambda r: Subscribe(r, 1, "g", 10, 0))
+    assert isinstance(answer, Error) and answer.code is ErrorCode.ALREADY_EXISTS
+    # and the group's queue takes no other consumer
+    answer = rig.h.consumer("other").request(lambda r: Subscribe(r, 5, "g", 10, 0))
+    assert isinstance(answer, Error) and answer.code is ErrorCode.ALREADY_EXISTS and "multicast group" in answer.text
+    rig.h.consumer("admin2").ok(lambda r: DeleteQueue(r, "g"))
+    errors = [f for f in m.conn.pump() + m.conn.errors if isinstance(f, Error)]
+    assert any(e.code is ErrorCode.NOT_FOUND and e.destination == "g" for e in errors)
+    assert not rig.datapath.groups.by_name
