@@ -354,4 +354,6 @@ def udp_view(core: BrokerCore) -> dict[str, Any] | None:
         "naks_sent": stats.naks_sent,
         "naks_received": stats.naks_received,
         "retransmits_sent": stats.retransmits_sent,
+        "groups": stats.groups,
+        "group_members": stats.group_members,
     }

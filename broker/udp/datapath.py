@@ -65,6 +65,8 @@ class DataPathStatistics:
     naks_sent: int  # NAKs the images sent to producers
     naks_received: int  # NAKs UDP consumers sent to the broker's publications
     retransmits_sent: int  # data the broker's publications sent again for them
+    groups: int = 0  # multicast groups live now
+    group_members: int = 0  # their members
 
 
 class SessionIds:
@@ -123,6 +125,7 @@ class DataPath:
             len(self.ingress.publications), len(self.egress.subscriptions), len(images),
             sum(i.loss_gaps for i in images), sum(i.naks_sent for i in images),
             sum(p.naks_received for p in streams), sum(p.retransmits_sent for p in streams),
+            len(self.groups.by_name), sum(len(g.members) for g in self.groups.by_name.values()),
         )
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:
