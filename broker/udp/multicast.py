@@ -274,17 +274,22 @@ class Group:
         if self.closed:
             return
         self.closed = True
-        sub, queue = self.subscription, self.queue
-        queue.remove_subscription(sub)
+        self.queue.remove_subscription(self.subscription)
+        self.requeue_in_flight()
+        self.publication.close(now_ns)
+        self.groups.closed(self)
+
+    def requeue_in_flight(self) -> int:
+        """Give what was offered and not settled back to the queue (flagged redelivered, in order): the group
+        closed, or no member that could have processed it is live any more. Returns how many."""
         msgs = [msg for _, msg in self.in_flight]
         if self.slot is not None:
             msgs.append(self.slot[1])
         self.in_flight.clear()
         self.slot = None
-        sub.unsettled = 0
-        queue.requeue_many(msgs)
-        self.publication.close(now_ns)
-        self.groups.closed(self)
+        self.subscription.unsettled = 0
+        self.queue.requeue_many(msgs)
+        return len(msgs)
 
     def queue_deleted(self, name: str) -> None:
         """The group's queue was deleted: tell the members, close."""
@@ -396,6 +401,11 @@ class Groups:
                                f"group {name!r} is full ([udp] max_group_members {config.max_group_members})", name)
         if receiver_id in group.receivers:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"receiver id {receiver_id} is another member's", name)
+        if group.flow_control.receiver_count == 0 and (group.in_flight or group.slot is not None):
+            # Every earlier member is gone or silent: what they had not confirmed would otherwise be settled
+            # by this member's first status message (its image starts past it) without anyone processing it.
+            # It goes back to the queue and out again after this member reported (at least once, redelivered).
+            group.requeue_in_flight()
         member = Member(owner, subscription_id, receiver_id, now_ns)
         group.members[(owner.conn_id, subscription_id)] = member
         group.receivers[receiver_id] = member

@@ -416,3 +416,22 @@ def test_the_group_queue_shows_its_group_and_deleting_it_ends_the_group() -> Non
     errors = [f for f in m.conn.pump() + m.conn.errors if isinstance(f, Error)]
     assert any(e.code is ErrorCode.NOT_FOUND and e.destination == "g" for e in errors)
     assert not rig.datapath.groups.by_name
+
+
+def test_a_member_joining_a_group_whose_members_all_fell_silent_gets_what_they_had_not_confirmed() -> None:
+    rig = Rig(udp={"group_receiver_timeout": 0.5})
+    gone = rig.join()
+    rig.cycle(3)
+    bodies = [b"s%02d" % i for i in range(30)]
+    rig.publish(bodies)
+    rig.cycle(5)
+    assert gone.bodies == bodies and rig.group.settled_total == 0  # received, never processed
+    gone.live = False  # falls silent (its TCP stays up)
+    rig.cycle(1, step_ms=600)
+    assert rig.group.flow_control.receiver_count == 0 and len(rig.group.in_flight) == 30
+    fresh = rig.join()
+    assert not rig.group.in_flight and len(rig.queue.store) == 30  # back in the queue, in order
+    for _ in range(30):
+        rig.cycle(step_ms=50)
+        fresh.process(len(fresh.held))
+    assert fresh.bodies == bodies and rig.group.settled_total == 30 and rig.queue.count == 0
