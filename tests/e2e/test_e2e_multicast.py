@@ -9,8 +9,10 @@ namespace tests do.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
+import select
 import secrets
 import subprocess
 import sys
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.e2e.daemon import stop
 
 SCENARIO = Path(__file__).with_name("multicast_scenario.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +111,67 @@ def test_the_client_md_multicast_example_runs_as_written(namespace: str, tmp_pat
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert proc.stdout.strip().splitlines()[-1] == "True"
+
+
+PROCESS = Path(__file__).with_name("multicast_process.py")
+
+
+def _in(namespace: str, *args: str) -> list[str]:
+    return ["ip", "netns", "exec", namespace, sys.executable, str(PROCESS), *args]
+
+
+def _wait_line(proc: subprocess.Popen[str], expected: str, timeout: float) -> None:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no {expected!r} within {timeout} s"
+    line = proc.stdout.readline().strip()
+    assert line == expected, (line, proc.stderr.read() if proc.stderr else "")
+
+
+def test_broker_members_and_producer_in_separate_processes(namespace: str, tmp_path: Path) -> None:
+    """`flowbroker serve`, a fast member, a slow member and a producer, each a process of its own in the
+    namespace: the fast member never had more than one window (in messages) beyond what the slow one had
+    processed at that moment (CLOCK_MONOTONIC is the host's, so the two logs compare)."""
+    count, window, body = 400, 16 * 1024, 400
+    config = tmp_path / "broker.toml"
+    config.write_text('[credit]\npolicy = "static"\nstatic_size = 16384\n\n[admin]\nenabled = false\n')
+    env = {**os.environ, "HOME": str(tmp_path)}
+    with (tmp_path / "broker.log").open("w") as log:
+        broker = subprocess.Popen(["ip", "netns", "exec", namespace, str(Path(sys.executable).with_name("flowbroker")),
+                                   "serve", "--config", str(config)], env=env, stdout=subprocess.DEVNULL, stderr=log,
+                                  text=True)
+    members: list[subprocess.Popen[str]] = []
+    try:
+        subprocess.run(_in(namespace, "setup"), check=True, timeout=60, cwd=ROOT, env=env)
+        for delay in ("0", "0.003"):
+            proc = subprocess.Popen(_in(namespace, "member", "min", "239.7.7.5:40465", delay, str(count), str(window)),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            members.append(proc)
+            _wait_line(proc, "joined", 30)
+        produced = subprocess.run(_in(namespace, "produce", str(count), str(body)), capture_output=True, text=True,
+                                  timeout=120, cwd=ROOT, env=env)
+        assert produced.returncode == 0, produced.stderr[-4000:]
+        events = json.loads(produced.stdout.strip().splitlines()[-1])["events"]
+        outs = []
+        for proc in members:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-4000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in members:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        stop(broker)
+    fast, slow = outs
+    expected = ["%05d" % i + "b" * (body - 5) for i in range(count)]
+    assert fast["bodies"] == expected and slow["bodies"] == expected
+    # 448 term bytes a message (400 + its envelope, 32-byte header, aligned): the window in messages, plus the
+    # one a window may overflow by
+    in_window = window // 448 + 1
+    lead = 0
+    for i, t in enumerate(fast["times"]):
+        slow_done = bisect.bisect_right(slow["times"], t)
+        lead = max(lead, i + 1 - slow_done)
+    assert in_window // 2 < lead <= in_window + 1
+    assert ["stopped", "g"] in events and ["resumed", "g"] in events
