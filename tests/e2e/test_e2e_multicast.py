@@ -1,9 +1,11 @@
 """A multicast group paced by its slowest member, end to end over real multicast UDP.
 
 Loopback has no multicast route by default, so each test makes a network namespace of its own (lo up,
-multicast on, 224.0.0.0/4 routed over it), runs tests/e2e/multicast_scenario.py in it (a broker, a fast
-and a slow member on their own connections and multicast sockets, a flow-controlled producer) and deletes
-the namespace afterwards. The tests need root and iproute2 (`make system-tools`), as the suite's other
+multicast on, 224.0.0.0/4 routed over it) and deletes it afterwards. In it run: tests/e2e/multicast_scenario.py
+(a broker, a fast and a slow member on their own connections and multicast sockets, a flow-controlled
+producer, all in one process so the group's queue and publication can be measured), the same with
+`flowbroker serve` and every client a process of its own (tests/e2e/multicast_process.py), and the example
+of docs/client.md's "Multicast groups", as written. The tests need root and iproute2 (`make system-tools`), as the suite's other
 namespace tests do.
 """
 
