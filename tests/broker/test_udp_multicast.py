@@ -435,3 +435,24 @@ def test_a_member_joining_a_group_whose_members_all_fell_silent_gets_what_they_h
         rig.cycle(step_ms=50)
         fresh.process(len(fresh.held))
     assert fresh.bodies == bodies and rig.group.settled_total == 30 and rig.queue.count == 0
+
+
+def test_the_group_settings_are_checked() -> None:
+    import pytest
+
+    from flowbroker.broker.config import ConfigError, load_config
+
+    for key, bad in (("max_groups", -1), ("max_groups", 1025), ("max_group_members", 0),
+                     ("max_group_members", 1025), ("group_receiver_timeout", 0), ("multicast_interface", "eth0"),
+                     ("multicast_interface", "::1")):
+        with pytest.raises(ConfigError, match=rf"^\[udp\] {key} = "):
+            load_config(None, {"udp": {key: bad}})
+    udp = load_config(None, {"udp": {"multicast_interface": "10.1.2.3", "group_receiver_timeout": 0.25}}).udp
+    assert (udp.multicast_interface, udp.group_receiver_timeout) == ("10.1.2.3", 0.25)
+
+
+def test_the_multicast_interface_goes_into_the_groups_channel() -> None:
+    rig = Rig(udp={"multicast_interface": "127.0.0.1", "group_receiver_timeout": 2.5})
+    m = rig.join()
+    assert "|interface=127.0.0.1|" in m.answer["channel"] and "fc=min,t:2500ms" in m.answer["channel"]
+    assert rig.group.channel.interface is not None and rig.group.channel.interface.host == "127.0.0.1"
