@@ -406,6 +406,9 @@ def test_the_group_queue_shows_its_group_and_deleting_it_ends_the_group() -> Non
     assert sub["multicast_group"]["members"] == 1 and sub["multicast_group"]["receivers"] == 1
     stats = rig.datapath.statistics()
     assert (stats.groups, stats.group_members) == (1, 1)
+    from flowbroker.broker.cliformat import queue_text  # `flowbroker queue show g`
+
+    assert "group g (1 members, aeron:udp?endpoint=239.1.2.3:40457|" in queue_text(queue_view(rig.queue, rig.h.now))
     # the membership's subscription id is taken on its connection
     answer = m.conn.request(lambda r: Subscribe(r, 1, "g", 10, 0))
     assert isinstance(answer, Error) and answer.code is ErrorCode.ALREADY_EXISTS
