@@ -650,7 +650,8 @@ class Connection:
         once, on one broker publication to that multicast address (odd, IPv4; stream `stream_id`, default
         1003), and every member gets every message. `fc="min"` (or `"tagged"`): the slowest member paces the
         group. `buffer_size` is this member's window (0: 1 MiB); processing a message settles it for this
-        member (ack, reject and requeue only say so); `interface` is the local address to join on."""
+        member (ack, reject and requeue only say so; `prefetch` does not apply, the window bounds what is
+        unprocessed); `interface` is the local address to join on (None: this connection's)."""
         subscription_id = self._next_subscription_id
         if group is not None:
             if transport != "udp" or not exchange or queue:
