@@ -5,8 +5,8 @@ multicast on, 224.0.0.0/4 routed over it) and deletes it afterwards. In it run: 
 (a broker, a fast and a slow member on their own connections and multicast sockets, a flow-controlled
 producer, all in one process so the group's queue and publication can be measured), the same with
 `flowbroker serve` and every client a process of its own (tests/e2e/multicast_process.py), and the example
-of docs/client.md's "Multicast groups", as written. The tests need root and iproute2 (`make system-tools`), as the suite's other
-namespace tests do.
+of docs/client.md's "Multicast groups", as written. The tests need root and iproute2 (`make system-tools`
+installs iproute2); they fail, not skip, without them.
 """
 
 from __future__ import annotations
