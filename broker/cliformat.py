@@ -145,13 +145,21 @@ def queue_text(q: dict[str, Any]) -> str:
         more = q["subscriptions_total"] - len(q["subscriptions"])
         out.append(f"subscriptions (the first {len(q['subscriptions'])} of {q['subscriptions_total']})"
                    if more > 0 else "subscriptions")
-        rows = [[s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
-                 limit_text(s["buffer"]["size"], True), size_text(s["buffer"]["unacked"])] for s in q["subscriptions"]]
+        rows = [_subscription_row(s) for s in q["subscriptions"]]
         table = table_text(["CONN", "SUB", "CLIENT", "PREFETCH", "UNSETTLED", "DELIVERED", "BUFFER", "UNACKED"], rows)
         out.extend("  " + line for line in table.splitlines())
     else:
         out.append(f"{'subscriptions'.ljust(width)}  -")
     return "\n".join(out)
+
+
+def _subscription_row(s: dict[str, Any]) -> list[Any]:
+    group = s.get("multicast_group")
+    if group is not None:  # a multicast group's: no connection; its members and channel instead
+        return ["-", 0, f"group {group['group']} ({group['members']} members, {group['channel']})", s["prefetch"],
+                s["unsettled"], s["delivered"], "-", "-"]
+    return [s["connection"], s["subscription"], s["client_name"], s["prefetch"], s["unsettled"], s["delivered"],
+            limit_text(s["buffer"]["size"], True), size_text(s["buffer"]["unacked"])]
 
 
 CONNECTION_HEADERS = ["ID", "CLIENT", "PEER", "ROLE", "BUFFER", "UNACKED", "HELD", "FLOW", "BLOCKING",

@@ -7,6 +7,8 @@ and bad values are errors that name the key (`[queues] flow_stop_percent = 120: 
 
 from __future__ import annotations
 
+import ipaddress
+
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -226,6 +228,10 @@ class UdpConfig:
     max_publications: int = 64
     max_publications_per_connection: int = 8
     max_subscriptions: int = 64
+    max_groups: int = 8
+    max_group_members: int = 64
+    group_receiver_timeout: float = 5.0
+    multicast_interface: str = ""
 
     def validate(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -248,6 +254,18 @@ class UdpConfig:
         _int_range("udp", "max_publications", self.max_publications, 0, 65536)
         _int_range("udp", "max_publications_per_connection", self.max_publications_per_connection, 0, 65536)
         _int_range("udp", "max_subscriptions", self.max_subscriptions, 0, 65536)
+        _int_range("udp", "max_groups", self.max_groups, 0, 1024)
+        _int_range("udp", "max_group_members", self.max_group_members, 1, 1024)
+        _positive("udp", "group_receiver_timeout", self.group_receiver_timeout)
+        if not isinstance(self.multicast_interface, str):
+            raise ConfigError("udp", "multicast_interface", self.multicast_interface,
+                              "must be a string: a local IPv4 address, or \"\" for the kernel's choice")
+        if self.multicast_interface:
+            try:
+                ipaddress.IPv4Address(self.multicast_interface)
+            except ValueError:
+                raise ConfigError("udp", "multicast_interface", self.multicast_interface,
+                                  "must be a local IPv4 address, or \"\" for the kernel's choice") from None
 
     def address(self) -> tuple[str, int]:
         """`endpoint` as (host, port); ValueError naming what is wrong."""

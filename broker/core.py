@@ -60,6 +60,7 @@ from flowbroker.protocol.frames import (
     Settle,
     Subscribe,
     SubscribeUdp,
+    JoinGroup,
     Transfer,
     TransferEntry,
     Unbind,
@@ -607,8 +608,7 @@ class BrokerCore:
             ex.unbind_queue(queue)
         count = queue.count
         for sub in queue.delete():
-            sub.session.subscriptions.pop(sub.sub_id, None)
-            sub.session.send(Error(ErrorCode.NOT_FOUND, f"queue {name!r} was deleted", None, None, name))
+            sub.queue_deleted(name)  # a multicast group's closes its group
         return count
 
     def _req_declare_queue(self, session: Session, f: DeclareQueue) -> dict[str, Any]:
@@ -685,11 +685,15 @@ class BrokerCore:
                                "subscription id 0 is reserved for the connection's buffer (BUFFER_CONTROL/"
                                "BUFFER_ACK opaque 0); use 1 or more")
         queue = self.get_queue(queue_name)
+        if self.udp is not None and queue_name in self.udp.groups.by_name:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"queue {queue_name!r} is a multicast group's: join the group instead", queue_name)
         limit = self.config.server.max_subscriptions
         if len(session.subscriptions) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"too many subscriptions on this connection (max_subscriptions {limit})")
-        if subscription_id in session.subscriptions:
+        if subscription_id in session.subscriptions or (
+                self.udp is not None and self.udp.groups.find_member(session.conn_id, subscription_id) is not None):
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {subscription_id} is in use")
         cap = self.config.queues.max_prefetch
         return queue, min(prefetch, cap) if prefetch else cap
@@ -703,6 +707,9 @@ class BrokerCore:
 
     def _req_cancel(self, session: Session, f: Cancel) -> dict[str, Any]:
         sub = session.subscriptions.pop(f.subscription_id, None)
+        if sub is None and self.udp is not None and self.udp.groups.leave(session.conn_id, f.subscription_id,
+                                                                          self.clock_ns()):
+            return {"requeued": 0}  # a multicast group's member left it
         if sub is None:
             raise RequestError(ErrorCode.NOT_FOUND, f"no subscription {f.subscription_id}")
         sub.queue.remove_subscription(sub)
@@ -739,6 +746,11 @@ class BrokerCore:
         return udp.egress.subscribe(session, f.subscription_id, f.queue, f.prefetch, f.buffer_size,
                                     (host, f.port), f.stream_id, self.clock_ns())
 
+    def _req_join_group(self, session: Session, f: JoinGroup) -> dict[str, Any]:
+        udp, _ = self._data_path(session)
+        return udp.groups.join(session, f.subscription_id, f.exchange, f.group, f.endpoint, f.fc, f.buffer_size,
+                               f.receiver_id, f.stream_id, self.clock_ns())
+
     _requests: dict[type[Any], Callable[[BrokerCore, Session, Any], dict[str, Any]]] = {
         DeclareQueue: _req_declare_queue,
         DeclareExchange: _req_declare_exchange,
@@ -752,4 +764,5 @@ class BrokerCore:
         RegisterPublication: _req_register_publication,
         ClosePublication: _req_close_publication,
         SubscribeUdp: _req_subscribe_udp,
+        JoinGroup: _req_join_group,
     }

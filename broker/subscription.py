@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowbroker.protocol.credit import SenderWindow
-from flowbroker.protocol.frames import DeliveryEntry
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import DeliveryEntry, Error
 
 if TYPE_CHECKING:
     from flowbroker.broker.message import Message
@@ -64,3 +65,9 @@ class Subscription:
         session.outbox.deliver(
             self.sub_id, _make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)), size
         )
+
+    def queue_deleted(self, name: str) -> None:
+        """Its queue was deleted (the queue closed it): the connection forgets it and is told."""
+        session = self.session
+        session.subscriptions.pop(self.sub_id, None)
+        session.send(Error(ErrorCode.NOT_FOUND, f"queue {name!r} was deleted", None, None, name))

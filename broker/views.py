@@ -75,6 +75,12 @@ def _buffer(log: SenderWindow) -> dict[str, int]:
 
 
 def _subscription(sub: Subscription) -> dict[str, Any]:
+    from flowbroker.broker.udp.multicast import GroupSubscription
+
+    if isinstance(sub, GroupSubscription):  # a multicast group's: no connection of its own
+        return {"connection": None, "client_name": None, "subscription": 0, "queue": sub.queue.name,
+                "prefetch": sub.prefetch, "unsettled": sub.unsettled, "delivered": sub.delivered_total,
+                "buffer": None, "multicast_group": sub.group.view()}
     return {
         "connection": sub.session.conn_id,
         "client_name": sub.session.client_name,
@@ -348,4 +354,6 @@ def udp_view(core: BrokerCore) -> dict[str, Any] | None:
         "naks_sent": stats.naks_sent,
         "naks_received": stats.naks_received,
         "retransmits_sent": stats.retransmits_sent,
+        "groups": stats.groups,
+        "group_members": stats.group_members,
     }

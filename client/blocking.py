@@ -273,11 +273,14 @@ class BlockingConnection:
         )
         return BlockingProducer(self, producer)
 
-    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0, transport: str = "tcp",
-                 stream_id: int | None = None) -> BlockingConsumer:
-        """`Connection.consumer`; `transport="udp"` receives over the broker's UDP data path."""
+    def consumer(self, queue: str = "", *, prefetch: int = 1000, buffer_size: int = 0, transport: str = "tcp",
+                 stream_id: int | None = None, exchange: str | None = None, group: str | None = None,
+                 multicast: str = "", fc: str = "min", interface: str | None = None) -> BlockingConsumer:
+        """`Connection.consumer`; `transport="udp"` receives over the broker's UDP data path, and with
+        `exchange=..., group=..., multicast=...` as a member of a multicast group."""
         consumer = self._run_sync(self.connection.consumer, queue, prefetch=prefetch, buffer_size=buffer_size,
-                                  transport=transport, stream_id=stream_id)
+                                  transport=transport, stream_id=stream_id, exchange=exchange, group=group,
+                                  multicast=multicast, fc=fc, interface=interface)
         return BlockingConsumer(self, consumer)
 
 

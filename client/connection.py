@@ -634,16 +634,41 @@ class Connection:
 
     # ------------------------------------------------------------------ consumers
 
-    def consumer(self, queue: str, *, prefetch: int = 1000, buffer_size: int = 0, transport: str = "tcp",
-                 stream_id: int | None = None) -> Consumer:
+    def consumer(self, queue: str = "", *, prefetch: int = 1000, buffer_size: int = 0, transport: str = "tcp",
+                 stream_id: int | None = None, exchange: str | None = None, group: str | None = None,
+                 multicast: str = "", fc: str = "min", interface: str | None = None) -> Consumer:
         """A consumer of `queue`; use it as `async with conn.consumer(...) as c: async for msg in c`.
         `prefetch` bounds unsettled deliveries (0 = unbounded); `buffer_size` is the subscription's byte
         buffer (0 = off); the SDK returns its buffer acknowledgements by itself.
 
         `transport="udp"`: the deliveries come over the broker's UDP data path (an Aeron publication of the
         broker's on `stream_id`, default 1002); `buffer_size` is then the window of its status messages
-        (0: 1 MiB), and settlement stays on this connection (client/udpconsumer.py)."""
+        (0: 1 MiB), and settlement stays on this connection (client/udpconsumer.py).
+
+        `exchange=..., transport="udp", group=..., multicast="239.x.y.z:port"`: a member of the multicast
+        group `group` of fanout exchange `exchange` (client/groupconsumer.py): the group's messages come
+        once, on one broker publication to that multicast address (odd, IPv4; stream `stream_id`, default
+        1003), and every member gets every message. `fc="min"` (or `"tagged"`): the slowest member paces the
+        group. `buffer_size` is this member's window (0: 1 MiB); processing a message settles it for this
+        member (ack, reject and requeue only say so; `prefetch` does not apply, the window bounds what is
+        unprocessed); `interface` is the local address to join on (None: this connection's)."""
         subscription_id = self._next_subscription_id
+        if group is not None:
+            if transport != "udp" or not exchange or queue:
+                raise ValueError("a multicast group member is conn.consumer(exchange=..., transport=\"udp\", "
+                                 "group=..., multicast=\"239.x.y.z:port\") (no queue: the group is its queue)")
+            from flowbroker.client.groupconsumer import DEFAULT_GROUP_STREAM, GroupConsumer
+
+            self._check_open()
+            consumer = GroupConsumer(self, group, subscription_id, exchange=exchange, multicast=multicast, fc=fc,
+                                     buffer_size=buffer_size, interface=interface,
+                                     stream_id=DEFAULT_GROUP_STREAM if stream_id is None else stream_id)
+            self._next_subscription_id += 1
+            return consumer
+        if exchange is not None or multicast:
+            raise ValueError("exchange= and multicast= are for a multicast group member (group=...)")
+        if not queue:
+            raise ValueError("conn.consumer needs a queue")
         if transport == "udp":
             from flowbroker.client.udpconsumer import DEFAULT_SUBSCRIPTION_STREAM, UdpConsumer
 

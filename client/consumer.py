@@ -147,7 +147,8 @@ class Message:
         if self.settled is not None:
             raise AlreadySettled(f"delivery {self.delivery_tag} was already settled ({self.settled.name})")
         consumer = self._consumer
-        consumer._conn._settle_tag(outcome, self.delivery_tag)
+        if consumer._settles_over_tcp:
+            consumer._conn._settle_tag(outcome, self.delivery_tag)
         self.settled = outcome
         consumer._unsettled -= 1
         if self._unprocessed:  # `_mark_processed` inlined: settling is the hot path
@@ -204,6 +205,9 @@ class Consumer:
     closed normally; if the connection failed, its error (e.g. `ConnectionClosed`) is raised instead,
     and if the broker deleted the queue, `NotFound` naming it (after the messages already received).
     """
+
+    _settles_over_tcp = True
+    """False for a multicast group's member: its processing is its settlement (client/groupconsumer.py)."""
 
     def __init__(self, conn: Connection, queue: str, subscription_id: int, *, prefetch: int = 1000, buffer_size: int = 0) -> None:
         if prefetch < 0 or buffer_size < 0:

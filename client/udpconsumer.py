@@ -56,7 +56,7 @@ class UdpConsumer(Consumer):
         self.stream_id = stream_id
         self.window = buffer_size or DEFAULT_WINDOW
         """The byte credit this consumer's status messages grant the broker."""
-        self._endpoint: UdpEndpoint = open_udp((conn._local_host(), 0), so_rcvbuf=max(self.window, 1 << 20))
+        self._endpoint: UdpEndpoint = self._open_endpoint()
         self.session_id: int | None = None
         self._channel: ReceiveChannel | None = None
         self._subscription: Subscription | None = None
@@ -70,6 +70,10 @@ class UdpConsumer(Consumer):
         """Payloads that were not delivery envelopes (dropped; their bytes released)."""
         self._on_processed = self._release
 
+    def _open_endpoint(self) -> UdpEndpoint:
+        """The socket the image is read from: an ephemeral port on the TCP connection's local address."""
+        return open_udp((self._conn._local_host(), 0), so_rcvbuf=max(self.window, 1 << 20))
+
     def _subscribe_frame(self, request_id: int) -> Frame:
         port = int(self._endpoint.local_address[1])
         return SubscribeUdp(request_id, self.subscription_id, self.queue, self.prefetch, self.window, port,
@@ -78,10 +82,7 @@ class UdpConsumer(Consumer):
     def _on_subscribed(self, result: dict[str, Any]) -> None:
         """The broker's OK (from the reader): the publication's session id; start reading the image."""
         self.session_id = int(result["session_id"])
-        window = min(self.window, 1 << 30)
-        config = ReceiverConfig(receiver_id=random.randrange(1, 2**31), receiver_window=window,
-                                session_id=self.session_id, so_rcvbuf=max(window, 1 << 20), max_images=1)
-        channel = ReceiveChannel(self.stream_id, config)
+        channel = ReceiveChannel(self.stream_id, self._receiver_config(self.session_id, result))
         self._channel = channel
         self._subscription = channel.add_subscription(now_ns(), on_available_image=self._image_available)
         super()._on_subscribed(result)
@@ -89,6 +90,11 @@ class UdpConsumer(Consumer):
         if nursery is not None and not self._started:
             self._started = True
             nursery.start_soon(self._conn._contained, self._run, f"UDP subscription {self.subscription_id}")
+
+    def _receiver_config(self, session_id: int, result: dict[str, Any]) -> ReceiverConfig:
+        window = min(self.window, 1 << 30)
+        return ReceiverConfig(receiver_id=random.randrange(1, 2**31), receiver_window=window,
+                              session_id=session_id, so_rcvbuf=max(window, 1 << 20), max_images=1)
 
     def _image_available(self, image: Image) -> None:
         image.window_cap = self.window

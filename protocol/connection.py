@@ -64,6 +64,7 @@ _CLIENT_OPEN = _SESSION | {
     FrameType.REGISTER_PUBLICATION,
     FrameType.CLOSE_PUBLICATION,
     FrameType.SUBSCRIBE_UDP,
+    FrameType.JOIN_GROUP,
 }
 _BROKER_OPEN = _SESSION | {
     FrameType.OK,

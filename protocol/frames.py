@@ -54,6 +54,7 @@ __all__ = [
     "RegisterPublication",
     "ClosePublication",
     "SubscribeUdp",
+    "JoinGroup",
     "Frame",
     "PROTOCOL_VERSION",
     "decode_body",
@@ -98,6 +99,7 @@ class FrameType(enum.IntEnum):
     REGISTER_PUBLICATION = 24
     CLOSE_PUBLICATION = 25
     SUBSCRIBE_UDP = 26
+    JOIN_GROUP = 27
 
 
 class Outcome(enum.IntEnum):
@@ -401,6 +403,31 @@ class SubscribeUdp:
     stream_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class JoinGroup:
+    """Client -> broker: join multicast group `group`, the consumer-side view of fanout exchange `exchange`.
+    The broker keeps one queue named `group` bound to the exchange and delivers its messages once, on one
+    Aeron publication of its own to multicast `endpoint` ("group-address:port", an odd IPv4 group; the
+    group's first member sets it, later ones must name the same or "") on `stream_id`, with flow control
+    `fc` ("min" or "tagged"; "" = "min"): the slowest member paces the group. `receiver_id` is the receiver
+    id of the member's status messages (only registered members' status messages count); `buffer_size` the
+    window they advertise. A message is settled once every live member's consumption position passed it.
+    OK: {"queue", "session_id", "stream_id", "channel", "endpoint", "group_tag"} (the Aeron channel URI the
+    member subscribes to; group_tag its SMs carry with fc=tagged, else None). CANCEL `subscription_id`
+    leaves the group, as does closing the connection."""
+
+    TYPE: ClassVar[FrameType] = FrameType.JOIN_GROUP
+    request_id: int
+    subscription_id: int
+    exchange: str
+    group: str
+    endpoint: str
+    fc: str
+    buffer_size: int
+    receiver_id: int
+    stream_id: int
+
+
 Frame = Union[
     Hello,
     Welcome,
@@ -428,6 +455,7 @@ Frame = Union[
     RegisterPublication,
     ClosePublication,
     SubscribeUdp,
+    JoinGroup,
 ]
 
 _U64 = 2**64 - 1
@@ -735,6 +763,7 @@ _register(Close, _enum(ErrorCode), _str)
 _register(RegisterPublication, _uint, _name, _str, _STREAM_ID, _PORT)
 _register(ClosePublication, _uint, _STREAM_ID)
 _register(SubscribeUdp, _uint, _uint, _name, _uint, _uint, _PORT, _STREAM_ID)
+_register(JoinGroup, _uint, _uint, _name, _name, _str, _str, _uint, _STREAM_ID, _STREAM_ID)
 
 
 def decode_body(obj: Any, frame_seq: int) -> Frame:

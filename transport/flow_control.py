@@ -253,6 +253,17 @@ class MinFlowControl:
     def on_error(self, receiver_id: int, now_ns: int) -> None:
         self._receivers.pop(receiver_id, None)
 
+    def counts(self, receiver_id: int) -> bool:
+        """True while ``receiver_id`` is one of the receivers that pace the stream."""
+        return receiver_id in self._receivers
+
+    def min_position(self) -> int | None:
+        """The lowest consumption position of the receivers that count (None when none is live): every
+        one of them has consumed the stream up to here (the broker's multicast groups settle below it)."""
+        if not self._receivers:
+            return None
+        return min(r.last_position for r in self._receivers.values())
+
     def has_required_receivers(self) -> bool:
         return len(self._receivers) >= self.group_min_size
 

@@ -368,6 +368,16 @@ class Publication:
         if self._state is _State.ACTIVE:
             self._state = _State.DRAINING
 
+    def remove_receiver(self, receiver_id: int, now_ns: int) -> None:
+        """Forget a receiver the application knows is gone (a broker's multicast group member whose TCP
+        connection ended): as an ERR from it does, it leaves the flow-control strategy and the connected set."""
+        self.flow_control.on_error(receiver_id, now_ns)
+        self._receivers.pop(receiver_id, None)
+        self.sender_limit = self.flow_control.on_idle(
+            now_ns, self.sender_limit, self.sender_position, self._state is not _State.ACTIVE
+        )
+        self._update_publication_limit()
+
     # ------------------------------------------------------------------------------------ destinations
 
     def add_destination(self, address: Address) -> None:

@@ -3,7 +3,7 @@ refused and counted (sans-IO).
 
 A datagram is looked at only as far as its Aeron header: its type says which side it is for (DATA, PAD
 and SETUP go to the images of registered publications; SM, NAK and ERR to the broker's publications to
-UDP consumers; RTTM to whichever owns its session id), its session id must be one the broker handed out
+UDP consumers and of its multicast groups; RTTM to whichever owns its session id), its session id must be one the broker handed out
 over TCP, and its source address must be the one registered for that session. Anything else is dropped
 and counted by reason (``refused``) before it reaches an image, so it creates nothing and costs the
 broker no memory, and, as the Aeron C driver does for a SETUP it refuses, it is answered with nothing.
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from flowbroker.broker.core import BrokerCore
     from flowbroker.broker.udp.egress import Egress
     from flowbroker.broker.udp.ingress import Ingress
+    from flowbroker.broker.udp.multicast import Groups
 
 __all__ = ["Address", "DataPath", "DataPathStatistics", "Outgoing", "REFUSAL_REASONS", "SessionIds"]
 
@@ -44,6 +45,7 @@ REFUSAL_REASONS = (
     "wrong_stream",  # a registered session id with another stream id
     "wrong_source",  # a registered session from another address than the registering client's
     "wrong_direction",  # a sender's frame for a receiver's session, or the reverse
+    "unregistered_receiver",  # a multicast group's SM, ERR or RTTM with a receiver id no member registered
 )
 """Why ``DataPath`` drops a datagram before any image or publication sees it (``refused``)."""
 
@@ -63,6 +65,8 @@ class DataPathStatistics:
     naks_sent: int  # NAKs the images sent to producers
     naks_received: int  # NAKs UDP consumers sent to the broker's publications
     retransmits_sent: int  # data the broker's publications sent again for them
+    groups: int = 0  # multicast groups live now
+    group_members: int = 0  # their members
 
 
 class SessionIds:
@@ -95,6 +99,7 @@ class DataPath:
                  seed: int | None = None) -> None:
         from flowbroker.broker.udp.egress import Egress
         from flowbroker.broker.udp.ingress import Ingress
+        from flowbroker.broker.udp.multicast import Groups
 
         self.config = config
         self.core = core
@@ -103,6 +108,7 @@ class DataPath:
         self.session_ids = SessionIds(seed)
         self.ingress: Ingress = Ingress(self)
         self.egress: Egress = Egress(self)
+        self.groups: Groups = Groups(self)
         self.datagrams_received = 0
         self.refused: Counter[str] = Counter()
 
@@ -119,6 +125,7 @@ class DataPath:
             len(self.ingress.publications), len(self.egress.subscriptions), len(images),
             sum(i.loss_gaps for i in images), sum(i.naks_sent for i in images),
             sum(p.naks_received for p in streams), sum(p.retransmits_sent for p in streams),
+            len(self.groups.by_name), sum(len(g.members) for g in self.groups.by_name.values()),
         )
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:
@@ -141,6 +148,8 @@ class DataPath:
             session_id, stream_id = _IDS.unpack_from(data, _CONTROL_IDS_OFFSET)
             if ftype == FrameType.RTTM and session_id in self.ingress.publications:
                 reason = self.ingress.on_datagram(data, source, session_id, stream_id, now_ns)
+            elif session_id in self.groups.by_session:
+                reason = self.groups.on_datagram(data, source, session_id, stream_id, now_ns)
             else:
                 reason = self.egress.on_datagram(data, source, session_id, stream_id, now_ns)
         else:
@@ -152,13 +161,15 @@ class DataPath:
         """Both sides' duty cycles: SMs, NAKs and RTTMs for the images, data and SETUPs for the publications."""
         out = self.ingress.do_work(now_ns)
         out += self.egress.do_work(now_ns)
+        out += self.groups.do_work(now_ns)
         return out
 
     def deadline_ns(self, now_ns: int) -> int:
         """When ``do_work`` must run again if nothing arrives."""
-        return min(self.ingress.deadline_ns(now_ns), self.egress.deadline_ns(now_ns))
+        return min(self.ingress.deadline_ns(now_ns), self.egress.deadline_ns(now_ns), self.groups.deadline_ns(now_ns))
 
     def close_owner(self, owner_conn_id: int, now_ns: int) -> None:
         """The TCP connection ``owner_conn_id`` ended: its publications and UDP subscriptions end with it."""
         self.ingress.close_owner(owner_conn_id, now_ns)
         self.egress.close_owner(owner_conn_id, now_ns)
+        self.groups.close_owner(owner_conn_id, now_ns)

@@ -17,7 +17,9 @@ import trio
 from flowbroker.broker.config import UdpConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.udp.datapath import DataPath, Outgoing
+from flowbroker.transport.channel import ChannelUri
 from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
+from flowbroker.transport.udp.sockets import open_multicast_publication_endpoint
 
 __all__ = ["UdpShell", "open_data_path"]
 
@@ -34,6 +36,12 @@ class UdpShell:
         self._woken = trio.Event()
         self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
         core.udp = self.datapath
+        # A multicast group's socket: bound to its control group (where members' SMs and NAKs go), sending
+        # its data to the data group; each has a receiver task like the endpoint's.
+        self._groups: dict[tuple[str, int], tuple[UdpEndpoint, trio.CancelScope]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.datapath.groups.open_socket = self._open_group
+        self.datapath.groups.close_socket = self._close_group
 
     @property
     def port(self) -> int:
@@ -44,17 +52,51 @@ class UdpShell:
         self._woken.set()
 
     def _send(self, out: Outgoing) -> None:
-        endpoint = self.endpoint
+        endpoint, groups = self.endpoint, self._groups
         for datagram, address in out:
-            endpoint.send(datagram, address)  # type: ignore[arg-type]
+            group = groups.get(address) if groups else None  # type: ignore[call-overload]
+            (group[0] if group is not None else endpoint).send(datagram, address)  # type: ignore[arg-type]
+
+    def _open_group(self, channel: ChannelUri, data: tuple[str, int]) -> None:
+        """Bind a group's socket (synchronous; OSError if it cannot) and start its receiver."""
+        if data in self._groups:
+            return  # a closing group's socket, still open: the new group shares it
+        if self._nursery is None:
+            raise OSError("the UDP data path is not running")
+        endpoint = open_multicast_publication_endpoint(channel, so_rcvbuf=SOCKET_BUFFER, so_sndbuf=SOCKET_BUFFER)
+        scope = trio.CancelScope()
+        self._groups[data] = (endpoint, scope)
+        self._nursery.start_soon(self._group_receiver, endpoint, scope)
+
+    def _close_group(self, data: tuple[str, int]) -> None:
+        group = self._groups.pop(data, None)
+        if group is not None:
+            group[1].cancel()
 
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._waker)
                 await self._receiver()
         finally:
+            self._nursery = None
             self.endpoint.close()
+            for endpoint, _ in self._groups.values():
+                endpoint.close()
+
+    async def _group_receiver(self, endpoint: UdpEndpoint, scope: trio.CancelScope) -> None:
+        datapath = self.datapath
+        try:
+            with scope:
+                while True:
+                    batch = await endpoint.receive_batch(DEFAULT_BATCH)
+                    now = now_ns()
+                    for datagram, source in batch:
+                        datapath.on_datagram(datagram, source, now)
+                    self._send(datapath.do_work(now))
+        finally:
+            endpoint.close()
 
     async def _receiver(self) -> None:
         datapath, endpoint = self.datapath, self.endpoint

@@ -36,6 +36,7 @@ from flowbroker.protocol import (
     Settle,
     Subscribe,
     SubscribeUdp,
+    JoinGroup,
     Transfer,
     TransferEntry,
     Unbind,
@@ -159,6 +160,10 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
         SubscribeUdp, request_id=u64, subscription_id=u64, queue=names, prefetch=u64, buffer_size=u64, port=ports,
         stream_id=int32,
     ),
+    FrameType.JOIN_GROUP: st.builds(
+        JoinGroup, request_id=u64, subscription_id=u64, exchange=names, group=names, endpoint=text, fc=text,
+        buffer_size=u64, receiver_id=int32, stream_id=int32,
+    ),
 }
 
 any_frame: st.SearchStrategy[Frame] = st.one_of(*FRAME_STRATEGIES.values())
@@ -191,6 +196,7 @@ SAMPLES: dict[FrameType, Frame] = {
     FrameType.REGISTER_PUBLICATION: RegisterPublication(9, "", "q", 1001, 40123),
     FrameType.CLOSE_PUBLICATION: ClosePublication(10, -12345),
     FrameType.SUBSCRIBE_UDP: SubscribeUdp(11, 2, "q", 100, 1 << 20, 40124, 1002),
+    FrameType.JOIN_GROUP: JoinGroup(12, 3, "fan", "fan.group", "239.1.2.3:40456", "min", 1 << 20, 77, 1003),
 }
 
 

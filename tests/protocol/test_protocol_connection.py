@@ -45,6 +45,7 @@ CLIENT_SENDS = {
     FrameType.REGISTER_PUBLICATION,
     FrameType.CLOSE_PUBLICATION,
     FrameType.SUBSCRIBE_UDP,
+    FrameType.JOIN_GROUP,
     FrameType.NOOP,
     FrameType.ERROR,
     FrameType.CLOSE,

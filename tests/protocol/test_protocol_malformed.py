@@ -110,6 +110,17 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
         ("port", "port"),
         ("stream_id", "int32"),
     ],
+    FrameType.JOIN_GROUP: [
+        ("request_id", "uint"),
+        ("subscription_id", "uint"),
+        ("exchange", "name"),
+        ("group", "name"),
+        ("endpoint", "str"),
+        ("fc", "str"),
+        ("buffer_size", "uint"),
+        ("receiver_id", "int32"),
+        ("stream_id", "int32"),
+    ],
 }
 
 # Required field counts (fields with a default may be left off the end of the array).
@@ -279,7 +290,7 @@ def test_wrong_field_count(ftype: FrameType) -> None:
     assert_malformed(raw_frame([int(ftype)]), after=1)
 
 
-@pytest.mark.parametrize("type_code", [0, 27, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
+@pytest.mark.parametrize("type_code", [0, 28, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
 def test_unknown_frame_type(type_code: Any) -> None:
     assert_malformed(raw_frame([type_code, 1, False]), after=3, mentions="type")
 

@@ -115,6 +115,7 @@ CLIENT_TYPES = {
     FrameType.PURGE_QUEUE, FrameType.DELETE_EXCHANGE, FrameType.TRANSFER, FrameType.BUFFER_CONTROL,
     FrameType.BUFFER_ACK, FrameType.SUBSCRIBE, FrameType.CANCEL, FrameType.SETTLE, FrameType.NOOP, FrameType.ERROR,
     FrameType.REGISTER_PUBLICATION, FrameType.CLOSE_PUBLICATION, FrameType.SUBSCRIBE_UDP,
+    FrameType.JOIN_GROUP,
 }
 
 

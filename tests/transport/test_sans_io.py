@@ -38,11 +38,12 @@ def test_importing_the_transport_package_loads_no_trio_and_no_socket() -> None:
 
 
 def test_the_brokers_udp_data_path_is_sans_io_but_its_shell() -> None:
-    """broker/udp/: datapath, ingress and egress take datagrams and now_ns; only shell.py does I/O."""
+    """broker/udp/: datapath, ingress, egress and multicast take datagrams and now_ns; only shell.py does I/O."""
     import flowbroker.broker.udp
 
     folder = Path(flowbroker.broker.udp.__file__).parent
-    sans_io = [folder / name for name in ("__init__.py", "datapath.py", "ingress.py", "egress.py")]
+    sans_io = [folder / name for name in ("__init__.py", "datapath.py", "ingress.py", "egress.py", "multicast.py")]
+    assert {p.name for p in folder.glob("*.py")} == {p.name for p in sans_io} | {"shell.py"}  # a new module is listed
     offenders = {p.name: imported(p) & IO_MODULES for p in sans_io if imported(p) & IO_MODULES}
     assert offenders == {}
     assert "trio" in imported(folder / "shell.py")

@@ -335,6 +335,28 @@ async def open_subscription_endpoint(channel: ChannelUri) -> UdpEndpoint:
     return endpoint
 
 
+def open_multicast_publication_endpoint(channel: ChannelUri, *, so_rcvbuf: int | None = None,
+                                        so_sndbuf: int | None = None) -> UdpEndpoint:
+    """A multicast publication's socket (synchronous: nothing to resolve): bound to the control group's port
+    and joined to the control group, data sent on ``interface`` with the channel's TTL."""
+    if not channel.is_multicast:
+        raise TransportError(f"{channel}: not a multicast channel")
+    assert channel.endpoint is not None
+    control = channel.control_endpoint
+    assert control is not None
+    family = _family_of(channel.endpoint.host)
+    interface = channel.interface.host if channel.interface is not None else None
+    endpoint = open_udp((control.host, control.port), so_rcvbuf=so_rcvbuf or channel.so_rcvbuf,
+                        so_sndbuf=so_sndbuf or channel.so_sndbuf or None, reuse_address=True)
+    try:
+        endpoint.join_multicast(control.host, interface if family == socket.AF_INET else None)
+        endpoint.set_multicast_send(interface, channel.ttl)
+    except BaseException:
+        endpoint.close()
+        raise
+    return endpoint
+
+
 async def open_publication_endpoint(channel: ChannelUri) -> UdpEndpoint:
     """The socket a publication sends data from and receives SMs/NAKs on.
 
@@ -342,20 +364,7 @@ async def open_publication_endpoint(channel: ChannelUri) -> UdpEndpoint:
     bound to the control group's port and joined to the control group, data sent with the channel's TTL.
     """
     if channel.is_multicast:
-        assert channel.endpoint is not None
-        control = channel.control_endpoint
-        assert control is not None
-        family = _family_of(channel.endpoint.host)
-        interface = channel.interface.host if channel.interface is not None else None
-        endpoint = open_udp((control.host, control.port), so_rcvbuf=channel.so_rcvbuf,
-                            so_sndbuf=channel.so_sndbuf or None, reuse_address=True)
-        try:
-            endpoint.join_multicast(control.host, interface if family == socket.AF_INET else None)
-            endpoint.set_multicast_send(interface, channel.ttl)
-        except BaseException:
-            endpoint.close()
-            raise
-        return endpoint
+        return open_multicast_publication_endpoint(channel)
     if channel.control is not None:
         host, port = await resolve(channel.control)
         return open_udp((host, port), so_rcvbuf=channel.so_rcvbuf, so_sndbuf=channel.so_sndbuf or None)

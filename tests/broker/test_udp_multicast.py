@@ -1,0 +1,461 @@
+"""The broker's multicast groups in memory (no trio, no sockets): a fanout exchange's group queue delivered
+once on one publication with `min` (or `tagged`) flow control, and transport `ReceiveChannel`s playing the
+members, every datagram carried by hand. A message is settled only once every live member processed it,
+so the slowest member paces the group's queue, and the queue's watermarks pace the producers."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowbroker.broker.udp.datapath import DataPath
+from flowbroker.protocol.envelope import decode_delivery
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import Cancel, Error, FlowResumed, FlowStopped, JoinGroup, Transfer, TransferEntry
+from flowbroker.transport.positions import frame_space
+from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
+from tests.broker.coreharness import Consumer, Harness
+
+ENDPOINT = ("127.0.0.1", 5682)
+DATA = ("239.1.2.3", 40457)
+CONTROL = ("239.1.2.4", 40457)
+MS = 1_000_000
+
+
+class Member:
+    """A member: its TCP connection, its JOIN_GROUP answer and its receive channel on the multicast group."""
+
+    def __init__(self, rig: Rig, name: str, receiver_id: int, window: int, endpoint: str = "239.1.2.3:40457",
+                 fc: str = "min") -> None:
+        self.rig = rig
+        self.conn: Consumer = rig.h.consumer(name)
+        self.conn.session.peer_host = "127.0.0.%d" % (len(rig.members) + 2)
+        self.address = (self.conn.session.peer_host, DATA[1])  # its status messages come from its host
+        self.receiver_id = receiver_id
+        self.answer = self.conn.ok(lambda rid: JoinGroup(rid, 1, "fan", "g", endpoint, fc, window, receiver_id, 1003))
+        self.channel = ReceiveChannel(1003, ReceiverConfig(
+            receiver_id=receiver_id, receiver_window=window, session_id=self.answer["session_id"],
+            so_rcvbuf=1 << 20, multicast=True, control_address=CONTROL, group_tag=self.answer["group_tag"]))
+        self.sub: Subscription = self.channel.add_subscription(0)
+        self.held: list[int] = []  # term bytes of messages handed up, not processed
+        self.bodies: list[bytes] = []
+        self.tags: list[int] = []
+        self.processed = 0
+        self.live = True
+
+    @property
+    def image(self) -> Any:
+        return next(iter(self.channel.images.values()), None)
+
+    def poll(self) -> None:
+        image = self.image
+
+        def take(payload: memoryview | bytes) -> None:
+            entry = decode_delivery(payload)
+            space = frame_space(len(payload), image.mtu)
+            image.hold(self.sub.subscription_id, space)
+            self.held.append(space)
+            self.bodies.append(entry.body)
+            self.tags.append(entry.delivery_tag)
+
+        while image is not None and self.sub.poll(take, 64):
+            pass
+
+    def process(self, count: int) -> None:
+        done, self.held = self.held[:count], self.held[count:]
+        for space in done:
+            self.image.release(self.sub.subscription_id, space)
+        self.processed += len(done)
+
+
+class Rig:
+    def __init__(self, *, queue_args: dict[str, Any] | None = None, **sections: dict[str, Any]) -> None:
+        self.h = Harness(**sections)
+        self.core = self.h.core
+        self.datapath = DataPath(self.h.config.udp, self.core, ENDPOINT, lambda: None, seed=3)
+        self.core.udp = self.datapath
+        self.sockets: list[tuple[str, Any]] = []
+        self.datapath.groups.open_socket = lambda channel, data: self.sockets.append(("open", data))
+        self.datapath.groups.close_socket = lambda data: self.sockets.append(("close", data))
+        admin = self.h.consumer("admin")
+        admin.declare_exchange("fan", "fanout")
+        if queue_args is not None:
+            admin.declare_queue("g", **queue_args)
+        self.members: list[Member] = []
+
+    def join(self, window: int = 8192, **kwargs: Any) -> Member:
+        member = Member(self, f"m{len(self.members)}", 100 + len(self.members), window, **kwargs)
+        self.members.append(member)
+        return member
+
+    def publish(self, bodies: list[bytes]) -> None:
+        producer = self.h.producer("p", flow_control=False)
+        producer.handle(Transfer(producer.session.next_transfer_id, [TransferEntry("fan", "", b) for b in bodies]))
+
+    def cycle(self, rounds: int = 2, step_ms: int = 1) -> None:
+        for _ in range(rounds):
+            self.h.t[0] += step_ms * MS
+            now = self.h.now
+            for datagram, address in self.datapath.do_work(now):
+                assert address == DATA, address  # one copy, to the group
+                for m in self.members:
+                    if m.live:
+                        m.channel.on_datagram(datagram, ENDPOINT, now)
+            for m in self.members:
+                if not m.live:
+                    continue
+                for datagram, address in m.channel.do_work(now):
+                    assert address == CONTROL
+                    self.datapath.on_datagram(datagram, m.address, now)
+                m.poll()
+                for datagram, _ in m.channel.do_work(now):
+                    self.datapath.on_datagram(datagram, m.address, now)
+
+    @property
+    def group(self) -> Any:
+        return self.datapath.groups.by_name["g"]
+
+    @property
+    def queue(self) -> Any:
+        return self.core.queues["g"]
+
+
+def test_join_answers_the_channel_and_binds_the_group_queue_to_the_fanout_exchange() -> None:
+    rig = Rig()
+    m = rig.join()
+    a = m.answer
+    assert a["queue"] == "g" and a["endpoint"] == "239.1.2.3:40457" and a["stream_id"] == 1003
+    assert a["channel"].startswith("aeron:udp?endpoint=239.1.2.3:40457|") and "fc=min,t:5000ms" in a["channel"]
+    assert a["group_tag"] is None and a["session_id"] in rig.datapath.session_ids.live
+    assert rig.queue in rig.core.exchanges["fan"].bindings[""]
+    assert rig.sockets == [("open", DATA)]
+    second = rig.join(endpoint="")  # later members may leave the endpoint to the group
+    assert second.answer["session_id"] == a["session_id"]
+
+
+def test_every_member_gets_every_message_once_in_order_and_settling_waits_for_all() -> None:
+    rig = Rig()
+    fast, slow = rig.join(), rig.join()
+    rig.cycle(3)
+    bodies = [b"m%04d" % i for i in range(200)]
+    rig.publish(bodies)
+    for _ in range(400):
+        rig.cycle()
+        fast.process(len(fast.held))
+        slow.process(1)  # one message per cycle
+        settled = rig.group.settled_total
+        assert settled <= min(fast.processed, slow.processed)
+        if settled == 200:
+            break
+    assert fast.bodies == bodies and slow.bodies == bodies
+    assert fast.tags == list(range(1, 201))
+    assert rig.queue.count == 0 and rig.group.settled_total == 200
+
+
+def test_the_slowest_member_paces_the_group() -> None:
+    rig = Rig()
+    window = 8192
+    fast, slow = rig.join(window), rig.join(window)
+    rig.cycle(3)
+    rig.publish([b"x" * 200 for _ in range(500)])
+    for _ in range(50):
+        rig.cycle()
+        fast.process(len(fast.held))
+    # the fast member processed everything it got, the slow one nothing: the fast one is at most one window
+    # (plus one message) ahead of the slow one's consumption position, which is where the group stands
+    slow_position = slow.image.subscriber_position(slow.sub.subscription_id) - slow.image.subscriber_hold(
+        slow.sub.subscription_id)
+    fast_position = fast.image.subscriber_position(fast.sub.subscription_id)
+    assert 0 < fast_position - slow_position <= window + 512
+    assert rig.group.settled_total == 0 and rig.queue.count == 500  # nothing left the queue
+    got = fast.processed
+    slow.process(len(slow.held))
+    for _ in range(20):
+        rig.cycle()
+        fast.process(len(fast.held))
+        slow.process(len(slow.held))
+    assert fast.processed > got and rig.group.settled_total >= got
+
+
+def test_the_group_queue_watermark_flow_stops_the_producer_until_the_slowest_member_catches_up() -> None:
+    rig = Rig(queue_args={"flow_stop_count": 20, "flow_resume_count": 5})
+    fast, slow = rig.join(), rig.join()
+    rig.cycle(3)
+    producer = rig.h.producer("fp", flow_control=True)
+    sent = 0
+    while producer.can_send() and sent < 100:
+        producer.send("fan", "", b"y" * 100)
+        sent += 1
+        producer.pump()
+        rig.cycle(1)
+        fast.process(len(fast.held))
+    stops = [e for e in producer.flow_events if isinstance(e, FlowStopped)]
+    assert stops and stops[0].destination == "g"
+    assert rig.queue.saturated and rig.queue.count >= 20
+    for _ in range(200):
+        rig.cycle()
+        fast.process(len(fast.held))
+        slow.process(len(slow.held))
+        producer.pump()
+        if any(isinstance(e, FlowResumed) for e in producer.flow_events):
+            break
+    assert any(isinstance(e, FlowResumed) and e.destination == "g" for e in producer.flow_events)
+
+
+def test_a_member_leaving_or_falling_silent_stops_pacing_the_group() -> None:
+    rig = Rig(udp={"group_receiver_timeout": 0.5})
+    fast, slow, silent = rig.join(), rig.join(), rig.join()
+    rig.cycle(3)
+    rig.publish([b"z" * 100 for _ in range(300)])
+    for _ in range(20):
+        rig.cycle()
+        fast.process(len(fast.held))
+    assert rig.group.settled_total == 0
+    slow.conn.close()  # its connection ends: the group forgets its receiver at once
+    silent.live = False  # its datagrams stop: it counts no more after group_receiver_timeout
+    rig.cycle(1, step_ms=600)
+    for _ in range(300):
+        rig.cycle()
+        fast.process(len(fast.held))
+        if rig.group.settled_total == 300:
+            break
+    assert rig.group.settled_total == 300 and rig.queue.count == 0
+    assert len(rig.group.members) == 2  # the silent one is still a member (its TCP is up), not pacing
+
+
+def test_the_last_member_leaving_closes_the_group_and_requeues_what_it_had_not_seen_processed() -> None:
+    rig = Rig()
+    m = rig.join()
+    rig.cycle(3)
+    rig.publish([b"a%d" % i for i in range(50)])
+    rig.cycle(5)
+    m.process(10)
+    rig.cycle(3, step_ms=100)  # its next status message reports them processed
+    settled = rig.group.settled_total
+    assert settled == 10
+    m.conn.handle(Cancel(99, 1))
+    assert not rig.datapath.groups.by_name
+    assert rig.queue.count == 50 - settled and len(rig.queue.store) == 50 - settled
+    assert all(msg.redelivered for msg in list(rig.queue.store)[:1])
+    for _ in range(300):
+        rig.cycle(1, step_ms=10)
+    assert ("close", DATA) in rig.sockets and not rig.datapath.groups.by_session
+
+
+def test_only_registered_members_status_messages_count() -> None:
+    rig = Rig()
+    m = rig.join()
+    rig.cycle(3)
+    stranger = ReceiveChannel(1003, ReceiverConfig(receiver_id=4242, session_id=m.answer["session_id"],
+                                                   multicast=True, control_address=CONTROL))
+    stranger.add_subscription(0)
+    for _ in range(5):
+        rig.h.t[0] += 150 * MS  # heartbeats (and a SETUP it asks for) reach the stranger too
+        now = rig.h.now
+        for datagram, _ in rig.datapath.do_work(now):
+            stranger.on_datagram(datagram, ENDPOINT, now)
+        for datagram, _ in stranger.do_work(now):
+            rig.datapath.on_datagram(datagram, ("127.0.0.9", DATA[1]), now)
+    assert rig.datapath.refused["unregistered_receiver"] >= 1
+    assert rig.group.flow_control.receiver_count == 1
+    # a member's receiver id from another host than the member's connection is refused too
+    impostor = ReceiveChannel(1003, ReceiverConfig(receiver_id=m.receiver_id, session_id=m.answer["session_id"],
+                                                   multicast=True, control_address=CONTROL))
+    impostor.add_subscription(0)
+    for _ in range(5):
+        rig.h.t[0] += 150 * MS
+        now = rig.h.now
+        for datagram, _ in rig.datapath.do_work(now):
+            impostor.on_datagram(datagram, ENDPOINT, now)
+        for datagram, _ in impostor.do_work(now):
+            rig.datapath.on_datagram(datagram, ("127.0.0.9", DATA[1]), now)
+    assert rig.datapath.refused["wrong_source"] >= 1
+
+
+def test_tagged_flow_control_is_selectable() -> None:
+    rig = Rig()
+    a, b = rig.join(fc="tagged"), rig.join(fc="tagged", endpoint="")
+    tag = a.answer["group_tag"]
+    assert isinstance(tag, int) and f"fc=tagged,g:{tag}," in a.answer["channel"]
+    rig.cycle(3)
+    assert rig.group.flow_control.tagged and rig.group.flow_control.receiver_count == 2
+    rig.publish([b"t%d" % i for i in range(40)])
+    for _ in range(100):
+        rig.cycle()
+        a.process(len(a.held))
+        b.process(len(b.held))
+    assert a.bodies == b.bodies == [b"t%d" % i for i in range(40)] and rig.group.settled_total == 40
+
+
+def test_joins_are_checked_and_bounded() -> None:
+    rig = Rig(udp={"max_groups": 1, "max_group_members": 2})
+    h = rig.h
+    h.consumer("x").declare_exchange("direct1", "direct")
+
+    def join(conn: Consumer, exchange: str = "fan", group: str = "g", endpoint: str = "239.1.2.3:40457",
+             fc: str = "min", rid: int = 7, window: int = 8192) -> Any:
+        conn.session.peer_host = "127.0.0.1"
+        return conn.request(lambda r: JoinGroup(r, 1, exchange, group, endpoint, fc, window, rid, 1003))
+
+    def refused(answer: Any, code: ErrorCode) -> None:
+        assert isinstance(answer, Error) and answer.code is code, answer
+
+    c = h.consumer("c")
+    refused(join(c, exchange="nope"), ErrorCode.NOT_FOUND)
+    refused(join(c, exchange="direct1"), ErrorCode.INVALID_ARGUMENT)
+    refused(join(c, endpoint="127.0.0.1:40457"), ErrorCode.INVALID_ARGUMENT)
+    refused(join(c, endpoint="239.1.2.4:40457"), ErrorCode.INVALID_ARGUMENT)  # even: a control address
+    refused(join(c, endpoint=""), ErrorCode.INVALID_ARGUMENT)  # nobody created it
+    refused(join(c, fc="max"), ErrorCode.INVALID_ARGUMENT)
+    refused(join(c, window=4096), ErrorCode.INVALID_ARGUMENT)  # below the mtu: no frame would fit
+    rig.join()
+    refused(join(h.consumer("d"), group="g2", endpoint="239.1.2.5:40457"), ErrorCode.RESOURCE_EXHAUSTED)
+    refused(join(h.consumer("e"), endpoint="239.1.2.7:40457"), ErrorCode.ALREADY_EXISTS)  # not the group's
+    refused(join(h.consumer("f"), rid=100), ErrorCode.ALREADY_EXISTS)  # the first member's receiver id
+    rig.join()
+    refused(join(h.consumer("g2")), ErrorCode.RESOURCE_EXHAUSTED)  # max_group_members
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6)), min_size=5, max_size=80),
+       seed=st.integers(0, 1000))
+def test_a_message_is_settled_only_after_every_live_member_processed_it(steps: list[tuple[int, int]],
+                                                                         seed: int) -> None:
+    rig = Rig()
+    members = [rig.join(8192) for _ in range(3)]
+    rig.cycle(3)
+    rig.publish([b"p%03d" % i for i in range(120)])
+    rng = random.Random(seed)
+    gone: set[int] = set()
+    for who, count in steps:
+        rig.cycle(1)
+        m = members[who]
+        if who not in gone and count == 6 and len(gone) < 2 and rng.random() < 0.3:
+            m.conn.close()  # leaves: it stops counting
+            m.live = False
+            gone.add(who)
+            continue
+        m.process(count)
+        live = [x for i, x in enumerate(members) if i not in gone]
+        assert rig.group.settled_total <= min(x.processed for x in live)
+    for _ in range(400):
+        rig.cycle()
+        for i, m in enumerate(members):
+            if i not in gone:
+                m.process(len(m.held))
+        if rig.group.settled_total == 120:
+            break
+    assert rig.group.settled_total == 120 and rig.queue.count == 0
+    for i, m in enumerate(members):
+        if i not in gone:
+            assert m.bodies == [b"p%03d" % j for j in range(120)]
+
+
+def test_a_member_gets_every_message_the_group_sends_after_it_joined() -> None:
+    rig = Rig()
+    first = rig.join()
+    rig.cycle(3)
+    early = [b"e%03d" % i for i in range(100)]
+    rig.publish(early)
+    for _ in range(5):
+        rig.cycle()
+        first.process(len(first.held))
+    late_member = rig.join()  # joins mid-stream: nothing new is offered until it reports
+    late = [b"l%03d" % i for i in range(100)]
+    rig.publish(late)
+    for _ in range(300):
+        rig.cycle()
+        first.process(len(first.held))
+        late_member.process(len(late_member.held))
+        if rig.group.settled_total == 200:
+            break
+    assert first.bodies == early + late
+    got = late_member.bodies
+    assert got == (early + late)[-len(got):] and got[-100:] == late  # a suffix, with all sent after it joined
+    assert rig.group.settled_total == 200
+
+
+def test_a_member_that_never_reports_holds_the_group_only_for_the_receiver_timeout() -> None:
+    rig = Rig(udp={"group_receiver_timeout": 0.5})
+    m = rig.join()
+    rig.cycle(3)
+    ghost = rig.join()
+    ghost.live = False  # joined over TCP, never sends a status message
+    rig.publish([b"g%d" % i for i in range(20)])
+    rig.cycle(5)
+    assert m.bodies == [] and rig.group.awaited  # the group waits for it...
+    rig.cycle(1, step_ms=600)
+    for _ in range(20):
+        rig.cycle(step_ms=50)  # status messages report the processing
+        m.process(len(m.held))
+    assert m.bodies == [b"g%d" % i for i in range(20)] and rig.group.settled_total == 20  # ...not forever
+
+
+def test_the_group_queue_shows_its_group_and_deleting_it_ends_the_group() -> None:
+    from flowbroker.broker.views import queue_view
+    from flowbroker.protocol.frames import DeleteQueue, Subscribe
+
+    rig = Rig()
+    m = rig.join()
+    rig.cycle(3)
+    (sub,) = queue_view(rig.queue, rig.h.now)["subscriptions"]
+    assert sub["connection"] is None and sub["multicast_group"]["group"] == "g"
+    assert sub["multicast_group"]["members"] == 1 and sub["multicast_group"]["receivers"] == 1
+    stats = rig.datapath.statistics()
+    assert (stats.groups, stats.group_members) == (1, 1)
+    from flowbroker.broker.cliformat import queue_text  # `flowbroker queue show g`
+
+    assert "group g (1 members, aeron:udp?endpoint=239.1.2.3:40457|" in queue_text(queue_view(rig.queue, rig.h.now))
+    # the membership's subscription id is taken on its connection
+    answer = m.conn.request(lambda r: Subscribe(r, 1, "g", 10, 0))
+    assert isinstance(answer, Error) and answer.code is ErrorCode.ALREADY_EXISTS
+    # and the group's queue takes no other consumer
+    answer = rig.h.consumer("other").request(lambda r: Subscribe(r, 5, "g", 10, 0))
+    assert isinstance(answer, Error) and answer.code is ErrorCode.ALREADY_EXISTS and "multicast group" in answer.text
+    rig.h.consumer("admin2").ok(lambda r: DeleteQueue(r, "g"))
+    errors = [f for f in m.conn.pump() + m.conn.errors if isinstance(f, Error)]
+    assert any(e.code is ErrorCode.NOT_FOUND and e.destination == "g" for e in errors)
+    assert not rig.datapath.groups.by_name
+
+
+def test_a_member_joining_a_group_whose_members_all_fell_silent_gets_what_they_had_not_confirmed() -> None:
+    rig = Rig(udp={"group_receiver_timeout": 0.5})
+    gone = rig.join()
+    rig.cycle(3)
+    bodies = [b"s%02d" % i for i in range(30)]
+    rig.publish(bodies)
+    rig.cycle(5)
+    assert gone.bodies == bodies and rig.group.settled_total == 0  # received, never processed
+    gone.live = False  # falls silent (its TCP stays up)
+    rig.cycle(1, step_ms=600)
+    assert rig.group.flow_control.receiver_count == 0 and len(rig.group.in_flight) == 30
+    fresh = rig.join()
+    assert not rig.group.in_flight and len(rig.queue.store) == 30  # back in the queue, in order
+    for _ in range(30):
+        rig.cycle(step_ms=50)
+        fresh.process(len(fresh.held))
+    assert fresh.bodies == bodies and rig.group.settled_total == 30 and rig.queue.count == 0
+
+
+def test_the_group_settings_are_checked() -> None:
+    import pytest
+
+    from flowbroker.broker.config import ConfigError, load_config
+
+    for key, bad in (("max_groups", -1), ("max_groups", 1025), ("max_group_members", 0),
+                     ("max_group_members", 1025), ("group_receiver_timeout", 0), ("multicast_interface", "eth0"),
+                     ("multicast_interface", "::1")):
+        with pytest.raises(ConfigError, match=rf"^\[udp\] {key} = "):
+            load_config(None, {"udp": {key: bad}})
+    udp = load_config(None, {"udp": {"multicast_interface": "10.1.2.3", "group_receiver_timeout": 0.25}}).udp
+    assert (udp.multicast_interface, udp.group_receiver_timeout) == ("10.1.2.3", 0.25)
+
+
+def test_the_multicast_interface_goes_into_the_groups_channel() -> None:
+    rig = Rig(udp={"multicast_interface": "127.0.0.1", "group_receiver_timeout": 2.5})
+    m = rig.join()
+    assert "|interface=127.0.0.1|" in m.answer["channel"] and "fc=min,t:2500ms" in m.answer["channel"]
+    assert rig.group.channel.interface is not None and rig.group.channel.interface.host == "127.0.0.1"
