@@ -202,3 +202,28 @@ async def test_a_scrape_of_many_queues_does_not_hold_the_event_loop(start_flowbr
     assert status == 200
     assert worst < in_one_go / 3, (worst, in_one_go)
     assert len([line for line in text.splitlines() if line.startswith("flowbroker_queue_messages{")]) == 5000
+
+
+async def test_a_consumer_that_stops_processing_is_counted_stuck_once_stuck_timeout_passes(start_flowbroker: Any) -> None:
+    """The connection's timer looks at its consumer buffer every tick (Session.consumer_stalled): a consumer
+    whose buffer is full and never acknowledged shows in flowbroker_queue_stuck_consumers after stuck_timeout,
+    and no longer once it processes its messages."""
+    broker = await start_flowbroker(admin={"token": TOKEN}, server={"stuck_timeout": 1.0, "idle_timeout": 3.0})
+    async with await fc.connect(broker.url, client_name="slow", timeout=LIMIT) as conn:
+        await conn.declare_queue("jobs")
+        await conn.set_buffer_size(4096)  # room for a few 1 KiB messages
+        producer = conn.producer(routing_key="jobs")
+        async with conn.consumer("jobs", prefetch=100) as consumer:
+            for _ in range(10):
+                await producer.send(b"x" * 1024, timeout=LIMIT)
+            m = await scrape(broker)
+            assert one(m, "flowbroker_queue_stuck_consumers", queue="jobs") == 0  # full, but not for long
+            with trio.fail_after(LIMIT):
+                while one(await scrape(broker), "flowbroker_queue_stuck_consumers", queue="jobs") != 1:
+                    await trio.sleep(0.2)
+            for _ in range(10):  # the application catches up: acknowledgements move, it is not stuck any more
+                msg = await consumer.receive()
+                await msg.ack()
+            with trio.fail_after(LIMIT):
+                while one(await scrape(broker), "flowbroker_queue_stuck_consumers", queue="jobs") != 0:
+                    await trio.sleep(0.2)
