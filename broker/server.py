@@ -192,6 +192,9 @@ class BrokerServer:
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
         if self.udp is not None:
             LOGGER.info("flowbroker UDP data path on %s", self.udp.datapath.endpoint_text)
+        if self.metrics_port is not None and self.metrics is None:  # (on its own port, MetricsServer says so)
+            LOGGER.info("metrics on http://%s:%d/metrics (%s)", self.config.admin.host, self.metrics_port,
+                        "admin token required" if metrics.require_token else "no token required")
         async with trio.open_nursery() as nursery:
             self._handlers = nursery  # connections run here, beside the accept loops
             for listener in listeners:

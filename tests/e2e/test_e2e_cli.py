@@ -79,6 +79,7 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
     assert broker.returncode == 0, err
     assert f"admin API on http://127.0.0.1:{ports['admin_port']}, token in" in err
     assert f"flowbroker UDP data path on 127.0.0.1:{ports['udp_port']}" in err
+    assert f"metrics on http://127.0.0.1:{ports['admin_port']}/metrics (no token required)" in err
     assert not port_file.exists()
     quiet = subprocess.run([FLOWBROKER, "-q", "serve", "--config", str(config), "--port", "0", "--admin-port", "0",
                             "--port-file", str(tmp_path / "no" / "such" / "dir")], capture_output=True, text=True,
