@@ -227,3 +227,17 @@ async def test_a_consumer_that_stops_processing_is_counted_stuck_once_stuck_time
             with trio.fail_after(LIMIT):
                 while one(await scrape(broker), "flowbroker_queue_stuck_consumers", queue="jobs") != 0:
                     await trio.sleep(0.2)
+
+
+async def test_max_producer_series_from_the_configuration_bounds_a_scrape(start_flowbroker: Any) -> None:
+    broker = await start_flowbroker(admin={"token": TOKEN}, metrics={"max_producer_series": 1})
+    async with await fc.connect(broker.url, client_name="first", timeout=LIMIT) as first, \
+            await fc.connect(broker.url, client_name="second", timeout=LIMIT) as second:
+        await first.declare_queue("q")
+        for conn in (first, second):
+            async with conn.producer(routing_key="q") as producer:
+                await producer.send(b"x", timeout=LIMIT)
+        m = await scrape(broker)
+        assert [labels["client_name"] for labels, _ in m["flowbroker_producer_granted_bytes"]] == ["first"]
+        assert one(m, "flowbroker_producer_series_dropped") == 1
+        assert one(m, "flowbroker_connections", role="producer") == 2
