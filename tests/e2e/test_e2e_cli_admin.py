@@ -67,7 +67,8 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     # the startup lines once each: where it listens, where the admin API and its token are
     assert err.count(f"flowbroker listening on 127.0.0.1:{port}") == 1
     assert err.count(f"admin API on http://127.0.0.1:{admin_port}, token in {token_file} (generated at start, mode 0600)") == 1
-    assert "Running on" not in err and err.count(f":{admin_port}") == 1
+    assert err.count(f"metrics on http://127.0.0.1:{admin_port}/metrics (no token required)") == 1
+    assert "Running on" not in err and err.count(f":{admin_port}") == 2  # those two lines only
 
 
 def _publish(daemon: Daemon, *messages: str, background: bool = False) -> subprocess.Popen[str]:

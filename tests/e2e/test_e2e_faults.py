@@ -413,6 +413,9 @@ async def test_producer_beyond_its_credit_is_disconnected_others_carry_on(start_
             await wait_until(lambda: conn_id not in broker.core.sessions)
             q = broker.core.queues["victim"]
             assert q.count == 2 + 4  # the four in credit were taken (and held); the rest refused
+            # what /metrics reports of it (broker/metrics.py): one violation, its closing ERROR counted
+            assert broker.core.credit_violations == 1
+            assert broker.core.errors_sent[ErrorCode.CREDIT_VIOLATION] == 1
             await raw.aclose()
             await b.progress()
         assert not filler.is_closed
@@ -503,5 +506,6 @@ async def test_connection_over_max_connections_is_refused_with_a_reason(start_fl
         with pytest.raises(fc.HandshakeError, match=r"too many connections \(max_connections 1\)") as refused:
             await fc.connect(broker.url, timeout=LIMIT)
         assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert broker.core.errors_sent[ErrorCode.RESOURCE_EXHAUSTED] == 1  # (flowbroker_frames_refused_total)
         await first.declare_queue("still-served")
     assert "still-served" in broker.core.queues
