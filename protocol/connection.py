@@ -79,12 +79,13 @@ _BROKER_OPEN = _SESSION | {
 _ALLOWED: dict[Role, dict[State, frozenset[FrameType]]] = {
     Role.CLIENT: {
         State.AWAIT_HELLO: frozenset({FrameType.HELLO}),
-        State.AWAIT_WELCOME: frozenset({FrameType.CLOSE}),
+        # AUTH_RESPONSE answers the broker's AUTH_CHALLENGE (the shell checks it follows one).
+        State.AWAIT_WELCOME: frozenset({FrameType.CLOSE, FrameType.AUTH_RESPONSE}),
         State.OPEN: frozenset(_CLIENT_OPEN),
     },
     Role.BROKER: {
-        # The broker may refuse a HELLO with ERROR + CLOSE.
-        State.AWAIT_WELCOME: frozenset({FrameType.WELCOME, FrameType.ERROR, FrameType.CLOSE}),
+        # The broker may refuse a HELLO with ERROR + CLOSE, or continue its authentication.
+        State.AWAIT_WELCOME: frozenset({FrameType.WELCOME, FrameType.ERROR, FrameType.CLOSE, FrameType.AUTH_CHALLENGE}),
         State.OPEN: frozenset(_BROKER_OPEN),
     },
 }

@@ -55,6 +55,8 @@ __all__ = [
     "ClosePublication",
     "SubscribeUdp",
     "JoinGroup",
+    "AuthChallenge",
+    "AuthResponse",
     "Frame",
     "PROTOCOL_VERSION",
     "decode_body",
@@ -100,6 +102,8 @@ class FrameType(enum.IntEnum):
     CLOSE_PUBLICATION = 25
     SUBSCRIBE_UDP = 26
     JOIN_GROUP = 27
+    AUTH_CHALLENGE = 28
+    AUTH_RESPONSE = 29
 
 
 class Outcome(enum.IntEnum):
@@ -157,6 +161,7 @@ class Welcome:
     idle_timeout_ms: int
     buffer_size: int
     identity: str
+    auth_data: bytes | None = None  # SCRAM's server-final message (the broker's proof), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,6 +433,24 @@ class JoinGroup:
     stream_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class AuthChallenge:
+    """Broker -> client, between HELLO and WELCOME: the next message of the SASL exchange HELLO's `auth`
+    began (SCRAM's server-first). The client answers AUTH_RESPONSE."""
+
+    TYPE: ClassVar[FrameType] = FrameType.AUTH_CHALLENGE
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthResponse:
+    """Client -> broker, the answer to AUTH_CHALLENGE (SCRAM's client-final). The broker answers WELCOME
+    (carrying its own proof in `auth_data`) or ERROR UNAUTHORIZED + CLOSE."""
+
+    TYPE: ClassVar[FrameType] = FrameType.AUTH_RESPONSE
+    data: bytes
+
+
 Frame = Union[
     Hello,
     Welcome,
@@ -456,6 +479,8 @@ Frame = Union[
     ClosePublication,
     SubscribeUdp,
     JoinGroup,
+    AuthChallenge,
+    AuthResponse,
 ]
 
 _U64 = 2**64 - 1
@@ -463,8 +488,14 @@ _I64_MIN = -(2**63)
 
 
 def frame_to_wire(frame: Frame) -> list[Any]:
-    """The msgpack array for `frame`. Slots dataclasses have no __dict__, so read fields in order."""
-    return [frame.TYPE, *(getattr(frame, name) for name in _FIELD_NAMES[frame.TYPE])]
+    """The msgpack array for `frame`. Slots dataclasses have no __dict__, so read fields in order.
+
+    A WELCOME without `auth_data` is sent with its eight fields of old, so that SDKs from before
+    authentication, which refuse a ninth field, still connect to a broker that lets them in."""
+    wire = [frame.TYPE, *(getattr(frame, name) for name in _FIELD_NAMES[frame.TYPE])]
+    if frame.TYPE is FrameType.WELCOME and wire[-1] is None:
+        wire.pop()
+    return wire
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,6 +562,16 @@ def _str(v: Any) -> str:
 def _name(v: Any) -> str:
     if type(v) is not str or len(v) > 255:
         raise _Bad("expected a name of at most 255 characters")
+    return v
+
+
+MAX_AUTH_DATA = 1024
+"""Bytes of one SASL message: SCRAM's are about 100-200; a bound keeps a pre-authentication peer cheap."""
+
+
+def _auth_data(v: Any) -> bytes:
+    if type(v) is not bytes or len(v) > MAX_AUTH_DATA:
+        raise _Bad(f"expected binary of at most {MAX_AUTH_DATA} bytes")
     return v
 
 
@@ -737,7 +778,7 @@ def _register(cls: type[Any], *checkers: Checker) -> None:
 
 
 _register(Hello, _uint, _str, _bool, _str_list, _opt(_map))
-_register(Welcome, _uint, _uint, _str, _uint, _uint, _uint, _uint, _str)
+_register(Welcome, _uint, _uint, _str, _uint, _uint, _uint, _uint, _str, _opt(_auth_data))
 _register(DeclareQueue, _uint, _name, _bool, _opt(_map))
 _register(DeclareExchange, _uint, _name, _name)
 # Binding keys are bounded in bytes by the broker (KEY_TOO_LONG, MAX_KEY_BYTES), not here.
@@ -764,6 +805,8 @@ _register(RegisterPublication, _uint, _name, _str, _STREAM_ID, _PORT)
 _register(ClosePublication, _uint, _STREAM_ID)
 _register(SubscribeUdp, _uint, _uint, _name, _uint, _uint, _PORT, _STREAM_ID)
 _register(JoinGroup, _uint, _uint, _name, _name, _str, _str, _uint, _STREAM_ID, _STREAM_ID)
+_register(AuthChallenge, _auth_data)
+_register(AuthResponse, _auth_data)
 
 
 def decode_body(obj: Any, frame_seq: int) -> Frame:

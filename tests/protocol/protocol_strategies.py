@@ -37,6 +37,8 @@ from flowbroker.protocol import (
     Subscribe,
     SubscribeUdp,
     JoinGroup,
+    AuthChallenge,
+    AuthResponse,
     Transfer,
     TransferEntry,
     Unbind,
@@ -106,6 +108,7 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
         idle_timeout_ms=u64,
         buffer_size=u64,
         identity=text,
+        auth_data=st.one_of(st.none(), st.binary(max_size=200)),
     ),
     FrameType.DECLARE_QUEUE: st.builds(
         DeclareQueue,
@@ -164,6 +167,8 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
         JoinGroup, request_id=u64, subscription_id=u64, exchange=names, group=names, endpoint=text, fc=text,
         buffer_size=u64, receiver_id=int32, stream_id=int32,
     ),
+    FrameType.AUTH_CHALLENGE: st.builds(AuthChallenge, data=st.binary(max_size=1024)),
+    FrameType.AUTH_RESPONSE: st.builds(AuthResponse, data=st.binary(max_size=1024)),
 }
 
 any_frame: st.SearchStrategy[Frame] = st.one_of(*FRAME_STRATEGIES.values())
@@ -197,6 +202,8 @@ SAMPLES: dict[FrameType, Frame] = {
     FrameType.CLOSE_PUBLICATION: ClosePublication(10, -12345),
     FrameType.SUBSCRIBE_UDP: SubscribeUdp(11, 2, "q", 100, 1 << 20, 40124, 1002),
     FrameType.JOIN_GROUP: JoinGroup(12, 3, "fan", "fan.group", "239.1.2.3:40456", "min", 1 << 20, 77, 1003),
+    FrameType.AUTH_CHALLENGE: AuthChallenge(b"r=abc,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096"),
+    FrameType.AUTH_RESPONSE: AuthResponse(b"c=biws,r=abc,p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ="),
 }
 
 

@@ -24,6 +24,7 @@ from flowbroker.protocol import (
     Role,
     State,
     Welcome,
+    frame_to_wire,
     encode_frame,
 )
 
@@ -112,7 +113,7 @@ def test_client_waits_for_welcome_before_anything_else() -> None:
     pair = ConnectionPair()
     pair.exchange(Role.CLIENT, Hello(PROTOCOL_VERSION, "c", True, []))
     for ftype in ALL_TYPES:
-        if ftype is not FrameType.CLOSE:
+        if ftype not in (FrameType.CLOSE, FrameType.AUTH_RESPONSE):
             with pytest.raises(LocalProtocolError):
                 pair.client.send(SAMPLES[ftype])
     # A client that pipelines anyway is refused by the broker.
@@ -129,6 +130,30 @@ def test_hello_twice_and_welcome_twice_are_refused() -> None:
         pair.broker.send(SAMPLES[FrameType.WELCOME])
     pair.inject(Role.BROKER, encode_frame(SAMPLES[FrameType.WELCOME]))
     expect_remote(pair, Role.BROKER, ErrorCode.UNEXPECTED_FRAME, 2)
+
+
+def test_authentication_exchanges_challenges_and_responses_before_welcome() -> None:
+    """AUTH_CHALLENGE and AUTH_RESPONSE only between HELLO and WELCOME, each from its own side."""
+    pair = ConnectionPair()
+    with pytest.raises(LocalProtocolError):
+        pair.client.send(SAMPLES[FrameType.AUTH_RESPONSE])  # before HELLO
+    pair.exchange(Role.CLIENT, Hello(PROTOCOL_VERSION, "c", True, [], {"mechanism": "SCRAM-SHA-256"}))
+    with pytest.raises(LocalProtocolError):
+        pair.client.send(SAMPLES[FrameType.AUTH_CHALLENGE])  # the wrong direction
+    with pytest.raises(LocalProtocolError):
+        pair.broker.send(SAMPLES[FrameType.AUTH_RESPONSE])
+    assert pair.exchange(Role.BROKER, SAMPLES[FrameType.AUTH_CHALLENGE]) == [SAMPLES[FrameType.AUTH_CHALLENGE]]
+    assert pair.exchange(Role.CLIENT, SAMPLES[FrameType.AUTH_RESPONSE]) == [SAMPLES[FrameType.AUTH_RESPONSE]]
+    welcome = Welcome(PROTOCOL_VERSION, 1, "b", 1 << 20, 1 << 19, 30_000, 0, "alice", b"v=xyz")
+    assert pair.exchange(Role.BROKER, welcome) == [welcome]
+    for role, ftype in ((Role.CLIENT, FrameType.AUTH_RESPONSE), (Role.BROKER, FrameType.AUTH_CHALLENGE)):
+        with pytest.raises(LocalProtocolError):  # once OPEN, neither
+            (pair.client if role is Role.CLIENT else pair.broker).send(SAMPLES[ftype])
+
+
+def test_a_welcome_without_auth_data_has_the_eight_fields_older_clients_decode() -> None:
+    wire = frame_to_wire(SAMPLES[FrameType.WELCOME])
+    assert len(wire) == 9 and wire[-1] == "anonymous"
 
 
 def test_client_may_give_up_before_welcome() -> None:

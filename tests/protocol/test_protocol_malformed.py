@@ -51,6 +51,7 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
         ("idle_timeout_ms", "uint"),
         ("buffer_size", "uint"),
         ("identity", "str"),
+        ("auth_data", "optauth"),
     ],
     FrameType.DECLARE_QUEUE: [("request_id", "uint"), ("queue", "name"), ("durable", "bool"), ("arguments", "optmap")],
     FrameType.DECLARE_EXCHANGE: [("request_id", "uint"), ("exchange", "name"), ("kind", "name")],
@@ -121,10 +122,12 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
         ("receiver_id", "int32"),
         ("stream_id", "int32"),
     ],
+    FrameType.AUTH_CHALLENGE: [("data", "auth")],
+    FrameType.AUTH_RESPONSE: [("data", "auth")],
 }
 
 # Required field counts (fields with a default may be left off the end of the array).
-REQUIRED = {FrameType.HELLO: 4, FrameType.DECLARE_QUEUE: 2, FrameType.ERROR: 2}
+REQUIRED = {FrameType.HELLO: 4, FrameType.WELCOME: 8, FrameType.DECLARE_QUEUE: 2, FrameType.ERROR: 2}
 
 _NOT_INT = [1.0, True, "1", b"1", None, [1], {"a": 1}]
 BAD: dict[str, list[Any]] = {
@@ -143,6 +146,8 @@ BAD: dict[str, list[Any]] = {
     "int32": [2**31, -(2**31) - 1, *_NOT_INT],
     "optint32": [2**31, "x", True, 1.5],
     "port": [0, 65536, -1, *_NOT_INT],
+    "auth": [None, "text", 1, b"x" * 1025, [b"x"]],
+    "optauth": ["text", 1, b"x" * 1025, [b"x"]],
     "ranges": [
         None,
         "x",
@@ -209,6 +214,8 @@ GOOD: dict[str, list[Any]] = {
     "int32": [0, -(2**31), 2**31 - 1],
     "optint32": [None, -(2**31), 2**31 - 1],
     "port": [1, 65535],
+    "auth": [b"", b"x" * 1024],
+    "optauth": [b"", b"x" * 1024],  # None: the WELCOME samples
     "ranges": [[], [[1, 1]], [[1, 5], [7, 2**64 - 1]]],
     "transfer_entries": [
         [["e", "k", b"", None, "p", 2**64 - 1]],
@@ -222,7 +229,14 @@ GOOD: dict[str, list[Any]] = {
 def test_schema_table_matches_every_frame_type() -> None:
     assert set(FIELDS) == set(FrameType)
     for ftype, frame in SAMPLES.items():
-        assert len(frame_to_wire(frame)) - 1 == len(FIELDS[ftype])
+        # (a WELCOME without auth_data leaves that last, optional field off the wire)
+        assert len(frame_to_wire(frame)) - 1 == len(FIELDS[ftype]) - (ftype is FrameType.WELCOME)
+
+
+def full_wire(frame: Frame) -> list[Any]:
+    """Every field of `frame` on the wire, the optional ones its encoding leaves off included."""
+    wire = frame_to_wire(frame)
+    return wire + [None] * (len(FIELDS[frame.TYPE]) + 1 - len(wire))
 
 
 def decode_one(data: bytes, after: int = 0) -> Frame | None:
@@ -257,7 +271,7 @@ FIELD_CASES = [
 
 @pytest.mark.parametrize("ftype, index, bad", FIELD_CASES)
 def test_each_field_of_the_wrong_type_or_range(ftype: FrameType, index: int, bad: Any) -> None:
-    wire = frame_to_wire(SAMPLES[ftype])
+    wire = full_wire(SAMPLES[ftype])
     wire[index + 1] = bad
     name = FIELDS[ftype][index][0]
     assert_malformed(raw_frame(wire), after=2, mentions=f"field {name}")
@@ -273,7 +287,7 @@ GOOD_CASES = [
 
 @pytest.mark.parametrize("ftype, index, good", GOOD_CASES)
 def test_each_field_accepts_its_whole_range(ftype: FrameType, index: int, good: Any) -> None:
-    wire = frame_to_wire(SAMPLES[ftype])
+    wire = full_wire(SAMPLES[ftype])
     wire[index + 1] = good
     frame = decode_one(raw_frame(wire))
     assert frame is not None and frame.TYPE is ftype
@@ -283,14 +297,14 @@ def test_each_field_accepts_its_whole_range(ftype: FrameType, index: int, good: 
 
 @pytest.mark.parametrize("ftype", list(FrameType), ids=lambda t: t.name)
 def test_wrong_field_count(ftype: FrameType) -> None:
-    wire = frame_to_wire(SAMPLES[ftype])
+    wire = full_wire(SAMPLES[ftype])
     required = REQUIRED.get(ftype, len(FIELDS[ftype]))
     assert_malformed(raw_frame(wire[: 1 + required - 1]), after=1, mentions="fields")
     assert_malformed(raw_frame([*wire, None]), after=1, mentions="fields")
     assert_malformed(raw_frame([int(ftype)]), after=1)
 
 
-@pytest.mark.parametrize("type_code", [0, 28, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
+@pytest.mark.parametrize("type_code", [0, 30, 99, -1, 2**64 - 1, True, 1.0, "1", None, b"\x01", [1]])
 def test_unknown_frame_type(type_code: Any) -> None:
     assert_malformed(raw_frame([type_code, 1, False]), after=3, mentions="type")
 
