@@ -602,3 +602,8 @@ def policy_set(name: str | None, **options: Any) -> None:
     client, as_json = _client(options)
     answer = client.request("PUT", "/api/policy", settings)
     print_json(answer) if as_json else click.echo(policy_text(answer))
+
+
+from flowbroker.broker.cliusers import user  # noqa: E402  (its own module: the users file, not the admin API)
+
+main.add_command(user)

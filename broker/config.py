@@ -26,6 +26,7 @@ __all__ = [
     "AdminConfig",
     "UdpConfig",
     "MetricsConfig",
+    "AuthConfig",
     "BrokerConfig",
     "load_config",
     "default_quota",
@@ -316,6 +317,38 @@ class MetricsConfig:
         return parse_endpoint(self.endpoint, "127.0.0.1:9419")
 
 
+PLAIN_MODES = ("never", "tls-or-loopback", "always")
+DEFAULT_USERS_FILE = "~/.flowbroker/users.json"
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Who may connect (docs/security.md). Users and their SCRAM-SHA-256 credentials live in
+    `users_file`, written by `flowbroker user add/passwd/delete`, re-read when it changes. A connection
+    from a loopback address that sends no credentials is `loopback_user` (RabbitMQ's `guest`, which
+    cannot log in from elsewhere): the zero-set-up experience on one host; "" turns it off."""
+
+    loopback_user: str = "guest"
+    users_file: str = DEFAULT_USERS_FILE
+    plain: str = "tls-or-loopback"
+    failed_login_delay: float = 1.0
+
+    def validate(self) -> None:
+        if not isinstance(self.loopback_user, str) or not self.loopback_user.isprintable() or len(self.loopback_user) > 255:
+            raise ConfigError("auth", "loopback_user", self.loopback_user,
+                              "must be a user name (printable, at most 255 characters), or \"\" for none")
+        if not isinstance(self.users_file, str) or not self.users_file.strip():
+            raise ConfigError("auth", "users_file", self.users_file, "must be a non-empty path")
+        if self.plain not in PLAIN_MODES:
+            raise ConfigError("auth", "plain", self.plain, f"must be one of {', '.join(PLAIN_MODES)}")
+        if isinstance(self.failed_login_delay, bool) or not isinstance(self.failed_login_delay, (int, float)) \
+                or not 0 <= self.failed_login_delay <= 60:
+            raise ConfigError("auth", "failed_login_delay", self.failed_login_delay, "must be a number in [0, 60]")
+
+    def users_path(self) -> Path:
+        return Path(self.users_file).expanduser()
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -324,6 +357,7 @@ class BrokerConfig:
     admin: AdminConfig = field(default_factory=AdminConfig)
     udp: UdpConfig = field(default_factory=UdpConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -340,6 +374,7 @@ class BrokerConfig:
         self.admin.validate()
         self.udp.validate()
         self.metrics.validate()
+        self.auth.validate()
         return self
 
 
@@ -391,17 +426,19 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit", "admin", "udp", "metrics"):
-            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, metrics, queues, server, udp")
+        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth"):
+            raise ConfigError(section, "*", None,
+                              "unknown section; known: admin, auth, credit, metrics, queues, server, udp")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
     admin = _section(AdminConfig, "admin", data.get("admin", {}))
     udp = _section(UdpConfig, "udp", data.get("udp", {}))
     metrics = _section(MetricsConfig, "metrics", data.get("metrics", {}))
+    auth = _section(AuthConfig, "auth", data.get("auth", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics).validate()
+    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics, auth).validate()

@@ -48,11 +48,13 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import AdminServer, publish_token, resolve_token
+from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Peer, Refused
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
@@ -68,6 +70,8 @@ from flowbroker.protocol.connection import Connection, Role, State
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from flowbroker.protocol.frames import (
     PROTOCOL_VERSION,
+    AuthChallenge,
+    AuthResponse,
     Close,
     Deliver,
     Error,
@@ -90,6 +94,9 @@ CONNECTION_SUMMARY_SECONDS = 60.0  # connections open and close at DEBUG; INFO g
 HTTP_METHODS = (b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE", b"PATC", b"OPTI", b"CONN", b"TRAC")
 """First bytes of an HTTP request. As a length prefix each is over 1 GiB, more than any max_frame_size,
 so a peer that sends one is never a broker client: it is told in HTTP where the admin API is."""
+
+
+_F = TypeVar("_F", Hello, AuthResponse)
 
 
 @dataclass
@@ -134,6 +141,7 @@ class BrokerServer:
         self.frame_budget = PartialFrameBudget(config.server.max_partial_frame_bytes, RECEIVE_SIZE)
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
+        self.authenticator = Authenticator(config.auth)  # who may connect (broker/auth.py)
         self.opened = 0  # connections that completed the handshake since the last summary...
         self.closed = 0  # ...and that closed since then
 
@@ -190,6 +198,7 @@ class BrokerServer:
             raise
         self.port = listeners[0].socket.getsockname()[1]
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
+        self._log_auth()
         if self.udp is not None:
             LOGGER.info("flowbroker UDP data path on %s", self.udp.datapath.endpoint_text)
         if self.metrics_port is not None and self.metrics is None:  # (on its own port, MetricsServer says so)
@@ -222,6 +231,18 @@ class BrokerServer:
 
     def shutdown(self) -> None:
         self.shutdown_requested.set()
+
+    def _log_auth(self) -> None:
+        """Say at start who may connect, so nobody runs an open broker without knowing it."""
+        auth = self.config.auth
+        store = self.authenticator.store
+        LOGGER.info("authentication: %d user(s) in %s; PLAIN %s", len(store.users), store.path, auth.plain)
+        if auth.loopback_user:
+            LOGGER.info("connections from loopback addresses without credentials are user %r (may do "
+                        "anything); from other addresses they are refused ([auth] loopback_user)",
+                        auth.loopback_user)
+        if store.error:
+            LOGGER.error("users file: %s (no user can log in until it is fixed)", store.error)
 
     async def _summarise_connections(self) -> None:
         """One INFO line per CONNECTION_SUMMARY_SECONDS when connections came or went, instead of a line
@@ -357,6 +378,8 @@ class ConnectionHandler:
         self._eof = False  # the peer ended its byte stream
         self._noop_nonce = 0
         self.peer = peer_name(stream)
+        self.peer_info = Peer(peer_host(stream), tls=isinstance(stream, trio.SSLStream))
+        self._deadline = 0.0  # of the handshake (HELLO, authentication), from handshake_timeout
 
     def close(self, reason: _Closing) -> None:
         """End this connection with `reason` (from any task); the first reason wins."""
@@ -375,9 +398,12 @@ class ConnectionHandler:
 
     async def run(self) -> None:
         try:
-            hello = await self._handshake()
+            self._deadline = trio.current_time() + self.server.config.server.handshake_timeout
+            hello = await self._handshake(Hello)
             if hello is not None:
-                await self._serve(hello)
+                accepted = await self._authenticate(hello)
+                if accepted is not None:
+                    await self._serve(hello, accepted)
         except Exception as exc:
             self._internal_error(exc, "the handshake")
             reason = self._closing
@@ -389,12 +415,35 @@ class ConnectionHandler:
         finally:
             self.frame_bytes.release()
 
-    async def _serve(self, hello: Hello) -> None:
+    async def _authenticate(self, hello: Hello) -> Accepted | None:
+        """Who the client is (broker/auth.py), with the AUTH_CHALLENGE round SCRAM needs; None when it is
+        refused (after `failed_login_delay`, so guessing passwords is slow) or gave up."""
+        auth = self.server.authenticator
+        outcome = auth.begin(hello.auth, self.peer_info)
+        if isinstance(outcome, Challenge):
+            await self.io.stream.send_all(self.conn.send(AuthChallenge(outcome.data)))
+            response = await self._handshake(AuthResponse)
+            if response is None:
+                return None
+            outcome = outcome.finish(response.data)
+        if isinstance(outcome, Refused):
+            LOGGER.warning("connection from %s: login refused%s: %s", self.peer,
+                           f" for user {logsafe(outcome.username)}" if outcome.username is not None else "",
+                           logsafe(outcome.reason))
+            self.core.errors_sent[ErrorCode.UNAUTHORIZED] += 1
+            await trio.sleep(self.server.config.auth.failed_login_delay)
+            text = outcome.text
+            await _send_and_close(self.io, self.conn, [Error(ErrorCode.UNAUTHORIZED, text, 1),
+                                                       Close(ErrorCode.UNAUTHORIZED, text)])
+            return None
+        return outcome
+
+    async def _serve(self, hello: Hello, accepted: Accepted) -> None:
         core = self.core
         session = core.open_session(
-            hello.client_name, "anonymous", hello.flow_control, self._wake, hello.capabilities
+            hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities
         )
-        session.peer_host = peer_host(self.stream)
+        session.peer_host = self.peer_info.host
         self.session = session
         self.server.connections[session.conn_id] = self
         try:
@@ -408,11 +457,12 @@ class ConnectionHandler:
                 int(cfg.idle_timeout * 1000),
                 session.buffer_size,
                 session.identity,
+                accepted.server_final,
             )
             self.server.opened += 1
-            LOGGER.debug("connection %d from %s (%s), flow control %s, buffer %d bytes", session.conn_id,
-                        self.peer, logsafe(hello.client_name), "on" if hello.flow_control else "off",
-                        session.buffer_size)
+            LOGGER.debug("connection %d from %s (%s) as %s (%s), flow control %s, buffer %d bytes",
+                         session.conn_id, self.peer, logsafe(hello.client_name), logsafe(session.identity),
+                         accepted.mechanism, "on" if hello.flow_control else "off", session.buffer_size)
             with self._cancel:
                 await self._write(self.conn.send(welcome))
                 async with trio.open_nursery() as nursery:
@@ -439,17 +489,19 @@ class ConnectionHandler:
         except Exception as exc:
             self._internal_error(exc, what)
 
-    async def _handshake(self) -> Hello | None:
+    async def _handshake(self, expect: type[_F]) -> _F | None:
+        """The next frame, of type `expect` (HELLO, then AUTH_RESPONSE if authentication asks for one),
+        by the handshake's deadline; None if the connection ended (closed here, with a reason if due)."""
         cfg = self.server.config.server
         conn = self.conn
         head = b""  # the first bytes, to recognise an HTTP client
         try:
-            with trio.fail_after(cfg.handshake_timeout):
+            with trio.fail_at(self._deadline):
                 while True:
                     frames_before = conn.frames_received
                     frame = conn.next_frame()
                     if frame is not None:
-                        if isinstance(frame, Hello):
+                        if isinstance(frame, expect):
                             # What follows HELLO in the buffer began in the last read; the reader
                             # hands it to the core before it reads again.
                             self.frame_started = None
@@ -465,13 +517,14 @@ class ConnectionHandler:
                         head += data[: 4 - len(head)]
                     conn.receive_data(data)
         except trio.TooSlowError:
-            LOGGER.info("connection from %s sent no HELLO within %.1fs", self.peer, cfg.handshake_timeout)
+            LOGGER.info("connection from %s sent no %s within %.1fs", self.peer,
+                        "HELLO" if expect is Hello else "AUTH_RESPONSE", cfg.handshake_timeout)
             await trio.aclose_forcefully(self.stream)
         except _FrameTimeout:
             LOGGER.info("connection from %s: %s", self.peer, self._frame_timeout_text())
             await trio.aclose_forcefully(self.stream)
         except RemoteProtocolError as exc:
-            if head in HTTP_METHODS:
+            if head in HTTP_METHODS and expect is Hello:
                 LOGGER.info("connection from %s: an HTTP request on the broker port; answered 400 naming the "
                             "admin API", self.peer)
                 await _send_and_close(self.io, self.conn, [], self.server.http_answer())

@@ -7,6 +7,7 @@ Every wait takes a deadline; every error is a `FlowbrokerError`. See docs/client
 
 from flowbroker.client.connection import Connection, ConnectionStatistics
 from flowbroker.client.handshake import connect
+from flowbroker.client.credentials import Credentials
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, ConsumerStats, Message
 from flowbroker.client.errors import (
     AlreadySettled,
@@ -36,6 +37,7 @@ from flowbroker.protocol import ErrorCode, Outcome
 
 __all__ = [
     "connect",
+    "Credentials",
     "Connection",
     "ConnectionStatistics",
     "Producer",

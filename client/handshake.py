@@ -9,16 +9,18 @@ closed.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 
 from flowbroker.client.connection import RECEIVE_SIZE, Connection
+from flowbroker.client.credentials import AuthArg, hello_auth
 from flowbroker.client.errors import HandshakeError
 from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
     CAPABILITY_MANDATORY,
     PROTOCOL_VERSION,
+    AuthChallenge,
+    AuthResponse,
     Close,
     Error,
     Hello,
@@ -27,6 +29,7 @@ from flowbroker.protocol import (
     Welcome,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
+from flowbroker.protocol.scram import ScramClient, ScramError
 
 __all__ = ["connect", "connect_stream", "open_connection"]
 
@@ -37,7 +40,7 @@ async def connect(
     client_name: str = "flowbroker-python",
     flow_control: bool = True,
     timeout: float = 10.0,
-    auth: dict[str, Any] | None = None,
+    auth: AuthArg = None,
     request_timeout: float = 30.0,
     close_timeout: float = 5.0,
 ) -> Connection:
@@ -47,12 +50,13 @@ async def connect(
     (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
     """
     address = parse_url(url)
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+    auth_map, scram = hello_auth(auth)
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth_map)
 
     async def open_tcp() -> trio.abc.Stream:
         return await trio.open_tcp_stream(address.host, address.port)
 
-    conn = await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout)
+    conn = await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout, scram)
     conn.udp_endpoint = address.udp
     return conn
 
@@ -63,19 +67,20 @@ async def connect_stream(
     client_name: str = "flowbroker-python",
     flow_control: bool = True,
     timeout: float = 10.0,
-    auth: dict[str, Any] | None = None,
+    auth: AuthArg = None,
     request_timeout: float = 30.0,
     close_timeout: float = 5.0,
 ) -> Connection:
     """`connect` over a stream the caller opened (a `trio.SSLStream` over TCP, an in-memory stream in a
     test): the HELLO/WELCOME handshake within `timeout`, then a Connection that owns the stream (it
     closes it; so does a failed handshake). Raises HandshakeError as `connect` does."""
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
+    auth_map, scram = hello_auth(auth)
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth_map)
 
     async def given() -> trio.abc.Stream:
         return stream
 
-    return await open_connection(given, hello, "the broker", timeout, request_timeout, close_timeout)
+    return await open_connection(given, hello, "the broker", timeout, request_timeout, close_timeout, scram)
 
 
 async def open_connection(
@@ -85,16 +90,18 @@ async def open_connection(
     timeout: float,
     request_timeout: float,
     close_timeout: float,
+    scram: ScramClient | None = None,
 ) -> Connection:
     """Open the stream and do the handshake on it, all within `timeout`; the one place a connection's
-    stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for)."""
+    stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for).
+    `scram`: the exchange HELLO's auth began, continued when the broker sends AUTH_CHALLENGE."""
     stream: trio.abc.Stream | None = None
     proto = ProtocolConnection(Role.CLIENT)
     try:
         with trio.fail_after(timeout):
             stream = await open_stream()
             await stream.send_all(proto.send(hello))
-            welcome = await _await_welcome(stream, proto, address)
+            welcome = await _await_welcome(stream, proto, address, scram)
     except trio.TooSlowError:
         await _close_quietly(stream)
         raise HandshakeError(f"no WELCOME from {address} within {timeout} s") from None
@@ -113,7 +120,9 @@ async def open_connection(
     return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
 
 
-async def _await_welcome(stream: trio.abc.Stream, proto: ProtocolConnection, address: object = "the peer") -> Welcome:
+async def _await_welcome(
+    stream: trio.abc.Stream, proto: ProtocolConnection, address: object = "the peer", scram: ScramClient | None = None
+) -> Welcome:
     error: Error | None = None
     head = b""  # the first bytes: an HTTP answer ("HTTP/1.1 400 ...") means this is not the broker port
     while True:
@@ -128,8 +137,17 @@ async def _await_welcome(stream: trio.abc.Stream, proto: ProtocolConnection, add
         proto.receive_data(bytes(data))
         while (frame := proto.next_frame()) is not None:
             if isinstance(frame, Welcome):
+                if scram is not None:
+                    _verify_broker(scram, frame, address)
                 return frame
-            if isinstance(frame, Error):
+            if isinstance(frame, AuthChallenge):
+                if scram is None:
+                    raise HandshakeError(f"{address} sent AUTH_CHALLENGE, but this connection has no SCRAM exchange")
+                try:
+                    await stream.send_all(proto.send(AuthResponse(scram.final(frame.data))))
+                except ScramError as exc:
+                    raise HandshakeError(f"{address}: bad SCRAM challenge: {exc}") from None
+            elif isinstance(frame, Error):
                 error = frame
             elif isinstance(frame, Close):
                 code = error.code if error is not None else frame.code
@@ -137,6 +155,18 @@ async def _await_welcome(stream: trio.abc.Stream, proto: ProtocolConnection, add
                 raise HandshakeError(f"broker refused the connection: {text}{frame.reason}", code)
         if not data:
             raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
+
+
+def _verify_broker(scram: ScramClient, welcome: Welcome, address: object) -> None:
+    """SCRAM is mutual: a WELCOME without the broker's proof, or with a wrong one, is not the broker
+    holding this user's credential (an impostor, or a man in the middle)."""
+    if welcome.auth_data is None:
+        raise HandshakeError(f"{address} let us in without proving it knows our credential (WELCOME has no "
+                             "SCRAM server signature): not trusted")
+    try:
+        scram.verify(welcome.auth_data)
+    except ScramError as exc:
+        raise HandshakeError(f"{address}: {exc}") from None
 
 
 async def _close_quietly(stream: trio.abc.Stream | None) -> None:

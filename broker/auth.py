@@ -1,0 +1,159 @@
+"""Authentication on HELLO, without I/O: what HELLO's `auth` asks for, and who the connection is.
+
+The shell (broker/server.py) calls `begin(hello.auth, peer)` and gets one of three answers: `Accepted`
+(WELCOME with that identity), `Challenge` (send AUTH_CHALLENGE, then give the AUTH_RESPONSE to
+`Challenge.finish`), or `Refused` (wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE). The
+text of a refusal sent to the client never says whether the user exists; the reason for the log does.
+
+HELLO's `auth` map (docs/protocol.md):
+- absent or nil: no credentials. Accepted as `[auth] loopback_user` from a loopback address (or from an
+  in-process stream, which has no network peer), else refused naming what to do;
+- `{"mechanism": "SCRAM-SHA-256", "data": client-first}`: RFC 7677, one AUTH_CHALLENGE round;
+- `{"mechanism": "PLAIN", "username": u, "password": p}`: only where `[auth] plain` allows it (by default
+  over TLS or from loopback, where the password is not on an untrusted wire).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from dataclasses import dataclass
+from typing import Any, Union
+
+from flowbroker.broker.config import AuthConfig
+from flowbroker.broker.users import User, UserStore
+from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
+
+__all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "PLAIN", "SCRAM", "is_local"]
+
+PLAIN = "PLAIN"
+
+HOW_TO = ("connect with a user and password: connect(url, auth=(USER, PASSWORD)) in the Python SDK, "
+          "--user with FLOWBROKER_PASSWORD for the CLI (users: `flowbroker user add`; docs/security.md)")
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """What the shell knows of the other end: its IP address (None: an in-process stream), whether the
+    stream is TLS, and the subject of a verified client certificate, if any."""
+
+    host: str | None
+    tls: bool = False
+    certificate_identity: str | None = None
+
+
+def is_local(host: str | None) -> bool:
+    """A loopback address, or no network peer at all (a stream made inside this process)."""
+    if host is None:
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    identity: str
+    mechanism: str  # "loopback", "PLAIN", "SCRAM-SHA-256", "EXTERNAL" (a client certificate)
+    user: User | None  # None for the loopback user (it may do anything)
+    server_final: bytes | None = None  # SCRAM's server-final, for WELCOME's auth_data
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    text: str  # for the client: no hint whether the user exists
+    reason: str  # for the log
+    username: str | None = None
+
+
+class Challenge:
+    """A SCRAM exchange half done: `data` is the server-first message for AUTH_CHALLENGE."""
+
+    def __init__(self, auth: Authenticator, scram: ScramServer, data: bytes):
+        self._auth = auth
+        self._scram = scram
+        self.data = data
+        self.username = scram.username
+
+    def finish(self, data: bytes) -> Accepted | Refused:
+        try:
+            server_final = self._scram.final(data)
+        except ScramError as exc:
+            return self._auth.failed(str(exc), self.username)
+        user = self._auth.store.get(self.username or "")
+        if user is None:  # deleted between the two messages
+            return self._auth.failed("user deleted during the exchange", self.username)
+        return self._auth._accepted(Accepted(user.name, SCRAM, user, server_final))
+
+
+Outcome = Union[Accepted, Challenge, Refused]
+
+
+class Authenticator:
+    """One per broker: the config, the users file, and the failures counted (for metrics and views)."""
+
+    def __init__(self, config: AuthConfig, store: UserStore | None = None):
+        self.config = config
+        self.store = store if store is not None else UserStore(config.users_path())
+        self._secret = secrets.token_bytes(32)  # made-up salts of unknown users (protocol/scram.py)
+        self.failures = 0
+        self.successes = 0
+
+    def failed(self, reason: str, username: str | None) -> Refused:
+        self.failures += 1
+        return Refused(f"authentication failed for user {username!r}" if username is not None
+                       else "authentication failed", reason, username)
+
+    def begin(self, auth: dict[str, Any] | None, peer: Peer) -> Outcome:
+        self.store.refresh()
+        if peer.certificate_identity is not None and not auth:
+            return self._accepted(Accepted(peer.certificate_identity, "EXTERNAL",
+                                           self.store.get(peer.certificate_identity)))
+        if not auth:
+            if self.config.loopback_user and is_local(peer.host):
+                return self._accepted(Accepted(self.config.loopback_user, "loopback", None))
+            self.failures += 1
+            where = "from a loopback address" if is_local(peer.host) else f"from {peer.host}"
+            return Refused(f"this broker requires authentication {where}: HELLO carried no credentials; "
+                           f"{HOW_TO}", "no credentials")
+        mechanism = auth.get("mechanism")
+        if mechanism == SCRAM:
+            data = auth.get("data")
+            if type(data) is not bytes:
+                return self.failed("SCRAM-SHA-256 without binary data (client-first)", None)
+            scram = ScramServer(self._lookup, self._secret)
+            try:
+                first = scram.first(data)
+            except ScramError as exc:
+                return self.failed(str(exc), scram.username)
+            return Challenge(self, scram, first)
+        if mechanism == PLAIN:
+            return self._plain(auth, peer)
+        self.failures += 1
+        return Refused(f"unknown mechanism {str(mechanism)[:40]!r}: use {SCRAM} or {PLAIN}",
+                       f"mechanism {str(mechanism)[:40]!r}")
+
+    def _plain(self, auth: dict[str, Any], peer: Peer) -> Accepted | Refused:
+        name, password = auth.get("username"), auth.get("password")
+        if type(name) is not str or type(password) is not str or len(name) > 255 or len(password) > 1024:
+            return self.failed("PLAIN without string username and password", None)
+        mode = self.config.plain
+        if mode == "never" or (mode == "tls-or-loopback" and not peer.tls and not is_local(peer.host)):
+            self.failures += 1
+            return Refused(f"PLAIN is not allowed here ([auth] plain = {mode!r}): use {SCRAM} "
+                           "(the SDK does when the URL has a password) or TLS", "PLAIN not allowed", name)
+        user = self.store.get(name)
+        if user is None:
+            return self.failed("unknown user", name)
+        if not user.credential.check_password(password):
+            return self.failed("wrong password", name)
+        return self._accepted(Accepted(user.name, PLAIN, user))
+
+    def _accepted(self, accepted: Accepted) -> Accepted:
+        self.successes += 1
+        return accepted
+
+    def _lookup(self, name: str) -> Any:
+        user = self.store.get(name)
+        return user.credential if user is not None else None

@@ -1,0 +1,126 @@
+"""`flowbroker user add/passwd/delete/list`: the users file (broker/users.py), edited on this host.
+
+The commands write the file the broker reads (`[auth] users_file`, found from `--config` or the
+default), not the admin API: creating the first user must work before anyone can log in, and the file's
+permissions (0600) are the guard. The broker re-reads the file at the next login. Passwords are read
+from a prompt (twice) or, for scripts, one line on stdin (`--password-stdin`); never from an argument,
+which `ps` and shell history show.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from flowbroker.broker.config import ConfigError, load_config
+from flowbroker.broker.users import TAGS, User, UsersError, read_users, write_users
+from flowbroker.protocol.scram import DEFAULT_ITERATIONS, StoredCredential
+
+__all__ = ["user"]
+
+
+def _options(func: Any) -> Any:
+    func = click.option("--users-file", type=click.Path(dir_okay=False, path_type=Path),
+                        help="The users file [default: [auth] users_file of --config, else ~/.flowbroker/users.json].")(func)
+    func = click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                        help="The broker's TOML file, to find its [auth] users_file.")(func)
+    return func
+
+
+def _path(config_path: Path | None, users_file: Path | None) -> Path:
+    if users_file is not None:
+        return users_file
+    try:
+        return load_config(config_path).auth.users_path()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _read(path: Path) -> dict[str, User]:
+    try:
+        return read_users(path)
+    except UsersError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _password(from_stdin: bool) -> str:
+    if from_stdin:
+        password = sys.stdin.readline().rstrip("\n")
+    else:
+        password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+    if not password:
+        raise click.ClickException("the password is empty")
+    return password
+
+
+@click.group()
+def user() -> None:
+    """Users who may connect and use the admin API (docs/security.md)."""
+
+
+@user.command("add")
+@click.argument("name")
+@click.option("--password-stdin", is_flag=True, help="Read the password from the first line of stdin.")
+@click.option("--tag", "tags", multiple=True, type=click.Choice(TAGS), help="Admin API tag (repeatable).")
+@click.option("--configure", default=".*", show_default=True, help="Queues and exchanges it may declare and delete (regex).")
+@click.option("--write", default=".*", show_default=True, help="Exchanges it may publish to, queues it may bind (regex).")
+@click.option("--read", "read_", default=".*", show_default=True, help="Queues it may consume from, exchanges it may bind from (regex).")
+@click.option("--iterations", type=click.IntRange(4096, 10_000_000), default=DEFAULT_ITERATIONS, show_default=True,
+              help="PBKDF2 iterations of the stored credential.")
+@_options
+def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: str, write: str, read_: str,
+             iterations: int, config_path: Path | None, users_file: Path | None) -> None:
+    """Add user NAME."""
+    path = _path(config_path, users_file)
+    users = _read(path)
+    if name in users:
+        raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
+    credential = StoredCredential.from_password(_password(password_stdin), iterations)
+    try:
+        users[name] = User(name, credential, tags, configure, write, read_)
+    except UsersError as exc:
+        raise click.ClickException(str(exc)) from None
+    write_users(path, users)
+    click.echo(f"added user {name} to {path}")
+
+
+@user.command("passwd")
+@click.argument("name")
+@click.option("--password-stdin", is_flag=True, help="Read the password from the first line of stdin.")
+@_options
+def user_passwd(name: str, password_stdin: bool, config_path: Path | None, users_file: Path | None) -> None:
+    """Change user NAME's password (connections already open stay open)."""
+    path = _path(config_path, users_file)
+    users = _read(path)
+    old = users.get(name)
+    if old is None:
+        raise click.ClickException(f"no user {name!r} in {path}")
+    credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
+    users[name] = User(name, credential, old.tags, old.configure, old.write, old.read)
+    write_users(path, users)
+    click.echo(f"changed the password of {name}")
+
+
+@user.command("delete")
+@click.argument("name")
+@_options
+def user_delete(name: str, config_path: Path | None, users_file: Path | None) -> None:
+    """Delete user NAME (connections already open stay open)."""
+    path = _path(config_path, users_file)
+    users = _read(path)
+    if users.pop(name, None) is None:
+        raise click.ClickException(f"no user {name!r} in {path}")
+    write_users(path, users)
+    click.echo(f"deleted user {name}")
+
+
+@user.command("list")
+@_options
+def user_list(config_path: Path | None, users_file: Path | None) -> None:
+    """The users, their tags and permissions (configure, write, read)."""
+    users = _read(_path(config_path, users_file))
+    for u in users.values():
+        click.echo(f"{u.name}\t{','.join(u.tags) or '-'}\tconfigure={u.configure}\twrite={u.write}\tread={u.read}")

@@ -1,0 +1,153 @@
+"""The users file: who may log in, with what credential, tags and permissions (docs/security.md).
+
+One JSON document, `{"users": {NAME: {"password": "SCRAM-SHA-256$...", "tags": [...], "configure": RE,
+"write": RE, "read": RE}}}`, written by `flowbroker user add/passwd/delete` (atomically, mode 0600) and
+read by the broker, which looks at its modification time on every login and re-reads it when it changed:
+a user added or a password changed takes effect at the next login without a restart. JSON, because the
+standard library writes it; only SCRAM credentials are stored, never a password.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowbroker.protocol.scram import StoredCredential
+
+__all__ = ["User", "UsersError", "UserStore", "read_users", "write_users", "TAGS"]
+
+TAGS = ("administrator", "monitoring")
+"""Admin API tags (RabbitMQ's): administrator may do anything, monitoring may read views and metrics."""
+
+
+class UsersError(ValueError):
+    """The users file is unreadable or wrong; the message names the file and the user."""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    credential: StoredCredential
+    tags: tuple[str, ...] = ()
+    configure: str = ".*"  # RabbitMQ's permissions: regular expressions over queue and exchange names
+    write: str = ".*"
+    read: str = ".*"
+    patterns: tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        compiled = []
+        for kind in ("configure", "write", "read"):
+            try:
+                compiled.append(re.compile(getattr(self, kind)))
+            except re.error as exc:
+                raise UsersError(f"user {self.name!r}: {kind} pattern {getattr(self, kind)!r}: {exc}") from None
+        object.__setattr__(self, "patterns", tuple(compiled))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"password": self.credential.encode(), "tags": list(self.tags), "configure": self.configure,
+                "write": self.write, "read": self.read}
+
+
+def _user(name: object, entry: object, where: str) -> User:
+    if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 255:
+        raise UsersError(f"{where}: user name {name!r} must be printable, 1..255 characters")
+    if not isinstance(entry, dict):
+        raise UsersError(f"{where}: user {name!r} must be an object")
+    unknown = set(entry) - {"password", "tags", "configure", "write", "read"}
+    if unknown:
+        raise UsersError(f"{where}: user {name!r}: unknown keys {sorted(unknown)}")
+    try:
+        credential = StoredCredential.decode(entry.get("password"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise UsersError(f"{where}: user {name!r}: password {exc}") from None
+    tags = entry.get("tags", [])
+    if not isinstance(tags, list) or any(t not in TAGS for t in tags):
+        raise UsersError(f"{where}: user {name!r}: tags must be a list of {', '.join(TAGS)}")
+    perms = {k: entry.get(k, ".*") for k in ("configure", "write", "read")}
+    for kind, value in perms.items():
+        if not isinstance(value, str):
+            raise UsersError(f"{where}: user {name!r}: {kind} must be a regular expression string")
+    return User(name, credential, tuple(tags), perms["configure"], perms["write"], perms["read"])
+
+
+def read_users(path: Path) -> dict[str, User]:
+    """The users in `path`; {} when it does not exist. UsersError naming what is wrong."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise UsersError(f"{path}: cannot be read: {exc.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise UsersError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("users"), dict):
+        raise UsersError(f'{path}: expected {{"users": {{NAME: {{...}}}}}}')
+    return {name: _user(name, entry, str(path)) for name, entry in doc["users"].items()}
+
+
+def write_users(path: Path, users: dict[str, User]) -> None:
+    """Replace `path` atomically (a reader sees the old file or the new one), mode 0600, folder 0700."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    doc = {"users": {name: user.to_json() for name, user in sorted(users.items())}}
+    fd, tmp = tempfile.mkstemp(prefix=".users-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with_suppressed_unlink(tmp)
+        raise
+
+
+def with_suppressed_unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class UserStore:
+    """The broker's view of the users file, re-read when its modification time or size changes. A file
+    that became invalid keeps the users last read (and the error is reported by `refresh`), so a typo in
+    a hand edit does not lock everyone out."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self.users: dict[str, User] = {}
+        self.generation = 0  # bumped whenever the users change: permission caches compare it
+        self.error: str | None = None  # why the file last read was refused, if it was
+        self.refresh()
+
+    def refresh(self) -> str | None:
+        """Re-read the file if it changed; returns the error text if it is now invalid, else None."""
+        try:
+            st = self.path.stat()
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp:
+            return None
+        try:
+            users = read_users(self.path) if stamp is not None else {}
+        except UsersError as exc:
+            self.error = str(exc)
+            return self.error
+        self._stamp = stamp
+        self.error = None
+        if users != self.users:
+            self.users = users
+            self.generation += 1
+        return None
+
+    def get(self, name: str) -> User | None:
+        return self.users.get(name)

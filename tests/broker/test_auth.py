@@ -1,0 +1,79 @@
+"""The authenticator (broker/auth.py) for peers the e2e tests cannot be: other addresses, TLS, a client
+certificate. Sans-IO: a Peer in, an outcome out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Peer, Refused, is_local
+from flowbroker.broker.config import AuthConfig
+from flowbroker.broker.users import User, UserStore, write_users
+from flowbroker.protocol.scram import ScramClient, StoredCredential
+
+REMOTE = Peer("192.0.2.7")
+
+
+def authenticator(tmp_path: Path, **config: object) -> Authenticator:
+    path = tmp_path / "users.json"
+    write_users(path, {"alice": User("alice", StoredCredential.from_password("pw", 4096))})
+    return Authenticator(AuthConfig(users_file=str(path), **config), UserStore(path))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("host, local", [("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), (None, True),
+                                         ("192.0.2.7", False), ("::ffff:10.0.0.1", False), ("fe80::1%eth0", False)])
+def test_which_peers_are_local(host: str | None, local: bool) -> None:
+    assert is_local(host) is local
+
+
+def test_the_loopback_user_is_never_given_to_another_address(tmp_path: Path) -> None:
+    auth = authenticator(tmp_path)
+    assert auth.begin(None, Peer("127.0.0.1")) == Accepted("guest", "loopback", None)
+    refused = auth.begin(None, REMOTE)
+    assert isinstance(refused, Refused) and "from 192.0.2.7" in refused.text and "auth=(USER, PASSWORD)" in refused.text
+    assert auth.failures == 1
+
+
+def test_plain_from_another_address_needs_tls_unless_always(tmp_path: Path) -> None:
+    creds = {"mechanism": "PLAIN", "username": "alice", "password": "pw"}
+    auth = authenticator(tmp_path)
+    assert isinstance(auth.begin(creds, REMOTE), Refused)
+    accepted = auth.begin(creds, Peer("192.0.2.7", tls=True))
+    assert isinstance(accepted, Accepted) and accepted.identity == "alice"
+    assert isinstance(authenticator(tmp_path, plain="always").begin(creds, REMOTE), Accepted)
+
+
+def test_scram_from_another_address_without_tls(tmp_path: Path) -> None:
+    auth = authenticator(tmp_path)
+    client = ScramClient("alice", "pw")
+    challenge = auth.begin({"mechanism": "SCRAM-SHA-256", "data": client.first()}, REMOTE)
+    assert isinstance(challenge, Challenge)
+    accepted = challenge.finish(client.final(challenge.data))
+    assert isinstance(accepted, Accepted) and accepted.server_final is not None
+    client.verify(accepted.server_final)
+
+
+def test_a_verified_client_certificate_is_the_identity(tmp_path: Path) -> None:
+    auth = authenticator(tmp_path, loopback_user="")
+    accepted = auth.begin(None, Peer("192.0.2.7", tls=True, certificate_identity="alice"))
+    assert isinstance(accepted, Accepted) and accepted.identity == "alice" and accepted.mechanism == "EXTERNAL"
+
+
+@pytest.mark.parametrize("auth_map", [{"mechanism": "GSSAPI"}, {"mechanism": "SCRAM-SHA-256", "data": "text"},
+                                      {"mechanism": "PLAIN", "username": 1, "password": "pw"}, {"x": 1},
+                                      {"mechanism": "SCRAM-SHA-256", "data": b"garbage"}])
+def test_malformed_auth_maps_are_refused(tmp_path: Path, auth_map: dict[str, object]) -> None:
+    auth = authenticator(tmp_path)
+    assert isinstance(auth.begin(auth_map, Peer("127.0.0.1")), Refused)
+    assert auth.failures == 1
+
+
+def test_a_user_added_to_the_file_logs_in_without_a_restart(tmp_path: Path) -> None:
+    auth = authenticator(tmp_path)
+    creds = {"mechanism": "PLAIN", "username": "bob", "password": "b"}
+    assert isinstance(auth.begin(creds, Peer("127.0.0.1")), Refused)
+    users = dict(auth.store.users)
+    users["bob"] = User("bob", StoredCredential.from_password("b", 4096))
+    write_users(auth.store.path, users)
+    assert isinstance(auth.begin(creds, Peer("127.0.0.1")), Accepted)

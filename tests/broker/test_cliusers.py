@@ -1,0 +1,58 @@
+"""`flowbroker user add/passwd/delete/list` over a users file in tmp_path, read back by the broker's store."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from flowbroker.broker.cli import main
+from flowbroker.broker.users import UserStore, read_users
+
+
+def run(*args: str, stdin: str | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), input=stdin)
+    return result.exit_code, result.output
+
+
+def test_add_passwd_list_delete(tmp_path: Path) -> None:
+    path = tmp_path / "cfg" / "users.json"
+    f = ["--users-file", str(path)]
+    assert run("user", "add", "alice", "--password-stdin", "--tag", "administrator", "--write", "^orders$", *f,
+               stdin="s3cret\n")[0] == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "s3cret" not in path.read_text()
+    store = UserStore(path)
+    alice = store.get("alice")
+    assert alice is not None and alice.tags == ("administrator",) and alice.write == "^orders$"
+    assert alice.credential.check_password("s3cret")
+    code, out = run("user", "add", "alice", "--password-stdin", *f, stdin="x\n")
+    assert code != 0 and "exists" in out
+    assert run("user", "passwd", "alice", "--password-stdin", *f, stdin="n3w\n")[0] == 0
+    store.refresh()
+    alice = store.get("alice")
+    assert alice is not None and alice.credential.check_password("n3w") and alice.write == "^orders$"
+    code, out = run("user", "list", *f)
+    assert code == 0 and out.startswith("alice\tadministrator\tconfigure=.*\twrite=^orders$")
+    assert run("user", "delete", "alice", *f)[0] == 0
+    assert read_users(path) == {}
+    code, out = run("user", "delete", "alice", *f)
+    assert code != 0 and "no user 'alice'" in out
+
+
+def test_a_bad_pattern_or_empty_password_is_refused(tmp_path: Path) -> None:
+    f = ["--users-file", str(tmp_path / "u.json")]
+    code, out = run("user", "add", "a", "--password-stdin", "--read", "(", *f, stdin="pw\n")
+    assert code != 0 and "read pattern" in out
+    code, out = run("user", "add", "a", "--password-stdin", *f, stdin="\n")
+    assert code != 0 and "empty" in out
+
+
+def test_the_store_keeps_the_last_good_users_when_the_file_turns_bad(tmp_path: Path) -> None:
+    path = tmp_path / "u.json"
+    run("user", "add", "a", "--password-stdin", "--users-file", str(path), stdin="pw\n")
+    store = UserStore(path)
+    generation = store.generation
+    path.write_text("{not json")
+    assert store.refresh() is not None and store.get("a") is not None and store.generation == generation
