@@ -49,7 +49,7 @@ QUEUE_STEP = 200
 """Queues a scrape reads per step: ~2-3 ms of the event loop on a 2-core machine, like a reader's turn."""
 
 _QUEUE = ["queue"]
-_PRODUCER = ["connection", "client_name"]
+_PRODUCER = ["connection", "client_name", "identity"]
 
 
 def build_version() -> str:
@@ -74,7 +74,7 @@ def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMet
 
 @dataclass(frozen=True, slots=True)
 class _ProducerRow:
-    label: list[str]  # connection id, client name
+    label: list[str]  # connection id, client name, identity (the authenticated user)
     granted: int
     unacknowledged: int
     stopped_seconds: float | None  # None while not flow-stopped
@@ -128,7 +128,7 @@ class Scrape:
             window = session.transfers.window
             stops = stopped_destinations(session)
             self.producers.append(_ProducerRow(
-                [str(session.conn_id), session.client_name], session.buffer_size,
+                [str(session.conn_id), session.client_name, session.identity], session.buffer_size,
                 window.position - window.acked_position, _seconds(now, stops[0][1]) if stops else None,
                 session.flow_stops, window.position, [(stop[0], stop[3]) for stop in stops],
             ))

@@ -49,7 +49,7 @@ def test_a_queue_filling_saturating_and_resuming_shows_in_every_queue_and_produc
     h = make()
     h.queue("orders", flow_stop_count=3, flow_resume_count=1)
     p = h.producer("feeder")
-    producer = {"connection": p.session.conn_id, "client_name": "feeder"}
+    producer = {"connection": p.session.conn_id, "client_name": "feeder", "identity": "anonymous"}
     m = scrape(h)
     assert value(m, "flowbroker_queue_messages", queue="orders") == 0
     assert value(m, "flowbroker_queue_saturated", queue="orders") == 0
@@ -166,8 +166,9 @@ def test_broker_wide_stops_credit_and_connection_counters() -> None:
     m = scrape(h)
     assert value(m, "flowbroker_producers_stopped") == 1
     assert series(m, "flowbroker_flow_stop_info") == [{"connection": str(p.session.conn_id), "client_name": "feeder",
-                                                       "queue": "*", "threshold": "admin"}]
-    assert value(m, "flowbroker_producer_flow_stops_total", connection=p.session.conn_id, client_name="feeder") == 1
+                                                       "identity": "anonymous", "queue": "*", "threshold": "admin"}]
+    assert value(m, "flowbroker_producer_flow_stops_total", connection=p.session.conn_id, client_name="feeder",
+                 identity="anonymous") == 1
     h.core.start_all_producers()
 
     p.send("", "no-such-queue")  # refused with ERROR NOT_FOUND

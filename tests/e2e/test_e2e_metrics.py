@@ -89,7 +89,7 @@ async def test_a_flow_stopped_producer_shows_in_a_scrape_without_a_token(start_f
         assert one(m, "flowbroker_queue_flow_stopped_producers", queue="orders") == 1
         assert one(m, "flowbroker_flow_stop_info", connection=conn_id, client_name="fast feeder", queue="orders",
                    threshold="flow_stop_count") == 1
-        assert one(m, "flowbroker_producer_flow_stopped", connection=conn_id) == 1
+        assert one(m, "flowbroker_producer_flow_stopped", connection=conn_id, identity="guest") == 1  # the loopback user
         assert one(m, "flowbroker_producer_granted_bytes", connection=conn_id) == 1 << 20
         assert 0 < one(m, "flowbroker_credit_granted_bytes") <= one(m, "flowbroker_credit_pool_bytes")
         assert one(m, "process_resident_memory_bytes") > 10 * 1024 * 1024
