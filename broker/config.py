@@ -27,6 +27,7 @@ __all__ = [
     "UdpConfig",
     "MetricsConfig",
     "AuthConfig",
+    "TlsConfig",
     "BrokerConfig",
     "load_config",
     "default_quota",
@@ -349,6 +350,40 @@ class AuthConfig:
         return Path(self.users_file).expanduser()
 
 
+VERIFY_CLIENT = ("none", "optional", "required")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on a client port of its own (`port`, on [server] host), beside the plain one (docs/security.md).
+    `verify_client` asks for a client certificate signed by `ca_file`; a verified certificate's subject
+    common name is the connection's identity when HELLO carries no credentials (mutual TLS)."""
+
+    enabled: bool = False
+    port: int = 5671
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    verify_client: str = "none"
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("tls", "enabled", self.enabled, "must be true or false")
+        _int_range("tls", "port", self.port, 0, 65535)
+        for key in ("cert_file", "key_file", "ca_file"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError("tls", key, getattr(self, key), "must be a path (a string)")
+        if self.verify_client not in VERIFY_CLIENT:
+            raise ConfigError("tls", "verify_client", self.verify_client, f"must be one of {', '.join(VERIFY_CLIENT)}")
+        if self.enabled:
+            for key in ("cert_file", "key_file"):
+                if not getattr(self, key):
+                    raise ConfigError("tls", key, "", "must name a PEM file when [tls] enabled = true")
+        if self.verify_client != "none" and not self.ca_file:
+            raise ConfigError("tls", "ca_file", "", f"must name the CA's PEM file when verify_client = "
+                              f"{self.verify_client!r}")
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -358,6 +393,7 @@ class BrokerConfig:
     udp: UdpConfig = field(default_factory=UdpConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -375,6 +411,7 @@ class BrokerConfig:
         self.udp.validate()
         self.metrics.validate()
         self.auth.validate()
+        self.tls.validate()
         return self
 
 
@@ -426,9 +463,9 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth"):
+        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls"):
             raise ConfigError(section, "*", None,
-                              "unknown section; known: admin, auth, credit, metrics, queues, server, udp")
+                              "unknown section; known: admin, auth, credit, metrics, queues, server, tls, udp")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
@@ -436,9 +473,10 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     udp = _section(UdpConfig, "udp", data.get("udp", {}))
     metrics = _section(MetricsConfig, "metrics", data.get("metrics", {}))
     auth = _section(AuthConfig, "auth", data.get("auth", {}))
+    tls = _section(TlsConfig, "tls", data.get("tls", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics, auth).validate()
+    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics, auth, tls).validate()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ import trio
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import AdminServer, publish_token, resolve_token
 from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Peer, Refused
+from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
@@ -127,6 +129,7 @@ class BrokerServer:
         self.shutdown_requested = trio.Event()
         self.connections: dict[int, ConnectionHandler] = {}
         self.port: int | None = None
+        self.tls_port: int | None = None  # the TLS client port ([tls]), when enabled
         self.admin: AdminServer | None = None
         self.admin_port: int | None = None
         self.udp: UdpShell | None = None  # the UDP data path (broker/udp/), when [udp] enabled
@@ -162,7 +165,18 @@ class BrokerServer:
                 LOGGER.warning("descriptor limit %d is below max_connections %d + %d: accepts will fail (and back "
                                "off) before max_connections is reached", limits[0], cfg.max_connections,
                                DESCRIPTOR_RESERVE)
+        tls_context = server_context(self.config.tls) if self.config.tls.enabled else None
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        tls_listeners: list[trio.SocketListener] = []
+        if tls_context is not None:
+            try:
+                tls_listeners = await trio.open_tcp_listeners(self.config.tls.port, host=cfg.host)
+            except BaseException:
+                for listener in listeners:
+                    await trio.aclose_forcefully(listener)
+                raise
+            self.tls_port = tls_listeners[0].socket.getsockname()[1]
+            listeners = listeners + tls_listeners
         if self.config.udp.enabled:
             try:
                 self.udp = open_data_path(self.config.udp, self.core)
@@ -198,6 +212,9 @@ class BrokerServer:
             raise
         self.port = listeners[0].socket.getsockname()[1]
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
+        if self.tls_port is not None:
+            LOGGER.info("flowbroker listening for TLS on %s:%d (client certificates: %s)", cfg.host, self.tls_port,
+                        self.config.tls.verify_client)
         self._log_auth()
         if self.udp is not None:
             LOGGER.info("flowbroker UDP data path on %s", self.udp.datapath.endpoint_text)
@@ -207,7 +224,7 @@ class BrokerServer:
         async with trio.open_nursery() as nursery:
             self._handlers = nursery  # connections run here, beside the accept loops
             for listener in listeners:
-                nursery.start_soon(self._accept, listener)
+                nursery.start_soon(self._accept, listener, tls_context if listener in tls_listeners else None)
             if self.admin is not None:
                 await nursery.start(self.admin.serve)
             if self.metrics is not None:
@@ -279,20 +296,28 @@ class BrokerServer:
         handler = self.connections.get(conn_id)
         return handler.peer if handler is not None else None
 
-    async def _accept(self, listener: trio.SocketListener) -> None:
+    async def _accept(self, listener: trio.SocketListener, tls: ssl.SSLContext | None = None) -> None:
         try:
-            await accept_forever(listener, self._admit)
+            await accept_forever(listener, lambda stream: self._admit(stream, tls))
         finally:
             await trio.aclose_forcefully(listener)
 
-    def _admit(self, stream: trio.SocketStream) -> None:
-        """Count the socket, or refuse it at once if max_connections sockets are open."""
+    def _admit(self, stream: trio.SocketStream, tls: ssl.SSLContext | None = None) -> None:
+        """Count the socket, or refuse it at once if max_connections sockets are open. A TLS port's
+        socket is wrapped in an SSLStream; its handshake runs at the first read (handshake_timeout).
+        (Refused at once over TLS, it gets no frames: a TCP close, which the SDK reports as refused.)"""
         limit = self.config.server.max_connections
         if self.open_sockets >= limit:
+            if tls is not None:
+                self.refused += 1
+                self._log_refusal("refusing TLS connection from %s: too many connections", peer_name(stream))
+                stream.socket.close()
+                return
             self._refuse(stream, f"too many connections (max_connections {limit})")
             return
         assert self._handlers is not None
-        self._handlers.start_soon(self._serve_one, stream)  # first: if this fails, the socket was not counted
+        served: trio.abc.Stream = stream if tls is None else trio.SSLStream(stream, tls, server_side=True)
+        self._handlers.start_soon(self._serve_one, served)  # first: if this fails, the socket was not counted
         self.open_sockets += 1
         self.peak_sockets = max(self.peak_sockets, self.open_sockets)
 
@@ -306,7 +331,7 @@ class BrokerServer:
         self.core.errors_sent[code] += 1
         refuse_now(stream, encode_frames([Error(code, text), Close(code, text)]))
 
-    async def _serve_one(self, stream: trio.SocketStream) -> None:
+    async def _serve_one(self, stream: trio.abc.Stream) -> None:
         try:
             await self.serve_connection(stream)
         finally:
@@ -419,6 +444,9 @@ class ConnectionHandler:
         """Who the client is (broker/auth.py), with the AUTH_CHALLENGE round SCRAM needs; None when it is
         refused (after `failed_login_delay`, so guessing passwords is slow) or gave up."""
         auth = self.server.authenticator
+        if isinstance(self.stream, trio.SSLStream):  # the TLS handshake is done: HELLO came through it
+            subject = certificate_identity(self.stream.getpeercert())
+            self.peer_info = Peer(self.peer_info.host, True, subject)
         outcome = auth.begin(hello.auth, self.peer_info)
         if isinstance(outcome, Challenge):
             await self.io.stream.send_all(self.conn.send(AuthChallenge(outcome.data)))

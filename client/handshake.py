@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import ssl
+
 import trio
 
 from flowbroker.client.connection import RECEIVE_SIZE, Connection
@@ -43,8 +45,11 @@ async def connect(
     auth: AuthArg = None,
     request_timeout: float = 30.0,
     close_timeout: float = 5.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Connection:
-    """Open TCP and do the HELLO/WELCOME handshake, all within `timeout` seconds.
+    """Open TCP (and TLS for a `flowbroker+tls://` URL) and do the HELLO/WELCOME handshake, all within
+    `timeout` seconds. `ssl_context`: for TLS, the CA to trust and a client certificate to present
+    (default: `ssl.create_default_context()`, the system's CAs, the URL's host checked).
 
     Returns a Connection to use as `async with await connect(...) as conn`. Raises HandshakeError
     (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
@@ -53,8 +58,21 @@ async def connect(
     auth_map, scram = hello_auth(auth)
     hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth_map)
 
+    if ssl_context is not None and not address.tls:
+        raise ValueError(f"{url!r}: ssl_context is for flowbroker+tls:// URLs")
+    context = (ssl_context or ssl.create_default_context()) if address.tls else None
+
     async def open_tcp() -> trio.abc.Stream:
-        return await trio.open_tcp_stream(address.host, address.port)
+        tcp = await trio.open_tcp_stream(address.host, address.port)
+        if context is None:
+            return tcp
+        tls = trio.SSLStream(tcp, context, server_hostname=address.host)
+        try:
+            await tls.do_handshake()
+        except trio.BrokenResourceError as exc:
+            await trio.aclose_forcefully(tls)
+            raise HandshakeError(f"TLS handshake with {address} failed: {exc.__cause__ or exc}") from exc
+        return tls
 
     conn = await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout, scram)
     conn.udp_endpoint = address.udp

@@ -1,4 +1,4 @@
-"""Broker URLs: `flowbroker://host:port`, optionally `?udp=host:port`.
+"""Broker URLs: `flowbroker://host:port` (`flowbroker+tls://host:port` over TLS), optionally `?udp=host:port`.
 
 A URL rather than (host, port) arguments so that configuration files, environment variables and Spark
 options can carry one string. The scheme, host and port mean something, and one query parameter, `udp`:
@@ -12,11 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["BrokerAddress", "parse_url", "DEFAULT_URL", "DEFAULT_HOST", "DEFAULT_PORT", "SCHEME"]
+__all__ = ["BrokerAddress", "parse_url", "DEFAULT_URL", "DEFAULT_HOST", "DEFAULT_PORT", "SCHEME", "TLS_SCHEME",
+           "DEFAULT_TLS_PORT"]
 
 SCHEME = "flowbroker"
+TLS_SCHEME = "flowbroker+tls"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5680
+DEFAULT_TLS_PORT = 5671  # [tls] port's default
 DEFAULT_URL = f"{SCHEME}://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
@@ -25,21 +28,25 @@ class BrokerAddress:
     host: str
     port: int
     udp: str | None = None  # the `udp` query: the broker's UDP endpoint as host:port
+    tls: bool = False  # flowbroker+tls://
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{SCHEME}://{host}:{self.port}" + (f"?udp={self.udp}" if self.udp else "")
+        scheme = TLS_SCHEME if self.tls else SCHEME
+        return f"{scheme}://{host}:{self.port}" + (f"?udp={self.udp}" if self.udp else "")
 
 
 def parse_url(url: str = DEFAULT_URL) -> BrokerAddress:
-    """Parse `flowbroker://host[:port]`; a missing host or port takes the default.
+    """Parse `flowbroker://host[:port]` or `flowbroker+tls://host[:port]`; a missing host or port takes
+    the default (5680, or 5671 over TLS).
 
     Raises ValueError for another scheme, a bad port, or a path, query, fragment or credentials
     (credentials belong in the `auth` argument, not in a URL that ends up in logs).
     """
     parts = urlsplit(url)
-    if parts.scheme != SCHEME:
-        raise ValueError(f"{url!r}: the scheme must be {SCHEME}://")
+    if parts.scheme not in (SCHEME, TLS_SCHEME):
+        raise ValueError(f"{url!r}: the scheme must be {SCHEME}:// or {TLS_SCHEME}://")
+    tls = parts.scheme == TLS_SCHEME
     if parts.path not in ("", "/") or parts.fragment:
         raise ValueError(f"{url!r}: a broker URL has no path or fragment")
     udp = _udp_query(url, parts.query)
@@ -49,7 +56,8 @@ def parse_url(url: str = DEFAULT_URL) -> BrokerAddress:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"{url!r}: {exc}") from None
-    return BrokerAddress(parts.hostname or DEFAULT_HOST, DEFAULT_PORT if port is None else port, udp)
+    default_port = DEFAULT_TLS_PORT if tls else DEFAULT_PORT
+    return BrokerAddress(parts.hostname or DEFAULT_HOST, default_port if port is None else port, udp, tls)
 
 
 def _udp_query(url: str, query: str) -> str | None:

@@ -21,6 +21,7 @@ class RunningBroker:
         self.core = server.core
         self.port = port
         self.url = f"flowbroker://127.0.0.1:{port}"
+        self.tls_port = server.tls_port  # the TLS client port (None unless tls={"enabled": True, ...})
         self.admin_url = f"http://127.0.0.1:{server.admin_port}" if server.admin_port is not None else None
         self.admin_token = server.admin.token if server.admin is not None else None
         self.udp_port = server.udp_port  # the UDP data path's port (None with udp={"enabled": False})

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from flowbroker.broker.config import (
     AdminConfig,
     AuthConfig,
+    TlsConfig,
     MetricsConfig,
     UdpConfig,
     BrokerConfig,
@@ -37,7 +38,7 @@ from flowbroker.policies.credit import CreditPolicy, CreditPolicyConfig
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024 * 1024
 SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "queues": QueueDefaults, "admin": AdminConfig, "udp": UdpConfig,
-                                   "metrics": MetricsConfig, "auth": AuthConfig}
+                                   "metrics": MetricsConfig, "auth": AuthConfig, "tls": TlsConfig}
 CREDIT_KEYS = sorted(f.name for f in fields(CreditPolicyConfig) if f.init and f.name != "quota")
 """[credit] keys a file may set; `quota` is one too but is documented as following memory_quota."""
 
@@ -69,7 +70,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_the_documentation_lists_every_key_the_code_knows() -> None:
     doc = documented()
-    assert sorted(doc) == ["admin", "auth", "credit", "metrics", "queues", "server", "udp"]
+    assert sorted(doc) == ["admin", "auth", "credit", "metrics", "queues", "server", "tls", "udp"]
     for section, cls in SECTIONS.items():
         assert sorted(doc[section]) == sorted(f.name for f in fields(cls)), section
     assert sorted(doc["credit"]) == CREDIT_KEYS
@@ -138,7 +139,7 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_key(section: str, key: 
     assert str(info.value).startswith(f"[{section}] {key} = {shown}: "), str(info.value)
 
 
-@pytest.mark.parametrize("section", ["server", "queues", "credit", "admin", "udp", "metrics", "auth"])
+@pytest.mark.parametrize("section", ["server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls"])
 def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, {section: {"max_sise": 1}})
@@ -149,7 +150,7 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) ->
 
 
 def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, auth, credit, metrics, queues, server, udp$"):
+    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, auth, credit, metrics, queues, server, tls, udp$"):
         load_config(write(tmp_path, "[sever]\nport = 1\n"))
     for section in ("server", "queues", "admin", "credit"):
         with pytest.raises(ConfigError, match=rf"^\[{section}\] \* = 3: must be a table$"):
@@ -183,6 +184,9 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
         ("metrics", {"endpoint": "9419"}, "[metrics] endpoint = '9419': must be host:port with a port in [0, 65535]"),
         ("metrics", {"endpoint": "127.0.0.1:99999"}, "[metrics] endpoint = '127.0.0.1:99999': must be host:port"),
         ("metrics", {"max_producer_series": -1}, "[metrics] max_producer_series = -1: must be an integer in [0, "),
+        ("tls", {"enabled": True}, "[tls] cert_file = '': must name a PEM file when [tls] enabled = true"),
+        ("tls", {"verify_client": "required"}, "[tls] ca_file = '': must name the CA's PEM file"),
+        ("tls", {"verify_client": "maybe"}, "[tls] verify_client = 'maybe': must be one of none, optional, required"),
         ("auth", {"plain": "sometimes"}, "[auth] plain = 'sometimes': must be one of never, tls-or-loopback, always"),
         ("auth", {"failed_login_delay": 61}, "[auth] failed_login_delay = 61: must be a number in [0, 60]"),
         ("auth", {"loopback_user": "a\nb"}, "[auth] loopback_user = 'a\\nb': must be a user name"),
