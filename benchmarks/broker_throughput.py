@@ -14,6 +14,9 @@ Scenarios (flow control on, 1 KiB messages by default):
 Every scenario but overload also prints the CPU time each process spent per message delivered.
   overload    the producer is 10x faster than the consumer for 30 s; prints the broker's RSS every
               second beside its idle RSS, the queue depth, and the target (idle + stop size + 32 MiB).
+  tls         the throughput scenario in --rounds pairs, plain TCP and TLS (the broker's [tls] port, a
+              certificate from a CA made for the run with trustme) in alternating order; prints each run's
+              msgs/s and broker CPU per message, and the medians' difference.
   metrics     the throughput scenario in --rounds pairs, each pair one run with a scraper fetching the
               broker's GET /metrics every second (--scrape-every) and one without, in alternating order
               (off/on, on/off, ...) so that drift on a shared machine falls on both; every run's broker
@@ -25,17 +28,20 @@ producer writes it into the first 8 bytes of each body and the consumer subtract
 
     python benchmarks/broker_throughput.py [throughput|paced|overload|all] [--count N] [--rate R] ...
     python benchmarks/broker_throughput.py metrics [--rounds 3] [--scrape-every 1] [--count N]
+    python benchmarks/broker_throughput.py tls [--rounds 3] [--count N]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -63,10 +69,36 @@ def start_broker(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     return wait_listening(proc, port)
 
 
+TLS_CA_ENV = "BENCH_TLS_CA"  # the run's CA (PEM) for flowbroker+tls:// URLs, inherited by the workers
+
+
+async def bench_connect(url: str, **options: Any) -> fb.Connection:
+    """fb.connect, trusting the run's CA for a flowbroker+tls:// URL."""
+    if url.startswith("flowbroker+tls://"):
+        import ssl
+        options["ssl_context"] = ssl.create_default_context(cafile=os.environ[TLS_CA_ENV])
+    return await fb.connect(url, **options)
+
+
+def tls_broker_args(folder: Path, tls_port: int) -> list[str]:
+    """A CA and a certificate for localhost in `folder`, and the --config that serves them on `tls_port`."""
+    import trustme
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(folder / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(folder / "key.pem"))
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    os.environ[TLS_CA_ENV] = str(folder / "ca.pem")
+    (folder / "broker.toml").write_text(
+        f'[tls]\nenabled = true\nport = {tls_port}\ncert_file = "{folder / "cert.pem"}"\n'
+        f'key_file = "{folder / "key.pem"}"\n')
+    return ["--config", str(folder / "broker.toml")]
+
+
 async def _queue_count(url: str, stop_size: int | None = None) -> int:
     """Declare the queue (with `stop_size` as its flow_stop_size, resuming at 7/8 of it) and return its depth."""
     resume = stop_size * 7 // 8 if stop_size else None
-    async with await fb.connect(url, flow_control=False, client_name="bench-probe") as conn:
+    async with await bench_connect(url, flow_control=False, client_name="bench-probe") as conn:
         return int((await conn.declare_queue(QUEUE, flow_stop_size=stop_size, flow_resume_size=resume))["count"])
 
 
@@ -80,7 +112,7 @@ def producer_main(url: str, count: int, size: int, rate: float, seconds: float, 
         pad = b"x" * (size - STAMP.size)
         sent = 0
         cpu = time.process_time()
-        async with await fb.connect(url, client_name="bench-producer") as conn:
+        async with await bench_connect(url, client_name="bench-producer") as conn:
             producer = conn.producer(routing_key=QUEUE, window=window)
             start = time.monotonic()
             end = start + seconds
@@ -111,7 +143,7 @@ def consumer_main(url: str, count: int, per_second: float, sample_every: int, ou
         received = 0
         cpu = time.process_time()
         first = time.monotonic()
-        async with await fb.connect(url, client_name="bench-consumer") as conn:
+        async with await bench_connect(url, client_name="bench-consumer") as conn:
             async with conn.consumer(QUEUE, prefetch=2000) as consumer:
                 async for msg in consumer:
                     if received % sample_every == 0:
@@ -166,12 +198,18 @@ class Scraper:
         self._thread.join()
 
 
-def scenario_flow(args: argparse.Namespace, rate: float, scrape_every: float | None = None) -> tuple[float, float]:
+def scenario_flow(args: argparse.Namespace, rate: float, scrape_every: float | None = None,
+                  tls: bool = False) -> tuple[float, float]:
     """One run; returns the end-to-end msgs/s and the broker's CPU microseconds per message. `scrape_every`: the broker serves /metrics on a port of its
-    own, scraped that often (0: served, never scraped); None: as before, no metrics listener."""
+    own, scraped that often (0: served, never scraped); None: as before, no metrics listener. `tls`: the
+    clients use the broker's TLS port."""
     port = free_port()
     url = f"flowbroker://127.0.0.1:{port}"
     broker_args = ["--memory-quota", args.quota]
+    if tls:
+        tls_port = free_port()
+        broker_args += tls_broker_args(Path(tempfile.mkdtemp(prefix="bench-tls-")), tls_port)
+        url = f"flowbroker+tls://localhost:{tls_port}"
     metrics_url = ""
     if scrape_every is not None:
         metrics_port = free_port()
@@ -214,6 +252,7 @@ def scenario_flow(args: argparse.Namespace, rate: float, scrape_every: float | N
         consumer.join()
         elapsed = c["last"] - p["start"]
         label = f"paced at {rate:,.0f} msgs/s" if rate else "throughput"
+        label += ", TLS" if tls else ""
         if scrape_every is not None:
             label += (f", /metrics scraped every {scrape_every:g} s" if scrape_every else ", /metrics not scraped")
         print(f"\n== {label}: broker + producer process + consumer process, {args.size} B messages ==")
@@ -255,6 +294,23 @@ def scenario_metrics(args: argparse.Namespace) -> None:
               + f" {unit} (median {format(on, fmt)})")
         print(f"{what}: scraped vs not, medians {(on - off) / off * 100:+.1f} %; spread of the unscraped runs "
               f"{(max(values[False]) - min(values[False])) / off * 100:.1f} % of their median")
+
+
+def scenario_tls(args: argparse.Namespace) -> None:
+    """Throughput over plain TCP and over TLS, alternating runs, one broker process per run."""
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(args.rounds):
+        for tls in ((False, True) if round_ % 2 == 0 else (True, False)):
+            rate, broker_us = scenario_flow(args, 0.0, tls=tls)
+            runs[tls].append(rate)
+            cpu[tls].append(broker_us)
+    print(f"\n== tls: {args.rounds} pair(s) of throughput runs, {args.count:,} messages each ==")
+    for what, values, unit, fmt in (("msgs/s", runs, "msgs/s", ",.0f"), ("broker CPU", cpu, "us/msg", ".2f")):
+        plain, tls_ = statistics.median(values[False]), statistics.median(values[True])
+        print(f"{what}, plain: " + ", ".join(format(v, fmt) for v in values[False]) + f" {unit} (median {format(plain, fmt)})")
+        print(f"{what}, TLS:   " + ", ".join(format(v, fmt) for v in values[True]) + f" {unit} (median {format(tls_, fmt)})")
+        print(f"{what}: TLS vs plain, medians {(tls_ - plain) / plain * 100:+.1f} %")
 
 
 def scenario_overload(args: argparse.Namespace) -> None:
@@ -302,7 +358,7 @@ def scenario_overload(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenario", nargs="?", default="all",
-                        choices=["throughput", "paced", "overload", "metrics", "all"])
+                        choices=["throughput", "paced", "overload", "metrics", "tls", "all"])
     parser.add_argument("--count", type=int, default=600_000, help="messages in the throughput scenario")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the paced scenario")
     parser.add_argument("--rate", type=float, default=5000.0, help="msgs/s in the paced scenario")
@@ -328,6 +384,8 @@ def main() -> None:
         scenario_overload(args)
     if args.scenario == "metrics":  # not in "all": it is six throughput runs
         scenario_metrics(args)
+    if args.scenario == "tls":  # likewise
+        scenario_tls(args)
 
 
 if __name__ == "__main__":
