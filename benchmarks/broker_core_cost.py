@@ -6,7 +6,10 @@ DELIVER frames and the producer's COMPLETE and BUFFER_ACK frames are collected a
 consumer's SETTLE frames (one per batch, as the SDK sends them) are decoded and handled. What is
 left out is what the end-to-end benchmark adds: system calls, the trio scheduler, other processes.
 
-    python benchmarks/broker_core_cost.py [--messages 200000] [--batch 64] [--size 1024]
+    python benchmarks/broker_core_cost.py [--messages 200000] [--batch 64] [--size 1024] [--permissions]
+
+`--permissions`: the producer is a user with permissions (every message's write on its exchange is
+checked, from the connection's cache), instead of the loopback user, who is not checked at all.
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ from flowbroker.protocol.frames import (
 )
 
 
-def run(messages: int, batch: int, size: int) -> float:
+def run(messages: int, batch: int, size: int, permissions: bool = False) -> float:
     """Seconds of CPU for `messages` messages through the core; returns per-message microseconds."""
     config = load_config(None, {"server": {"memory_quota": 1 << 30}})
     clock = [0]
     core = BrokerCore(config, lambda: clock[0])
     producer = core.open_session("bench-producer", "anonymous", True, lambda: None)
     consumer = core.open_session("bench-consumer", "anonymous", True, lambda: None)
+    if permissions:
+        from flowbroker.broker.permissions import Access
+        from flowbroker.broker.users import User
+        from flowbroker.protocol.scram import StoredCredential
+
+        producer.access = Access("bench", User("bench", StoredCredential.from_password("x", 1), (), ".*", ".*", ".*"))
     core.declare_queue("bench", None)
     # Each end speaks through a broker-side state machine fed by a client-side one, as on the wire.
     p_client, p_broker = Connection(Role.CLIENT), Connection(Role.BROKER)
@@ -96,8 +105,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="messages per TRANSFER frame")
     parser.add_argument("--size", type=int, default=1024, help="body bytes")
     parser.add_argument("--repeat", type=int, default=3, help="runs; the best is printed (least disturbed)")
+    parser.add_argument("--permissions", action="store_true", help="the producer's permissions are checked")
     args = parser.parse_args()
-    results = [run(args.messages, args.batch, args.size) for _ in range(args.repeat)]
+    extra = (args.permissions,) if args.permissions else ()  # (so the script also runs on older trees)
+    results = [run(args.messages, args.batch, args.size, *extra) for _ in range(args.repeat)]
     print(f"broker core, {args.size} B bodies, {args.batch} per TRANSFER: "
           f"{min(results):.2f} us CPU per message (runs: {', '.join(f'{r:.2f}' for r in results)}); "
           f"{1e6 / min(results):,.0f} msgs/s on one core")

@@ -100,6 +100,12 @@ class Authenticator:
         self.failures = 0
         self.successes = 0
 
+    def users_changed(self) -> bool:
+        """Re-read the users file if it changed; True when the users (or their permissions) did."""
+        generation = self.store.generation
+        self.store.refresh()
+        return self.store.generation != generation
+
     def failed(self, reason: str, username: str | None) -> Refused:
         self.failures += 1
         return Refused(f"authentication failed for user {username!r}" if username is not None
@@ -108,8 +114,10 @@ class Authenticator:
     def begin(self, auth: dict[str, Any] | None, peer: Peer) -> Outcome:
         self.store.refresh()
         if peer.certificate_identity is not None and not auth:
-            return self._accepted(Accepted(peer.certificate_identity, "EXTERNAL",
-                                           self.store.get(peer.certificate_identity)))
+            user = self.store.get(peer.certificate_identity)
+            if user is None:  # as RabbitMQ's EXTERNAL: the subject must be a user, for its permissions
+                return self.failed("client certificate subject is not a user", peer.certificate_identity)
+            return self._accepted(Accepted(user.name, "EXTERNAL", user))
         if not auth:
             if self.config.loopback_user and is_local(peer.host):
                 return self._accepted(Accepted(self.config.loopback_user, "loopback", None))

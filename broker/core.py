@@ -272,6 +272,9 @@ class BrokerCore:
                 pass  # the shell ends the connection
             return
         request_id: int = frame.request_id  # type: ignore[union-attr]
+        if session.access is not None and (denied := session.access.check_request(frame)) is not None:
+            session.send(Error(ErrorCode.UNAUTHORIZED, denied.text, None, request_id, denied.resource))
+            return
         try:
             result = handler(self, session, frame)
         except RequestError as exc:
@@ -317,6 +320,8 @@ class BrokerCore:
         broker_hold = session.flow_control and bool(self._broker_stops)
         memory_refusal = self.memory.alarm and not session.flow_control
         queues_by_name = self.queues
+        # Permissions (broker/permissions.py): one dict lookup per message, the decision cached per exchange.
+        may_write = session.access.write_cache if session.access is not None else None
         # Only the messages received: up to a credit violation, raised once they are routed.
         for entry, size in zip(entries, sizes):
             body = entry.body
@@ -329,6 +334,9 @@ class BrokerCore:
                     self._refuse(session, tid, size, *refused)
                     tid += 1
                     continue
+            if may_write is not None and not may_write.get(exchange) and self._publish_denied(session, tid, size, exchange):
+                tid += 1
+                continue
             if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
                 self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
                              f"the broker is over its memory watermark ({self.memory.held} of "
@@ -396,6 +404,16 @@ class BrokerCore:
                     f"message of {size} bytes (body {len(entry.body)}, with its routing key, exchange and "
                     f"headers) exceeds max_message_size {max_message}", None)
         return None
+
+    def _publish_denied(self, session: Session, tid: int, size: int, exchange: str) -> bool:
+        """Decide (and cache) write on `exchange` for a message whose decision is not cached as allowed;
+        refuse the message (UNAUTHORIZED, completed) if it is denied."""
+        access = session.access
+        assert access is not None
+        if access.may_publish(exchange):
+            return False
+        self._refuse(session, tid, size, ErrorCode.UNAUTHORIZED, access.denied_publish(exchange).text, exchange)
+        return True
 
     def _refuse(self, session: Session, tid: int, size: int, code: ErrorCode, text: str, dest: str | None) -> None:
         """A transfer the broker will not enqueue: say why, and complete it so window and credit flow."""

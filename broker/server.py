@@ -56,6 +56,7 @@ import trio
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import AdminServer, publish_token, resolve_token
 from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Peer, Refused
+from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
@@ -92,6 +93,7 @@ READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core 
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
 DRAIN_BYTES = 1024 * 1024  # ...and how much of it
 DESCRIPTOR_RESERVE = 64  # descriptors beyond max_connections: listeners, the admin API, logs
+USERS_CHECK_SECONDS = 1.0  # how often the users file is looked at (a stat) for changed permissions
 CONNECTION_SUMMARY_SECONDS = 60.0  # connections open and close at DEBUG; INFO gets a summary this often
 HTTP_METHODS = (b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE", b"PATC", b"OPTI", b"CONN", b"TRAC")
 """First bytes of an HTTP request. As a length prefix each is over 1 GiB, more than any max_frame_size,
@@ -230,6 +232,7 @@ class BrokerServer:
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
             nursery.start_soon(self._summarise_connections)
+            nursery.start_soon(self._watch_users)
             if self.udp is not None:
                 nursery.start_soon(self.udp.run)
             task_status.started(self.port)
@@ -270,6 +273,19 @@ class BrokerServer:
                 LOGGER.info("connections in the last %g s: %d opened, %d closed; %d open now",
                             CONNECTION_SUMMARY_SECONDS, self.opened, self.closed, len(self.connections))
                 self.opened = self.closed = 0
+
+    async def _watch_users(self) -> None:
+        """Apply a changed users file to the connections open: new permissions (their cached decisions
+        dropped), and a deleted user's connections may do nothing more (each refusal says so)."""
+        while True:
+            await trio.sleep(USERS_CHECK_SECONDS)
+            if self.authenticator.users_changed():
+                store = self.authenticator.store
+                LOGGER.info("users file changed: %d user(s); permissions of open connections updated",
+                            len(store.users))
+                for session in self.core.sessions.values():
+                    if session.access is not None:
+                        session.access.update(store.get(session.identity))
 
     def _scrape_token(self) -> str:
         """The admin credential for a token-protected /metrics when the admin API is off: the configured
@@ -472,6 +488,8 @@ class ConnectionHandler:
             hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities
         )
         session.peer_host = self.peer_info.host
+        if accepted.user is not None:  # the loopback user may do anything: no checks at all
+            session.access = Access(accepted.identity, accepted.user)
         self.session = session
         self.server.connections[session.conn_id] = self
         try:

@@ -28,6 +28,7 @@ from flowbroker.protocol.session import TransferReceiver
 
 if TYPE_CHECKING:
     from flowbroker.broker.message import Message
+    from flowbroker.broker.permissions import Access
     from flowbroker.broker.queue import Queue
     from flowbroker.broker.subscription import Subscription
 
@@ -81,6 +82,7 @@ class Session:
         self.outbox = Outbox(wake, max_outbox_frames, max_delivery_frame_bytes)
         self.now_ns = 0  # set by the shell before it hands frames to the core
         self.peer_host: str | None = None  # the client's IP address (TCP): where its UDP datagrams come from
+        self.access: Access | None = None  # its user's permissions (broker/permissions.py); None: may do anything
         # The broker-wide count of ERROR frames sent, by code, that send() adds to (metrics); None for a
         # session whose frames reach no wire of their own (a UDP publication's: its owner relays them).
         self.errors_sent: Counter[ErrorCode] | None = None

@@ -1,0 +1,76 @@
+"""broker/permissions.py: RabbitMQ's pattern semantics, the frame -> permission table, and the publish cache
+(bounded, dropped when the user's permissions change)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowbroker.broker.permissions import MAX_CACHED, Access
+from flowbroker.broker.users import User
+from flowbroker.protocol.frames import (
+    Bind,
+    Cancel,
+    DeclareExchange,
+    DeclareQueue,
+    DeleteExchange,
+    DeleteQueue,
+    JoinGroup,
+    PurgeQueue,
+    RegisterPublication,
+    Subscribe,
+    SubscribeUdp,
+    Unbind,
+)
+from flowbroker.protocol.scram import StoredCredential
+
+CRED = StoredCredential.from_password("x", 1)
+
+
+def access(configure: str = "^c", write: str = "^w", read: str = "^r") -> Access:
+    return Access("u", User("u", CRED, (), configure, write, read))
+
+
+@pytest.mark.parametrize("frame, allowed, denied", [
+    (DeclareQueue(1, "c.q"), None, DeclareQueue(1, "q")),
+    (DeleteQueue(1, "c.q"), None, DeleteQueue(1, "x")),
+    (DeclareExchange(1, "c.x", "topic"), None, DeclareExchange(1, "x", "topic")),
+    (DeleteExchange(1, "c.x"), None, DeleteExchange(1, "x")),
+    (Bind(1, "w.q", "r.x", "k"), None, Bind(1, "q", "r.x", "k")),
+    (Unbind(1, "w.q", "r.x", "k"), None, Unbind(1, "w.q", "x", "k")),
+    (PurgeQueue(1, "r.q"), None, PurgeQueue(1, "q")),
+    (Subscribe(1, 1, "r.q", 0, 0), None, Subscribe(1, 1, "q", 0, 0)),
+    (SubscribeUdp(1, 1, "r.q", 0, 0, 1000, 1), None, SubscribeUdp(1, 1, "q", 0, 0, 1000, 1)),
+    (RegisterPublication(1, "w.x", "k", 1, 1000), None, RegisterPublication(1, "x", "k", 1, 1000)),
+    (JoinGroup(1, 1, "r.x", "c.g", "", "", 0, 1, 1), None, JoinGroup(1, 1, "r.x", "g", "", "", 0, 1, 1)),
+])
+def test_each_request_is_allowed_and_refused_by_its_permission(frame: object, allowed: None, denied: object) -> None:
+    a = access()
+    assert a.check_request(frame) is allowed
+    refusal = a.check_request(denied)
+    assert refusal is not None and "access refused: user 'u' has no" in refusal.text
+
+
+def test_requests_on_what_the_connection_holds_need_nothing() -> None:
+    assert access("", "", "").check_request(Cancel(1, 1)) is None
+
+
+def test_patterns_are_searched_and_empty_means_nothing_and_the_default_exchange_is_amq_default() -> None:
+    a = access(configure="orders", write=r"^amq\.default$", read="")
+    assert a.allowed("configure", "my-orders-queue")  # search, as RabbitMQ
+    assert a.may_publish("") and not a.may_publish("amq.direct")
+    assert not a.allowed("read", "anything")
+    refusal = a.denied_publish("")
+    assert refusal.text.endswith("on exchange 'amq.default'") and refusal.resource == ""
+
+
+def test_the_publish_cache_is_bounded_and_dropped_when_permissions_change() -> None:
+    a = access(write=".*")
+    for i in range(MAX_CACHED * 3):
+        assert a.may_publish(f"x{i}")
+        assert len(a.write_cache) <= MAX_CACHED
+    a.may_publish("kept")
+    assert a.write_cache["kept"] is True
+    a.update(User("u", CRED, (), "", "^nothing$", ""))
+    assert a.write_cache == {} and not a.may_publish("kept")
+    a.update(None)  # the user was deleted: nothing is allowed
+    assert not a.may_publish("nothing") and a.check_request(DeclareQueue(1, "c")) is not None

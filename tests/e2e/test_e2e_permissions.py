@@ -1,0 +1,143 @@
+"""Permissions per user (issue 15.3) over real sockets: each of configure, write and read allowed and refused
+at declare, delete, bind, purge, publish (per message's exchange) and subscribe; a refusal is an ERROR
+UNAUTHORIZED naming the resource and the permission, the connection stays up and a connection beside it
+loses nothing; a changed users file applies to connections already open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import flowbroker.client as fc
+from flowbroker.broker.users import User, write_users
+from flowbroker.protocol import ErrorCode
+from flowbroker.protocol.scram import StoredCredential
+
+LIMIT = 10.0
+CRED = StoredCredential.from_password("pw", 4096)
+
+
+def write(path: Path, **patterns: str) -> None:
+    write_users(path, {"p": User("p", CRED, (), patterns.get("configure", r"^p\."), patterns.get("write", r"^p\."),
+                                 patterns.get("read", r"^p\."))})
+
+
+async def start(start_flowbroker: Any, tmp_path: Path, **patterns: str) -> Any:
+    users = tmp_path / "users.json"
+    write(users, **patterns)
+    # static credit: under the default policy a second producer connection waits for the first, idle one
+    # to give back credit it was promised (the pool is shared; a shrink takes effect as it is used)
+    broker = await start_flowbroker(auth={"users_file": str(users)}, udp={"enabled": False},
+                                    credit={"policy": "static"})
+    async with await fc.connect(broker.url, timeout=LIMIT) as guest:  # the loopback user may do anything
+        for queue in ("other", "p.q"):
+            await guest.declare_queue(queue)
+        await guest.declare_exchange("other.x", "fanout")
+        await guest.declare_exchange("p.x", "fanout")
+    return broker
+
+
+async def refused(call: Any, permission: str, kind: str, name: str) -> None:
+    with pytest.raises(fc.RequestError) as info:
+        await call
+    assert info.value.code is ErrorCode.UNAUTHORIZED and info.value.destination == name
+    assert info.value.text == f"access refused: user 'p' has no {permission} permission on {kind} {name!r}"
+
+
+async def test_configure_is_checked_at_declare_and_delete(start_flowbroker: Any, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+        await conn.declare_queue("p.mine")
+        await conn.declare_exchange("p.ex", "topic")
+        await refused(conn.declare_queue("q"), "configure", "queue", "q")
+        await refused(conn.declare_exchange("ex", "topic"), "configure", "exchange", "ex")
+        await refused(conn.delete_queue("other"), "configure", "queue", "other")
+        await refused(conn.delete_exchange("other.x"), "configure", "exchange", "other.x")
+        await conn.delete_queue("p.mine")
+        await conn.delete_exchange("p.ex")
+    assert "q" not in broker.core.queues and "other" in broker.core.queues and "other.x" in broker.core.exchanges
+
+
+async def test_bind_needs_write_on_the_queue_and_read_on_the_exchange(start_flowbroker: Any, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+        await conn.bind("p.q", "p.x")
+        await refused(conn.bind("other", "p.x"), "write", "queue", "other")
+        await refused(conn.bind("p.q", "other.x"), "read", "exchange", "other.x")
+        await refused(conn.unbind("other", "p.x"), "write", "queue", "other")
+        await conn.unbind("p.q", "p.x")
+
+
+async def test_subscribe_and_purge_need_read_on_the_queue(start_flowbroker: Any, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, tmp_path, read=r"^p\.q$")
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+        await conn.purge_queue("p.q")
+        await refused(conn.purge_queue("other"), "read", "queue", "other")
+        with pytest.raises(fc.RequestError) as info:
+            async with conn.consumer("other"):
+                pass
+        assert info.value.code is ErrorCode.UNAUTHORIZED and "read permission on queue 'other'" in info.value.text
+        async with conn.consumer("p.q"):
+            pass
+
+
+async def test_publish_needs_write_on_each_messages_exchange_and_the_connection_stays_up(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, timeout=LIMIT) as guest:
+        await guest.bind("p.q", "p.x")
+        await guest.bind("other", "other.x")
+        beside = guest.producer(exchange="other.x")
+        async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+            allowed = conn.producer(exchange="p.x")
+            denied = conn.producer(exchange="other.x")
+            default = conn.producer(routing_key="p.q")  # the default exchange: amq.default
+            for i in range(3):
+                await allowed.send(b"ok%d" % i, timeout=LIMIT)
+                await denied.send(b"no", timeout=LIMIT)
+                await default.send(b"no", timeout=LIMIT)
+                await beside.send(b"beside", timeout=LIMIT)
+            await allowed.flush(timeout=LIMIT)
+            with pytest.raises(fc.PublishError) as info:
+                await denied.flush(timeout=LIMIT)
+            assert info.value.code is ErrorCode.UNAUTHORIZED and info.value.destination == "other.x"
+            assert "no write permission on exchange 'other.x'" in info.value.text
+            with pytest.raises(fc.PublishError) as info:
+                await default.flush(timeout=LIMIT)
+            assert "no write permission on exchange 'amq.default'" in info.value.text
+            await beside.flush(timeout=LIMIT)
+            assert not conn.is_closed
+            await conn.declare_queue("p.after")  # still up
+        assert broker.core.queues["p.q"].statistics().messages == 3
+        assert broker.core.queues["other"].statistics().messages == 3  # only the guest's
+
+
+async def test_changed_permissions_apply_to_open_connections(start_flowbroker: Any, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+        producer = conn.producer(routing_key="p.q")
+        await producer.send(b"refused", timeout=LIMIT)
+        with pytest.raises(fc.PublishError):
+            await producer.flush(timeout=LIMIT)
+        await trio.sleep(0.05)  # a distinct modification time
+        write(tmp_path / "users.json", write=r"^(p\.|amq\.default$)")
+        with trio.fail_after(LIMIT):
+            while True:
+                await producer.send(b"allowed", timeout=LIMIT)
+                try:
+                    await producer.flush(timeout=LIMIT)
+                    break
+                except fc.PublishError:
+                    await trio.sleep(0.2)
+        write_users(tmp_path / "users.json", {})  # the user deleted: nothing more
+        with trio.fail_after(LIMIT):
+            while True:
+                try:
+                    await conn.declare_queue("p.more")
+                    await trio.sleep(0.2)
+                except fc.RequestError as exc:
+                    assert exc.code is ErrorCode.UNAUTHORIZED
+                    break
