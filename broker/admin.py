@@ -43,7 +43,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
+from flowbroker.broker.adminusers import AdminUsers, basic_credentials
 from flowbroker.broker.config import AdminConfig, valid_token
+from flowbroker.broker.users import UserStore
 from flowbroker.broker.console import PUBLIC_PATHS
 from flowbroker.broker.core import BrokerCore, RequestError
 from flowbroker.policies.credit import PolicyConfigError
@@ -172,11 +174,12 @@ class BearerAuth:
     (`/metrics` unless `[metrics] require_token`: docs/metrics.md) need neither."""
 
     def __init__(self, app: ASGIApp, token: str, sessions: console.SessionStore | None = None,
-                 open_paths: frozenset[str] = frozenset()):
+                 open_paths: frozenset[str] = frozenset(), users: AdminUsers | None = None):
         self.app = app
         self._token = token.encode()
         self._sessions = sessions
         self._public = PUBLIC_PATHS | open_paths
+        self._users = users  # admin users (broker/adminusers.py): HTTP Basic, beside the token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._public:
@@ -196,8 +199,10 @@ class BearerAuth:
         if not header and self._sessions is not None:
             sid = console.session_id(scope)
             if sid is not None:
-                return self._session_refusal(scope, self._sessions.csrf(sid))
+                return self._session_refusal(scope, self._sessions.csrf(sid), self._sessions.read_only(sid))
         scheme, _, credential = header.partition(b" ")
+        if scheme.lower() == b"basic" and self._users is not None:
+            return self._basic_refusal(scope, credential)
         if not header or scheme.lower() != b"bearer" or not credential.strip():
             return _error_response(
                 401, "unauthorized",
@@ -208,12 +213,29 @@ class BearerAuth:
             return _error_response(403, "forbidden", "the admin token is wrong")
         return None
 
+    def _basic_refusal(self, scope: Scope, credential: bytes) -> Response | None:
+        """An admin user by HTTP Basic: administrator may do anything, monitoring only read."""
+        assert self._users is not None
+        pair = basic_credentials(credential)
+        checked = self._users.check(*pair) if pair is not None else None
+        if checked is None:
+            LOGGER.warning("admin API: refused HTTP Basic credentials for user %s",
+                           logsafe(pair[0]) if pair is not None else "(malformed)")
+            return _error_response(403, "forbidden", "wrong user or password, or the user has no admin tag "
+                                                     "(administrator or monitoring)")
+        user, read_only = checked
+        if read_only and scope["method"] not in SAFE_METHODS:
+            return _read_only_refusal(user.name)
+        return None
+
     @staticmethod
-    def _session_refusal(scope: Scope, csrf: str | None) -> Response | None:
+    def _session_refusal(scope: Scope, csrf: str | None, read_only: bool = False) -> Response | None:
         if csrf is None:
             return _error_response(401, "unauthorized", "the console session has ended (logged out or expired): log in at /")
         if scope["method"] in SAFE_METHODS:
             return None
+        if read_only:
+            return _read_only_refusal("this console session's user")
         given = b""
         for name, value in scope["headers"]:
             if name == console.CSRF_HEADER.encode():
@@ -223,6 +245,10 @@ class BearerAuth:
             return _error_response(403, "csrf", f"a {scope['method']} with the console's cookie needs its "
                                                 f"{console.CSRF_HEADER} header (GET /session)")
         return None
+
+
+def _read_only_refusal(who: str) -> Response:
+    return _error_response(403, "read_only", f"{who} has the monitoring tag: it may read, not change anything")
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -438,9 +464,11 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
                ports: Callable[[], tuple[int | None, int | None]] | None = None,
-               metrics: Route | None = None, metrics_need_token: bool = False) -> ASGIApp:
-    """The admin ASGI app: Starlette routes behind bearer-token auth; `metrics` is the `GET /metrics`
-    route when the metrics are served here (broker/metricshttp.py), open unless `metrics_need_token`."""
+               metrics: Route | None = None, metrics_need_token: bool = False,
+               users: UserStore | None = None) -> ASGIApp:
+    """The admin ASGI app: Starlette routes behind bearer-token auth (or an admin user's, from `users`);
+    `metrics` is the `GET /metrics` route when the metrics are served here (broker/metricshttp.py), open
+    unless `metrics_need_token`."""
     api = AdminApi(core, peer_of, ports)
     j = _json_endpoint
     routes: list[BaseRoute] = [
@@ -465,9 +493,10 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         routes.append(metrics)
         open_paths = frozenset() if metrics_need_token else frozenset({metrics.path})
     sessions = console.SessionStore()
-    routes += console.console_routes(token, sessions)
+    admin_users = AdminUsers(users) if users is not None else None
+    routes += console.console_routes(token, sessions, admin_users)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
-    return BearerAuth(app, token, sessions, open_paths)
+    return BearerAuth(app, token, sessions, open_paths, admin_users)
 
 
 # -- listening ---------------------------------------------------------------------------------
@@ -516,7 +545,7 @@ class AdminServer:
 
     def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
                  broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
-                 metrics_need_token: bool = False):
+                 metrics_need_token: bool = False, users: UserStore | None = None):
         self.config = config
         self.core = core
         self.token, self._token_unwritten = resolve_token(config, config.port)
@@ -525,7 +554,7 @@ class AdminServer:
         self._fd: int | None = None
         self._broker_port = broker_port or (lambda: None)
         self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
-                              metrics_need_token)
+                              metrics_need_token, users)
         self._shutdown = trio.Event()
 
     def bind(self) -> int:

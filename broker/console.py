@@ -31,6 +31,9 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Scope
 
+from flowbroker.broker.adminusers import AdminUsers
+from flowbroker.broker.logsafe import logsafe
+
 __all__ = [
     "COOKIE",
     "CSRF_HEADER",
@@ -82,6 +85,7 @@ SECURITY_HEADERS = {
 class _Session:
     csrf: str
     expires: float
+    read_only: bool = False  # logged in by a user with the monitoring tag only
 
 
 class SessionStore:
@@ -97,7 +101,7 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self) -> tuple[str, str]:
+    def create(self, read_only: bool = False) -> tuple[str, str]:
         """A new session: (id for the cookie, CSRF value for the page)."""
         now = self._clock()
         for sid in [sid for sid, s in self._sessions.items() if s.expires <= now]:
@@ -105,8 +109,12 @@ class SessionStore:
         while len(self._sessions) >= self._limit:
             self._sessions.popitem(last=False)
         sid, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-        self._sessions[sid] = _Session(csrf, now + self._lifetime)
+        self._sessions[sid] = _Session(csrf, now + self._lifetime, read_only)
         return sid, csrf
+
+    def read_only(self, sid: str | None) -> bool:
+        session = self._sessions.get(sid) if sid else None
+        return session is not None and session.read_only
 
     def csrf(self, sid: str | None) -> str | None:
         """The CSRF value of a live session, or None (unknown or expired: then forgotten)."""
@@ -154,7 +162,10 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=SECURITY_HEADERS)
 
 
-def console_routes(token: str, sessions: SessionStore) -> list[BaseRoute]:
+LOGIN_BODY = 'log in with a JSON body {"token": "..."} or {"username": "...", "password": "..."}'
+
+
+def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None = None) -> list[BaseRoute]:
     """The console's routes. `/login`, `/` (without a session) and the login assets are public
     (PUBLIC_PATHS); the rest sits behind the admin app's auth middleware like /api/*."""
     expected = token.encode()
@@ -173,20 +184,35 @@ def console_routes(token: str, sessions: SessionStore) -> list[BaseRoute]:
         # JSON only: a cross-site HTML form cannot send application/json, so it cannot log a
         # browser into this broker under the attacker's credential either.
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            return _error(415, "unsupported_media_type", "log in with a JSON body {\"token\": \"...\"}")
+            return _error(415, "unsupported_media_type", LOGIN_BODY)
         body = await request.body()
         if len(body) > 4096:
             return _error(413, "too_large", "request body over 4096 bytes")
         try:
-            given = json.loads(body)["token"]
-        except (ValueError, KeyError, TypeError):
-            return _error(400, "invalid_json", "log in with a JSON body {\"token\": \"...\"}")
-        if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), expected):
+            doc = json.loads(body)
+            given = doc.get("token") if doc.get("username") is None else None
+            if given is None:
+                name, password = doc["username"], doc["password"]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return _error(400, "invalid_json", LOGIN_BODY)
+        read_only = False
+        if given is None:  # an admin user (broker/adminusers.py)
+            checked = (users.check(name, password) if users is not None and isinstance(name, str)
+                       and isinstance(password, str) else None)
+            if checked is None:
+                LOGGER.warning("console: a login refused for user %s", logsafe(name))
+                return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")
+            read_only = checked[1]
+            who = f"user {checked[0].name}" + (" (monitoring: read only)" if read_only else "")
+        elif not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), expected):
             LOGGER.warning("console: a login with a wrong admin token")
             return _error(403, "forbidden", "the admin token is wrong")
-        sid, csrf = sessions.create()
-        LOGGER.info("console: logged in (%d session(s) open)", len(sessions))
-        response = JSONResponse({"csrf": csrf, "expires_in_seconds": SESSION_SECONDS}, headers=SECURITY_HEADERS)
+        else:
+            who = "the admin token"
+        sid, csrf = sessions.create(read_only)
+        LOGGER.info("console: logged in with %s (%d session(s) open)", who, len(sessions))
+        response = JSONResponse({"csrf": csrf, "expires_in_seconds": SESSION_SECONDS, "read_only": read_only},
+                                headers=SECURITY_HEADERS)
         response.set_cookie(cookie_name(request.scope), sid, max_age=SESSION_SECONDS, path="/", httponly=True, samesite="strict",
                             secure=request.url.scheme == "https")
         return response

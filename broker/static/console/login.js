@@ -1,4 +1,4 @@
-// The login page: posts the admin token as JSON (the server sets an HttpOnly session cookie), then
+// The login page: posts the admin token, or an admin user's name and password, as JSON (the server sets an HttpOnly session cookie), then
 // opens the console. The token is not stored anywhere in the browser.
 "use strict";
 // the default token file is one per admin port: name this one's
@@ -9,11 +9,13 @@ document.getElementById("login-form").addEventListener("submit", async (event) =
   const error = document.getElementById("login-error");
   error.textContent = "";
   const token = document.getElementById("token").value;
+  const username = document.getElementById("username").value;
+  const password = document.getElementById("password").value;
   try {
     const response = await fetch("/login", {
       method: "POST",
       headers: {"Content-Type": "application/json"},
-      body: JSON.stringify({token}),
+      body: JSON.stringify(username ? {username, password} : {token}),
       credentials: "same-origin",
     });
     if (response.ok) {

@@ -1,0 +1,75 @@
+"""Admin API users (issue 15.4): HTTP Basic for users with the administrator tag (anything) or the monitoring
+tag (reads only), the console's login with a user and password (a monitoring session is read only), and
+the token still working beside them."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowbroker.broker.users import User, write_users
+from flowbroker.protocol.scram import StoredCredential
+from flowbroker.broker.console import CSRF_HEADER
+from tests.console.test_console_auth import TOKEN, login, request
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+@pytest.fixture
+async def broker(start_flowbroker: Any, tmp_path: Path) -> Any:
+    users = tmp_path / "users.json"
+    write_users(users, {
+        "root": User("root", StoredCredential.from_password("r00t", 4096), ("administrator",)),
+        "watch": User("watch", StoredCredential.from_password("w4tch", 4096), ("monitoring",)),
+        "app": User("app", StoredCredential.from_password("app", 4096)),
+    })
+    broker = await start_flowbroker(admin={"token": TOKEN}, auth={"users_file": str(users)})
+    broker.core.declare_queue("q")
+    return broker
+
+
+async def test_an_administrator_may_read_and_change(broker: Any) -> None:
+    assert (await request(broker, "GET", "/api/queues", headers=basic("root", "r00t"))).status == 200
+    purge = await request(broker, "POST", "/api/queues/q/purge", headers=basic("root", "r00t"))
+    assert purge.status == 200, purge.text
+
+
+async def test_monitoring_may_read_but_not_change(broker: Any) -> None:
+    assert (await request(broker, "GET", "/api/connections", headers=basic("watch", "w4tch"))).status == 200
+    refused = await request(broker, "POST", "/api/queues/q/purge", headers=basic("watch", "w4tch"))
+    assert refused.status == 403 and refused.json()["error"]["code"] == "read_only"
+    assert "monitoring tag" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("user, password", [("root", "wrong"), ("app", "app"), ("nobody", "x"), ("", "")])
+async def test_a_wrong_password_or_a_user_without_an_admin_tag_is_refused(broker: Any, user: str, password: str) -> None:
+    answer = await request(broker, "GET", "/api/queues", headers=basic(user, password))
+    assert answer.status == 403 and answer.json()["error"]["code"] == "forbidden"
+
+
+async def test_the_token_still_works(broker: Any) -> None:
+    answer = await request(broker, "GET", "/api/queues", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status == 200
+
+
+async def test_the_console_logs_in_a_user_and_a_monitoring_session_is_read_only(broker: Any) -> None:
+    for user, password, read_only in (("root", "r00t", False), ("watch", "w4tch", True)):
+        answer = await request(broker, "POST", "/login", json.dumps({"username": user, "password": password}).encode(),
+                               {"Content-Type": "application/json"})
+        assert answer.status == 200 and answer.json()["read_only"] is read_only
+        pair = answer.cookies[0].split(";")[0]
+        csrf = answer.json()["csrf"]
+        headers = {"Cookie": pair, CSRF_HEADER: csrf}
+        assert (await request(broker, "GET", "/api/queues", headers=headers)).status == 200
+        purge = await request(broker, "POST", "/api/queues/q/purge", headers=headers)
+        assert purge.status == (403 if read_only else 200), purge.text
+    refused = await request(broker, "POST", "/login", json.dumps({"username": "root", "password": "no"}).encode(),
+                            {"Content-Type": "application/json"})
+    assert refused.status == 403
+    await login(broker)  # the token, as before
