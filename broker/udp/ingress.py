@@ -123,6 +123,7 @@ class Ingress:
             datapath.session_ids.give_back(session_id)
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(session.fault))
         session.peer_host = owner.peer_host
+        session.access = owner.access  # the owner's permissions, the same object: changes reach both
         session.errors_sent = None  # its ERRORs reach the owner's wire, counted there (_drain_outbox)
         core._register_producer(session)
         window = config.max_receiver_window
