@@ -258,8 +258,8 @@ class BrokerServer:
         store = self.authenticator.store
         LOGGER.info("authentication: %d user(s) in %s; PLAIN %s", len(store.users), store.path, auth.plain)
         if auth.loopback_user:
-            LOGGER.info("connections from loopback addresses without credentials are user %r (may do "
-                        "anything); from other addresses they are refused ([auth] loopback_user)",
+            LOGGER.info("loopback user %r: a client on a loopback address that sends no credentials is this user "
+                        "(may do anything); from other addresses it is refused ([auth] loopback_user)",
                         auth.loopback_user)
         if store.error:
             LOGGER.error("users file: %s (no user can log in until it is fixed)", store.error)
