@@ -68,11 +68,13 @@ def user() -> None:
 @click.option("--configure", default=".*", show_default=True, help="Queues and exchanges it may declare and delete (regex).")
 @click.option("--write", default=".*", show_default=True, help="Exchanges it may publish to, queues it may bind (regex).")
 @click.option("--read", "read_", default=".*", show_default=True, help="Queues it may consume from, exchanges it may bind from (regex).")
+@click.option("--max-connections", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
+              help="Connections open at once as this user (0 = no limit of its own).")
 @click.option("--iterations", type=click.IntRange(4096, 10_000_000), default=DEFAULT_ITERATIONS, show_default=True,
               help="PBKDF2 iterations of the stored credential.")
 @_options
 def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: str, write: str, read_: str,
-             iterations: int, config_path: Path | None, users_file: Path | None) -> None:
+             max_connections: int, iterations: int, config_path: Path | None, users_file: Path | None) -> None:
     """Add user NAME."""
     path = _path(config_path, users_file)
     users = _read(path)
@@ -80,7 +82,7 @@ def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: 
         raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
     credential = StoredCredential.from_password(_password(password_stdin), iterations)
     try:
-        users[name] = User(name, credential, tags, configure, write, read_)
+        users[name] = User(name, credential, tags, configure, write, read_, max_connections)
     except UsersError as exc:
         raise click.ClickException(str(exc)) from None
     write_users(path, users)
@@ -99,7 +101,7 @@ def user_passwd(name: str, password_stdin: bool, config_path: Path | None, users
     if old is None:
         raise click.ClickException(f"no user {name!r} in {path}")
     credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
-    users[name] = User(name, credential, old.tags, old.configure, old.write, old.read)
+    users[name] = User(name, credential, old.tags, old.configure, old.write, old.read, old.max_connections)
     write_users(path, users)
     click.echo(f"changed the password of {name}")
 

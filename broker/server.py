@@ -470,6 +470,10 @@ class ConnectionHandler:
             if response is None:
                 return None
             outcome = outcome.finish(response.data)
+        if isinstance(outcome, Accepted) and (over := self._over_user_limit(outcome)) is not None:
+            code = ErrorCode.RESOURCE_EXHAUSTED
+            await _send_and_close(self.io, self.conn, [Error(code, over, 1), Close(code, over)])
+            return None
         if isinstance(outcome, Refused):
             LOGGER.warning("connection from %s: login refused%s: %s", self.peer,
                            f" for user {logsafe(outcome.username)}" if outcome.username is not None else "",
@@ -481,6 +485,21 @@ class ConnectionHandler:
                                                        Close(ErrorCode.UNAUTHORIZED, text)])
             return None
         return outcome
+
+    def _over_user_limit(self, accepted: Accepted) -> str | None:
+        """Why the user's own max_connections (users file) refuses this connection, or None. Counted over
+        the open TCP connections at each login (logins are rare beside messages)."""
+        limit = accepted.user.max_connections if accepted.user is not None else 0
+        if not limit:
+            return None
+        open_now = sum(1 for h in self.server.connections.values()
+                       if h.session is not None and h.session.identity == accepted.identity)
+        if open_now < limit:
+            return None
+        text = f"user {accepted.identity!r} has its max_connections ({limit}) open"
+        LOGGER.warning("connection from %s: refused: %s", self.peer, logsafe(text))
+        self.core.errors_sent[ErrorCode.RESOURCE_EXHAUSTED] += 1
+        return text
 
     async def _serve(self, hello: Hello, accepted: Accepted) -> None:
         core = self.core

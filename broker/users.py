@@ -37,6 +37,7 @@ class User:
     configure: str = ".*"  # RabbitMQ's permissions: regular expressions over queue and exchange names
     write: str = ".*"
     read: str = ".*"
+    max_connections: int = 0  # connections open at once as this user; 0 = no limit of its own
     patterns: tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -49,8 +50,11 @@ class User:
         object.__setattr__(self, "patterns", tuple(compiled))
 
     def to_json(self) -> dict[str, Any]:
-        return {"password": self.credential.encode(), "tags": list(self.tags), "configure": self.configure,
-                "write": self.write, "read": self.read}
+        doc: dict[str, Any] = {"password": self.credential.encode(), "tags": list(self.tags),
+                               "configure": self.configure, "write": self.write, "read": self.read}
+        if self.max_connections:
+            doc["max_connections"] = self.max_connections
+        return doc
 
 
 def _user(name: object, entry: object, where: str) -> User:
@@ -58,7 +62,7 @@ def _user(name: object, entry: object, where: str) -> User:
         raise UsersError(f"{where}: user name {name!r} must be printable, 1..255 characters")
     if not isinstance(entry, dict):
         raise UsersError(f"{where}: user {name!r} must be an object")
-    unknown = set(entry) - {"password", "tags", "configure", "write", "read"}
+    unknown = set(entry) - {"password", "tags", "configure", "write", "read", "max_connections"}
     if unknown:
         raise UsersError(f"{where}: user {name!r}: unknown keys {sorted(unknown)}")
     try:
@@ -72,7 +76,10 @@ def _user(name: object, entry: object, where: str) -> User:
     for kind, value in perms.items():
         if not isinstance(value, str):
             raise UsersError(f"{where}: user {name!r}: {kind} must be a regular expression string")
-    return User(name, credential, tuple(tags), perms["configure"], perms["write"], perms["read"])
+    limit = entry.get("max_connections", 0)
+    if type(limit) is not int or not 0 <= limit <= 1_000_000:
+        raise UsersError(f"{where}: user {name!r}: max_connections must be an integer in [0, 1000000]")
+    return User(name, credential, tuple(tags), perms["configure"], perms["write"], perms["read"], limit)
 
 
 def read_users(path: Path) -> dict[str, User]:

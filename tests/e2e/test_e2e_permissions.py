@@ -141,3 +141,18 @@ async def test_changed_permissions_apply_to_open_connections(start_flowbroker: A
                 except fc.RequestError as exc:
                     assert exc.code is ErrorCode.UNAUTHORIZED
                     break
+
+
+async def test_a_users_max_connections_refuses_one_more_and_not_others(start_flowbroker: Any, tmp_path: Path) -> None:
+    users = tmp_path / "users.json"
+    write_users(users, {"p": User("p", CRED, (), ".*", ".*", ".*", 2), "q": User("q", CRED)})
+    broker = await start_flowbroker(auth={"users_file": str(users)}, udp={"enabled": False})
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT), \
+            await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT):
+        with pytest.raises(fc.HandshakeError) as info:
+            await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT)
+        assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED and "max_connections (2)" in str(info.value)
+        async with await fc.connect(broker.url, auth=("q", "pw"), timeout=LIMIT):  # another user: no limit
+            pass
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as again:  # closed ones free it
+        assert again.welcome.identity == "p"
