@@ -179,8 +179,8 @@ class ScramServer:
         attrs = _attributes(bare, "nr")
         self.username = _unescape_name(attrs["n"])
         client_nonce = attrs["r"]
-        if not client_nonce:
-            raise ScramError("empty client nonce")
+        if not client_nonce or not client_nonce.isascii():  # RFC 5802: printable ASCII, no ","
+            raise ScramError("the client nonce must be printable ASCII")
         credential = self._lookup(self.username)
         if credential is None:
             fake_salt = _hmac(self._secret, self.username.encode("utf-8"))[:16]

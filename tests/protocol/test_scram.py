@@ -102,7 +102,8 @@ def test_the_client_refuses_a_server_that_does_not_know_the_credential() -> None
 
 @pytest.mark.parametrize("message", [b"p=tls-unique,,n=user,r=x", b"n,a=admin,n=user,r=x", b"n,,r=x,n=user",
                                      b"n,,n=user", b"n,,n=,r=x", b"n,,n=us=er,r=x", b"\xff", b"n,,n=u\x00,r=x",
-                                     b"x" * 2000, b"n,,n=user,r=x,e=1"])
+                                     b"x" * 2000, b"n,,n=user,r=x,e=1",
+                                     "n,,n=user,r=é".encode()])  # found by tests/e2e/test_e2e_auth_fuzz.py
 def test_malformed_client_first_messages_are_refused(message: bytes) -> None:
     with pytest.raises(ScramError):
         server().first(message)
