@@ -165,6 +165,7 @@ def publish_token(config: AdminConfig, port: int, token: str) -> Path:
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_SLOW_HEADER = "x-flowbroker-login-failed"  # marks a refused admin user's password, answered after [auth] failed_login_delay
 
 
 class BearerAuth:
@@ -185,6 +186,9 @@ class BearerAuth:
         if scope["type"] == "http" and scope["path"] not in self._public:
             refusal = self._refusal(scope)
             if refusal is not None:
+                if _SLOW_HEADER in refusal.headers and self._users is not None:
+                    del refusal.headers[_SLOW_HEADER]
+                    await trio.sleep(self._users.failed_delay)  # a wrong password: guessing is slow
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -222,7 +226,7 @@ class BearerAuth:
             LOGGER.warning("admin API: refused HTTP Basic credentials for user %s",
                            logsafe(pair[0]) if pair is not None else "(malformed)")
             return _error_response(403, "forbidden", "wrong user or password, or the user has no admin tag "
-                                                     "(administrator or monitoring)")
+                                                     "(administrator or monitoring)", headers={_SLOW_HEADER: "1"})
         user, read_only = checked
         if read_only and scope["method"] not in SAFE_METHODS:
             return _read_only_refusal(user.name)
@@ -465,7 +469,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
                ports: Callable[[], tuple[int | None, int | None]] | None = None,
                metrics: Route | None = None, metrics_need_token: bool = False,
-               users: UserStore | None = None) -> ASGIApp:
+               users: UserStore | None = None, failed_delay: float = 1.0) -> ASGIApp:
     """The admin ASGI app: Starlette routes behind bearer-token auth (or an admin user's, from `users`);
     `metrics` is the `GET /metrics` route when the metrics are served here (broker/metricshttp.py), open
     unless `metrics_need_token`."""
@@ -493,7 +497,7 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         routes.append(metrics)
         open_paths = frozenset() if metrics_need_token else frozenset({metrics.path})
     sessions = console.SessionStore()
-    admin_users = AdminUsers(users) if users is not None else None
+    admin_users = AdminUsers(users, failed_delay) if users is not None else None
     routes += console.console_routes(token, sessions, admin_users)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
     return BearerAuth(app, token, sessions, open_paths, admin_users)
@@ -545,7 +549,7 @@ class AdminServer:
 
     def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
                  broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
-                 metrics_need_token: bool = False, users: UserStore | None = None):
+                 metrics_need_token: bool = False, users: UserStore | None = None, failed_delay: float = 1.0):
         self.config = config
         self.core = core
         self.token, self._token_unwritten = resolve_token(config, config.port)
@@ -554,7 +558,7 @@ class AdminServer:
         self._fd: int | None = None
         self._broker_port = broker_port or (lambda: None)
         self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
-                              metrics_need_token, users)
+                              metrics_need_token, users, failed_delay)
         self._shutdown = trio.Event()
 
     def bind(self) -> int:

@@ -32,8 +32,9 @@ def basic_credentials(value: bytes) -> tuple[str, str] | None:
 
 
 class AdminUsers:
-    def __init__(self, store: UserStore):
+    def __init__(self, store: UserStore, failed_delay: float = 1.0):
         self.store = store
+        self.failed_delay = failed_delay  # [auth] failed_login_delay: a refused password waits this long
         self._pepper = secrets.token_bytes(16)
         self._verified: dict[tuple[str, bytes], int] = {}  # (user, keyed password hash) -> store generation
 

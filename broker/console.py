@@ -21,6 +21,8 @@ import json
 import logging
 import secrets
 import time
+
+import trio
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,6 +203,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
                        and isinstance(password, str) else None)
             if checked is None:
                 LOGGER.warning("console: a login refused for user %s", logsafe(name))
+                await trio.sleep(users.failed_delay if users is not None else 0)
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")
             read_only = checked[1]
             who = f"user {checked[0].name}" + (" (monitoring: read only)" if read_only else "")

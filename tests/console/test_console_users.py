@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from flowbroker.broker.users import User, write_users
 from flowbroker.protocol.scram import StoredCredential
 from flowbroker.broker.console import CSRF_HEADER
 from tests.console.test_console_auth import TOKEN, login, request
+
+
+DELAY = 0.2
 
 
 def basic(user: str, password: str) -> dict[str, str]:
@@ -29,7 +33,7 @@ async def broker(start_flowbroker: Any, tmp_path: Path) -> Any:
         "watch": User("watch", StoredCredential.from_password("w4tch", 4096), ("monitoring",)),
         "app": User("app", StoredCredential.from_password("app", 4096)),
     })
-    broker = await start_flowbroker(admin={"token": TOKEN}, auth={"users_file": str(users)})
+    broker = await start_flowbroker(admin={"token": TOKEN}, auth={"users_file": str(users), "failed_login_delay": DELAY})
     broker.core.declare_queue("q")
     return broker
 
@@ -48,9 +52,12 @@ async def test_monitoring_may_read_but_not_change(broker: Any) -> None:
 
 
 @pytest.mark.parametrize("user, password", [("root", "wrong"), ("app", "app"), ("nobody", "x"), ("", "")])
-async def test_a_wrong_password_or_a_user_without_an_admin_tag_is_refused(broker: Any, user: str, password: str) -> None:
+async def test_a_wrong_password_or_a_user_without_an_admin_tag_is_refused_slowly(
+        broker: Any, user: str, password: str) -> None:
+    began = trio.current_time()
     answer = await request(broker, "GET", "/api/queues", headers=basic(user, password))
     assert answer.status == 403 and answer.json()["error"]["code"] == "forbidden"
+    assert trio.current_time() - began >= DELAY and "x-flowbroker-login-failed" not in answer.headers
 
 
 async def test_the_token_still_works(broker: Any) -> None:
@@ -69,7 +76,8 @@ async def test_the_console_logs_in_a_user_and_a_monitoring_session_is_read_only(
         assert (await request(broker, "GET", "/api/queues", headers=headers)).status == 200
         purge = await request(broker, "POST", "/api/queues/q/purge", headers=headers)
         assert purge.status == (403 if read_only else 200), purge.text
+    began = trio.current_time()
     refused = await request(broker, "POST", "/login", json.dumps({"username": "root", "password": "no"}).encode(),
                             {"Content-Type": "application/json"})
-    assert refused.status == 403
+    assert refused.status == 403 and trio.current_time() - began >= DELAY
     await login(broker)  # the token, as before
