@@ -29,7 +29,7 @@ __all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "PLAIN",
 PLAIN = "PLAIN"
 
 HOW_TO = ("connect with a user and password: connect(url, auth=(USER, PASSWORD)) in the Python SDK, "
-          "--user with FLOWBROKER_PASSWORD for the CLI (users: `flowbroker user add`; docs/security.md)")
+          "FLOWBROKER_USER and FLOWBROKER_PASSWORD for the CLI (users: `flowbroker user add`; docs/security.md)")
 
 
 @dataclass(frozen=True, slots=True)

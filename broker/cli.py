@@ -90,6 +90,17 @@ def main(verbose: int, quiet: int) -> None:
     logging.basicConfig(level=_log_level(verbose, quiet), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+USER_ENV, PASSWORD_ENV = "FLOWBROKER_USER", "FLOWBROKER_PASSWORD"
+
+
+def _broker_auth() -> tuple[str, str] | None:
+    """The broker credentials of publish, consume and exchange declare: FLOWBROKER_USER and
+    FLOWBROKER_PASSWORD (environment, never flags, which `ps` shows), as SCRAM-SHA-256; without
+    FLOWBROKER_USER, none (the broker's loopback user, on its own host; docs/security.md)."""
+    user = os.environ.get(USER_ENV)
+    return (user, os.environ.get(PASSWORD_ENV, "")) if user else None
+
+
 def _url_option(func: F) -> F:
     """--url of the broker port (the SDK's protocol), from FLOWBROKER_URL when not given."""
     return click.option("--url", envvar=BROKER_URL_ENV, default=DEFAULT_BROKER_URL, show_default=True,
@@ -244,7 +255,7 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
     outcome = PublishOutcome(requested=len(bodies) * count)
 
     async def run() -> None:
-        async with await fb.connect(url, client_name="flowbroker-cli") as conn:
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=_broker_auth()) as conn:
             if declare and exchange == "":
                 await conn.declare_queue(routing_key)
             producer = conn.producer(exchange=exchange, routing_key=routing_key)
@@ -302,7 +313,7 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
 
     async def run() -> None:
         received = 0
-        async with await fb.connect(url, client_name="flowbroker-cli") as conn:
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=_broker_auth()) as conn:
             async with conn.consumer(queue, prefetch=prefetch) as consumer:
                 while not count or received < count:
                     try:
@@ -517,7 +528,7 @@ def exchange_declare(name: str, kind: str, url: str) -> None:
     import flowbroker.client as fb
 
     async def run() -> None:
-        async with await fb.connect(url, client_name="flowbroker-cli") as conn:
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=_broker_auth()) as conn:
             await conn.declare_exchange(name, kind)
 
     try:

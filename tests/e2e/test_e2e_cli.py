@@ -48,8 +48,36 @@ def test_bad_config_value_is_named(tmp_path: Path) -> None:
     assert "[queues] flow_stop_percent = 120: must be a number in [0, 100]" in result.stderr
 
 
+def test_publish_and_consume_log_in_with_the_environments_user(tmp_path: Path) -> None:
+    port = free_port()
+    users = tmp_path / "users.json"
+    add = subprocess.run([FLOWBROKER, "user", "add", "cli", "--password-stdin", "--users-file", str(users)],
+                         input="s3cret\n", capture_output=True, text=True, timeout=30)
+    assert add.returncode == 0, add.stderr
+    config = tmp_path / "flowbroker.toml"
+    config.write_text(f'[server]\nport = {port}\n\n[admin]\nenabled = false\n\n[udp]\nenabled = false\n\n'
+                      f'[auth]\nloopback_user = ""\nusers_file = "{users}"\nfailed_login_delay = 0.1\n')
+    url = f"flowbroker://127.0.0.1:{port}"
+    broker = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "FLOWBROKER_USER": "cli", "FLOWBROKER_PASSWORD": "s3cret"}
+    try:
+        wait_listening(port, broker)
+        refused = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "q", "x"], capture_output=True,
+                                 text=True, timeout=30, env={k: v for k, v in env.items() if k != "FLOWBROKER_USER"})
+        assert refused.returncode != 0 and "FLOWBROKER_USER and FLOWBROKER_PASSWORD" in refused.stderr
+        pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "q", "hello"], capture_output=True,
+                             text=True, timeout=30, env=env)
+        assert pub.returncode == 0, pub.stderr
+        con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "q"], capture_output=True,
+                             text=True, timeout=30, env=env)
+        assert con.returncode == 0 and con.stdout.splitlines() == ["hello"], con.stderr
+    finally:
+        err = stop(broker)
+    assert "1 user(s) in" in err and "login refused" in err
+
+
 def test_every_command_has_help() -> None:
-    for command in ([], ["serve"], ["publish"], ["consume"]):
+    for command in ([], ["serve"], ["publish"], ["consume"], ["user"], ["user", "add"]):
         result = subprocess.run([FLOWBROKER, *command, "--help"], capture_output=True, text=True, timeout=30)
         assert result.returncode == 0 and "Usage:" in result.stdout
 
