@@ -134,3 +134,20 @@ def test_tls_urls_parse() -> None:
     assert not fc.parse_url("flowbroker://h").tls
     with pytest.raises(ValueError, match="scheme"):
         fc.parse_url("flowbrokers://h")
+
+
+async def test_a_tls_connection_over_max_connections_is_closed_at_accept(
+        start_flowbroker: Any, ca: trustme.CA, tmp_path: Path) -> None:
+    users = tmp_path / "users.json"
+    write_users(users, {})
+    broker = await start_flowbroker(tls=tls_section(ca, tmp_path), udp={"enabled": False},
+                                    auth={"users_file": str(users)},
+                                    server={"port": 0, "memory_quota": 1 << 30, "max_connections": 1})
+    url = f"flowbroker+tls://localhost:{broker.tls_port}"
+    async with await fc.connect(broker.url, timeout=LIMIT) as first:
+        with pytest.raises(fc.HandshakeError):
+            await fc.connect(url, ssl_context=client_context(ca), timeout=LIMIT)
+        assert broker.server.refused == 1
+        await roundtrip(first, b"the first is served")
+    async with await fc.connect(url, ssl_context=client_context(ca), timeout=LIMIT) as conn:  # room again
+        await roundtrip(conn, b"tls")
