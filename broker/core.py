@@ -68,6 +68,7 @@ from flowbroker.protocol.frames import (
 )
 
 if TYPE_CHECKING:
+    from flowbroker.broker.journal import Journal
     from flowbroker.broker.udp.datapath import DataPath
 
 __all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS", "BUILTIN_EXCHANGES"]
@@ -127,6 +128,12 @@ class BrokerCore:
         # Where each declared queue keeps its messages (broker/store.py): in memory for every queue,
         # durable or not, until the journal gives durable queues a store of their own.
         self.store_factory: StoreFactory = memory_store
+        # The durable journal (broker/journal.py), when the server keeps one: durable queues, their
+        # messages, exchanges and bindings are journalled, and a transfer to a durable queue completes
+        # when the commit that covers it returns. `recovered_producers` is each producer id's highest
+        # sequence found in it at start: the state an idempotent producer is deduplicated by.
+        self.journal: Journal | None = None
+        self.recovered_producers: dict[str, int] = {}
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
         self.udp: DataPath | None = None
@@ -317,6 +324,7 @@ class BrokerCore:
         broker_hold = session.flow_control and bool(self._broker_stops)
         memory_refusal = self.memory.alarm and not session.flow_control
         queues_by_name = self.queues
+        journal = self.journal
         # Only the messages received: up to a credit violation, raised once they are routed.
         for entry, size in zip(entries, sizes):
             body = entry.body
@@ -358,6 +366,7 @@ class BrokerCore:
                         tid += 1
                         continue
             held: list[Message] = []
+            durable: Queue | None = None  # a durable queue took it: completion waits for the journal
             for queue in targets:
                 msg = Message(exchange, routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
                 try:
@@ -365,13 +374,18 @@ class BrokerCore:
                         held.append(msg)
                 except QueueFull as exc:
                     session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
-            pending = len(held) + broker_hold
+                    continue
+                if journal is not None and queue.durable:
+                    durable = queue
+            pending = len(held) + broker_hold + (durable is not None)
             if pending:
                 transfer = HeldTransfer(session, tid, size, pending)
                 for msg in held:
                     msg.held = transfer
                 if broker_hold:
                     self._broker_held.append(transfer)
+                if durable is not None and journal is not None:
+                    journal.hold(transfer, session, durable.name)
                 session.transfers_held_total += 1
             else:
                 receiver.complete(tid, size)
@@ -576,7 +590,14 @@ class BrokerCore:
         if len(self.queues) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many queues (max_queues {limit})", name)
         queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory, self.store_factory(name, durable))
+        self._journal_queue(queue)
         return queue
+
+    def _journal_queue(self, queue: Queue) -> None:
+        """A durable queue's declaration (or changed thresholds) goes to the journal, if its store is one."""
+        qid = getattr(queue.store, "qid", None)
+        if self.journal is not None and qid is not None:
+            self.journal.queue_declared(qid, queue)
 
     def get_queue(self, name: str) -> Queue:
         queue = self.queues.get(name)
@@ -601,6 +622,7 @@ class BrokerCore:
         thresholds, overflow = self.queue_thresholds(current)
         queue.overflow = overflow
         queue.set_thresholds(thresholds, self.clock_ns())
+        self._journal_queue(queue)
         return queue
 
     def _kept_resume(self, old_stop: int, old_resume: int, new_stop: Any) -> int | None:
@@ -643,6 +665,8 @@ class BrokerCore:
             if len(self.exchanges) >= limit:
                 raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many exchanges (max_exchanges {limit})", f.exchange)
             self.exchanges[f.exchange] = Exchange(f.exchange, kind, self.routes)
+            if self.journal is not None:
+                self.journal.exchange_declared(f.exchange, kind.value)
         return {"exchange": f.exchange, "kind": kind.value}
 
     def _exchange(self, name: str) -> Exchange:
@@ -664,11 +688,22 @@ class BrokerCore:
         limit = self.config.server.max_bindings
         if self.routes.bindings >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many bindings (max_bindings {limit})", f.exchange)
-        return {"created": exchange.bind(queue, f.binding_key)}
+        created = exchange.bind(queue, f.binding_key)
+        if created:
+            self._journal_binding(exchange, queue, f.binding_key, True)
+        return {"created": created}
 
     def _req_unbind(self, session: Session, f: Unbind) -> dict[str, Any]:
-        removed = self._exchange(f.exchange).unbind(self.get_queue(f.queue), f.binding_key)
+        exchange, queue = self._exchange(f.exchange), self.get_queue(f.queue)
+        removed = exchange.unbind(queue, f.binding_key)
+        if removed:
+            self._journal_binding(exchange, queue, f.binding_key, False)
         return {"removed": removed}
+
+    def _journal_binding(self, exchange: Exchange, queue: Queue, key: str, bound: bool) -> None:
+        qid = getattr(queue.store, "qid", None)
+        if self.journal is not None and qid is not None:
+            self.journal.bound(exchange.name, qid, key, bound)
 
     def delete_exchange(self, name: str) -> int:
         """Delete exchange `name` and its bindings (the queues stay); returns how many bindings it had."""
@@ -676,6 +711,8 @@ class BrokerCore:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the built-in exchange {name!r} cannot be deleted", name)
         exchange = self._exchange(name)
         del self.exchanges[name]
+        if self.journal is not None:
+            self.journal.exchange_deleted(name)
         bindings = sum(len(queues) for queues in exchange.bindings.values())
         self.routes.bindings -= bindings
         self.routes.clear()
