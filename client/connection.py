@@ -811,10 +811,11 @@ class Connection:
         for producer, count in done:
             producer._on_completed(count)
         if done:
-            for idempotent in self._idempotent:
-                sequences = idempotent._sequences
-                if sequences:  # keeps messages to retire (never None here: only idempotent ones are in the set)
-                    sequences.retire(frame.cumulative_id)
+            if self._idempotent:  # an empty WeakSet still costs a guarded iteration: skip it
+                for idempotent in self._idempotent:
+                    sequences = idempotent._sequences
+                    if sequences:  # has kept messages (never None: only idempotent producers are in the set)
+                        sequences.retire(frame.cumulative_id)
             self._credit_lot.unpark_all()
 
     def _producer_of(self, transfer_id: int) -> Producer | None:
