@@ -18,6 +18,13 @@ Why it is shaped this way:
   sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it,
   and nothing escapes from them: a bug in one closes the connection with ConnectionClosed(INTERNAL_ERROR),
   which the application's calls raise, instead of cancelling its block from inside.
+- **Reconnecting, for idempotent producers only.** A connection opened from a URL whose producers with
+  messages in flight are all idempotent (and that has no consumers) survives a lost stream: `_lost` ends
+  that stream's three tasks (they run in a scope of their own, `_run_stream`), `_reconnect` reopens it with
+  backoff until `reconnect_timeout`, and `_resend` sends every kept message again in sequence order
+  before producers may send anything new (protocol/resend.py; docs/client.md, "Idempotent producers").
+  Any other lost connection closes, as it always did: its unconfirmed messages could not be resent
+  without duplicating them.
 - **Any trio stream.** Bytes go through `trio.abc.Stream`'s `send_all`/`receive_some` only; the stream and
   the handshake come from client/handshake.py (`connect` opens TCP, `connect_stream` takes a stream the
   caller opened: a `trio.SSLStream`, an in-memory pair in tests).

@@ -18,6 +18,11 @@ raises `PublishFailures` with what was refused and what is still not completed. 
 routed to no queue is counted (`statistics().unroutable`: the SDK asks the broker to report them, see
 protocol/capabilities.py) and, for a producer created with `mandatory=True`, is a refusal (`Unroutable`).
 
+**Idempotent producers** (`idempotent=True`, `producer_id`) number their messages 0, 1, 2, ... and keep
+each in a `ResendLedger` (protocol/resend.py) until it is completed, so that their connection, when lost,
+can reconnect and send again what was not confirmed (client/connection.py); the broker takes each sequence
+once (broker/idempotence.py). The plain path pays one `is None` test per message for it.
+
 `send` refuses at once, before anything is sent, a message the broker could not take: more headers than
 `MAX_HEADERS` (the broker would refuse the whole TRANSFER frame and close the connection), a routing key
 over `MAX_KEY_BYTES`, or a whole message (body, routing key, exchange, header keys and values) over the
