@@ -107,6 +107,24 @@ def test_a_duplicate_of_a_held_original_completes_at_once_and_is_not_enqueued_ag
     assert c.bodies() == [b"0", b"1", b"2"]
 
 
+def test_two_live_connections_sending_one_stream_interleaved_land_it_once_in_order() -> None:
+    """The decision the docs record: no fencing. A retried batch racing its first attempt (or a reconnect
+    the broker has not noticed) puts each sequence in the queue once; the later sender gets duplicates."""
+    h = make()
+    h.queue("q")
+    first, retry = producer(h, "first"), producer(h, "retry")
+    send(first, "batch-7", [0, 1, 2, 3, 4])
+    send(retry, "batch-7", [0, 1, 2, 3, 4, 5, 6, 7])
+    send(first, "batch-7", [5, 6, 7, 8, 9])
+    send(retry, "batch-7", [8, 9])
+    for p in (first, retry):
+        p.pump()
+        assert p.errors == [] and not p.outstanding
+    assert queued(h) == [b"%d" % s for s in range(10)]
+    assert first.session.statistics().transfers_duplicate == 3
+    assert retry.session.statistics().transfers_duplicate == 7
+
+
 def test_a_new_producer_id_beyond_the_bound_is_refused_until_one_is_idle_for_the_ttl() -> None:
     h = make(max_producer_ids=2, producer_id_ttl=10.0)
     h.queue("q")
