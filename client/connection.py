@@ -285,6 +285,8 @@ class Connection:
         self._stream_scope: trio.CancelScope | None = None
         self._idempotent: weakref.WeakSet[Producer] = weakref.WeakSet()
         """Idempotent producers alive on this connection: whose unconfirmed messages a reconnect sends again."""
+        self._had_idempotent = False
+        """Set with the first idempotent producer: until then a COMPLETE costs nothing more than it did."""
 
     # ------------------------------------------------------------------ properties
 
@@ -768,6 +770,7 @@ class Connection:
             if other.producer_id == producer.producer_id:
                 raise ValueError(f"producer id {producer.producer_id!r} is in use by another producer on this connection")
         self._idempotent.add(producer)
+        self._had_idempotent = True
 
     def _local_host(self) -> str:
         """The address of this end of the TCP connection: where a UDP socket of ours binds, so the broker
@@ -818,7 +821,7 @@ class Connection:
         for producer, count in done:
             producer._on_completed(count)
         if done:
-            if self._idempotent:  # an empty WeakSet still costs a guarded iteration: skip it
+            if self._had_idempotent:  # a plain flag: even len() of a WeakSet is a Python call per frame
                 for idempotent in self._idempotent:
                     sequences = idempotent._sequences
                     if sequences:  # has kept messages (never None: only idempotent producers are in the set)
