@@ -343,6 +343,12 @@ class Connection:
         return self._closed is not None
 
     @property
+    def reconnecting(self) -> bool:
+        """True from the loss of the stream until the messages to send again are all queued on the new
+        one (idempotent producers: docs/client.md); producers' sends wait meanwhile."""
+        return self._reconnecting
+
+    @property
     def close_error(self) -> BrokerConnectionError | ProtocolViolation | None:
         """Why the connection is closed (None while open)."""
         return self._closed
