@@ -482,11 +482,8 @@ class Connection:
                     "not seen completed", self.connection_id, error.reason)
         self._reconnecting = True
         self.sender_window = _blocked_window()
-        for pending in self._requests.values():  # their answers, if any, were lost with the stream
-            pending.error = ConnectionClosed(error.code, f"{error.reason} before the request was answered "
-                                                         "(the connection is reconnecting)")
-            pending.event.set()
-        self._requests.clear()
+        self._fail_requests(ConnectionClosed(error.code, f"{error.reason} before the request was answered "
+                                                         "(the connection is reconnecting)"))
         if self._stream_scope is not None:
             self._stream_scope.cancel()
         self._credit_lot.unpark_all()  # a resend waiting for the lost stream's credit starts over
@@ -551,6 +548,9 @@ class Connection:
         self.reconnects += 1
         self._stream, self._proto, self.welcome = stream, proto, welcome
         self._ledger = ProducerLedger(welcome.buffer_size)
+        # requests made while reconnecting were queued for no stream: their frames are dropped below
+        self._fail_requests(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "request made while the connection was "
+                                                                        "reconnecting; repeat it"))
         self._transfers.clear()
         self._transfer_costs.clear()
         self._control.clear()
@@ -566,6 +566,15 @@ class Connection:
         self._last_received = self._last_sent = now
         for destination in list(self._flow.stopped):
             self._flow.on_resumed(destination, now)
+
+    def _fail_requests(self, error: ConnectionClosed) -> None:
+        """Every request waiting for an answer raises `error`: none can come on this stream."""
+        for pending in self._requests.values():
+            pending.error = error
+            if pending.on_error is not None:
+                pending.on_error()
+            pending.event.set()
+        self._requests.clear()
 
     async def _resend(self, generation: int) -> None:
         """Send again, per idempotent producer and in sequence order, every message not seen completed,
