@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.exchange import Exchange, ExchangeKind
+from flowbroker.broker.idempotence import ProducerIdsExhausted
 from flowbroker.broker.journal import Journal, queue_arguments, segment_name
 from flowbroker.broker.journalrecord import (
     BIND,
@@ -144,6 +145,14 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
     journal.active_seg = max(rec.segments, default=0)
     journal.producers.update(rec.producers)
     core.recovered_producers = dict(rec.producers)
+    states = core.producer_sequences.store
+    for producer_id, sequence in rec.producers.items():  # idempotent producers: their resends are duplicates
+        try:
+            states.accept(producer_id, sequence, now)
+        except ProducerIdsExhausted:
+            LOGGER.error("journal: more recovered producer ids than [server] max_producer_ids; %r and the ids "
+                         "after it are not deduplicated against what was journalled", producer_id)
+            break
     for name, kind in rec.exchanges.items():
         if name not in core.exchanges:
             core.exchanges[name] = Exchange(name, ExchangeKind(kind), core.routes)

@@ -234,3 +234,25 @@ def test_the_journal_keeps_each_producer_ids_highest_sequence_for_idempotent_pro
     journal.close()
     assert not (tmp_path / "journal" / segment_name(1)).exists()
     assert read_journal(journal).producers == {"p-1": 2}
+
+
+async def test_an_idempotent_producer_resending_after_a_restart_is_deduplicated(tmp_path: Path) -> None:
+    """The producer ids' sequences come back with the durable messages: a producer that sends its stream
+    again from sequence 0 to a restarted broker lands only what the broker did not have."""
+    async with broker(tmp_path) as server:
+        async with await fb.connect(url(server)) as conn:
+            await conn.declare_queue("d", durable=True)
+            p = conn.producer(routing_key="d", producer_id="loader-1", idempotent=True)
+            for i in range(10):
+                await p.send(b"%d" % i)
+            await p.flush(timeout=10)
+    async with broker(tmp_path) as server:
+        assert server.core.producer_sequences.store.last_accepted("loader-1") == 9
+        async with await fb.connect(url(server)) as conn:
+            p = conn.producer(routing_key="d", producer_id="loader-1", idempotent=True)
+            for i in range(15):  # the same stream again, and 5 more
+                await p.send(b"%d" % i)
+            await p.flush(timeout=10)
+            assert server.core.queues["d"].count == 15
+            got = await drain(conn, "d", 15)
+        assert [b for b, _ in got] == [b"%d" % i for i in range(15)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,11 @@ def test_admin_port_zero_writes_the_file_of_the_bound_port(tmp_path: Path) -> No
     proc = _serve(tmp_path, port, 0)
     try:
         wait_listening(port, proc)
-        [token_file] = (tmp_path / ".flowbroker").iterdir()
+        folder, deadline = tmp_path / ".flowbroker", time.monotonic() + 20
+        while not (folder.is_dir() and any(folder.iterdir())):  # the admin port binds after the broker port
+            assert proc.poll() is None and time.monotonic() < deadline, "no token file written"
+            time.sleep(0.05)
+        [token_file] = folder.iterdir()
         admin_port = int(token_file.name.removeprefix("admin-token-"))
         wait_listening(admin_port, proc)
         assert _cli(tmp_path, admin_port, "queues").returncode == 0
