@@ -413,7 +413,11 @@ class BrokerCore:
             return True
         if verdict is DUPLICATE:
             session.duplicates += 1
-            session.complete_transfer(tid, size)
+            if self.journal is not None and not self.journal.dormant:
+                # its original may still be in a commit: the duplicate's COMPLETE must not overtake it
+                self.journal.after_commit(HeldTransfer(session, tid, size, 1))
+            else:
+                session.complete_transfer(tid, size)
         else:
             code, text = verdict  # type: ignore[misc]
             self._refuse(session, tid, size, code, text, None)

@@ -240,6 +240,13 @@ class Journal:
                 session.flow_stopped_on[queue] = (None, session.now_ns)
                 session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
 
+    def after_commit(self, transfer: HeldTransfer) -> None:
+        """Complete `transfer` with the next commit, whatever it writes: an idempotent producer's
+        duplicate, whose original may be in the commit running now."""
+        self._waiters.append(transfer)
+        if not self._chunks:
+            self.wake()
+
     def set_alarm(self, stop: FlowStopped | None) -> None:
         """Raise (stop given) or clear the disk alarm; clearing releases every transfer it held."""
         if stop is None and self.alarm is not None:
@@ -275,7 +282,8 @@ class Journal:
 
     @property
     def pending(self) -> bool:
-        return bool(self._chunks)
+        """Something to commit: records, or transfers waiting for the next commit."""
+        return bool(self._chunks or self._waiters)
 
     def take_batch(self) -> Batch:
         """Everything buffered, and the segments this commit may delete (trio thread)."""

@@ -256,3 +256,36 @@ async def test_an_idempotent_producer_resending_after_a_restart_is_deduplicated(
             assert server.core.queues["d"].count == 15
             got = await drain(conn, "d", 15)
         assert [b for b, _ in got] == [b"%d" % i for i in range(15)]
+
+
+async def test_a_duplicate_does_not_complete_before_its_original_is_on_disk(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real = Journal.write_batch
+
+    def slow_write(self: Journal, batch: Any) -> None:
+        gate.wait(20)
+        real(self, batch)
+
+    async with broker(tmp_path) as server:
+        async with await fb.connect(url(server)) as first, await fb.connect(url(server)) as second:
+            await first.declare_queue("d", durable=True)
+            monkeypatch.setattr(Journal, "write_batch", slow_write)
+            original = first.producer(routing_key="d", producer_id="p", idempotent=True)
+            for i in range(5):
+                await original.send(b"%d" % i)
+            with trio.fail_after(5):
+                while server.core.queues["d"].count < 5:
+                    await trio.sleep(0.01)
+            # (a new connection may send one message before its first grant: one duplicate is enough)
+            again = second.producer(routing_key="d", producer_id="p", idempotent=True)
+            await again.send(b"0")
+            with trio.fail_after(5):
+                while sum(s.duplicates for s in server.core.sessions.values()) < 1:
+                    await trio.sleep(0.01)
+            with pytest.raises(fb.FlowControlTimeout):
+                await again.flush(timeout=0.5)  # the duplicates wait for the originals' commit
+            gate.set()
+            await again.flush(timeout=10)
+            await original.flush(timeout=10)
+            assert server.core.queues["d"].count == 5
