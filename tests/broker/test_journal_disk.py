@@ -13,6 +13,7 @@ import pytest
 import trio
 
 import flowbroker.client as fb
+from flowbroker.broker import views
 from tests.broker.test_journal_recovery import broker, drain, url
 
 BODY = b"x" * 1024
@@ -66,6 +67,7 @@ async def test_low_free_space_holds_durable_producers_and_compaction_resumes_the
             await memory.send(BODY)
             await memory.flush(timeout=5)
             assert server.journal is not None and server.journal.alarm is not None
+            assert "disk_free_limit" in views.broker_view(server.core)["journal"]["disk_alarm"]
             # consumers settle: compaction deletes segments, space frees, producers resume
             await drain(conn, "d", sent + 50)
             resumed = await next_event(events, "resumed")

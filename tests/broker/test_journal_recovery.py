@@ -20,6 +20,7 @@ import pytest
 import trio
 
 import flowbroker.client as fb
+from flowbroker.broker import views
 from flowbroker.broker.config import load_config
 from flowbroker.broker.journal import Journal, segment_name
 from flowbroker.broker.journalrecord import MESSAGE, QUEUE, encode
@@ -134,6 +135,9 @@ async def test_a_durable_transfer_completes_only_when_its_commit_returns(tmp_pat
             assert journal is not None
             # group commit: 50 messages in far fewer fsyncs than messages
             assert 1 <= journal.fsyncs <= 10 and journal.commits <= 10
+            view = views.broker_view(server.core)["journal"]
+            assert view["awake"] and view["fsyncs"] == journal.fsyncs and view["disk_alarm"] is None
+            assert view["directory"] == str(tmp_path / "journal") and view["segments"] >= 1
 
 
 async def test_a_torn_and_a_corrupt_record_are_cut_off_logged_and_the_broker_starts(
