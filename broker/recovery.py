@@ -169,7 +169,12 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
             recovered.append((msg, seg))
             journal.live[seg] = journal.live.get(seg, 0) + 1
         start = max(rq.next_offset, recovered[-1][0].offset + 1 if recovered else 0)
-        thresholds, overflow = core.queue_thresholds(rq.arguments)
+        try:
+            thresholds, overflow = core.queue_thresholds(rq.arguments)
+        except Exception as exc:  # arguments this broker's version refuses: the defaults, never a refusal to start
+            LOGGER.error("journal: queue %r: recorded arguments %r refused (%s); recovered with the defaults",
+                         rq.name, rq.arguments, exc)
+            thresholds, overflow = core.queue_thresholds({})
         queue = Queue(rq.name, thresholds, overflow, True, core.memory, JournalStore(journal, qid, start, recovered))
         core.queues[rq.name] = queue
         queue.recovered(now)

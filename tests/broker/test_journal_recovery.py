@@ -293,3 +293,15 @@ async def test_a_duplicate_does_not_complete_before_its_original_is_on_disk(tmp_
             await again.flush(timeout=10)
             await original.flush(timeout=10)
             assert server.core.queues["d"].count == 5
+
+
+async def test_recorded_arguments_the_broker_refuses_recover_the_queue_with_defaults(tmp_path: Path) -> None:
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / segment_name(1)).write_bytes(
+        encode([QUEUE, 1, "q", {"no_such_argument": 1}, 0])
+        + encode([MESSAGE, 1, 0, "", "q", b"kept", None, 516, None, None]))
+    async with broker(tmp_path) as server:
+        assert server.core.queues["q"].count == 1
+        async with await fb.connect(url(server)) as conn:
+            assert await drain(conn, "q", 1) == [(b"kept", False)]
