@@ -305,3 +305,16 @@ async def test_recorded_arguments_the_broker_refuses_recover_the_queue_with_defa
         assert server.core.queues["q"].count == 1
         async with await fb.connect(url(server)) as conn:
             assert await drain(conn, "q", 1) == [(b"kept", False)]
+
+
+async def test_fsync_never_writes_without_syncing_and_still_recovers(tmp_path: Path) -> None:
+    async with broker(tmp_path, fsync="never") as server:
+        async with await fb.connect(url(server)) as conn:
+            await conn.declare_queue("d", durable=True)
+            p = conn.producer(routing_key="d")
+            for i in range(10):
+                await p.send(b"%d" % i)
+            await p.flush(timeout=10)
+        assert server.journal is not None and server.journal.fsyncs == 0 and server.journal.commits >= 1
+    async with broker(tmp_path) as server:
+        assert server.core.queues["d"].count == 10
