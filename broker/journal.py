@@ -23,7 +23,6 @@ broker that never declares one writes nothing and creates no directory.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from collections.abc import Callable
@@ -86,10 +85,6 @@ class Batch:
     records: int
     done: int = 0
     unsynced: set[int] = field(default_factory=set)
-
-    @property
-    def size(self) -> int:
-        return sum(len(data) for _, data in self.chunks)
 
 
 class Journal:
@@ -378,7 +373,3 @@ class Journal:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def is_disk_full(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
