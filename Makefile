@@ -30,7 +30,7 @@ serve: $(VENV)/.installed-serve
 
 # System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py) and
 # ip (iproute2). Installed with apt when run as root, otherwise named, and the run stops at once.
-SYSTEM_TOOLS := tshark:tshark ip:iproute2
+SYSTEM_TOOLS := tshark:tshark ip:iproute2 promtool:prometheus systemd-analyze:systemd
 system-tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
