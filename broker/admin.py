@@ -2,7 +2,8 @@
 broker's own `trio.run` (docs/management.md).
 
 Every request needs the admin credential, `Authorization: Bearer <token>` (401 without it, 403 with a
-wrong one). Endpoints only translate HTTP to core calls and core objects to JSON through
+wrong one), except `GET /metrics` (served here unless `[metrics] endpoint` gives it a port of its own)
+unless `[metrics] require_token`. Endpoints only translate HTTP to core calls and core objects to JSON through
 flowbroker.broker.views; every endpoint is `async def`, so it runs on the trio thread like the
 rest of the broker (Starlette would run a plain `def` endpoint in a worker thread, racing the core).
 Errors are `{"error": {"code": ..., "message": ..., "field": ...}}` with the HTTP status that fits.
@@ -45,7 +46,8 @@ from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
 
-__all__ = ["AdminServer", "AdminStartError", "create_app", "resolve_token", "write_token_file"]
+__all__ = ["AdminServer", "AdminStartError", "BearerAuth", "create_app", "listen", "resolve_token", "serve_http",
+           "write_token_file"]
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
@@ -128,14 +130,16 @@ def resolve_token(config: AdminConfig) -> str:
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`."""
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`, except to the paths in
+    `open_paths` (`/metrics` unless `[metrics] require_token`: docs/metrics.md)."""
 
-    def __init__(self, app: ASGIApp, token: str):
+    def __init__(self, app: ASGIApp, token: str, open_paths: frozenset[str] = frozenset()):
         self.app = app
         self._token = token.encode()
+        self._open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"] not in self._open_paths:
             header = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -369,8 +373,10 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 
 def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
-               ports: Callable[[], tuple[int | None, int | None]] | None = None) -> ASGIApp:
-    """The admin ASGI app: Starlette routes behind bearer-token auth."""
+               ports: Callable[[], tuple[int | None, int | None]] | None = None,
+               metrics: Route | None = None, metrics_need_token: bool = False) -> ASGIApp:
+    """The admin ASGI app: Starlette routes behind bearer-token auth; `metrics` is the `GET /metrics`
+    route when the metrics are served here (broker/metricshttp.py), open unless `metrics_need_token`."""
     api = AdminApi(core, peer_of, ports)
     j = _json_endpoint
     routes = [
@@ -390,8 +396,46 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         Route("/api/policy", j(api.get_policy), methods=["GET"]),
         Route("/api/policy", j(api.put_policy), methods=["PUT"]),
     ]
+    open_paths: frozenset[str] = frozenset()
+    if metrics is not None:
+        routes.append(metrics)
+        open_paths = frozenset() if metrics_need_token else frozenset({metrics.path})
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
-    return BearerAuth(app, token)
+    return BearerAuth(app, token, open_paths)
+
+
+# -- listening ---------------------------------------------------------------------------------
+
+
+def listen(host: str, port: int, section: str) -> tuple[int, int]:
+    """Bind and listen on host:port before any nursery, so an address in use is a plain AdminStartError
+    naming `[section]` and not an exception group; returns (descriptor, port) for `serve_http`."""
+    try:
+        family, type_, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, type_, proto)
+    except OSError as exc:
+        raise AdminStartError(f"[{section}] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)  # connections wait in the backlog until hypercorn accepts them
+    except OSError as exc:
+        sock.close()
+        raise AdminStartError(f"[{section}] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = int(sock.getsockname()[1])
+    return sock.detach(), bound  # hypercorn takes the socket over by its descriptor
+
+
+async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event) -> None:
+    """Serve `app` with hypercorn's trio worker on the listening descriptor `fd` until `shutdown`."""
+    cfg = HypercornConfig()
+    cfg.bind = [f"fd://{fd}"]
+    cfg.accesslog = None
+    cfg.errorlog = HTTP_LOGGER
+    cfg.graceful_timeout = 2.0
+    await hypercorn_serve(app, cfg, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -405,34 +449,20 @@ class AdminServer:
     nursery.start(admin.serve)` serves on it; `shutdown()` stops it gracefully."""
 
     def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
-                 broker_port: Callable[[], int | None] | None = None):
+                 broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
+                 metrics_need_token: bool = False):
         self.config = config
         self.core = core
         self.token = resolve_token(config)
         self.port: int | None = None
         self._fd: int | None = None
         self._broker_port = broker_port or (lambda: None)
-        self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port))
+        self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
+                              metrics_need_token)
         self._shutdown = trio.Event()
 
     def bind(self) -> int:
-        host, port = self.config.host, self.config.port
-        try:
-            family, type_, proto, _, address = socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            sock = socket.socket(family, type_, proto)
-        except OSError as exc:
-            raise AdminStartError(f"[admin] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-            sock.listen(128)  # connections wait in the backlog until hypercorn accepts them
-        except OSError as exc:
-            sock.close()
-            raise AdminStartError(f"[admin] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self.port = int(sock.getsockname()[1])
-        self._fd = sock.detach()  # hypercorn takes the socket over by its descriptor
+        self._fd, self.port = listen(self.config.host, self.config.port, "admin")
         return self.port
 
     def shutdown(self) -> None:
@@ -443,15 +473,10 @@ class AdminServer:
             self.bind()
         assert self._fd is not None and self.port is not None
         fd, self._fd = self._fd, None
-        cfg = HypercornConfig()
-        cfg.bind = [f"fd://{fd}"]
-        cfg.accesslog = None
-        cfg.errorlog = HTTP_LOGGER
-        cfg.graceful_timeout = 2.0
         # The one line that says where the API is and where its credential comes from (with
         # --admin-port 0, the only place the chosen port is printed: docs/management.md).
         token = ("[admin] token (configured)" if self.config.token
                  else f"{self.config.token_path()} (generated at start, mode 0600)")
         LOGGER.info("admin API on http://%s:%d, token in %s", self.config.host, self.port, token)
         task_status.started(self.port)
-        await hypercorn_serve(self.app, cfg, shutdown_trigger=self._shutdown.wait)  # type: ignore[arg-type]
+        await serve_http(self.app, fd, self._shutdown)

@@ -111,14 +111,18 @@ def _url_option(func: F) -> F:
 @click.option("--udp-endpoint", metavar="HOST:PORT",
               help="UDP endpoint of the Aeron data path (port 0 = any free) [default: 127.0.0.1:5682].")
 @click.option("--udp/--no-udp", "udp_enabled", default=None, help="Serve the UDP data path [default: on].")
+@click.option("--metrics-endpoint", metavar="HOST:PORT",
+              help="Serve GET /metrics on a port of its own (port 0 = any free) [default: on the admin port].")
+@click.option("--metrics/--no-metrics", "metrics_enabled", default=None,
+              help="Serve GET /metrics for Prometheus [default: on].")
 @click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
-              help='Once listening, write {"port": N, "admin_port": M or null, "udp_port": U or null} to this file '
-                   "as JSON (for scripts that start it with --port 0 / --admin-port 0 / --udp-endpoint "
-                   "127.0.0.1:0); removed when the broker stops.")
+              help='Once listening, write {"port": N, "admin_port": M or null, "udp_port": U or null, '
+                   '"metrics_port": P or null} to this file as JSON (for scripts that start it with --port 0 / '
+                   "--admin-port 0 / --udp-endpoint 127.0.0.1:0); removed when the broker stops.")
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
           admin_enabled: bool | None, udp_endpoint: str | None, udp_enabled: bool | None,
-          port_file: Path | None) -> None:
+          metrics_endpoint: str | None, metrics_enabled: bool | None, port_file: Path | None) -> None:
     """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
     admin token are."""
     overrides: dict[str, dict[str, Any]] = {
@@ -126,6 +130,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
         "credit": {"policy": credit_policy},
         "admin": {"host": admin_host, "port": admin_port, "enabled": admin_enabled},
         "udp": {"endpoint": udp_endpoint, "enabled": udp_enabled},
+        "metrics": {"endpoint": metrics_endpoint, "enabled": metrics_enabled},
     }
     try:
         config = load_config(config_path, overrides)
@@ -166,12 +171,14 @@ class PortFileError(Exception):
     """--port-file cannot be written; the broker stops."""
 
 
-def _write_port_file(path: Path, port: int, admin_port: int | None, udp_port: int | None = None) -> None:
-    """{"port": ..., "admin_port": ..., "udp_port": ...} to `path`, atomically: a script polling for it never
-    reads half."""
+def _write_port_file(path: Path, port: int, admin_port: int | None, udp_port: int | None = None,
+                     metrics_port: int | None = None) -> None:
+    """{"port": ..., "admin_port": ..., "udp_port": ..., "metrics_port": ...} to `path`, atomically: a script
+    polling for it never reads half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    ports = {"port": port, "admin_port": admin_port, "udp_port": udp_port, "metrics_port": metrics_port}
     try:
-        tmp.write_text(json.dumps({"port": port, "admin_port": admin_port, "udp_port": udp_port}) + "\n")
+        tmp.write_text(json.dumps(ports) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -190,7 +197,7 @@ async def _serve(config: Any, port_file: Path | None = None) -> None:
         # each: printing them here too doubled them).
         port = await nursery.start(server.serve)
         if port_file is not None:
-            _write_port_file(port_file, port, server.admin_port, server.udp_port)
+            _write_port_file(port_file, port, server.admin_port, server.udp_port, server.metrics_port)
         try:
             await server.shutdown_requested.wait()
         finally:

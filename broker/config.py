@@ -23,6 +23,7 @@ __all__ = [
     "QueueDefaults",
     "AdminConfig",
     "UdpConfig",
+    "MetricsConfig",
     "BrokerConfig",
     "load_config",
     "default_quota",
@@ -239,13 +240,50 @@ class UdpConfig:
 
     def address(self) -> tuple[str, int]:
         """`endpoint` as (host, port); ValueError naming what is wrong."""
+        return parse_endpoint(self.endpoint, "127.0.0.1:5682")
+
+
+def parse_endpoint(endpoint: object, example: str) -> tuple[str, int]:
+    """A `host:port` (IPv6 in brackets) as (host, port); ValueError naming what is wrong."""
+    if not isinstance(endpoint, str):
+        raise ValueError("must be a string host:port")
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"must be host:port with a port in [0, 65535], e.g. {example}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """`GET /metrics` for Prometheus (docs/metrics.md). Served on the admin port unless `endpoint` gives
+    it a listener of its own; without the admin token unless `require_token` (as RabbitMQ's
+    Prometheus plugin: scrapers rarely hold credentials, and the figures change nothing). Producers
+    get series of their own, but only the first `max_producer_series` (by connection id), so a
+    scrape stays bounded however many connect."""
+
+    enabled: bool = True
+    endpoint: str = ""
+    require_token: bool = False
+    max_producer_series: int = 100
+
+    def validate(self) -> None:
+        for key in ("enabled", "require_token"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError("metrics", key, getattr(self, key), "must be true or false")
         if not isinstance(self.endpoint, str):
-            raise ValueError("must be a string host:port")
-        host, sep, port = self.endpoint.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError("must be host:port with a port in [0, 65535], e.g. 127.0.0.1:5682")
-        return host, int(port)
+            raise ConfigError("metrics", "endpoint", self.endpoint, "must be a string: \"\" or host:port")
+        if self.endpoint:
+            try:
+                self.address()
+            except ValueError as exc:
+                raise ConfigError("metrics", "endpoint", self.endpoint,
+                                  f"{exc} (or \"\" to serve /metrics on the admin port)") from None
+        _int_range("metrics", "max_producer_series", self.max_producer_series, 0, 100_000)
+
+    def address(self) -> tuple[str, int]:
+        """`endpoint` as (host, port); only when it is not "" (ValueError naming what is wrong)."""
+        return parse_endpoint(self.endpoint, "127.0.0.1:9419")
 
 
 @dataclass(frozen=True)
@@ -255,6 +293,7 @@ class BrokerConfig:
     credit: dict[str, Any] = field(default_factory=dict)  # [credit] table, see credit_policy()
     admin: AdminConfig = field(default_factory=AdminConfig)
     udp: UdpConfig = field(default_factory=UdpConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -270,6 +309,7 @@ class BrokerConfig:
         self.credit_policy()
         self.admin.validate()
         self.udp.validate()
+        self.metrics.validate()
         return self
 
 
@@ -321,16 +361,17 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit", "admin", "udp"):
-            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, queues, server, udp")
+        if section not in ("server", "queues", "credit", "admin", "udp", "metrics"):
+            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, metrics, queues, server, udp")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
     admin = _section(AdminConfig, "admin", data.get("admin", {}))
     udp = _section(UdpConfig, "udp", data.get("udp", {}))
+    metrics = _section(MetricsConfig, "metrics", data.get("metrics", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit), admin, udp).validate()
+    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics).validate()

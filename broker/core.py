@@ -10,6 +10,7 @@ holding completions and credit, not by back-pressuring TCP.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,11 @@ class BrokerCore:
         self.memory = MemoryMeter(watermark, watermark * server.memory_resume_percent // 100, self._memory_cleared)
         self._next_conn_id = 1
         self.unroutable = 0
+        # Counted where a connection starts, ends or breaks a rule, never per message (broker/metrics.py):
+        self.connections_opened = 0  # sessions opened (a UDP publication's included)...
+        self.connections_closed = 0  # ...and closed
+        self.credit_violations = 0  # connections ended for sending past their credit
+        self.errors_sent: Counter[ErrorCode] = Counter()  # ERROR frames sent, by code (Session.send, the shell)
         # Where each declared queue keeps its messages (broker/store.py): in memory for every queue,
         # durable or not, until the journal gives durable queues a store of their own.
         self.store_factory: StoreFactory = memory_store
@@ -148,6 +154,8 @@ class BrokerCore:
             max_delivery_frame_bytes=min(self.config.server.max_frame_size // 4, MAX_ENTRIES_PER_FRAME * MESSAGE_OVERHEAD),
         )
         self.sessions[conn_id] = session
+        self.connections_opened += 1
+        session.errors_sent = self.errors_sent
         session.report_unroutable = CAPABILITY_MANDATORY in capabilities
         if flow_control:
             # Every flow-controlled connection holds a grant from connect on: WAIT_GRANT (1 byte, one
@@ -175,6 +183,7 @@ class BrokerCore:
     def close_session(self, session: Session) -> None:
         if self.sessions.pop(session.conn_id, None) is None:
             return
+        self.connections_closed += 1
         session.detach()
         session.window_listener = None
         if self.udp is not None:  # its UDP publications and subscriptions end with it
@@ -288,6 +297,7 @@ class BrokerCore:
             self._register_producer(session)
         self.route(session, tid, frame.entries, sizes)
         if violation is not None:
+            self.credit_violations += 1
             raise SessionFault(violation.code, str(violation))
 
     def route(self, session: Session, tid: int, entries: list[TransferEntry], sizes: list[int]) -> None:
@@ -469,6 +479,9 @@ class BrokerCore:
                 touched[queue].append(msg)
             else:
                 queue.settle(msg)
+        if frame.outcome is Outcome.REJECT:  # a loop of its own: acknowledgements pay nothing for it
+            for sub, _ in settled:
+                sub.queue.counters.consumer_rejected += 1
         for sub in subs:
             sub.queue.resume_subscription(sub)  # prefetch freed; dispatch follows below
         for queue, msgs in touched.items():

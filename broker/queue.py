@@ -60,6 +60,7 @@ class QueueCounters:
     __slots__ = (
         "dequeued",
         "rejected",
+        "consumer_rejected",
         "dropped",
         "flow_stopped_count",
         "held_total",
@@ -68,7 +69,8 @@ class QueueCounters:
 
     def __init__(self) -> None:
         self.dequeued = 0
-        self.rejected = 0
+        self.rejected = 0  # refused by the hard limit (overflow reject)
+        self.consumer_rejected = 0  # settled by a consumer's REJECT (counted per SETTLE frame, by the core)
         self.dropped = 0
         self.flow_stopped_count = 0  # times the queue became saturated
         self.held_total = 0  # transfers ever held
@@ -109,6 +111,7 @@ class QueueStatistics:
     dropped: int
     flow_stopped_count: int  # times the queue became saturated
     held_total: int  # transfers ever held
+    consumer_rejected: int = 0  # messages consumers settled with REJECT
 
 
 class Queue:
@@ -177,6 +180,7 @@ class Queue:
             dropped=counters.dropped,
             flow_stopped_count=counters.flow_stopped_count,
             held_total=counters.held_total,
+            consumer_rejected=counters.consumer_rejected,
         )
 
     # -- enqueue -----------------------------------------------------------------------------

@@ -52,11 +52,13 @@ from dataclasses import dataclass
 import trio
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
-from flowbroker.broker.admin import AdminServer
+from flowbroker.broker.admin import AdminServer, resolve_token
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
 from flowbroker.broker.logsafe import logsafe
+from flowbroker.broker.metrics import broker_registry
+from flowbroker.broker.metricshttp import MetricsServer, metrics_route
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.udp.shell import UdpShell, open_data_path
 from flowbroker.broker.streamio import StreamIO, peer_host, peer_name, refuse_now, stream_io
@@ -122,6 +124,8 @@ class BrokerServer:
         self.admin_port: int | None = None
         self.udp: UdpShell | None = None  # the UDP data path (broker/udp/), when [udp] enabled
         self.udp_port: int | None = None
+        self.metrics: MetricsServer | None = None  # /metrics on a port of its own ([metrics] endpoint)
+        self.metrics_port: int | None = None  # where /metrics is served: that port, or the admin port
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
         self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
@@ -161,16 +165,29 @@ class BrokerServer:
                                     f"{exc.strerror or exc} (--udp-endpoint HOST:PORT to choose another, "
                                     "--no-udp to run without it)") from None
             self.udp_port = self.udp.port
-        if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
-            try:
-                self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port)
+        metrics = self.config.metrics
+        registry = broker_registry(self.core, metrics.max_producer_series) if metrics.enabled else None
+        try:
+            if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
+                on_admin = registry is not None and not metrics.endpoint
+                self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port,
+                                         metrics_route(registry) if on_admin and registry is not None else None,
+                                         metrics.require_token)
                 self.admin_port = self.admin.bind()
-            except BaseException:
-                for listener in listeners:
-                    await trio.aclose_forcefully(listener)
-                if self.udp is not None:
-                    self.udp.endpoint.close()
-                raise
+                if on_admin:
+                    self.metrics_port = self.admin_port
+            if registry is not None and metrics.endpoint:  # /metrics on a port of its own
+                token = None
+                if metrics.require_token:
+                    token = self.admin.token if self.admin is not None else resolve_token(self.config.admin)
+                self.metrics = MetricsServer(metrics, registry, token)
+                self.metrics_port = self.metrics.bind()
+        except BaseException:
+            for listener in listeners:
+                await trio.aclose_forcefully(listener)
+            if self.udp is not None:
+                self.udp.endpoint.close()
+            raise
         self.port = listeners[0].socket.getsockname()[1]
         LOGGER.info("flowbroker listening on %s:%d", cfg.host, self.port)
         if self.udp is not None:
@@ -181,6 +198,8 @@ class BrokerServer:
                 nursery.start_soon(self._accept, listener)
             if self.admin is not None:
                 await nursery.start(self.admin.serve)
+            if self.metrics is not None:
+                await nursery.start(self.metrics.serve)
             nursery.start_soon(self._summarise_connections)
             if self.udp is not None:
                 nursery.start_soon(self.udp.run)
@@ -188,6 +207,8 @@ class BrokerServer:
             await self.shutdown_requested.wait()
             if self.admin is not None:
                 self.admin.shutdown()
+            if self.metrics is not None:
+                self.metrics.shutdown()
             LOGGER.info("shutting down: closing %d connection(s)", len(self.connections))
             for handler in list(self.connections.values()):
                 handler.close(_Closing(ErrorCode.SHUTDOWN, "broker is shutting down", error=False))
@@ -248,6 +269,7 @@ class BrokerServer:
         self.refused += 1
         self._log_refusal("refusing connection from %s: %s", peer_name(stream), text)
         code = ErrorCode.RESOURCE_EXHAUSTED
+        self.core.errors_sent[code] += 1
         refuse_now(stream, encode_frames([Error(code, text), Close(code, text)]))
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
@@ -347,6 +369,7 @@ class ConnectionHandler:
             self._internal_error(exc, "the handshake")
             reason = self._closing
             assert reason is not None
+            self.core.errors_sent[reason.code] += 1
             await _send_and_close(
                 self.io, self.conn, [Error(reason.code, reason.text), Close(reason.code, reason.text)]
             )
@@ -441,6 +464,7 @@ class ConnectionHandler:
                 await _send_and_close(self.io, self.conn, [], self.server.http_answer())
                 return None
             LOGGER.info("connection from %s: bad handshake: %s", self.peer, logsafe(exc))
+            self.core.errors_sent[exc.code] += 1
             await _send_and_close(  # after a protocol error the state machine still allows ERROR + CLOSE
                 self.io, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
             )
@@ -619,8 +643,8 @@ class ConnectionHandler:
         cfg = self.server.config.server
         idle = cfg.idle_timeout
         tick = min(idle / 3, 1.0)
-        stuck_since: float | None = None
-        stuck_acked = -1
+        stuck_ns = int(cfg.stuck_timeout * 1e9)
+        reported_ns: int | None = None  # when it was last reported stuck
         while True:
             await trio.sleep(tick)
             now = trio.current_time()
@@ -636,20 +660,19 @@ class ConnectionHandler:
                 session.send(Noop(self._noop_nonce, False))
             session.poll_credit(int(now * 1e9))
             # DCP's stuck detection: a consumer whose buffer is full and whose acknowledgements
-            # have not moved is reported, and optionally disconnected (MB-65403).
-            buf = session.sender_window
-            if buf.window and not buf.may_send() and buf.acked_position == stuck_acked:
-                stuck_since = stuck_since if stuck_since is not None else now
-                if now - stuck_since >= cfg.stuck_timeout:
-                    LOGGER.warning("connection %d is stuck: buffer full, no ack for %.0fs", session.conn_id,
-                                   now - stuck_since)
-                    if cfg.disconnect_when_stuck:
-                        self.close(_Closing(ErrorCode.IDLE_TIMEOUT, "consumer buffer full with no progress"))
-                        return
-                    stuck_since = now
-            else:
-                stuck_since = None
-                stuck_acked = buf.acked_position
+            # have not moved is reported (every stuck_timeout while it lasts), and optionally
+            # disconnected (MB-65403). The session keeps since when (the metrics count it too).
+            now_int = int(now * 1e9)
+            since = session.consumer_stalled(now_int)
+            if since is None:
+                reported_ns = None
+            elif now_int - max(since, reported_ns or since) >= stuck_ns:
+                LOGGER.warning("connection %d is stuck: buffer full, no ack for %.0fs", session.conn_id,
+                               (now_int - since) / 1e9)
+                if cfg.disconnect_when_stuck:
+                    self.close(_Closing(ErrorCode.IDLE_TIMEOUT, "consumer buffer full with no progress"))
+                    return
+                reported_ns = now_int
 
     async def _finish(self, session: Session) -> None:
         """Send what is due (completions, credit, errors; not deliveries, which are requeued), then
@@ -668,6 +691,7 @@ class ConnectionHandler:
         self.server.connections.pop(session.conn_id, None)
         if reason.error:
             frames.append(Error(reason.code, reason.text, reason.frame_seq))
+            self.core.errors_sent[reason.code] += 1
         if not self.conn.closed_by_us:
             frames.append(Close(reason.code, reason.text))
             await _send_and_close(self.io, self.conn, frames, self._unsent)

@@ -11,6 +11,7 @@ I/O, and the session rules themselves live in protocol/, where their tests need 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING
 from flowbroker.broker.outbox import Outbox, SessionFault
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
 from flowbroker.protocol.delivery import DeliveryLedger
-from flowbroker.protocol.frames import BufferAck, FlowResumed, FlowStopped, Frame
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import BufferAck, Error, FlowResumed, FlowStopped, Frame
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.protocol.names import ALL_DESTINATIONS
 from flowbroker.protocol.ranges import IdSet
@@ -79,6 +81,9 @@ class Session:
         self.outbox = Outbox(wake, max_outbox_frames, max_delivery_frame_bytes)
         self.now_ns = 0  # set by the shell before it hands frames to the core
         self.peer_host: str | None = None  # the client's IP address (TCP): where its UDP datagrams come from
+        # The broker-wide count of ERROR frames sent, by code, that send() adds to (metrics); None for a
+        # session whose frames reach no wire of their own (a UDP publication's: its owner relays them).
+        self.errors_sent: Counter[ErrorCode] | None = None
         # producer half
         self.transfers = TransferReceiver(buffer_size, flow_control)
         self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a
@@ -86,6 +91,7 @@ class Session:
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
+        self.flow_stops = 0  # times a destination it was not stopped on stopped it (metrics)
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
@@ -94,6 +100,8 @@ class Session:
         self.deliveries: DeliveryLedger[Subscription, Message] = DeliveryLedger()
         self.subscriptions: dict[int, Subscription] = {}
         self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
+        self.stalled_since_ns: int | None = None  # consumer buffer full with no acknowledgement since then
+        self._stall_acked = -1  # the buffer's acknowledged position when the timer last looked
 
     def __repr__(self) -> str:
         return f"<Session {self.conn_id} {self.client_name!r}>"
@@ -148,7 +156,10 @@ class Session:
         self.outbox.wake()
 
     def send(self, frame: Frame) -> None:
-        """Queue a control frame (never raises: see broker/outbox.py)."""
+        """Queue a control frame (never raises: see broker/outbox.py). An ERROR is counted by its code
+        here, where every ERROR the core sends passes: control frames are not per message."""
+        if type(frame) is Error and self.errors_sent is not None:
+            self.errors_sent[frame.code] += 1
         self.outbox.send(frame)
 
     def collect(self, now_ns: int) -> list[Frame]:
@@ -195,6 +206,7 @@ class Session:
     def flow_stopped(self, queue: Queue) -> None:
         threshold, limit, value = queue.stop_reason
         self.flow_stopped_on[queue.name] = (queue, self.now_ns)
+        self.flow_stops += 1  # a queue stops a producer once until it resumes it
         self.send(
             FlowStopped(
                 queue.name,
@@ -215,11 +227,29 @@ class Session:
         self.broker_stops = reasons
         self.broker_stop = stop
         if stop is not None:
+            if ALL_DESTINATIONS not in self.flow_stopped_on:
+                self.flow_stops += 1
             since = self.flow_stopped_on.get(ALL_DESTINATIONS, (None, self.now_ns))[1]
             self.flow_stopped_on[ALL_DESTINATIONS] = (None, since)
             self.send(stop)
         elif self.flow_stopped_on.pop(ALL_DESTINATIONS, None) is not None:
             self.send(FlowResumed(ALL_DESTINATIONS))
+
+    # -- consumer half -----------------------------------------------------------------------
+
+    def consumer_stalled(self, now_ns: int) -> int | None:
+        """Since when the connection's consumer buffer has been full with no acknowledgement moving it
+        (DCP's stuck consumer), or None. The connection's timer calls this every tick, so the state is
+        kept here, where the metrics read it, rather than in the timer: a full buffer whose acknowledged
+        position did not change between two looks is stalled from the second look on."""
+        buf = self.deliveries.window
+        if buf.window and not buf.may_send() and buf.acked_position == self._stall_acked:
+            if self.stalled_since_ns is None:
+                self.stalled_since_ns = now_ns
+        else:
+            self.stalled_since_ns = None
+            self._stall_acked = buf.acked_position
+        return self.stalled_since_ns
 
     # -- end ---------------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ __all__ = [
     "udp_view",
     "held_by_connection",
     "connection_role",
+    "stopped_destinations",
 ]
 
 THRESHOLD_KEYS = QUEUE_ARGUMENTS
@@ -171,19 +172,30 @@ def _role(produced: bool, consumes: bool) -> str:
     return "idle"
 
 
-def _flow(session: Session, now_ns: int) -> dict[str, Any]:
-    destinations: list[dict[str, Any]] = []
-    for name, (queue, since_ns) in islice(session.flow_stopped_on.items(), NESTED_LIMIT):
-        entry: dict[str, Any] = {"destination": name, "stopped_for_seconds": _seconds(now_ns, since_ns)}
+def stopped_destinations(session: Session, limit: int = NESTED_LIMIT) -> list[tuple[str, int, str, str, int, int]]:
+    """The first `limit` destinations that hold `session` flow-stopped, earliest first, each as
+    (destination, since_ns, reason, threshold, limit, value): reason "queue" for a queue (its stop
+    reason), else the broker-wide stop's ("admin" for stop-all, "memory" for the memory alarm). The
+    connection views and the metrics (broker/metrics.py) both read them here."""
+    out: list[tuple[str, int, str, str, int, int]] = []
+    for name, (queue, since_ns) in islice(session.flow_stopped_on.items(), limit):
         if queue is not None:
-            threshold, limit, value = queue.stop_reason
-            entry.update(reason="queue", threshold=threshold, limit=limit, value=value)
+            threshold, stop_limit, value = queue.stop_reason
+            out.append((name, since_ns, "queue", threshold, stop_limit, value))
         elif session.broker_stop is not None:  # stop-all ("admin") or the memory alarm ("memory")
             stop = session.broker_stop
-            entry.update(reason=stop.threshold, threshold=stop.threshold, limit=stop.limit, value=stop.value)
+            out.append((name, since_ns, stop.threshold, stop.threshold, stop.limit, stop.value))
         else:
-            entry.update(reason=THRESHOLD_ADMIN, threshold=THRESHOLD_ADMIN, limit=0, value=0)
-        destinations.append(entry)
+            out.append((name, since_ns, THRESHOLD_ADMIN, THRESHOLD_ADMIN, 0, 0))
+    return out
+
+
+def _flow(session: Session, now_ns: int) -> dict[str, Any]:
+    destinations: list[dict[str, Any]] = [
+        {"destination": name, "stopped_for_seconds": _seconds(now_ns, since_ns), "reason": reason,
+         "threshold": threshold, "limit": limit, "value": value}
+        for name, since_ns, reason, threshold, limit, value in stopped_destinations(session)
+    ]
     # A destination is added when it stops the producer and removed when it resumes it, never
     # re-stamped in between, so the first is the earliest: no walk over every stopping queue.
     first = next(iter(session.flow_stopped_on.values()), None)

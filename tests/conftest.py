@@ -24,6 +24,9 @@ class RunningBroker:
         self.admin_url = f"http://127.0.0.1:{server.admin_port}" if server.admin_port is not None else None
         self.admin_token = server.admin.token if server.admin is not None else None
         self.udp_port = server.udp_port  # the UDP data path's port (None with udp={"enabled": False})
+        # GET /metrics: on the admin port, or on [metrics] endpoint's own (None when not served)
+        self.metrics_url = (f"http://127.0.0.1:{server.metrics_port}/metrics" if server.metrics_port is not None
+                            else None)
 
 
 @pytest.fixture

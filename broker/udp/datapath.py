@@ -44,14 +44,18 @@ REFUSAL_REASONS = (
     "wrong_stream",  # a registered session id with another stream id
     "wrong_source",  # a registered session from another address than the registering client's
     "wrong_direction",  # a sender's frame for a receiver's session, or the reverse
+    "setup_term_length",  # a SETUP with another term length than [udp] term_length
+    "setup_mtu",  # a SETUP with an mtu over [udp] mtu
 )
 """Why ``DataPath`` drops a datagram before any image or publication sees it (``refused``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class DataPathStatistics:
-    """The data path's counters, for the admin views (and the metrics of issue 12). NAK and loss figures are
-    those of the images and publications live now (a closed one's go with it)."""
+    """The data path's counters, for the admin views and the metrics (broker/metrics.py). `loss_gaps`,
+    `naks_sent`, `naks_received` and `retransmits_sent` are those of the images and publications live now
+    (a closed one's go with it: what GET /api/broker shows); the `*_total` figures add those of every image
+    and publication gone, so they never go back (what Prometheus counters need)."""
 
     endpoint: str
     datagrams_received: int
@@ -63,6 +67,10 @@ class DataPathStatistics:
     naks_sent: int  # NAKs the images sent to producers
     naks_received: int  # NAKs UDP consumers sent to the broker's publications
     retransmits_sent: int  # data the broker's publications sent again for them
+    loss_gaps_total: int = 0
+    naks_sent_total: int = 0
+    naks_received_total: int = 0
+    retransmits_sent_total: int = 0
 
 
 class SessionIds:
@@ -112,13 +120,22 @@ class DataPath:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def statistics(self) -> DataPathStatistics:
-        images = [p.image.statistics() for p in self.ingress.publications.values() if p.image is not None]
-        streams = [s.publication.statistics() for s in self.egress.subscriptions.values()]
+        ingress, egress = self.ingress, self.egress
+        images = [p.image.statistics() for p in ingress.publications.values() if p.image is not None]
+        streams = [s.publication.statistics() for s in egress.subscriptions.values()]
+        lingering = [s.publication.statistics() for s in egress.closing()]
+        loss_gaps, naks_sent = sum(i.loss_gaps for i in images), sum(i.naks_sent for i in images)
+        naks_received = sum(p.naks_received for p in streams)
+        retransmits_sent = sum(p.retransmits_sent for p in streams)
         return DataPathStatistics(
             self.endpoint_text, self.datagrams_received, tuple(sorted(self.refused.items())),
-            len(self.ingress.publications), len(self.egress.subscriptions), len(images),
-            sum(i.loss_gaps for i in images), sum(i.naks_sent for i in images),
-            sum(p.naks_received for p in streams), sum(p.retransmits_sent for p in streams),
+            len(ingress.publications), len(egress.subscriptions), len(images),
+            loss_gaps, naks_sent, naks_received, retransmits_sent,
+            loss_gaps_total=loss_gaps + ingress.retired_loss_gaps,
+            naks_sent_total=naks_sent + ingress.retired_naks_sent,
+            naks_received_total=naks_received + sum(p.naks_received for p in lingering) + egress.retired_naks_received,
+            retransmits_sent_total=(retransmits_sent + sum(p.retransmits_sent for p in lingering)
+                                    + egress.retired_retransmits_sent),
         )
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:

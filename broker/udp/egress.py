@@ -88,6 +88,9 @@ class Egress:
         self.subscriptions: dict[int, _Stream] = {}
         self._closing: dict[int, _Stream] = {}
         self._rng = random.Random()
+        # The figures of publications gone for good (after their linger), so the totals never go back.
+        self.retired_naks_received = 0
+        self.retired_retransmits_sent = 0
 
     def subscribe(self, owner: Session, subscription_id: int, queue: str, prefetch: int, buffer_size: int,
                   destination: tuple[str, int], stream_id: int, now_ns: int) -> dict[str, Any]:
@@ -129,8 +132,7 @@ class Egress:
         stream.slot = None
         stream.publication.close(now_ns)
         if len(self._closing) >= MAX_CLOSING:
-            oldest = next(iter(self._closing))
-            self.datapath.session_ids.give_back(self._closing.pop(oldest).session_id)
+            self._forget(self._closing.pop(next(iter(self._closing))))
         self._closing[stream.session_id] = stream
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, session_id: int, stream_id: int,
@@ -179,9 +181,19 @@ class Egress:
             if stream.publication.is_done:
                 done.append(session_id)
         for session_id in done:
-            del self._closing[session_id]
-            self.datapath.session_ids.give_back(session_id)
+            self._forget(self._closing.pop(session_id))
         return out
+
+    def _forget(self, stream: _Stream) -> None:
+        """A closed publication is gone: its session id is free again, its figures go to the totals."""
+        stats = stream.publication.statistics()
+        self.retired_naks_received += stats.naks_received
+        self.retired_retransmits_sent += stats.retransmits_sent
+        self.datapath.session_ids.give_back(stream.session_id)
+
+    def closing(self) -> list[_Stream]:
+        """Publications closed and still lingering (their figures still move)."""
+        return list(self._closing.values())
 
     def deadline_ns(self, now_ns: int) -> int:
         deadline = now_ns + 1_000_000_000

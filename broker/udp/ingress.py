@@ -88,6 +88,9 @@ class Ingress:
         self._rng = random.Random()
         self._last_warning_ns: int | None = None  # bad envelopes are logged at most every LOG_INTERVAL_NS
         self.bad_envelopes = 0
+        # The loss figures of images gone (closed, timed out, replaced), so the totals never go back.
+        self.retired_loss_gaps = 0
+        self.retired_naks_sent = 0
 
     # ------------------------------------------------------------------ registration
 
@@ -120,6 +123,7 @@ class Ingress:
             datapath.session_ids.give_back(session_id)
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(session.fault))
         session.peer_host = owner.peer_host
+        session.errors_sent = None  # its ERRORs reach the owner's wire, counted there (_drain_outbox)
         core._register_producer(session)
         window = config.max_receiver_window
         receiver = ReceiverConfig(
@@ -155,8 +159,17 @@ class Ingress:
         """The image drained after end of stream or timed out: its holds go with it (what was routed stays
         routed). A new SETUP from the same publication makes a new image."""
         if pub.image is image:
-            pub.image = None
+            self._retire_image(pub)
             pub.pending.clear()
+
+    def _retire_image(self, pub: UdpPublication) -> None:
+        """The publication's image goes: keep its loss figures in the totals (metrics count them)."""
+        image = pub.image
+        if image is not None:
+            stats = image.statistics()
+            self.retired_loss_gaps += stats.loss_gaps
+            self.retired_naks_sent += stats.naks_sent
+            pub.image = None
 
     def close_publication(self, owner: Session, session_id: int, now_ns: int) -> dict[str, Any]:
         from flowbroker.broker.core import RequestError
@@ -180,7 +193,7 @@ class Ingress:
             if destination not in pub.owner.flow_stopped_on:
                 pub.owner.send(FlowResumed(destination))
         pub.subscription.close(now_ns)
-        pub.image = None
+        self._retire_image(pub)
         pub.pending.clear()
         self.datapath.core.close_session(pub.session)
         self.datapath.session_ids.give_back(pub.session_id)

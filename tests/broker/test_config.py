@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from flowbroker.broker.config import (
     AdminConfig,
+    MetricsConfig,
     UdpConfig,
     BrokerConfig,
     ConfigError,
@@ -34,7 +35,8 @@ from flowbroker.policies.credit import CreditPolicy, CreditPolicyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024 * 1024
-SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "queues": QueueDefaults, "admin": AdminConfig, "udp": UdpConfig}
+SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "queues": QueueDefaults, "admin": AdminConfig, "udp": UdpConfig,
+                                   "metrics": MetricsConfig}
 CREDIT_KEYS = sorted(f.name for f in fields(CreditPolicyConfig) if f.init and f.name != "quota")
 """[credit] keys a file may set; `quota` is one too but is documented as following memory_quota."""
 
@@ -66,7 +68,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_the_documentation_lists_every_key_the_code_knows() -> None:
     doc = documented()
-    assert sorted(doc) == ["admin", "credit", "queues", "server", "udp"]
+    assert sorted(doc) == ["admin", "credit", "metrics", "queues", "server", "udp"]
     for section, cls in SECTIONS.items():
         assert sorted(doc[section]) == sorted(f.name for f in fields(cls)), section
     assert sorted(doc["credit"]) == CREDIT_KEYS
@@ -135,7 +137,7 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_key(section: str, key: 
     assert str(info.value).startswith(f"[{section}] {key} = {shown}: "), str(info.value)
 
 
-@pytest.mark.parametrize("section", ["server", "queues", "credit", "admin", "udp"])
+@pytest.mark.parametrize("section", ["server", "queues", "credit", "admin", "udp", "metrics"])
 def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, {section: {"max_sise": 1}})
@@ -146,7 +148,7 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) ->
 
 
 def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, credit, queues, server, udp$"):
+    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, credit, metrics, queues, server, udp$"):
         load_config(write(tmp_path, "[sever]\nport = 1\n"))
     for section in ("server", "queues", "admin", "credit"):
         with pytest.raises(ConfigError, match=rf"^\[{section}\] \* = 3: must be a table$"):
@@ -177,6 +179,9 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
         ("admin", {"token": "short"}, "[admin] token = '***': must be at least 16 printable ASCII characters"),
         ("admin", {"token": "sixteen chars with spaces"}, "[admin] token = '***': "),
         ("admin", {"token_file": ""}, "[admin] token_file = '': must be a non-empty path"),
+        ("metrics", {"endpoint": "9419"}, "[metrics] endpoint = '9419': must be host:port with a port in [0, 65535]"),
+        ("metrics", {"endpoint": "127.0.0.1:99999"}, "[metrics] endpoint = '127.0.0.1:99999': must be host:port"),
+        ("metrics", {"max_producer_series": -1}, "[metrics] max_producer_series = -1: must be an integer in [0, "),
     ],
 )
 def test_a_value_out_of_range_is_refused_naming_the_key(section: str, values: dict[str, Any], message: str) -> None:

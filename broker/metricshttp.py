@@ -1,0 +1,81 @@
+"""`GET /metrics` over HTTP: the route the admin app serves, or a listener of its own (`[metrics] endpoint`).
+
+The text is `prometheus_client.generate_latest` of the broker's own registry (broker/metrics.py), made on
+the trio thread in one step of the event loop like any admin request (the endpoint is `async def`:
+Starlette would run a plain `def` in a worker thread, racing the core). No token is needed unless
+`[metrics] require_token`, as with RabbitMQ's Prometheus plugin: scrapers rarely hold credentials, the
+figures change nothing, and the names they show (queues, client names) are what the admin port's
+host already exposes to whoever can reach it (docs/metrics.md says where to keep it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from flowbroker.broker.admin import BearerAuth, listen, serve_http
+from flowbroker.broker.config import MetricsConfig
+
+__all__ = ["MetricsServer", "metrics_route", "METRICS_PATH"]
+
+LOGGER = logging.getLogger("flowbroker.broker.metrics")
+METRICS_PATH = "/metrics"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The classic text format, which every Prometheus reads. (prometheus-client >= 0.22 labels its output
+1.0.0, which differs only for names outside [a-zA-Z_:][a-zA-Z0-9_:]*; ours never are.) Not OpenMetrics:
+there a gauge and a counter may not share a base name, and the contract has two pairs that do
+(`flowbroker_queue_held_transfers` and `_total`)."""
+
+
+def metrics_route(registry: CollectorRegistry) -> Route:
+    """`GET /metrics`: the registry in the Prometheus text format (version 0.0.4)."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = generate_latest(registry)
+        except Exception as exc:  # a bug in a collector must not take the broker down: say so and log it
+            LOGGER.exception("GET /metrics failed")
+            return PlainTextResponse(f"internal error: {type(exc).__name__}: {exc}\n", status_code=500)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    return Route(METRICS_PATH, endpoint, methods=["GET"])
+
+
+class MetricsServer:
+    """`/metrics` on a port of its own (`[metrics] endpoint = "host:port"`), in the broker's nursery.
+
+    `bind()` before any nursery (an address in use is a plain error at start, as for the admin API),
+    then `await nursery.start(server.serve)`; `shutdown()` stops it. With `token`, scrapes need it."""
+
+    def __init__(self, config: MetricsConfig, registry: CollectorRegistry, token: str | None = None):
+        self.config = config
+        self.host, self._port = config.address()
+        app: ASGIApp = Starlette(routes=[metrics_route(registry)])
+        self.app = BearerAuth(app, token) if token is not None else app
+        self.port: int | None = None
+        self._fd: int | None = None
+        self._shutdown = trio.Event()
+
+    def bind(self) -> int:
+        self._fd, self.port = listen(self.host, self._port, "metrics")
+        return self.port
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._fd is None:
+            self.bind()
+        assert self._fd is not None and self.port is not None
+        fd, self._fd = self._fd, None
+        LOGGER.info("metrics on http://%s:%d%s (%s)", self.host, self.port, METRICS_PATH,
+                    "admin token required" if self.config.require_token else "no token required")
+        task_status.started(self.port)
+        await serve_http(self.app, fd, self._shutdown)

@@ -1,0 +1,168 @@
+"""`GET /metrics` of a real broker over HTTP on 127.0.0.1, while real SDK producers and consumers are
+connected: what Prometheus would scrape, parsed with prometheus-client's own parser; the token rule;
+`[metrics] endpoint` on a port of its own; and docs/metrics.md (the contract the alert rules, the
+dashboard and the console build on) against what a broker actually serves."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+import flowbroker.client as fc
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "test-admin-token-0123456789"
+LIMIT = 5.0
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+async def get(url: str, token: str | None = None) -> tuple[int, str, dict[str, str]]:
+    """One GET with urllib in a worker thread: (status, body, headers)."""
+
+    def call() -> tuple[int, str, dict[str, str]]:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+                return resp.status, resp.read().decode(), {k.lower(): v for k, v in resp.headers.items()}
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode(), {k.lower(): v for k, v in exc.headers.items()}
+
+    return await trio.to_thread.run_sync(call)
+
+
+async def scrape(broker: Any, token: str | None = None) -> Samples:
+    """A scrape, parsed: sample name -> [(labels, value)]."""
+    status, text, headers = await get(broker.metrics_url, token)
+    assert status == 200, (status, text)
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def one(samples: Samples, name: str, **labels: Any) -> float:
+    want = {k: str(v) for k, v in labels.items()}
+    found = [v for got, v in samples.get(name, []) if want.items() <= got.items()]
+    assert len(found) == 1, (name, labels, samples.get(name))
+    return found[0]
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    with trio.fail_after(LIMIT):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+async def saturate(conn: fc.Connection, queue: str) -> fc.Producer:
+    """Declare `queue` with a stop at 3 messages and send 6: the queue saturates and stops the producer."""
+    await conn.declare_queue(queue, flow_stop_count=3, flow_resume_count=1)
+    producer = conn.producer(routing_key=queue, window=100)
+    for i in range(6):
+        await producer.send(b"m%d" % i, timeout=LIMIT)
+    return producer
+
+
+async def test_a_flow_stopped_producer_shows_in_a_scrape_without_a_token(start_flowbroker: Any) -> None:
+    broker = await start_flowbroker(admin={"token": TOKEN}, credit={"policy": "static", "static_size": 1 << 20})
+    assert broker.metrics_url == f"{broker.admin_url}/metrics"  # on the admin port by default
+    async with await fc.connect(broker.url, client_name="fast feeder", timeout=LIMIT) as conn:
+        await saturate(conn, "orders")
+        await wait_until(lambda: bool(broker.core.queues["orders"].stopped_producers))
+        conn_id = next(iter(broker.core.queues["orders"].stopped_producers)).conn_id
+        m = await scrape(broker)  # no token: scrapes need none unless [metrics] require_token
+        assert one(m, "flowbroker_queue_saturated", queue="orders") == 1
+        assert one(m, "flowbroker_queue_messages", queue="orders") == 6
+        assert one(m, "flowbroker_queue_flow_stopped_producers", queue="orders") == 1
+        assert one(m, "flowbroker_flow_stop_info", connection=conn_id, client_name="fast feeder", queue="orders",
+                   threshold="flow_stop_count") == 1
+        assert one(m, "flowbroker_producer_flow_stopped", connection=conn_id) == 1
+        assert one(m, "flowbroker_producer_granted_bytes", connection=conn_id) == 1 << 20
+        assert 0 < one(m, "flowbroker_credit_granted_bytes") <= one(m, "flowbroker_credit_pool_bytes")
+        assert one(m, "process_resident_memory_bytes") > 10 * 1024 * 1024
+        assert one(m, "flowbroker_connections", role="producer") == 1
+        # the API itself still needs the token
+        status, _, _ = await get(f"{broker.admin_url}/api/queues")
+        assert status == 401
+
+        broker.core.get_queue("orders").purge()  # an operator's purge: under resume, the producer goes on
+        m = await scrape(broker)
+        assert one(m, "flowbroker_queue_saturated", queue="orders") == 0
+        assert one(m, "flowbroker_queue_saturations_total", queue="orders") == 1
+        assert "flowbroker_flow_stop_info" not in m
+
+
+async def test_require_token_refuses_scrapes_without_the_admin_token(start_flowbroker: Any) -> None:
+    broker = await start_flowbroker(admin={"token": TOKEN}, metrics={"require_token": True})
+    status, body, headers = await get(broker.metrics_url)
+    assert status == 401 and headers["www-authenticate"].startswith("Bearer")
+    status, _, _ = await get(broker.metrics_url, "wrong-token-wrong-token")
+    assert status == 403
+    assert "flowbroker_queues" in await scrape(broker, TOKEN)
+
+
+async def test_metrics_on_a_port_of_their_own(start_flowbroker: Any) -> None:
+    broker = await start_flowbroker(admin={"token": TOKEN}, metrics={"endpoint": "127.0.0.1:0"})
+    port = broker.server.metrics_port
+    assert port not in (None, broker.server.admin_port)
+    assert broker.metrics_url == f"http://127.0.0.1:{port}/metrics"
+    assert one(await scrape(broker), "flowbroker_queues") == 0
+    status, _, _ = await get(f"{broker.admin_url}/metrics")  # no longer on the admin port
+    assert status in (401, 404)
+    status, _, _ = await get(f"http://127.0.0.1:{port}/api/queues", TOKEN)  # and nothing else on its own
+    assert status == 404
+
+    # without the admin API at all, and with a token required: the admin token guards it still
+    alone = await start_flowbroker(metrics={"endpoint": "127.0.0.1:0", "require_token": True},
+                                   admin={"enabled": False, "token": TOKEN})
+    assert alone.admin_url is None and alone.metrics_url is not None
+    assert (await get(alone.metrics_url))[0] == 401
+    assert "flowbroker_queues" in await scrape(alone, TOKEN)
+
+
+async def test_metrics_can_be_turned_off(start_flowbroker: Any) -> None:
+    broker = await start_flowbroker(admin={"token": TOKEN}, metrics={"enabled": False})
+    assert broker.metrics_url is None
+    assert (await get(f"{broker.admin_url}/metrics"))[0] == 401  # not an open path any more...
+    assert (await get(f"{broker.admin_url}/metrics", TOKEN))[0] == 404  # ...and not a route
+
+
+def documented_names() -> set[str]:
+    """Every metric name in the tables of docs/metrics.md (first column)."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    names = set(re.findall(r"^\| `(flowbroker_[a-z_]+)` \|", text, re.MULTILINE))
+    assert len(names) > 50, names
+    return names
+
+
+async def test_every_documented_name_is_served_and_every_name_served_is_documented(start_flowbroker: Any) -> None:
+    """A broker with a queue, a flow-stopped producer, a consumer and the UDP data path on serves a sample
+    of every name docs/metrics.md lists (counters under their `_total` name, as the doc writes them), and
+    no `flowbroker_*` name the doc does not list."""
+    broker = await start_flowbroker(admin={"token": TOKEN}, credit={"policy": "static", "static_size": 1 << 20})
+    assert broker.udp_port is not None
+    async with await fc.connect(broker.url, client_name="producer", timeout=LIMIT) as producing, \
+            await fc.connect(broker.url, client_name="consumer", timeout=LIMIT) as consuming:
+        await saturate(producing, "held")
+        await consuming.declare_queue("work")
+        async with consuming.consumer("work", prefetch=10):
+            await wait_until(lambda: bool(broker.core.queues["held"].stopped_producers)
+                             and len(broker.core.queues["work"].subscriptions) == 1)
+            served = await scrape(broker)
+        broker.core.get_queue("held").purge()  # the producer's held messages complete: it closes cleanly
+    documented = documented_names()
+    missing = sorted(name for name in documented if name not in served)
+    assert not missing, f"documented in docs/metrics.md but not served: {missing}"
+    undocumented = sorted(name for name in served if name.startswith("flowbroker_") and name not in documented)
+    assert not undocumented, f"served but not in docs/metrics.md: {undocumented}"
+    assert "process_cpu_seconds_total" in served and "process_open_fds" in served
