@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import tomllib
+import urllib.request
 from pathlib import Path
 
 from flowbroker.broker.cli import main
@@ -114,7 +115,8 @@ def test_the_configuration_file_loads_and_keeps_the_admin_api_local() -> None:
     assert (config.server.port, config.admin.port) == (defaults.server.port, defaults.admin.port)
     assert config.udp.address()[1] == defaults.udp.address()[1]
     # the file's keys exist (load_config would have refused unknown ones) and it says nothing twice
-    assert set(tomllib.loads(CONFIG.read_text())) <= {"server", "queues", "credit", "admin", "udp"}
+    assert set(tomllib.loads(CONFIG.read_text())) <= {"server", "queues", "credit", "admin", "udp", "metrics"}
+    assert config.metrics.enabled and config.metrics.endpoint == "" and not config.metrics.require_token
 
 
 def _instructions() -> list[tuple[str, str]]:
@@ -197,6 +199,9 @@ def test_the_units_command_starts_a_broker_with_the_shipped_configuration(tmp_pa
         wait_listening(port, broker)
         wait_listening(admin_port, broker)
         assert token_file.stat().st_mode & 0o777 == 0o600
+        # where deploy/prometheus/prometheus.yml scrapes it: the admin port, no token
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=10) as answer:
+            assert answer.status == 200 and b"\nflowbroker_build_info{" in answer.read()
     finally:
         err = stop(broker)
     assert broker.returncode == 0, err
