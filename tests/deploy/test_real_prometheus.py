@@ -125,14 +125,16 @@ def prometheus(broker: Broker, tmp_path: Path) -> Iterator[Prometheus]:
     (conf / "alerts.yml").write_text(rules)
 
     port = free_port()
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={conf / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "prometheus.log"  # a file, not a pipe nobody reads while it runs
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={conf / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
     server = Prometheus(port, proc)
     try:
         def ready() -> bool:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else "prometheus exited"
+            assert proc.poll() is None, f"prometheus exited: {log.read_text()}"
             try:
                 with urllib.request.urlopen(f"{server.base}/-/ready", timeout=1) as answer:
                     return bool(answer.status == 200)
@@ -143,10 +145,10 @@ def prometheus(broker: Broker, tmp_path: Path) -> Iterator[Prometheus]:
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.communicate(timeout=15)
+            proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
+            proc.wait()
             raise
 
 
