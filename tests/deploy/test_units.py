@@ -166,9 +166,10 @@ def test_the_container_exposes_the_cli_default_ports_and_runs_serve_as_a_user() 
     keywords = [keyword for keyword, _ in instructions]
     assert keywords[-1] == "CMD" and keywords.count("USER") == 1
     [user] = [args for keyword, args in instructions if keyword == "USER"]
-    uid = user.split(":")[0]
-    assert uid.isdigit() and int(uid) != 0  # numeric, so that runAsNonRoot can check it
-    assert any(keyword == "RUN" and f"--uid {uid}" in args for keyword, args in instructions)
+    uid, gid = user.split(":")
+    assert uid.isdigit() and int(uid) != 0 and gid.isdigit()  # numeric, so that runAsNonRoot can check it
+    assert any(keyword == "RUN" and f"--uid {uid} --gid {gid}" in args and f"groupadd --system --gid {gid}" in args
+               for keyword, args in instructions)
     assert keywords.index("USER") < keywords.index("CMD")
 
     argv = json.loads(instructions[-1][1])  # the exec form: SIGTERM reaches the broker, not a shell
