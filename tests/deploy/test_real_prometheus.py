@@ -271,7 +271,7 @@ def test_real_prometheus_scrapes_the_broker_evaluates_the_dashboard_and_fires_th
         [stopped] = [a for a in prometheus.get("/api/v1/alerts")["data"]["alerts"]
                      if a["labels"]["alertname"] == "FlowbrokerProducerFlowStopped"]
         assert stopped["state"] == "firing" and stopped["labels"]["client_name"] == "deploy-stopped"
-        assert "Stopped by: queue saturated (flow_stop_count)" in stopped["annotations"]["description"]
+        assert "by: queue saturated (flow_stop_count); see" in stopped["annotations"]["description"]
         assert "FlowbrokerQueueSaturated" in firing
         assert not (firing & QUIET), f"alerts of a healthy broker firing: {firing & QUIET}"
 
