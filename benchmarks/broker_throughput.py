@@ -14,11 +14,17 @@ Scenarios (flow control on, 1 KiB messages by default):
 Every scenario but overload also prints the CPU time each process spent per message delivered.
   overload    the producer is 10x faster than the consumer for 30 s; prints the broker's RSS every
               second beside its idle RSS, the queue depth, and the target (idle + stop size + 32 MiB).
+  metrics     the throughput scenario in --rounds pairs, each pair one run with a scraper fetching the
+              broker's GET /metrics every second (--scrape-every) and one without, in alternating order
+              (off/on, on/off, ...) so that drift on a shared machine falls on both; every run's broker
+              serves /metrics ([metrics] endpoint on a port of its own). Prints each run's msgs/s, the
+              scrapes made and their mean time, and the means' difference.
 
 Latency uses CLOCK_MONOTONIC (time.monotonic_ns), shared by all processes on one Linux machine: the
 producer writes it into the first 8 bytes of each body and the consumer subtracts.
 
     python benchmarks/broker_throughput.py [throughput|paced|overload|all] [--count N] [--rate R] ...
+    python benchmarks/broker_throughput.py metrics [--rounds 3] [--scrape-every 1] [--count N]
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
+import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +138,48 @@ def percentile_ms(values: list[int], p: float) -> float:
 # -- scenarios ----------------------------------------------------------------------------------
 
 
-def scenario_flow(args: argparse.Namespace, rate: float) -> None:
+class Scraper:
+    """GET `url` every `every` seconds in a thread, as Prometheus would, until stopped; counts the scrapes
+    and the time each took (the broker builds the text on its event loop, so that is what it costs it)."""
+
+    def __init__(self, url: str, every: float):
+        self.url, self.every = url, every
+        self.times: list[float] = []
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            with urllib.request.urlopen(self.url, timeout=10) as resp:
+                self.bytes = len(resp.read())
+            self.times.append(time.monotonic() - started)
+            self._stop.wait(max(0.0, self.every - (time.monotonic() - started)))
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def scenario_flow(args: argparse.Namespace, rate: float, scrape_every: float | None = None) -> tuple[float, float]:
+    """One run; returns the end-to-end msgs/s and the broker's CPU microseconds per message. `scrape_every`: the broker serves /metrics on a port of its
+    own, scraped that often (0: served, never scraped); None: as before, no metrics listener."""
     port = free_port()
     url = f"flowbroker://127.0.0.1:{port}"
-    broker = start_broker(port, ["--memory-quota", args.quota])
+    broker_args = ["--memory-quota", args.quota]
+    metrics_url = ""
+    if scrape_every is not None:
+        metrics_port = free_port()
+        broker_args += ["--metrics-endpoint", f"127.0.0.1:{metrics_port}"]
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    broker = start_broker(port, broker_args)
     ctx = mp.get_context("spawn")
+    scraper: Scraper | None = None
     try:
         trio.run(_queue_count, url, args.flow_stop_size)
         idle = rss(broker.pid)
@@ -145,6 +191,8 @@ def scenario_flow(args: argparse.Namespace, rate: float) -> None:
         producer = ctx.Process(
             target=producer_main, args=(url, count, args.size, rate, float("inf"), args.window, pq)
         )
+        if scrape_every:
+            scraper = Scraper(metrics_url, scrape_every).__enter__()
         producer.start()
         broker_cpu = cpu_seconds(broker.pid)
         peak = idle
@@ -159,11 +207,15 @@ def scenario_flow(args: argparse.Namespace, rate: float) -> None:
                 if not consumer.is_alive():
                     raise RuntimeError("the consumer process died") from None
         broker_cpu = cpu_seconds(broker.pid) - broker_cpu
+        if scraper is not None:
+            scraper.__exit__(None, None, None)
         p = pq.get(timeout=60)
         producer.join()
         consumer.join()
         elapsed = c["last"] - p["start"]
         label = f"paced at {rate:,.0f} msgs/s" if rate else "throughput"
+        if scrape_every is not None:
+            label += (f", /metrics scraped every {scrape_every:g} s" if scrape_every else ", /metrics not scraped")
         print(f"\n== {label}: broker + producer process + consumer process, {args.size} B messages ==")
         print(f"{c['received']:,} of {p['sent']:,} messages delivered in {elapsed:.2f} s: "
               f"{c['received'] / elapsed:,.0f} msgs/s, {c['received'] * args.size / elapsed / 1e6:.1f} MB/s end to end")
@@ -175,8 +227,34 @@ def scenario_flow(args: argparse.Namespace, rate: float) -> None:
         per_msg = {name: used / max(1, c["received"]) * 1e6 for name, used in cpu_used.items()}
         print("CPU per message: " + ", ".join(f"{name} {us:.1f} us" for name, us in per_msg.items())
               + f" (all three: {sum(per_msg.values()):.1f} us; this machine has {psutil.cpu_count()} cores)")
+        if scraper is not None:
+            print(f"{len(scraper.times)} scrapes of {scraper.bytes:,} bytes, "
+                  f"mean {statistics.mean(scraper.times) * 1e3:.1f} ms each" if scraper.times else "no scrape made")
+        return float(c["received"] / elapsed), per_msg["broker"]
     finally:
+        if scraper is not None:
+            scraper.__exit__(None, None, None)
         stop_broker(broker)
+
+
+def scenario_metrics(args: argparse.Namespace) -> None:
+    """Throughput with and without a scraper, alternating runs, one broker process per run."""
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(args.rounds):
+        for scraped in ((False, True) if round_ % 2 == 0 else (True, False)):
+            rate, broker_us = scenario_flow(args, 0.0, args.scrape_every if scraped else 0.0)
+            runs[scraped].append(rate)
+            cpu[scraped].append(broker_us)
+    print(f"\n== metrics: {args.rounds} pair(s) of throughput runs, {args.count:,} messages each ==")
+    for what, values, unit, fmt in (("msgs/s", runs, "msgs/s", ",.0f"), ("broker CPU", cpu, "us/msg", ".2f")):
+        off, on = statistics.median(values[False]), statistics.median(values[True])
+        print(f"{what}, not scraped: " + ", ".join(format(v, fmt) for v in values[False])
+              + f" {unit} (median {format(off, fmt)})")
+        print(f"{what}, scraped every {args.scrape_every:g} s: " + ", ".join(format(v, fmt) for v in values[True])
+              + f" {unit} (median {format(on, fmt)})")
+        print(f"{what}: scraped vs not, medians {(on - off) / off * 100:+.1f} %; spread of the unscraped runs "
+              f"{(max(values[False]) - min(values[False])) / off * 100:.1f} % of their median")
 
 
 def scenario_overload(args: argparse.Namespace) -> None:
@@ -223,7 +301,8 @@ def scenario_overload(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", nargs="?", default="all", choices=["throughput", "paced", "overload", "all"])
+    parser.add_argument("scenario", nargs="?", default="all",
+                        choices=["throughput", "paced", "overload", "metrics", "all"])
     parser.add_argument("--count", type=int, default=600_000, help="messages in the throughput scenario")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the paced scenario")
     parser.add_argument("--rate", type=float, default=5000.0, help="msgs/s in the paced scenario")
@@ -238,6 +317,8 @@ def main() -> None:
     parser.add_argument("--overload-seconds", type=float, default=30.0)
     parser.add_argument("--overload-consumer-rate", type=float, default=5000.0,
                         help="the slow consumer's rate in the overload scenario")
+    parser.add_argument("--rounds", type=int, default=3, help="metrics scenario: pairs of runs (scraped, not)")
+    parser.add_argument("--scrape-every", type=float, default=1.0, help="metrics scenario: seconds between scrapes")
     args = parser.parse_args()
     if args.scenario in ("throughput", "all"):
         scenario_flow(args, 0.0)
@@ -245,6 +326,8 @@ def main() -> None:
         scenario_flow(args, args.rate)
     if args.scenario in ("overload", "all"):
         scenario_overload(args)
+    if args.scenario == "metrics":  # not in "all": it is six throughput runs
+        scenario_metrics(args)
 
 
 if __name__ == "__main__":

@@ -246,7 +246,7 @@ def test_serve_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.Monke
     result = runner.invoke(
         main,
         ["serve", "--config", str(path), "--port", "7100", "--memory-quota", "1GiB", "--credit-policy", "dynamic",
-         "--admin", "--admin-port", "7101"],
+         "--admin", "--admin-port", "7101", "--metrics-endpoint", "127.0.0.1:9419", "--no-metrics"],
         catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
@@ -256,6 +256,8 @@ def test_serve_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.Monke
     assert (flagged.server.port, flagged.server.memory_quota, flagged.admin.port, flagged.admin.enabled) == (
         7100, 1024 * MiB, 7101, True)
     assert flagged.credit_policy().policy is CreditPolicy.DYNAMIC
+    assert (flagged.metrics.endpoint, flagged.metrics.enabled) == ("127.0.0.1:9419", False)
+    assert (from_file.metrics.endpoint, from_file.metrics.enabled) == ("", True)
     assert (flagged.server.host, flagged.server.idle_timeout) == ("127.0.0.2", 5.0)  # not flagged: the file's
 
 
