@@ -242,8 +242,8 @@ FIRING = {"FlowbrokerProducerFlowStopped", "FlowbrokerQueueSaturated", "Flowbrok
           "FlowbrokerQueueDropping"}
 QUIET = {"FlowbrokerDown", "FlowbrokerMemoryAlarm", "FlowbrokerMemoryNearWatermark", "FlowbrokerResidentMemoryHigh",
          "FlowbrokerResidentMemoryCritical", "FlowbrokerCreditViolations", "FlowbrokerProducersWaitingForCredit",
-         "FlowbrokerProducersStoppedByOperator", "FlowbrokerConsumerStuck", "FlowbrokerCreditNearlyAllGranted", "FlowbrokerUdpLossHigh",
-         "FlowbrokerUdpNakRateHigh", "FlowbrokerUdpDatagramsRefused"}
+         "FlowbrokerProducersStoppedByOperator", "FlowbrokerConsumerStuck", "FlowbrokerCreditNearlyAllGranted",
+         "FlowbrokerUdpLossHigh", "FlowbrokerUdpNakRateHigh", "FlowbrokerUdpDatagramsRefused"}
 
 
 def test_real_prometheus_scrapes_the_broker_evaluates_the_dashboard_and_fires_the_flow_stop_alert(
@@ -251,7 +251,7 @@ def test_real_prometheus_scrapes_the_broker_evaluates_the_dashboard_and_fires_th
     load = Load(broker.url)
     try:
         load.declare()
-        wait_for("the target up", lambda: [r for r in prometheus.query('up{job="flowbroker"} == 1')] or None)
+        wait_for("the target up", lambda: prometheus.query('up{job="flowbroker"} == 1') or None)
         # the counters' series scraped before the events that increase them, so that increase() sees them
         wait_for("a scrape of the queues' counters", lambda: prometheus.query(
             'flowbroker_queue_refused_transfers_total{queue="limited"} == 0') or None)
@@ -272,7 +272,6 @@ def test_real_prometheus_scrapes_the_broker_evaluates_the_dashboard_and_fires_th
                      if a["labels"]["alertname"] == "FlowbrokerProducerFlowStopped"]
         assert stopped["state"] == "firing" and stopped["labels"]["client_name"] == "deploy-stopped"
         assert "by: queue saturated (flow_stop_count); see" in stopped["annotations"]["description"]
-        assert "FlowbrokerQueueSaturated" in firing
         assert not (firing & QUIET), f"alerts of a healthy broker firing: {firing & QUIET}"
 
         # every rule loaded, evaluated, without an error (a many-to-many match, say, only shows at evaluation)
@@ -289,8 +288,12 @@ def test_real_prometheus_scrapes_the_broker_evaluates_the_dashboard_and_fires_th
         # every dashboard expression parses and returns data (rates over a minute of 1 s scrapes of this load).
         # None is exempt: the broker serves its counters at 0 before the first event (labelled ones too, for the
         # label values known in advance: docs/metrics.md), so the UDP and credit-violation rates are 0, not
-        # absent, without UDP traffic or a violation; the refused datagram above makes a `reason` series, and
-        # the saturated queue, the stopped producer and the legacy producer the `> 0` and per-producer ones.
+        # absent, without UDP traffic or a violation (the refused datagram above moves the UDP counters: waited
+        # for below); the saturated queue, the stopped producer and the legacy producer give the `> 0` and
+        # per-producer ones their series.
+        wait_for("the refused datagram counted", lambda: prometheus.query(
+            "sum(flowbroker_udp_datagrams_refused_total) > 0 and sum(flowbroker_udp_datagrams_received_total) > 0")
+            or None)
         wait_for("the flowing queue's rate", lambda: prometheus.query(
             'rate(flowbroker_queue_dequeued_messages_total{queue="flowing"}[1m]) > 0') or None)
         queries = _dashboard_queries()
