@@ -12,14 +12,21 @@ for producers only (consumers are counted per queue), for the first `[metrics] m
 by connection id, and `flowbroker_flow_stop_info` lists at most `views.NESTED_LIMIT` destinations of
 each. Label values are escaped by prometheus-client.
 
-Each broker has its own `CollectorRegistry` (`broker_registry`), with the process collector in it:
-tests run several brokers in one process, and the global default registry would mix them up. Nothing
-here does I/O; broker/metricshttp.py serves the registry.
+A scrape's CPU still grows with the queues (~130 us each: `benchmarks/metrics_scrape_cost.py`), and the
+broker has one thread. So a scrape is a `Scrape` in two halves: reading the core, in steps of QUEUE_STEP
+queues between which the HTTP shell lets every connection run, and building the families and the text
+from that copy, which touches nothing live and runs in a worker thread (the interpreter switches threads
+every 5 ms). A big scrape then delays messages by milliseconds, not by seconds.
+
+Each broker has its own `CollectorRegistry` (`broker_metrics`), with the process collector in it: tests
+run several brokers in one process, and the global default registry would mix them up. Nothing here
+does I/O; broker/metricshttp.py serves it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -27,15 +34,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from flowbroker.broker.core import BrokerCore
-from flowbroker.broker.queue import Queue
+from flowbroker.broker.queue import QueueStatistics
 from flowbroker.broker.udp.datapath import REFUSAL_REASONS
 from flowbroker.broker.views import connection_role, stopped_destinations
 from flowbroker.protocol.errors import ErrorCode
 
-__all__ = ["BrokerCollector", "ROLES", "broker_registry", "build_version"]
+__all__ = ["BrokerCollector", "BrokerMetrics", "Families", "QUEUE_STEP", "ROLES", "Scrape", "broker_metrics",
+           "broker_registry", "build_version"]
 
 ROLES = ("producer", "consumer", "both", "idle")
 """Values of `flowbroker_connections{role}` (broker/views.py `connection_role`), each always served."""
+
+QUEUE_STEP = 200
+"""Queues a scrape reads per step: ~2-3 ms of the event loop on a 2-core machine, like a reader's turn."""
 
 _QUEUE = ["queue"]
 _PRODUCER = ["connection", "client_name"]
@@ -61,67 +72,130 @@ def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMet
     return CounterMetricFamily(name, doc, labels=labels)
 
 
-class BrokerCollector(Collector):
-    """Every `flowbroker_*` family of docs/metrics.md, read from `core` when collected."""
+@dataclass(frozen=True, slots=True)
+class _ProducerRow:
+    label: list[str]  # connection id, client name
+    granted: int
+    unacknowledged: int
+    stopped_seconds: float | None  # None while not flow-stopped
+    flow_stops: int
+    received: int
+    stops: list[tuple[str, str]]  # (destination, threshold) holding it stopped
 
-    def __init__(self, core: BrokerCore, max_producer_series: int = 100):
+
+class Scrape:
+    """One scrape, in two halves. Reading (`Scrape(core, ...)`, then `read_queues` until it says done)
+    touches the core and must run on its thread; it only copies figures (immutable `statistics()`
+    snapshots, numbers, strings), in steps of a few hundred queues so that the HTTP shell can let the
+    broker's connections run between them. Building the metric families from the copy (`families`)
+    touches nothing live, so the shell does it, and the text, in a worker thread. The queues are read
+    in name order by pages (broker/paging.py): a queue declared or deleted during a scrape may be in it
+    or not, as with the admin API's pages; none is read twice."""
+
+    def __init__(self, core: BrokerCore, max_producer_series: int, version: str):
         self.core = core
-        self.max_producer_series = max_producer_series
-        self.version = build_version()
+        self.now = now = core.clock_ns()
+        self.version = version
+        memory, credit, server = core.memory, core.credit, core.config.server
+        self.scalars = {
+            "opened": core.connections_opened, "closed": core.connections_closed, "queues": len(core.queues),
+            "quota": server.memory_quota, "watermark": memory.watermark, "held": memory.held,
+            "alarm": int(memory.alarm), "alarms": memory.alarms_total, "pool": credit.pool,
+            "granted": credit.total_granted(), "waiting": credit.waiting(),
+            "stopped": int(core.producers_stopped), "unroutable": core.unroutable,
+            "violations": core.credit_violations,
+        }
+        self.errors = dict(core.errors_sent)
+        self.udp = core.udp.statistics() if core.udp is not None else None
+        # One pass over the connections: roles, producer rows (bounded), stalled consumers' queues.
+        self.roles = dict.fromkeys(ROLES, 0)
+        self.producers: list[_ProducerRow] = []
+        self.producers_dropped = 0
+        self.stuck: dict[str, int] = {}
+        stuck_ns = int(server.stuck_timeout * 1e9)
+        for session in core.sessions.values():
+            role = connection_role(session)
+            self.roles[role] += 1
+            since = session.stalled_since_ns
+            if since is not None and now - since >= stuck_ns:
+                for sub in session.subscriptions.values():
+                    self.stuck[sub.queue.name] = self.stuck.get(sub.queue.name, 0) + 1
+            if role not in ("producer", "both"):
+                continue
+            if len(self.producers) >= max_producer_series:
+                self.producers_dropped += 1
+                continue
+            window = session.transfers.window
+            stops = stopped_destinations(session)
+            self.producers.append(_ProducerRow(
+                [str(session.conn_id), session.client_name], session.buffer_size,
+                window.position - window.acked_position, _seconds(now, stops[0][1]) if stops else None,
+                session.flow_stops, window.position, [(stop[0], stop[3]) for stop in stops],
+            ))
+        self.queues: list[QueueStatistics] = []
+        self._after: str | None = None
+        self._done = False
 
-    def collect(self) -> Iterator[Metric]:
-        now = self.core.clock_ns()
-        yield from self._broker()
-        yield from self._queues(now)
-        yield from self._connections(now)
-        yield from self._udp()
+    def read_queues(self, limit: int = QUEUE_STEP) -> bool:
+        """Copy the next `limit` queues' statistics; True once every queue is read."""
+        if not self._done:
+            page, self._after = self.core.queues.page(self._after, limit)
+            self.queues.extend(queue.statistics() for queue in page)
+            self._done = self._after is None
+        return self._done
+
+    def read_all(self) -> Scrape:
+        while not self.read_queues():
+            pass
+        return self
+
+    def families(self) -> list[Metric]:
+        """Every `flowbroker_*` family, built from the copy alone (safe in another thread)."""
+        return [*self._broker(), *self._queues(), *self._connections(), *self._udp()]
 
     # -- broker-wide -----------------------------------------------------------------------------
 
     def _broker(self) -> Iterator[Metric]:
-        core = self.core
+        v = self.scalars
         build = _gauge("flowbroker_build_info", "The flowbroker version serving, always 1.", ["version"])
         build.add_metric([self.version], 1)
         yield build
         yield CounterMetricFamily("flowbroker_connections_opened", "Connections opened (a UDP publication's "
-                                  "session counts as one).", value=core.connections_opened)
+                                  "session counts as one).", value=v["opened"])
         yield CounterMetricFamily("flowbroker_connections_closed", "Connections ended, for any reason.",
-                                  value=core.connections_closed)
-        yield GaugeMetricFamily("flowbroker_queues", "Queues declared.", value=len(core.queues))
-        memory, server = core.memory, core.config.server
+                                  value=v["closed"])
+        yield GaugeMetricFamily("flowbroker_queues", "Queues declared.", value=v["queues"])
         yield GaugeMetricFamily("flowbroker_memory_quota_bytes", "[server] memory_quota: what the credit pools "
-                                "are carved from.", value=server.memory_quota)
+                                "are carved from.", value=v["quota"])
         yield GaugeMetricFamily("flowbroker_memory_watermark_bytes", "Bytes of messages held that raise the "
-                                "memory alarm.", value=memory.watermark)
+                                "memory alarm.", value=v["watermark"])
         yield GaugeMetricFamily("flowbroker_memory_held_bytes", "Bytes of messages the queues hold "
-                                "(message_size), as the watermark counts them.", value=memory.held)
+                                "(message_size), as the watermark counts them.", value=v["held"])
         yield GaugeMetricFamily("flowbroker_memory_alarm", "1 while the memory alarm stops every producer.",
-                                value=int(memory.alarm))
+                                value=v["alarm"])
         yield CounterMetricFamily("flowbroker_memory_alarms", "Times the memory alarm was raised.",
-                                  value=memory.alarms_total)
-        credit = core.credit
+                                  value=v["alarms"])
         yield GaugeMetricFamily("flowbroker_credit_pool_bytes", "The credit pool producers' buffers are granted "
-                                "from.", value=credit.pool)
+                                "from.", value=v["pool"])
         yield GaugeMetricFamily("flowbroker_credit_granted_bytes", "Credit granted to producers now, in total.",
-                                value=credit.total_granted())
+                                value=v["granted"])
         yield GaugeMetricFamily("flowbroker_credit_waiting_producers", "Producers waiting for a share of the pool.",
-                                value=credit.waiting())
+                                value=v["waiting"])
         yield GaugeMetricFamily("flowbroker_producers_stopped", "1 while an operator's stop-all is in force.",
-                                value=int(core.producers_stopped))
+                                value=v["stopped"])
         yield CounterMetricFamily("flowbroker_unroutable_messages", "Messages no binding routed.",
-                                  value=core.unroutable)
+                                  value=v["unroutable"])
         yield CounterMetricFamily("flowbroker_credit_violations", "Connections closed for sending past their "
-                                  "credit.", value=core.credit_violations)
+                                  "credit.", value=v["violations"])
         refused = _counter("flowbroker_frames_refused", "ERROR frames sent, by error code.", ["code"])
-        sent = core.errors_sent
         for code in ErrorCode:  # every code, 0 until it happens: rate() needs the series before the first
-            refused.add_metric([code.name], sent.get(code, 0))
+            refused.add_metric([code.name], self.errors.get(code, 0))
         yield refused
 
     # -- queues ----------------------------------------------------------------------------------
 
-    def _queues(self, now: int) -> Iterator[Metric]:
-        g, c = _gauge, _counter
+    def _queues(self) -> Iterator[Metric]:
+        g, c, now = _gauge, _counter, self.now
         messages = g("flowbroker_queue_messages", "Depth the watermarks compare: ready + unsettled.", _QUEUE)
         ready = g("flowbroker_queue_ready_messages", "Messages waiting for a consumer.", _QUEUE)
         unsettled = g("flowbroker_queue_unsettled_messages", "Messages delivered, waiting for ack/reject.", _QUEUE)
@@ -150,9 +224,8 @@ class BrokerCollector(Collector):
                     ["queue", "reason"])
         refused = c("flowbroker_queue_refused_transfers", "Transfers refused by a hard limit (overflow reject).",
                     _QUEUE)
-        stuck_by_queue = self._stuck_subscriptions(now)
-        for queue in self.core.queues.values():
-            st = queue.statistics()
+        stuck_by_queue = self.stuck
+        for st in self.queues:
             t = st.thresholds
             label = [st.name]
             messages.add_metric(label, st.messages)
@@ -172,7 +245,7 @@ class BrokerCollector(Collector):
             held_total.add_metric(label, st.held_total)
             stopped.add_metric(label, st.flow_stopped_producers)
             consumers.add_metric(label, st.subscriptions)
-            stuck.add_metric(label, stuck_by_queue.get(queue, 0))
+            stuck.add_metric(label, stuck_by_queue.get(st.name, 0))
             enqueued.add_metric(label, st.enqueued)
             dequeued.add_metric(label, st.dequeued)
             rejected.add_metric(label, st.consumer_rejected)
@@ -182,23 +255,14 @@ class BrokerCollector(Collector):
                     max_size, saturated, saturated_for, saturations, held, held_total, stopped, consumers, stuck,
                     enqueued, dequeued, rejected, dropped, refused)
 
-    def _stuck_subscriptions(self, now: int) -> dict[Queue, int]:
-        """Per queue, the subscriptions of connections stalled (Session.consumer_stalled) for at least
-        stuck_timeout: one pass over the connections, and over the subscriptions of stalled ones only."""
-        timeout_ns = int(self.core.config.server.stuck_timeout * 1e9)
-        counts: dict[Queue, int] = {}
-        for session in self.core.sessions.values():
-            since = session.stalled_since_ns
-            if since is not None and now - since >= timeout_ns:
-                for sub in session.subscriptions.values():
-                    counts[sub.queue] = counts.get(sub.queue, 0) + 1
-        return counts
-
     # -- connections and producers -----------------------------------------------------------------
 
-    def _connections(self, now: int) -> Iterator[Metric]:
+    def _connections(self) -> Iterator[Metric]:
         g = _gauge
-        roles = dict.fromkeys(ROLES, 0)
+        connections = g("flowbroker_connections", "Open connections by what they did.", ["role"])
+        for role, count in self.roles.items():
+            connections.add_metric([role], count)
+        yield connections
         granted = g("flowbroker_producer_granted_bytes", "The credit buffer granted.", _PRODUCER)
         unacked = g("flowbroker_producer_unacknowledged_bytes", "Received and not yet given back as credit.",
                     _PRODUCER)
@@ -210,43 +274,26 @@ class BrokerCollector(Collector):
         received = _counter("flowbroker_producer_received_bytes", "Bytes of transfers received.", _PRODUCER)
         info = g("flowbroker_flow_stop_info", "1 for each (producer, queue) where the queue ('*': a broker-wide "
                  "stop) holds the producer stopped, and by which threshold.", _PRODUCER + ["queue", "threshold"])
-        limit = self.max_producer_series
-        shown = dropped = 0
-        for session in self.core.sessions.values():
-            role = connection_role(session)
-            roles[role] += 1
-            if role not in ("producer", "both"):
-                continue
-            if shown >= limit:
-                dropped += 1
-                continue
-            shown += 1
-            label = [str(session.conn_id), session.client_name]
-            window = session.transfers.window
-            granted.add_metric(label, session.buffer_size)
-            unacked.add_metric(label, window.position - window.acked_position)
-            destinations = stopped_destinations(session)
-            flow_stopped.add_metric(label, int(bool(destinations)))
-            stopped_for.add_metric(label, _seconds(now, destinations[0][1]) if destinations else 0.0)
-            stops.add_metric(label, session.flow_stops)
-            received.add_metric(label, window.position)
-            for destination, _since, _reason, threshold, _limit, _value in destinations:
+        for row in self.producers:
+            label = row.label
+            granted.add_metric(label, row.granted)
+            unacked.add_metric(label, row.unacknowledged)
+            flow_stopped.add_metric(label, int(row.stopped_seconds is not None))
+            stopped_for.add_metric(label, row.stopped_seconds or 0.0)
+            stops.add_metric(label, row.flow_stops)
+            received.add_metric(label, row.received)
+            for destination, threshold in row.stops:
                 info.add_metric(label + [destination, threshold], 1)
-        connections = g("flowbroker_connections", "Open connections by what they did.", ["role"])
-        for role, count in roles.items():
-            connections.add_metric([role], count)
-        yield connections
         yield from (granted, unacked, flow_stopped, stopped_for, stops, received, info)
         yield GaugeMetricFamily("flowbroker_producer_series_dropped", "Producers left out by [metrics] "
-                                "max_producer_series.", value=dropped)
+                                "max_producer_series.", value=self.producers_dropped)
 
     # -- the UDP data path -------------------------------------------------------------------------
 
     def _udp(self) -> Iterator[Metric]:
-        datapath = self.core.udp
-        if datapath is None:  # [udp] enabled = false: no UDP series at all
+        st = self.udp
+        if st is None:  # [udp] enabled = false: no UDP series at all
             return
-        st = datapath.statistics()
         yield GaugeMetricFamily("flowbroker_udp_publications", "Registered UDP producers.", value=st.publications)
         yield GaugeMetricFamily("flowbroker_udp_subscriptions", "UDP consumers.", value=st.subscriptions)
         yield GaugeMetricFamily("flowbroker_udp_images", "Live images.", value=st.images)
@@ -265,9 +312,57 @@ class BrokerCollector(Collector):
                                   value=st.retransmits_sent_total)
 
 
-def broker_registry(core: BrokerCore, max_producer_series: int = 100) -> CollectorRegistry:
-    """A registry of this broker's own: its collector and the process's `process_*` series."""
+class BrokerCollector(Collector):
+    """Every `flowbroker_*` family of docs/metrics.md, read from `core` when collected (in one go: the
+    HTTP shell uses `scrape()` and reads in steps instead)."""
+
+    def __init__(self, core: BrokerCore, max_producer_series: int = 100):
+        self.core = core
+        self.max_producer_series = max_producer_series
+        self.version = build_version()
+
+    def scrape(self) -> Scrape:
+        """A scrape begun: broker-wide figures and connections read, queues to read (`read_queues`)."""
+        return Scrape(self.core, self.max_producer_series, self.version)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.scrape().read_all().families()
+
+
+class Families(Collector):
+    """Families already built, and the process collector's, as one collector for `generate_latest`."""
+
+    def __init__(self, families: list[Metric], process: Collector | None = None):
+        self._families = families
+        self._process = process
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+        if self._process is not None:
+            yield from self._process.collect()
+
+
+@dataclass
+class BrokerMetrics:
+    """A broker's collector, its process collector, and a registry of its own holding both (for
+    `generate_latest(metrics.registry)` in one go)."""
+
+    collector: BrokerCollector
+    process: ProcessCollector
+    registry: CollectorRegistry
+
+
+def broker_metrics(core: BrokerCore, max_producer_series: int = 100) -> BrokerMetrics:
+    """This broker's metrics: its collector and the process's `process_*` series, in a registry of its own
+    (never the global default one: tests run several brokers in one process)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BrokerCollector(core, max_producer_series))
-    ProcessCollector(registry=registry)
-    return registry
+    collector = BrokerCollector(core, max_producer_series)
+    process = ProcessCollector(registry=None)
+    registry.register(collector)
+    registry.register(process)
+    return BrokerMetrics(collector, process, registry)
+
+
+def broker_registry(core: BrokerCore, max_producer_series: int = 100) -> CollectorRegistry:
+    """`broker_metrics(...).registry`: what `generate_latest` takes."""
+    return broker_metrics(core, max_producer_series).registry

@@ -57,7 +57,7 @@ from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
 from flowbroker.broker.logsafe import logsafe
-from flowbroker.broker.metrics import broker_registry
+from flowbroker.broker.metrics import broker_metrics
 from flowbroker.broker.metricshttp import MetricsServer, metrics_route
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.udp.shell import UdpShell, open_data_path
@@ -166,21 +166,21 @@ class BrokerServer:
                                     "--no-udp to run without it)") from None
             self.udp_port = self.udp.port
         metrics = self.config.metrics
-        registry = broker_registry(self.core, metrics.max_producer_series) if metrics.enabled else None
+        served = broker_metrics(self.core, metrics.max_producer_series) if metrics.enabled else None
         try:
             if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
-                on_admin = registry is not None and not metrics.endpoint
+                on_admin = served is not None and not metrics.endpoint
                 self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port,
-                                         metrics_route(registry) if on_admin and registry is not None else None,
+                                         metrics_route(served) if on_admin and served is not None else None,
                                          metrics.require_token)
                 self.admin_port = self.admin.bind()
                 if on_admin:
                     self.metrics_port = self.admin_port
-            if registry is not None and metrics.endpoint:  # /metrics on a port of its own
+            if served is not None and metrics.endpoint:  # /metrics on a port of its own
                 token = None
                 if metrics.require_token:
                     token = self.admin.token if self.admin is not None else resolve_token(self.config.admin)
-                self.metrics = MetricsServer(metrics, registry, token)
+                self.metrics = MetricsServer(metrics, served, token)
                 self.metrics_port = self.metrics.bind()
         except BaseException:
             for listener in listeners:

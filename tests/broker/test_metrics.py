@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flowbroker.broker.metrics import broker_registry
+from flowbroker.broker.metrics import broker_metrics, broker_registry
 from flowbroker.broker.session import SessionFault
 from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.protocol.credit import message_size
@@ -280,3 +280,27 @@ def test_udp_totals_never_go_back_when_an_image_closes() -> None:
     for name in ("flowbroker_udp_loss_gaps_total", "flowbroker_udp_naks_sent_total",
                  "flowbroker_udp_datagrams_received_total"):
         assert value(after, name) >= value(before, name) > 0, name  # ...the counters did not
+
+
+def test_a_scrape_read_in_steps_reads_each_queue_once_and_is_a_copy() -> None:
+    """What the HTTP shell does: read QUEUE_STEP queues at a time, letting connections run between steps
+    (here: queues declared and deleted between them), then build the families from the copy."""
+    h = make()
+    for name in ("a", "b", "c", "d", "e"):
+        h.queue(name)
+    collector = broker_metrics(h.core).collector
+    scrape = collector.scrape()
+    assert not scrape.read_queues(2)  # a, b
+    h.core.delete_queue("a")  # already read: stays in this scrape
+    h.core.delete_queue("c")  # not read yet: not in it
+    h.queue("bb")  # after the cursor: read
+    h.queue("0")  # before it: not read
+    while not scrape.read_queues(2):
+        pass
+    assert [st.name for st in scrape.queues] == ["a", "b", "bb", "d", "e"]
+    p = h.producer("feeder")
+    p.send("", "d")  # after the read: not in the families built from it
+    families = {f.name: f for f in scrape.families()}
+    depth = {s.labels["queue"]: s.value for s in families["flowbroker_queue_messages"].samples}
+    assert depth == {"a": 0, "b": 0, "bb": 0, "d": 0, "e": 0}
+    assert families["flowbroker_queues"].samples[0].value == 5  # counted when the scrape began
