@@ -22,7 +22,7 @@ $(VENV)/.installed-serve: pyproject.toml | python
 $(VENV)/.installed-test: pyproject.toml | python
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,spark]'
 	touch $@ $(VENV)/.installed-serve
 
 serve: $(VENV)/.installed-serve
@@ -48,7 +48,7 @@ system-tools:
 # symlinked view of the flowbroker namespace, by package name. tests/ is a package (tests.broker...,
 # strict but for unannotated test functions: pyproject.toml); benchmarks/ are scripts that import
 # their neighbours by module name (`from procs import ...`), so that folder is on the path too.
-PACKAGES := broker client policies protocol transport
+PACKAGES := broker client policies protocol spark transport
 typecheck: $(VENV)/.installed-test
 	@mkdir -p build/typecheck/flowbroker
 	@for p in $(PACKAGES); do ln -sfn ../../../$$p build/typecheck/flowbroker/$$p; done
