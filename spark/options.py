@@ -27,13 +27,17 @@ _READ = {"url", "queue", "prefetch", "buffersize", "maxbatchsize", "polltimeout"
          "connecttimeout", "path"}
 
 
+_SPARK = {"checkpointlocation", "queryname"}
+"""Spark's own options, which it passes on to the source with ours."""
+
+
 class OptionError(ValueError):
     """An option is missing, unknown or malformed (raised on the driver, before any task runs)."""
 
 
 def _lower(options: Mapping[str, str], known: set[str]) -> dict[str, str]:
     given = {k.lower(): v for k, v in options.items()}
-    unknown = sorted(set(given) - known)
+    unknown = sorted(set(given) - known - _SPARK)
     if unknown:
         raise OptionError(f"unknown flowbroker option(s) {', '.join(unknown)} (docs/spark.md lists them)")
     return given

@@ -5,7 +5,8 @@ message, and Spark's `commit(end)` runs on the driver. So the driver's reader ke
 consumer for the query; `latestOffset` takes up to `maxBatchSize` messages into the next batch (waiting
 `pollTimeout` for the first), `partitions` hands their rows to the tasks inside the input partitions,
 and `commit(end)` acknowledges every message of the batches up to `end`. Nothing is acknowledged before
-its batch's output is committed, so a query killed at any point loses nothing: its connection closes,
+its batch's output is committed (`commit(end)`, or the next `latestOffset(start)`, which Spark calls
+only after the batch ending at `start` is in its commit log), so a query killed at any point loses nothing: its connection closes,
 the broker requeues every unsettled message in its place (flagged redelivered), and the restarted query
 replays the batch its checkpoint planned but did not commit with the first messages it is given,
 which are those. That is at-least-once: a batch whose output was written but whose commit was not
@@ -111,6 +112,11 @@ class QueueStreamReader(DataSourceStreamReader):
         return {"taken": 0}
 
     def latestOffset(self, start: dict[str, int], limit: Any) -> dict[str, int]:
+        # Spark asks for the next batch's end only once the batch ending at `start` has run and is in its
+        # commit log (micro-batches run one at a time): its messages can be settled now, without waiting
+        # for `commit(start)`, which Spark calls only once it has planned another batch (so the last
+        # batch before a quiet spell would stay unsettled, and be redelivered if the query stopped then).
+        self.commit(start)
         if self._next is None or self._next < start["taken"]:
             self._next = start["taken"]
         count = self.options.max_batch_size
