@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
+from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.message import HeldTransfer, Message
@@ -123,6 +124,10 @@ class BrokerCore:
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
         self.udp: DataPath | None = None
+        # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id, in a
+        # store the durable-queue work can replace with a persistent one.
+        self.producer_sequences = ProducerSequences(
+            MemoryProducerStates(server.max_producer_ids, int(server.producer_id_ttl * 1e9)))
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -308,6 +313,10 @@ class BrokerCore:
         queues_by_name = self.queues
         # Only the messages received: up to a credit violation, raised once they are routed.
         for entry, size in zip(entries, sizes):
+            # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
+            if entry.producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
+                tid += 1
+                continue
             body = entry.body
             exchange = entry.exchange
             routing_key = entry.routing_key
@@ -369,6 +378,21 @@ class BrokerCore:
             session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
             self._memory_alarm()
+
+    def _sequence_taken(self, session: Session, tid: int, size: int, entry: TransferEntry, now: int) -> bool:
+        """True when this message of an idempotent producer is the next of its producer id (route it);
+        otherwise it is answered now: a duplicate is completed (not enqueued), a gap or an id the broker
+        cannot track is refused (completed with an ERROR naming why)."""
+        verdict = self.producer_sequences.check(entry.producer_id, entry.sequence, now)  # type: ignore[arg-type]
+        if verdict is None:
+            return True
+        if verdict is DUPLICATE:
+            session.duplicates += 1
+            session.complete_transfer(tid, size)
+        else:
+            code, text = verdict  # type: ignore[misc]
+            self._refuse(session, tid, size, code, text, None)
+        return False
 
     @staticmethod
     def _check_entry(entry: TransferEntry, max_message: int) -> tuple[ErrorCode, str, str | None] | None:

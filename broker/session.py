@@ -57,6 +57,8 @@ class SessionStatistics:
     sender_position: int
     sender_acked_position: int
     sender_window: int
+    transfers_duplicate: int = 0
+    """Transfers of an idempotent producer completed at once as duplicates (broker/idempotence.py)."""
 
 
 class Session:
@@ -86,6 +88,7 @@ class Session:
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
+        self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
@@ -262,4 +265,5 @@ class Session:
             sender_position=consumer.position,
             sender_acked_position=consumer.acked_position,
             sender_window=consumer.window,
+            transfers_duplicate=self.duplicates,
         )

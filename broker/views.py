@@ -327,7 +327,25 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "producers_stopped": core.producers_stopped,
         "credit_policy": core.credit.config.policy.value,
         "unroutable": core.unroutable,
+        "idempotence": idempotence_view(core),
         "udp": udp_view(core),
+    }
+
+
+def idempotence_view(core: BrokerCore) -> dict[str, Any]:
+    """Idempotent producers (broker/idempotence.py): the producer ids tracked against their bound, and
+    what their messages met: taken, completed as duplicates, refused for a gap or an untrackable id."""
+    stats = core.producer_sequences.statistics()
+    server = core.config.server
+    return {
+        "producer_ids": stats.producer_ids,
+        "max_producer_ids": server.max_producer_ids,
+        "producer_id_ttl": server.producer_id_ttl,
+        "accepted": stats.accepted,
+        "duplicates": stats.duplicates,
+        "gaps": stats.gaps,
+        "refused": stats.refused,
+        "evicted": stats.evicted,
     }
 
 

@@ -265,11 +265,15 @@ class BlockingConnection:
         transport: str = "tcp",
         stream_id: int | None = None,
         udp_endpoint: str | None = None,
+        producer_id: str | None = None,
+        idempotent: bool = False,
     ) -> BlockingProducer:
-        """`Connection.producer`; `transport="udp"` sends over the broker's UDP data path."""
+        """`Connection.producer`; `transport="udp"` sends over the broker's UDP data path; `idempotent=True`
+        numbers the messages under `producer_id` and survives a lost connection (docs/client.md)."""
         producer = self._run_sync(
             self.connection.producer, exchange, routing_key, window=window, send_timeout=send_timeout,
             mandatory=mandatory, transport=transport, stream_id=stream_id, udp_endpoint=udp_endpoint,
+            producer_id=producer_id, idempotent=idempotent,
         )
         return BlockingProducer(self, producer)
 

@@ -40,11 +40,14 @@ async def connect(
     auth: dict[str, Any] | None = None,
     request_timeout: float = 30.0,
     close_timeout: float = 5.0,
+    reconnect_timeout: float = 30.0,
 ) -> Connection:
     """Open TCP and do the HELLO/WELCOME handshake, all within `timeout` seconds.
 
     Returns a Connection to use as `async with await connect(...) as conn`. Raises HandshakeError
-    (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
+    (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL. A connection with
+    idempotent producers that is lost reconnects to the same URL for up to `reconnect_timeout` seconds
+    (docs/client.md, "Idempotent producers"); others close as before.
     """
     address = parse_url(url)
     hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth)
@@ -52,7 +55,12 @@ async def connect(
     async def open_tcp() -> trio.abc.Stream:
         return await trio.open_tcp_stream(address.host, address.port)
 
-    conn = await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout)
+    async def reopen() -> tuple[trio.abc.Stream, ProtocolConnection, Welcome]:
+        return await handshake(open_tcp, hello, address, timeout)
+
+    stream, proto, welcome = await handshake(open_tcp, hello, address, timeout)
+    conn = Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout,
+                      reopen=reopen, reconnect_timeout=reconnect_timeout)
     conn.udp_endpoint = address.udp
     return conn
 
@@ -88,6 +96,15 @@ async def open_connection(
 ) -> Connection:
     """Open the stream and do the handshake on it, all within `timeout`; the one place a connection's
     stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for)."""
+    stream, proto, welcome = await handshake(open_stream, hello, address, timeout)
+    return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
+
+
+async def handshake(
+    open_stream: Callable[[], Awaitable[trio.abc.Stream]], hello: Hello, address: object, timeout: float
+) -> tuple[trio.abc.Stream, ProtocolConnection, Welcome]:
+    """`open_connection` without the Connection: the stream, its protocol state after WELCOME, and the
+    WELCOME (also how a lost connection reopens: `Connection(reopen=...)`)."""
     stream: trio.abc.Stream | None = None
     proto = ProtocolConnection(Role.CLIENT)
     try:
@@ -110,7 +127,8 @@ async def open_connection(
         await _close_quietly(stream)
         raise
     proto.set_max_frame_size(max(64, welcome.max_frame_size))
-    return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
+    assert stream is not None
+    return stream, proto, welcome
 
 
 async def _await_welcome(stream: trio.abc.Stream, proto: ProtocolConnection, address: object = "the peer") -> Welcome:

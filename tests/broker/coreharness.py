@@ -199,17 +199,25 @@ class Producer(Client):
         return self.send_many([(exchange, routing_key, body, headers)], force=force)[0]
 
     def send_many(
-        self, messages: Iterable[tuple[str, str, bytes, Headers | None]], *, force: bool = False
+        self,
+        messages: Iterable[tuple[str, str, bytes, Headers | None]],
+        *,
+        force: bool = False,
+        producer_id: str | None = None,
+        sequences: Iterable[int | None] = (),
     ) -> list[int]:
-        """Several messages in one TRANSFER frame (each checked against window and credit first)."""
+        """Several messages in one TRANSFER frame (each checked against window and credit first); with
+        `producer_id`, as an idempotent producer: the messages carry it and `sequences`, in order."""
         entries: list[TransferEntry] = []
         ids: list[int] = []
+        numbers = iter(sequences)
         for exchange, key, body, headers in messages:
             if not force:
                 assert self.can_send(), f"no credit: {len(self.outstanding)}/{self.window}, {self.credit.outstanding}/{self.credit.window}"
             size = message_size(body, headers)
             tid = self.next_id + len(entries)
-            entries.append(TransferEntry(exchange, key, body, headers))
+            sequence = next(numbers, None) if producer_id is not None else None
+            entries.append(TransferEntry(exchange, key, body, headers, producer_id, sequence))
             ids.append(tid)
             self.credit.on_sent(size)
             self.sizes[tid] = size
