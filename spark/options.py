@@ -22,7 +22,7 @@ MAX_PRODUCER_ID_BASE = 200
 and must stay within the broker's 255 characters."""
 
 _WRITE = {"url", "queue", "exchange", "routingkey", "routingkeycolumn", "jobid", "timeout", "batchsize",
-          "window", "connecttimeout", "arrow", "path"}
+          "window", "connecttimeout", "reconnecttimeout", "arrow", "path"}
 _READ = {"url", "queue", "prefetch", "buffersize", "maxbatchsize", "polltimeout", "replaytimeout",
          "connecttimeout", "path"}
 
@@ -85,6 +85,8 @@ class WriteOptions:
     window: int = 10_000
     """The producer's window of uncompleted transfers."""
     connect_timeout: float = 30.0
+    reconnect_timeout: float = 30.0
+    """Seconds a task's lost connection tries to reconnect (and send again what was not completed)."""
     arrow: bool = True
     """Use the Arrow writer where the installed PySpark has one."""
 
@@ -116,6 +118,7 @@ class WriteOptions:
             batch_size=int(_number(given, "batchSize", cls.batch_size, minimum=1, integer=True)),
             window=int(_number(given, "window", cls.window, minimum=1, integer=True)),
             connect_timeout=_number(given, "connectTimeout", cls.connect_timeout, minimum=0),
+            reconnect_timeout=_number(given, "reconnectTimeout", cls.reconnect_timeout, minimum=0),
             arrow=_flag(given, "arrow", cls.arrow),
         )
 

@@ -77,10 +77,10 @@ def send_partition(
     """Send every message of `batches` in order through one flow-controlled producer, then wait for
     their completions. The n-th message of the partition is the producer's sequence n."""
     sent = 0
-    with blocking.connect(options.url, client_name=f"flowbroker-spark {producer_id}",
-                          timeout=options.connect_timeout, close_timeout=options.timeout) as conn:
+    with blocking.connect(options.url, client_name=f"flowbroker-spark {producer_id}", timeout=options.connect_timeout,
+                          close_timeout=options.timeout, reconnect_timeout=options.reconnect_timeout) as conn:
         producer = conn.producer(options.exchange, options.routing_key, window=options.window,
-                                 send_timeout=options.timeout)
+                                 send_timeout=options.timeout, producer_id=producer_id, idempotent=True)
         try:
             with producer:
                 for messages in batches:
