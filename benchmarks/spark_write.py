@@ -216,7 +216,7 @@ def main() -> int:
         print(f"discarding Python writer (Arrow): {rows / discard:,.0f} rows/s")
 
         for arrow in ("true", "false"):
-            took = _timed(lambda: df.write.format("convert-only").option("queue", "-").option("arrow", arrow)
+            took = _timed(lambda: df.write.format("convert-only").option("url", broker.url).option("queue", "unused").option("arrow", arrow)
                           .mode("append").save())
             print(f"rows to messages only, nothing sent (arrow={arrow}): {rows / took:,.0f} rows/s")
 

@@ -3,7 +3,8 @@
 Why registration is a call: PySpark finds a Python data source only once it is registered on the
 session (`spark.dataSource.register`); `flowbroker.spark.register(spark)` does that for the name
 `flowbroker`. Options are checked here, on the driver, so a bad option fails `save()` or `start()`
-before any task runs; the batch job's id (the base of its producer ids) is made here too, once.
+before any task runs, and so does an unreachable broker; the `queue` option's queue is declared here
+if missing; the batch job's id (the base of its producer ids) is made here too, once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourceStreamWriter, DataSourceWriter
 from pyspark.sql.types import StructType
 
+from flowbroker.client import blocking
 from flowbroker.spark.messages import Layout
 from flowbroker.spark.options import ReadOptions, WriteOptions
 from flowbroker.spark.source import SOURCE_SCHEMA, QueueStreamReader
@@ -23,6 +25,18 @@ from flowbroker.spark.writer import BatchArrowWriter, BatchWriter, StreamArrowWr
 __all__ = ["FlowbrokerDataSource", "register", "NAME"]
 
 NAME = "flowbroker"
+
+
+def _prepare(options: WriteOptions) -> None:
+    """Before any task: reach the broker, and declare the queue of the `queue` option if it is missing
+    (with the broker's defaults; an existing queue is left as it is), as `flowbroker publish` does.
+
+    Why declare rather than let the tasks fail: a message the broker refuses (no such queue) counts as
+    taken under its producer id and sequence (docs/protocol.md, "Idempotent producers"), so Spark's retry
+    of the failed task would find every row a duplicate and succeed without a single row in any queue."""
+    if options.exchange == "":
+        with blocking.connect(options.url, client_name="flowbroker-spark driver", timeout=options.connect_timeout) as conn:
+            conn.declare_queue(options.routing_key)
 
 
 def _layout(schema: StructType, options: WriteOptions) -> Layout:
@@ -42,12 +56,16 @@ class FlowbrokerDataSource(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         options = WriteOptions.parse(self.options)
-        state = writer_state(options, _layout(schema, options), options.job_id or uuid.uuid4().hex)
+        layout = _layout(schema, options)
+        _prepare(options)
+        state = writer_state(options, layout, options.job_id or uuid.uuid4().hex)
         return BatchArrowWriter(state) if options.arrow else BatchWriter(state)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         options = WriteOptions.parse(self.options)
-        state = writer_state(options, _layout(schema, options), options.job_id or "")
+        layout = _layout(schema, options)
+        _prepare(options)
+        state = writer_state(options, layout, options.job_id or "")
         return StreamArrowWriter(state) if options.arrow else StreamWriter(state)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:

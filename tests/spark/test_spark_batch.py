@@ -52,10 +52,22 @@ def test_key_and_headers_columns_become_headers_and_a_column_routes(spark, broke
     assert first.body == b"0"
 
 
-def test_a_missing_queue_fails_the_job_naming_it(spark, broker):
+def test_a_missing_queue_is_declared_before_any_task_runs(spark, broker):
+    """Declared on the driver: a task refused NOT_FOUND would have its rows taken as refused, and its
+    retry would find them duplicates and succeed with nothing in any queue."""
     df = spark.range(3).selectExpr("cast(id as string) as value")
-    with pytest.raises(Exception, match="no-such-queue"):
-        df.write.format("flowbroker").option("url", broker.url).option("queue", "no-such-queue").mode("append").save()
+    df.write.format("flowbroker").option("url", broker.url).option("queue", "declared-by-spark").mode("append").save()
+    assert sorted(m.body for m in drain(broker.url, "declared-by-spark")) == [b"0", b"1", b"2"]
+
+
+def test_an_unreachable_broker_fails_the_job_on_the_driver_naming_it(spark):
+    from tests.e2e.daemon import free_port
+
+    url = f"flowbroker://127.0.0.1:{free_port()}"
+    df = spark.range(3).selectExpr("cast(id as string) as value")
+    with pytest.raises(Exception, match="HandshakeError|refused"):
+        df.write.format("flowbroker").option("url", url).option("queue", "q").option("connectTimeout", "2") \
+            .mode("append").save()
 
 
 def test_a_bad_option_fails_on_the_driver_naming_it(spark, broker):
