@@ -29,8 +29,9 @@ serve: $(VENV)/.installed-serve
 	$(BIN)/flowbroker serve
 
 # System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py),
-# ip (iproute2) and chromium (the web console's browser test, tests/console/, drives it with Playwright). Installed with apt when run as root, otherwise named, and the run stops at once.
-SYSTEM_TOOLS := tshark:tshark ip:iproute2 chromium:chromium
+# ip (iproute2), chromium (the web console's browser test, tests/console/, drives it with Playwright) and java
+# (a local Spark for the data source's tests, tests/spark/). Installed with apt when run as root, otherwise named, and the run stops at once.
+SYSTEM_TOOLS := tshark:tshark ip:iproute2 chromium:chromium java:openjdk-17-jre-headless
 system-tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
