@@ -67,7 +67,7 @@ def _stopped_reason(conn: blocking.BlockingConnection) -> str:
         return ""
     if not stopped:
         return ""
-    parts = [f"{name} ({stop.threshold})" for name, stop in stopped.items()]
+    parts = [f"{name} ({stop.threshold} {stop.limit}, at {stop.value})" for name, stop in stopped.items()]
     return "; the broker flow-stopped " + ", ".join(parts)
 
 

@@ -75,3 +75,17 @@ def test_a_bad_option_fails_on_the_driver_naming_it(spark, broker):
     with pytest.raises(Exception, match="routingkeycolum"):
         (df.write.format("flowbroker").option("url", broker.url).option("exchange", "x")
          .option("routingKeyColum", "region").mode("append").save())
+
+
+def test_a_task_the_broker_paces_for_longer_than_timeout_fails_with_its_reason(spark, broker):
+    from flowbroker.client import blocking
+
+    with blocking.connect(broker.url, timeout=10) as conn:
+        conn.declare_queue("nobody-reads", flow_stop_count=100, flow_resume_count=50)
+    df = spark.range(0, 2000, numPartitions=1).selectExpr("cast(id as string) as value")
+    with pytest.raises(Exception) as failure:
+        (df.write.format("flowbroker").option("url", broker.url).option("queue", "nobody-reads")
+         .option("timeout", "2").option("window", "50").mode("append").save())
+    text = str(failure.value)
+    assert "FlowbrokerWriteError" in text and "timed out after 2 s" in text, text
+    assert "the broker flow-stopped nobody-reads (flow_stop_count 100, at " in text, text
