@@ -47,12 +47,14 @@ class Broker:
             return json.load(response)
 
 
-def start_broker(tmp: Path, config: str = "") -> Broker:
-    """`flowbroker serve` on port 0 (admin too, UDP off) with `config` appended to its TOML file."""
+def start_broker(tmp: Path, config: str = "", port: int = 0) -> Broker:
+    """`flowbroker serve` on `port` (0: any free; the admin API on any free port, UDP off) with `config`
+    appended to its TOML file."""
     port_file = tmp / "ports.json"
+    port_file.unlink(missing_ok=True)
     (tmp / "home").mkdir(exist_ok=True)
     conf = tmp / "flowbroker.toml"
-    conf.write_text(f"[server]\nport = 0\n[admin]\nport = 0\n[udp]\nenabled = false\n{config}")
+    conf.write_text(f"[server]\nport = {port}\n[admin]\nport = 0\n[udp]\nenabled = false\n{config}")
     proc = subprocess.Popen([FLOWBROKER, "serve", "--config", str(conf), "--port-file", str(port_file)],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HOME": str(tmp / "home")})
     deadline = time.monotonic() + 30
