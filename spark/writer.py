@@ -79,6 +79,11 @@ def send_partition(
     sent = 0
     with blocking.connect(options.url, client_name=f"flowbroker-spark {producer_id}", timeout=options.connect_timeout,
                           close_timeout=options.timeout, reconnect_timeout=options.reconnect_timeout) as conn:
+        if options.exchange == "":
+            # Again in each task, not only on the driver: a retry after a broker restart must not find
+            # the queue missing (a refused row is taken under its sequence: the next retry would succeed
+            # without it).
+            conn.declare_queue(options.routing_key)
         producer = conn.producer(options.exchange, options.routing_key, window=options.window,
                                  send_timeout=options.timeout, producer_id=producer_id, idempotent=True)
         try:

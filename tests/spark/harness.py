@@ -71,6 +71,8 @@ def start_broker(tmp: Path, config: str = "", port: int = 0) -> Broker:
 def stop_broker(broker: Broker) -> None:
     if broker.proc.poll() is None:
         stop(broker.proc)
+    elif broker.proc.stderr is not None:  # it was killed: its pipe is still ours to close
+        broker.proc.stderr.close()
 
 
 def spark_session(master: str = "local[2]") -> Any:

@@ -34,6 +34,7 @@ def test_a_job_whose_broker_crashes_and_restarts_fails(spark, broker, tmp_path):
             time.sleep(0.2)  # until the task is flow-stopped
         broker.proc.kill()  # a crash: no CLOSE, so the task's idempotent connection reconnects
         broker.proc.wait()
+        stop_broker(broker)  # closes its stderr
         restarted.append(start_broker(tmp_path, port=broker.port))
 
     thread = threading.Thread(target=crash_and_restart, daemon=True)
