@@ -73,7 +73,15 @@ class FlowbrokerDataSource(DataSource):
 
 
 def register(spark: SparkSession) -> None:
-    """Make `format("flowbroker")` known to `spark` (once per session; registering again is harmless)."""
+    """Make `format("flowbroker")` known to `spark`, and make `spark` the calling thread's active session.
+
+    Why the active session: Spark (4.3) looks a Python data source up through the active session of the
+    JVM thread that runs `save()` or `start()`, and a Python thread other than the one that built the
+    session has none, so it finds no `flowbroker` there (DATA_SOURCE_NOT_FOUND). Call `register(spark)`
+    once in each thread that writes or reads; registering again is harmless."""
     spark.dataSource.register(FlowbrokerDataSource)
+    jvm = getattr(spark, "_jvm", None)
+    if jvm is not None:  # a classic session (Spark Connect has no JVM here, and no such lookup)
+        jvm.org.apache.spark.sql.SparkSession.setActiveSession(getattr(spark, "_jsparkSession"))
 
 

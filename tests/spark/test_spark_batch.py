@@ -89,3 +89,27 @@ def test_a_task_the_broker_paces_for_longer_than_timeout_fails_with_its_reason(s
     text = str(failure.value)
     assert "FlowbrokerWriteError" in text and "timed out after 2 s" in text, text
     assert "the broker flow-stopped nobody-reads (flow_stop_count 100, at " in text, text
+
+
+def test_a_thread_that_registers_can_write(spark, broker, queue):
+    """Spark looks Python data sources up through the thread's active session: register() sets it."""
+    import threading
+
+    import flowbroker.spark
+
+    outcome: list[BaseException | None] = []
+
+    def write() -> None:
+        try:
+            flowbroker.spark.register(spark)
+            df = spark.range(3).selectExpr("cast(id as string) as value")
+            df.write.format("flowbroker").option("url", broker.url).option("queue", queue).mode("append").save()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join(120)
+    assert outcome == [None]
+    assert sorted(m.body for m in drain(broker.url, queue)) == [b"0", b"1", b"2"]
