@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -34,7 +35,17 @@ class FailingOnceSource(FlowbrokerDataSource):
     def streamWriter(self, schema, overwrite):
         writer = super().streamWriter(schema, overwrite)
         assert isinstance(writer, StreamWriter)
-        return FailingStreamWriter(writer.state)
+        return (SlowStreamWriter if (writer.state.options.job_id or "").startswith("slow") else FailingStreamWriter)(
+            writer.state)
+
+
+class SlowStreamWriter(StreamArrowWriter):
+    """Sends 100 rows every 50 ms: a micro-batch of 2 x 2,000 rows takes a second to write."""
+
+    def batches(self, iterator):
+        for messages in super().batches(iterator):
+            time.sleep(0.05)
+            yield messages
 
 
 class FailingOnceWriter(BatchArrowWriter):
@@ -123,3 +134,39 @@ def test_a_micro_batch_replayed_from_the_checkpoint_lands_once(spark, broker, qu
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
     assert sorted(int(m.body) for m in drain(broker.url, queue)) == list(range(3000))
     assert broker.api("/api/broker")["idempotence"]["duplicates"] - before >= 300  # the replay resent them
+
+
+def test_a_micro_batch_stopped_half_way_and_rewritten_by_stragglers_lands_once(spark, broker, queue, tmp_path):
+    """`query.stop()` in the middle of batch 0: its tasks go on writing the aborted batch to its end (Spark
+    does not interrupt the Python workers; the queue had all 4,000 rows right after stop() returned), and
+    the restarted query writes batch 0 again. Same ids and sequences: every row once."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
+    spark.dataSource.register(FailingOnceSource)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "part-0.txt").write_text("".join(f"{i}\n" for i in range(4000)))
+
+    def start(available_now: bool) -> Any:
+        stream = (spark.readStream.text(str(folder)).repartition(2)
+                  .writeStream.format("flowbroker-failing-once").option("url", broker.url).option("queue", queue)
+                  .option("jobId", "slow").option("batchSize", "100")
+                  .option("checkpointLocation", str(tmp_path / "checkpoint")))
+        return (stream.trigger(availableNow=True) if available_now else stream).start()
+
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
+    try:
+        before = broker.api("/api/broker")["idempotence"]["duplicates"]
+        first = start(False)
+        deadline = time.monotonic() + 60
+        while broker.api(f"/api/queues/{queue}")["depth"]["count"] < 500:  # batch 0 half way
+            assert time.monotonic() < deadline, "batch 0 was not written"
+            time.sleep(0.05)
+        first.stop()
+        time.sleep(3)  # stragglers
+        second = start(True)
+        assert second.awaitTermination(120)
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert sorted(int(m.body) for m in drain(broker.url, queue)) == list(range(4000))
+    duplicates = broker.api("/api/broker")["idempotence"]["duplicates"] - before
+    assert duplicates >= 500, duplicates  # batch 0 was written again after the stop
