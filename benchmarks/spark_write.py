@@ -215,6 +215,10 @@ def main() -> int:
         discard = _timed(lambda: df.write.format("discard").mode("append").save())
         print(f"discarding Python writer (Arrow): {rows / discard:,.0f} rows/s")
 
+        warm = spark.range(0, 4000, numPartitions=4).selectExpr("cast(cast(id as string) as binary) as value")
+        for arrow in ("true", "false"):  # the workers import flowbroker.spark and pyarrow's conversions once
+            warm.write.format("convert-only").option("url", broker.url).option("queue", "unused") \
+                .option("arrow", arrow).mode("append").save()
         for arrow in ("true", "false"):
             took = _timed(lambda: df.write.format("convert-only").option("url", broker.url).option("queue", "unused").option("arrow", arrow)
                           .mode("append").save())

@@ -88,7 +88,8 @@ class WriteOptions:
     reconnect_timeout: float = 30.0
     """Seconds a task's lost connection tries to reconnect (and send again what was not completed)."""
     arrow: bool = True
-    """Use the Arrow writer where the installed PySpark has one."""
+    """Take the partition as Arrow record batches (`DataSourceArrowWriter`) rather than rows: its own work
+    (rows to messages) measured as fast or faster once warm; end to end the broker sets the rate."""
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriteOptions:

@@ -129,7 +129,7 @@ def _row_batches(layout: Layout, iterator: Iterator[Any], size: int) -> Iterator
 
 
 class BatchWriter(DataSourceWriter):
-    """`df.write.format("flowbroker")`: rows as they come (the Arrow writer below is the default)."""
+    """`df.write.format("flowbroker")` with option arrow=false: rows as they come."""
 
     def __init__(self, state: _WriterState) -> None:
         self.state = state
@@ -155,7 +155,7 @@ class BatchWriter(DataSourceWriter):
 
 
 class BatchArrowWriter(BatchWriter, DataSourceArrowWriter):
-    """The same writer fed Arrow record batches: no Row objects per row (measured faster, docs/spark.md)."""
+    """The same writer fed Arrow record batches, the default: no Row object per row (docs/spark.md, "Performance")."""
 
     def batches(self, iterator: Iterator[Any]) -> Iterator[list[OutMessage]]:
         return _arrow_batches(self.state.layout, iterator)
