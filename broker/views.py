@@ -217,6 +217,7 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
             "transfers": stats.transfers_received,
             "transfers_held": stats.transfers_held_now,
             "transfers_held_total": stats.transfers_held_total,
+            "transfers_duplicate": stats.transfers_duplicate,
         },
         "flow": _flow(session, now_ns),
         "consumer": {

@@ -285,6 +285,8 @@ class Connection:
         self._stream_scope: trio.CancelScope | None = None
         self._idempotent: weakref.WeakSet[Producer] = weakref.WeakSet()
         """Idempotent producers alive on this connection: whose unconfirmed messages a reconnect sends again."""
+        self._had_idempotent = False
+        """Set with the first idempotent producer: until then a COMPLETE costs nothing more than it did."""
 
     # ------------------------------------------------------------------ properties
 
@@ -339,6 +341,12 @@ class Connection:
     def is_closed(self) -> bool:
         """True once the connection is closed, by either side or by a failure (`close_error` says why)."""
         return self._closed is not None
+
+    @property
+    def reconnecting(self) -> bool:
+        """True from the loss of the stream until the messages to send again are all queued on the new
+        one (idempotent producers: docs/client.md); producers' sends wait meanwhile."""
+        return self._reconnecting
 
     @property
     def close_error(self) -> BrokerConnectionError | ProtocolViolation | None:
@@ -474,11 +482,8 @@ class Connection:
                     "not seen completed", self.connection_id, error.reason)
         self._reconnecting = True
         self.sender_window = _blocked_window()
-        for pending in self._requests.values():  # their answers, if any, were lost with the stream
-            pending.error = ConnectionClosed(error.code, f"{error.reason} before the request was answered "
-                                                         "(the connection is reconnecting)")
-            pending.event.set()
-        self._requests.clear()
+        self._fail_requests(ConnectionClosed(error.code, f"{error.reason} before the request was answered "
+                                                         "(the connection is reconnecting)"))
         if self._stream_scope is not None:
             self._stream_scope.cancel()
         self._credit_lot.unpark_all()  # a resend waiting for the lost stream's credit starts over
@@ -543,6 +548,9 @@ class Connection:
         self.reconnects += 1
         self._stream, self._proto, self.welcome = stream, proto, welcome
         self._ledger = ProducerLedger(welcome.buffer_size)
+        # requests made while reconnecting were queued for no stream: their frames are dropped below
+        self._fail_requests(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "request made while the connection was "
+                                                                        "reconnecting; repeat it"))
         self._transfers.clear()
         self._transfer_costs.clear()
         self._control.clear()
@@ -558,6 +566,15 @@ class Connection:
         self._last_received = self._last_sent = now
         for destination in list(self._flow.stopped):
             self._flow.on_resumed(destination, now)
+
+    def _fail_requests(self, error: ConnectionClosed) -> None:
+        """Every request waiting for an answer raises `error`: none can come on this stream."""
+        for pending in self._requests.values():
+            pending.error = error
+            if pending.on_error is not None:
+                pending.on_error()
+            pending.event.set()
+        self._requests.clear()
 
     async def _resend(self, generation: int) -> None:
         """Send again, per idempotent producer and in sequence order, every message not seen completed,
@@ -768,6 +785,7 @@ class Connection:
             if other.producer_id == producer.producer_id:
                 raise ValueError(f"producer id {producer.producer_id!r} is in use by another producer on this connection")
         self._idempotent.add(producer)
+        self._had_idempotent = True
 
     def _local_host(self) -> str:
         """The address of this end of the TCP connection: where a UDP socket of ours binds, so the broker
@@ -818,7 +836,7 @@ class Connection:
         for producer, count in done:
             producer._on_completed(count)
         if done:
-            if self._idempotent:  # an empty WeakSet still costs a guarded iteration: skip it
+            if self._had_idempotent:  # a plain flag: even len() of a WeakSet is a Python call per frame
                 for idempotent in self._idempotent:
                     sequences = idempotent._sequences
                     if sequences:  # has kept messages (never None: only idempotent producers are in the set)

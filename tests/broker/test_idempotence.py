@@ -158,3 +158,13 @@ def test_an_id_without_a_sequence_or_out_of_bounds_is_refused(producer_id: str, 
     assert verdict is not None and verdict is not DUPLICATE
     assert verdict[0] is ErrorCode.INVALID_ARGUMENT  # type: ignore[index]
     assert len(rules.store) == 0
+
+
+def test_the_deduplication_state_is_sans_io() -> None:
+    """No trio, socket or clock: time arrives as now_ns, so a durable store and these tests drive it alike."""
+    import flowbroker.broker.idempotence as module
+    from pathlib import Path
+
+    from tests.transport.test_sans_io import IO_MODULES, imported
+
+    assert imported(Path(module.__file__)) & IO_MODULES == set()

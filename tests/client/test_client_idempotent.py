@@ -102,3 +102,25 @@ async def test_a_sequence_gap_is_raised_by_flush_typed(start_broker) -> None:
             await producer.flush(timeout=5)
         assert info.value.code is ErrorCode.SEQUENCE_GAP and "expected sequence 5" in str(info.value)
 
+
+
+async def test_a_request_in_flight_when_the_connection_is_lost_raises_and_the_producer_goes_on(start_broker) -> None:
+    broker: FakeBroker = await start_broker()
+    broker.answer_requests = False
+    async with await fc.connect(broker.url, timeout=5, reconnect_timeout=5) as conn:
+        producer = conn.producer(routing_key="q", producer_id="w", idempotent=True)
+        first = await broker.connection(0)
+
+        async def lose_it() -> None:
+            await first.wait_for(lambda: any(type(f).__name__ == "DeclareQueue" for f in first.received))
+            await first.stream.aclose()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lose_it)
+            with pytest.raises(fc.ConnectionClosed, match="before the request was answered"):
+                await conn.declare_queue("q", timeout=5)
+        await producer.send(b"after", timeout=5)
+        await producer.flush(timeout=5)
+        assert conn.reconnects == 1 and not conn.is_closed and not conn.reconnecting
+    second = await broker.connection(1)
+    assert sequences(second) == [("w", 0, b"after")]

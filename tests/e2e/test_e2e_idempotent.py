@@ -156,7 +156,7 @@ async def test_send_waits_while_reconnecting_and_flush_goes_through_it(start_flo
         proxy.refusing = True
         proxy.cut()
         with trio.fail_after(5):
-            while not conn._reconnecting:
+            while not conn.reconnecting:
                 await trio.sleep(0.01)
         with pytest.raises(fc.FlowControlled):
             await producer.send(b"50", block=False)  # nothing may overtake the messages to send again

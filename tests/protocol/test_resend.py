@@ -74,3 +74,12 @@ TestResendMachine.settings = settings(max_examples=200, stateful_step_count=50, 
 def test_an_empty_producer_id_is_refused() -> None:
     with pytest.raises(ValueError):
         ResendLedger("")
+
+
+def test_the_resend_ledger_is_sans_io() -> None:
+    import flowbroker.protocol.resend as module
+    from pathlib import Path
+
+    from tests.transport.test_sans_io import IO_MODULES, imported
+
+    assert imported(Path(module.__file__)) & IO_MODULES == set()
