@@ -464,8 +464,8 @@ class BlockingConsumer:
         return BlockingMessage(self._conn, self._conn._run(self._consumer.receive, timeout))
 
     def receive_many(self, limit: int, timeout: float) -> list[BlockingMessage]:
-        """Up to `limit` messages in one thread hop: waits at most `timeout` seconds for the first, then
-        takes only those already buffered (never waits for more). Returns [] when none came in time, and
+        """Up to `limit` messages in one thread hop: waits at most `timeout` seconds for the first (0: only
+        takes what is buffered), then takes only those already buffered (never waits for more). Returns [] when none came in time, and
         once the consumer is closed. Subscribes first if the consumer was never entered."""
         consumer = self._consumer
         conn = self._conn
@@ -473,7 +473,8 @@ class BlockingConsumer:
         async def take() -> list[BlockingMessage]:
             taken: list[BlockingMessage] = []
             try:
-                taken.append(BlockingMessage(conn, await consumer.receive(timeout)))
+                # one already buffered is taken without a wait (receive(0) would time out at once)
+                taken.append(BlockingMessage(conn, await consumer.receive(None if consumer.buffered else timeout)))
                 while len(taken) < limit and consumer.buffered:
                     taken.append(BlockingMessage(conn, await consumer.receive(None)))  # buffered: no wait
             except (ReceiveTimeout, trio.EndOfChannel):

@@ -23,6 +23,7 @@ An offset is `{"taken": n}`: messages the query has taken into batches since its
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,14 +93,16 @@ class QueueStreamReader(DataSourceStreamReader):
             self._consumer = consumer
         return self._consumer
 
-    def _take(self, count: int, timeout: float) -> int:
-        """Take up to `count` messages into `_held` (waiting at most `timeout` for the first of each
-        hop); returns how many."""
+    def _take(self, count: int, timeout: float, *, all_of_them: bool = False) -> int:
+        """Take up to `count` messages into `_held`: wait at most `timeout` for the first, then take what
+        is buffered; with `all_of_them`, wait up to `timeout` in all for the `count`. Returns how many."""
         consumer = self._open()
         assert self._next is not None
         taken = 0
+        deadline = time.monotonic() + timeout
         while taken < count:
-            messages = consumer.receive_many(count - taken, timeout if taken == 0 else 0.0)
+            wait = max(0.0, deadline - time.monotonic()) if taken == 0 or all_of_them else 0.0
+            messages = consumer.receive_many(count - taken, wait)
             if not messages:
                 break
             for message in messages:
@@ -132,7 +135,7 @@ class QueueStreamReader(DataSourceStreamReader):
             # A batch the checkpoint planned and did not commit, replayed after a restart: the previous
             # run's connection is gone, so its messages are back at the head of the queue, redelivered.
             self._next = first + len(rows)
-            got = self._take(missing, self.options.replay_timeout)
+            got = self._take(missing, self.options.replay_timeout, all_of_them=True)
             rows += [_row(m) for offset, m in self._held[-got:]] if got else []
             if got < missing:
                 log.warning("flowbroker source %s: replaying offsets %d-%d found %d of %d messages",
