@@ -113,3 +113,9 @@ def test_a_thread_that_registers_can_write(spark, broker, queue):
     thread.join(120)
     assert outcome == [None]
     assert sorted(m.body for m in drain(broker.url, queue)) == [b"0", b"1", b"2"]
+
+
+def test_save_with_a_name_writes_to_that_queue(spark, broker, queue):
+    spark.range(2).selectExpr("cast(id as string) as value").write.format("flowbroker") \
+        .option("url", broker.url).mode("append").save(queue)
+    assert sorted(m.body for m in drain(broker.url, queue)) == [b"0", b"1"]
