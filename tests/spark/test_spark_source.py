@@ -34,8 +34,9 @@ def test_every_message_reaches_spark_within_the_prefetch_and_is_settled(spark, b
             view = broker.api(f"/api/queues/{queue}")
             unsettled += [s["unsettled"] for s in view["subscriptions"]]
             time.sleep(0.2)
-        time.sleep(1.5)  # the next trigger settles the last batch
-        depth = broker.api(f"/api/queues/{queue}")["depth"]["count"]
+        settle_by = time.monotonic() + 30  # the next trigger settles the last batch, while the query runs
+        while (depth := broker.api(f"/api/queues/{queue}")["depth"]["count"]) and time.monotonic() < settle_by:
+            time.sleep(0.2)
     finally:
         query.stop()
     rows = spark.sql("select value, headers, routingKey, redelivered from source_all").collect()
