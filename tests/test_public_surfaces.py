@@ -16,7 +16,7 @@ from flowbroker.broker.exchange import ExchangeKind
 from flowbroker.policies import CreditPolicy, OverflowPolicy
 from flowbroker.protocol import names
 
-PACKAGES = ["broker", "client", "policies", "protocol", "transport", "transport.udp"]
+PACKAGES = ["broker", "client", "policies", "protocol", "spark", "transport", "transport.udp"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
