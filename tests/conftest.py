@@ -27,6 +27,15 @@ def _state_dir_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         os.environ["XDG_STATE_HOME"] = before
 
 
+@pytest.fixture(autouse=True)
+def _state_dir_per_test(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """And each test its own: a durable queue one test declares (a doc example's, say) must not come
+    back, recovered from the journal, in the brokers of the tests after it."""
+    state = tmp_path / "xdg-state"
+    state.mkdir(exist_ok=True)
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+
+
 class RunningBroker:
     """A BrokerServer on an ephemeral port; `url` for clients, `core` for assertions and admin calls.
     With `admin={...}` given to start_flowbroker, `admin_url` and `admin_token` reach its HTTP API."""
