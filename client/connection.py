@@ -1156,7 +1156,7 @@ class Connection:
         elif isinstance(frame, BufferControl):
             if self._ledger.on_buffer_control(frame):
                 fence = self._ledger.buffer_limit()
-                if fence is not None:  # a shrink: let the broker lower its limit (and the pool's charge)
+                if fence is not None:  # lets the broker lower its limit (and the pool's charge) after a shrink
                     self._queue_control(fence)
                 self._credit_lot.unpark_all()
         elif isinstance(frame, Noop):
