@@ -41,7 +41,7 @@ class TransferReceiverStatistics:
     consumed_position: int  # bytes of completed transfers
     acked_position: int  # consumed bytes acknowledged in a BUFFER_ACK
     window: int  # the window granted now (0: flow control off)
-    limit: int  # the highest limit ever granted
+    limit: int  # the highest limit granted (lowered only by the producer's BUFFER_LIMIT)
     transfers_received: int
     transfers_completed: int
     credit_waiting: bool
