@@ -44,6 +44,7 @@ from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
     BufferControl,
+    BufferLimit,
     Cancel,
     Close,
     ClosePublication,
@@ -207,7 +208,6 @@ class BrokerCore:
     def _apply_buffer_sizes(self, sizes: dict[int, int]) -> None:
         """Push changed producer grants to live connections (BUFFER_CONTROL), start or stop withholding
         the acknowledgements of waiting ones, and watch the windows a shrink left above the grant."""
-        now = self.clock_ns()
         credit = self.credit
         for conn_id, size in sizes.items():
             s = self.sessions.get(conn_id)
@@ -215,10 +215,10 @@ class BrokerCore:
                 continue
             s.credit_waiting = credit.is_waiting(conn_id)
             if size != s.buffer_size:
-                s.resize_buffer(size, now)
-                s.send(BufferControl(0, size))
-            # the limit is monotonic (the client may not have seen a shrink yet), so what it may
-            # still have unacknowledged stays charged to the pool until acknowledgements overtake it.
+                s.announce_buffer(size)
+            # a shrink does not lower the limit (the client may not have seen it yet), so what it may
+            # still have unacknowledged stays charged to the pool until acknowledgements overtake it
+            # or the client's BUFFER_LIMIT answer lowers the limit (on_buffer_limit).
             s.window_listener = self._window_moved if s.transfers.promised > size else None
 
     def _window_moved(self, session: Session) -> None:
@@ -277,6 +277,8 @@ class BrokerCore:
         if handler is None:
             if type(frame) is BufferControl:
                 self.on_buffer_control(session, frame)
+            elif type(frame) is BufferLimit:
+                self.on_buffer_limit(session, frame)
             elif type(frame) is Error:
                 LOGGER.warning("connection %d reported error %s: %s", session.conn_id, frame.code.name,
                                logsafe(frame.text))
@@ -549,6 +551,23 @@ class BrokerCore:
         sub.sender_window.resize(frame.buffer_size)
         sub.queue.resume_subscription(sub)
         sub.queue.dispatch()
+
+    def on_buffer_limit(self, session: Session, frame: BufferLimit) -> None:
+        """The producer answered a shrink: it starts nothing at or beyond `frame.limit`. The credit limit
+        comes down (TransferReceiver.fence), and with it the window the pool charges, so a promise the
+        shrink left drains now rather than when an idle producer would have sent it, and whoever waits
+        for a share gets the bytes (the allocator hands them out while someone is short)."""
+        if not session.flow_control or session.conn_id not in self.credit:
+            return  # not paced: the broker checks no limit, so there is nothing to lower
+        try:
+            lowered = session.transfers.fence(frame.control, frame.size, frame.limit)
+        except RemoteProtocolError as exc:
+            raise SessionFault(exc.code, str(exc)) from None
+        if lowered:
+            window = session.transfers.promised
+            if window <= session.buffer_size:
+                session.window_listener = None
+            self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
 
     def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:
         try:
