@@ -28,6 +28,7 @@ __all__ = [
     "MetricsConfig",
     "AuthConfig",
     "TlsConfig",
+    "StorageConfig",
     "BrokerConfig",
     "load_config",
     "default_quota",
@@ -42,6 +43,7 @@ SIZE_KEYS = {
     "queues": ("max_size",),
     "credit": ("quota", "static_size", "min_size", "max_size", "override_size"),
     "udp": ("term_length", "min_receiver_window", "max_receiver_window"),
+    "storage": ("segment_size", "disk_free_limit", "quota"),
 }
 """The byte-valued keys: in the TOML file as on the command line, each takes an integer or a size
 string such as "2GiB" (parse_size)."""
@@ -100,6 +102,8 @@ class ServerConfig:
     memory_quota: int = field(default_factory=default_quota)
     memory_watermark: int = 0  # bytes of messages held that raise the memory alarm; 0 = memory_quota
     memory_resume_percent: int = 90  # the alarm clears under this percentage of the watermark
+    max_producer_ids: int = 10_000  # idempotent producer ids tracked at once (broker/idempotence.py)
+    producer_id_ttl: float = 3600.0  # seconds an idle producer id is kept at least after its last message
 
     def validate(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -125,6 +129,8 @@ class ServerConfig:
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
         _int_range("server", "memory_watermark", self.memory_watermark, 0, 1 << 50)
         _int_range("server", "memory_resume_percent", self.memory_resume_percent, 1, 100)
+        _int_range("server", "max_producer_ids", self.max_producer_ids, 1, 10_000_000)
+        _positive("server", "producer_id_ttl", self.producer_id_ttl)
 
 
 @dataclass(frozen=True)
@@ -382,6 +388,45 @@ class TlsConfig:
         if self.verify_client != "none" and not self.ca_file:
             raise ConfigError("tls", "ca_file", "", f"must name the CA's PEM file when verify_client = "
                               f"{self.verify_client!r}")
+FSYNC_POLICIES = ("always", "never")
+
+
+def default_data_dir() -> Path:
+    """The user's state directory (XDG: $XDG_STATE_HOME, else ~/.local/state), then flowbroker."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "flowbroker"
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The journal of durable queues (docs/storage.md). `fsync = "always"`: a transfer to a durable queue
+    completes after the group commit that wrote it was fsynced (survives a power cut); `"never"`: after
+    the write reached the kernel (survives the broker's own crash, kill -9 included, not the machine's).
+    Producers of durable queues are held while free space under `data_dir` is under `disk_free_limit` or
+    the journal holds more than `quota` bytes (0: no quota)."""
+
+    enabled: bool = True
+    data_dir: str = ""
+    fsync: str = "always"
+    segment_size: int = 64 * MiB
+    disk_free_limit: int = 128 * MiB
+    quota: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("storage", "enabled", self.enabled, "must be true or false")
+        if not isinstance(self.data_dir, str):
+            raise ConfigError("storage", "data_dir", self.data_dir, "must be a path (or \"\" for the default)")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError("storage", "fsync", self.fsync, f"must be one of {', '.join(FSYNC_POLICIES)}")
+        _int_range("storage", "segment_size", self.segment_size, 64 * 1024, 1 << 40)
+        _int_range("storage", "disk_free_limit", self.disk_free_limit, 0, 1 << 50)
+        _int_range("storage", "quota", self.quota, 0, 1 << 50)
+
+    def journal_dir(self) -> Path:
+        """Where the journal's segments are: `<data_dir>/journal`."""
+        base = Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
+        return base / "journal"
 
 
 @dataclass(frozen=True)
@@ -394,6 +439,7 @@ class BrokerConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -412,6 +458,7 @@ class BrokerConfig:
         self.metrics.validate()
         self.auth.validate()
         self.tls.validate()
+        self.storage.validate()
         return self
 
 
@@ -463,9 +510,9 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls"):
-            raise ConfigError(section, "*", None,
-                              "unknown section; known: admin, auth, credit, metrics, queues, server, tls, udp")
+        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls", "storage"):
+            raise ConfigError(section, "*", None, "unknown section; known: admin, auth, credit, metrics, queues, "
+                                                  "server, storage, tls, udp")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
@@ -474,9 +521,10 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     metrics = _section(MetricsConfig, "metrics", data.get("metrics", {}))
     auth = _section(AuthConfig, "auth", data.get("auth", {}))
     tls = _section(TlsConfig, "tls", data.get("tls", {}))
+    storage = _section(StorageConfig, "storage", data.get("storage", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics, auth, tls).validate()
+    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics, auth, tls, storage).validate()

@@ -106,12 +106,14 @@ class Scrape:
             "violations": core.credit_violations,
         }
         self.errors = dict(core.errors_sent)
+        self.idempotence = core.producer_sequences.statistics()
         self.udp = core.udp.statistics() if core.udp is not None else None
         # One pass over the connections: roles, producer rows (bounded), stalled consumers' queues.
         self.roles = dict.fromkeys(ROLES, 0)
         self.producers: list[_ProducerRow] = []
         self.producers_dropped = 0
         self.stuck: dict[str, int] = {}
+        self.consumer_buffers: dict[str, list[int]] = {}  # queue -> [buffer bytes, unacknowledged bytes]
         stuck_ns = int(server.stuck_timeout * 1e9)
         for session in core.sessions.values():
             role = connection_role(session)
@@ -120,6 +122,10 @@ class Scrape:
             if since is not None and now - since >= stuck_ns:
                 for sub in session.subscriptions.values():
                     self.stuck[sub.queue.name] = self.stuck.get(sub.queue.name, 0) + 1
+            for sub in session.subscriptions.values():
+                sums = self.consumer_buffers.setdefault(sub.queue.name, [0, 0])
+                sums[0] += sub.sender_window.window
+                sums[1] += sub.sender_window.outstanding
             if role not in ("producer", "both"):
                 continue
             if len(self.producers) >= max_producer_series:
@@ -191,6 +197,13 @@ class Scrape:
         for code in ErrorCode:  # every code, 0 until it happens: rate() needs the series before the first
             refused.add_metric([code.name], self.errors.get(code, 0))
         yield refused
+        ids = self.idempotence
+        yield GaugeMetricFamily("flowbroker_idempotent_producer_ids", "Producer ids whose sequences the broker "
+                                "tracks.", value=ids.producer_ids)
+        yield CounterMetricFamily("flowbroker_idempotent_duplicates", "Idempotent producers' messages completed "
+                                  "at once as duplicates, not enqueued.", value=ids.duplicates)
+        yield CounterMetricFamily("flowbroker_idempotent_sequence_gaps", "Messages refused with SEQUENCE_GAP.",
+                                  value=ids.gaps)
 
     # -- queues ----------------------------------------------------------------------------------
 
@@ -224,7 +237,11 @@ class Scrape:
                     ["queue", "reason"])
         refused = c("flowbroker_queue_refused_transfers", "Transfers refused by a hard limit (overflow reject).",
                     _QUEUE)
-        stuck_by_queue = self.stuck
+        buffer = g("flowbroker_queue_consumer_buffer_bytes", "Byte buffers its subscriptions' consumers granted "
+                   "(0: not flow-controlled), summed.", _QUEUE)
+        buffer_unacked = g("flowbroker_queue_consumer_unacknowledged_bytes", "Bytes delivered to its consumers "
+                           "and not yet acknowledged (BUFFER_ACK), summed.", _QUEUE)
+        stuck_by_queue, buffers = self.stuck, self.consumer_buffers
         for st in self.queues:
             t = st.thresholds
             label = [st.name]
@@ -246,6 +263,9 @@ class Scrape:
             stopped.add_metric(label, st.flow_stopped_producers)
             consumers.add_metric(label, st.subscriptions)
             stuck.add_metric(label, stuck_by_queue.get(st.name, 0))
+            sizes = buffers.get(st.name, (0, 0))
+            buffer.add_metric(label, sizes[0])
+            buffer_unacked.add_metric(label, sizes[1])
             enqueued.add_metric(label, st.enqueued)
             dequeued.add_metric(label, st.dequeued)
             rejected.add_metric(label, st.consumer_rejected)
@@ -253,6 +273,7 @@ class Scrape:
             refused.add_metric(label, st.rejected)
         yield from (messages, ready, unsettled, size, stop_count, resume_count, stop_size, resume_size, max_count,
                     max_size, saturated, saturated_for, saturations, held, held_total, stopped, consumers, stuck,
+                    buffer, buffer_unacked,
                     enqueued, dequeued, rejected, dropped, refused)
 
     # -- connections and producers -----------------------------------------------------------------

@@ -61,6 +61,8 @@ from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
+from flowbroker.broker.journal import Journal
+from flowbroker.broker.journalshell import open_journal, run_committer
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.metrics import broker_metrics
 from flowbroker.broker.metricshttp import MetricsServer, metrics_route
@@ -138,6 +140,7 @@ class BrokerServer:
         self.udp_port: int | None = None
         self.metrics: MetricsServer | None = None  # /metrics on a port of its own ([metrics] endpoint)
         self.metrics_port: int | None = None  # where /metrics is served: that port, or the admin port
+        self.journal: Journal | None = None  # durable queues' journal ([storage] enabled), opened by serve()
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
         self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
@@ -168,6 +171,8 @@ class BrokerServer:
                                "off) before max_connections is reached", limits[0], cfg.max_connections,
                                DESCRIPTOR_RESERVE)
         tls_context = server_context(self.config.tls) if self.config.tls.enabled else None
+        if self.config.storage.enabled and self.core.journal is None:  # durable queues come back first
+            self.journal = await open_journal(self.config.storage, self.core)
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         tls_listeners: list[trio.SocketListener] = []
         if tls_context is not None:
@@ -234,6 +239,8 @@ class BrokerServer:
                 await nursery.start(self.metrics.serve)
             nursery.start_soon(self._summarise_connections)
             nursery.start_soon(self._watch_users)
+            if self.journal is not None:
+                nursery.start_soon(run_committer, self.journal)
             if self.udp is not None:
                 nursery.start_soon(self.udp.run)
             task_status.started(self.port)

@@ -20,7 +20,7 @@ from flowbroker.broker.outbox import Outbox, SessionFault
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
 from flowbroker.protocol.delivery import DeliveryLedger
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import BufferAck, Error, FlowResumed, FlowStopped, Frame
+from flowbroker.protocol.frames import BufferAck, BufferControl, Error, FlowResumed, FlowStopped, Frame
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.protocol.names import ALL_DESTINATIONS
 from flowbroker.protocol.ranges import IdSet
@@ -60,6 +60,8 @@ class SessionStatistics:
     sender_position: int
     sender_acked_position: int
     sender_window: int
+    transfers_duplicate: int = 0
+    """Transfers of an idempotent producer completed at once as duplicates (broker/idempotence.py)."""
 
 
 class Session:
@@ -94,6 +96,7 @@ class Session:
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
         self.flow_stops = 0  # times a destination it was not stopped on stopped it (metrics)
+        self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
@@ -205,6 +208,12 @@ class Session:
         """A credit policy changed this producer's buffer (the caller sends the BUFFER_CONTROL)."""
         self.transfers.resize(size)
 
+    def announce_buffer(self, size: int) -> None:
+        """A credit policy changed this producer's buffer: resize it and tell the client (BUFFER_CONTROL),
+        counted, so the client's BUFFER_LIMIT answer can name the one it answers."""
+        self.transfers.announced(size)
+        self.send(BufferControl(0, size))
+
     def flow_stopped(self, queue: Queue) -> None:
         threshold, limit, value = queue.stop_reason
         self.flow_stopped_on[queue.name] = (queue, self.now_ns)
@@ -294,4 +303,5 @@ class Session:
             sender_position=consumer.position,
             sender_acked_position=consumer.acked_position,
             sender_window=consumer.window,
+            transfers_duplicate=self.duplicates,
         )

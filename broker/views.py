@@ -235,6 +235,7 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
             "transfers": stats.transfers_received,
             "transfers_held": stats.transfers_held_now,
             "transfers_held_total": stats.transfers_held_total,
+            "transfers_duplicate": stats.transfers_duplicate,
         },
         "flow": _flow(session, now_ns),
         "consumer": {
@@ -345,7 +346,49 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "producers_stopped": core.producers_stopped,
         "credit_policy": core.credit.config.policy.value,
         "unroutable": core.unroutable,
+        "idempotence": idempotence_view(core),
         "udp": udp_view(core),
+        "journal": journal_view(core),
+    }
+
+
+def journal_view(core: BrokerCore) -> dict[str, Any] | None:
+    """The journal of durable queues (docs/storage.md): where it is, what it wrote, the disk alarm; None
+    when the broker keeps none ([storage] enabled = false, or a core without a server)."""
+    journal = core.journal
+    if journal is None:
+        return None
+    alarm = journal.alarm
+    return {
+        "directory": str(journal.dir),
+        "awake": not journal.dormant,
+        "segments": len(journal.sizes),
+        "bytes": sum(journal.sizes.values()),
+        "free_bytes": journal.free_bytes,
+        "commits": journal.commits,
+        "fsyncs": journal.fsyncs,
+        "records_written": journal.records_written,
+        "bytes_written": journal.bytes_written,
+        "segments_deleted": journal.segments_deleted,
+        "write_errors": journal.write_errors,
+        "disk_alarm": alarm.reason if alarm is not None else None,
+    }
+
+
+def idempotence_view(core: BrokerCore) -> dict[str, Any]:
+    """Idempotent producers (broker/idempotence.py): the producer ids tracked against their bound, and
+    what their messages met: taken, completed as duplicates, refused for a gap or an untrackable id."""
+    stats = core.producer_sequences.statistics()
+    server = core.config.server
+    return {
+        "producer_ids": stats.producer_ids,
+        "max_producer_ids": server.max_producer_ids,
+        "producer_id_ttl": server.producer_id_ttl,
+        "accepted": stats.accepted,
+        "duplicates": stats.duplicates,
+        "gaps": stats.gaps,
+        "refused": stats.refused,
+        "evicted": stats.evicted,
     }
 
 

@@ -28,6 +28,7 @@ from flowbroker.client.errors import (
     RequestError,
     RequestTimeout,
     TooManyHeaders,
+    SequenceGap,
     Unroutable,
 )
 from flowbroker.client.flow import ALL_DESTINATIONS, FlowEvent, FlowEvents, FlowState, FlowStop
@@ -71,6 +72,7 @@ __all__ = [
     "TooManyHeaders",
     "NotFound",
     "Unroutable",
+    "SequenceGap",
     "PublishFailures",
     "RequestError",
     "RequestTimeout",

@@ -18,6 +18,13 @@ Why it is shaped this way:
   sends CLOSE after the queued data (bounded by `close_timeout`) and cancels them. Nothing outlives it,
   and nothing escapes from them: a bug in one closes the connection with ConnectionClosed(INTERNAL_ERROR),
   which the application's calls raise, instead of cancelling its block from inside.
+- **Reconnecting, for idempotent producers only.** A connection opened from a URL whose producers with
+  messages in flight are all idempotent (and that has no consumers) survives a lost stream: `_lost` ends
+  that stream's three tasks (they run in a scope of their own, `_run_stream`), `_reconnect` reopens it with
+  backoff until `reconnect_timeout`, and `_resend` sends every kept message again in sequence order
+  before producers may send anything new (protocol/resend.py; docs/client.md, "Idempotent producers").
+  Any other lost connection closes, as it always did: its unconfirmed messages could not be resent
+  without duplicating them.
 - **Any trio stream.** Bytes go through `trio.abc.Stream`'s `send_all`/`receive_some` only; the stream and
   the handshake come from client/handshake.py (`connect` opens TCP, `connect_stream` takes a stream the
   caller opened: a `trio.SSLStream`, an in-memory pair in tests).
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -47,6 +55,7 @@ from flowbroker.client.errors import (
     BrokerConnectionError,
     ConnectionClosed,
     FlowbrokerError,
+    HandshakeError,
     ProtocolViolation,
     PublishFailures,
     RequestError,
@@ -87,6 +96,7 @@ from flowbroker.protocol import (
     Unbind,
     Welcome,
     message_size,
+    SenderWindow,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
@@ -118,10 +128,25 @@ NOOP_REPLIES_KEPT = 16
 ENTRY_OVERHEAD = 24
 """Estimated msgpack bytes per transfer entry beyond body, names and headers (for the frame-size budget)."""
 
-QueuedEntry = tuple[str, str, bytes, Headers | None, None, None]
+QueuedEntry = tuple[str, str, bytes, Headers | None, str | None, int | None]
 """A message waiting for the writer: the fields of a `TransferEntry` (exchange, routing key, body, headers,
 producer id, sequence) in a plain tuple, a fraction of the cost of building the NamedTuple per message.
 msgpack writes both alike."""
+
+Reopen = Callable[[], Awaitable[tuple[trio.abc.Stream, ProtocolConnection, Welcome]]]
+"""Opens a new stream to the same broker and does the handshake on it (client/handshake.py): how a
+connection with idempotent producers reconnects."""
+RECONNECT_FIRST_DELAY = 0.05
+RECONNECT_MAX_DELAY = 2.0
+"""Seconds between reconnect attempts: doubling from the first to the most, until `reconnect_timeout`."""
+
+
+def _blocked_window() -> SenderWindow:
+    """A producer byte window that lets nothing start: what producers see while the connection reconnects
+    and resends, so a new message cannot overtake the ones sent again."""
+    window = SenderWindow(1)
+    window.position = 1
+    return window
 
 
 def _now_ns() -> int:
@@ -186,6 +211,8 @@ class Connection:
         *,
         request_timeout: float = 30.0,
         close_timeout: float = 5.0,
+        reopen: Reopen | None = None,
+        reconnect_timeout: float = 30.0,
     ) -> None:
         self._stream = stream
         self._proto = proto
@@ -245,6 +272,21 @@ class Connection:
         self._noop_nonce = 0
         self.connection_errors: collections.deque[Error] = collections.deque(maxlen=32)
         """Connection-level ERROR frames the broker sent without closing (newest 32)."""
+        # reconnecting (idempotent producers only: see `_lost`)
+        self._reopen = reopen
+        self.reconnect_timeout = reconnect_timeout
+        """How long a lost connection with idempotent producers tries to reconnect before it is closed."""
+        self.reconnects = 0
+        """Times this connection was lost and reopened (its `connection_id` is the newest one's)."""
+        self._reconnecting = False
+        self._generation = 0
+        """Counts the streams this connection has had: a task of an older one can no longer end it."""
+        self._lost_generation = -1
+        self._stream_scope: trio.CancelScope | None = None
+        self._idempotent: weakref.WeakSet[Producer] = weakref.WeakSet()
+        """Idempotent producers alive on this connection: whose unconfirmed messages a reconnect sends again."""
+        self._had_idempotent = False
+        """Set with the first idempotent producer: until then a COMPLETE costs nothing more than it did."""
 
     # ------------------------------------------------------------------ properties
 
@@ -301,6 +343,12 @@ class Connection:
         return self._closed is not None
 
     @property
+    def reconnecting(self) -> bool:
+        """True from the loss of the stream until the messages to send again are all queued on the new
+        one (idempotent producers: docs/client.md); producers' sends wait meanwhile."""
+        return self._reconnecting
+
+    @property
     def close_error(self) -> BrokerConnectionError | ProtocolViolation | None:
         """Why the connection is closed (None while open)."""
         return self._closed
@@ -324,10 +372,18 @@ class Connection:
         self._entered = True
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
-        self._nursery.start_soon(self._contained, self._reader, "reader")
-        self._nursery.start_soon(self._writer)  # contains its own failures: it still says why it ends
-        self._nursery.start_soon(self._contained, self._timer, "timer")
+        self._nursery.start_soon(self._run_stream)
         return self
+
+    async def _run_stream(self) -> None:
+        """The tasks of one stream: reader, writer, timer. They run in a scope of their own, so that a
+        reconnect can end them (`_lost`) and start the next stream's, in the connection's nursery."""
+        with trio.CancelScope() as scope:
+            self._stream_scope = scope
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._contained, self._reader, "reader")
+                nursery.start_soon(self._writer)  # contains its own failures: it still says why it ends
+                nursery.start_soon(self._contained, self._timer, "timer")
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -407,6 +463,141 @@ class Connection:
         self._flow.close()
         self._credit_lot.unpark_all()
         self._wake.set()
+
+    # ------------------------------------------------------------------ reconnecting
+
+    def _lost(self, error: ConnectionClosed, generation: int, final: Frame | None = None) -> None:
+        """The stream of `generation` failed (a read or write failed, the broker went away without CLOSE,
+        or fell silent for the idle timeout). A connection that may reconnect (`_may_reconnect`) ends that
+        stream's tasks and reconnects in the background; any other closes with `error` (and `final`)."""
+        if generation != self._generation or self._closed is not None or generation == self._lost_generation:
+            return  # a task of an older stream, or this loss is handled already
+        self._lost_generation = generation
+        if not self._may_reconnect():
+            if final is not None:
+                self._final_frames.append(final)
+            self._shutdown(error)
+            return
+        log.warning("flowbroker connection %s: %s; reconnecting to resend what its idempotent producers have "
+                    "not seen completed", self.connection_id, error.reason)
+        self._reconnecting = True
+        self.sender_window = _blocked_window()
+        self._fail_requests(ConnectionClosed(error.code, f"{error.reason} before the request was answered "
+                                                         "(the connection is reconnecting)"))
+        if self._stream_scope is not None:
+            self._stream_scope.cancel()
+        self._credit_lot.unpark_all()  # a resend waiting for the lost stream's credit starts over
+        assert self._nursery is not None
+        self._nursery.start_soon(self._contained, lambda: self._reconnect(error), "reconnect")
+
+    def _may_reconnect(self) -> bool:
+        """Only a connection whose unconfirmed messages can all be sent again without duplicates: opened
+        from a URL, with idempotent producers, every producer with messages in flight idempotent, and no
+        consumers or UDP producers (their subscriptions and publications are not re-made)."""
+        return (
+            self._reopen is not None
+            and self._nursery is not None
+            and len(self._idempotent) > 0
+            and not self._consumers
+            and not self._udp_producers
+            and all(p._sequences is not None for p in self._active_producers if p._outstanding)
+        )
+
+    async def _reconnect(self, error: ConnectionClosed) -> None:
+        """Reopen the stream (`_reopen`: TCP and the handshake) with backoff until `reconnect_timeout`,
+        then resend; if no attempt succeeds in time, close with `error` and the last failure."""
+        assert self._reopen is not None and self._nursery is not None
+        await trio.aclose_forcefully(self._stream)
+        deadline = trio.current_time() + self.reconnect_timeout
+        delay = RECONNECT_FIRST_DELAY
+        attempts = 0
+        last = "none"
+        while self._closed is None:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                break
+            attempts += 1
+            try:
+                with trio.fail_after(remaining):
+                    stream, proto, welcome = await self._reopen()
+            except (HandshakeError, trio.TooSlowError) as exc:
+                last = str(exc) or type(exc).__name__
+                await trio.sleep(max(0.0, min(delay, deadline - trio.current_time())))
+                delay = min(delay * 2, RECONNECT_MAX_DELAY)
+                continue
+            if self._closed is not None:  # the application closed the connection meanwhile
+                await trio.aclose_forcefully(stream)
+                return
+            self._adopt(stream, proto, welcome)
+            log.warning("flowbroker connection reconnected as %s after %d attempt(s)", self.connection_id, attempts)
+            self._nursery.start_soon(self._run_stream)
+            await self._resend(self._generation)
+            return
+        if self._closed is None:
+            self._reconnecting = False
+            self._shutdown(ConnectionClosed(
+                error.code,
+                f"{error.reason}; not reconnected within reconnect_timeout {self.reconnect_timeout:g} s "
+                f"({attempts} attempt{'s' * (attempts != 1)}, last: {last})",
+            ))
+
+    def _adopt(self, stream: trio.abc.Stream, proto: ProtocolConnection, welcome: Welcome) -> None:
+        """Take a new stream: a new protocol state, transfer ids from 1, the broker's new grant; what was
+        queued for the old stream is dropped (the resend queues the messages again), flow stops end."""
+        self._generation += 1
+        self.reconnects += 1
+        self._stream, self._proto, self.welcome = stream, proto, welcome
+        self._ledger = ProducerLedger(welcome.buffer_size)
+        # requests made while reconnecting were queued for no stream: their frames are dropped below
+        self._fail_requests(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "request made while the connection was "
+                                                                        "reconnecting; repeat it"))
+        self._transfers.clear()
+        self._transfer_costs.clear()
+        self._control.clear()
+        self._settle.clear()
+        self._acks.clear()
+        self._noop_replies.clear()
+        self._final_frames = []
+        self._wake = trio.Event()
+        self._writer_done = trio.Event()
+        self._writer_scope = trio.CancelScope()
+        self._writing = False
+        now = trio.current_time()
+        self._last_received = self._last_sent = now
+        for destination in list(self._flow.stopped):
+            self._flow.on_resumed(destination, now)
+
+    def _fail_requests(self, error: ConnectionClosed) -> None:
+        """Every request waiting for an answer raises `error`: none can come on this stream."""
+        for pending in self._requests.values():
+            pending.error = error
+            if pending.on_error is not None:
+                pending.on_error()
+            pending.event.set()
+        self._requests.clear()
+
+    async def _resend(self, generation: int) -> None:
+        """Send again, per idempotent producer and in sequence order, every message not seen completed,
+        paced by the new connection's credit; then let the producers' new messages go. Another loss on
+        the way starts over (`lost()` marks every kept message unsent again)."""
+        ledger = self._ledger
+        for producer in list(self._idempotent):
+            if generation != self._generation:
+                return
+            sequences = producer._sequences
+            assert sequences is not None
+            again = sequences.lost()
+            producer._resending(len(again))
+            for sequence, entry, size in again:
+                while generation == self._generation and self._closed is None and not ledger.window.may_send():
+                    await self._credit_lot.park()
+                if generation != self._generation or self._closed is not None:
+                    return
+                sequences.resent(sequence, self._enqueue_transfer(producer, entry, size))
+        if generation == self._generation and self._closed is None:
+            self.sender_window = ledger.window
+            self._reconnecting = False
+            self._credit_lot.unpark_all()
 
     async def _contained(self, task: Callable[[], Awaitable[None]], what: str) -> None:
         """Run one of the connection's tasks so that a bug in it closes this connection with a typed
@@ -556,6 +747,8 @@ class Connection:
         transport: str = "tcp",
         stream_id: int | None = None,
         udp_endpoint: str | None = None,
+        producer_id: str | None = None,
+        idempotent: bool = False,
     ) -> Producer:
         """A producer on this connection. `window` bounds its uncompleted transfers (Qpid's capacity);
         `send_timeout` is the deadline `send`/`flush` use when not given one (math.inf to wait forever);
@@ -564,8 +757,15 @@ class Connection:
 
         `transport="udp"`: the messages go over the broker's UDP data path (an Aeron publication on
         `stream_id`, default 1001, registered over this connection; `udp_endpoint` "host:port" overrides
-        the broker's UDP endpoint). The producer behaves the same (client/udpproducer.py)."""
+        the broker's UDP endpoint). The producer behaves the same (client/udpproducer.py).
+
+        `idempotent=True`: the producer numbers its messages 0, 1, 2, ... under `producer_id` (default: a
+        random one), the broker takes each sequence once (docs/protocol.md, "Idempotent producers"), and
+        if the connection is lost it reconnects and sends again, in order, what was not completed
+        (docs/client.md, "Idempotent producers"). At most one live producer per producer id on a connection."""
         if transport == "udp":
+            if idempotent or producer_id is not None:
+                raise ValueError("idempotent producers are TCP producers: the UDP data path does not carry sequences")
             from flowbroker.client.udpproducer import DEFAULT_PUBLICATION_STREAM, UdpProducer
 
             return UdpProducer(self, exchange, routing_key, window=window, send_timeout=send_timeout,
@@ -575,7 +775,17 @@ class Connection:
             raise ValueError(f"transport must be \"tcp\" or \"udp\", not {transport!r}")
         from flowbroker.client.producer import Producer
 
-        return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)
+        return Producer(self, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory,
+                        producer_id=producer_id, idempotent=idempotent)
+
+    def _add_idempotent(self, producer: Producer) -> None:
+        """Register an idempotent producer, refusing a second live one with the same producer id: both
+        would number from 0, and the broker would take the second one's messages for duplicates."""
+        for other in self._idempotent:
+            if other.producer_id == producer.producer_id:
+                raise ValueError(f"producer id {producer.producer_id!r} is in use by another producer on this connection")
+        self._idempotent.add(producer)
+        self._had_idempotent = True
 
     def _local_host(self) -> str:
         """The address of this end of the TCP connection: where a UDP socket of ours binds, so the broker
@@ -626,6 +836,11 @@ class Connection:
         for producer, count in done:
             producer._on_completed(count)
         if done:
+            if self._had_idempotent:  # a plain flag: even len() of a WeakSet is a Python call per frame
+                for idempotent in self._idempotent:
+                    sequences = idempotent._sequences
+                    if sequences:  # has kept messages (never None: only idempotent producers are in the set)
+                        sequences.retire(frame.cumulative_id)
             self._credit_lot.unpark_all()
 
     def _producer_of(self, transfer_id: int) -> Producer | None:
@@ -823,6 +1038,7 @@ class Connection:
         bounds by the idle timeout: a write stalled for that long ends the connection and this task.
         A bug while encoding still lets it send ERROR + CLOSE INTERNAL_ERROR; one inside a write (the
         stream may be cut inside a frame) or while sending the last frames ends it without more."""
+        generation = self._generation
         try:
             with self._writer_scope:
                 try:
@@ -835,7 +1051,7 @@ class Connection:
                     self._internal_error(exc, "writer")
                 await self._write_final()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"))
+            self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"write failed: {exc!r}"), generation)
         except LocalProtocolError as exc:  # a bug in the SDK or a frame the caller built wrongly
             log.error("flowbroker connection %s: cannot send: %s", self.connection_id, exc)
             self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"cannot send: {exc}"))
@@ -891,6 +1107,7 @@ class Connection:
 
     async def _reader(self) -> None:
         proto = self._proto
+        generation = self._generation
         try:
             while self._closed is None:
                 data = await self._stream.receive_some(RECEIVE_SIZE)
@@ -901,11 +1118,12 @@ class Connection:
                     if self._closed is not None:
                         return
                 if not data:
-                    self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "the broker closed the connection"))
+                    self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "the broker closed the connection"), generation)
+                    return
         except RemoteProtocolError as exc:
             self._protocol_violation(str(exc), exc.code, exc.frame_seq)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self._shutdown(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"read failed: {exc!r}"))
+            self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"read failed: {exc!r}"), generation)
 
     def _protocol_violation(self, text: str, code: ErrorCode, frame_seq: int | None = None) -> None:
         log.warning("flowbroker connection %s: protocol violation by the broker: %s", self.connection_id, text)
@@ -937,6 +1155,9 @@ class Connection:
             self._flow.on_resumed(frame.destination, trio.current_time())
         elif isinstance(frame, BufferControl):
             if self._ledger.on_buffer_control(frame):
+                fence = self._ledger.buffer_limit()
+                if fence is not None:  # lets the broker lower its limit (and the pool's charge) after a shrink
+                    self._queue_control(fence)
                 self._credit_lot.unpark_all()
         elif isinstance(frame, Noop):
             if not frame.reply:
@@ -1007,20 +1228,21 @@ class Connection:
         reader's or the writer's waits on the socket but the end of the `async with` block)."""
         idle = self.welcome.idle_timeout_ms / 1000
         tick = min(1.0, max(0.01, idle / 6)) if idle else 1.0
+        generation = self._generation
         while self._closed is None:
             await trio.sleep(tick)
             now = trio.current_time()
             if idle:
                 if now - self._last_received >= idle:
                     text = f"no frame from the broker for {idle:g} s"
-                    self._final_frames.append(Close(ErrorCode.IDLE_TIMEOUT, text))
-                    self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
+                    self._lost(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text), generation,
+                               Close(ErrorCode.IDLE_TIMEOUT, text))
                     return
                 if self._write_stalled(now, idle):
                     # The stream is in the middle of a frame: nothing more can be written on it.
                     text = f"the broker took none of our bytes for {idle:g} s"
                     log.warning("flowbroker connection %s: %s", self.connection_id, text)
-                    self._shutdown(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text))
+                    self._lost(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text), generation)
                     self._writer_scope.cancel()
                     return
                 if now - self._last_sent >= idle / 3 and not self._control:

@@ -49,6 +49,7 @@ __all__ = [
     "TooManyHeaders",
     "NotFound",
     "Unroutable",
+    "SequenceGap",
     "PublishFailures",
     "RequestError",
     "RequestTimeout",
@@ -172,6 +173,12 @@ class Unroutable(PublishError):
         self.args = (f"{code.name}: {text}",)  # `destination` is the exchange, which the text names
 
 
+class SequenceGap(PublishError):
+    """The broker expected another sequence from this idempotent producer's id (the text names it): it
+    forgot the id (restarted, or the id was idle past `producer_id_ttl`) or another writer uses it. The
+    message was not enqueued (docs/protocol.md, "Idempotent producers")."""
+
+
 class PublishFailures(FlowbrokerError):
     """Raised when a producer's or a connection's `async with` (or `with`) block ends while messages sent
     in it were refused, or were still not completed when the close timeout ran out: what `flush()` would
@@ -222,6 +229,7 @@ _PUBLISH_ERRORS: dict[ErrorCode, type[PublishError]] = {
     ErrorCode.KEY_TOO_LONG: KeyTooLong,
     ErrorCode.NOT_FOUND: NotFound,
     ErrorCode.UNROUTABLE: Unroutable,
+    ErrorCode.SEQUENCE_GAP: SequenceGap,
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import dataclasses
 import ssl
 
 import trio
@@ -46,17 +47,20 @@ async def connect(
     request_timeout: float = 30.0,
     close_timeout: float = 5.0,
     ssl_context: ssl.SSLContext | None = None,
+    reconnect_timeout: float = 30.0,
 ) -> Connection:
     """Open TCP (and TLS for a `flowbroker+tls://` URL) and do the HELLO/WELCOME handshake, all within
     `timeout` seconds. `ssl_context`: for TLS, the CA to trust and a client certificate to present
     (default: `ssl.create_default_context()`, the system's CAs, the URL's host checked).
 
     Returns a Connection to use as `async with await connect(...) as conn`. Raises HandshakeError
-    (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL.
+    (refused, timed out, or answered with ERROR/CLOSE) or ValueError for a bad URL. A connection with
+    idempotent producers that is lost reconnects to the same URL for up to `reconnect_timeout` seconds
+    (docs/client.md, "Idempotent producers"), over TLS again for a `flowbroker+tls://` URL and logging in
+    again with the same `auth` (a fresh SCRAM exchange: a new client nonce); others close as before.
     """
     address = parse_url(url)
-    auth_map, scram = hello_auth(auth)
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth_map)
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY])
 
     if ssl_context is not None and not address.tls:
         raise ValueError(f"{url!r}: ssl_context is for flowbroker+tls:// URLs")
@@ -74,7 +78,12 @@ async def connect(
             raise HandshakeError(f"TLS handshake with {address} failed: {exc.__cause__ or exc}") from exc
         return tls
 
-    conn = await open_connection(open_tcp, hello, address, timeout, request_timeout, close_timeout, scram)
+    async def reopen() -> tuple[trio.abc.Stream, ProtocolConnection, Welcome]:
+        return await handshake(open_tcp, hello, address, timeout, auth)
+
+    stream, proto, welcome = await handshake(open_tcp, hello, address, timeout, auth)
+    conn = Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout,
+                      reopen=reopen, reconnect_timeout=reconnect_timeout)
     conn.udp_endpoint = address.udp
     return conn
 
@@ -92,13 +101,12 @@ async def connect_stream(
     """`connect` over a stream the caller opened (a `trio.SSLStream` over TCP, an in-memory stream in a
     test): the HELLO/WELCOME handshake within `timeout`, then a Connection that owns the stream (it
     closes it; so does a failed handshake). Raises HandshakeError as `connect` does."""
-    auth_map, scram = hello_auth(auth)
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY], auth_map)
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY])
 
     async def given() -> trio.abc.Stream:
         return stream
 
-    return await open_connection(given, hello, "the broker", timeout, request_timeout, close_timeout, scram)
+    return await open_connection(given, hello, "the broker", timeout, request_timeout, close_timeout, auth)
 
 
 async def open_connection(
@@ -108,11 +116,30 @@ async def open_connection(
     timeout: float,
     request_timeout: float,
     close_timeout: float,
-    scram: ScramClient | None = None,
+    auth: AuthArg = None,
 ) -> Connection:
     """Open the stream and do the handshake on it, all within `timeout`; the one place a connection's
-    stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for).
-    `scram`: the exchange HELLO's auth began, continued when the broker sends AUTH_CHALLENGE."""
+    stream is made (TLS goes here: `open_stream` returns whatever trio stream the URL asks for)."""
+    stream, proto, welcome = await handshake(open_stream, hello, address, timeout, auth)
+    return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
+
+
+async def handshake(
+    open_stream: Callable[[], Awaitable[trio.abc.Stream]],
+    hello: Hello,
+    address: object,
+    timeout: float,
+    auth: AuthArg = None,
+) -> tuple[trio.abc.Stream, ProtocolConnection, Welcome]:
+    """`open_connection` without the Connection: the stream, its protocol state after WELCOME, and the
+    WELCOME (also how a lost connection reopens: `Connection(reopen=...)`). `auth` (credentials, not a
+    HELLO auth map already built) is turned into HELLO's auth here, on every call: a reconnect logs in with
+    a SCRAM exchange of its own (a new client nonce), continued when the broker sends AUTH_CHALLENGE; a
+    `hello` that carries an auth map already is sent as it is."""
+    scram: ScramClient | None = None
+    if auth is not None:
+        auth_map, scram = hello_auth(auth)
+        hello = dataclasses.replace(hello, auth=auth_map)
     stream: trio.abc.Stream | None = None
     proto = ProtocolConnection(Role.CLIENT)
     try:
@@ -135,7 +162,8 @@ async def open_connection(
         await _close_quietly(stream)
         raise
     proto.set_max_frame_size(max(64, welcome.max_frame_size))
-    return Connection(stream, proto, welcome, request_timeout=request_timeout, close_timeout=close_timeout)
+    assert stream is not None
+    return stream, proto, welcome
 
 
 async def _await_welcome(

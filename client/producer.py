@@ -18,6 +18,11 @@ raises `PublishFailures` with what was refused and what is still not completed. 
 routed to no queue is counted (`statistics().unroutable`: the SDK asks the broker to report them, see
 protocol/capabilities.py) and, for a producer created with `mandatory=True`, is a refusal (`Unroutable`).
 
+**Idempotent producers** (`idempotent=True`, `producer_id`) number their messages 0, 1, 2, ... and keep
+each in a `ResendLedger` (protocol/resend.py) until it is completed, so that their connection, when lost,
+can reconnect and send again what was not confirmed (client/connection.py); the broker takes each sequence
+once (broker/idempotence.py). The plain path pays one `is None` test per message for it.
+
 `send` refuses at once, before anything is sent, a message the broker could not take: more headers than
 `MAX_HEADERS` (the broker would refuse the whole TRANSFER frame and close the connection), a routing key
 over `MAX_KEY_BYTES`, or a whole message (body, routing key, exchange, header keys and values) over the
@@ -27,6 +32,7 @@ broker's `max_message_size` (a DELIVER carries all of these, so the broker check
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -50,9 +56,13 @@ from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.limits import MAX_HEADERS, MAX_KEY_BYTES, message_wire_size, utf8_len
+from flowbroker.protocol.resend import ResendLedger
 
 if TYPE_CHECKING:
-    from flowbroker.client.connection import Connection
+    from flowbroker.client.connection import Connection, QueuedEntry
+
+MAX_PRODUCER_ID_LENGTH = 255
+"""The broker's limit (broker/idempotence.py): a producer id is a name."""
 
 __all__ = ["Producer", "ProducerStatistics", "ProducerStats", "MAX_KEPT_ERRORS"]
 
@@ -128,9 +138,15 @@ class Producer:
         window: int = 1000,
         send_timeout: float = 60.0,
         mandatory: bool = False,
+        producer_id: str | None = None,
+        idempotent: bool = False,
     ) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
+        if producer_id is not None and not idempotent:
+            raise ValueError("producer_id names an idempotent producer's stream: give idempotent=True too")
+        if producer_id is not None and not 0 < len(producer_id) <= MAX_PRODUCER_ID_LENGTH:
+            raise ValueError(f"producer_id must be 1 to {MAX_PRODUCER_ID_LENGTH} characters")
         if send_timeout < 0:
             raise ValueError("send_timeout must be >= 0")
         self._conn = conn
@@ -150,6 +166,20 @@ class Producer:
         """Refusals not yet reported, oldest first, at most MAX_KEPT_ERRORS."""
         self._unreported = 0
         """Refusals not yet reported (also those beyond MAX_KEPT_ERRORS)."""
+        self._sequences: ResendLedger[QueuedEntry] | None = None
+        """An idempotent producer's sequences and the messages it would send again after a lost connection."""
+        if idempotent:
+            self._sequences = ResendLedger(producer_id or uuid.uuid4().hex)
+            conn._add_idempotent(self)
+
+    @property
+    def producer_id(self) -> str | None:
+        """The producer id an idempotent producer numbers its messages under (None: not idempotent)."""
+        return None if self._sequences is None else self._sequences.producer_id
+
+    @property
+    def idempotent(self) -> bool:
+        return self._sequences is not None
 
     # -------------------------------------------------------------- state
 
@@ -240,7 +270,14 @@ class Producer:
                     f"no credit ({self._describe_wait()})", conn.flow_state.destinations, self._limit_name()
                 )
             await self._wait_for(self.has_credit, self.send_timeout if timeout is None else timeout, "send")
-        transfer_id = conn._enqueue_transfer(self, (self.exchange, key, body, headers, None, None), size)
+        sequences = self._sequences
+        if sequences is None:
+            transfer_id = conn._enqueue_transfer(self, (self.exchange, key, body, headers, None, None), size)
+        else:  # numbered, and kept until completed so that a reconnect can send it again
+            sequence = sequences.take_sequence()
+            entry = (self.exchange, key, body, headers, sequences.producer_id, sequence)
+            transfer_id = conn._enqueue_transfer(self, entry, size)
+            sequences.sent(sequence, transfer_id, entry, size)
         self._outstanding += 1
         if self._outstanding == 1:
             conn._active_producers[self] = None  # something to wait for when a block ends
@@ -356,6 +393,15 @@ class Producer:
         self._completed += count
         if not self._outstanding and not self._unreported:
             self._conn._active_producers.pop(self, None)
+
+    def _resending(self, count: int) -> None:
+        """A reconnect sends `count` kept messages again: they are outstanding until the new connection
+        completes them. Those among them already completed out of order (docs: ResendLedger) will be
+        counted again when the broker completes their duplicates, so they leave `completed` now."""
+        self._completed -= count - self._outstanding
+        self._outstanding = count
+        if count:
+            self._conn._active_producers[self] = None
 
     def _on_error(self, error: PublishError) -> None:
         if error.code is ErrorCode.UNROUTABLE:

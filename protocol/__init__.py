@@ -19,6 +19,7 @@ from flowbroker.protocol.credit import (
 )
 from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
 from flowbroker.protocol.producer import ProducerLedger, ProducerLedgerStatistics
+from flowbroker.protocol.resend import ResendLedger
 from flowbroker.protocol.session import TransferReceiver, TransferReceiverStatistics
 from flowbroker.protocol.delivery import DeliveryLedger, DeliveryLedgerStatistics
 from flowbroker.protocol.errors import (
@@ -59,6 +60,7 @@ __all__ = [
     "CAPABILITY_MANDATORY",
     "ProducerLedger",
     "ProducerLedgerStatistics",
+    "ResendLedger",
     "TransferReceiver",
     "TransferReceiverStatistics",
     "DeliveryLedger",

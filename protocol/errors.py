@@ -43,6 +43,7 @@ class ErrorCode(enum.IntEnum):
     KEY_TOO_LONG = 18  # a routing or binding key over MAX_KEY_BYTES (protocol/limits.py)
     LIMIT_EXCEEDED = 19  # a frame over a per-frame limit of protocol/limits.py (entries, ranges, headers)
     UNROUTABLE = 20  # a transfer reached no queue, on a connection whose HELLO asked for it (CAPABILITY_MANDATORY)
+    SEQUENCE_GAP = 21  # an idempotent producer's sequence above the next one the broker expects from its producer id
 
 
 class ProtocolError(Exception):

@@ -16,7 +16,7 @@ from flowbroker.broker.exchange import ExchangeKind
 from flowbroker.policies import CreditPolicy, OverflowPolicy
 from flowbroker.protocol import names
 
-PACKAGES = ["broker", "client", "policies", "protocol", "transport", "transport.udp"]
+PACKAGES = ["broker", "client", "policies", "protocol", "spark", "transport", "transport.udp"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -50,7 +50,7 @@ def test_the_enums_take_their_values_from_the_wire_names() -> None:
 def test_the_broker_and_its_admin_api_use_the_wire_names() -> None:
     assert core.QUEUE_ARGUMENTS is names.QUEUE_ARGUMENTS and views.THRESHOLD_KEYS is names.QUEUE_ARGUMENTS
     assert core.BUILTIN_EXCHANGES == {name for name, _ in names.BUILTIN_EXCHANGES}
-    assert set(names.STOP_THRESHOLDS) == {"flow_stop_count", "flow_stop_size", "admin", "memory"}
+    assert set(names.STOP_THRESHOLDS) == {"flow_stop_count", "flow_stop_size", "admin", "memory", "disk"}
 
 
 def test_the_cli_offers_exactly_the_names_the_broker_takes() -> None:

@@ -305,3 +305,29 @@ def test_a_scrape_read_in_steps_reads_each_queue_once_and_is_a_copy() -> None:
     depth = {s.labels["queue"]: s.value for s in families["flowbroker_queue_messages"].samples}
     assert depth == {"a": 0, "b": 0, "bb": 0, "d": 0, "e": 0}
     assert families["flowbroker_queues"].samples[0].value == 5  # counted when the scrape began
+
+
+def test_a_queues_consumer_buffers_and_an_idempotent_producers_duplicates() -> None:
+    h = make()
+    h.queue("orders")
+    c = h.consumer("reader")
+    sub = c.subscribe("orders", buffer_size=64 * 1024)
+    p = h.producer("feeder")
+    for i in range(3):
+        p.send("", "orders", b"m%d" % i)
+    p.pump()
+    c.pump()
+    m = scrape(h)
+    assert value(m, "flowbroker_queue_consumer_buffer_bytes", queue="orders") == 64 * 1024
+    unacked = value(m, "flowbroker_queue_consumer_unacknowledged_bytes", queue="orders")
+    assert unacked == 3 * message_size(b"m0")  # delivered, not yet acknowledged
+    c.buffer_ack(sub)
+    assert value(scrape(h), "flowbroker_queue_consumer_unacknowledged_bytes", queue="orders") == 0
+
+    assert value(m, "flowbroker_idempotent_producer_ids") == 0
+    assert value(m, "flowbroker_idempotent_duplicates_total") == 0
+    h.core.producer_sequences.check("writer-1", 0, h.core.clock_ns())
+    h.core.producer_sequences.check("writer-1", 0, h.core.clock_ns())  # the same sequence again: a duplicate
+    m = scrape(h)
+    assert value(m, "flowbroker_idempotent_producer_ids") == 1
+    assert value(m, "flowbroker_idempotent_duplicates_total") == 1

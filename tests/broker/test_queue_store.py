@@ -266,14 +266,14 @@ def test_producer_identity_reaches_every_queue_with_an_offset_of_each_queue() ->
         assert isinstance(p.bind(name, "amq.fanout"), Ok)
     p.send("", "b", b"first in b")  # so b's offsets are one ahead of a's
     entries = [
-        TransferEntry("amq.fanout", "", b"one", None, "spark-7", 100),
-        TransferEntry("amq.fanout", "", b"two", None, "spark-7", 101),
+        TransferEntry("amq.fanout", "", b"one", None, "spark-7", 0),
+        TransferEntry("amq.fanout", "", b"two", None, "spark-7", 1),
     ]
     p.handle(Transfer(p.next_id, entries))
     p.next_id += len(entries)
     a, b = (list(h.core.queues[name].store) for name in ("a", "b"))
     assert [(m.body, m.producer_id, m.sequence, m.offset) for m in a] == [
-        (b"one", "spark-7", 100, 0), (b"two", "spark-7", 101, 1)]
+        (b"one", "spark-7", 0, 0), (b"two", "spark-7", 1, 1)]
     assert [(m.body, m.producer_id, m.sequence, m.offset) for m in b] == [
-        (b"first in b", None, None, 0), (b"one", "spark-7", 100, 1), (b"two", "spark-7", 101, 2)]
+        (b"first in b", None, None, 0), (b"one", "spark-7", 0, 1), (b"two", "spark-7", 1, 2)]
     assert a[0] is not b[1] and a[0].body is b[1].body  # a message each, one body

@@ -143,6 +143,7 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
     assert view["producer"] == {
         "buffer_size": MiB, "received_bytes": 2 * size, "acknowledged_bytes": 0, "unacked_bytes": 2 * size,
         "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1,
+        "transfers_duplicate": 0,
     }
     assert view["flow"] == {
         "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False, "memory_stopped": False,
@@ -265,7 +266,9 @@ def test_broker_view() -> None:
     view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
     assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
                     "exchanges": 3, "producers_stopped": False,
-                    "credit_policy": "static", "unroutable": 0, "udp": None}
+                    "credit_policy": "static", "unroutable": 0, "udp": None, "journal": None,
+                    "idempotence": {"producer_ids": 0, "max_producer_ids": 10_000, "producer_id_ttl": 3600.0,
+                                    "accepted": 0, "duplicates": 0, "gaps": 0, "refused": 0, "evicted": 0}}
 
 
 def test_lists_inside_one_object_show_their_first_entries_and_a_total() -> None:

@@ -1,0 +1,219 @@
+"""Idempotent producers, broker side: which sequences of which producer ids the broker has taken.
+
+A producer that sets `producer_id` and `sequence` on its TRANSFER entries numbers its messages 0, 1,
+2, ... per producer id (Kafka's model). The broker keeps, per producer id, the highest sequence it has
+taken, and the rule is the same on every connection: the next sequence is taken, a sequence at or
+below the last one is a *duplicate* (completed at once, not enqueued, counted), and one above the next
+is a *gap* (refused with SEQUENCE_GAP naming the expected sequence; the connection stays). So a batch
+resent after a lost connection, a retried task or two connections racing with the same messages land
+once each, in order, whatever the interleaving: no fencing is needed for the queue to be right.
+
+A sequence is taken when the broker *decides* about its message (routes it, holds it, or refuses it
+with an error), not when the message completes: a completion held by a saturated queue says nothing
+about whether the message is in the queue (it is), so its duplicate must not enqueue it again.
+
+The state is split in two so that the durable-queue work can persist it: `ProducerStateStore` is the
+storage (what a journal must record: `accept` of a producer id's sequence), `ProducerSequences` the
+rules over it. `MemoryProducerStates` is the bounded in-memory store: at most `max_producer_ids` ids,
+each kept at least `ttl_ns` after its last taken message. A new id beyond the bound evicts the ids
+idle for longer than that; if none is, the new id is refused (RESOURCE_EXHAUSTED), never admitted by
+forgetting one that may still resend. An evicted id is unknown again: it must start at sequence 0, so
+its resent messages above 0 are gaps, and only a resend of its whole stream from 0, later than the
+TTL, could land twice (docs/protocol.md, "Idempotent producers").
+
+Sans-IO: time arrives as `now_ns`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Final, Protocol, TypeAlias
+
+from flowbroker.protocol.errors import ErrorCode
+
+__all__ = [
+    "ProducerStateStore",
+    "MemoryProducerStates",
+    "ProducerIdsExhausted",
+    "ProducerSequences",
+    "IdempotenceStatistics",
+    "DUPLICATE",
+    "MAX_PRODUCER_ID_LENGTH",
+]
+
+MAX_PRODUCER_ID_LENGTH: Final = 255
+"""Characters in a producer id (a *name*, as queues and exchanges), so the store's bound in ids is one in bytes."""
+
+
+class ProducerIdsExhausted(Exception):
+    """A new producer id finds the store full of ids that are not idle for their TTL yet."""
+
+
+class ProducerStateStore(Protocol):
+    """Where the highest taken sequence of each producer id lives. The memory store is bounded; a
+    durable one records every `accept` (and may drop what `expire` drops) so that a restarted broker
+    still recognises the duplicates of what it took before."""
+
+    def last_accepted(self, producer_id: str) -> int | None:
+        """The highest sequence taken from `producer_id`, None if the id is unknown (never seen or evicted)."""
+        ...
+
+    def accept(self, producer_id: str, sequence: int, now_ns: int) -> None:
+        """Record `sequence` as taken from `producer_id` at `now_ns` (the rules guarantee it is the
+        next one). Raises ProducerIdsExhausted, recording nothing, for a new id the store has no room for."""
+        ...
+
+    def expire(self, now_ns: int) -> int:
+        """Forget the ids whose last taken message is older than the TTL; returns how many."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
+class _State:
+    __slots__ = ("sequence", "last_ns")
+
+    def __init__(self, sequence: int, last_ns: int):
+        self.sequence = sequence
+        self.last_ns = last_ns
+
+
+class MemoryProducerStates:
+    """The bounded in-memory `ProducerStateStore`: ids in order of their last taken message (oldest
+    first), so expiry looks only at the front and costs what it removes."""
+
+    __slots__ = ("max_ids", "ttl_ns", "_states", "evicted")
+
+    def __init__(self, max_ids: int, ttl_ns: int):
+        if max_ids < 1 or ttl_ns < 0:
+            raise ValueError(f"max_ids must be >= 1 and ttl_ns >= 0, got {max_ids}, {ttl_ns}")
+        self.max_ids = max_ids
+        self.ttl_ns = ttl_ns
+        self._states: OrderedDict[str, _State] = OrderedDict()
+        self.evicted = 0
+
+    def last_accepted(self, producer_id: str) -> int | None:
+        state = self._states.get(producer_id)
+        return None if state is None else state.sequence
+
+    def accept(self, producer_id: str, sequence: int, now_ns: int) -> None:
+        states = self._states
+        state = states.get(producer_id)
+        if state is not None:
+            state.sequence = sequence
+            state.last_ns = now_ns
+            states.move_to_end(producer_id)
+            return
+        if len(states) >= self.max_ids:
+            self.expire(now_ns)
+            if len(states) >= self.max_ids:
+                oldest = next(iter(states.values()))
+                idle_s = (now_ns - oldest.last_ns) / 1e9
+                raise ProducerIdsExhausted(
+                    f"the broker tracks max_producer_ids {self.max_ids} producer ids and none has been idle for "
+                    f"producer_id_ttl {self.ttl_ns / 1e9:g} s (the longest idle: {idle_s:.3g} s); producer id "
+                    f"{producer_id!r} is refused rather than forgetting one that may still resend"
+                )
+        states[producer_id] = _State(sequence, now_ns)
+
+    def expire(self, now_ns: int) -> int:
+        states = self._states
+        horizon = now_ns - self.ttl_ns
+        removed = 0
+        while states:
+            producer_id, state = next(iter(states.items()))
+            if state.last_ns > horizon:
+                break
+            del states[producer_id]
+            removed += 1
+        self.evicted += removed
+        return removed
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def items(self) -> list[tuple[str, int, int]]:
+        """(producer id, last taken sequence, last_ns), oldest first: for tests and views."""
+        return [(pid, s.sequence, s.last_ns) for pid, s in self._states.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotenceStatistics:
+    """Counters since the broker started, and the producer ids tracked now."""
+
+    producer_ids: int
+    accepted: int
+    """Messages with a producer id whose sequence was the next one (then routed, held or refused)."""
+    duplicates: int
+    """Messages completed at once as duplicates, not enqueued."""
+    gaps: int
+    """Messages refused SEQUENCE_GAP."""
+    refused: int
+    """Messages refused because their producer id could not be tracked (store full, or invalid)."""
+    evicted: int
+    """Producer ids forgotten after their TTL."""
+
+
+class _Duplicate:
+    """The verdict on a duplicate: complete it at once, enqueue nothing."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DUPLICATE"
+
+
+DUPLICATE: Final = _Duplicate()
+
+Verdict: TypeAlias = None | _Duplicate | tuple[ErrorCode, str]
+"""None: the message is taken (route it); DUPLICATE: complete it now; (code, text): refuse it."""
+
+
+class ProducerSequences:
+    """The rules over a `ProducerStateStore`: `check` says what to do with one message of an
+    idempotent producer. Called only for entries with a producer id, so a plain message costs the
+    broker one `is not None` test."""
+
+    __slots__ = ("store", "accepted", "duplicates", "gaps", "refused")
+
+    def __init__(self, store: ProducerStateStore):
+        self.store = store
+        self.accepted = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self.refused = 0
+
+    def check(self, producer_id: str, sequence: int | None, now_ns: int) -> Verdict:
+        if sequence is None or not producer_id or len(producer_id) > MAX_PRODUCER_ID_LENGTH:
+            self.refused += 1
+            if sequence is None:
+                return (ErrorCode.INVALID_ARGUMENT,
+                        f"producer id {producer_id[:MAX_PRODUCER_ID_LENGTH]!r} without a sequence: an idempotent "
+                        "producer numbers every message")
+            return (ErrorCode.INVALID_ARGUMENT,
+                    f"producer id of {len(producer_id)} characters: must be 1 to {MAX_PRODUCER_ID_LENGTH}")
+        store = self.store
+        last = store.last_accepted(producer_id)
+        expected = 0 if last is None else last + 1
+        if sequence == expected:
+            try:
+                store.accept(producer_id, sequence, now_ns)
+            except ProducerIdsExhausted as exc:
+                self.refused += 1
+                return (ErrorCode.RESOURCE_EXHAUSTED, str(exc))
+            self.accepted += 1
+            return None
+        if sequence < expected:
+            self.duplicates += 1
+            return DUPLICATE
+        self.gaps += 1
+        known = "unknown (never seen, or forgotten after producer_id_ttl)" if last is None else f"at sequence {last}"
+        return (ErrorCode.SEQUENCE_GAP,
+                f"producer id {producer_id!r} sent sequence {sequence}, expected sequence {expected}: the producer "
+                f"is {known}; sequences must arrive in order from 0")
+
+    def statistics(self) -> IdempotenceStatistics:
+        store = self.store
+        evicted = store.evicted if isinstance(store, MemoryProducerStates) else 0
+        return IdempotenceStatistics(len(store), self.accepted, self.duplicates, self.gaps, self.refused, evicted)

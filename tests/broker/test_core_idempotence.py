@@ -1,0 +1,242 @@
+"""Idempotent producers in the core: duplicates completed and not enqueued, gaps refused with the
+connection kept, held originals, untrackable ids; and a hypothesis state machine of one idempotent
+stream through random reconnects (the broker noticing the old connection or not), frames lost with a
+connection, duplicate resends and a queue that saturates and drains, after which the queue has held
+every sequence exactly once, in order."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tests.broker.coreharness import Consumer, Harness, Producer
+
+from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import Complete, FlowStopped
+
+
+def make(**server: object) -> Harness:
+    return Harness(credit={"policy": "static", "static_size": 1 << 20}, server=dict(server))
+
+
+def producer(h: Harness, name: str) -> Producer:
+    """A producer connection past its provisional one-message grant (registered with the credit pool)."""
+    p = h.producer(name)
+    p.register()
+    return p
+
+
+def send(p: Producer, pid: str, sequences: list[int], queue: str = "q") -> list[int]:
+    return p.send_many([("", queue, b"%d" % s, None) for s in sequences], producer_id=pid, sequences=sequences)
+
+
+def queued(h: Harness, queue: str = "q") -> list[bytes]:
+    c = h.consumer("reader")
+    c.subscribe(queue)
+    c.pump()
+    bodies = c.bodies()
+    c.close()  # unsettled: back to the queue
+    return bodies
+
+
+def test_a_resent_batch_lands_once_and_its_duplicates_complete_at_once() -> None:
+    h = make()
+    h.queue("q")
+    first = producer(h, "first")
+    send(first, "writer", [0, 1, 2, 3])
+    first.close()  # lost before it read its completions
+    second = producer(h, "second")
+    ids = send(second, "writer", [0, 1, 2, 3, 4, 5])
+    second.pump()
+    assert all(second.is_complete(tid) for tid in ids) and second.errors == []
+    assert second.session.statistics().transfers_duplicate == 4
+    assert queued(h) == [b"%d" % s for s in range(6)]
+    stats = h.core.producer_sequences.statistics()
+    assert (stats.producer_ids, stats.accepted, stats.duplicates) == (1, 6, 4)
+
+
+def test_plain_messages_beside_an_idempotent_stream_are_untouched() -> None:
+    h = make()
+    h.queue("q")
+    p = producer(h, "producer")
+    send(p, "writer", [0])
+    p.send("", "q", b"plain")
+    p.send("", "q", b"plain")  # the same body twice without a producer id: two messages
+    send(p, "writer", [0])
+    p.pump()
+    assert queued(h) == [b"0", b"plain", b"plain"]
+
+
+def test_a_gap_is_refused_naming_the_expected_sequence_and_the_connection_stays() -> None:
+    h = make()
+    h.queue("q")
+    p = producer(h, "producer")
+    send(p, "writer", [0, 1])
+    (gap,) = send(p, "writer", [5])
+    p.pump()
+    (error,) = p.errors_for(gap)
+    assert error.code is ErrorCode.SEQUENCE_GAP
+    assert "'writer'" in error.text and "expected sequence 2" in error.text
+    assert p.is_complete(gap) and p.session.open
+    send(p, "writer", [2, 3])  # the stream goes on from where the broker is
+    p.pump()
+    assert queued(h) == [b"0", b"1", b"2", b"3"]
+
+
+def test_a_duplicate_of_a_held_original_completes_at_once_and_is_not_enqueued_again() -> None:
+    """The decision the docs record: the original is in the queue, its completion paces the connection
+    that sent it; the duplicate, on a new connection, is completed at once."""
+    h = make()
+    h.queue("q", flow_stop_count=2, flow_resume_count=1)
+    old = producer(h, "old")
+    held = send(old, "writer", [0, 1, 2])
+    old.pump()
+    assert any(isinstance(f, FlowStopped) for f in old.frames)
+    assert not old.is_complete(held[2])  # the third is held by the saturated queue
+    new = producer(h, "new")  # the broker has not noticed the old connection is gone
+    again = send(new, "writer", [0, 1, 2])
+    new.pump()
+    assert all(new.is_complete(tid) for tid in again) and new.errors == []
+    c = h.consumer()
+    c.subscribe("q")
+    c.pump()
+    c.ack()
+    old.pump()
+    assert old.is_complete(held[2])  # the original's completion came when the queue cleared
+    assert c.bodies() == [b"0", b"1", b"2"]
+
+
+def test_two_live_connections_sending_one_stream_interleaved_land_it_once_in_order() -> None:
+    """The decision the docs record: no fencing. A retried batch racing its first attempt (or a reconnect
+    the broker has not noticed) puts each sequence in the queue once; the later sender gets duplicates."""
+    h = make()
+    h.queue("q")
+    first, retry = producer(h, "first"), producer(h, "retry")
+    send(first, "batch-7", [0, 1, 2, 3, 4])
+    send(retry, "batch-7", [0, 1, 2, 3, 4, 5, 6, 7])
+    send(first, "batch-7", [5, 6, 7, 8, 9])
+    send(retry, "batch-7", [8, 9])
+    for p in (first, retry):
+        p.pump()
+        assert p.errors == [] and not p.outstanding
+    assert queued(h) == [b"%d" % s for s in range(10)]
+    assert first.session.statistics().transfers_duplicate == 3
+    assert retry.session.statistics().transfers_duplicate == 7
+
+
+def test_a_new_producer_id_beyond_the_bound_is_refused_until_one_is_idle_for_the_ttl() -> None:
+    h = make(max_producer_ids=2, producer_id_ttl=10.0)
+    h.queue("q")
+    p = producer(h, "producer")
+    send(p, "a", [0])
+    send(p, "b", [0])
+    h.advance(5)
+    (refused,) = send(p, "c", [0])
+    p.pump()
+    (error,) = p.errors_for(refused)
+    assert error.code is ErrorCode.RESOURCE_EXHAUSTED and "max_producer_ids 2" in error.text
+    assert p.is_complete(refused) and p.session.open
+    send(p, "a", [1])  # "a" active again at 5 s
+    h.advance(6)  # "b" idle 11 s, "a" 6 s
+    send(p, "c", [0])
+    p.pump()
+    assert queued(h) == [b"0", b"0", b"1", b"0"]  # a0, b0, a1, c0: "b" was evicted, not "a"
+    assert h.core.producer_sequences.statistics().evicted == 1
+
+
+def test_a_producer_id_without_a_sequence_is_refused() -> None:
+    h = make()
+    h.queue("q")
+    p = producer(h, "producer")
+    (tid,) = p.send_many([("", "q", b"x", None)], producer_id="writer", sequences=[])
+    p.pump()
+    (error,) = p.errors_for(tid)
+    assert error.code is ErrorCode.INVALID_ARGUMENT and p.is_complete(tid)
+    assert queued(h) == []
+
+
+class ResendMachine(RuleBasedStateMachine):
+    """One idempotent stream (producer id "p", sequences 0, 1, ...) as the SDK sends it: on each
+    connection its messages in order; on a reconnect, every sequence not yet completed, in order,
+    before anything new. The broker may or may not notice the old connection; frames may be lost with
+    it; the client may resend what the broker already has (a buggy or retrying client); a consumer
+    takes messages slowly so that the queue saturates and holds completions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = make()
+        self.h.queue("q", flow_stop_count=3, flow_resume_count=2)
+        self.consumer: Consumer = self.h.consumer()
+        self.consumer.subscribe("q", prefetch=4)
+        self.conn = producer(self.h, "p0")
+        self.connections = [self.conn]
+        self.sent: dict[int, int] = {}  # transfer id on the current connection -> sequence
+        self.next_seq = 0
+        self.completed: set[int] = set()
+
+    def _send(self, sequences: list[int]) -> None:
+        if sequences:
+            for tid, seq in zip(send(self.conn, "p", sequences), sequences):
+                self.sent[tid] = seq
+
+    def _read(self) -> None:
+        self.conn.pump()
+        for tid, seq in list(self.sent.items()):
+            if self.conn.is_complete(tid):
+                self.completed.add(seq)
+                del self.sent[tid]
+        assert self.conn.errors == [], self.conn.errors
+
+    @rule(count=st.integers(1, 5))
+    def send_new(self, count: int) -> None:
+        self._send(list(range(self.next_seq, self.next_seq + count)))
+        self.next_seq += count
+
+    @rule(count=st.integers(1, 5), close_old=st.booleans(), lost=st.booleans())
+    def reconnect(self, count: int, close_old: bool, lost: bool) -> None:
+        if lost:  # `count` messages were written to the old connection and never reached the broker
+            self.next_seq += count
+        if close_old:
+            self.conn.close()
+        self.conn = producer(self.h, f"p{len(self.connections)}")
+        self.connections.append(self.conn)
+        self.sent = {}
+        self._send([s for s in range(self.next_seq) if s not in self.completed])
+
+    @precondition(lambda self: self.next_seq > 0)
+    @rule(data=st.data())
+    def resend_old(self, data: st.DataObject) -> None:
+        first = data.draw(st.integers(0, self.next_seq - 1))
+        last = data.draw(st.integers(first, self.next_seq - 1))
+        self._send(list(range(first, last + 1)))  # sent before on this connection or an earlier one
+
+    @rule()
+    def read_completions(self) -> None:
+        self._read()
+
+    @rule(n=st.integers(1, 4))
+    def consume(self, n: int) -> None:
+        self.consumer.pump()
+        self.consumer.ack(self.consumer.tags()[:n])
+        self.consumer.pump()
+
+    @invariant()
+    def queue_is_the_stream_so_far_in_order(self) -> None:
+        self.consumer.pump()
+        bodies = self.consumer.bodies()
+        assert bodies == [b"%d" % s for s in range(len(bodies))], bodies
+
+    def teardown(self) -> None:
+        # The end of the stream: reconnect once more, resend what is not completed, drain the queue.
+        self.reconnect(1, True, False)
+        for _ in range(self.next_seq + 2):
+            self.consume(4)
+            self._read()
+        self.consumer.pump()
+        assert self.consumer.bodies() == [b"%d" % s for s in range(self.next_seq)]
+        assert self.completed == set(range(self.next_seq)), sorted(set(range(self.next_seq)) - self.completed)
+
+
+TestResendMachine = ResendMachine.TestCase
+TestResendMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,170 @@
+"""The broker's idempotent-producer state (broker/idempotence.py) against a model.
+
+A hypothesis state machine sends random sequences (next ones, resends of old ones, jumps ahead) from a
+handful of producer ids with a clock that moves, through `ProducerSequences` over a small
+`MemoryProducerStates`, and checks every verdict against a model that keeps *every* id forever:
+
+- a message is taken exactly when its sequence is the next of its id, so what is taken per id is
+  0, 1, 2, ... each exactly once, in order (the model's stream);
+- a sequence at or below the last taken is a duplicate while the id is tracked; above the next, a gap;
+- the store never holds more than `max_ids` ids; an id is forgotten only after it has been idle for
+  the TTL, and a new id is refused only when every tracked id has been active within the TTL;
+- a forgotten id is unknown: it must start again at 0 (the documented "duplicate of an evicted id").
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from flowbroker.broker.idempotence import (
+    DUPLICATE,
+    MAX_PRODUCER_ID_LENGTH,
+    MemoryProducerStates,
+    ProducerSequences,
+)
+from flowbroker.protocol.errors import ErrorCode
+
+IDS = [f"p{i}" for i in range(5)]
+MAX_IDS = 3
+TTL = 100
+
+
+class IdempotenceMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = MemoryProducerStates(MAX_IDS, TTL)
+        self.sequences = ProducerSequences(self.store)
+        self.now = 0
+        self.tracked: dict[str, tuple[int, int]] = {}  # model: id -> (last taken, last_ns) while tracked
+        self.taken: dict[str, list[int]] = {pid: [] for pid in IDS}  # every sequence ever taken, per id
+        self.epoch: dict[str, int] = {pid: 0 for pid in IDS}  # where the id's current stream starts in `taken`
+
+    def _send(self, pid: str, sequence: int) -> None:
+        before = dict(self.tracked)
+        verdict = self.sequences.check(pid, sequence, self.now)
+        known = before.get(pid)
+        expected = 0 if known is None else known[0] + 1
+        if verdict is None:
+            assert sequence == expected, (pid, sequence, expected)
+            self.taken[pid].append(sequence)
+            self.tracked[pid] = (sequence, self.now)
+        elif verdict is DUPLICATE:
+            assert known is not None and sequence <= known[0]
+        else:
+            code, _ = verdict  # type: ignore[misc]
+            if code is ErrorCode.SEQUENCE_GAP:
+                assert sequence > expected
+            else:
+                assert code is ErrorCode.RESOURCE_EXHAUSTED, verdict
+                assert known is None and sequence == 0
+                assert len(before) == MAX_IDS
+                assert all(self.now - last_ns < TTL for _, last_ns in before.values()), "refused with an idle id"
+        # ids the store dropped to make room for a new one: only ids idle for the TTL
+        for other in list(self.tracked):
+            if self.store.last_accepted(other) is None:
+                assert self.now - self.tracked[other][1] >= TTL
+                del self.tracked[other]
+                self.epoch[other] = len(self.taken[other])
+
+    @rule(i=st.integers(0, len(IDS) - 1))
+    def send_next(self, i: int) -> None:
+        pid = IDS[i]
+        known = self.tracked.get(pid)
+        self._send(pid, 0 if known is None else known[0] + 1)
+
+    @rule(i=st.integers(0, len(IDS) - 1), back=st.integers(0, 5))
+    def resend(self, i: int, back: int) -> None:
+        pid = IDS[i]
+        known = self.tracked.get(pid)
+        self._send(pid, max(0, (known[0] if known else 0) - back))
+
+    @rule(i=st.integers(0, len(IDS) - 1), ahead=st.integers(2, 5))
+    def jump(self, i: int, ahead: int) -> None:
+        pid = IDS[i]
+        known = self.tracked.get(pid)
+        self._send(pid, (known[0] if known else -1) + ahead)
+
+    @rule(seconds=st.integers(1, 60))
+    def tick(self, seconds: int) -> None:
+        self.now += seconds
+
+    @rule()
+    def expire(self) -> None:
+        before = dict(self.tracked)
+        self.store.expire(self.now)
+        for pid, (_, last_ns) in before.items():
+            forgotten = self.store.last_accepted(pid) is None
+            assert forgotten == (self.now - last_ns >= TTL), (pid, self.now, last_ns)
+            if forgotten:
+                del self.tracked[pid]
+                self.epoch[pid] = len(self.taken[pid])
+
+    @invariant()
+    def exactly_once_in_order(self) -> None:
+        for pid in IDS:
+            stream = self.taken[pid][self.epoch[pid]:]
+            assert stream == list(range(len(stream))), (pid, stream)
+            if pid in self.tracked:
+                assert self.store.last_accepted(pid) == self.tracked[pid][0] == len(stream) - 1
+
+    @invariant()
+    def bounded(self) -> None:
+        assert len(self.store) <= MAX_IDS
+        assert len(self.store) == len(self.tracked)
+
+
+TestIdempotenceMachine = IdempotenceMachine.TestCase
+TestIdempotenceMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+def test_a_new_id_evicts_only_ids_idle_for_the_ttl() -> None:
+    rules = ProducerSequences(MemoryProducerStates(2, TTL))
+    assert rules.check("a", 0, 0) is None
+    assert rules.check("b", 0, 10) is None
+    refused = rules.check("c", 0, TTL - 1)
+    assert refused is not None and refused is not DUPLICATE
+    code, text = refused  # type: ignore[misc]
+    assert code is ErrorCode.RESOURCE_EXHAUSTED and "max_producer_ids 2" in text and "'c'" in text
+    assert rules.check("c", 0, TTL) is None  # "a" is idle for the TTL now: evicted for "c"
+    assert rules.store.last_accepted("a") is None and rules.store.last_accepted("b") == 0
+    # "a" is unknown again: its resend of 0 is taken anew (the documented limit), 1 would be a gap
+    stats = rules.statistics()
+    assert (stats.producer_ids, stats.accepted, stats.refused, stats.evicted) == (2, 3, 1, 1)
+
+
+def test_duplicates_and_gaps_name_what_the_broker_expects() -> None:
+    rules = ProducerSequences(MemoryProducerStates(10, TTL))
+    for seq in range(3):
+        assert rules.check("writer-7", seq, seq) is None
+    assert rules.check("writer-7", 1, 5) is DUPLICATE
+    gap = rules.check("writer-7", 5, 6)
+    assert gap is not None and gap is not DUPLICATE
+    code, text = gap  # type: ignore[misc]
+    assert code is ErrorCode.SEQUENCE_GAP and "'writer-7'" in text and "expected sequence 3" in text
+    unknown = rules.check("fresh", 4, 7)
+    assert unknown is not None and "expected sequence 0" in unknown[1]  # type: ignore[index]
+    assert rules.check("writer-7", 3, 8) is None  # the gap took nothing: 3 is still the next
+    stats = rules.statistics()
+    assert (stats.accepted, stats.duplicates, stats.gaps) == (4, 1, 2)
+
+
+@pytest.mark.parametrize("producer_id, sequence", [("p", None), ("", 0), ("x" * (MAX_PRODUCER_ID_LENGTH + 1), 0)])
+def test_an_id_without_a_sequence_or_out_of_bounds_is_refused(producer_id: str, sequence: int | None) -> None:
+    rules = ProducerSequences(MemoryProducerStates(10, TTL))
+    verdict = rules.check(producer_id, sequence, 0)
+    assert verdict is not None and verdict is not DUPLICATE
+    assert verdict[0] is ErrorCode.INVALID_ARGUMENT  # type: ignore[index]
+    assert len(rules.store) == 0
+
+
+def test_the_deduplication_state_is_sans_io() -> None:
+    """No trio, socket or clock: time arrives as now_ns, so a durable store and these tests drive it alike."""
+    import flowbroker.broker.idempotence as module
+    from pathlib import Path
+
+    from tests.transport.test_sans_io import IO_MODULES, imported
+
+    assert imported(Path(module.__file__)) & IO_MODULES == set()
