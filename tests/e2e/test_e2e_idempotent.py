@@ -7,6 +7,8 @@ completed; the queue must then hold every sequence exactly once, in order."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
@@ -104,7 +106,7 @@ async def read_queue(url: str, queue: str, count: int) -> list[bytes]:
 
 
 async def send_with_cuts(url: str, proxy: CuttableProxy, count: int, cuts: dict[int, tuple[str, float]], *,
-                         window: int = 200, producer_id: str = "writer-1") -> fc.Connection:
+                         window: int = 200, producer_id: str = "writer-1", **connect_args: Any) -> fc.Connection:
     """Send `count` messages "0", "1", ... as one idempotent producer. For each i: (mode, seconds) of
     `cuts`: after send i the proxy drops the broker's answers ("answers": what the broker takes meanwhile
     is not seen completed) or everything ("both": what the producer sends meanwhile never reaches the
@@ -114,7 +116,7 @@ async def send_with_cuts(url: str, proxy: CuttableProxy, count: int, cuts: dict[
         await trio.sleep(seconds)
         proxy.cut()
 
-    async with await fc.connect(url, timeout=5, reconnect_timeout=15) as conn:
+    async with await fc.connect(url, timeout=5, reconnect_timeout=15, **connect_args) as conn:
         producer = conn.producer(routing_key="q", producer_id=producer_id, idempotent=True, window=window)
         async with trio.open_nursery() as nursery:
             for i in range(count):
