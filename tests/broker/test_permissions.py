@@ -32,6 +32,7 @@ def access(configure: str = "^c", write: str = "^w", read: str = "^r") -> Access
 
 @pytest.mark.parametrize("frame, allowed, denied", [
     (DeclareQueue(1, "c.q"), None, DeclareQueue(1, "q")),
+    (DeclareQueue(1, "c.q", True), None, DeclareQueue(1, "q", True)),  # durable: the same configure permission
     (DeleteQueue(1, "c.q"), None, DeleteQueue(1, "x")),
     (DeclareExchange(1, "c.x", "topic"), None, DeclareExchange(1, "x", "topic")),
     (DeleteExchange(1, "c.x"), None, DeleteExchange(1, "x")),

@@ -61,6 +61,17 @@ async def test_configure_is_checked_at_declare_and_delete(start_flowbroker: Any,
     assert "q" not in broker.core.queues and "other" in broker.core.queues and "other.x" in broker.core.exchanges
 
 
+async def test_a_durable_declare_needs_configure_too_and_a_refused_one_journals_nothing(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+        await conn.declare_queue("p.durable", durable=True)
+        await refused(conn.declare_queue("durable", durable=True), "configure", "queue", "durable")
+    assert broker.core.queues["p.durable"].durable and "durable" not in broker.core.queues
+    journal = broker.core.journal
+    assert journal is not None and journal.next_qid == 2  # one durable queue journalled: the allowed one
+
+
 async def test_bind_needs_write_on_the_queue_and_read_on_the_exchange(start_flowbroker: Any, tmp_path: Path) -> None:
     broker = await start(start_flowbroker, tmp_path)
     async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
