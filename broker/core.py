@@ -621,11 +621,25 @@ class BrokerCore:
             stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
             if stop_key in changes and resume_key not in changes:
                 current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
+        for dim in ("drain_time", "age"):  # seconds: the same ratio kept, unrounded (none when it was off)
+            stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
+            old_stop, new_stop = current[stop_key], changes.get(stop_key)
+            if stop_key in changes and resume_key not in changes:
+                keep = (isinstance(new_stop, (int, float)) and not isinstance(new_stop, bool) and new_stop > 0
+                        and old_stop > 0)
+                current[resume_key] = new_stop * current[resume_key] / old_stop if keep else None
         current.update(changes)
         thresholds, overflow = self.queue_thresholds(current)
         queue.overflow = overflow
         queue.set_thresholds(thresholds, self.clock_ns())
         return queue
+
+    def tick(self, now_ns: int) -> None:
+        """The broker's flow timer (the server calls it every policies.drain.TICK_SECONDS): each queue
+        updates its drain-rate estimate and evaluates its time thresholds. O(queues) per tick, nothing
+        per message."""
+        for queue in self.queues.values():
+            queue.tick(now_ns)
 
     def _kept_resume(self, old_stop: int, old_resume: int, new_stop: Any) -> int | None:
         """The resume threshold that keeps old_resume/old_stop for `new_stop` (None: derive it)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import Message
 from flowbroker.broker.store import MemoryStore, QueueStore
+from flowbroker.policies.drain import DrainEstimator, evaluate
 from flowbroker.policies.overflow import (
     Admission,
     OverflowPolicy,
@@ -112,6 +113,8 @@ class QueueStatistics:
     flow_stopped_count: int  # times the queue became saturated
     held_total: int  # transfers ever held
     consumer_rejected: int = 0  # messages consumers settled with REJECT
+    drain_rate: float = 0.0  # settled messages/s, the flow timer's estimate (policies/drain.py)
+    oldest_ready_age: float = 0.0  # seconds at the last flow tick, to one tick
 
 
 class Queue:
@@ -143,6 +146,10 @@ class Queue:
         self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
         self.deleted = False
         self.counters = QueueCounters()
+        # Latency-bounded flow control (policies/drain.py), kept up by the flow timer (`tick`), never
+        # per message; `time_hold`: a time threshold is not under its resume mark (blocks clearing).
+        self.drain = DrainEstimator()
+        self.time_hold = False
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
@@ -181,6 +188,8 @@ class Queue:
             flow_stopped_count=counters.flow_stopped_count,
             held_total=counters.held_total,
             consumer_rejected=counters.consumer_rejected,
+            drain_rate=self.drain.rate,
+            oldest_ready_age=self.drain.oldest_age(self.drain.last_ns, self._head_offset()),
         )
 
     # -- enqueue -----------------------------------------------------------------------------
@@ -267,7 +276,7 @@ class Queue:
             meter.released()
 
     def _check_resume(self) -> None:
-        if self.saturated and is_under_resume(self.count, self.size, self.thresholds):
+        if self.saturated and not self.time_hold and is_under_resume(self.count, self.size, self.thresholds):
             self._clear()
 
     def _clear(self) -> None:
@@ -333,10 +342,39 @@ class Queue:
         """Apply new watermarks at once: a raised threshold can release producers, a lowered one stops
         the next transfers (Broker-J re-checks in bulkChangeEnd; RabbitMQ #12206 is the bug to avoid)."""
         self.thresholds = thresholds
+        self._evaluate_time(now_ns)
         if self.saturated:
             self._check_resume()
         elif is_over_stop(self.count, self.size, thresholds):
             self._saturate(now_ns)
+
+    # -- time thresholds (the flow timer) ------------------------------------------------------
+
+    def _head_offset(self) -> int | None:
+        head = self.store.page(None, 1) if self.store else ()
+        return head[0].offset if head else None
+
+    def tick(self, now_ns: int) -> None:
+        """The flow timer (every policies.drain.TICK_SECONDS): update the drain-rate estimate from the
+        `dequeued` counter and evaluate the time thresholds; the per-message paths do none of this."""
+        head = self._head_offset()
+        self.drain.update(now_ns, self.counters.dequeued, len(self.store), bool(self.subscriptions),
+                          self.next_offset, head)
+        if self.thresholds.time.enabled:
+            self._evaluate_time(now_ns, head)
+
+    def _evaluate_time(self, now_ns: int, head: int | None = None) -> None:
+        """Saturate on a time threshold over its stop; clear when every threshold is under its resume
+        (count and size too: `_check_resume`)."""
+        if head is None:
+            head = self._head_offset()
+        verdict = evaluate(self.thresholds.time, self.drain, now_ns, len(self.store), head)
+        self.time_hold = not verdict.under_resume
+        if verdict.over_stop and not self.saturated:
+            self._saturate(now_ns)
+            self.stop_reason = (verdict.threshold, verdict.limit_ms, verdict.value_ms)
+        elif self.saturated:
+            self._check_resume()
 
     # -- delivery ----------------------------------------------------------------------------
 
