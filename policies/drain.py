@@ -181,8 +181,13 @@ class DrainEstimator:
         return 0.0
 
 
+_MAX_MS: Final = 2**62  # what FLOW_STOPPED carries for an infinite (or absurd) drain time
+
+
 def _ms(seconds: float) -> int:
-    return int(seconds * 1000) if math.isfinite(seconds) else 2**62
+    """Milliseconds for FLOW_STOPPED, clamped: a rate decayed near 0 makes a drain time of 1e300 s."""
+    ms = seconds * 1000
+    return int(ms) if ms < _MAX_MS else _MAX_MS
 
 
 def evaluate(t: TimeThresholds, est: DrainEstimator, now_ns: int, ready: int, head_offset: int | None) -> TimeVerdict:

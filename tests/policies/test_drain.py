@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from flowbroker.policies.credit import PolicyConfigError
@@ -159,6 +159,7 @@ def test_properties_over_any_traffic(steps: list[tuple[int, int, bool]]) -> None
 
 @given(st.floats(0, 100), st.floats(0, 100), st.floats(0, 100), st.floats(0, 100), st.floats(0, 10),
        st.integers(0, 10_000), st.floats(0, 5000))
+@example(1.0, 0.0, 0.0, 0.0, 0.0, 227, 1.259544693488292e-303)  # a rate decayed near 0: drain time 1e305 s
 def test_hysteresis_stop_and_resume_are_never_both_true(
     stop_d: float, resume_d: float, stop_a: float, resume_a: float, age_s: float, ready: int, rate: float
 ) -> None:
