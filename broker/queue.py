@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import Message
 from flowbroker.broker.store import MemoryStore, QueueStore
-from flowbroker.policies.drain import DrainEstimator, evaluate
+from flowbroker.policies.drain import DrainEstimator, drain_limits, drain_reason, evaluate
 from flowbroker.policies.overflow import (
     Admission,
     OverflowPolicy,
@@ -150,6 +150,7 @@ class Queue:
         # per message; `time_hold`: a time threshold is not under its resume mark (blocks clearing).
         self.drain = DrainEstimator()
         self.time_hold = False
+        self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
@@ -217,7 +218,8 @@ class Queue:
         self.count += 1
         self.size += msg.size
         self.meter.held += msg.size
-        if not self.saturated and is_over_stop(self.count, self.size, t):
+        # (the count watermark's stop, lowered by the flow timer to a drain-time limit when there is one)
+        if not self.saturated and (self.count > self._stop_count or self.size > t._stop_size):
             self._saturate(now_ns)
         # Only flow-controlled producers are held: a legacy producer (HELLO flow_control false) is
         # never paced (as with stop-all); the hard limit and overflow policy protect the queue from it.
@@ -254,8 +256,11 @@ class Queue:
         t = self.thresholds
         if t.flow_stop_count and self.count > t.flow_stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_COUNT, t.flow_stop_count, self.count)
-        else:
+        elif self.size > t._stop_size or self.count <= self._stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
+        else:  # over the drain-time limit (drain_limits): held until the flow timer finds it under resume
+            self.stop_reason = drain_reason(t.time, self.drain, self.count)
+            self.time_hold = True
         self.saturated = True
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
@@ -345,7 +350,7 @@ class Queue:
         self._evaluate_time(now_ns)
         if self.saturated:
             self._check_resume()
-        elif is_over_stop(self.count, self.size, thresholds):
+        elif is_over_stop(self.count, self.size, thresholds) or self.count > self._stop_count:
             self._saturate(now_ns)
 
     # -- time thresholds (the flow timer) ------------------------------------------------------
@@ -358,17 +363,20 @@ class Queue:
         """The flow timer (every policies.drain.TICK_SECONDS): update the drain-rate estimate from the
         `dequeued` counter and evaluate the time thresholds; the per-message paths do none of this."""
         head = self._head_offset()
-        self.drain.update(now_ns, self.counters.dequeued, len(self.store), bool(self.subscriptions),
+        self.drain.update(now_ns, self.counters.dequeued, self.count, bool(self.subscriptions),
                           self.next_offset, head)
         if self.thresholds.time.enabled:
             self._evaluate_time(now_ns, head)
 
     def _evaluate_time(self, now_ns: int, head: int | None = None) -> None:
-        """Saturate on a time threshold over its stop; clear when every threshold is under its resume
-        (count and size too: `_check_resume`)."""
+        """Re-derive the drain-time stop as a count (checked on every enqueue); saturate on a time
+        threshold over its stop; clear when every threshold is under its resume (count and size too:
+        `_check_resume`)."""
+        t = self.thresholds
+        self._stop_count = min(t._stop_count, drain_limits(t.time, self.drain, bool(self.subscriptions))[0])
         if head is None:
             head = self._head_offset()
-        verdict = evaluate(self.thresholds.time, self.drain, now_ns, len(self.store), head)
+        verdict = evaluate(t.time, self.drain, now_ns, self.count, head, bool(self.subscriptions))
         self.time_hold = not verdict.under_resume
         if verdict.over_stop and not self.saturated:
             self._saturate(now_ns)

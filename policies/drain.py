@@ -4,13 +4,16 @@ the time thresholds that compare them (issue 16 item 3).
 Count and size watermarks bound memory, not latency: the default 80 MiB stop holds 27 s of backlog
 for a consumer doing 2,000 msgs/s. A queue may also saturate on *time*:
 
-- ``flow_stop_drain_time`` / ``flow_resume_drain_time``: the ready backlog divided by the consumers'
-  measured rate (an EWMA of settled messages per second), i.e. how long a message enqueued now waits;
+- ``flow_stop_drain_time`` / ``flow_resume_drain_time``: the queue's depth (ready + delivered but
+  unsettled, what the count watermark compares) divided by the consumers' measured rate (an EWMA of
+  settled messages per second): about how long a message enqueued now waits to be settled;
 - ``flow_stop_age`` / ``flow_resume_age``: how long the oldest ready message has waited already.
 
-Everything here is sans-IO and evaluated on the broker's flow timer (every ``TICK_SECONDS``), never per
-message: the estimator reads the queue's existing ``dequeued`` counter and its ``next_offset``, so the
-enqueue and settle paths do not grow. The age is coarse for the same reason: instead of stamping every
+The estimate is updated on the broker's flow timer (every ``TICK_SECONDS``), never per message: it reads
+the queue's existing ``dequeued`` counter. At each tick the drain-time thresholds become message counts
+(``drain_limits``: stop x rate), which the queue folds into its count watermark, so a burst between
+ticks is stopped at the enqueue that crosses it with the comparison the enqueue path already makes.
+The age is evaluated on the tick only, and is coarse for the same reason: instead of stamping every
 message, each tick records ``(now, next_offset)``; the oldest ready message (the lowest ready offset) was
 enqueued after the last mark at or below its offset, so its age is known to one tick (it is reported as
 the age since the first mark above its offset: at most one tick too young, never too old).
@@ -19,6 +22,7 @@ the age since the first mark above its offset: at most one tick too young, never
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Final
@@ -27,25 +31,30 @@ from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.names import THRESHOLD_FLOW_STOP_AGE, THRESHOLD_FLOW_STOP_DRAIN_TIME
 
 __all__ = [
+    "MIN_BACKLOG",
     "RATE_TIME_CONSTANT",
     "TICK_SECONDS",
-    "WARMUP_SECONDS",
     "DrainEstimator",
     "TimeThresholds",
     "TimeVerdict",
+    "drain_limits",
+    "drain_reason",
     "evaluate",
 ]
 
 TICK_SECONDS: Final = 0.1
-"""The broker's flow timer: estimates are updated and time thresholds evaluated this often. It is also
-the age's resolution and how late a time threshold may trip (at 2,000 msgs/s, 200 messages)."""
+"""The broker's flow timer: estimates are updated and the age threshold evaluated this often. It is
+also the age's resolution. (The drain-time threshold is also checked on every enqueue, as a count.)"""
 RATE_TIME_CONSTANT: Final = 1.0
 """The EWMA's time constant in seconds: after a step change in the consumers' rate the estimate has
 moved 63 % of the way in 1 s, 95 % in 3 s. Shorter follows a jittery consumer's every pause; longer
 keeps producers stopped (or running) too long after the consumers change pace."""
-WARMUP_SECONDS: Final = 1.0
-"""Slow start: drain time does not trip until consumers have been subscribed and measured this long."""
+MIN_BACKLOG: Final = 100
+"""Slow start: until the consumers' rate is measured (a new consumer, or one that has never been busy),
+drain time is taken as over its stop only past this many messages, and stop x rate never goes below
+it: a cold estimate stops producers after a small backlog for a tick or two, not at the first message."""
 _NS: Final = 1_000_000_000
+_OFF: Final = sys.maxsize
 
 
 def _seconds(key: str, value: object) -> float:
@@ -107,42 +116,42 @@ _QUIET: Final = TimeVerdict(False, True)
 class DrainEstimator:
     """One queue's drain rate (settled messages per second, an EWMA) and enqueue-time marks.
 
-    The rate is "how fast the consumers drain this queue while it has work": an interval in which the
-    queue had no ready message at its start and settled nothing says nothing about the consumers (idle
-    is not slow) and leaves the estimate alone. With no subscription the rate is 0. When the first
-    subscription arrives the estimate restarts: it is seeded with the first interval's rate rather than
-    blended with 0, and drain time does not trip for ``WARMUP_SECONDS`` (slow start of a new consumer).
+    The rate is "how fast the consumers drain this queue while it has work": only an interval that
+    starts and ends with messages in the queue (its depth, ready or unsettled) and consumers is a sample, so an idle
+    or half-idle queue (idle is not slow; arrivals would cap the count) leaves the estimate alone, and
+    a stalled consumer with a backlog drives it down. With no subscription the rate is 0 and unmeasured.
+    The first sample after that seeds the estimate instead of being blended with 0 (slow start).
     """
 
-    __slots__ = ("rate", "_last_ns", "_last_dequeued", "_last_ready", "_since_ns", "_seeded", "_marks")
+    __slots__ = ("rate", "measured", "_last_ns", "_last_dequeued", "_last_depth", "_subscribed", "_marks")
 
     def __init__(self) -> None:
         self.rate = 0.0  # messages/s
+        self.measured = False  # a busy interval has been seen since consumers (re)appeared
         self._last_ns: int | None = None
         self._last_dequeued = 0
-        self._last_ready = 0
-        self._since_ns: int | None = None  # since when the queue has had subscriptions
-        self._seeded = False
+        self._last_depth = 0
+        self._subscribed = False  # at the last tick
         self._marks: deque[tuple[int, int]] = deque()  # (tick time, next_offset then), oldest first
 
-    def update(self, now_ns: int, dequeued: int, ready: int, subscribed: bool, next_offset: int,
+    def update(self, now_ns: int, dequeued: int, depth: int, subscribed: bool, next_offset: int,
                head_offset: int | None) -> None:
-        """One tick: fold the settlements since the last tick into the rate, record an enqueue mark."""
+        """One tick: fold the settlements since the last tick into the rate, record an enqueue mark.
+        `depth`: the queue's messages (ready + unsettled); `head_offset`: the oldest ready one's."""
         last_ns = self._last_ns
         delta = dequeued - self._last_dequeued
         self._last_ns, self._last_dequeued = now_ns, dequeued
+        was_subscribed, self._subscribed = self._subscribed, subscribed
         if not subscribed:
-            self.rate, self._since_ns, self._seeded = 0.0, None, False
-        elif self._since_ns is None:
-            self._since_ns = now_ns  # a consumer arrived: measure from here
-        elif last_ns is not None and now_ns > last_ns and (self._last_ready > 0 or delta > 0):
+            self.rate, self.measured = 0.0, False
+        elif was_subscribed and last_ns is not None and now_ns > last_ns and self._last_depth > 0 and depth > 0:
             sample = delta * _NS / (now_ns - last_ns)
-            if self._seeded:
+            if self.measured:
                 alpha = 1.0 - math.exp(-(now_ns - last_ns) / (RATE_TIME_CONSTANT * _NS))
                 self.rate += alpha * (sample - self.rate)
             else:
-                self.rate, self._seeded = sample, True
-        self._last_ready = ready
+                self.rate, self.measured = sample, True
+        self._last_depth = depth
         marks = self._marks
         if head_offset is None:
             marks.clear()
@@ -158,17 +167,12 @@ class DrainEstimator:
         """When the last tick was (0 before the first)."""
         return self._last_ns or 0
 
-    def warm(self, now_ns: int) -> bool:
-        """Consumers have been measured long enough for the rate to mean something."""
-        since = self._since_ns
-        return since is not None and self._seeded and now_ns - since >= WARMUP_SECONDS * _NS
-
-    def drain_time(self, ready: int) -> float:
-        """Seconds to drain `ready` messages at the estimated rate (inf when there are some and the rate
+    def drain_time(self, depth: int) -> float:
+        """Seconds to drain `depth` messages at the estimated rate (inf when there are some and the rate
         is 0: no consumer, or a stalled one)."""
-        if ready <= 0:
+        if depth <= 0:
             return 0.0
-        return ready / self.rate if self.rate > 0 else math.inf
+        return depth / self.rate if self.rate > 0 else math.inf
 
     def oldest_age(self, now_ns: int, head_offset: int | None) -> float:
         """Seconds since the message at `head_offset` (the oldest ready one) was enqueued, to one tick:
@@ -190,21 +194,42 @@ def _ms(seconds: float) -> int:
     return int(ms) if ms < _MAX_MS else _MAX_MS
 
 
-def evaluate(t: TimeThresholds, est: DrainEstimator, now_ns: int, ready: int, head_offset: int | None) -> TimeVerdict:
-    """Compare a queue's drain time and oldest age with its time thresholds. Drain time counts only once
-    the estimate is warm (slow start) and only while consumers are subscribed: with none, a backlog's
-    drain time is infinite and says nothing new, so the age threshold (or count/size) handles that
-    queue. Whichever time threshold is over its stop trips; both must be under their resumes to clear."""
+def drain_limits(t: TimeThresholds, est: DrainEstimator, subscribed: bool) -> tuple[int, int]:
+    """The drain-time thresholds as message counts at the current estimate, for the queue to compare its
+    depth with on every enqueue (one comparison, folded into the count watermark's): (stop, resume).
+    Stop: depth > max(MIN_BACKLOG, stop x rate); resume: depth < max(MIN_BACKLOG x resume/stop, resume x
+    rate). Off (sys.maxsize, never reached) without a drain-time threshold or without consumers: with
+    none, every backlog's drain time is infinite and says nothing new; age, count and size handle that."""
+    stop_s = t.flow_stop_drain_time
+    if not stop_s or not subscribed:
+        return _OFF, _OFF
+    rate = est.rate if est.measured else 0.0
+    resume_s = t.flow_resume_drain_time
+    stop = max(MIN_BACKLOG, min(_OFF, int(stop_s * rate)))
+    resume = max(int(MIN_BACKLOG * resume_s / stop_s), min(_OFF, int(resume_s * rate)))
+    return stop, resume
+
+
+def drain_reason(t: TimeThresholds, est: DrainEstimator, depth: int) -> tuple[str, int, int]:
+    """FLOW_STOPPED's threshold, limit and value (ms) for a queue over its drain-time limit."""
+    return THRESHOLD_FLOW_STOP_DRAIN_TIME, _ms(t.flow_stop_drain_time), _ms(est.drain_time(depth))
+
+
+def evaluate(t: TimeThresholds, est: DrainEstimator, now_ns: int, depth: int, head_offset: int | None,
+             subscribed: bool = True) -> TimeVerdict:
+    """Compare a queue's depth with the drain-time limits (`drain_limits`) and its oldest ready message's
+    age with the age thresholds. Whichever is over its stop trips; both must be under their resumes to
+    clear. Limit and value are in milliseconds (the drain time: depth / rate)."""
     if not t.enabled:
         return _QUIET
     over = ""
     limit = value = 0.0
     under = True
     if t.flow_stop_drain_time:
-        drain = est.drain_time(ready) if est.warm(now_ns) else 0.0
-        if drain > t.flow_stop_drain_time:
-            over, limit, value = THRESHOLD_FLOW_STOP_DRAIN_TIME, t.flow_stop_drain_time, drain
-        under = drain < t.flow_resume_drain_time or drain == 0.0
+        stop, resume = drain_limits(t, est, subscribed)
+        if depth > stop:
+            over, limit, value = THRESHOLD_FLOW_STOP_DRAIN_TIME, t.flow_stop_drain_time, est.drain_time(depth)
+        under = depth < resume
     if t.flow_stop_age:
         age = est.oldest_age(now_ns, head_offset)
         if not over and age > t.flow_stop_age:

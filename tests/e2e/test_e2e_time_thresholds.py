@@ -54,4 +54,4 @@ async def test_a_slow_consumer_stops_the_producer_by_drain_time_and_a_fast_one_r
     assert received == [b"m%05d" % i for i in range(sent)]  # nothing lost, nothing refused, in order
     queue = broker.core.queues["lat"]
     assert queue.counters.flow_stopped_count == len(stops) and queue.counters.rejected == 0
-    assert not queue.saturated and queue.drain.rate > 0
+    assert not queue.saturated

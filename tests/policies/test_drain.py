@@ -4,6 +4,7 @@ clock in integer nanoseconds advanced one flow tick at a time."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 from hypothesis import example, given
@@ -11,11 +12,12 @@ from hypothesis import strategies as st
 
 from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.policies.drain import (
+    MIN_BACKLOG,
     RATE_TIME_CONSTANT,
     TICK_SECONDS,
-    WARMUP_SECONDS,
     DrainEstimator,
     TimeThresholds,
+    drain_limits,
     evaluate,
 )
 from flowbroker.policies.overflow import Thresholds
@@ -98,24 +100,25 @@ def test_a_stalled_consumer_decays_the_rate_and_no_consumer_zeroes_it() -> None:
     assert s.est.rate == 0 and s.est.drain_time(s.ready) == math.inf
 
 
-def test_slow_start_seeds_the_rate_and_waits_before_drain_time_counts() -> None:
-    t = TimeThresholds(flow_stop_drain_time=0.5)
+def test_slow_start_stops_past_a_minimum_backlog_then_at_stop_times_the_seeded_rate() -> None:
+    t = TimeThresholds(flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
     s = Sim()
     s.subscribed = False
-    s.tick(arrive=5000)  # a backlog with no consumer: drain time does not trip (age is for that)
-    assert not evaluate(t, s.est, s.now, s.ready, s.head).over_stop
+    s.tick(arrive=5000)  # a backlog with no consumer: drain time is off (age, count, size are for that)
+    assert drain_limits(t, s.est, False) == (sys.maxsize, sys.maxsize)
+    assert not evaluate(t, s.est, s.now, s.ready, s.head, subscribed=False).over_stop
     s.subscribed = True
-    s.tick()  # the consumer arrives: measuring starts here
-    s.tick(settle=200)
-    assert s.est.rate == pytest.approx(2000)  # seeded with the first interval, not blended with 0
-    warm_ticks = int(WARMUP_SECONDS / TICK_SECONDS)
-    for _ in range(warm_ticks - 2):
-        s.tick(settle=200)
-        assert not evaluate(t, s.est, s.now, s.ready, s.head).over_stop  # warming up
-    s.tick(settle=200)
+    s.tick()  # the consumer arrives, not measured yet: only a backlog over MIN_BACKLOG counts as slow
+    assert not s.est.measured and drain_limits(t, s.est, True) == (MIN_BACKLOG, MIN_BACKLOG // 2)
     verdict = evaluate(t, s.est, s.now, s.ready, s.head)
-    assert verdict.over_stop and verdict.threshold == "flow_stop_drain_time"
-    assert verdict.limit_ms == 500 and verdict.value_ms == int(s.ready / s.est.rate * 1000)
+    assert verdict.over_stop and verdict.threshold == "flow_stop_drain_time" and verdict.value_ms == 2**62
+    s.tick(settle=200)  # one busy interval seeds the estimate (not blended with 0)
+    assert s.est.measured and s.est.rate == pytest.approx(2000)
+    assert drain_limits(t, s.est, True) == (1000, 500)  # 0.5 s and 0.25 s at 2,000 msgs/s
+    verdict = evaluate(t, s.est, s.now, 900, s.head)  # a depth of 900: under stop, not under resume
+    assert not verdict.over_stop and not verdict.under_resume
+    assert evaluate(t, s.est, s.now, 1001, s.head).over_stop
+    assert evaluate(t, s.est, s.now, 499, s.head).under_resume
 
 
 def test_age_is_known_to_one_tick() -> None:
@@ -169,13 +172,13 @@ def test_hysteresis_stop_and_resume_are_never_both_true(
         assert resume_d > stop_d or resume_a > stop_a
         return
     est = DrainEstimator()
-    est.rate, est._since_ns, est._seeded = rate, 0, True
+    est.rate, est.measured = rate, True
     now = int(10e9)
     est._marks.append((now - int(age_s * 1e9), 1))
     verdict = evaluate(t, est, now, ready, 0)
     assert not (verdict.over_stop and verdict.under_resume)
     drain = est.drain_time(ready)
-    if t.flow_stop_drain_time and drain > t.flow_stop_drain_time:
+    if t.flow_stop_drain_time and drain > t.flow_stop_drain_time and ready > MIN_BACKLOG:
         assert verdict.over_stop
     if verdict.over_stop:
         assert verdict.threshold in ("flow_stop_drain_time", "flow_stop_age")
