@@ -148,3 +148,21 @@ def test_raising_a_time_threshold_releases_at_once_and_the_ratio_is_kept() -> No
     queue = h.core.set_queue_thresholds("q", {"flow_stop_age": 10})
     assert (queue.thresholds.flow_stop_age, queue.thresholds.flow_resume_age) == (10.0, 5.0)
     assert not queue.saturated and FlowResumed("q") in p.pump() and p.outstanding == {}
+
+
+def test_the_flow_timer_ticks_only_the_queues_with_a_time_threshold() -> None:
+    h = make()
+    h.queue("plain")
+    h.queue("timed", flow_stop_age=1.0)
+    assert set(h.core.timed_queues) == {"timed"}
+    h.core.set_queue_thresholds("plain", {"flow_stop_drain_time": 0.5})
+    assert set(h.core.timed_queues) == {"plain", "timed"}
+    h.core.set_queue_thresholds("timed", {"flow_stop_age": 0})
+    assert set(h.core.timed_queues) == {"plain"}
+    p = h.producer()
+    p.send("", "timed", b"x")
+    h.advance(TICK_SECONDS)
+    h.core.tick(h.now)
+    assert h.core.queues["timed"].drain.last_ns < h.now  # not ticked
+    h.core.delete_queue("plain")
+    assert h.core.timed_queues == {}
