@@ -96,6 +96,7 @@ def test_a_queue_without_consumers_saturates_on_age_not_on_drain_time() -> None:
     p.send("", "aged", b"new")
     (stop,) = [f for f in p.pump() if isinstance(f, FlowStopped)]
     assert (stop.destination, stop.threshold, stop.limit) == ("aged", "flow_stop_age", 1000)
+    assert f"over flow_stop_age ({stop.value} ms > 1000 ms)" in stop.reason
     assert 1000 < stop.value <= 1200
     c = h.consumer()
     c.subscribe("aged")
