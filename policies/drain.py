@@ -50,9 +50,9 @@ RATE_TIME_CONSTANT: Final = 1.0
 moved 63 % of the way in 1 s, 95 % in 3 s. Shorter follows a jittery consumer's every pause; longer
 keeps producers stopped (or running) too long after the consumers change pace."""
 MIN_BACKLOG: Final = 100
-"""Slow start: until the consumers' rate is measured (a new consumer, or one that has never been busy),
-drain time is taken as over its stop only past this many messages, and stop x rate never goes below
-it: a cold estimate stops producers after a small backlog for a tick or two, not at the first message."""
+"""Slow start: until the consumers' rate is measured (a new consumer, or one that has not been busy for
+a whole tick yet), drain time is taken as over its stop only past this many messages: a cold estimate
+stops producers after a small backlog for a tick or two, not at the first message nor never."""
 _NS: Final = 1_000_000_000
 _OFF: Final = sys.maxsize
 
@@ -197,17 +197,18 @@ def _ms(seconds: float) -> int:
 def drain_limits(t: TimeThresholds, est: DrainEstimator, subscribed: bool) -> tuple[int, int]:
     """The drain-time thresholds as message counts at the current estimate, for the queue to compare its
     depth with on every enqueue (one comparison, folded into the count watermark's): (stop, resume).
-    Stop: depth > max(MIN_BACKLOG, stop x rate); resume: depth < max(MIN_BACKLOG x resume/stop, resume x
-    rate). Off (sys.maxsize, never reached) without a drain-time threshold or without consumers: with
-    none, every backlog's drain time is infinite and says nothing new; age, count and size handle that."""
+    Measured: depth > stop x rate is exactly "drain time over stop" for a whole number of messages, and
+    depth < resume x rate is under resume. Unmeasured (slow start): MIN_BACKLOG and MIN_BACKLOG x
+    resume/stop. Off (sys.maxsize, never reached) without a drain-time threshold or without consumers:
+    with none, every backlog's drain time is infinite and says nothing new; age, count and size handle that."""
     stop_s = t.flow_stop_drain_time
     if not stop_s or not subscribed:
         return _OFF, _OFF
-    rate = est.rate if est.measured else 0.0
     resume_s = t.flow_resume_drain_time
-    stop = max(MIN_BACKLOG, min(_OFF, int(stop_s * rate)))
-    resume = max(int(MIN_BACKLOG * resume_s / stop_s), min(_OFF, int(resume_s * rate)))
-    return stop, resume
+    if not est.measured:
+        return MIN_BACKLOG, int(MIN_BACKLOG * resume_s / stop_s)
+    rate = est.rate
+    return min(_OFF, int(stop_s * rate)), min(_OFF, math.ceil(resume_s * rate))
 
 
 def drain_reason(t: TimeThresholds, est: DrainEstimator, depth: int) -> tuple[str, int, int]:
