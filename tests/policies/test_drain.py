@@ -180,6 +180,8 @@ def test_hysteresis_stop_and_resume_are_never_both_true(
     drain = est.drain_time(ready)
     if t.flow_stop_drain_time and drain > t.flow_stop_drain_time * (1 + 1e-9):
         assert verdict.over_stop  # measured: the count limit is exactly the drain time's
+    if verdict.threshold == "flow_stop_drain_time":
+        assert drain > t.flow_stop_drain_time * (1 - 1e-9)
     if verdict.over_stop:
         assert verdict.threshold in ("flow_stop_drain_time", "flow_stop_age")
 
