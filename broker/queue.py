@@ -190,7 +190,8 @@ class Queue:
             held_total=counters.held_total,
             consumer_rejected=counters.consumer_rejected,
             drain_rate=self.drain.rate,
-            oldest_ready_age=self.drain.oldest_age(self.drain.last_ns, self._head_offset()),
+            oldest_ready_age=(self.drain.oldest_age(self.drain.last_ns, self._head_offset())
+                              if self.thresholds.time.enabled else 0.0),  # (only those are ticked)
         )
 
     # -- enqueue -----------------------------------------------------------------------------
