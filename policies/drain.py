@@ -230,7 +230,7 @@ def evaluate(t: TimeThresholds, est: DrainEstimator, now_ns: int, depth: int, he
         stop, resume = drain_limits(t, est, subscribed)
         if depth > stop:
             over, limit, value = THRESHOLD_FLOW_STOP_DRAIN_TIME, t.flow_stop_drain_time, est.drain_time(depth)
-        under = depth < resume
+        under = depth < resume or depth == 0  # an empty queue drains in no time, whatever the rate
     if t.flow_stop_age:
         age = est.oldest_age(now_ns, head_offset)
         if not over and age > t.flow_stop_age:

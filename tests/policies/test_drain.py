@@ -121,6 +121,16 @@ def test_slow_start_stops_past_a_minimum_backlog_then_at_stop_times_the_seeded_r
     assert evaluate(t, s.est, s.now, 499, s.head).under_resume
 
 
+def test_an_empty_queue_is_under_resume_even_when_its_consumer_measured_0() -> None:
+    """A stalled consumer's rate is 0 (resume x rate = 0 messages): the queue must still clear once empty."""
+    t = TimeThresholds(flow_stop_drain_time=0.5)
+    est = DrainEstimator()
+    est.rate, est.measured = 0.0, True
+    assert drain_limits(t, est, True) == (0, 0)
+    assert evaluate(t, est, 0, 1, 0).over_stop
+    assert evaluate(t, est, 0, 0, None).under_resume
+
+
 def test_age_is_known_to_one_tick() -> None:
     s = Sim()
     s.tick()
