@@ -2,7 +2,9 @@
 
 Depth counts every message the queue still owns: ready ones and those delivered but not yet
 settled, because both sit in the broker's memory. The queue is *saturated* when count OR size is
-over its stop threshold and clears when BOTH are under their resume thresholds. While saturated,
+over its stop threshold and clears when BOTH are under their resume thresholds. The time thresholds
+(drain time, oldest ready age: policies/drain.py) join them: the flow timer's `tick` keeps the estimate,
+folds the drain-time limit into the count stop, and any of the four trips while all must clear. While saturated,
 each enqueued message holds its producer's transfer (no completion, so no credit back) and the
 producer is told, once, that it is flow-stopped on this queue. Clearing releases every held
 transfer and tells those producers they may resume. A held message that is itself dequeued (acked,
