@@ -22,18 +22,20 @@ $(VENV)/.installed-serve: pyproject.toml | python
 $(VENV)/.installed-test: pyproject.toml | python
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,spark]'
 	touch $@ $(VENV)/.installed-serve
 
 serve: $(VENV)/.installed-serve
 	$(BIN)/flowbroker serve
 
 # System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py),
+# System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py),
 # ip (iproute2), chromium (the web console's browser test, tests/console/, drives it with Playwright),
 # promtool and prometheus (tests/deploy: the alert rules and a real Prometheus scraping a real broker),
-# systemd-analyze (tests/deploy: the unit file). Installed with apt when run as root, otherwise named,
-# and the run stops at once.
-SYSTEM_TOOLS := tshark:tshark ip:iproute2 chromium:chromium promtool:prometheus systemd-analyze:systemd
+# systemd-analyze (tests/deploy: the unit file), java (a local Spark for the data source's tests,
+# tests/spark/). Installed with apt when run as root, otherwise named, and the run stops at once.
+SYSTEM_TOOLS := tshark:tshark ip:iproute2 chromium:chromium promtool:prometheus systemd-analyze:systemd \
+	java:openjdk-17-jre-headless
 system-tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
@@ -51,7 +53,7 @@ system-tools:
 # symlinked view of the flowbroker namespace, by package name. tests/ is a package (tests.broker...,
 # strict but for unannotated test functions: pyproject.toml); benchmarks/ are scripts that import
 # their neighbours by module name (`from procs import ...`), so that folder is on the path too.
-PACKAGES := broker client policies protocol transport
+PACKAGES := broker client policies protocol spark transport
 typecheck: $(VENV)/.installed-test
 	@mkdir -p build/typecheck/flowbroker
 	@for p in $(PACKAGES); do ln -sfn ../../../$$p build/typecheck/flowbroker/$$p; done

@@ -145,6 +145,9 @@ def _url_option(func: F) -> F:
               help="Serve GET /metrics on a port of its own (port 0 = any free) [default: on the admin port].")
 @click.option("--metrics/--no-metrics", "metrics_enabled", default=None,
               help="Serve GET /metrics for Prometheus [default: on].")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where durable queues are journalled [default: $XDG_STATE_HOME/flowbroker, else "
+                   "~/.local/state/flowbroker].")
 @click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
               help='Once listening, write {"port": N, "admin_port": M or null, "udp_port": U or null, '
                    '"metrics_port": P or null} to this file as JSON (for scripts that start it with --port 0 / '
@@ -152,7 +155,8 @@ def _url_option(func: F) -> F:
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
           admin_enabled: bool | None, udp_endpoint: str | None, udp_enabled: bool | None,
-          metrics_endpoint: str | None, metrics_enabled: bool | None, port_file: Path | None) -> None:
+          metrics_endpoint: str | None, metrics_enabled: bool | None, data_dir: Path | None,
+          port_file: Path | None) -> None:
     """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
     admin token are."""
     overrides: dict[str, dict[str, Any]] = {
@@ -161,6 +165,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
         "admin": {"host": admin_host, "port": admin_port, "enabled": admin_enabled},
         "udp": {"endpoint": udp_endpoint, "enabled": udp_enabled},
         "metrics": {"endpoint": metrics_endpoint, "enabled": metrics_enabled},
+        "storage": {"data_dir": str(data_dir) if data_dir is not None else None},
     }
     try:
         config = load_config(config_path, overrides)

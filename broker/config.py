@@ -26,6 +26,7 @@ __all__ = [
     "AdminConfig",
     "UdpConfig",
     "MetricsConfig",
+    "StorageConfig",
     "BrokerConfig",
     "load_config",
     "default_quota",
@@ -40,6 +41,7 @@ SIZE_KEYS = {
     "queues": ("max_size",),
     "credit": ("quota", "static_size", "min_size", "max_size", "override_size"),
     "udp": ("term_length", "min_receiver_window", "max_receiver_window"),
+    "storage": ("segment_size", "disk_free_limit", "quota"),
 }
 """The byte-valued keys: in the TOML file as on the command line, each takes an integer or a size
 string such as "2GiB" (parse_size)."""
@@ -320,6 +322,47 @@ class MetricsConfig:
         return parse_endpoint(self.endpoint, "127.0.0.1:9419")
 
 
+FSYNC_POLICIES = ("always", "never")
+
+
+def default_data_dir() -> Path:
+    """The user's state directory (XDG: $XDG_STATE_HOME, else ~/.local/state), then flowbroker."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "flowbroker"
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The journal of durable queues (docs/storage.md). `fsync = "always"`: a transfer to a durable queue
+    completes after the group commit that wrote it was fsynced (survives a power cut); `"never"`: after
+    the write reached the kernel (survives the broker's own crash, kill -9 included, not the machine's).
+    Producers of durable queues are held while free space under `data_dir` is under `disk_free_limit` or
+    the journal holds more than `quota` bytes (0: no quota)."""
+
+    enabled: bool = True
+    data_dir: str = ""
+    fsync: str = "always"
+    segment_size: int = 64 * MiB
+    disk_free_limit: int = 128 * MiB
+    quota: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("storage", "enabled", self.enabled, "must be true or false")
+        if not isinstance(self.data_dir, str):
+            raise ConfigError("storage", "data_dir", self.data_dir, "must be a path (or \"\" for the default)")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError("storage", "fsync", self.fsync, f"must be one of {', '.join(FSYNC_POLICIES)}")
+        _int_range("storage", "segment_size", self.segment_size, 64 * 1024, 1 << 40)
+        _int_range("storage", "disk_free_limit", self.disk_free_limit, 0, 1 << 50)
+        _int_range("storage", "quota", self.quota, 0, 1 << 50)
+
+    def journal_dir(self) -> Path:
+        """Where the journal's segments are: `<data_dir>/journal`."""
+        base = Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
+        return base / "journal"
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -328,6 +371,7 @@ class BrokerConfig:
     admin: AdminConfig = field(default_factory=AdminConfig)
     udp: UdpConfig = field(default_factory=UdpConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def credit_policy(self) -> CreditPolicyConfig:
         """The producer credit policy; its quota defaults to the broker's memory quota."""
@@ -344,6 +388,7 @@ class BrokerConfig:
         self.admin.validate()
         self.udp.validate()
         self.metrics.validate()
+        self.storage.validate()
         return self
 
 
@@ -395,17 +440,19 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
-        if section not in ("server", "queues", "credit", "admin", "udp", "metrics"):
-            raise ConfigError(section, "*", None, "unknown section; known: admin, credit, metrics, queues, server, udp")
+        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "storage"):
+            raise ConfigError(section, "*", None,
+                              "unknown section; known: admin, credit, metrics, queues, server, storage, udp")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))
     admin = _section(AdminConfig, "admin", data.get("admin", {}))
     udp = _section(UdpConfig, "udp", data.get("udp", {}))
     metrics = _section(MetricsConfig, "metrics", data.get("metrics", {}))
+    storage = _section(StorageConfig, "storage", data.get("storage", {}))
     credit = data.get("credit", {})
     if not isinstance(credit, dict):
         raise ConfigError("credit", "*", credit, "must be a table")
     if "policy" in credit:
         credit = {**credit, "policy": str(credit["policy"])}
-    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics).validate()
+    return BrokerConfig(server, queues, dict(credit), admin, udp, metrics, storage).validate()

@@ -45,6 +45,7 @@ from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
     BufferControl,
+    BufferLimit,
     Cancel,
     Close,
     ClosePublication,
@@ -70,6 +71,7 @@ from flowbroker.protocol.frames import (
 )
 
 if TYPE_CHECKING:
+    from flowbroker.broker.journal import Journal
     from flowbroker.broker.udp.datapath import DataPath
 
 __all__ = ["BrokerCore", "RequestError", "QUEUE_ARGUMENTS", "BUILTIN_EXCHANGES"]
@@ -127,14 +129,20 @@ class BrokerCore:
         self.connections_closed = 0  # ...and closed
         self.credit_violations = 0  # connections ended for sending past their credit
         self.errors_sent: Counter[ErrorCode] = Counter()  # ERROR frames sent, by code (Session.send, the shell)
-        # Where each declared queue keeps its messages (broker/store.py): in memory for every queue,
-        # durable or not, until the journal gives durable queues a store of their own.
+        # Where each declared queue keeps its messages (broker/store.py): in memory, unless the server
+        # keeps a journal (broker/journalshell.py sets a factory giving durable queues a JournalStore).
         self.store_factory: StoreFactory = memory_store
+        # The durable journal (broker/journal.py), when the server keeps one: durable queues, their
+        # messages, exchanges and bindings are journalled, and a transfer to a durable queue completes
+        # when the commit that covers it returns. `recovered_producers` is each producer id's highest
+        # sequence found in it at start, also accepted into `producer_sequences` (broker/recovery.py).
+        self.journal: Journal | None = None
+        self.recovered_producers: dict[str, int] = {}
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
         self.udp: DataPath | None = None
-        # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id, in a
-        # store the durable-queue work can replace with a persistent one.
+        # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id. It is
+        # in memory; what a durable queue took is journalled with its message and accepted back at start.
         self.producer_sequences = ProducerSequences(
             MemoryProducerStates(server.max_producer_ids, int(server.producer_id_ttl * 1e9)))
 
@@ -202,7 +210,6 @@ class BrokerCore:
     def _apply_buffer_sizes(self, sizes: dict[int, int]) -> None:
         """Push changed producer grants to live connections (BUFFER_CONTROL), start or stop withholding
         the acknowledgements of waiting ones, and watch the windows a shrink left above the grant."""
-        now = self.clock_ns()
         credit = self.credit
         for conn_id, size in sizes.items():
             s = self.sessions.get(conn_id)
@@ -210,10 +217,10 @@ class BrokerCore:
                 continue
             s.credit_waiting = credit.is_waiting(conn_id)
             if size != s.buffer_size:
-                s.resize_buffer(size, now)
-                s.send(BufferControl(0, size))
-            # the limit is monotonic (the client may not have seen a shrink yet), so what it may
-            # still have unacknowledged stays charged to the pool until acknowledgements overtake it.
+                s.announce_buffer(size)
+            # a shrink does not lower the limit (the client may not have seen it yet), so what it may
+            # still have unacknowledged stays charged to the pool until acknowledgements overtake it
+            # or the client's BUFFER_LIMIT answer lowers the limit (on_buffer_limit).
             s.window_listener = self._window_moved if s.transfers.promised > size else None
 
     def _window_moved(self, session: Session) -> None:
@@ -272,6 +279,8 @@ class BrokerCore:
         if handler is None:
             if type(frame) is BufferControl:
                 self.on_buffer_control(session, frame)
+            elif type(frame) is BufferLimit:
+                self.on_buffer_limit(session, frame)
             elif type(frame) is Error:
                 LOGGER.warning("connection %d reported error %s: %s", session.conn_id, frame.code.name,
                                logsafe(frame.text))
@@ -324,6 +333,7 @@ class BrokerCore:
         broker_hold = session.flow_control and bool(self._broker_stops)
         memory_refusal = self.memory.alarm and not session.flow_control
         queues_by_name = self.queues
+        journal = self.journal
         # Only the messages received: up to a credit violation, raised once they are routed.
         for entry, size in zip(entries, sizes):
             # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
@@ -369,6 +379,7 @@ class BrokerCore:
                         tid += 1
                         continue
             held: list[Message] = []
+            durable: Queue | None = None  # a durable queue took it: completion waits for the journal
             for queue in targets:
                 msg = Message(exchange, routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
                 try:
@@ -376,13 +387,18 @@ class BrokerCore:
                         held.append(msg)
                 except QueueFull as exc:
                     session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
-            pending = len(held) + broker_hold
+                    continue
+                if journal is not None and queue.durable:
+                    durable = queue
+            pending = len(held) + broker_hold + (durable is not None)
             if pending:
                 transfer = HeldTransfer(session, tid, size, pending)
                 for msg in held:
                     msg.held = transfer
                 if broker_hold:
                     self._broker_held.append(transfer)
+                if durable is not None and journal is not None:
+                    journal.hold(transfer, session, durable.name)
                 session.transfers_held_total += 1
             else:
                 receiver.complete(tid, size)
@@ -401,7 +417,11 @@ class BrokerCore:
             return True
         if verdict is DUPLICATE:
             session.duplicates += 1
-            session.complete_transfer(tid, size)
+            if self.journal is not None and not self.journal.dormant:
+                # its original may still be in a commit: the duplicate's COMPLETE must not overtake it
+                self.journal.after_commit(HeldTransfer(session, tid, size, 1))
+            else:
+                session.complete_transfer(tid, size)
         else:
             code, text = verdict  # type: ignore[misc]
             self._refuse(session, tid, size, code, text, None)
@@ -534,6 +554,23 @@ class BrokerCore:
         sub.queue.resume_subscription(sub)
         sub.queue.dispatch()
 
+    def on_buffer_limit(self, session: Session, frame: BufferLimit) -> None:
+        """The producer answered a shrink: it starts nothing at or beyond `frame.limit`. The credit limit
+        comes down (TransferReceiver.fence), and with it the window the pool charges, so a promise the
+        shrink left drains now rather than when an idle producer would have sent it, and whoever waits
+        for a share gets the bytes (the allocator hands them out while someone is short)."""
+        if not session.flow_control or session.conn_id not in self.credit:
+            return  # not paced: the broker checks no limit, so there is nothing to lower
+        try:
+            lowered = session.transfers.fence(frame.control, frame.size, frame.limit)
+        except RemoteProtocolError as exc:
+            raise SessionFault(exc.code, str(exc)) from None
+        if lowered:
+            window = session.transfers.promised
+            if window <= session.buffer_size:
+                session.window_listener = None
+            self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
+
     def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:
         try:
             if frame.opaque == 0:
@@ -602,8 +639,15 @@ class BrokerCore:
         if len(self.queues) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many queues (max_queues {limit})", name)
         queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory, self.store_factory(name, durable))
-        self._track_time(queue)
+        self.track_time_thresholds(queue)
+        self._journal_queue(queue)
         return queue
+
+    def _journal_queue(self, queue: Queue) -> None:
+        """A durable queue's declaration (or changed thresholds) goes to the journal, if its store is one."""
+        qid = getattr(queue.store, "qid", None)
+        if self.journal is not None and qid is not None:
+            self.journal.queue_declared(qid, queue)
 
     def get_queue(self, name: str) -> Queue:
         queue = self.queues.get(name)
@@ -634,8 +678,9 @@ class BrokerCore:
         current.update(changes)
         thresholds, overflow = self.queue_thresholds(current)
         queue.overflow = overflow
-        self._track_time(queue, thresholds)
+        self.track_time_thresholds(queue, thresholds)
         queue.set_thresholds(thresholds, self.clock_ns())
+        self._journal_queue(queue)
         return queue
 
     def tick(self, now_ns: int) -> None:
@@ -645,7 +690,7 @@ class BrokerCore:
         for queue in self.timed_queues.values():
             queue.tick(now_ns)
 
-    def _track_time(self, queue: Queue, thresholds: Thresholds | None = None) -> None:
+    def track_time_thresholds(self, queue: Queue, thresholds: Thresholds | None = None) -> None:
         """Keep `timed_queues` to the queues with a time threshold: the flow timer ticks only those, so
         100,000 queues without one cost it nothing. A queue that gains one starts a fresh estimate."""
         if (thresholds or queue.thresholds).time.enabled:
@@ -696,6 +741,8 @@ class BrokerCore:
             if len(self.exchanges) >= limit:
                 raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many exchanges (max_exchanges {limit})", f.exchange)
             self.exchanges[f.exchange] = Exchange(f.exchange, kind, self.routes)
+            if self.journal is not None:
+                self.journal.exchange_declared(f.exchange, kind.value)
         return {"exchange": f.exchange, "kind": kind.value}
 
     def _exchange(self, name: str) -> Exchange:
@@ -717,11 +764,22 @@ class BrokerCore:
         limit = self.config.server.max_bindings
         if self.routes.bindings >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many bindings (max_bindings {limit})", f.exchange)
-        return {"created": exchange.bind(queue, f.binding_key)}
+        created = exchange.bind(queue, f.binding_key)
+        if created:
+            self._journal_binding(exchange, queue, f.binding_key, True)
+        return {"created": created}
 
     def _req_unbind(self, session: Session, f: Unbind) -> dict[str, Any]:
-        removed = self._exchange(f.exchange).unbind(self.get_queue(f.queue), f.binding_key)
+        exchange, queue = self._exchange(f.exchange), self.get_queue(f.queue)
+        removed = exchange.unbind(queue, f.binding_key)
+        if removed:
+            self._journal_binding(exchange, queue, f.binding_key, False)
         return {"removed": removed}
+
+    def _journal_binding(self, exchange: Exchange, queue: Queue, key: str, bound: bool) -> None:
+        qid = getattr(queue.store, "qid", None)
+        if self.journal is not None and qid is not None:
+            self.journal.bound(exchange.name, qid, key, bound)
 
     def delete_exchange(self, name: str) -> int:
         """Delete exchange `name` and its bindings (the queues stay); returns how many bindings it had."""
@@ -729,6 +787,8 @@ class BrokerCore:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the built-in exchange {name!r} cannot be deleted", name)
         exchange = self._exchange(name)
         del self.exchanges[name]
+        if self.journal is not None:
+            self.journal.exchange_deleted(name)
         bindings = sum(len(queues) for queues in exchange.bindings.values())
         self.routes.bindings -= bindings
         self.routes.clear()

@@ -238,6 +238,16 @@ class Queue:
         self.dispatch()
         return False
 
+    def recovered(self, now_ns: int) -> None:
+        """Count the messages a journal's store came back with (broker/recovery.py): they are the queue's
+        depth like any other, so its watermarks (and the broker's memory watermark) apply at once."""
+        size = sum(msg.size for msg in self.store)
+        self.count += len(self.store)
+        self.size += size
+        self.meter.held += size
+        if not self.saturated and is_over_stop(self.count, self.size, self.thresholds):
+            self._saturate(now_ns)
+
     def _apply_overflow(self, msg: Message) -> None:
         """At the hard limit: reject (raise QueueFull) or drop the oldest ready messages to make room."""
         admission = admit(

@@ -56,6 +56,8 @@ from flowbroker.broker.admin import AdminServer, publish_token, resolve_token
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
+from flowbroker.broker.journal import Journal
+from flowbroker.broker.journalshell import open_journal, run_committer
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.metrics import broker_metrics
 from flowbroker.broker.metricshttp import MetricsServer, metrics_route
@@ -127,6 +129,7 @@ class BrokerServer:
         self.udp_port: int | None = None
         self.metrics: MetricsServer | None = None  # /metrics on a port of its own ([metrics] endpoint)
         self.metrics_port: int | None = None  # where /metrics is served: that port, or the admin port
+        self.journal: Journal | None = None  # durable queues' journal ([storage] enabled), opened by serve()
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
         self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
@@ -155,6 +158,8 @@ class BrokerServer:
                 LOGGER.warning("descriptor limit %d is below max_connections %d + %d: accepts will fail (and back "
                                "off) before max_connections is reached", limits[0], cfg.max_connections,
                                DESCRIPTOR_RESERVE)
+        if self.config.storage.enabled and self.core.journal is None:  # durable queues come back first
+            self.journal = await open_journal(self.config.storage, self.core)
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         if self.config.udp.enabled:
             try:
@@ -206,6 +211,8 @@ class BrokerServer:
                 await nursery.start(self.metrics.serve)
             nursery.start_soon(self._summarise_connections)
             nursery.start_soon(self._flow_timer)
+            if self.journal is not None:
+                nursery.start_soon(run_committer, self.journal)
             if self.udp is not None:
                 nursery.start_soon(self.udp.run)
             task_status.started(self.port)

@@ -20,7 +20,7 @@ from flowbroker.broker.outbox import Outbox, SessionFault
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
 from flowbroker.protocol.delivery import DeliveryLedger
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import BufferAck, Error, FlowResumed, FlowStopped, Frame
+from flowbroker.protocol.frames import BufferAck, BufferControl, Error, FlowResumed, FlowStopped, Frame
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.protocol.names import ALL_DESTINATIONS, THRESHOLD_FLOW_STOP_AGE, THRESHOLD_FLOW_STOP_DRAIN_TIME
 from flowbroker.protocol.ranges import IdSet
@@ -205,6 +205,12 @@ class Session:
     def resize_buffer(self, size: int, now_ns: int) -> None:
         """A credit policy changed this producer's buffer (the caller sends the BUFFER_CONTROL)."""
         self.transfers.resize(size)
+
+    def announce_buffer(self, size: int) -> None:
+        """A credit policy changed this producer's buffer: resize it and tell the client (BUFFER_CONTROL),
+        counted, so the client's BUFFER_LIMIT answer can name the one it answers."""
+        self.transfers.announced(size)
+        self.send(BufferControl(0, size))
 
     def flow_stopped(self, queue: Queue) -> None:
         threshold, limit, value = queue.stop_reason

@@ -354,6 +354,30 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "unroutable": core.unroutable,
         "idempotence": idempotence_view(core),
         "udp": udp_view(core),
+        "journal": journal_view(core),
+    }
+
+
+def journal_view(core: BrokerCore) -> dict[str, Any] | None:
+    """The journal of durable queues (docs/storage.md): where it is, what it wrote, the disk alarm; None
+    when the broker keeps none ([storage] enabled = false, or a core without a server)."""
+    journal = core.journal
+    if journal is None:
+        return None
+    alarm = journal.alarm
+    return {
+        "directory": str(journal.dir),
+        "awake": not journal.dormant,
+        "segments": len(journal.sizes),
+        "bytes": sum(journal.sizes.values()),
+        "free_bytes": journal.free_bytes,
+        "commits": journal.commits,
+        "fsyncs": journal.fsyncs,
+        "records_written": journal.records_written,
+        "bytes_written": journal.bytes_written,
+        "segments_deleted": journal.segments_deleted,
+        "write_errors": journal.write_errors,
+        "disk_alarm": alarm.reason if alarm is not None else None,
     }
 
 

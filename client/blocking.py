@@ -33,7 +33,7 @@ import trio
 from flowbroker.client.connection import Connection, ConnectionStatistics
 from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
-from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures
+from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
 from flowbroker.client.producer import Producer, ProducerStatistics
 from flowbroker.client.url import DEFAULT_URL
@@ -334,6 +334,25 @@ class BlockingProducer:
 
         return self._conn._run(send_all)
 
+    def send_batch(
+        self, messages: Iterable[tuple[bytes, Headers | None, str | None]], *, timeout: float | None = None,
+    ) -> int:
+        """Send `(body, headers, routing_key)` messages in one call into the trio thread, each with its own
+        headers and routing key (None: the producer's). Unlike `send_many`, `timeout` bounds each message's
+        wait for credit, as `send`'s does (None: `send_timeout`), not the whole call: a batch paced by a
+        slow consumer takes as long as it must, and only a broker that grants nothing for `timeout`
+        seconds raises `FlowControlTimeout`. Returns how many were sent; on an error, the messages before
+        it were sent. (The Spark data source sends each partition's rows through it.)"""
+        items = list(messages)
+        producer = self._producer
+
+        async def send_all() -> int:
+            for body, headers, routing_key in items:
+                await producer.send(body, headers, routing_key, timeout=timeout)
+            return len(items)
+
+        return self._conn._run(send_all)
+
     def flush(self, timeout: float | None = None) -> None:
         self._conn._run(self._producer.flush, timeout)
 
@@ -446,6 +465,36 @@ class BlockingConsumer:
         `trio.EndOfChannel` once the consumer is closed, the connection's error if it failed. Subscribes
         first if the consumer was never entered, within the same deadline."""
         return BlockingMessage(self._conn, self._conn._run(self._consumer.receive, timeout))
+
+    def receive_many(self, limit: int, timeout: float) -> list[BlockingMessage]:
+        """Up to `limit` messages in one thread hop: waits at most `timeout` seconds for the first (0: only
+        takes what is buffered), then takes only those already buffered (never waits for more). Returns [] when none came in time, and
+        once the consumer is closed. Subscribes first if the consumer was never entered."""
+        consumer = self._consumer
+        conn = self._conn
+
+        async def take() -> list[BlockingMessage]:
+            taken: list[BlockingMessage] = []
+            try:
+                # one already buffered is taken without a wait (receive(0) would time out at once)
+                taken.append(BlockingMessage(conn, await consumer.receive(None if consumer.buffered else timeout)))
+                while len(taken) < limit and consumer.buffered:
+                    taken.append(BlockingMessage(conn, await consumer.receive(None)))  # buffered: no wait
+            except (ReceiveTimeout, trio.EndOfChannel):
+                pass
+            return taken
+
+        return self._conn._run(take)
+
+    def ack_many(self, messages: Iterable[BlockingMessage]) -> None:
+        """Acknowledge several messages in one thread hop (settled together, in SETTLE ranges)."""
+        targets = [m._message for m in messages]
+
+        async def ack_all() -> None:
+            for message in targets:
+                await message.ack()
+
+        self._conn._run(ack_all)
 
     def statistics(self) -> ConsumerStatistics:
         """`Consumer.statistics()`, taken in the connection's thread."""

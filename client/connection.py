@@ -1164,6 +1164,9 @@ class Connection:
             self._flow.on_resumed(frame.destination, trio.current_time())
         elif isinstance(frame, BufferControl):
             if self._ledger.on_buffer_control(frame):
+                fence = self._ledger.buffer_limit()
+                if fence is not None:  # lets the broker lower its limit (and the pool's charge) after a shrink
+                    self._queue_control(fence)
                 self._credit_lot.unpark_all()
         elif isinstance(frame, Noop):
             if not frame.reply:

@@ -237,7 +237,8 @@ class CreditAllocator(Generic[K]):
     WAIT_GRANT; the rest, S = P - R, is shared among producers. A connection is charged its *window*,
     max(grant, credit limit - acknowledged position): a grant that shrank leaves the old, larger limit
     with the client (it may not have seen the shrink yet), so the difference stays promised until the
-    broker's acknowledgements overtake it, and the broker reports that with :meth:`set_window`.
+    client's BUFFER_LIMIT answer lowers the limit (at once, for an idle producer) or the broker's
+    acknowledgements overtake it; the broker reports either with :meth:`set_window`.
 
     Invariants (tests/policies/test_credit_pool.py): the sum of grants never exceeds P; the sum of
     windows never exceeds P except while promises made under a larger pool drain after
@@ -352,8 +353,9 @@ class CreditAllocator(Generic[K]):
         return self._share()
 
     def set_window(self, conn_id: K, window: int) -> dict[K, int]:
-        """The broker's acknowledgements moved this connection's window (credit limit - acknowledged
-        position): a promise left by a shrink is spent or drained, and its bytes return to the pool."""
+        """The broker's acknowledgements, or the client's BUFFER_LIMIT, moved this connection's window
+        (credit limit - acknowledged position): a promise left by a shrink is spent or drained, and its
+        bytes return to the pool, to whoever is short first."""
         grant = self._get(conn_id)
         if self._config.policy is CreditPolicy.NONE:
             return {}

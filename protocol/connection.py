@@ -58,6 +58,7 @@ _CLIENT_OPEN = _SESSION | {
     FrameType.TRANSFER,
     FrameType.BUFFER_CONTROL,
     FrameType.BUFFER_ACK,
+    FrameType.BUFFER_LIMIT,
     FrameType.SUBSCRIBE,
     FrameType.CANCEL,
     FrameType.SETTLE,

@@ -147,7 +147,8 @@ class ReceiverWindow:
     `opaque` is 0 for the connection-level buffer or a subscription id. `window` is the size the
     sender was told; 0 means flow control is off and no acknowledgements are due. `position` counts
     bytes received and `limit` is the highest limit ever granted (acked_position + window, never
-    lowered: a shrink cannot turn bytes the sender was already allowed into a violation); the shell
+    lowered by a shrink, which cannot turn bytes the sender was already allowed into a violation; only the
+sender's BUFFER_LIMIT lowers it, see protocol/session.py); the shell
     that checks incoming data against them keeps them up to date.
     """
 

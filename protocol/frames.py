@@ -42,6 +42,7 @@ __all__ = [
     "Complete",
     "BufferControl",
     "BufferAck",
+    "BufferLimit",
     "FlowStopped",
     "FlowResumed",
     "Subscribe",
@@ -100,6 +101,7 @@ class FrameType(enum.IntEnum):
     CLOSE_PUBLICATION = 25
     SUBSCRIBE_UDP = 26
     JOIN_GROUP = 27
+    BUFFER_LIMIT = 40  # numbered apart from the 2x range, which other additions take
 
 
 class Outcome(enum.IntEnum):
@@ -265,6 +267,20 @@ class BufferAck:
     opaque: int
     freed: int
     acked_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class BufferLimit:
+    """Client -> broker, the answer to a connection-level BUFFER_CONTROL that shrank the producer buffer:
+    "I will start no message at or beyond `limit`". `control` counts the connection-level BUFFER_CONTROLs
+    received so far (this one included) and `size` is that one's buffer size, so the broker can tell a
+    stale answer from the current one. It lets the broker lower its monotonic credit limit, and the
+    credit pool stop charging the old, larger grant (docs/protocol.md, BUFFER_LIMIT)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.BUFFER_LIMIT
+    control: int
+    size: int
+    limit: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +459,7 @@ Frame = Union[
     Complete,
     BufferControl,
     BufferAck,
+    BufferLimit,
     FlowStopped,
     FlowResumed,
     Subscribe,
@@ -751,6 +768,7 @@ _register(Transfer, _pos, _transfer_entries)
 _register(Complete, _uint, _ranges)
 _register(BufferControl, _uint, _uint)
 _register(BufferAck, _uint, _uint, _uint)
+_register(BufferLimit, _pos, _pos, _uint)
 _register(FlowStopped, _name, _str, _uint, _uint, _str)
 _register(FlowResumed, _name)
 _register(Subscribe, _uint, _uint, _name, _uint, _uint)

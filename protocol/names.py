@@ -32,6 +32,7 @@ __all__ = [
     "THRESHOLD_FLOW_STOP_SIZE",
     "TIME_QUEUE_ARGUMENTS",
     "THRESHOLD_MEMORY",
+    "THRESHOLD_DISK",
 ]
 
 # -- FLOW_STOPPED / FLOW_RESUMED ------------------------------------------------------------------------
@@ -53,6 +54,9 @@ THRESHOLD_ADMIN: Final = "admin"
 """An operator stopped all producers (destination ``*``)."""
 THRESHOLD_MEMORY: Final = "memory"
 """The broker's memory watermark (destination ``*``)."""
+THRESHOLD_DISK: Final = "disk"
+"""The journal's disk watermark (free space under ``disk_free_limit``, or the journal over its quota):
+destination is the durable queue the held transfer went to."""
 STOP_THRESHOLDS: Final = (
     THRESHOLD_FLOW_STOP_COUNT,
     THRESHOLD_FLOW_STOP_SIZE,
@@ -60,6 +64,7 @@ STOP_THRESHOLDS: Final = (
     THRESHOLD_FLOW_STOP_AGE,
     THRESHOLD_ADMIN,
     THRESHOLD_MEMORY,
+    THRESHOLD_DISK,
 )
 """Every value of FLOW_STOPPED's ``threshold``."""
 

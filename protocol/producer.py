@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 
 from flowbroker.protocol.credit import CreditError, SenderWindow
 from flowbroker.protocol.errors import ErrorCode, RemoteProtocolError
-from flowbroker.protocol.frames import BufferAck, BufferControl, Complete
+from flowbroker.protocol.frames import BufferAck, BufferControl, BufferLimit, Complete
 
 __all__ = ["ProducerLedger", "ProducerLedgerStatistics"]
 
@@ -61,7 +61,7 @@ class ProducerLedgerStatistics:
 class ProducerLedger(Generic[Owner]):
     """Transfer ids, the connection's byte credit (`window`, a `SenderWindow`) and the transfers in flight."""
 
-    __slots__ = ("window", "next_id", "cumulative", "completed", "_runs", "_tail")
+    __slots__ = ("window", "next_id", "cumulative", "completed", "_runs", "_tail", "controls", "_unanswered")
 
     def __init__(self, window: int = 0) -> None:
         self.window = SenderWindow(window)
@@ -76,6 +76,10 @@ class ProducerLedger(Generic[Owner]):
         """The transfers above `cumulative`, as runs of consecutive ids sent by one owner: (first id, owner),
         sorted. A run ends where the next begins, the last at the highest id sent. Owner None: completed
         out of order."""
+        self.controls = 0
+        """Connection-level BUFFER_CONTROLs applied: what a BUFFER_LIMIT names (the broker ignores a stale one)."""
+        self._unanswered = False
+        """The last BUFFER_CONTROL set a paced buffer and `buffer_limit()` has not answered it yet."""
         self._tail: Owner | None = None
         """The owner of the last run (None when there is none or it is completed): a send by this owner
         extends that run instead of adding one."""
@@ -141,11 +145,32 @@ class ProducerLedger(Generic[Owner]):
 
     def on_buffer_control(self, frame: BufferControl) -> bool:
         """The broker resized the connection's producer buffer; True if it applies here (opaque 0: the
-        others are consumer-side subscription ids, which a broker never sends a producer)."""
+        others are consumer-side subscription ids, which a broker never sends a producer). Then
+        `buffer_limit()` is the answer the broker waits for."""
         if frame.opaque != 0:
             return False
-        self.window.resize(frame.buffer_size)
+        window = self.window
+        self.controls += 1
+        self._unanswered = frame.buffer_size > 0
+        window.resize(frame.buffer_size)
         return True
+
+    def buffer_limit(self) -> BufferLimit | None:
+        """The BUFFER_LIMIT that answers the last BUFFER_CONTROL (None if it is answered, or turned flow
+        control off): the position every admitted message stays below, L = max(position, acked_position
+        + window). Only a shrink needs the answer, but every BUFFER_CONTROL gets one so that the latest is
+        always answered: a shrink followed by a smaller grow before the answer arrives makes the first
+        answer stale, and the old promise would stay if the grow went unanswered.
+
+        `position` counts every byte admitted by `on_sent`, written or still queued, so whatever the
+        shell sends after this frame was admitted below L, and from now on `may_send()` lets a message
+        start only below acked_position + window <= L; the broker then lowers its credit limit to L
+        and stops charging the old grant to the pool (docs/protocol.md, BUFFER_LIMIT)."""
+        if not self._unanswered:
+            return None
+        self._unanswered = False
+        window = self.window
+        return BufferLimit(self.controls, window.window, max(window.position, window.acked_position + window.window))
 
     def on_buffer_ack(self, frame: BufferAck) -> int:
         """Apply the broker's acknowledgement; returns the bytes it newly freed (0 when stale or repeated:

@@ -9,7 +9,8 @@ COMPLETE frames; and it schedules BUFFER_ACKs through its `ReceiverWindow`.
 The limit a transfer is checked against is the highest ever granted (monotonic), and it moves only
 with what the broker actually sends: a BUFFER_ACK returned by `ack_due()`/`poll()` or a resize that the
 caller announces with BUFFER_CONTROL. A shrink never lowers it, since the producer may not have seen the
-smaller window yet. While the producer waits for a share of the credit pool (`credit_waiting`), its
+smaller window yet; only the producer's answer to the shrink, BUFFER_LIMIT (`fence()`), lowers it, to
+what the producer promises not to reach. While the producer waits for a share of the credit pool (`credit_waiting`), its
 acknowledgements are withheld: that is what makes it wait.
 
 What the caller does with the messages (routing, holding a completion while a queue is saturated) is
@@ -40,7 +41,7 @@ class TransferReceiverStatistics:
     consumed_position: int  # bytes of completed transfers
     acked_position: int  # consumed bytes acknowledged in a BUFFER_ACK
     window: int  # the window granted now (0: flow control off)
-    limit: int  # the highest limit ever granted
+    limit: int  # the highest limit granted (lowered only by the producer's BUFFER_LIMIT)
     transfers_received: int
     transfers_completed: int
     credit_waiting: bool
@@ -54,7 +55,7 @@ class TransferReceiver:
     """
 
     __slots__ = ("flow_control", "window", "next_transfer_id", "completed", "credit_waiting",
-                 "newly_completed", "reported_cumulative")
+                 "newly_completed", "reported_cumulative", "controls")
 
     def __init__(self, window: int, flow_control: bool = True):
         self.flow_control = flow_control
@@ -65,6 +66,7 @@ class TransferReceiver:
         # Read by a shell that wants to skip calling completions() when none is due (once a frame).
         self.newly_completed: list[int] = []  # ids completed out of order since the last COMPLETE
         self.reported_cumulative = 0  # the cumulative id the last COMPLETE carried
+        self.controls = 0  # connection-level BUFFER_CONTROLs announced (`announced()`): what BUFFER_LIMIT names
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -178,6 +180,47 @@ class TransferReceiver:
         state = self.window
         state.window = window
         state.limit = max(state.limit, state.acked_position + window)
+
+    def announced(self, window: int) -> None:
+        """`resize(window)` that the caller sends to the producer as a BUFFER_CONTROL (the grant at
+        connect, which WELCOME carries, is not one): BUFFER_LIMIT counts these to name the one it answers."""
+        self.resize(window)
+        self.controls += 1
+
+    def fence(self, control: int, size: int, limit: int) -> bool:
+        """The producer's BUFFER_LIMIT: after applying the `control`-th BUFFER_CONTROL (of `size` bytes) it
+        starts no message at or beyond `limit`. If that is the latest BUFFER_CONTROL, the credit limit
+        comes down to max(`limit`, acked_position + window) (never up: `limit` may be above it by the one
+        message that may overflow), so what a shrink left promised drains at once instead of when the
+        producer, perhaps idle for good, sends it. Returns True if the limit moved.
+
+        A stale one (a BUFFER_CONTROL has gone out since) is ignored: transfers admitted under the newer
+        grant may follow it. Raises RemoteProtocolError(CREDIT_VIOLATION) for one that cannot be right:
+        naming a BUFFER_CONTROL never sent, a size other than that one's, or a limit below the bytes
+        already received (the producer cannot take back bytes it sent)."""
+        window = self.window
+        if control != self.controls:
+            if control > self.controls:
+                raise RemoteProtocolError(
+                    f"BUFFER_LIMIT answers BUFFER_CONTROL {control} but only {self.controls} were sent",
+                    ErrorCode.CREDIT_VIOLATION,
+                )
+            return False
+        if size != window.window:
+            raise RemoteProtocolError(
+                f"BUFFER_LIMIT names buffer size {size} but BUFFER_CONTROL {control} granted {window.window}",
+                ErrorCode.CREDIT_VIOLATION,
+            )
+        if limit < window.position:
+            raise RemoteProtocolError(
+                f"BUFFER_LIMIT {limit} is below the {window.position} bytes already received",
+                ErrorCode.CREDIT_VIOLATION,
+            )
+        lowered = min(window.limit, max(limit, window.acked_position + window.window))
+        if lowered == window.limit:
+            return False
+        window.limit = lowered
+        return True
 
     @property
     def promised(self) -> int:

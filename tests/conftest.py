@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -10,6 +11,29 @@ import trio
 
 from flowbroker.broker.config import load_config
 from flowbroker.broker.server import BrokerServer
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _state_dir_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Brokers the tests start (in process or as subprocesses, which inherit the environment) keep
+    their journal ([storage] data_dir's default, $XDG_STATE_HOME/flowbroker) in a temporary directory,
+    never in the user's state directory."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        del os.environ["XDG_STATE_HOME"]
+    else:
+        os.environ["XDG_STATE_HOME"] = before
+
+
+@pytest.fixture(autouse=True)
+def _state_dir_per_test(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """And each test its own: a durable queue one test declares (a doc example's, say) must not come
+    back, recovered from the journal, in the brokers of the tests after it."""
+    state = tmp_path / "xdg-state"
+    state.mkdir(exist_ok=True)
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
 
 
 class RunningBroker:

@@ -16,7 +16,7 @@ from flowbroker.broker.exchange import ExchangeKind
 from flowbroker.policies import CreditPolicy, OverflowPolicy
 from flowbroker.protocol import names
 
-PACKAGES = ["broker", "client", "policies", "protocol", "transport", "transport.udp"]
+PACKAGES = ["broker", "client", "policies", "protocol", "spark", "transport", "transport.udp"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -51,7 +51,7 @@ def test_the_broker_and_its_admin_api_use_the_wire_names() -> None:
     assert core.QUEUE_ARGUMENTS is names.QUEUE_ARGUMENTS and views.THRESHOLD_KEYS is names.QUEUE_ARGUMENTS
     assert core.BUILTIN_EXCHANGES == {name for name, _ in names.BUILTIN_EXCHANGES}
     assert set(names.STOP_THRESHOLDS) == {"flow_stop_count", "flow_stop_size", "flow_stop_drain_time",
-                                          "flow_stop_age", "admin", "memory"}
+                                          "flow_stop_age", "admin", "memory", "disk"}
     assert set(names.TIME_QUEUE_ARGUMENTS) < set(names.QUEUE_ARGUMENTS)
 
 

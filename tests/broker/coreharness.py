@@ -22,6 +22,7 @@ from flowbroker.protocol.frames import (
     Bind,
     BufferAck,
     BufferControl,
+    BufferLimit,
     Complete,
     DeclareExchange,
     DeclareQueue,
@@ -69,8 +70,12 @@ class Harness:
     def advance(self, seconds: float) -> None:
         self.t[0] += int(seconds * 1e9)
 
-    def producer(self, name: str = "producer", *, flow_control: bool = True, window: int | None = None) -> Producer:
-        return Producer(self, name, flow_control=flow_control, window=window)
+    def producer(
+        self, name: str = "producer", *, flow_control: bool = True, window: int | None = None, fences: bool = False
+    ) -> Producer:
+        """`fences`: answer every BUFFER_CONTROL with BUFFER_LIMIT, as the SDK does; without it, a client
+        from before BUFFER_LIMIT."""
+        return Producer(self, name, flow_control=flow_control, window=window, fences=fences)
 
     def consumer(self, name: str = "consumer", *, flow_control: bool = False) -> Consumer:
         """`flow_control=True` is what the SDK does by default: a connection that only consumes."""
@@ -163,9 +168,11 @@ class Producer(Client):
     """A producer that keeps the SDK's books: window of uncompleted transfers, byte credit from the
     Welcome's buffer size moved by BUFFER_ACK/BUFFER_CONTROL, flow-stopped destinations."""
 
-    def __init__(self, harness: Harness, name: str, *, flow_control: bool, window: int | None):
+    def __init__(self, harness: Harness, name: str, *, flow_control: bool, window: int | None, fences: bool = False):
         super().__init__(harness, name, flow_control=flow_control)
         self.window = window
+        self.fences = fences
+        self.buffer_limits: list[BufferLimit] = []  # the BUFFER_LIMITs sent (with `fences`)
         # The WELCOME frame carries session.buffer_size; nothing else is read from the session.
         self.credit = SenderWindow(self.session.buffer_size if flow_control else 0)
         self.welcome_buffer = self.session.buffer_size
@@ -245,6 +252,14 @@ class Producer(Client):
             assert frame.opaque == 0, frame
             self.buffer_controls.append(frame)
             self.credit.resize(frame.buffer_size)
+            if self.fences and frame.buffer_size:
+                # the SDK's answer (ProducerLedger.buffer_limit): this client sends at once, so every
+                # byte it admitted is already sent, and the next message starts below acked + size
+                credit = self.credit
+                fence = BufferLimit(len(self.buffer_controls), frame.buffer_size,
+                                    max(credit.position, credit.acked_position + credit.window))
+                self.buffer_limits.append(fence)
+                self.handle(fence)
         elif isinstance(frame, FlowStopped):
             self.flow_events.append(frame)
             self.stopped[frame.destination] = frame

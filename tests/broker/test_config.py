@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from flowbroker.broker.config import (
     AdminConfig,
     MetricsConfig,
+    StorageConfig,
     UdpConfig,
     BrokerConfig,
     ConfigError,
@@ -36,7 +37,7 @@ from flowbroker.policies.credit import CreditPolicy, CreditPolicyConfig
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024 * 1024
 SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "queues": QueueDefaults, "admin": AdminConfig, "udp": UdpConfig,
-                                   "metrics": MetricsConfig}
+                                   "metrics": MetricsConfig, "storage": StorageConfig}
 CREDIT_KEYS = sorted(f.name for f in fields(CreditPolicyConfig) if f.init and f.name != "quota")
 """[credit] keys a file may set; `quota` is one too but is documented as following memory_quota."""
 
@@ -68,7 +69,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_the_documentation_lists_every_key_the_code_knows() -> None:
     doc = documented()
-    assert sorted(doc) == ["admin", "credit", "metrics", "queues", "server", "udp"]
+    assert sorted(doc) == ["admin", "credit", "metrics", "queues", "server", "storage", "udp"]
     for section, cls in SECTIONS.items():
         assert sorted(doc[section]) == sorted(f.name for f in fields(cls)), section
     assert sorted(doc["credit"]) == CREDIT_KEYS
@@ -148,7 +149,7 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) ->
 
 
 def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, credit, metrics, queues, server, udp$"):
+    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, credit, metrics, queues, server, storage, udp$"):
         load_config(write(tmp_path, "[sever]\nport = 1\n"))
     for section in ("server", "queues", "admin", "credit"):
         with pytest.raises(ConfigError, match=rf"^\[{section}\] \* = 3: must be a table$"):

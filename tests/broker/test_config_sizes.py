@@ -20,6 +20,7 @@ def test_every_byte_valued_key_takes_a_size_string(tmp_path: Path) -> None:
         '[credit]\npolicy = "dynamic"\nquota = "1GiB"\nstatic_size = "10MiB"\nmin_size = "512KiB"\n'
         'max_size = "50MiB"\noverride_size = "0"\n'
         '[udp]\nterm_length = "4MiB"\nmin_receiver_window = "16KiB"\nmax_receiver_window = "2MiB"\n'
+        '[storage]\nsegment_size = "8MiB"\ndisk_free_limit = "1GiB"\nquota = "10GiB"\n'
     )
     config = load_config(path)
     server = config.server
@@ -31,7 +32,9 @@ def test_every_byte_valued_key_takes_a_size_string(tmp_path: Path) -> None:
         1024 * MiB, 10 * MiB, 512 * 1024, 50 * MiB, 0)
     udp = config.udp
     assert (udp.term_length, udp.min_receiver_window, udp.max_receiver_window) == (4 * MiB, 16 * 1024, 2 * MiB)
-    assert {s: len(k) for s, k in SIZE_KEYS.items()} == {"server": 5, "queues": 1, "credit": 5, "udp": 3}
+    storage = config.storage
+    assert (storage.segment_size, storage.disk_free_limit, storage.quota) == (8 * MiB, 1024 * MiB, 10240 * MiB)
+    assert {s: len(k) for s, k in SIZE_KEYS.items()} == {"server": 5, "queues": 1, "credit": 5, "udp": 3, "storage": 3}
 
 
 def test_integers_still_work_and_a_bad_size_names_the_key(tmp_path: Path) -> None:

@@ -229,7 +229,9 @@ class CoreMachine(RuleBasedStateMachine):
 
     def _open_producer(self, data: st.DataObject) -> None:
         window = data.draw(st.integers(1, 6), label="window")
-        p = self.h.producer(f"p{len(self.producers)}", window=window)
+        # the SDK answers every BUFFER_CONTROL with BUFFER_LIMIT; a client from before it does not
+        fences = data.draw(st.booleans(), label="answers BUFFER_CONTROL (BUFFER_LIMIT)")
+        p = self.h.producer(f"p{len(self.producers)}", window=window, fences=fences)
         p.reads_credit = False  # the model reads every frame itself (_absorb_producer)
         assert p.welcome_buffer == WAIT_GRANT  # provisional until its first transfer
         if self.h.core.producers_stopped:
@@ -898,6 +900,25 @@ class CoreMachine(RuleBasedStateMachine):
                       if unacked > LARGEST_SENT else "one message or none")
             else:
                 assert p.credit.acked_position == p.credit.position, "credit was not all returned"
+            credit = self.h.core.credit
+            s = p.session
+            if p.fences and s.buffer_size and not credit.is_waiting(s.conn_id):
+                # its answers drained whatever its shrinks left promised: it is charged its grant only
+                assert credit.window_of(s.conn_id) == s.buffer_size == s.transfers.promised, (
+                    pid, credit.window_of(s.conn_id), s.buffer_size, s.transfers.promised)
+                event("fencing producer at the end", "shrunk" if self._largest_buffer(p) > s.buffer_size else "not shrunk")
+        credit = self.h.core.credit
+        live = [self.producers[pid] for pid in range(len(self.producers))
+                if pid not in self.closed_producers and pid in self.registered]
+        if credit.config.policy.value != "none" and live and all(p.fences for p in live):
+            # every producer answers its shrinks: nothing but a waiting producer's one unacknowledged
+            # message is promised beyond the grants, so nobody waits while the grants leave a share
+            free = credit.shareable - sum(credit.size_of(p.session.conn_id) - 1 for p in live)
+            waiting = [p for p in live if credit.is_waiting(p.session.conn_id)]
+            unacked = sum(credit.window_of(p.session.conn_id) - 1 for p in waiting)
+            for p in waiting:
+                assert free - unacked + credit.window_of(p.session.conn_id) < credit.need(), (free, unacked, credit.need())
+            event("all producers answer, someone waits at the end", bool(waiting))
 
 
 TestCoreMachine = CoreMachine.TestCase

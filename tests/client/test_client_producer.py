@@ -13,6 +13,7 @@ from flowbroker.protocol.frames import Headers
 from flowbroker.protocol import (
     BufferAck,
     BufferControl,
+    BufferLimit,
     Complete,
     Error,
     ErrorCode,
@@ -290,6 +291,30 @@ async def test_buffer_control_resizes_live_credit(start_broker, io_clock) -> Non
             await fake.wait_for(lambda: len(fake.transfers) == 22)
             assert fake.violations == []
     assert closing.value.unconfirmed == 22 and closing.value.failed == 0
+
+
+async def test_buffer_control_is_answered_with_buffer_limit(start_broker) -> None:
+    """The SDK answers each BUFFER_CONTROL (opaque 0, paced) with BUFFER_LIMIT naming it by count: the
+    limit covers every byte it admitted, and after a shrink it starts nothing at or beyond it."""
+    broker = await start_broker(buffer_size=10 * SIZE, auto_complete=False)
+    with pytest.raises(fc.PublishFailures):  # never completed: said, not lost
+        async with await fc.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q")
+            for _ in range(5):
+                await producer.send(BODY, timeout=5)
+            fake = await broker.connection()
+            await fake.send(BufferControl(0, 2 * SIZE))  # nothing acknowledged: 5 messages in flight
+            await fake.wait_for(lambda: len(fake.frames(BufferLimit)) == 1)
+            assert fake.frames(BufferLimit) == [BufferLimit(1, 2 * SIZE, 5 * SIZE)]
+            assert not producer.has_credit()
+            await fake.ack(3 * SIZE)  # 2 in flight: under the new size no more; the limit stays 5 * SIZE
+            with trio.move_on_after(0.2):
+                await producer.send(BODY)
+            assert len(fake.transfers) == 5
+            await fake.send(BufferControl(7, 100), BufferControl(0, 0), BufferControl(0, 10 * SIZE))
+            await fake.wait_for(lambda: len(fake.frames(BufferLimit)) == 2)  # not for opaque 7, nor size 0
+            assert fake.frames(BufferLimit)[1] == BufferLimit(3, 10 * SIZE, 3 * SIZE + 10 * SIZE)
+            assert fake.violations == []
 
 
 async def test_connection_close_fails_blocked_sender(start_broker) -> None:

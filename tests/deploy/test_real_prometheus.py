@@ -68,9 +68,10 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
     config.write_text(f'[server]\nport = {port}\nmemory_quota = 1073741824\n\n'
                       f'[admin]\nport = {admin_port}\ntoken_file = "{tmp_path / "admin-token"}"\n\n'
                       f'[udp]\nendpoint = "127.0.0.1:0"\n\n'
-                      # a share of its own for each producer: under the default aggressive policy a producer
-                      # connecting after the flowing one waits until that one has used up its earlier, larger
-                      # promise (FlowbrokerProducersWaitingForCredit), which at this load takes minutes
+                      # a share of its own for each producer: the default aggressive policy hands the whole
+                      # pool to the two flow-controlled producers (FlowbrokerCreditNearlyAllGranted). (Before
+                      # BUFFER_LIMIT a producer connecting after the flowing one also waited until that one had
+                      # used up its earlier, larger promise: FlowbrokerProducersWaitingForCredit, for minutes.)
                       f'[credit]\npolicy = "static"\nstatic_size = 4194304\n')
     port_file = tmp_path / "ports.json"
     proc = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config), "--port-file", str(port_file)],

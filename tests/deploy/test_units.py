@@ -115,7 +115,10 @@ def test_the_configuration_file_loads_and_keeps_the_admin_api_local() -> None:
     assert (config.server.port, config.admin.port) == (defaults.server.port, defaults.admin.port)
     assert config.udp.address()[1] == defaults.udp.address()[1]
     # the file's keys exist (load_config would have refused unknown ones) and it says nothing twice
-    assert set(tomllib.loads(CONFIG.read_text())) <= {"server", "queues", "credit", "admin", "udp", "metrics"}
+    assert set(tomllib.loads(CONFIG.read_text())) <= {"server", "queues", "credit", "admin", "udp", "metrics",
+                                                      "storage"}
+    # durable queues are journalled in the state directory, the only one the unit lets the broker write
+    assert config.storage.journal_dir() == Path("/var/lib/flowbroker/journal")
     assert config.metrics.enabled and config.metrics.endpoint == "" and not config.metrics.require_token
 
 

@@ -38,6 +38,7 @@ from flowbroker.protocol import (
     Bind,
     BufferAck,
     BufferControl,
+    BufferLimit,
     Cancel,
     Close,
     DeclareExchange,
@@ -332,8 +333,12 @@ class _Maker:
     def buffer(self) -> list[Move]:
         rng = self.rng
         opaque = rng.choice((0, 0, 1, 2, 8, U64))
-        if rng.random() < 0.5:
+        pick = rng.random()
+        if pick < 0.4:
             return [Move("buffer", BufferControl(opaque, rng.choice((0, 1, 100, 4096, 1 << 20, U64))))]
+        if pick < 0.7:  # an answer to a shrink it never got, or stale, or lowering below what it sent
+            return [Move("buffer", BufferLimit(rng.choice((1, 1, 2, 3, U64)), rng.choice((1, 100, 4096, 1 << 20, U64)),
+                                               rng.choice((0, 1, 4096, 1 << 20, self.u64ish()))))]
         return [Move("buffer", BufferAck(opaque, self.u64ish(), self.u64ish()))]
 
     def topic(self) -> list[Move]:

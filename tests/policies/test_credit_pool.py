@@ -223,6 +223,31 @@ class PoolMachine(RuleBasedStateMachine):
         size, window = self.alloc.size_of(conn), self.alloc.window_of(conn)
         self._apply(self.alloc.set_window(conn, window - int((window - size) * part)))
 
+    @precondition(lambda self: bool(self.producers))
+    @rule()
+    def every_producer_answers(self) -> None:
+        """Every producer answers its last BUFFER_CONTROL with BUFFER_LIMIT while idle (nothing in
+        flight): the broker lowers each window to the grant at once. Shares handed out meanwhile are
+        answered too, until nothing moves; then nothing is promised beyond the grants, and nobody waits
+        while the grants leave a share for it, even after shrinks and reconfigures."""
+        alloc = self.alloc
+        assert alloc is not None
+        for _ in range(len(self.producers) + 2):
+            moved = False
+            for conn in sorted(self.producers):
+                if alloc.window_of(conn) != alloc.size_of(conn):
+                    moved = True
+                    self._apply(alloc.set_window(conn, alloc.size_of(conn)))
+            if not moved:
+                break
+        assert all(alloc.window_of(c) == alloc.size_of(c) for c in self.producers)
+        assert alloc.total_committed() == alloc.total_granted()
+        if alloc.config.policy is not CreditPolicy.NONE:
+            free = alloc.shareable - sum(alloc.size_of(c) - 1 for c in self.producers)
+            for conn in self.producers:
+                if alloc.is_waiting(conn):
+                    assert free + 1 < alloc.need(), (conn, free, alloc.need())
+
     @precondition(lambda self: self.alloc is not None)
     @rule(config=configs)
     def reconfigure(self, config: CreditPolicyConfig) -> None:

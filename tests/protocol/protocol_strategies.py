@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from flowbroker.protocol import (
     Bind,
     BufferAck,
+    BufferLimit,
     BufferControl,
     Cancel,
     Close,
@@ -129,6 +130,7 @@ FRAME_STRATEGIES: dict[FrameType, st.SearchStrategy[Any]] = {
     FrameType.COMPLETE: st.builds(Complete, cumulative_id=u64, ranges=ranges),
     FrameType.BUFFER_CONTROL: st.builds(BufferControl, opaque=u64, buffer_size=u64),
     FrameType.BUFFER_ACK: st.builds(BufferAck, opaque=u64, freed=u64, acked_position=u64),
+    FrameType.BUFFER_LIMIT: st.builds(BufferLimit, control=pos64, size=pos64, limit=u64),
     FrameType.FLOW_STOPPED: st.builds(
         FlowStopped, destination=names, threshold=text, limit=u64, value=u64, reason=text
     ),
@@ -184,6 +186,7 @@ SAMPLES: dict[FrameType, Frame] = {
     FrameType.COMPLETE: Complete(1, [(3, 4)]),
     FrameType.BUFFER_CONTROL: BufferControl(0, 1 << 20),
     FrameType.BUFFER_ACK: BufferAck(0, 100, 100),
+    FrameType.BUFFER_LIMIT: BufferLimit(2, 1 << 19, 1 << 20),
     FrameType.FLOW_STOPPED: FlowStopped("q", "flow_stop_count", 10, 11, "queue over its stop threshold"),
     FrameType.FLOW_RESUMED: FlowResumed("q"),
     FrameType.SUBSCRIBE: Subscribe(7, 1, "q", 100, 1 << 20),

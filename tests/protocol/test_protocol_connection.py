@@ -39,6 +39,7 @@ CLIENT_SENDS = {
     FrameType.TRANSFER,
     FrameType.BUFFER_CONTROL,
     FrameType.BUFFER_ACK,
+    FrameType.BUFFER_LIMIT,
     FrameType.SUBSCRIBE,
     FrameType.CANCEL,
     FrameType.SETTLE,

@@ -65,6 +65,7 @@ FIELDS: dict[FrameType, list[tuple[str, str]]] = {
     FrameType.COMPLETE: [("cumulative_id", "uint"), ("ranges", "ranges")],
     FrameType.BUFFER_CONTROL: [("opaque", "uint"), ("buffer_size", "uint")],
     FrameType.BUFFER_ACK: [("opaque", "uint"), ("freed", "uint"), ("acked_position", "uint")],
+    FrameType.BUFFER_LIMIT: [("control", "pos"), ("size", "pos"), ("limit", "uint")],
     FrameType.FLOW_STOPPED: [
         ("destination", "name"),
         ("threshold", "str"),

@@ -113,7 +113,7 @@ def test_an_object_that_is_not_a_frame_is_refused() -> None:
 CLIENT_TYPES = {
     FrameType.DECLARE_QUEUE, FrameType.DECLARE_EXCHANGE, FrameType.BIND, FrameType.UNBIND, FrameType.DELETE_QUEUE,
     FrameType.PURGE_QUEUE, FrameType.DELETE_EXCHANGE, FrameType.TRANSFER, FrameType.BUFFER_CONTROL,
-    FrameType.BUFFER_ACK, FrameType.SUBSCRIBE, FrameType.CANCEL, FrameType.SETTLE, FrameType.NOOP, FrameType.ERROR,
+    FrameType.BUFFER_ACK, FrameType.BUFFER_LIMIT, FrameType.SUBSCRIBE, FrameType.CANCEL, FrameType.SETTLE, FrameType.NOOP, FrameType.ERROR,
     FrameType.REGISTER_PUBLICATION, FrameType.CLOSE_PUBLICATION, FrameType.SUBSCRIBE_UDP,
     FrameType.JOIN_GROUP,
 }

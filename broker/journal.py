@@ -1,0 +1,375 @@
+"""The durable journal: an append-only log of segment files, group commit, compaction, the disk alarm.
+
+Records (broker/journalrecord.py) are appended to an in-memory buffer on the trio thread as the core
+acts (a message enqueued on a durable queue, a delivery, a settlement, a declaration); nothing here
+blocks. The shell (broker/journalshell.py) takes everything buffered as one `Batch` and hands it to
+`write_batch` on a worker thread: one `write` per segment touched and one `fsync`, however many
+transfers the batch covers (group commit: every transfer that arrived while the previous fsync ran
+rides on the next). When that returns, `committed` releases the completions the batch covered; a
+producer's credit comes back only then, so a slow disk paces producers through the credit machinery
+that already exists, with nothing new on the wire.
+
+Segments are files `<number>.seg`, number padded to 20 digits, in `<data_dir>/journal`. A segment
+receives appends until it holds `segment_size` bytes; the next one opens with a *snapshot* of the
+durable topology (queues with their next offset, exchanges, bindings, the producers' sequences), so
+no segment depends on an older one for declarations. Compaction deletes the oldest segments while
+every message in them is settled (their settlements were in the same or an earlier batch), oldest
+first: a settlement record lives in a later segment than its message, so deleting out of order
+could drop a settlement whose message is still on disk.
+
+The journal is *dormant* until the first durable queue exists (or something was recovered): a
+broker that never declares one writes nothing and creates no directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowbroker.broker.journalrecord import (
+    BIND,
+    DELIVERED,
+    EXCHANGE,
+    EXCHANGE_DELETED,
+    MESSAGE,
+    PRODUCERS,
+    QUEUE,
+    QUEUE_DELETED,
+    SETTLED,
+    UNBIND,
+    encode,
+)
+from flowbroker.protocol.frames import FlowResumed, FlowStopped
+from flowbroker.protocol.names import OVERFLOW, QUEUE_ARGUMENTS, THRESHOLD_DISK
+
+if TYPE_CHECKING:
+    from flowbroker.broker.message import HeldTransfer, Message
+    from flowbroker.broker.queue import Queue
+    from flowbroker.broker.session import Session
+
+__all__ = ["Journal", "Batch", "segment_name", "queue_arguments", "MAX_PRODUCER_IDS"]
+
+LOGGER = logging.getLogger("flowbroker.journal")
+
+MAX_PRODUCER_IDS = 100_000
+"""Producer ids whose highest journalled sequence is kept (the idempotent-producer seam): bounded, the
+oldest forgotten first."""
+
+
+def segment_name(number: int) -> str:
+    return f"{number:020d}.seg"
+
+
+def queue_arguments(queue: Queue) -> dict[str, Any]:
+    """The queue's thresholds and overflow as DECLARE_QUEUE arguments (resolved values, so a queue
+    recovered with them behaves as it did, `queue set` changes included)."""
+    t = queue.thresholds
+    args: dict[str, Any] = {k: getattr(t, k) for k in QUEUE_ARGUMENTS if k != OVERFLOW}
+    args[OVERFLOW] = queue.overflow.value
+    return args
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one group commit writes: bytes per segment in order, the transfers it completes, the
+    segments it deletes once they are on disk. `done` counts the chunks written (a retry after a
+    failed write resumes there, so no chunk is written twice)."""
+
+    chunks: list[tuple[int, bytearray]]
+    waiters: list[HeldTransfer]
+    deletable: list[int]
+    records: int
+    done: int = 0
+    unsynced: set[int] = field(default_factory=set)
+
+
+class Journal:
+    """One broker's journal. Appends (trio thread) and `write_batch` (worker thread) never run on the
+    same objects at once: `take_batch` hands the buffer over whole."""
+
+    def __init__(self, directory: Path, segment_size: int, fsync: bool, disk_free_limit: int, quota: int):
+        self.dir = directory
+        self.segment_size = segment_size
+        self.fsync = fsync
+        self.disk_free_limit = disk_free_limit
+        self.quota = quota
+        self.dormant = True
+        self.active_seg = 0  # the segment appends go to (0: none yet)
+        self.oldest_seg = 1  # the oldest segment that may still exist
+        self.seg_bytes = 0  # bytes of the active segment, written or buffered
+        self.sizes: dict[int, int] = {}  # segment -> bytes, written or buffered
+        self.live: dict[int, int] = {}  # segment -> its messages not yet settled
+        self._chunks: list[tuple[int, bytearray]] = []
+        self._records = 0
+        self._waiters: list[HeldTransfer] = []
+        self.next_qid = 1
+        self.producers: dict[str, int] = {}  # producer id -> highest sequence journalled
+        self.topology: Callable[[], list[list[Any]]] = list  # the snapshot a new segment opens with
+        self.wake: Callable[[], None] = lambda: None  # the shell's committer: something is buffered
+        # the disk alarm: why producers of durable queues are held, and who was told
+        self.alarm: FlowStopped | None = None
+        self._disk_held: list[HeldTransfer] = []
+        self._stopped: dict[Session, str] = {}
+        self.free_bytes = -1  # free space under data_dir at the last look (-1: not looked)
+        # counters for the views and the benchmark
+        self.commits = 0
+        self.fsyncs = 0
+        self.bytes_written = 0
+        self.records_written = 0
+        self.write_errors = 0
+        self.segments_deleted = 0
+        self._fd = -1
+        self._fd_seg = 0
+
+    # -- appending (trio thread) -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Leave dormancy: open a segment with the snapshot, so the directory is self-contained."""
+        self.dormant = False
+        self._roll()
+
+    def _roll(self) -> None:
+        self.active_seg = max(self.active_seg, max(self.sizes, default=0)) + 1
+        self.seg_bytes = 0
+        self.sizes[self.active_seg] = 0
+        self.live[self.active_seg] = 0
+        for record in self.topology():
+            self._append(encode(record))
+        if self.producers:
+            self._append(encode([PRODUCERS, dict(self.producers)]))
+
+    def _append(self, data: bytes) -> None:
+        seg = self.active_seg
+        chunks = self._chunks
+        if chunks and chunks[-1][0] == seg:
+            chunks[-1][1].extend(data)
+        else:
+            chunks.append((seg, bytearray(data)))
+            if len(chunks) == 1:
+                self.wake()
+        self._records += 1
+        n = len(data)
+        self.seg_bytes += n
+        self.sizes[seg] += n
+
+    def record(self, record: list[Any]) -> None:
+        """Append a record (a declaration, a settlement): written with the next commit."""
+        if self.dormant:
+            return
+        if self.seg_bytes >= self.segment_size:
+            self._roll()
+        self._append(encode(record))
+
+    def message(self, qid: int, msg: Message) -> int:
+        """Append a message of a durable queue; returns the segment it is in."""
+        if self.seg_bytes >= self.segment_size:
+            self._roll()
+        pid = msg.producer_id
+        if pid is not None and msg.sequence is not None:
+            producers = self.producers
+            producers[pid] = msg.sequence
+            if len(producers) > MAX_PRODUCER_IDS:
+                del producers[next(iter(producers))]
+        self._append(encode([MESSAGE, qid, msg.offset, msg.exchange, msg.routing_key, msg.body, msg.headers,
+                             msg.size, pid, msg.sequence]))
+        seg = self.active_seg
+        self.live[seg] += 1
+        return seg
+
+    def delivered(self, qid: int, offset: int) -> None:
+        self._append(encode([DELIVERED, qid, offset]))
+
+    def settled(self, qid: int, offset: int, seg: int) -> None:
+        self.live[seg] -= 1
+        if self.seg_bytes >= self.segment_size:
+            self._roll()
+        self._append(encode([SETTLED, qid, offset]))
+
+    def forget(self, segs: list[int]) -> None:
+        """A deleted queue's messages, by segment: they no longer keep their segments."""
+        live = self.live
+        for seg in segs:
+            live[seg] -= 1
+
+    def new_queue_id(self) -> int:
+        qid = self.next_qid
+        self.next_qid += 1
+        return qid
+
+    def queue_declared(self, qid: int, queue: Queue) -> None:
+        """A durable queue was declared (or its thresholds changed): the first one wakes the journal."""
+        if self.dormant:
+            self._start()  # the snapshot already has it
+            return
+        self.record([QUEUE, qid, queue.name, queue_arguments(queue), queue.next_offset])
+
+    def queue_deleted(self, qid: int) -> None:
+        self.record([QUEUE_DELETED, qid])
+
+    def exchange_declared(self, name: str, kind: str) -> None:
+        self.record([EXCHANGE, name, kind])
+
+    def exchange_deleted(self, name: str) -> None:
+        self.record([EXCHANGE_DELETED, name])
+
+    def bound(self, exchange: str, qid: int, key: str, bound: bool) -> None:
+        self.record([BIND if bound else UNBIND, exchange, qid, key])
+
+    # -- completions and the disk alarm (trio thread) -------------------------------------------
+
+    def hold(self, transfer: HeldTransfer, session: Session, queue: str) -> None:
+        """A transfer routed to durable queue `queue` completes when the commit covering its record
+        returns (its `pending` counts that); while the disk alarm is on, also not before it clears."""
+        self._waiters.append(transfer)
+        stop = self.alarm
+        if stop is not None and session.flow_control:
+            transfer.pending += 1
+            self._disk_held.append(transfer)
+            if session not in self._stopped:
+                self._stopped[session] = queue
+                session.flow_stops += 1
+                session.flow_stopped_on[queue] = (None, session.now_ns)
+                session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
+
+    def after_commit(self, transfer: HeldTransfer) -> None:
+        """Complete `transfer` with the next commit, whatever it writes: an idempotent producer's
+        duplicate, whose original may be in the commit running now."""
+        self._waiters.append(transfer)
+        if not self._chunks:
+            self.wake()
+
+    def set_alarm(self, stop: FlowStopped | None) -> None:
+        """Raise (stop given) or clear the disk alarm; clearing releases every transfer it held."""
+        if stop is None and self.alarm is not None:
+            LOGGER.warning("disk alarm cleared: producers of durable queues resume (%s)", self.alarm.reason)
+            self.alarm = None
+            held, self._disk_held = self._disk_held, []
+            stopped, self._stopped = self._stopped, {}
+            for session, queue in stopped.items():
+                if session.flow_stopped_on.pop(queue, None) is not None:
+                    session.send(FlowResumed(queue))
+            for transfer in held:
+                transfer.release()
+        elif stop is not None:
+            if self.alarm is None:
+                LOGGER.warning("disk alarm: %s; producers of durable queues are held", stop.reason)
+            self.alarm = stop
+
+    def check_disk(self) -> FlowStopped | None:
+        """What the disk alarm should be now: free space under the limit, or the journal over its quota."""
+        used = sum(self.sizes.values())
+        if self.quota and used > self.quota:
+            return FlowStopped("*", THRESHOLD_DISK, self.quota, used,
+                               f"the journal holds {used} bytes, over its quota {self.quota}; transfers to "
+                               "durable queues are held until consumers settle messages")
+        free = self.free_bytes
+        if free >= 0 and free < self.disk_free_limit:
+            return FlowStopped("*", THRESHOLD_DISK, self.disk_free_limit, free,
+                               f"{free} bytes free under {self.dir}, under disk_free_limit {self.disk_free_limit}; "
+                               "transfers to durable queues are held until space frees")
+        return None
+
+    # -- group commit ----------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Something to commit: records, or transfers waiting for the next commit."""
+        return bool(self._chunks or self._waiters)
+
+    def take_batch(self) -> Batch:
+        """Everything buffered, and the segments this commit may delete (trio thread)."""
+        chunks, self._chunks = self._chunks, []
+        waiters, self._waiters = self._waiters, []
+        records, self._records = self._records, 0
+        deletable: list[int] = []
+        live, sizes = self.live, self.sizes
+        while self.oldest_seg < self.active_seg and live.get(self.oldest_seg, 0) == 0:
+            if self.oldest_seg in sizes:
+                deletable.append(self.oldest_seg)
+                del sizes[self.oldest_seg]
+                live.pop(self.oldest_seg, None)
+            self.oldest_seg += 1
+        return Batch(chunks, waiters, deletable, records)
+
+    def committed(self, batch: Batch) -> None:
+        """The batch is on disk: complete what it covered (trio thread)."""
+        self.commits += 1
+        self.records_written += batch.records
+        self.segments_deleted += len(batch.deletable)
+        for transfer in batch.waiters:
+            transfer.release()
+
+    def write_batch(self, batch: Batch) -> None:
+        """Write and fsync a batch, then delete what it compacts (worker thread). Raises OSError with
+        nothing half-done: a failed write is cut back, and a retry resumes at the failed chunk."""
+        if batch.done == 0 and batch.chunks:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        while batch.done < len(batch.chunks):
+            seg, data = batch.chunks[batch.done]
+            fd = self._open(seg, batch)
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+            except OSError:
+                self.write_errors += 1
+                try:
+                    os.ftruncate(fd, start)
+                except OSError as exc:  # the next scan cuts the torn tail at recovery
+                    LOGGER.error("journal: cannot cut segment %d back after a failed write: %s", seg, exc)
+                raise
+            self.bytes_written += len(data)
+            batch.unsynced.add(seg)
+            batch.done += 1
+        if self.fsync and batch.unsynced:
+            if self._fd_seg in batch.unsynced:
+                os.fsync(self._fd)
+                self.fsyncs += 1
+        batch.unsynced.clear()
+        for seg in batch.deletable:
+            try:
+                os.unlink(self.dir / segment_name(seg))
+            except FileNotFoundError:
+                pass
+        self.look_at_disk()
+
+    def _open(self, seg: int, batch: Batch) -> int:
+        """The fd of segment `seg`; moving to a new segment syncs and closes the previous one first, and
+        syncs the directory once the new file exists, so a commit never covers an unsynced file."""
+        if seg == self._fd_seg and self._fd >= 0:
+            return self._fd
+        if self._fd >= 0:
+            if self.fsync and self._fd_seg in batch.unsynced:
+                os.fsync(self._fd)
+                self.fsyncs += 1
+            batch.unsynced.discard(self._fd_seg)
+            os.close(self._fd)
+            self._fd = -1
+        self._fd = os.open(self.dir / segment_name(seg), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd_seg = seg
+        if self.fsync:
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return self._fd
+
+    def look_at_disk(self) -> None:
+        """Free space under the data directory (worker thread: statvfs may block on a sick disk)."""
+        try:
+            st = os.statvfs(self.dir if self.dir.exists() else self.dir.parent)
+        except OSError:
+            return
+        self.free_bytes = st.f_bavail * st.f_frsize
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,105 @@
+"""The journal's trio side: recovery at start, then the committer task (group commit, the disk alarm).
+
+One commit at a time, on a worker thread (`trio.to_thread.run_sync`): the write and the fsync never
+run on the trio thread, and everything appended while one commit runs is the next one's batch. When a
+commit returns, the transfers it covered complete (their producers' credit comes back then). A failed
+write (the disk full, an I/O error) raises the disk alarm, so producers of durable queues are held,
+and the same batch is retried every RETRY_SECONDS: nothing completed is lost and nothing crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from flowbroker.broker.config import StorageConfig
+from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.journal import Batch, Journal
+from flowbroker.broker.journalstore import JournalStore
+from flowbroker.broker.recovery import read_journal, restore, topology_records
+from flowbroker.broker.store import MemoryStore, QueueStore
+from flowbroker.protocol.frames import FlowStopped
+from flowbroker.protocol.names import THRESHOLD_DISK
+
+__all__ = ["open_journal", "run_committer", "RETRY_SECONDS", "LOOK_SECONDS"]
+
+LOGGER = logging.getLogger("flowbroker.journal")
+
+RETRY_SECONDS = 1.0  # a failed commit is retried this often
+LOOK_SECONDS = 1.0  # free space is looked at this often while the alarm is on (and after every commit)
+IDLE_LOOK_SECONDS = 5.0  # ...and this often when idle without the alarm
+FINAL_COMMIT_SECONDS = 5.0  # at shutdown, what is buffered (settlements) gets this long to reach the disk
+
+
+async def open_journal(config: StorageConfig, core: BrokerCore) -> Journal:
+    """Recover from `config`'s directory into `core` and make the journal its durable queues' store."""
+    journal = Journal(config.journal_dir(), config.segment_size, config.fsync == "always",
+                      config.disk_free_limit, config.quota)
+    journal.topology = lambda: topology_records(core)
+    core.journal = journal
+
+    def store_factory(name: str, durable: bool) -> QueueStore:
+        return JournalStore(journal, journal.new_queue_id()) if durable else MemoryStore()
+
+    core.store_factory = store_factory
+    recovered = await trio.to_thread.run_sync(read_journal, journal)
+    restore(core, journal, recovered)
+    return journal
+
+
+class _Wakeup:
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def set(self) -> None:
+        self.event.set()
+
+    async def wait(self, seconds: float) -> None:
+        with trio.move_on_after(seconds):
+            await self.event.wait()
+        self.event = trio.Event()
+
+
+async def run_committer(journal: Journal) -> None:
+    """Commit whatever is buffered, one group at a time, until cancelled; then a last commit."""
+    wakeup = _Wakeup()
+    journal.wake = wakeup.set
+    batch: Batch | None = None
+    try:
+        while True:
+            if batch is None:
+                if not journal.pending:
+                    await wakeup.wait(LOOK_SECONDS if journal.alarm is not None else IDLE_LOOK_SECONDS)
+                    if not journal.pending and not journal.dormant:
+                        await trio.to_thread.run_sync(journal.look_at_disk)
+                        journal.set_alarm(journal.check_disk())
+                    continue
+                batch = journal.take_batch()
+            try:
+                await trio.to_thread.run_sync(journal.write_batch, batch)
+            except OSError as exc:
+                journal.set_alarm(FlowStopped(
+                    "*", THRESHOLD_DISK, 0, 0,
+                    f"the journal cannot write under {journal.dir}: {exc.strerror or exc}; transfers to durable "
+                    "queues are held until it can"))
+                await trio.sleep(RETRY_SECONDS)
+                continue
+            journal.committed(batch)
+            batch = None
+            journal.set_alarm(journal.check_disk())
+    finally:
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + FINAL_COMMIT_SECONDS
+            try:
+                if batch is None and journal.pending:
+                    batch = journal.take_batch()
+                if batch is not None:
+                    await trio.to_thread.run_sync(journal.write_batch, batch)
+            except OSError as exc:
+                LOGGER.error("journal: the last commit failed: %s", exc)
+            journal.close()
+            if not journal.dormant:  # what the benchmark reads (benchmarks/durable_throughput.py)
+                LOGGER.info("journal: %d commits, %d fsyncs, %d records, %d bytes written, %d segments deleted, "
+                            "%d write errors", journal.commits, journal.fsyncs, journal.records_written,
+                            journal.bytes_written, journal.segments_deleted, journal.write_errors)

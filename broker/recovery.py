@@ -1,0 +1,221 @@
+"""Rebuilding durable state from the journal at start, and the snapshot each new segment opens with.
+
+`read_journal` (blocking: the shell runs it on a worker thread) scans every segment in order, cuts a
+torn or corrupt tail off where the scan stopped (logged, never a refusal to start) and replays the
+records into `Recovered`: queues in declaration order with their unsettled messages in offset order,
+exchanges, bindings, and each producer id's highest sequence. `restore` (trio thread) puts that into
+the core: each queue over a `JournalStore` already holding its messages, its depth counted so its
+watermarks apply at once. A message whose DELIVERED record is on disk comes back flagged redelivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from flowbroker.broker.exchange import Exchange, ExchangeKind
+from flowbroker.broker.idempotence import ProducerIdsExhausted
+from flowbroker.broker.journal import Journal, queue_arguments, segment_name
+from flowbroker.broker.journalrecord import (
+    BIND,
+    DELIVERED,
+    EXCHANGE,
+    EXCHANGE_DELETED,
+    MESSAGE,
+    PRODUCERS,
+    QUEUE,
+    QUEUE_DELETED,
+    SETTLED,
+    UNBIND,
+    scan,
+)
+from flowbroker.broker.journalstore import JournalStore
+from flowbroker.broker.message import Message
+from flowbroker.broker.queue import Queue
+
+if TYPE_CHECKING:
+    from flowbroker.broker.core import BrokerCore
+
+__all__ = ["Recovered", "read_journal", "restore", "topology_records"]
+
+LOGGER = logging.getLogger("flowbroker.journal")
+
+
+@dataclass
+class RecoveredQueue:
+    name: str
+    arguments: dict[str, Any]
+    next_offset: int
+    messages: dict[int, tuple[list[Any], int, bool]] = field(default_factory=dict)  # offset -> record, seg, delivered
+
+
+@dataclass
+class Recovered:
+    queues: dict[int, RecoveredQueue] = field(default_factory=dict)  # by queue id, in declaration order
+    exchanges: dict[str, str] = field(default_factory=dict)
+    bindings: dict[tuple[str, int, str], None] = field(default_factory=dict)
+    producers: dict[str, int] = field(default_factory=dict)
+    segments: dict[int, int] = field(default_factory=dict)  # segment -> bytes
+    cut: list[str] = field(default_factory=list)  # what was cut off, for the log and the tests
+    records: int = 0
+
+
+def read_journal(journal: Journal) -> Recovered:
+    """Scan and replay every segment (worker thread); cuts bad tails in place."""
+    out = Recovered()
+    directory = journal.dir
+    if not directory.is_dir():
+        return out
+    numbers = sorted(int(p.name[:-4]) for p in directory.iterdir()
+                     if p.name.endswith(".seg") and p.name[:-4].isdigit())
+    for number in numbers:
+        path = directory / segment_name(number)
+        data = path.read_bytes()
+        result = scan(data)
+        if result.error is not None:
+            text = f"{path.name}: {result.error}; cut at byte {result.good_length} of {len(data)}"
+            LOGGER.error("journal: %s", text)
+            out.cut.append(text)
+            with open(path, "r+b") as f:
+                f.truncate(result.good_length)
+                f.flush()
+                os.fsync(f.fileno())
+        out.segments[number] = result.good_length
+        for record in result.records:
+            try:
+                _replay(out, record, number)
+            except (IndexError, TypeError, ValueError, KeyError) as exc:  # intact but not ours: skip it
+                LOGGER.error("journal: %s: skipped a malformed record (%s)", path.name, exc)
+            out.records += 1
+    return out
+
+
+def _replay(out: Recovered, r: list[Any], seg: int) -> None:
+    kind = r[0]
+    queues = out.queues
+    if kind == MESSAGE:
+        q = queues.get(r[1])
+        if q is not None:
+            q.messages[r[2]] = (r, seg, False)
+        if r[8] is not None and r[9] is not None:
+            out.producers[r[8]] = r[9]
+    elif kind == SETTLED:
+        q = queues.get(r[1])
+        if q is not None:
+            q.messages.pop(r[2], None)
+    elif kind == DELIVERED:
+        q = queues.get(r[1])
+        if q is not None and r[2] in q.messages:
+            rec, mseg, _ = q.messages[r[2]]
+            q.messages[r[2]] = (rec, mseg, True)
+    elif kind == QUEUE:
+        existing = queues.get(r[1])
+        if existing is None:
+            queues[r[1]] = RecoveredQueue(str(r[2]), dict(r[3]), int(r[4]))
+        else:
+            existing.arguments = dict(r[3])
+            existing.next_offset = max(existing.next_offset, int(r[4]))
+    elif kind == QUEUE_DELETED:
+        queues.pop(r[1], None)
+        for key in [k for k in out.bindings if k[1] == r[1]]:
+            del out.bindings[key]
+    elif kind == EXCHANGE:
+        out.exchanges[str(r[1])] = str(r[2])
+    elif kind == EXCHANGE_DELETED:
+        out.exchanges.pop(r[1], None)
+        for key in [k for k in out.bindings if k[0] == r[1]]:
+            del out.bindings[key]
+    elif kind == BIND:
+        out.bindings[(str(r[1]), int(r[2]), str(r[3]))] = None
+    elif kind == UNBIND:
+        out.bindings.pop((r[1], r[2], r[3]), None)
+    elif kind == PRODUCERS:
+        out.producers.update(r[1])
+
+
+def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
+    """Put what was recovered into the core and the journal (trio thread, before any connection)."""
+    now = core.clock_ns()
+    journal.sizes.update(rec.segments)
+    for seg in rec.segments:
+        journal.live.setdefault(seg, 0)
+    journal.oldest_seg = min(rec.segments, default=1)
+    journal.active_seg = max(rec.segments, default=0)
+    journal.producers.update(rec.producers)
+    core.recovered_producers = dict(rec.producers)
+    states = core.producer_sequences.store
+    for producer_id, sequence in rec.producers.items():  # idempotent producers: their resends are duplicates
+        try:
+            states.accept(producer_id, sequence, now)
+        except ProducerIdsExhausted:
+            LOGGER.error("journal: more recovered producer ids than [server] max_producer_ids; %r and the ids "
+                         "after it are not deduplicated against what was journalled", producer_id)
+            break
+    for name, kind in rec.exchanges.items():
+        if name not in core.exchanges:
+            core.exchanges[name] = Exchange(name, ExchangeKind(kind), core.routes)
+    by_qid: dict[int, Queue] = {}
+    messages = 0
+    for qid, rq in rec.queues.items():
+        journal.next_qid = max(journal.next_qid, qid + 1)
+        recovered: list[tuple[Message, int]] = []
+        for offset in sorted(rq.messages):
+            r, seg, delivered = rq.messages[offset]
+            msg = Message(r[3], r[4], r[5], r[6], r[7], r[8], r[9])
+            msg.offset = offset
+            msg.redelivered = delivered
+            recovered.append((msg, seg))
+            journal.live[seg] = journal.live.get(seg, 0) + 1
+        start = max(rq.next_offset, recovered[-1][0].offset + 1 if recovered else 0)
+        try:
+            thresholds, overflow = core.queue_thresholds(rq.arguments)
+        except Exception as exc:  # arguments this broker's version refuses: the defaults, never a refusal to start
+            LOGGER.error("journal: queue %r: recorded arguments %r refused (%s); recovered with the defaults",
+                         rq.name, rq.arguments, exc)
+            thresholds, overflow = core.queue_thresholds({})
+        queue = Queue(rq.name, thresholds, overflow, True, core.memory, JournalStore(journal, qid, start, recovered))
+        core.queues[rq.name] = queue
+        core.track_time_thresholds(queue)  # a recorded drain-time or age threshold: the flow timer ticks it
+        queue.recovered(now)
+        by_qid[qid] = queue
+        messages += len(recovered)
+    for exchange, qid, key in rec.bindings:
+        ex = core.exchanges.get(exchange)
+        bound = by_qid.get(qid)
+        if ex is not None and bound is not None:
+            ex.bind(bound, key)
+    if rec.queues or rec.exchanges:
+        journal.dormant = False
+        journal._roll()  # a fresh segment opening with the snapshot of what was just restored
+    if core.memory.over():
+        core._memory_alarm()
+    if rec.records:
+        LOGGER.info("journal: recovered %d queue(s), %d exchange(s), %d binding(s), %d message(s) from %d "
+                    "segment(s)%s", len(rec.queues), len(rec.exchanges), len(rec.bindings), messages,
+                    len(rec.segments), f"; {len(rec.cut)} cut" if rec.cut else "")
+
+
+def topology_records(core: BrokerCore) -> list[list[Any]]:
+    """The snapshot a new segment opens with: every exchange declared (not the built-in ones), every
+    durable queue with its next offset, their bindings (the journal adds the producers' sequences)."""
+    from flowbroker.broker.core import BUILTIN_EXCHANGES
+
+    records: list[list[Any]] = []
+    for name, ex in core.exchanges.items():
+        if name and name not in BUILTIN_EXCHANGES:
+            records.append([EXCHANGE, name, ex.kind.value])
+    durable: dict[Queue, int] = {}
+    for queue in core.queues.values():
+        store = queue.store
+        if isinstance(store, JournalStore):
+            durable[queue] = store.qid
+            records.append([QUEUE, store.qid, queue.name, queue_arguments(queue), queue.next_offset])
+    for ex in core.exchanges.values():
+        for key, queues in ex.bindings.items():
+            for queue in queues:
+                qid = durable.get(queue)
+                if qid is not None:
+                    records.append([BIND, ex.name, qid, key])
+    return records

@@ -1,0 +1,202 @@
+"""The batch and streaming writers: each Spark task is one blocking-SDK producer with flow control on.
+
+Why a producer per task and not a pool: a task's rows are the unit Spark retries, so the task's
+producer id (the job's id and the partition) with the row's index in the partition as its sequence
+is what lets the broker recognise a retried task's rows (docs/spark.md, "Exactly once"). Flow control
+is the SDK's: a send waits while the broker grants no credit (a queue over its stop watermark holds the
+task's completions), at most `timeout` seconds without any grant, and then the task fails with what
+the broker said: which queue stopped it and by which threshold. A task returns only once the broker
+has completed every one of its messages (`flush`), so a successful job has every row in the queue.
+
+Spark's commit and abort have nothing to do: the messages are in the queues when `write()` returns, and
+nothing can take back what a failed job already delivered (a re-submitted job with the same `jobId`
+does not send those rows twice).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    WriterCommitMessage,
+)
+
+from flowbroker.client import blocking
+from flowbroker.client.errors import FlowControlTimeout
+from flowbroker.spark.messages import Layout, OutMessage
+from flowbroker.spark.options import WriteOptions
+
+__all__ = [
+    "PartitionWritten",
+    "FlowbrokerWriteError",
+    "BatchWriter",
+    "BatchArrowWriter",
+    "StreamWriter",
+    "StreamArrowWriter",
+    "send_partition",
+]
+
+log = logging.getLogger("flowbroker.spark")
+
+
+@dataclass
+class PartitionWritten(WriterCommitMessage):
+    """What one task sent: its producer id and how many rows (all completed by the broker)."""
+
+    producer_id: str
+    rows: int
+
+
+class FlowbrokerWriteError(RuntimeError):
+    """A task could not send its rows: the broker granted no credit within `timeout` (the text names the
+    flow-stopped queues and their thresholds) or refused messages (no such queue, ...)."""
+
+
+def _stopped_reason(conn: blocking.BlockingConnection) -> str:
+    try:
+        stopped = conn.flow_state.stopped
+    except Exception:  # the connection is gone: its own error says why
+        return ""
+    if not stopped:
+        return ""
+    parts = [f"{name} ({stop.threshold} {stop.limit}, at {stop.value})" for name, stop in stopped.items()]
+    return "; the broker flow-stopped " + ", ".join(parts)
+
+
+def send_partition(
+    options: WriteOptions, producer_id: str, batches: Iterator[list[OutMessage]]
+) -> PartitionWritten:
+    """Send every message of `batches` in order through one flow-controlled producer, then wait for
+    their completions. The n-th message of the partition is the producer's sequence n."""
+    sent = 0
+    with blocking.connect(options.url, client_name=f"flowbroker-spark {producer_id}", timeout=options.connect_timeout,
+                          close_timeout=options.timeout, reconnect_timeout=options.reconnect_timeout) as conn:
+        if options.exchange == "":
+            # Again in each task, not only on the driver: a retry after a broker restart must not find
+            # the queue missing (a refused row is taken under its sequence: the next retry would succeed
+            # without it).
+            conn.declare_queue(options.routing_key)
+        producer = conn.producer(options.exchange, options.routing_key, window=options.window,
+                                 send_timeout=options.timeout, producer_id=producer_id, idempotent=True)
+        try:
+            with producer:
+                for messages in batches:
+                    for at in range(0, len(messages), options.batch_size):
+                        sent += producer.send_batch(messages[at:at + options.batch_size], timeout=options.timeout)
+                producer.flush(timeout=options.timeout)
+        except FlowControlTimeout as exc:
+            raise FlowbrokerWriteError(f"{producer_id}: {exc}{_stopped_reason(conn)}") from exc
+    return PartitionWritten(producer_id, sent)
+
+
+def _task() -> TaskContext:
+    context = TaskContext.get()
+    if context is None:  # write() runs in a task; anywhere else is a bug of ours or of Spark's
+        raise RuntimeError("flowbroker's writer runs only inside a Spark task")
+    return context
+
+
+@dataclass(frozen=True)
+class _WriterState:
+    options: WriteOptions
+    layout: Layout
+    job_id: str
+    """The producer ids' base: the job's (batch) or the query's (streaming) id."""
+
+
+def _arrow_batches(layout: Layout, iterator: Iterator[Any]) -> Iterator[list[OutMessage]]:
+    for batch in iterator:
+        yield layout.messages(batch.to_pydict(), batch.num_rows)
+
+
+def _row_batches(layout: Layout, iterator: Iterator[Any], size: int) -> Iterator[list[OutMessage]]:
+    rows: list[Any] = []
+    for row in iterator:
+        rows.append(row)
+        if len(rows) >= size:
+            yield layout.row_messages(rows)
+            rows = []
+    if rows:
+        yield layout.row_messages(rows)
+
+
+class BatchWriter(DataSourceWriter):
+    """`df.write.format("flowbroker")` with option arrow=false: rows as they come."""
+
+    def __init__(self, state: _WriterState) -> None:
+        self.state = state
+
+    def producer_id(self) -> str:
+        return f"{self.state.job_id}/{_task().partitionId()}"
+
+    def batches(self, iterator: Iterator[Any]) -> Iterator[list[OutMessage]]:
+        return _row_batches(self.state.layout, iterator, self.state.options.batch_size)
+
+    def write(self, iterator: Iterator[Any]) -> PartitionWritten:
+        return send_partition(self.state.options, self.producer_id(), self.batches(iterator))
+
+    def commit(self, messages: list[Any]) -> None:
+        rows = sum(m.rows for m in messages if isinstance(m, PartitionWritten))
+        log.info("flowbroker job %s: %d rows in %d partitions", self.state.job_id, rows, len(messages))
+
+    def abort(self, messages: list[Any]) -> None:
+        written = [m for m in messages if isinstance(m, PartitionWritten)]
+        log.warning("flowbroker job %s failed; %d partitions were written (%d rows) and stay in the queue; "
+                    "re-submit with option jobId=%s to send only the rest", self.state.job_id, len(written),
+                    sum(m.rows for m in written), self.state.job_id)
+
+
+class BatchArrowWriter(BatchWriter, DataSourceArrowWriter):
+    """The same writer fed Arrow record batches, the default: no Row object per row (docs/spark.md, "Performance")."""
+
+    def batches(self, iterator: Iterator[Any]) -> Iterator[list[OutMessage]]:
+        return _arrow_batches(self.state.layout, iterator)
+
+
+class StreamWriter(DataSourceStreamWriter):
+    """`df.writeStream.format("flowbroker")`: one producer id per query, micro-batch and partition.
+
+    Why the batch id is in the producer id rather than in the sequence: the broker takes a producer's
+    sequences in order, 0, 1, 2, ..., and refuses a gap, but a task of batch n cannot know how many
+    rows the same partition wrote in batch n - 1. With the batch in the id, the sequence is the row's
+    index in the partition, as for a batch job, and a batch replayed from the checkpoint or rewritten
+    by a straggler after `query.stop()` has the same ids and sequences as the first time."""
+
+    def __init__(self, state: _WriterState) -> None:
+        self.state = state
+
+    def producer_id(self) -> str:
+        context = _task()
+        query = context.getLocalProperty("sql.streaming.queryId") or self.state.job_id
+        batch = context.getLocalProperty("streaming.sql.batchId")
+        return f"{query}/{batch}/{context.partitionId()}"
+
+    def batches(self, iterator: Iterator[Any]) -> Iterator[list[OutMessage]]:
+        return _row_batches(self.state.layout, iterator, self.state.options.batch_size)
+
+    def write(self, iterator: Iterator[Any]) -> PartitionWritten:
+        return send_partition(self.state.options, self.producer_id(), self.batches(iterator))
+
+    def commit(self, messages: list[Any], batchId: int) -> None:
+        pass
+
+    def abort(self, messages: list[Any], batchId: int) -> None:
+        log.warning("flowbroker streaming batch %d aborted; what it sent stays, and its replay lands once", batchId)
+
+
+class StreamArrowWriter(StreamWriter, DataSourceStreamArrowWriter):
+    def batches(self, iterator: Iterator[Any]) -> Iterator[list[OutMessage]]:
+        return _arrow_batches(self.state.layout, iterator)
+
+
+def writer_state(options: WriteOptions, layout: Layout, job_id: str) -> _WriterState:
+    return _WriterState(options, layout, job_id)
+
