@@ -105,8 +105,10 @@ async def _queue_count(url: str, stop_size: int | None = None) -> int:
 # -- worker processes ---------------------------------------------------------------------------
 
 
-def producer_main(url: str, count: int, size: int, rate: float, seconds: float, window: int, out: Any) -> None:
-    """Send `count` messages (or until `seconds` pass), at `rate` msgs/s or as fast as credit allows."""
+def producer_main(url: str, count: int, size: int, rate: float, seconds: float, window: int, out: Any,
+                  drain: bool = False) -> None:
+    """Send `count` messages (or until `seconds` pass), at `rate` msgs/s or as fast as credit allows;
+    `drain`: then wait until every message sent is complete (nothing left in flight)."""
 
     async def run() -> dict[str, Any]:
         pad = b"x" * (size - STAMP.size)
@@ -128,9 +130,14 @@ def producer_main(url: str, count: int, size: int, rate: float, seconds: float, 
                         await trio.sleep(delay)
                 await producer.send(STAMP.pack(time.monotonic_ns()) + pad, timeout=60)
                 sent += 1
-            if seconds == float("inf"):
-                await producer.flush(timeout=120)
-        return {"sent": sent, "start": start, "end": time.monotonic(), "cpu": time.process_time() - cpu}
+            end_sending = time.monotonic()
+            if seconds == float("inf") or drain:
+                try:
+                    await producer.flush(timeout=300)
+                except fb.PublishError:
+                    pass  # counted in `failed`
+            failed = producer.statistics().failed
+        return {"sent": sent, "start": start, "end": end_sending, "cpu": time.process_time() - cpu, "failed": failed}
 
     out.put(trio.run(run))
 
@@ -158,6 +165,39 @@ def consumer_main(url: str, count: int, per_second: float, sample_every: int, ou
                         break
         return {"received": received, "last": time.monotonic(), "latencies": latencies,
                 "cpu": time.process_time() - cpu}
+
+    out.put(trio.run(run))
+
+
+def overload_consumer_main(url: str, per_second: float, prefetch: int, deadline: float, out: Any) -> None:
+    """The overload scenario's slow consumer: `per_second` until `deadline` (time.monotonic), recording
+    every message's publish-to-deliver latency; then it drains what is left as fast as it can (not
+    recorded) and stops after 2 s with nothing, so received + still queued = sent tells what was lost."""
+
+    async def run() -> dict[str, Any]:
+        latencies: list[int] = []
+        received = 0
+        async with await fb.connect(url, client_name="bench-consumer") as conn:
+            async with conn.consumer(QUEUE, prefetch=prefetch) as consumer:
+                first = 0.0  # paced from its first message, not from its start: no catching up in bursts
+                while True:
+                    try:
+                        msg = await consumer.receive(timeout=2.0)
+                    except fb.ReceiveTimeout:
+                        if time.monotonic() > deadline:
+                            break
+                        continue
+                    now = time.monotonic()
+                    first = first or now
+                    if now < deadline:
+                        latencies.append(time.monotonic_ns() - STAMP.unpack_from(msg.body)[0])
+                    received += 1
+                    await msg.ack()
+                    if now < deadline:
+                        delay = first + received / per_second - time.monotonic()
+                        if delay > 0:
+                            await trio.sleep(delay)
+        return {"received": received, "latencies": latencies}
 
     out.put(trio.run(run))
 
@@ -313,44 +353,76 @@ def scenario_tls(args: argparse.Namespace) -> None:
         print(f"{what}: TLS vs plain, medians {(tls_ - plain) / plain * 100:+.1f} %")
 
 
+async def _declare_overload(url: str, drain_time: float | None) -> int:
+    """Declare the overload queue: the broker's default thresholds, plus `flow_stop_drain_time`."""
+    async with await fb.connect(url, flow_control=False, client_name="bench-probe") as conn:
+        return int((await conn.declare_queue(QUEUE, flow_stop_drain_time=drain_time))["count"])
+
+
 def scenario_overload(args: argparse.Namespace) -> None:
+    """The overload scenario with the default thresholds and, given --flow-stop-drain-time, again with it
+    (latency-bounded flow control), one after the other in the same run."""
+    runs: list[float | None] = [None]
+    if args.flow_stop_drain_time:
+        runs.append(args.flow_stop_drain_time)
+    results = [overload_run(args, drain_time) for drain_time in runs]
+    print("\n== overload summary ==")
+    for drain_time, (p50, p99, peak, idle, lost, refused) in zip(runs, results, strict=True):
+        label = f"flow_stop_drain_time {drain_time:g} s" if drain_time else "default thresholds"
+        print(f"{label:>30}: latency p50 {p50 / 1000:7.3f} s, p99 {p99 / 1000:7.3f} s; peak RSS {peak / MiB:7.1f} MiB "
+              f"(idle + {(peak - idle) / MiB:.1f}); lost {lost}, refused {refused}")
+
+
+def overload_run(args: argparse.Namespace, drain_time: float | None) -> tuple[float, float, int, int, int, int]:
     port = free_port()
     url = f"flowbroker://127.0.0.1:{port}"
     broker = start_broker(port, ["--memory-quota", args.quota])
     ctx = mp.get_context("spawn")
     stop_size = 80 * MiB  # Qpid's default: 80 % of the default 100 MiB queue limit
     try:
-        trio.run(_queue_count, url)
+        trio.run(_declare_overload, url, drain_time)
         time.sleep(0.5)
         idle = rss(broker.pid)
         pq, cq = ctx.Queue(), ctx.Queue()
         slow_rate = args.overload_consumer_rate
-        consumer = ctx.Process(target=consumer_main, args=(url, 10**12, slow_rate, 100, cq))
+        deadline = time.monotonic() + 1.5 + args.overload_seconds
+        consumer = ctx.Process(target=overload_consumer_main,
+                               args=(url, slow_rate, args.overload_prefetch, deadline, cq))
         consumer.start()
         time.sleep(1.5)
         producer = ctx.Process(
-            target=producer_main, args=(url, 10**12, args.size, 0.0, args.overload_seconds, args.window, pq)
+            target=producer_main, args=(url, 10**12, args.size, 0.0, args.overload_seconds, args.window, pq, True)
         )
         producer.start()
-        print(f"\n== overload: producer unpaced, consumer {slow_rate:,.0f} msgs/s, {args.overload_seconds:.0f} s ==")
+        what = f"flow_stop_drain_time {drain_time:g} s" if drain_time else "default thresholds"
+        print(f"\n== overload ({what}): producer unpaced, consumer {slow_rate:,.0f} msgs/s (prefetch "
+              f"{args.overload_prefetch}), {args.overload_seconds:.0f} s ==")
         print(f"broker idle RSS {idle / MiB:.1f} MiB; target: stay under idle + stop size + 32 MiB = "
               f"{(idle + stop_size + 32 * MiB) / MiB:.1f} MiB")
         peak = idle
         started = time.monotonic()
-        while producer.is_alive():
+        while time.monotonic() < deadline:
             time.sleep(1.0)
             now_rss = rss(broker.pid)
             peak = max(peak, now_rss)
             depth = trio.run(_queue_count, url)
             print(f"t={time.monotonic() - started:5.1f}s  broker RSS {now_rss / MiB:7.1f} MiB "
                   f"(+{(now_rss - idle) / MiB:6.1f})  queue depth {depth:,} messages")
-        p = pq.get(timeout=30)
-        consumer.terminate()
+        p = pq.get(timeout=600)
+        producer.join()
+        c = cq.get(timeout=600)
         consumer.join()
+        left = trio.run(_queue_count, url)
         sent_rate = p["sent"] / (p["end"] - p["start"])
-        print(f"producer sent {p['sent']:,} messages ({sent_rate:,.0f} msgs/s average, paced by credit)")
+        print(f"producer sent {p['sent']:,} messages ({sent_rate:,.0f} msgs/s average, paced by credit), "
+              f"{p['failed']} refused; consumer received {c['received']:,}, {left} left in the queue")
+        lat = c["latencies"]
+        p50, p99 = percentile_ms(lat, 0.5), percentile_ms(lat, 0.99)
+        print(f"latency while overloaded ({len(lat):,} messages): p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+              f"max {max(lat) / 1e6 if lat else float('nan'):.1f} ms")
         verdict = "within" if peak - idle <= stop_size + 32 * MiB else "OVER"
         print(f"peak RSS {peak / MiB:.1f} MiB = idle + {(peak - idle) / MiB:.1f} MiB: {verdict} the target")
+        return p50, p99, peak, idle, p["sent"] - c["received"] - left, p["failed"]
     finally:
         stop_broker(broker)
 
@@ -373,6 +445,12 @@ def main() -> None:
     parser.add_argument("--overload-seconds", type=float, default=30.0)
     parser.add_argument("--overload-consumer-rate", type=float, default=5000.0,
                         help="the slow consumer's rate in the overload scenario")
+    parser.add_argument("--overload-prefetch", type=int, default=2000,
+                        help="the slow consumer's prefetch: what sits in its client buffer adds prefetch / rate "
+                             "to every message's latency, whatever the broker does")
+    parser.add_argument("--flow-stop-drain-time", type=float, default=None,
+                        help="overload: after the run with default thresholds, run again with the queue's "
+                             "flow_stop_drain_time set to this (seconds; latency-bounded flow control)")
     parser.add_argument("--rounds", type=int, default=3, help="metrics scenario: pairs of runs (scraped, not)")
     parser.add_argument("--scrape-every", type=float, default=1.0, help="metrics scenario: seconds between scrapes")
     args = parser.parse_args()

@@ -50,7 +50,7 @@ from flowbroker.broker.console import PUBLIC_PATHS
 from flowbroker.broker.core import BrokerCore, RequestError
 from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
+from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT, TIME_QUEUE_ARGUMENTS
 
 __all__ = ["AdminServer", "AdminStartError", "BearerAuth", "create_app", "listen", "publish_token", "resolve_token",
            "reusable_token", "serve_http",
@@ -394,6 +394,9 @@ class AdminApi:
                 if not isinstance(value, str):
                     raise ApiError(400, "invalid_argument",
                                    f"overflow must be \"{OVERFLOW_REJECT}\" or \"{OVERFLOW_DROP_HEAD}\"", key)
+            elif key in TIME_QUEUE_ARGUMENTS:  # seconds; off with 0 (the thresholds validate the rest)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                    raise ApiError(400, "invalid_argument", f"{key} must be a number of seconds >= 0 (0 = off)", key)
             elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ApiError(400, "invalid_argument", f"{key} must be an integer >= 0 (or null for the default)", key)
         queue = self.core.set_queue_thresholds(name, body)

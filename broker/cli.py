@@ -69,6 +69,36 @@ class SizeParam(click.ParamType):  # type: ignore[type-arg]  # generic only in n
 SIZE = SizeParam()
 
 
+def parse_duration(text: str) -> float:
+    """Seconds from "0.5", "0.5s", "500ms" or "2m" (the time thresholds); ValueError otherwise."""
+    text = text.strip().lower()
+    for suffix, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0)):
+        if text.endswith(suffix):
+            text, unit = text[: -len(suffix)], scale
+            break
+    else:
+        unit = 1.0
+    seconds = float(text) * unit
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(text)
+    return seconds
+
+
+class DurationParam(click.ParamType):  # type: ignore[type-arg]
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (examples: 0.5s, 500ms, 2, 1m; 0 = off)", param, ctx)
+
+
+DURATION = DurationParam()
+
+
 BROKER_URL_ENV = "FLOWBROKER_URL"
 DEFAULT_BROKER_URL = "flowbroker://127.0.0.1:5680"
 
@@ -422,6 +452,15 @@ def queue_show(name: str, **options: Any) -> None:
 @click.option("--flow-stop-count", type=int, help="Saturate when the queue holds more messages than this (0 = off).")
 @click.option("--flow-resume-count", type=int,
               help="Clear when under this many messages (default: the queue's resume/stop ratio kept).")
+@click.option("--flow-stop-drain-time", type=DURATION,
+              help="Saturate when the ready backlog would take longer than this to drain at the consumers' "
+                   "measured rate, e.g. 0.5s (0 = off; docs/policies.md).")
+@click.option("--flow-resume-drain-time", type=DURATION,
+              help="Clear when the drain time is under this (default: the queue's resume/stop ratio kept).")
+@click.option("--flow-stop-age", type=DURATION,
+              help="Saturate when the oldest ready message is older than this, e.g. 2s (0 = off).")
+@click.option("--flow-resume-age", type=DURATION,
+              help="Clear when the oldest ready message is younger than this (default: the ratio kept).")
 @click.option("--max-size", type=SIZE, help="Hard limit in bytes (0 = unlimited).")
 @click.option("--max-count", type=int, help="Hard limit in messages (0 = unlimited).")
 @click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), help="What the hard limit does.")

@@ -132,6 +132,9 @@ def queue_text(q: dict[str, Any]) -> str:
         ("depth", f"{q['depth']['count']} messages, {size_text(q['depth']['bytes'])} ({q['depth']['ready']} ready)"),
         ("flow stop", f"count {limit_text(t['flow_stop_count'])}, size {limit_text(t['flow_stop_size'], True)}"),
         ("flow resume", f"count {limit_text(t['flow_resume_count'])}, size {limit_text(t['flow_resume_size'], True)}"),
+        ("flow time", f"stop drain {t['flow_stop_drain_time'] or 'off'}/age {t['flow_stop_age'] or 'off'} s, "
+                      f"resume drain {t['flow_resume_drain_time'] or 'off'}/age {t['flow_resume_age'] or 'off'} s; "
+                      f"drain rate {q['drain']['rate']:.0f} msgs/s, oldest ready {q['drain']['oldest_ready_age']:.1f} s"),
         ("max", f"count {limit_text(t['max_count'])}, size {limit_text(t['max_size'], True)}, overflow {t['overflow']}"),
         ("saturated", saturated),
         ("held transfers", str(q["held_transfers"])),

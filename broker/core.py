@@ -28,6 +28,7 @@ from flowbroker.broker.store import StoreFactory, memory_store
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
+from flowbroker.policies.drain import DrainEstimator
 from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError
 from flowbroker.protocol.errors import ErrorCode, RemoteProtocolError
@@ -99,6 +100,7 @@ class BrokerCore:
         self.clock_ns = clock_ns
         # Sorted beside the dict, so the admin API pages them in O(log n + page) (broker/paging.py).
         self.queues: SortedKeyDict[str, Queue] = SortedKeyDict()
+        self.timed_queues: dict[str, Queue] = {}  # those with a time threshold: what the flow timer ticks
         self.routes = RouteCache()  # routing results of every exchange, bounded
         self.exchanges: SortedKeyDict[str, Exchange] = SortedKeyDict(
             (name, Exchange(name, kind, self.routes))
@@ -655,6 +657,7 @@ class BrokerCore:
         if len(self.queues) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many queues (max_queues {limit})", name)
         queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory, self.store_factory(name, durable))
+        self.track_time_thresholds(queue)
         self._journal_queue(queue)
         return queue
 
@@ -683,12 +686,37 @@ class BrokerCore:
             stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
             if stop_key in changes and resume_key not in changes:
                 current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
+        for dim in ("drain_time", "age"):  # seconds: the same ratio kept, unrounded (none when it was off)
+            stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
+            old_stop, new_stop = current[stop_key], changes.get(stop_key)
+            if stop_key in changes and resume_key not in changes:
+                keep = (isinstance(new_stop, (int, float)) and not isinstance(new_stop, bool) and new_stop > 0
+                        and old_stop > 0)
+                current[resume_key] = new_stop * current[resume_key] / old_stop if keep else None
         current.update(changes)
         thresholds, overflow = self.queue_thresholds(current)
         queue.overflow = overflow
+        self.track_time_thresholds(queue, thresholds)
         queue.set_thresholds(thresholds, self.clock_ns())
         self._journal_queue(queue)
         return queue
+
+    def tick(self, now_ns: int) -> None:
+        """The broker's flow timer (the server calls it every policies.drain.TICK_SECONDS): each queue with
+        a time threshold updates its drain-rate estimate and evaluates them. O(those queues) per tick,
+        nothing per message."""
+        for queue in self.timed_queues.values():
+            queue.tick(now_ns)
+
+    def track_time_thresholds(self, queue: Queue, thresholds: Thresholds | None = None) -> None:
+        """Keep `timed_queues` to the queues with a time threshold: the flow timer ticks only those, so
+        100,000 queues without one cost it nothing. A queue that gains one starts a fresh estimate."""
+        if (thresholds or queue.thresholds).time.enabled:
+            if queue.name not in self.timed_queues:
+                queue.drain = DrainEstimator()
+                self.timed_queues[queue.name] = queue
+        else:
+            self.timed_queues.pop(queue.name, None)
 
     def _kept_resume(self, old_stop: int, old_resume: int, new_stop: Any) -> int | None:
         """The resume threshold that keeps old_resume/old_stop for `new_stop` (None: derive it)."""
@@ -704,6 +732,7 @@ class BrokerCore:
     def delete_queue(self, name: str) -> int:
         queue = self.get_queue(name)
         del self.queues[name]
+        self.timed_queues.pop(name, None)
         for ex in self.exchanges.values():
             ex.unbind_queue(queue)
         count = queue.count

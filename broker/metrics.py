@@ -219,6 +219,16 @@ class Scrape:
         resume_size = g("flowbroker_queue_flow_resume_bytes", "Resume watermark in bytes.", _QUEUE)
         max_count = g("flowbroker_queue_max_messages", "Hard limit in messages (0 = none).", _QUEUE)
         max_size = g("flowbroker_queue_max_bytes", "Hard limit in bytes (0 = none).", _QUEUE)
+        stop_drain = g("flowbroker_queue_flow_stop_drain_seconds", "Stop when the ready backlog's estimated "
+                       "drain time exceeds this (0 = off).", _QUEUE)
+        resume_drain = g("flowbroker_queue_flow_resume_drain_seconds", "Resume under this drain time.", _QUEUE)
+        stop_age = g("flowbroker_queue_flow_stop_age_seconds", "Stop when the oldest ready message is older "
+                     "(0 = off).", _QUEUE)
+        resume_age = g("flowbroker_queue_flow_resume_age_seconds", "Resume under this age.", _QUEUE)
+        drain_rate = g("flowbroker_queue_drain_rate", "Messages settled per second, the flow timer's smoothed "
+                       "estimate (policies/drain.py).", _QUEUE)
+        oldest_age = g("flowbroker_queue_oldest_ready_age_seconds", "Age of the oldest ready message at the last "
+                       "flow tick (0.1 s resolution).", _QUEUE)
         saturated = g("flowbroker_queue_saturated", "1 while over a stop watermark.", _QUEUE)
         saturated_for = g("flowbroker_queue_saturated_seconds", "How long the current saturation has lasted "
                           "(0 when not saturated).", _QUEUE)
@@ -255,6 +265,12 @@ class Scrape:
             resume_size.add_metric(label, t.flow_resume_size)
             max_count.add_metric(label, t.max_count)
             max_size.add_metric(label, t.max_size)
+            stop_drain.add_metric(label, t.flow_stop_drain_time)
+            resume_drain.add_metric(label, t.flow_resume_drain_time)
+            stop_age.add_metric(label, t.flow_stop_age)
+            resume_age.add_metric(label, t.flow_resume_age)
+            drain_rate.add_metric(label, st.drain_rate)
+            oldest_age.add_metric(label, st.oldest_ready_age)
             saturated.add_metric(label, int(st.saturated))
             saturated_for.add_metric(label, _seconds(now, st.saturated_since_ns) if st.saturated else 0.0)
             saturations.add_metric(label, st.flow_stopped_count)
@@ -272,7 +288,8 @@ class Scrape:
             dropped.add_metric([st.name, "overflow"], st.dropped)
             refused.add_metric(label, st.rejected)
         yield from (messages, ready, unsettled, size, stop_count, resume_count, stop_size, resume_size, max_count,
-                    max_size, saturated, saturated_for, saturations, held, held_total, stopped, consumers, stuck,
+                    max_size, stop_drain, resume_drain, stop_age, resume_age, drain_rate, oldest_age, saturated,
+                    saturated_for, saturations, held, held_total, stopped, consumers, stuck,
                     buffer, buffer_unacked,
                     enqueued, dequeued, rejected, dropped, refused)
 

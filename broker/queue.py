@@ -2,7 +2,9 @@
 
 Depth counts every message the queue still owns: ready ones and those delivered but not yet
 settled, because both sit in the broker's memory. The queue is *saturated* when count OR size is
-over its stop threshold and clears when BOTH are under their resume thresholds. While saturated,
+over its stop threshold and clears when BOTH are under their resume thresholds. The time thresholds
+(drain time, oldest ready age: policies/drain.py) join them: the flow timer's `tick` keeps the estimate,
+folds the drain-time limit into the count stop, and any of the four trips while all must clear. While saturated,
 each enqueued message holds its producer's transfer (no completion, so no credit back) and the
 producer is told, once, that it is flow-stopped on this queue. Clearing releases every held
 transfer and tells those producers they may resume. A held message that is itself dequeued (acked,
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import Message
 from flowbroker.broker.store import MemoryStore, QueueStore
+from flowbroker.policies.drain import DrainEstimator, drain_limits, drain_reason, evaluate
 from flowbroker.policies.overflow import (
     Admission,
     OverflowPolicy,
@@ -112,6 +115,8 @@ class QueueStatistics:
     flow_stopped_count: int  # times the queue became saturated
     held_total: int  # transfers ever held
     consumer_rejected: int = 0  # messages consumers settled with REJECT
+    drain_rate: float = 0.0  # settled messages/s, the flow timer's estimate (policies/drain.py)
+    oldest_ready_age: float = 0.0  # seconds at the last flow tick, to one tick
 
 
 class Queue:
@@ -143,6 +148,11 @@ class Queue:
         self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
         self.deleted = False
         self.counters = QueueCounters()
+        # Latency-bounded flow control (policies/drain.py), kept up by the flow timer (`tick`), never
+        # per message; `time_hold`: a time threshold is not under its resume mark (blocks clearing).
+        self.drain = DrainEstimator()
+        self.time_hold = False
+        self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"
@@ -181,6 +191,9 @@ class Queue:
             flow_stopped_count=counters.flow_stopped_count,
             held_total=counters.held_total,
             consumer_rejected=counters.consumer_rejected,
+            drain_rate=self.drain.rate,
+            oldest_ready_age=(self.drain.oldest_age(self.drain.last_ns, self._head_offset())
+                              if self.thresholds.time.enabled else 0.0),  # (only those are ticked)
         )
 
     # -- enqueue -----------------------------------------------------------------------------
@@ -208,7 +221,8 @@ class Queue:
         self.count += 1
         self.size += msg.size
         self.meter.held += msg.size
-        if not self.saturated and is_over_stop(self.count, self.size, t):
+        # (the count watermark's stop, lowered by the flow timer to a drain-time limit when there is one)
+        if not self.saturated and (self.count > self._stop_count or self.size > t._stop_size):
             self._saturate(now_ns)
         # Only flow-controlled producers are held: a legacy producer (HELLO flow_control false) is
         # never paced (as with stop-all); the hard limit and overflow policy protect the queue from it.
@@ -255,8 +269,11 @@ class Queue:
         t = self.thresholds
         if t.flow_stop_count and self.count > t.flow_stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_COUNT, t.flow_stop_count, self.count)
-        else:
+        elif self.size > t._stop_size or self.count <= self._stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
+        else:  # over the drain-time limit (drain_limits): held until the flow timer finds it under resume
+            self.stop_reason = drain_reason(t.time, self.drain, self.count)
+            self.time_hold = True
         self.saturated = True
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
@@ -277,7 +294,7 @@ class Queue:
             meter.released()
 
     def _check_resume(self) -> None:
-        if self.saturated and is_under_resume(self.count, self.size, self.thresholds):
+        if self.saturated and not self.time_hold and is_under_resume(self.count, self.size, self.thresholds):
             self._clear()
 
     def _clear(self) -> None:
@@ -343,10 +360,42 @@ class Queue:
         """Apply new watermarks at once: a raised threshold can release producers, a lowered one stops
         the next transfers (Broker-J re-checks in bulkChangeEnd; RabbitMQ #12206 is the bug to avoid)."""
         self.thresholds = thresholds
+        self._evaluate_time(now_ns)
         if self.saturated:
             self._check_resume()
-        elif is_over_stop(self.count, self.size, thresholds):
+        elif is_over_stop(self.count, self.size, thresholds) or self.count > self._stop_count:
             self._saturate(now_ns)
+
+    # -- time thresholds (the flow timer) ------------------------------------------------------
+
+    def _head_offset(self) -> int | None:
+        head = self.store.page(None, 1) if self.store else ()
+        return head[0].offset if head else None
+
+    def tick(self, now_ns: int) -> None:
+        """The flow timer (every policies.drain.TICK_SECONDS): update the drain-rate estimate from the
+        `dequeued` counter and evaluate the time thresholds; the per-message paths do none of this."""
+        head = self._head_offset()
+        self.drain.update(now_ns, self.counters.dequeued, self.count, bool(self.subscriptions),
+                          self.next_offset, head)
+        if self.thresholds.time.enabled:
+            self._evaluate_time(now_ns, head)
+
+    def _evaluate_time(self, now_ns: int, head: int | None = None) -> None:
+        """Re-derive the drain-time stop as a count (checked on every enqueue); saturate on a time
+        threshold over its stop; clear when every threshold is under its resume (count and size too:
+        `_check_resume`)."""
+        t = self.thresholds
+        self._stop_count = min(t._stop_count, drain_limits(t.time, self.drain, bool(self.subscriptions))[0])
+        if head is None:
+            head = self._head_offset()
+        verdict = evaluate(t.time, self.drain, now_ns, self.count, head, bool(self.subscriptions))
+        self.time_hold = not verdict.under_resume
+        if verdict.over_stop and not self.saturated:
+            self._saturate(now_ns)
+            self.stop_reason = (verdict.threshold, verdict.limit_ms, verdict.value_ms)
+        elif self.saturated:
+            self._check_resume()
 
     # -- delivery ----------------------------------------------------------------------------
 

@@ -177,6 +177,7 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
             thresholds, overflow = core.queue_thresholds({})
         queue = Queue(rq.name, thresholds, overflow, True, core.memory, JournalStore(journal, qid, start, recovered))
         core.queues[rq.name] = queue
+        core.track_time_thresholds(queue)  # a recorded drain-time or age threshold: the flow timer ticks it
         queue.recovered(now)
         by_qid[qid] = queue
         messages += len(recovered)

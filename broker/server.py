@@ -69,6 +69,7 @@ from flowbroker.broker.metricshttp import MetricsServer, metrics_route
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.udp.shell import UdpShell, open_data_path
 from flowbroker.broker.streamio import StreamIO, peer_host, peer_name, refuse_now, stream_io
+from flowbroker.policies.drain import TICK_SECONDS
 from flowbroker.protocol.codec import encode_frames
 from flowbroker.transport.udp.tasks import now_ns
 from flowbroker.protocol.connection import Connection, Role, State
@@ -239,6 +240,7 @@ class BrokerServer:
                 await nursery.start(self.metrics.serve)
             nursery.start_soon(self._summarise_connections)
             nursery.start_soon(self._watch_users)
+            nursery.start_soon(self._flow_timer)
             if self.journal is not None:
                 nursery.start_soon(run_committer, self.journal)
             if self.udp is not None:
@@ -271,6 +273,14 @@ class BrokerServer:
                         auth.loopback_user)
         if store.error:
             LOGGER.error("users file: %s (no user can log in until it is fixed)", store.error)
+
+    async def _flow_timer(self) -> None:
+        """The broker's flow timer: every TICK_SECONDS (0.1 s) each queue updates its drain-rate
+        estimate from counters it keeps anyway and evaluates its time thresholds (policies/drain.py);
+        a queue saturating or clearing here wakes the producers' writers like an admin change does."""
+        while True:
+            await trio.sleep(TICK_SECONDS)
+            self.core.tick(now_ns())
 
     async def _summarise_connections(self) -> None:
         """One INFO line per CONNECTION_SUMMARY_SECONDS when connections came or went, instead of a line

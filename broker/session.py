@@ -22,7 +22,7 @@ from flowbroker.protocol.delivery import DeliveryLedger
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import BufferAck, BufferControl, Error, FlowResumed, FlowStopped, Frame
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
-from flowbroker.protocol.names import ALL_DESTINATIONS
+from flowbroker.protocol.names import ALL_DESTINATIONS, THRESHOLD_FLOW_STOP_AGE, THRESHOLD_FLOW_STOP_DRAIN_TIME
 from flowbroker.protocol.ranges import IdSet
 from flowbroker.protocol.session import TransferReceiver
 
@@ -216,6 +216,7 @@ class Session:
 
     def flow_stopped(self, queue: Queue) -> None:
         threshold, limit, value = queue.stop_reason
+        unit = " ms" if threshold in (THRESHOLD_FLOW_STOP_DRAIN_TIME, THRESHOLD_FLOW_STOP_AGE) else ""
         self.flow_stopped_on[queue.name] = (queue, self.now_ns)
         self.flow_stops += 1  # a queue stops a producer once until it resumes it
         self.send(
@@ -224,7 +225,7 @@ class Session:
                 threshold,
                 limit,
                 value,
-                f"queue {queue.name!r} is over {threshold} ({value} > {limit}); transfers are held",
+                f"queue {queue.name!r} is over {threshold} ({value}{unit} > {limit}{unit}); transfers are held",
             )
         )
 

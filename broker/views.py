@@ -106,10 +106,16 @@ def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
             "flow_resume_count": t.flow_resume_count,
             "flow_stop_size": t.flow_stop_size,
             "flow_resume_size": t.flow_resume_size,
+            "flow_stop_drain_time": t.flow_stop_drain_time,
+            "flow_resume_drain_time": t.flow_resume_drain_time,
+            "flow_stop_age": t.flow_stop_age,
+            "flow_resume_age": t.flow_resume_age,
             "max_count": t.max_count,
             "max_size": t.max_size,
             "overflow": stats.overflow.value,
         },
+        # the flow timer's figures the time thresholds compare (policies/drain.py), as of its last tick
+        "drain": {"rate": round(stats.drain_rate, 3), "oldest_ready_age": round(stats.oldest_ready_age, 3)},
         "saturated": stats.saturated,
         "saturated_for_seconds": _seconds(now_ns, stats.saturated_since_ns) if stats.saturated else None,
         "stop_reason": (

@@ -686,14 +686,23 @@ class Connection:
         flow_resume_count: int | None = None,
         flow_stop_size: int | None = None,
         flow_resume_size: int | None = None,
+        flow_stop_drain_time: float | None = None,
+        flow_resume_drain_time: float | None = None,
+        flow_stop_age: float | None = None,
+        flow_resume_age: float | None = None,
         max_count: int | None = None,
         max_size: int | None = None,
         overflow: str | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """Declare a queue; arguments left as None take the broker's defaults (Qpid's: max size 100 MiB,
-        stop at 80 %, resume at 70 %, overflow "reject"). Returns the broker's OK result."""
+        stop at 80 %, resume at 70 %, overflow "reject"; the time thresholds, in seconds, off). Returns
+        the broker's OK result."""
         given = {
+            "flow_stop_drain_time": flow_stop_drain_time,
+            "flow_resume_drain_time": flow_resume_drain_time,
+            "flow_stop_age": flow_stop_age,
+            "flow_resume_age": flow_resume_age,
             "flow_stop_count": flow_stop_count,
             "flow_resume_count": flow_resume_count,
             "flow_stop_size": flow_stop_size,

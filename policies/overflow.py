@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import Final
 
 from flowbroker.policies.credit import MiB, PolicyConfigError
+from flowbroker.policies.drain import TimeThresholds
 from flowbroker.protocol.names import OVERFLOW_DROP_HEAD, OVERFLOW_REJECT
 
 __all__ = [
@@ -211,7 +212,12 @@ class Thresholds:
     flow_resume_count: int
     flow_stop_size: int
     flow_resume_size: int
+    flow_stop_drain_time: float
+    flow_resume_drain_time: float
+    flow_stop_age: float
+    flow_resume_age: float
     limits: QueueLimits = field(init=False, repr=False, compare=False)
+    time: TimeThresholds = field(init=False, repr=False, compare=False)
     _stop_count: int = field(init=False, repr=False, compare=False)
     _resume_count: int = field(init=False, repr=False, compare=False)
     _stop_size: int = field(init=False, repr=False, compare=False)
@@ -225,6 +231,10 @@ class Thresholds:
         flow_resume_count: int | None = None,
         flow_stop_size: int | None = None,
         flow_resume_size: int | None = None,
+        flow_stop_drain_time: float | None = None,
+        flow_resume_drain_time: float | None = None,
+        flow_stop_age: float | None = None,
+        flow_resume_age: float | None = None,
         *,
         defaults: ThresholdDefaults = DEFAULT_THRESHOLD_DEFAULTS,
     ) -> None:
@@ -236,6 +246,8 @@ class Thresholds:
         stop_s, resume_s = self._resolve("size", max_s, flow_stop_size, flow_resume_size, defaults)
         stop_c, resume_c = _pair("count", stop_c, resume_c, max_c)
         stop_s, resume_s = _pair("size", stop_s, resume_s, max_s)
+        # the time thresholds (policies/drain.py): no max to derive from, so off unless given
+        time = TimeThresholds(flow_stop_drain_time, flow_resume_drain_time, flow_stop_age, flow_resume_age)
         for name, value in (
             ("max_count", max_c),
             ("max_size", max_s),
@@ -243,7 +255,12 @@ class Thresholds:
             ("flow_resume_count", resume_c),
             ("flow_stop_size", stop_s),
             ("flow_resume_size", resume_s),
+            ("flow_stop_drain_time", time.flow_stop_drain_time),
+            ("flow_resume_drain_time", time.flow_resume_drain_time),
+            ("flow_stop_age", time.flow_stop_age),
+            ("flow_resume_age", time.flow_resume_age),
             ("limits", QueueLimits(max_c, max_s)),
+            ("time", time),
             ("_stop_count", stop_c or _OFF),
             ("_resume_count", resume_c or _OFF),
             ("_stop_size", stop_s or _OFF),
@@ -265,8 +282,8 @@ class Thresholds:
 
     @property
     def flow_control(self) -> bool:
-        """False when neither dimension has a stop threshold: the queue never saturates."""
-        return bool(self.flow_stop_count or self.flow_stop_size)
+        """False when no dimension has a stop threshold: the queue never saturates."""
+        return bool(self.flow_stop_count or self.flow_stop_size or self.time.enabled)
 
 
 def is_over_stop(count: int, size: int, t: Thresholds) -> bool:

@@ -26,8 +26,11 @@ __all__ = [
     "QUEUE_ARGUMENTS",
     "STOP_THRESHOLDS",
     "THRESHOLD_ADMIN",
+    "THRESHOLD_FLOW_STOP_AGE",
     "THRESHOLD_FLOW_STOP_COUNT",
+    "THRESHOLD_FLOW_STOP_DRAIN_TIME",
     "THRESHOLD_FLOW_STOP_SIZE",
+    "TIME_QUEUE_ARGUMENTS",
     "THRESHOLD_MEMORY",
     "THRESHOLD_DISK",
 ]
@@ -42,6 +45,11 @@ THRESHOLD_FLOW_STOP_COUNT: Final = "flow_stop_count"
 """A queue's message count passed its stop threshold."""
 THRESHOLD_FLOW_STOP_SIZE: Final = "flow_stop_size"
 """A queue's bytes passed their stop threshold."""
+THRESHOLD_FLOW_STOP_DRAIN_TIME: Final = "flow_stop_drain_time"
+"""A queue's ready backlog would take longer than this to drain at its consumers' measured rate
+(FLOW_STOPPED's ``limit`` and ``value`` in milliseconds)."""
+THRESHOLD_FLOW_STOP_AGE: Final = "flow_stop_age"
+"""A queue's oldest ready message has waited longer than this (``limit`` and ``value`` in milliseconds)."""
 THRESHOLD_ADMIN: Final = "admin"
 """An operator stopped all producers (destination ``*``)."""
 THRESHOLD_MEMORY: Final = "memory"
@@ -49,8 +57,15 @@ THRESHOLD_MEMORY: Final = "memory"
 THRESHOLD_DISK: Final = "disk"
 """The journal's disk watermark (free space under ``disk_free_limit``, or the journal over its quota):
 destination is the durable queue the held transfer went to."""
-STOP_THRESHOLDS: Final = (THRESHOLD_FLOW_STOP_COUNT, THRESHOLD_FLOW_STOP_SIZE, THRESHOLD_ADMIN, THRESHOLD_MEMORY,
-                          THRESHOLD_DISK)
+STOP_THRESHOLDS: Final = (
+    THRESHOLD_FLOW_STOP_COUNT,
+    THRESHOLD_FLOW_STOP_SIZE,
+    THRESHOLD_FLOW_STOP_DRAIN_TIME,
+    THRESHOLD_FLOW_STOP_AGE,
+    THRESHOLD_ADMIN,
+    THRESHOLD_MEMORY,
+    THRESHOLD_DISK,
+)
 """Every value of FLOW_STOPPED's ``threshold``."""
 
 # -- DECLARE_QUEUE ----------------------------------------------------------------------------------------
@@ -66,12 +81,19 @@ QUEUE_ARGUMENTS: Final = (
     "flow_resume_count",
     THRESHOLD_FLOW_STOP_SIZE,
     "flow_resume_size",
+    THRESHOLD_FLOW_STOP_DRAIN_TIME,
+    "flow_resume_drain_time",
+    THRESHOLD_FLOW_STOP_AGE,
+    "flow_resume_age",
     "max_count",
     "max_size",
     OVERFLOW,
 )
 """The keys of DECLARE_QUEUE's ``arguments``; also the keys of a queue's ``thresholds`` in the admin API,
 and what ``PATCH /api/queues/{name}`` accepts."""
+TIME_QUEUE_ARGUMENTS: Final = (THRESHOLD_FLOW_STOP_DRAIN_TIME, "flow_resume_drain_time", THRESHOLD_FLOW_STOP_AGE,
+                               "flow_resume_age")
+"""The queue arguments in seconds (floats; 0 = off): latency-bounded flow control (docs/policies.md)."""
 
 # -- DECLARE_EXCHANGE and TRANSFER ------------------------------------------------------------------------
 

@@ -50,7 +50,19 @@ def test_the_enums_take_their_values_from_the_wire_names() -> None:
 def test_the_broker_and_its_admin_api_use_the_wire_names() -> None:
     assert core.QUEUE_ARGUMENTS is names.QUEUE_ARGUMENTS and views.THRESHOLD_KEYS is names.QUEUE_ARGUMENTS
     assert core.BUILTIN_EXCHANGES == {name for name, _ in names.BUILTIN_EXCHANGES}
-    assert set(names.STOP_THRESHOLDS) == {"flow_stop_count", "flow_stop_size", "admin", "memory", "disk"}
+    assert set(names.STOP_THRESHOLDS) == {"flow_stop_count", "flow_stop_size", "flow_stop_drain_time",
+                                          "flow_stop_age", "admin", "memory", "disk"}
+    assert set(names.TIME_QUEUE_ARGUMENTS) < set(names.QUEUE_ARGUMENTS)
+
+
+def test_the_sdk_declares_every_queue_argument() -> None:
+    """Each DECLARE_QUEUE argument is a keyword of the SDK's declare_queue (the time thresholds too)."""
+    import inspect
+
+    from flowbroker.client.connection import Connection
+
+    params = inspect.signature(Connection.declare_queue).parameters
+    assert set(names.QUEUE_ARGUMENTS) <= set(params)
 
 
 def test_the_cli_offers_exactly_the_names_the_broker_takes() -> None:

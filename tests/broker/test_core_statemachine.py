@@ -121,7 +121,7 @@ class ConsumerModel:
     expected_errors: int = 0  # NOT_FOUND from deleted queues it subscribed to
 
 
-def thresholds(data: st.DataObject, max_count: int) -> dict[str, int]:
+def thresholds(data: st.DataObject, max_count: int) -> dict[str, float]:
     top = min(max_count or 6, 6)
     # hypothesis favours the first alternative and small values: keep "off" (0) the rarer choice
     stop_c = data.draw(st.one_of(st.integers(1, top), st.just(0)), label="flow_stop_count")
@@ -129,11 +129,18 @@ def thresholds(data: st.DataObject, max_count: int) -> dict[str, int]:
     t = TYPICAL
     stop_s = data.draw(st.sampled_from([3 * t, 3 * t // 2, 9 * t // 2, 8 * t, 0, 0]), label="flow_stop_size")
     resume_s = data.draw(st.integers(0, stop_s), label="flow_resume_size") if stop_s else 0
+    # the time thresholds (the flow timer evaluates them on `tick`, which lets 5 s pass): mostly off
+    stop_d = data.draw(st.sampled_from([0, 0, 0.5, 0.5, 20.0]), label="flow_stop_drain_time")
+    stop_a = data.draw(st.sampled_from([0, 0, 1.0, 1.0, 20.0]), label="flow_stop_age")
     return {
         "flow_stop_count": stop_c,
         "flow_resume_count": resume_c,
         "flow_stop_size": stop_s,
         "flow_resume_size": resume_s,
+        "flow_stop_drain_time": stop_d,
+        "flow_resume_drain_time": stop_d / 2,
+        "flow_stop_age": stop_a,
+        "flow_resume_age": stop_a / 2,
     }
 
 
@@ -231,9 +238,9 @@ class CoreMachine(RuleBasedStateMachine):
             assert "*" in {f.destination for f in p.pump() if isinstance(f, FlowStopped)}
         self.producers.append(p)
 
-    def _set_stops(self, model: QueueModel, t: dict[str, int]) -> None:
-        model.stop_count = t["flow_stop_count"]
-        model.stop_size = t["flow_stop_size"]
+    def _set_stops(self, model: QueueModel, t: dict[str, float]) -> None:
+        model.stop_count = int(t["flow_stop_count"])
+        model.stop_size = int(t["flow_stop_size"])
         q = self.h.core.queues[model.name]
         model.base_count = max(model.stop_count, q.count)
         model.base_size = max(model.stop_size, q.size)
@@ -491,8 +498,10 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule()
     def tick(self) -> None:
-        """The shell's timer: 5 s pass, every producer's credit is re-advertised."""
+        """The shell's timers: 5 s pass, every producer's credit is re-advertised, and the flow timer
+        re-evaluates the queues' time thresholds (drain time, age)."""
         self.h.advance(5)
+        self.h.core.tick(self.h.now)
         for pid, p in enumerate(self.producers):
             if pid not in self.closed_producers:
                 p.session.poll_credit(self.h.now)
@@ -850,6 +859,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.tick()  # grants below the acknowledgement threshold go out on the timer
         self._collect_all()
         # what this run exercised (see --hypothesis-show-statistics)
+        for threshold in sorted({f.threshold for p in self.producers for f in p.received(FlowStopped)}):
+            event("stopped by", threshold)
         stops = sum(len(p.received(FlowStopped)) for p in self.producers)
         event("flow stops", "none" if not stops else "1-3" if stops < 4 else "4+")
         event("memory alarms", self.h.core.memory.alarms_total > 0)

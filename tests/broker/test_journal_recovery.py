@@ -318,3 +318,22 @@ async def test_fsync_never_writes_without_syncing_and_still_recovers(tmp_path: P
         assert server.journal is not None and server.journal.fsyncs == 0 and server.journal.commits >= 1
     async with broker(tmp_path) as server:
         assert server.core.queues["d"].count == 10
+
+
+async def test_a_durable_queue_keeps_its_time_thresholds_and_the_flow_timer_ticks_it_after_a_restart(
+        tmp_path: Path) -> None:
+    async with broker(tmp_path) as server:
+        async with await fb.connect(url(server)) as conn:
+            await conn.declare_queue("t", durable=True, flow_stop_age=0.3, flow_resume_age=0.1)
+            p = conn.producer(routing_key="t")
+            await p.send(b"old")
+            await p.flush(timeout=10)
+    async with broker(tmp_path) as server:
+        queue = server.core.queues["t"]
+        t = queue.thresholds
+        assert (t.flow_stop_age, t.flow_resume_age, t.flow_stop_drain_time) == (0.3, 0.1, 0.0)
+        assert server.core.timed_queues == {"t": queue}
+        with trio.fail_after(5):
+            while not queue.saturated:  # the recovered message ages past 0.3 s: the flow timer sees it
+                await trio.sleep(0.05)
+        assert queue.stop_reason[0] == "flow_stop_age"

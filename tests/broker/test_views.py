@@ -42,6 +42,7 @@ def test_queue_view_reports_depth_thresholds_saturation_holds_and_counters() -> 
     assert view["depth"] == {"count": 5, "bytes": 5 * size, "ready": 4}
     assert view["thresholds"] == {
         "flow_stop_count": 3, "flow_resume_count": 1, "flow_stop_size": 80 * MiB, "flow_resume_size": int(70 * MiB),
+        "flow_stop_drain_time": 0.0, "flow_resume_drain_time": 0.0, "flow_stop_age": 0.0, "flow_resume_age": 0.0,
         "max_count": 10, "max_size": 100 * MiB, "overflow": "drop-head",
     }
     assert view["saturated"] is True and view["saturated_for_seconds"] == 2.5

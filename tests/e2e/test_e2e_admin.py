@@ -103,14 +103,31 @@ async def test_queues_list_and_show(broker: Any) -> None:
     assert orders["depth"]["bytes"] == broker.core.queues["orders"].size > 700
     assert orders["thresholds"] == {
         "flow_stop_count": 100, "flow_resume_count": 50, "flow_stop_size": 8 * MiB,
-        "flow_resume_size": int(7 * MiB), "max_count": 0, "max_size": 10 * MiB, "overflow": "reject",
+        "flow_resume_size": int(7 * MiB), "flow_stop_drain_time": 0.0, "flow_resume_drain_time": 0.0,
+        "flow_stop_age": 0.0, "flow_resume_age": 0.0, "max_count": 0, "max_size": 10 * MiB, "overflow": "reject",
     }
+    assert orders["drain"] == {"rate": 0.0, "oldest_ready_age": 0.0}  # no time threshold: not tracked
     assert orders["saturated"] is False and orders["held_transfers"] == 0
     assert orders["counters"]["enqueued"] == 7 and orders["counters"]["dequeued"] == 0
     [sub] = orders["subscriptions"]
     assert sub["client_name"] == "loader" and sub["prefetch"] == 2 and sub["unsettled"] == 2
     status, answer, _ = await api(broker, "GET", "/api/queues/nope")
     assert status == 404 and "'nope'" in answer["error"]["message"]
+
+
+async def test_patch_takes_time_thresholds_in_seconds(broker: Any) -> None:
+    async with await fb.connect(broker.url, client_name="feeder") as conn:
+        await conn.declare_queue("t")
+    q = await ok(broker, "PATCH", "/api/queues/t", {"flow_stop_drain_time": 0.5, "flow_stop_age": 2})
+    t = q["thresholds"]
+    assert (t["flow_stop_drain_time"], t["flow_resume_drain_time"], t["flow_stop_age"], t["flow_resume_age"]) == (
+        0.5, 0.5, 2.0, 2.0)
+    for bad in ({"flow_stop_age": "2s"}, {"flow_stop_drain_time": -1}, {"flow_resume_age": 3}):
+        status, answer, _ = await api(broker, "PATCH", "/api/queues/t", bad)
+        assert status == 400 and next(iter(bad)) in answer["error"]["message"], answer
+    q = await ok(broker, "PATCH", "/api/queues/t", {"flow_stop_age": 1})  # alone: resume keeps its ratio
+    assert (q["thresholds"]["flow_stop_age"], q["thresholds"]["flow_resume_age"]) == (1.0, 1.0)
+    assert set(broker.core.timed_queues) == {"t"}
 
 
 async def test_raising_a_threshold_releases_a_blocked_producer_and_lowering_stops_it(broker: Any) -> None:

@@ -377,3 +377,20 @@ def test_the_admin_cli_on_the_broker_port_says_so(daemon: Daemon) -> None:
                              capture_output=True, text=True, timeout=30,
                              env={**os.environ, "FLOWBROKER_ADMIN_TOKEN": "whatever-token"})
     assert refused.returncode == 1 and "Connection refused" in refused.stderr
+
+
+def test_queue_set_takes_time_thresholds_as_durations(daemon: Daemon) -> None:
+    _publish(daemon, "old")  # nobody consumes it: its age grows
+    shown = daemon.json("queue", "set", "orders", "--flow-stop-age", "0.3s", "--flow-resume-age", "100ms",
+                        "--flow-stop-drain-time", "2")
+    t = shown["thresholds"]
+    assert (t["flow_stop_age"], t["flow_resume_age"], t["flow_stop_drain_time"], t["flow_resume_drain_time"]) == (
+        0.3, 0.1, 2.0, 2.0)
+    daemon.wait_for(lambda: daemon.json("queue", "show", "orders")["saturated"])
+    shown = daemon.json("queue", "show", "orders")
+    assert shown["stop_reason"]["threshold"] == "flow_stop_age" and shown["stop_reason"]["limit"] == 300
+    assert shown["drain"]["oldest_ready_age"] > 0.3
+    assert "flow time       stop drain 2.0/age 0.3 s" in daemon.cli("queue", "show", "orders").stdout
+    bad = daemon.cli("queue", "set", "orders", "--flow-stop-age", "soon", ok=False)
+    assert bad.returncode == 2 and "not a duration" in bad.stderr
+    assert daemon.json("queue", "set", "orders", "--flow-stop-age", "0")["saturated"] is False

@@ -135,6 +135,8 @@ def test_a_missing_file_a_link_or_a_folder_is_not_reused(tmp_path: Path) -> None
 
 
 def test_a_configured_token_is_used_and_never_written(tmp_path: Path) -> None:
-    config = AdminConfig(token="configured-token-0123456789", token_file=str(tmp_path / "t-{port}"))
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    config = AdminConfig(token="configured-token-0123456789", token_file=str(folder / "t-{port}"))
     assert resolve_token(config, 5681) == ("configured-token-0123456789", False)
-    assert not list(tmp_path.iterdir())
+    assert not list(folder.iterdir())

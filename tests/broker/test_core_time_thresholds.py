@@ -1,0 +1,169 @@
+"""Latency-bounded flow control in the core: queues saturating on drain time and on age, evaluated by the
+flow timer (`BrokerCore.tick`, driven here by the harness's fake clock), with FLOW_STOPPED naming the time
+threshold and count/size thresholds combined with them (whichever trips stops, all must clear)."""
+
+from __future__ import annotations
+
+from tests.broker.coreharness import Consumer, Harness, Producer
+
+from flowbroker.policies.drain import TICK_SECONDS
+from flowbroker.protocol.frames import FlowResumed, FlowStopped
+
+
+def make() -> Harness:
+    return Harness(credit={"policy": "static", "static_size": 1 << 20})
+
+
+class Rig:
+    """A producer sending `produce` messages per tick and a consumer acking `consume` per tick."""
+
+    def __init__(self, h: Harness, queue: str, prefetch: int = 5) -> None:
+        self.h, self.queue = h, queue
+        self.p: Producer = h.producer()
+        self.c: Consumer = h.consumer()
+        self.c.subscribe(queue, prefetch=prefetch)
+        self.sent = 0
+        self.frames: list[object] = []
+
+    def tick(self, produce: int, consume: int) -> None:
+        for _ in range(produce):
+            self.p.send("", self.queue, b"m%06d" % self.sent)
+            self.sent += 1
+        for _ in range(consume):
+            self.c.pump()
+            tags = self.c.tags()
+            if not tags:
+                break
+            self.c.ack(tags[:1])
+        self.h.advance(TICK_SECONDS)
+        self.h.core.tick(self.h.now)
+        self.frames += self.p.pump()
+
+    def stops(self) -> list[FlowStopped]:
+        return [f for f in self.frames if isinstance(f, FlowStopped)]
+
+    def resumes(self) -> list[FlowResumed]:
+        return [f for f in self.frames if isinstance(f, FlowResumed)]
+
+
+def test_a_queue_saturates_on_drain_time_and_resumes_when_the_consumer_speeds_up() -> None:
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
+    r = Rig(h, "q")
+    queue = h.core.queues["q"]
+    for _ in range(10):  # 550 msgs/s offered, 500 taken: measured, and a backlog under MIN_BACKLOG
+        r.tick(55, 50)
+    assert not r.stops() and queue.drain.measured and len(r.c.bodies()) > 400
+    while not r.stops():
+        r.tick(80, 50)  # 800 msgs/s offered, 500 taken
+        assert h.now < 3e9, "the backlog's drain time passed 0.5 s long ago"
+    (stop,) = r.stops()
+    assert (stop.destination, stop.threshold, stop.limit) == ("q", "flow_stop_drain_time", 500)
+    assert queue.drain.measured and abs(queue.drain.rate - 500) < 1
+    assert 500 < stop.value <= 500 + 80 * 1000 // 500  # crossed at the enqueue: one tick's arrivals at most
+    assert queue.statistics().stop_threshold == "flow_stop_drain_time"
+    held_before = len(queue.held)
+    r.tick(80, 50)
+    assert len(queue.held) > held_before  # transfers are held now: the producer's completions stop
+    assert set(r.p.stopped) == {"q"}
+    for _ in range(5):
+        r.tick(0, 5)
+        assert not r.resumes()  # a slower consumer: the drain time stays over the resume mark
+    while not r.resumes():
+        r.tick(0, 150)  # the consumer speeds up to 1,500 msgs/s: the estimate follows, the backlog drains
+        assert h.now < 10e9
+    assert not queue.saturated and queue.held == {}
+    assert r.p.outstanding == {}  # every held transfer completed
+    while r.c.tags():
+        r.tick(0, 60)
+    assert r.c.bodies() == [b"m%06d" % i for i in range(r.sent)]  # nothing lost, in order
+
+
+def test_a_queue_without_consumers_saturates_on_age_not_on_drain_time() -> None:
+    h = make()
+    h.queue("idle", flow_stop_drain_time=0.5)  # no consumer: drain time is infinite and does not count
+    h.queue("aged", flow_stop_age=1.0, flow_resume_age=0.5)
+    p = h.producer()
+    for name in ("idle", "aged"):
+        p.send("", name, b"old")
+    for _ in range(int(1.0 / TICK_SECONDS) + 2):
+        h.advance(TICK_SECONDS)
+        h.core.tick(h.now)
+    frames = p.pump()
+    assert not h.core.queues["idle"].saturated
+    assert not [f for f in frames if isinstance(f, FlowStopped)]  # told at its next transfer to the queue
+    assert h.core.queues["aged"].saturated
+    p.send("", "aged", b"new")
+    (stop,) = [f for f in p.pump() if isinstance(f, FlowStopped)]
+    assert (stop.destination, stop.threshold, stop.limit) == ("aged", "flow_stop_age", 1000)
+    assert f"over flow_stop_age ({stop.value} ms > 1000 ms)" in stop.reason
+    assert 1000 < stop.value <= 1200
+    c = h.consumer()
+    c.subscribe("aged")
+    c.pump()
+    c.ack()
+    assert h.core.queues["aged"].saturated  # count and size are under resume, age is re-read at the next tick
+    h.advance(TICK_SECONDS)
+    h.core.tick(h.now)
+    assert FlowResumed("aged") in p.pump() and not h.core.queues["aged"].saturated
+    assert c.bodies() == [b"old", b"new"]
+
+
+def test_count_and_time_whichever_trips_stops_and_all_must_clear() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1000, flow_resume_count=900, flow_stop_age=0.5)
+    p = h.producer()
+    for i in range(3):
+        p.send("", "q", b"%d" % i)
+    for _ in range(7):
+        h.advance(TICK_SECONDS)
+        h.core.tick(h.now)
+    queue = h.core.queues["q"]
+    assert queue.saturated and queue.stop_reason[0] == "flow_stop_age"
+    h.core.set_queue_thresholds("q", {"flow_stop_count": 2, "flow_resume_count": 1})  # now count is over too
+    c = h.consumer()
+    sub = c.subscribe("q", prefetch=1)
+    c.pump()
+    c.ack()  # count 2: not under resume 1
+    assert queue.saturated
+    h.core.set_queue_thresholds("q", {"flow_stop_age": 0})  # age off: still over count
+    assert queue.saturated
+    c.pump()
+    c.ack()
+    c.pump()
+    c.ack()  # count 0 < 1 and no time threshold: clear at once
+    assert not queue.saturated
+    assert c.bodies(sub) == [b"0", b"1", b"2"]
+
+
+def test_raising_a_time_threshold_releases_at_once_and_the_ratio_is_kept() -> None:
+    h = make()
+    h.queue("q", flow_stop_age=0.5, flow_resume_age=0.25)
+    p = h.producer()
+    p.send("", "q", b"a")
+    for _ in range(7):
+        h.advance(TICK_SECONDS)
+        h.core.tick(h.now)
+    p.send("", "q", b"b")
+    assert [f.threshold for f in p.pump() if isinstance(f, FlowStopped)] == ["flow_stop_age"]
+    queue = h.core.set_queue_thresholds("q", {"flow_stop_age": 10})
+    assert (queue.thresholds.flow_stop_age, queue.thresholds.flow_resume_age) == (10.0, 5.0)
+    assert not queue.saturated and FlowResumed("q") in p.pump() and p.outstanding == {}
+
+
+def test_the_flow_timer_ticks_only_the_queues_with_a_time_threshold() -> None:
+    h = make()
+    h.queue("plain")
+    h.queue("timed", flow_stop_age=1.0)
+    assert set(h.core.timed_queues) == {"timed"}
+    h.core.set_queue_thresholds("plain", {"flow_stop_drain_time": 0.5})
+    assert set(h.core.timed_queues) == {"plain", "timed"}
+    h.core.set_queue_thresholds("timed", {"flow_stop_age": 0})
+    assert set(h.core.timed_queues) == {"plain"}
+    p = h.producer()
+    p.send("", "timed", b"x")
+    h.advance(TICK_SECONDS)
+    h.core.tick(h.now)
+    assert h.core.queues["timed"].drain.last_ns < h.now  # not ticked
+    h.core.delete_queue("plain")
+    assert h.core.timed_queues == {}
