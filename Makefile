@@ -29,7 +29,6 @@ serve: $(VENV)/.installed-serve
 	$(BIN)/flowbroker serve
 
 # System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py),
-# System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py),
 # ip (iproute2), chromium (the web console's browser test, tests/console/, drives it with Playwright),
 # promtool and prometheus (tests/deploy: the alert rules and a real Prometheus scraping a real broker),
 # systemd-analyze (tests/deploy: the unit file), java (a local Spark for the data source's tests,
