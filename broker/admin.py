@@ -52,7 +52,7 @@ from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT, TIME_QUEUE_ARGUMENTS
 
-__all__ = ["AdminServer", "AdminStartError", "BearerAuth", "create_app", "listen", "publish_token", "resolve_token",
+__all__ = ["AdminServer", "AdminStartError", "BearerAuth", "HttpListener", "create_app", "listen", "publish_token", "resolve_token",
            "reusable_token", "serve_http",
            "write_token_file"]
 
@@ -543,38 +543,41 @@ async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event) -> None:
 # -- the server --------------------------------------------------------------------------------
 
 
-class AdminServer:
-    """Serves the admin app with hypercorn's trio worker.
+class HttpListener:
+    """One HTTP app served with hypercorn's trio worker on a port of its own (the admin API, or
+    /metrics on its own port).
 
     `bind()` (synchronous, before any nursery, so an address in use is a plain `AdminStartError` and
     not an exception group) opens the listening socket and learns the port; `await
-    nursery.start(admin.serve)` serves on it; `shutdown()` stops it gracefully."""
+    nursery.start(listener.serve)` serves on it; `shutdown()` stops it gracefully. Subclasses set
+    `app` and say what to do once bound (`_bound`) and what to log when serving (`_serving_line`)."""
 
-    def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
-                 broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
-                 metrics_need_token: bool = False, users: UserStore | None = None, failed_delay: float = 1.0):
-        self.config = config
-        self.core = core
-        self.token, self._token_unwritten = resolve_token(config, config.port)
-        self._token_origin = "generated at start" if self._token_unwritten else "reused"
+    app: ASGIApp
+    logger: logging.Logger = LOGGER  # where the serving line goes
+
+    def __init__(self, host: str, port: int, section: str):
+        self.host = host
+        self._requested_port = port
+        self._section = section  # the config section an address-in-use error names
         self.port: int | None = None
         self._fd: int | None = None
-        self._broker_port = broker_port or (lambda: None)
-        self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
-                              metrics_need_token, users, failed_delay)
         self._shutdown = trio.Event()
 
     def bind(self) -> int:
-        fd, port = listen(self.config.host, self.config.port, "admin")
-        if self._token_unwritten:  # only now: a broker that could not bind must not touch the file
-            try:
-                publish_token(self.config, port, self.token)
-            except AdminStartError:
-                os.close(fd)
-                raise
-            self._token_unwritten = False
+        fd, port = listen(self.host, self._requested_port, self._section)
+        try:
+            self._bound(port)
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd, self.port = fd, port
-        return self.port
+        return port
+
+    def _bound(self, port: int) -> None:
+        """The port is ours: whatever must wait for that (nothing by default)."""
+
+    def _serving_line(self) -> str:
+        raise NotImplementedError
 
     def shutdown(self) -> None:
         self._shutdown.set()
@@ -584,10 +587,35 @@ class AdminServer:
             self.bind()
         assert self._fd is not None and self.port is not None
         fd, self._fd = self._fd, None
-        # The one line that says where the API is and where its credential comes from (with
-        # --admin-port 0, the only place the chosen port is printed: docs/management.md).
-        token = ("[admin] token (configured)" if self.config.token
-                 else f"{self.config.token_path(self.port)} ({self._token_origin}, mode 0600)")
-        LOGGER.info("admin API on http://%s:%d, token in %s", self.config.host, self.port, token)
+        self.logger.info("%s", self._serving_line())
         task_status.started(self.port)
         await serve_http(self.app, fd, self._shutdown)
+
+
+class AdminServer(HttpListener):
+    """The admin API (`[admin]`): its token file is written only once its port is bound."""
+
+    def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
+                 broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
+                 metrics_need_token: bool = False, users: UserStore | None = None, failed_delay: float = 1.0):
+        super().__init__(config.host, config.port, "admin")
+        self.config = config
+        self.core = core
+        self.token, self._token_unwritten = resolve_token(config, config.port)
+        self._token_origin = "generated at start" if self._token_unwritten else "reused"
+        self._broker_port = broker_port or (lambda: None)
+        self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
+                              metrics_need_token, users, failed_delay)
+
+    def _bound(self, port: int) -> None:
+        if self._token_unwritten:  # only now: a broker that could not bind must not touch the file
+            publish_token(self.config, port, self.token)
+            self._token_unwritten = False
+
+    def _serving_line(self) -> str:
+        # The one line that says where the API is and where its credential comes from (with
+        # --admin-port 0, the only place the chosen port is printed: docs/management.md).
+        assert self.port is not None
+        token = ("[admin] token (configured)" if self.config.token
+                 else f"{self.config.token_path(self.port)} ({self._token_origin}, mode 0600)")
+        return f"admin API on http://{self.config.host}:{self.port}, token in {token}"

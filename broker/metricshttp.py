@@ -21,7 +21,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from flowbroker.broker.admin import BearerAuth, listen, serve_http
+from flowbroker.broker.admin import BearerAuth, HttpListener
 from flowbroker.broker.config import MetricsConfig
 from flowbroker.broker.metrics import BrokerMetrics, Families, Scrape
 
@@ -65,34 +65,20 @@ def _render(scrape: Scrape, process: Collector) -> bytes:
     return generate_latest(Families(scrape.families(), process))
 
 
-class MetricsServer:
+class MetricsServer(HttpListener):
     """`/metrics` on a port of its own (`[metrics] endpoint = "host:port"`), in the broker's nursery.
 
     `bind()` before any nursery (an address in use is a plain error at start, as for the admin API),
     then `await nursery.start(server.serve)`; `shutdown()` stops it. With `token`, scrapes need it."""
 
+    logger = LOGGER
+
     def __init__(self, config: MetricsConfig, metrics: BrokerMetrics, token: str | None = None):
+        super().__init__(*config.address(), "metrics")
         self.config = config
-        self.host, self._port = config.address()
         app: ASGIApp = Starlette(routes=[metrics_route(metrics)])
         self.app = BearerAuth(app, token) if token is not None else app
-        self.port: int | None = None
-        self._fd: int | None = None
-        self._shutdown = trio.Event()
 
-    def bind(self) -> int:
-        self._fd, self.port = listen(self.host, self._port, "metrics")
-        return self.port
-
-    def shutdown(self) -> None:
-        self._shutdown.set()
-
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        if self._fd is None:
-            self.bind()
-        assert self._fd is not None and self.port is not None
-        fd, self._fd = self._fd, None
-        LOGGER.info("metrics on http://%s:%d%s (%s)", self.host, self.port, METRICS_PATH,
-                    "admin token required" if self.config.require_token else "no token required")
-        task_status.started(self.port)
-        await serve_http(self.app, fd, self._shutdown)
+    def _serving_line(self) -> str:
+        return (f"metrics on http://{self.host}:{self.port}{METRICS_PATH} "
+                f"({'admin token required' if self.config.require_token else 'no token required'})")

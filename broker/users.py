@@ -1,8 +1,8 @@
 """The users file: who may log in, with what credential, tags and permissions (docs/security.md).
 
 One JSON document, `{"users": {NAME: {"password": "SCRAM-SHA-256$...", "tags": [...], "configure": RE,
-"write": RE, "read": RE}}}`, written by `flowbroker user add/passwd/delete` (atomically, mode 0600) and
-read by the broker, which looks at its modification time on every login and re-reads it when it changed:
+"write": RE, "read": RE}}}`. The CLI's `flowbroker user add/passwd/delete` change it (atomically, mode
+0600); the broker looks at its modification time on every login and re-reads it when it changed:
 a user added or a password changed takes effect at the next login without a restart. JSON, because the
 standard library writes it; only SCRAM credentials are stored, never a password.
 """
