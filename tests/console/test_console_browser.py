@@ -235,6 +235,19 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     expect(saturated).to_have_text("no")
     expect(page.locator("#broker-summary")).to_contain_text("2 queue(s), 0 saturated, 0 transfer(s) held")
 
+    # -- a time threshold (seconds, fractions allowed) through the same form, shown after count / size
+    asked = len(dialogs)
+    page.fill("#flow_stop_age", "-1")  # the input's own min="0" stops the form before anything is asked or sent
+    page.click("#apply-thresholds")
+    assert page.locator("#flow_stop_age").evaluate("e => e.validity.rangeUnderflow") and len(dialogs) == asked
+    page.fill("#flow_stop_age", "600.5")
+    page.click("#apply-thresholds")
+    expect(page.locator("#thresholds-result")).to_contain_text("flow_stop_age 600.5")
+    assert "flow_stop_age: 0 -> 600.5" in dialogs[-1]
+    assert broker.api("GET", "/api/queues/orders")["thresholds"]["flow_stop_age"] == 600.5
+    expect(row(page, "queues", "queue", "orders", "stop")).to_have_text("1000 / 4.00 MiB · age 600.5 s")
+    expect(saturated).to_have_text("no")
+
     # -- stop-all: the producer is held broker-wide and its sends stop
     page.click("#stop-all")
     assert "Stop every producer" in dialogs[-1]

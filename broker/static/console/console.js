@@ -6,7 +6,11 @@
 const POLL_MS = 1000;
 const HISTORY_SECONDS = 300;   // what a chart shows
 const CHARTS = 6;              // charts for the deepest queues only
-const THRESHOLDS = ["flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size"];
+const THRESHOLDS = ["flow_stop_count", "flow_resume_count", "flow_stop_size", "flow_resume_size",
+                    "flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age", "flow_resume_age"];
+// The time thresholds (docs/policies.md "Time thresholds") take seconds, fractions allowed; the others
+// are whole messages or bytes.
+const TIME_THRESHOLDS = new Set(["flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age", "flow_resume_age"]);
 
 let csrf = null;
 let latestQueues = new Map();  // name -> queue view of the last poll
@@ -46,6 +50,20 @@ function bytes(n) {
 
 function threshold(value, format) {
   return value ? format(value) : "off";
+}
+
+// A queue's time thresholds after its count / size ones, only those that are on: "" when none is.
+function timeThresholds(th, drain, age) {
+  const parts = [];
+  if (th[drain]) parts.push(`drain ${th[drain]} s`);
+  if (th[age]) parts.push(`age ${th[age]} s`);
+  return parts.length ? ` · ${parts.join(" · ")}` : "";
+}
+
+// A stop reason's value and limit: the time thresholds report milliseconds.
+function reasonText(r) {
+  const unit = TIME_THRESHOLDS.has(r.threshold) ? " ms" : "";
+  return `${r.threshold} ${r.value}${unit} > ${r.limit}${unit}`;
 }
 
 function since(seconds) {
@@ -151,11 +169,13 @@ function drawQueues(queues) {
     cell(row, q.name, "name");
     cell(row, String(q.depth.count), "num depth");
     cell(row, bytes(q.depth.bytes), "num");
-    cell(row, `${threshold(th.flow_stop_count, String)} / ${threshold(th.flow_stop_size, bytes)}`, "stop");
-    cell(row, `${threshold(th.flow_resume_count, String)} / ${threshold(th.flow_resume_size, bytes)}`, "resume");
+    cell(row, `${threshold(th.flow_stop_count, String)} / ${threshold(th.flow_stop_size, bytes)}` +
+         timeThresholds(th, "flow_stop_drain_time", "flow_stop_age"), "stop");
+    cell(row, `${threshold(th.flow_resume_count, String)} / ${threshold(th.flow_resume_size, bytes)}` +
+         timeThresholds(th, "flow_resume_drain_time", "flow_resume_age"), "resume");
     if (q.saturated) {
       const r = q.stop_reason;
-      cell(row, `yes ${since(q.saturated_for_seconds)}${r ? `: ${r.threshold} ${r.value} > ${r.limit}` : ""}`,
+      cell(row, `yes ${since(q.saturated_for_seconds)}${r ? `: ${reasonText(r)}` : ""}`,
            "saturated yes");
     } else {
       cell(row, "no", "saturated no");
@@ -189,7 +209,7 @@ function drawConnections(connections) {
     }
     const destinations = c.flow.destinations.map((d) =>
       d.destination === "*" ? `* (${d.reason === "memory" ? "memory alarm" : "stop-all"})`
-                            : `${d.destination} (${d.threshold} ${d.value} > ${d.limit})`);
+                            : `${d.destination} (${reasonText(d)})`);
     const more = c.flow.destinations_total - c.flow.destinations.length;
     cell(row, destinations.join(", ") + (more > 0 ? ` (+${more} more)` : ""), "destinations");
     body.appendChild(row);
@@ -237,9 +257,12 @@ async function applyThresholds(event) {
     const text = document.getElementById(key).value.trim();
     if (text === "" || text === filled[key]) continue;
     const value = Number(text);
-    if (!Number.isSafeInteger(value) || value < 0) {
+    const valid = TIME_THRESHOLDS.has(key) ? Number.isFinite(value) && value >= 0
+                                           : Number.isSafeInteger(value) && value >= 0;
+    if (!valid) {
       result.className = "error";
-      result.textContent = `${key} must be an integer >= 0 (0 = off)`;
+      result.textContent = TIME_THRESHOLDS.has(key) ? `${key} must be a number of seconds >= 0 (0 = off)`
+                                                     : `${key} must be an integer >= 0 (0 = off)`;
       return;
     }
     change[key] = value;
