@@ -301,9 +301,14 @@ class BrokerServer:
                 store = self.authenticator.store
                 LOGGER.info("users file changed: %d user(s); permissions of open connections updated",
                             len(store.users))
+                shares: dict[str, float] = {}
                 for session in self.core.sessions.values():
                     if session.access is not None:
-                        session.access.update(store.get(session.identity))
+                        user = store.get(session.identity)
+                        session.access.update(user)
+                        shares[session.identity] = user.credit_share_percent if user is not None else 0
+                for identity, share in shares.items():  # a changed share moves the user's grants at once
+                    self.core.set_credit_share(identity, share)
 
     def _scrape_token(self) -> str:
         """The admin credential for a token-protected /metrics when the admin API is off: the configured
@@ -522,7 +527,8 @@ class ConnectionHandler:
     async def _serve(self, hello: Hello, accepted: Accepted) -> None:
         core = self.core
         session = core.open_session(
-            hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities
+            hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities,
+            accepted.user.credit_share_percent if accepted.user is not None else 0,
         )
         session.peer_host = self.peer_info.host
         if accepted.user is not None:  # the loopback user may do anything: no checks at all
