@@ -71,6 +71,7 @@ from flowbroker.protocol.frames import (
 )
 
 if TYPE_CHECKING:
+    from flowbroker.broker.auth import LoginThrottle
     from flowbroker.broker.journal import Journal
     from flowbroker.broker.udp.datapath import DataPath
 
@@ -144,6 +145,9 @@ class BrokerCore:
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
         self.udp: DataPath | None = None
+        # The failed-login throttle per source address (broker/auth.py), when a server authenticates: its
+        # counts are in the metrics and the broker view.
+        self.login_throttle: LoginThrottle | None = None
         # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id. It is
         # in memory; what a durable queue took is journalled with its message and accepted back at start.
         self.producer_sequences = ProducerSequences(
