@@ -23,6 +23,7 @@ from typing import Any, Union
 
 from flowbroker.broker.config import AuthConfig
 from flowbroker.broker.users import User, UserStore
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
 
 __all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "LoginThrottle", "PLAIN", "SCRAM",
@@ -258,6 +259,10 @@ class Authenticator:
             self.failures += 1
             return Refused(f"PLAIN is not allowed here ([auth] plain = {mode!r}): use {SCRAM} "
                            "(the SDK does when the URL has a password) or TLS", "PLAIN not allowed", name)
+        try:
+            name = saslprep(name, what="user name")
+        except SaslprepError as exc:
+            return self.failed(str(exc), None)
         user = self.store.get(name)
         if user is None:
             return self.failed("unknown user", name)

@@ -18,6 +18,7 @@ import click
 
 from flowbroker.broker.config import ConfigError, load_config
 from flowbroker.broker.users import LIMITS, TAGS, User, UsersError, read_users, write_users
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import DEFAULT_ITERATIONS, StoredCredential
 
 __all__ = ["user"]
@@ -37,6 +38,14 @@ def _path(config_path: Path | None, users_file: Path | None) -> Path:
     try:
         return load_config(config_path).auth.users_path()
     except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _name(name: str, stored: bool = False) -> str:
+    """NAME as logins look it up: SASLprepped (RFC 4013); a new one may not hold unassigned code points."""
+    try:
+        return saslprep(name, stored=stored, what="user name")
+    except SaslprepError as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -84,13 +93,14 @@ def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: 
     """Add user NAME."""
     path = _path(config_path, users_file)
     users = _read(path)
+    name = _name(name, stored=True)
     if name in users:
         raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
-    credential = StoredCredential.from_password(_password(password_stdin), iterations)
     try:
+        credential = StoredCredential.from_password(_password(password_stdin), iterations)
         users[name] = User(name, credential, tags, configure, write, read_, max_connections, max_queues,
                            credit_share_percent)
-    except UsersError as exc:
+    except (UsersError, SaslprepError) as exc:
         raise click.ClickException(str(exc)) from None
     write_users(path, users)
     click.echo(f"added user {name} to {path}")
@@ -104,10 +114,14 @@ def user_passwd(name: str, password_stdin: bool, config_path: Path | None, users
     """Change user NAME's password (connections already open stay open)."""
     path = _path(config_path, users_file)
     users = _read(path)
+    name = _name(name)
     old = users.get(name)
     if old is None:
         raise click.ClickException(f"no user {name!r} in {path}")
-    credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
+    try:
+        credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
+    except SaslprepError as exc:
+        raise click.ClickException(str(exc)) from None
     users[name] = replace(old, credential=credential)
     write_users(path, users)
     click.echo(f"changed the password of {name}")
@@ -120,6 +134,7 @@ def user_delete(name: str, config_path: Path | None, users_file: Path | None) ->
     """Delete user NAME (connections already open stay open)."""
     path = _path(config_path, users_file)
     users = _read(path)
+    name = _name(name)
     if users.pop(name, None) is None:
         raise click.ClickException(f"no user {name!r} in {path}")
     write_users(path, users)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import StoredCredential
 
 __all__ = ["User", "UsersError", "UserStore", "read_users", "write_users", "LIMITS", "TAGS"]
@@ -68,6 +69,12 @@ class User:
 def _user(name: object, entry: object, where: str) -> User:
     if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 255:
         raise UsersError(f"{where}: user name {name!r} must be printable, 1..255 characters")
+    try:
+        prepared = saslprep(name, stored=True, what="user name")
+    except SaslprepError as exc:
+        raise UsersError(f"{where}: {exc}") from None
+    if prepared != name:  # logins are looked up by their SASLprepped name: this one could never log in
+        raise UsersError(f"{where}: user name {name!r} is not in its SASLprep form {prepared!r} (RFC 4013)")
     if not isinstance(entry, dict):
         raise UsersError(f"{where}: user {name!r} must be an object")
     unknown = set(entry) - {"password", "tags", "configure", "write", "read", *LIMITS}

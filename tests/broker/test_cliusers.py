@@ -78,3 +78,20 @@ def test_resource_limits_are_written_kept_by_passwd_listed_and_checked(tmp_path:
         assert "max_queues must be an integer in [0, 1000000]" in str(exc)
     else:
         raise AssertionError("a negative max_queues was accepted")
+
+
+def test_names_and_passwords_are_saslprepped(tmp_path: Path) -> None:
+    f = ["--users-file", str(tmp_path / "u.json")]
+    assert run("user", "add", "\u2168", "--password-stdin", *f, stdin="I\u00adX\u00a0pw\n")[0] == 0
+    users = read_users(tmp_path / "u.json")
+    assert list(users) == ["IX"] and users["IX"].credential.check_password("\u2168 pw")
+    code, out = run("user", "add", "b", "--password-stdin", *f, stdin="bad\x07\n")
+    assert code != 0 and "password: a control character (U+0007)" in out and "bad" not in out.split(":", 1)[1]
+    assert run("user", "passwd", "I\u00adX", "--password-stdin", *f, stdin="new\n")[0] == 0  # found as IX
+    (tmp_path / "u.json").write_text((tmp_path / "u.json").read_text().replace('"IX"', '"\\u2168"'))
+    try:
+        read_users(tmp_path / "u.json")
+    except ValueError as exc:
+        assert "user name 'Ⅸ' is not in its SASLprep form 'IX'" in str(exc)
+    else:
+        raise AssertionError("a name no login could match was accepted")
