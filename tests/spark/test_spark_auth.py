@@ -71,7 +71,7 @@ def test_a_batch_write_logs_in_over_tls_with_the_password_from_the_environment(s
     (df.write.format("flowbroker").option("url", tls_url(broker)).option("queue", "secure-in")
      .option("user", "spark").option("passwordEnv", ENV).option("tlsCaFile", ca_file).mode("append").save())
     with connect(broker, ca_file) as conn, conn.consumer("secure-in", prefetch=300) as consumer:
-        got = []
+        got: list[blocking.BlockingMessage] = []
         while len(got) < 300:
             messages = consumer.receive_many(300, 10)
             assert messages, "the rows did not arrive"

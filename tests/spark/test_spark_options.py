@@ -63,9 +63,9 @@ def test_a_layout_that_cannot_work_fails_on_the_driver():
 def test_credentials_and_tls_options_are_checked_and_read_where_the_connection_is_made(tmp_path, monkeypatch):
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")
-    options = ReadOptions.parse({"queue": "q", "User": "u", "passwordFile": str(secret)})
-    assert "from-file" not in repr(options)
-    assert options.connect_arguments()["auth"].password == "from-file"  # read now, the newline dropped
+    read = ReadOptions.parse({"queue": "q", "User": "u", "passwordFile": str(secret)})
+    assert "from-file" not in repr(read)
+    assert read.connect_arguments()["auth"].password == "from-file"  # read now, the newline dropped
     options = WriteOptions.parse({"queue": "q", "user": "u", "passwordEnv": "FB_TEST_PW"})
     with pytest.raises(OptionError, match="environment variable FB_TEST_PW is not set"):
         options.connect_arguments()
