@@ -31,8 +31,8 @@ __all__ = [
     "aggressive_size",
     "clamp",
     "dynamic_size",
-    "share_fraction",
     "reserve_for",
+    "share_fraction",
     "share_target",
     "static_size",
 ]
