@@ -772,9 +772,10 @@ class BrokerCore:
         return count
 
     def _req_declare_queue(self, session: Session, f: DeclareQueue) -> dict[str, Any]:
-        access = session.access
+        access = session.access  # None: the loopback user, who has no limits and owns nothing
         limit = access.user.max_queues if access is not None and access.user is not None else 0
-        queue = self.declare_queue(f.queue, f.arguments, f.durable, session.identity, limit)
+        owner = session.identity if access is not None else None
+        queue = self.declare_queue(f.queue, f.arguments, f.durable, owner, limit)
         return {"queue": queue.name, "count": queue.count, "size": queue.size}
 
     def _req_declare_exchange(self, session: Session, f: DeclareExchange) -> dict[str, Any]:

@@ -67,6 +67,9 @@ async def test_max_queues_refuses_one_more_and_redeclare_delete_and_other_users_
             await producer.send(b"still up", timeout=LIMIT)
             await producer.flush(timeout=LIMIT)
             assert server.core.queues["c"].count == 1
+            async with await fc.connect(url(server), timeout=LIMIT) as guest:  # the loopback user owns nothing
+                await guest.declare_queue("g")
+            assert server.core.queues["g"].owner is None and server.core.queues["c"].owner == "p"
             assert server.core.queues_by_owner == {"p": 2, "q": 2}
 
 
