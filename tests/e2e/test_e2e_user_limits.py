@@ -2,7 +2,7 @@
 typed error naming the limit (the connection stays up), a redeclare is not a new queue, a delete frees a
 slot, other users are not counted, and durable queues recovered at start count for their owner;
 `credit_share_percent` caps what one user's producer connections hold of the credit pool together, so
-another user's producer still gets its share."""
+another user's producer still gets its share, and a changed share reaches the open connections."""
 
 from __future__ import annotations
 
@@ -126,3 +126,11 @@ async def test_a_users_credit_share_caps_its_producers_together_and_leaves_the_r
             for _ in range(100):  # more than its 1 MiB grant
                 await producer.send(b"y" * 1000, timeout=LIMIT)
             await producer.flush(timeout=LIMIT)
+            # the users file gives hog a larger share: its open connections' grants follow at the re-read
+            write_users(users, {"hog": User("hog", CRED, credit_share_percent=50), "calm": User("calm", CRED)})
+            with trio.fail_after(LIMIT):
+                while core.credit.owner_cap("hog") != core.credit.shareable // 2:
+                    await trio.sleep(0.05)
+            assert sum(core.credit.size_of(c) == mib for c in hog_ids) == min(8, core.credit.shareable // 2 // (mib - 1))
+            assert core.credit.owner_share_used("hog") <= core.credit.shareable // 2
+            assert core.credit.size_of(calm_id) == mib
