@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Union
 
 from flowbroker.broker.config import AuthConfig
 from flowbroker.broker.users import User, UserStore
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
 
-__all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "PLAIN", "SCRAM", "is_local"]
+__all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "LoginThrottle", "PLAIN", "SCRAM",
+           "is_local", "THROTTLE_SOURCES"]
 
 PLAIN = "PLAIN"
 
@@ -89,6 +92,109 @@ class Challenge:
 
 Outcome = Union[Accepted, Challenge, Refused]
 
+THROTTLE_SOURCES = 10_000
+"""Source addresses the login throttle remembers at once; the least recently failed is forgotten first."""
+
+FORGET_AFTER = 10
+"""A source's failures are forgotten this many times its current spacing after its last one (10 s after one
+failure with the default 1 s delay, 5 minutes once the spacing is at the 30 s cap)."""
+
+
+class _Source:
+    __slots__ = ("failures", "last_failure_ns", "next_slot_ns", "inflight")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.last_failure_ns = 0
+        self.next_slot_ns = 0  # the earliest an attempt from there may be looked at
+        self.inflight = 0  # attempts admitted and not settled yet
+
+
+class LoginThrottle:
+    """Failed logins per source address, so that one address cannot guess passwords in parallel over
+    many connections (the per-connection `failed_login_delay` slows only one at a time).
+
+    Once an address has f recent failures, the login attempts from there are looked at one at a time:
+    `admit` gives each a slot, `delay(f + n)` = base * 2**(f+n-1) (capped at `max_delay`) after the one
+    before, n being the attempts from there admitted and not settled yet (so that many attempts sent at
+    once are spaced further and further apart before any of them fails), and returns how long it waits
+    before the broker reads its credentials; or None when its slot would be over `max_delay` away (the
+    shell refuses it without looking). An address with no recent failure waits for nothing, so a pool of
+    connections logging in at once is not slowed; nor is any other address, nor a connection already
+    logged in. A success does not forget the failures (an attacker may own one good account); time does.
+
+    Bounded: at most `max_entries` addresses (LRU by last failure); an address's failures are forgotten
+    FORGET_AFTER times its current spacing after its last one. Sans-IO: takes `now_ns`."""
+
+    def __init__(self, base: float, max_delay: float, max_entries: int = THROTTLE_SOURCES):
+        self.base_ns = int(base * 1e9)
+        self.max_ns = max(int(max_delay * 1e9), self.base_ns)
+        self.max_entries = max_entries
+        self._sources: OrderedDict[str, _Source] = OrderedDict()
+        self.delayed = 0  # attempts made to wait (metrics)
+        self.refused = 0  # attempts refused without a look because their address's queue was full
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def delay_ns(self, failures: int) -> int:
+        if failures <= 0 or not self.base_ns:
+            return 0
+        return min(self.max_ns, self.base_ns << min(failures - 1, 62))
+
+    def _live(self, host: str, now_ns: int) -> _Source | None:
+        source = self._sources.get(host)
+        if source is not None and not source.inflight \
+                and now_ns - source.last_failure_ns > FORGET_AFTER * self.delay_ns(source.failures):
+            del self._sources[host]
+            return None
+        return source
+
+    def admit(self, host: str | None, now_ns: int) -> int | None:
+        """Nanoseconds this attempt from `host` waits before its credentials are looked at (0: none), or
+        None: refuse it unlooked (its turn would be over `max_delay` away). An admitted attempt from an
+        address with failures must be `settle`d when it ends, however it ends."""
+        if host is None or not self.base_ns:
+            return 0
+        source = self._live(host, now_ns)
+        if source is None or not source.failures:
+            return 0
+        slot = max(now_ns, source.next_slot_ns)
+        wait = slot - now_ns
+        if wait > self.max_ns:
+            self.refused += 1
+            return None
+        source.next_slot_ns = slot + self.delay_ns(source.failures + source.inflight)
+        source.inflight += 1
+        if wait:
+            self.delayed += 1
+        return wait
+
+    def settle(self, host: str | None) -> None:
+        """An attempt `admit` counted ended (logged in, refused, or gone)."""
+        source = self._sources.get(host) if host is not None else None
+        if source is not None and source.inflight:
+            source.inflight -= 1
+
+    def failed(self, host: str | None, now_ns: int) -> None:
+        """A login from `host` failed: the next attempts from there are spaced further apart."""
+        if host is None or not self.base_ns:
+            return
+        source = self._live(host, now_ns)
+        if source is None:
+            source = self._sources[host] = _Source()
+            source.next_slot_ns = now_ns + self.delay_ns(1)  # even the second attempt waits its turn
+            while len(self._sources) > self.max_entries:
+                self._sources.popitem(last=False)
+        else:
+            self._sources.move_to_end(host)
+        source.failures += 1
+        source.last_failure_ns = now_ns
+
+    def failures(self, host: str, now_ns: int) -> int:
+        source = self._live(host, now_ns)
+        return source.failures if source is not None else 0
+
 
 class Authenticator:
     """One per broker: the config, the users file, and the failures counted (for metrics and views)."""
@@ -99,6 +205,8 @@ class Authenticator:
         self._secret = secrets.token_bytes(32)  # made-up salts of unknown users (protocol/scram.py)
         self.failures = 0
         self.successes = 0
+        # failed logins per source address: attempts from an address that keeps failing wait their turn
+        self.throttle = LoginThrottle(config.failed_login_delay, config.failed_login_max_delay)
 
     def users_changed(self) -> bool:
         """Re-read the users file if it changed; True when the users (or their permissions) did."""
@@ -151,6 +259,10 @@ class Authenticator:
             self.failures += 1
             return Refused(f"PLAIN is not allowed here ([auth] plain = {mode!r}): use {SCRAM} "
                            "(the SDK does when the URL has a password) or TLS", "PLAIN not allowed", name)
+        try:
+            name = saslprep(name, what="user name")
+        except SaslprepError as exc:
+            return self.failed(str(exc), None)
         user = self.store.get(name)
         if user is None:
             return self.failed("unknown user", name)

@@ -161,8 +161,9 @@ def _url_option(func: F) -> F:
                    "~/.local/state/flowbroker].")
 @click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
               help='Once listening, write {"port": N, "admin_port": M or null, "udp_port": U or null, '
-                   '"metrics_port": P or null} to this file as JSON (for scripts that start it with --port 0 / '
-                   "--admin-port 0 / --udp-endpoint 127.0.0.1:0); removed when the broker stops.")
+                   '"metrics_port": P or null, "tls_port": T or null} to this file as JSON (for scripts that start it '
+                   "with --port 0 / --admin-port 0 / --udp-endpoint 127.0.0.1:0 / [tls] port = 0); removed when the "
+                   "broker stops.")
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
           admin_enabled: bool | None, udp_endpoint: str | None, udp_enabled: bool | None,
@@ -218,11 +219,12 @@ class PortFileError(Exception):
 
 
 def _write_port_file(path: Path, port: int, admin_port: int | None, udp_port: int | None = None,
-                     metrics_port: int | None = None) -> None:
-    """{"port": ..., "admin_port": ..., "udp_port": ..., "metrics_port": ...} to `path`, atomically: a script
-    polling for it never reads half."""
+                     metrics_port: int | None = None, tls_port: int | None = None) -> None:
+    """{"port": ..., "admin_port": ..., "udp_port": ..., "metrics_port": ..., "tls_port": ...} to `path`,
+    atomically: a script polling for it never reads half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    ports = {"port": port, "admin_port": admin_port, "udp_port": udp_port, "metrics_port": metrics_port}
+    ports = {"port": port, "admin_port": admin_port, "udp_port": udp_port, "metrics_port": metrics_port,
+             "tls_port": tls_port}
     try:
         tmp.write_text(json.dumps(ports) + "\n")
         os.replace(tmp, path)
@@ -243,7 +245,8 @@ async def _serve(config: Any, port_file: Path | None = None) -> None:
         # each: printing them here too doubled them).
         port = await nursery.start(server.serve)
         if port_file is not None:
-            _write_port_file(port_file, port, server.admin_port, server.udp_port, server.metrics_port)
+            _write_port_file(port_file, port, server.admin_port, server.udp_port, server.metrics_port,
+                             server.tls_port)
         try:
             await server.shutdown_requested.wait()
         finally:

@@ -10,13 +10,15 @@ which `ps` and shell history show.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
 from flowbroker.broker.config import ConfigError, load_config
-from flowbroker.broker.users import TAGS, User, UsersError, read_users, write_users
+from flowbroker.broker.users import LIMITS, TAGS, User, UsersError, read_users, write_users
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import DEFAULT_ITERATIONS, StoredCredential
 
 __all__ = ["user"]
@@ -36,6 +38,14 @@ def _path(config_path: Path | None, users_file: Path | None) -> Path:
     try:
         return load_config(config_path).auth.users_path()
     except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _name(name: str, stored: bool = False) -> str:
+    """NAME as logins look it up: SASLprepped (RFC 4013); a new one may not hold unassigned code points."""
+    try:
+        return saslprep(name, stored=stored, what="user name")
+    except SaslprepError as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -70,20 +80,27 @@ def user() -> None:
 @click.option("--read", "read_", default=".*", show_default=True, help="Queues it may consume from, exchanges it may bind from (regex).")
 @click.option("--max-connections", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
               help="Connections open at once as this user (0 = no limit of its own).")
+@click.option("--max-queues", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
+              help="Queues this user declared that exist at once (0 = no limit of its own).")
+@click.option("--credit-share-percent", type=click.FloatRange(0, 100), default=0, show_default=True,
+              help="The most of the producer credit pool its producers hold together, in percent (0 = no cap).")
 @click.option("--iterations", type=click.IntRange(4096, 10_000_000), default=DEFAULT_ITERATIONS, show_default=True,
               help="PBKDF2 iterations of the stored credential.")
 @_options
 def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: str, write: str, read_: str,
-             max_connections: int, iterations: int, config_path: Path | None, users_file: Path | None) -> None:
+             max_connections: int, max_queues: int, credit_share_percent: float, iterations: int,
+             config_path: Path | None, users_file: Path | None) -> None:
     """Add user NAME."""
     path = _path(config_path, users_file)
     users = _read(path)
+    name = _name(name, stored=True)
     if name in users:
         raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
-    credential = StoredCredential.from_password(_password(password_stdin), iterations)
     try:
-        users[name] = User(name, credential, tags, configure, write, read_, max_connections)
-    except UsersError as exc:
+        credential = StoredCredential.from_password(_password(password_stdin), iterations)
+        users[name] = User(name, credential, tags, configure, write, read_, max_connections, max_queues,
+                           credit_share_percent)
+    except (UsersError, SaslprepError) as exc:
         raise click.ClickException(str(exc)) from None
     write_users(path, users)
     click.echo(f"added user {name} to {path}")
@@ -97,11 +114,15 @@ def user_passwd(name: str, password_stdin: bool, config_path: Path | None, users
     """Change user NAME's password (connections already open stay open)."""
     path = _path(config_path, users_file)
     users = _read(path)
+    name = _name(name)
     old = users.get(name)
     if old is None:
         raise click.ClickException(f"no user {name!r} in {path}")
-    credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
-    users[name] = User(name, credential, old.tags, old.configure, old.write, old.read, old.max_connections)
+    try:
+        credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
+    except SaslprepError as exc:
+        raise click.ClickException(str(exc)) from None
+    users[name] = replace(old, credential=credential)
     write_users(path, users)
     click.echo(f"changed the password of {name}")
 
@@ -113,6 +134,7 @@ def user_delete(name: str, config_path: Path | None, users_file: Path | None) ->
     """Delete user NAME (connections already open stay open)."""
     path = _path(config_path, users_file)
     users = _read(path)
+    name = _name(name)
     if users.pop(name, None) is None:
         raise click.ClickException(f"no user {name!r} in {path}")
     write_users(path, users)
@@ -125,4 +147,6 @@ def user_list(config_path: Path | None, users_file: Path | None) -> None:
     """The users, their tags and permissions (configure, write, read)."""
     users = _read(_path(config_path, users_file))
     for u in users.values():
-        click.echo(f"{u.name}\t{','.join(u.tags) or '-'}\tconfigure={u.configure}\twrite={u.write}\tread={u.read}")
+        limits = "".join(f"\t{key}={getattr(u, key)}" for key in LIMITS if getattr(u, key))
+        click.echo(f"{u.name}\t{','.join(u.tags) or '-'}\tconfigure={u.configure}\twrite={u.write}\tread={u.read}"
+                   f"{limits}")

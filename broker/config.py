@@ -339,6 +339,7 @@ class AuthConfig:
     users_file: str = DEFAULT_USERS_FILE
     plain: str = "tls-or-loopback"
     failed_login_delay: float = 1.0
+    failed_login_max_delay: float = 30.0  # the per-source throttle's longest spacing (broker/auth.py)
 
     def validate(self) -> None:
         if not isinstance(self.loopback_user, str) or not self.loopback_user.isprintable() or len(self.loopback_user) > 255:
@@ -351,6 +352,10 @@ class AuthConfig:
         if isinstance(self.failed_login_delay, bool) or not isinstance(self.failed_login_delay, (int, float)) \
                 or not 0 <= self.failed_login_delay <= 60:
             raise ConfigError("auth", "failed_login_delay", self.failed_login_delay, "must be a number in [0, 60]")
+        if isinstance(self.failed_login_max_delay, bool) or not isinstance(self.failed_login_max_delay, (int, float)) \
+                or not self.failed_login_delay <= self.failed_login_max_delay <= 600:
+            raise ConfigError("auth", "failed_login_max_delay", self.failed_login_max_delay,
+                              "must be a number in [failed_login_delay, 600]")
 
     def users_path(self) -> Path:
         return Path(self.users_file).expanduser()

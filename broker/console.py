@@ -221,10 +221,12 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
         return response
 
     async def session(request: Request) -> Response:
-        csrf = sessions.csrf(session_id(request.scope))
+        sid = session_id(request.scope)
+        csrf = sessions.csrf(sid)
         if csrf is None:  # reached with the bearer token: a script has no browser session
             return _error(404, "not_found", "no browser session: log in at /")
-        return JSONResponse({"csrf": csrf}, headers=SECURITY_HEADERS)
+        # read_only: a monitoring user's session; the page hides what the API would refuse it (403 read_only)
+        return JSONResponse({"csrf": csrf, "read_only": sessions.read_only(sid)}, headers=SECURITY_HEADERS)
 
     async def logout(request: Request) -> Response:
         sessions.end(session_id(request.scope))

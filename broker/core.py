@@ -71,6 +71,7 @@ from flowbroker.protocol.frames import (
 )
 
 if TYPE_CHECKING:
+    from flowbroker.broker.auth import LoginThrottle
     from flowbroker.broker.journal import Journal
     from flowbroker.broker.udp.datapath import DataPath
 
@@ -107,6 +108,9 @@ class BrokerCore:
             for name, kind in ((name, ExchangeKind(kind)) for name, kind in _BUILTIN)
         )
         self.sessions: SortedKeyDict[int, Session] = SortedKeyDict()
+        # Queues that exist per identity that declared them (a user's max_queues); entries at 0 are
+        # dropped, so it holds at most one per live queue.
+        self.queues_by_owner: Counter[str] = Counter()
         # floor: a share holds at least one maximum message (message_size of a max_message_size body)
         self.credit = CreditAllocator[int](
             config.credit_policy(),
@@ -141,6 +145,9 @@ class BrokerCore:
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
         self.udp: DataPath | None = None
+        # The failed-login throttle per source address (broker/auth.py), when a server authenticates: its
+        # counts are in the metrics and the broker view.
+        self.login_throttle: LoginThrottle | None = None
         # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id. It is
         # in memory; what a durable queue took is journalled with its message and accepted back at start.
         self.producer_sequences = ProducerSequences(
@@ -155,7 +162,10 @@ class BrokerCore:
         flow_control: bool,
         wake: Callable[[], None],
         capabilities: Collection[str] = (),
+        credit_share_percent: float = 0,
     ) -> Session:
+        """A connection logged in as `identity`; `credit_share_percent` (its user's, 0: no cap) caps what
+        the producers of that identity hold of the credit pool together (policies/credit.py)."""
         conn_id = self._next_conn_id
         self._next_conn_id += 1
         session = Session(
@@ -178,7 +188,7 @@ class BrokerCore:
             # message) until its first TRANSFER registers it as a producer, so a connection that only
             # consumes never shrinks the producers' shares, and idle ones never hold more than a byte.
             try:
-                size = self.credit.connect(conn_id)[conn_id]
+                size = self.credit.connect(conn_id, identity, credit_share_percent)[conn_id]
             except PoolExhaustedError as exc:
                 # Only when the pool is smaller than two bytes per connection slot: refuse this one
                 # (its first frame, or the timer, closes it with this error); no one else is touched.
@@ -206,6 +216,10 @@ class BrokerCore:
             self.udp.close_owner(session.conn_id, self.clock_ns())
         if session.conn_id in self.credit:
             self._apply_buffer_sizes(self.credit.disconnect(session.conn_id))
+
+    def set_credit_share(self, identity: str, share_percent: float) -> None:
+        """The users file gave `identity` another credit share: its live producers' grants follow."""
+        self._apply_buffer_sizes(self.credit.set_owner_share(identity, share_percent))
 
     def _apply_buffer_sizes(self, sizes: dict[int, int]) -> None:
         """Push changed producer grants to live connections (BUFFER_CONTROL), start or stop withholding
@@ -640,7 +654,10 @@ class BrokerCore:
         thresholds = Thresholds(**numeric, defaults=self.config.queues.thresholds())
         return thresholds, overflow
 
-    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None, durable: bool = False) -> Queue:
+    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None, durable: bool = False,
+                      owner: str | None = None, owner_limit: int = 0) -> Queue:
+        """The queue `name`, declared now unless it exists. `owner` (the declaring identity) is charged
+        for a new queue; `owner_limit` (its user's max_queues, 0: none) refuses one more over it."""
         if not name:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "queue name must not be empty")
         thresholds, overflow = self.queue_thresholds(arguments or {})
@@ -656,10 +673,20 @@ class BrokerCore:
         limit = self.config.server.max_queues
         if len(self.queues) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many queues (max_queues {limit})", name)
+        if owner is not None and owner_limit and self.queues_by_owner[owner] >= owner_limit:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"user {owner!r} has its max_queues ({owner_limit}) declared", name)
         queue = self.queues[name] = Queue(name, thresholds, overflow, durable, self.memory, self.store_factory(name, durable))
+        self.charge_owner(queue, owner)
         self.track_time_thresholds(queue)
         self._journal_queue(queue)
         return queue
+
+    def charge_owner(self, queue: Queue, owner: str | None) -> None:
+        """`queue` counts toward `owner`'s queues (declared now, or recovered from the journal)."""
+        queue.owner = owner
+        if owner is not None:
+            self.queues_by_owner[owner] += 1
 
     def _journal_queue(self, queue: Queue) -> None:
         """A durable queue's declaration (or changed thresholds) goes to the journal, if its store is one."""
@@ -733,6 +760,10 @@ class BrokerCore:
         queue = self.get_queue(name)
         del self.queues[name]
         self.timed_queues.pop(name, None)
+        if queue.owner is not None:
+            self.queues_by_owner[queue.owner] -= 1
+            if self.queues_by_owner[queue.owner] <= 0:
+                del self.queues_by_owner[queue.owner]
         for ex in self.exchanges.values():
             ex.unbind_queue(queue)
         count = queue.count
@@ -741,7 +772,10 @@ class BrokerCore:
         return count
 
     def _req_declare_queue(self, session: Session, f: DeclareQueue) -> dict[str, Any]:
-        queue = self.declare_queue(f.queue, f.arguments, f.durable)
+        access = session.access  # None: the loopback user, who has no limits and owns nothing
+        limit = access.user.max_queues if access is not None and access.user is not None else 0
+        owner = session.identity if access is not None else None
+        queue = self.declare_queue(f.queue, f.arguments, f.durable, owner, limit)
         return {"queue": queue.name, "count": queue.count, "size": queue.size}
 
     def _req_declare_exchange(self, session: Session, f: DeclareExchange) -> dict[str, Any]:

@@ -205,7 +205,7 @@ class Journal:
         if self.dormant:
             self._start()  # the snapshot already has it
             return
-        self.record([QUEUE, qid, queue.name, queue_arguments(queue), queue.next_offset])
+        self.record([QUEUE, qid, queue.name, queue_arguments(queue), queue.next_offset, queue.owner])
 
     def queue_deleted(self, qid: int) -> None:
         self.record([QUEUE_DELETED, qid])

@@ -41,7 +41,8 @@ MAX_RECORD = 1 << 30
 
 # Kinds. Topology records are upserts keyed by queue id or name, so a segment's opening snapshot
 # (broker/journal.py) can repeat them.
-QUEUE = 1  # [kind, qid, name, arguments, next_offset]
+QUEUE = 1  # [kind, qid, name, arguments, next_offset, owner]; owner (the declaring identity, or nil) is
+# absent from records written before per-user max_queues, and readers before it ignore it
 QUEUE_DELETED = 2  # [kind, qid]
 EXCHANGE = 3  # [kind, name, exchange kind]
 EXCHANGE_DELETED = 4  # [kind, name]

@@ -106,6 +106,8 @@ class Scrape:
             "violations": core.credit_violations,
         }
         self.errors = dict(core.errors_sent)
+        throttle = core.login_throttle
+        self.throttle = (throttle.delayed, throttle.refused, len(throttle)) if throttle is not None else (0, 0, 0)
         self.idempotence = core.producer_sequences.statistics()
         self.udp = core.udp.statistics() if core.udp is not None else None
         # One pass over the connections: roles, producer rows (bounded), stalled consumers' queues.
@@ -197,6 +199,13 @@ class Scrape:
         for code in ErrorCode:  # every code, 0 until it happens: rate() needs the series before the first
             refused.add_metric([code.name], self.errors.get(code, 0))
         yield refused
+        delayed, throttled, sources = self.throttle
+        yield CounterMetricFamily("flowbroker_logins_delayed", "Login attempts made to wait their turn because "
+                                  "their address failed logins recently.", value=delayed)
+        yield CounterMetricFamily("flowbroker_logins_throttled", "Login attempts refused unlooked: their "
+                                  "address had failed_login_max_delay of attempts queued.", value=throttled)
+        yield GaugeMetricFamily("flowbroker_login_throttle_sources", "Source addresses with recent failed logins "
+                                "the throttle remembers (at most 10,000).", value=sources)
         ids = self.idempotence
         yield GaugeMetricFamily("flowbroker_idempotent_producer_ids", "Producer ids whose sequences the broker "
                                 "tracks.", value=ids.producer_ids)

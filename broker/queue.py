@@ -153,6 +153,7 @@ class Queue:
         self.drain = DrainEstimator()
         self.time_hold = False
         self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
+        self.owner: str | None = None  # the identity that declared it: what its user's max_queues counts
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} size={self.size} saturated={self.saturated}>"

@@ -49,6 +49,7 @@ class RecoveredQueue:
     arguments: dict[str, Any]
     next_offset: int
     messages: dict[int, tuple[list[Any], int, bool]] = field(default_factory=dict)  # offset -> record, seg, delivered
+    owner: str | None = None  # the identity that declared it
 
 
 @dataclass
@@ -92,6 +93,12 @@ def read_journal(journal: Journal) -> Recovered:
     return out
 
 
+def _owner(r: list[Any]) -> str | None:
+    """A QUEUE record's owner: the identity that declared it, for its user's max_queues (None in
+    records from before owners were journalled)."""
+    return str(r[5]) if len(r) > 5 and r[5] is not None else None
+
+
 def _replay(out: Recovered, r: list[Any], seg: int) -> None:
     kind = r[0]
     queues = out.queues
@@ -113,9 +120,10 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
     elif kind == QUEUE:
         existing = queues.get(r[1])
         if existing is None:
-            queues[r[1]] = RecoveredQueue(str(r[2]), dict(r[3]), int(r[4]))
+            queues[r[1]] = RecoveredQueue(str(r[2]), dict(r[3]), int(r[4]), owner=_owner(r))
         else:
             existing.arguments = dict(r[3])
+            existing.owner = _owner(r)
             existing.next_offset = max(existing.next_offset, int(r[4]))
     elif kind == QUEUE_DELETED:
         queues.pop(r[1], None)
@@ -177,6 +185,7 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
             thresholds, overflow = core.queue_thresholds({})
         queue = Queue(rq.name, thresholds, overflow, True, core.memory, JournalStore(journal, qid, start, recovered))
         core.queues[rq.name] = queue
+        core.charge_owner(queue, rq.owner)  # counts toward its user's max_queues again
         core.track_time_thresholds(queue)  # a recorded drain-time or age threshold: the flow timer ticks it
         queue.recovered(now)
         by_qid[qid] = queue
@@ -211,7 +220,7 @@ def topology_records(core: BrokerCore) -> list[list[Any]]:
         store = queue.store
         if isinstance(store, JournalStore):
             durable[queue] = store.qid
-            records.append([QUEUE, store.qid, queue.name, queue_arguments(queue), queue.next_offset])
+            records.append([QUEUE, store.qid, queue.name, queue_arguments(queue), queue.next_offset, queue.owner])
     for ex in core.exchanges.values():
         for key, queues in ex.bindings.items():
             for queue in queues:

@@ -49,13 +49,13 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import AdminServer, publish_token, resolve_token
-from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Peer, Refused
+from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, Peer, Refused
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
@@ -151,6 +151,7 @@ class BrokerServer:
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
         self.authenticator = Authenticator(config.auth)  # who may connect (broker/auth.py)
+        self.core.login_throttle = self.authenticator.throttle
         self.opened = 0  # connections that completed the handshake since the last summary...
         self.closed = 0  # ...and that closed since then
 
@@ -301,9 +302,14 @@ class BrokerServer:
                 store = self.authenticator.store
                 LOGGER.info("users file changed: %d user(s); permissions of open connections updated",
                             len(store.users))
+                shares: dict[str, float] = {}
                 for session in self.core.sessions.values():
                     if session.access is not None:
-                        session.access.update(store.get(session.identity))
+                        user = store.get(session.identity)
+                        session.access.update(user)
+                        shares[session.identity] = user.credit_share_percent if user is not None else 0
+                for identity, share in shares.items():  # a changed share moves the user's grants at once
+                    self.core.set_credit_share(identity, share)
 
     def _scrape_token(self) -> str:
         """The admin credential for a token-protected /metrics when the admin API is off: the configured
@@ -385,6 +391,12 @@ class BrokerServer:
         finally:
             if handler is not None:
                 handler.frame_bytes.release()
+
+
+def _plain_name(auth: dict[str, Any]) -> str | None:
+    """The user name a PLAIN attempt names, for the log (SCRAM's is inside its client-first message)."""
+    name = auth.get("username")
+    return name[:255] if auth.get("mechanism") == PLAIN and isinstance(name, str) else None
 
 
 async def _send_and_close(io: StreamIO, conn: Connection, frames: list[Frame], unsent: bytes = b"") -> None:
@@ -476,11 +488,33 @@ class ConnectionHandler:
 
     async def _authenticate(self, hello: Hello) -> Accepted | None:
         """Who the client is (broker/auth.py), with the AUTH_CHALLENGE round SCRAM needs; None when it is
-        refused (after `failed_login_delay`, so guessing passwords is slow) or gave up."""
+        refused (after `failed_login_delay`, so guessing passwords is slow) or gave up. Credentials from an
+        address with recent failures first wait their turn (LoginThrottle), so one address cannot guess
+        in parallel over many connections."""
         auth = self.server.authenticator
         if isinstance(self.stream, trio.SSLStream):  # the TLS handshake is done: HELLO came through it
             subject = certificate_identity(self.stream.getpeercert())
             self.peer_info = Peer(self.peer_info.host, True, subject)
+        throttle, host = auth.throttle, self.peer_info.host
+        if not hello.auth:
+            return await self._login(hello)
+        # credentials, which a guesser could be trying: its address may have to wait its turn
+        wait = throttle.admit(host, self.core.clock_ns())
+        if wait is None:
+            await self._refuse_login(Refused(
+                f"too many failed logins from {host}: try again later", "throttled (too many failed logins "
+                "from this address)", _plain_name(hello.auth)))
+            return None
+        try:
+            if wait:
+                self._deadline += wait / 1e9  # the wait is not the client's slowness
+                await trio.sleep(wait / 1e9)
+            return await self._login(hello)
+        finally:
+            throttle.settle(host)
+
+    async def _login(self, hello: Hello) -> Accepted | None:
+        auth, throttle, host = self.server.authenticator, self.server.authenticator.throttle, self.peer_info.host
         outcome = auth.begin(hello.auth, self.peer_info)
         if isinstance(outcome, Challenge):
             await self.io.stream.send_all(self.conn.send(AuthChallenge(outcome.data)))
@@ -493,16 +527,22 @@ class ConnectionHandler:
             await _send_and_close(self.io, self.conn, [Error(code, over, 1), Close(code, over)])
             return None
         if isinstance(outcome, Refused):
-            LOGGER.warning("connection from %s: login refused%s: %s", self.peer,
-                           f" for user {logsafe(outcome.username)}" if outcome.username is not None else "",
-                           logsafe(outcome.reason))
-            self.core.errors_sent[ErrorCode.UNAUTHORIZED] += 1
-            await trio.sleep(self.server.config.auth.failed_login_delay)
-            text = outcome.text
-            await _send_and_close(self.io, self.conn, [Error(ErrorCode.UNAUTHORIZED, text, 1),
-                                                       Close(ErrorCode.UNAUTHORIZED, text)])
+            if hello.auth:
+                throttle.failed(host, self.core.clock_ns())
+            await self._refuse_login(outcome)
             return None
         return outcome
+
+    async def _refuse_login(self, outcome: Refused) -> None:
+        """Log and count a refused login, wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE."""
+        LOGGER.warning("connection from %s: login refused%s: %s", self.peer,
+                       f" for user {logsafe(outcome.username)}" if outcome.username is not None else "",
+                       logsafe(outcome.reason))
+        self.core.errors_sent[ErrorCode.UNAUTHORIZED] += 1
+        await trio.sleep(self.server.config.auth.failed_login_delay)
+        text = outcome.text
+        await _send_and_close(self.io, self.conn, [Error(ErrorCode.UNAUTHORIZED, text, 1),
+                                                   Close(ErrorCode.UNAUTHORIZED, text)])
 
     def _over_user_limit(self, accepted: Accepted) -> str | None:
         """Why the user's own max_connections (users file) refuses this connection, or None. Counted over
@@ -522,7 +562,8 @@ class ConnectionHandler:
     async def _serve(self, hello: Hello, accepted: Accepted) -> None:
         core = self.core
         session = core.open_session(
-            hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities
+            hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities,
+            accepted.user.credit_share_percent if accepted.user is not None else 0,
         )
         session.peer_host = self.peer_info.host
         if accepted.user is not None:  # the loopback user may do anything: no checks at all

@@ -1,7 +1,8 @@
 """The users file: who may log in, with what credential, tags and permissions (docs/security.md).
 
 One JSON document, `{"users": {NAME: {"password": "SCRAM-SHA-256$...", "tags": [...], "configure": RE,
-"write": RE, "read": RE}}}`. The CLI's `flowbroker user add/passwd/delete` change it (atomically, mode
+"write": RE, "read": RE, "max_connections": N, "max_queues": N, "credit_share_percent": P}}}` (the
+last three optional, 0 = no limit of the user's own). The CLI's `flowbroker user add/passwd/delete` change it (atomically, mode
 0600); the broker looks at its modification time on every login and re-reads it when it changed:
 a user added or a password changed takes effect at the next login without a restart. JSON, because the
 standard library writes it; only SCRAM credentials are stored, never a password.
@@ -17,12 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import StoredCredential
 
-__all__ = ["User", "UsersError", "UserStore", "read_users", "write_users", "TAGS"]
+__all__ = ["User", "UsersError", "UserStore", "read_users", "write_users", "LIMITS", "TAGS"]
 
 TAGS = ("administrator", "monitoring")
 """Admin API tags (RabbitMQ's): administrator may do anything, monitoring may read views and metrics."""
+
+
+LIMITS = ("max_connections", "max_queues", "credit_share_percent")
+"""Per-user resource limits, beside the permissions; each 0 (the default) is no limit of the user's own."""
 
 
 class UsersError(ValueError):
@@ -38,6 +44,8 @@ class User:
     write: str = ".*"
     read: str = ".*"
     max_connections: int = 0  # connections open at once as this user; 0 = no limit of its own
+    max_queues: int = 0  # queues it declared that exist at once; 0 = no limit of its own
+    credit_share_percent: float = 0  # the most its producers hold together of the credit pool, in percent; 0 = no cap
     patterns: tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,17 +60,24 @@ class User:
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"password": self.credential.encode(), "tags": list(self.tags),
                                "configure": self.configure, "write": self.write, "read": self.read}
-        if self.max_connections:
-            doc["max_connections"] = self.max_connections
+        for key in LIMITS:
+            if getattr(self, key):
+                doc[key] = getattr(self, key)
         return doc
 
 
 def _user(name: object, entry: object, where: str) -> User:
     if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 255:
         raise UsersError(f"{where}: user name {name!r} must be printable, 1..255 characters")
+    try:
+        prepared = saslprep(name, stored=True, what="user name")
+    except SaslprepError as exc:
+        raise UsersError(f"{where}: {exc}") from None
+    if prepared != name:  # logins are looked up by their SASLprepped name: this one could never log in
+        raise UsersError(f"{where}: user name {name!r} is not in its SASLprep form {prepared!r} (RFC 4013)")
     if not isinstance(entry, dict):
         raise UsersError(f"{where}: user {name!r} must be an object")
-    unknown = set(entry) - {"password", "tags", "configure", "write", "read", "max_connections"}
+    unknown = set(entry) - {"password", "tags", "configure", "write", "read", *LIMITS}
     if unknown:
         raise UsersError(f"{where}: user {name!r}: unknown keys {sorted(unknown)}")
     try:
@@ -76,10 +91,15 @@ def _user(name: object, entry: object, where: str) -> User:
     for kind, value in perms.items():
         if not isinstance(value, str):
             raise UsersError(f"{where}: user {name!r}: {kind} must be a regular expression string")
-    limit = entry.get("max_connections", 0)
-    if type(limit) is not int or not 0 <= limit <= 1_000_000:
-        raise UsersError(f"{where}: user {name!r}: max_connections must be an integer in [0, 1000000]")
-    return User(name, credential, tuple(tags), perms["configure"], perms["write"], perms["read"], limit)
+    limits: dict[str, Any] = {}
+    for key in ("max_connections", "max_queues"):
+        limit = limits[key] = entry.get(key, 0)
+        if type(limit) is not int or not 0 <= limit <= 1_000_000:
+            raise UsersError(f"{where}: user {name!r}: {key} must be an integer in [0, 1000000]")
+    share = limits["credit_share_percent"] = entry.get("credit_share_percent", 0)
+    if type(share) not in (int, float) or not 0 <= share <= 100:
+        raise UsersError(f"{where}: user {name!r}: credit_share_percent must be a number in [0, 100] (0: no cap)")
+    return User(name, credential, tuple(tags), perms["configure"], perms["write"], perms["read"], **limits)
 
 
 def read_users(path: Path) -> dict[str, User]:

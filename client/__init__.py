@@ -10,6 +10,7 @@ from flowbroker.client.handshake import connect
 from flowbroker.client.credentials import Credentials
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, ConsumerStats, Message
 from flowbroker.client.errors import (
+    AuthenticationError,
     AlreadySettled,
     BrokerConnectionError,
     ConnectionClosed,
@@ -61,6 +62,7 @@ __all__ = [
     "FlowbrokerError",
     "BrokerConnectionError",
     "HandshakeError",
+    "AuthenticationError",
     "ConnectionClosed",
     "ProtocolViolation",
     "FlowControlled",

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from flowbroker.client.errors import (
+    AuthenticationError,
     BrokerConnectionError,
     ConnectionClosed,
     FlowbrokerError,
@@ -505,7 +506,8 @@ class Connection:
 
     async def _reconnect(self, error: ConnectionClosed) -> None:
         """Reopen the stream (`_reopen`: TCP and the handshake) with backoff until `reconnect_timeout`,
-        then resend; if no attempt succeeds in time, close with `error` and the last failure."""
+        then resend; if no attempt succeeds in time, close with `error` and the last failure. An attempt
+        whose login is refused (AuthenticationError) ends it at once: the connection closes with that."""
         assert self._reopen is not None and self._nursery is not None
         await trio.aclose_forcefully(self._stream)
         deadline = trio.current_time() + self.reconnect_timeout
@@ -520,6 +522,15 @@ class Connection:
             try:
                 with trio.fail_after(remaining):
                     stream, proto, welcome = await self._reopen()
+            except AuthenticationError as exc:
+                # The same credentials again cannot succeed: retrying until reconnect_timeout would only
+                # hide a changed password or a deleted user. The application gets the refusal itself.
+                log.error("flowbroker connection %s: reconnecting was refused: %s; not retrying",
+                          self.connection_id, exc)
+                if self._closed is None:
+                    self._reconnecting = False
+                    self._shutdown(exc)
+                return
             except (HandshakeError, trio.TooSlowError) as exc:
                 last = str(exc) or type(exc).__name__
                 await trio.sleep(max(0.0, min(delay, deadline - trio.current_time())))

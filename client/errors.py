@@ -77,6 +77,13 @@ class HandshakeError(BrokerConnectionError):
         self.code = code
 
 
+class AuthenticationError(HandshakeError):
+    """The broker refused this connection's credentials (ERROR UNAUTHORIZED at the handshake: a wrong
+    password, an unknown user, a mechanism not allowed, or too many failed logins from this address), or
+    could not prove it holds them (SCRAM's server signature). Connecting again with the same credentials
+    cannot succeed, so a reconnecting connection stops at the first one and closes with it."""
+
+
 class ConnectionClosed(BrokerConnectionError):
     """The connection is closed. `code`/`reason` come from the CLOSE (or ERROR) frame that ended it,
     or describe why this side ended it (IDLE_TIMEOUT, NORMAL for a close the application asked for)."""

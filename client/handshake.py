@@ -17,7 +17,7 @@ import trio
 
 from flowbroker.client.connection import RECEIVE_SIZE, Connection
 from flowbroker.client.credentials import AuthArg, hello_auth
-from flowbroker.client.errors import HandshakeError
+from flowbroker.client.errors import AuthenticationError, HandshakeError
 from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
     CAPABILITY_MANDATORY,
@@ -26,6 +26,7 @@ from flowbroker.protocol import (
     AuthResponse,
     Close,
     Error,
+    ErrorCode,
     Hello,
     RemoteProtocolError,
     Role,
@@ -198,7 +199,8 @@ async def _await_welcome(
             elif isinstance(frame, Close):
                 code = error.code if error is not None else frame.code
                 text = f"{error.text}; " if error is not None else ""
-                raise HandshakeError(f"broker refused the connection: {text}{frame.reason}", code)
+                refused = AuthenticationError if code is ErrorCode.UNAUTHORIZED else HandshakeError
+                raise refused(f"broker refused the connection: {text}{frame.reason}", code)
         if not data:
             raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
 
@@ -207,12 +209,12 @@ def _verify_broker(scram: ScramClient, welcome: Welcome, address: object) -> Non
     """SCRAM is mutual: a WELCOME without the broker's proof, or with a wrong one, is not the broker
     holding this user's credential (an impostor, or a man in the middle)."""
     if welcome.auth_data is None:
-        raise HandshakeError(f"{address} let us in without proving it knows our credential (WELCOME has no "
-                             "SCRAM server signature): not trusted")
+        raise AuthenticationError(f"{address} let us in without proving it knows our credential (WELCOME has "
+                                  "no SCRAM server signature): not trusted")
     try:
         scram.verify(welcome.auth_data)
     except ScramError as exc:
-        raise HandshakeError(f"{address}: {exc}") from None
+        raise AuthenticationError(f"{address}: {exc}") from None
 
 
 async def _close_quietly(stream: trio.abc.Stream | None) -> None:

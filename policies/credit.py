@@ -32,6 +32,7 @@ __all__ = [
     "clamp",
     "dynamic_size",
     "reserve_for",
+    "share_fraction",
     "share_target",
     "static_size",
 ]
@@ -221,12 +222,36 @@ def reserve_for(pool: int, slots: int) -> int:
 K = TypeVar("K", bound=Hashable)
 
 
+@dataclass(slots=True, eq=False)
+class _Owner:
+    """One owner's (a user's) connections together: ``cap`` bytes of S at most for the shares of all its
+    producers (``share`` percent of S; None: no cap of its own). Kept while it has a connection."""
+
+    key: Hashable
+    share: Fraction | None
+    cap: int = 0  # floor(S * share / 100), recomputed when S changes
+    used: int = 0  # sum over its producers of (grant - 1): what of S they hold
+    conns: int = 0
+    short: bool = False  # one of its producers holds less than the target because of the cap
+    room: int = 0  # scratch of _share
+
+
 @dataclass(slots=True)
 class _Grant:
     size: int  # the buffer size the connection was told
     window: int  # what it may have unacknowledged: max(size, credit limit - acknowledged position)
     producer: bool = False  # registered as a producer (first TRANSFER); provisional until then
     waiting: bool = False  # a producer holding WAIT_GRANT because the pool has no share for it
+    owner: _Owner | None = None  # the user whose share caps it, if any
+
+
+def share_fraction(value: object) -> Fraction | None:
+    """A per-owner share in percent of S, exact (0 or None: no cap); PolicyConfigError when out of range."""
+    if value is None or value == 0:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 100:
+        raise PolicyConfigError("credit_share_percent", value, "must be a number in [0, 100] (0: no cap)")
+    return Fraction(str(value))
 
 
 class CreditAllocator(Generic[K]):
@@ -240,7 +265,13 @@ class CreditAllocator(Generic[K]):
     client's BUFFER_LIMIT answer lowers the limit (at once, for an idle producer) or the broker's
     acknowledgements overtake it; the broker reports either with :meth:`set_window`.
 
-    Invariants (tests/policies/test_credit_pool.py): the sum of grants never exceeds P; the sum of
+    Owners (users): a connection may name its owner and the owner's share of S in percent. The shares
+    its producers hold of S together (each grant minus its reserve byte) never exceed floor(S * share /
+    100): one user's many connections take at most its share, and the rest of S stays for the others.
+    A producer an owner's cap leaves without a share waits until one of the owner's frees bytes.
+
+    Invariants (tests/policies/test_credit_pool.py): the sum of grants never exceeds P, nor an owner's
+    shares its cap; the sum of
     windows never exceeds P except while promises made under a larger pool drain after
     :meth:`reconfigure`; every live connection has a grant >= 1 (0 under ``none``); and no producer
     waits while the pool could give it a share.
@@ -250,7 +281,7 @@ class CreditAllocator(Generic[K]):
     """
 
     __slots__ = ("_config", "_floor", "_slots", "_reserve", "_shareable", "_grants", "_producers",
-                 "_granted", "_committed", "_producer_sizes", "_producer_windows", "_short")
+                 "_granted", "_committed", "_producer_sizes", "_producer_windows", "_short", "_owners")
 
     def __init__(self, config: CreditPolicyConfig, *, floor: int = 1, slots: int = 1024) -> None:
         """``floor``: the least grant that counts as a share (the broker passes one maximum message);
@@ -266,6 +297,7 @@ class CreditAllocator(Generic[K]):
         self._producer_sizes = 0  # sums over producers only: what of S they use is these minus one each
         self._producer_windows = 0
         self._short = False  # a producer holds less than the target: freed bytes must be handed out
+        self._owners: dict[Hashable, _Owner] = {}  # owners with a live connection
         self._config = config
         self._reserve, self._shareable = self._split(config)
 
@@ -302,11 +334,14 @@ class CreditAllocator(Generic[K]):
 
     # -- connections --------------------------------------------------------------------------
 
-    def connect(self, conn_id: K) -> dict[K, int]:
+    def connect(self, conn_id: K, owner: Hashable | None = None, share_percent: float = 0) -> dict[K, int]:
         """A flow-controlled connection opened: it gets WAIT_GRANT (0 under ``none``) until
-        :meth:`register_producer`. Raises PoolExhaustedError when the reserve is used up."""
+        :meth:`register_producer`. Raises PoolExhaustedError when the reserve is used up. ``owner``
+        (a user) and its ``share_percent`` of S (0: no cap) cap its producers' shares together; an owner
+        that already has a connection keeps its share (:meth:`set_owner_share` changes it)."""
         if conn_id in self._grants:
             raise DuplicateConnectionError(f"connection {conn_id!r} is already registered")
+        share = share_fraction(share_percent)
         size = 0
         if self._config.policy is not CreditPolicy.NONE:
             if len(self._grants) >= self._reserve:
@@ -315,10 +350,35 @@ class CreditAllocator(Generic[K]):
                     f"{len(self._grants)} connections hold its reserve of {self._reserve}"
                 )
             size = WAIT_GRANT
-        self._grants[conn_id] = _Grant(size, size)
+        record: _Owner | None = None
+        if owner is not None:
+            record = self._owners.get(owner)
+            if record is None:
+                record = self._owners[owner] = _Owner(owner, share, self._cap(share))
+            record.conns += 1
+        self._grants[conn_id] = _Grant(size, size, owner=record)
         self._granted += size
         self._committed += size
         return {conn_id: size}
+
+    def set_owner_share(self, owner: Hashable, share_percent: float) -> dict[K, int]:
+        """A new share for a live owner (its users-file entry changed): every grant is recomputed."""
+        share = share_fraction(share_percent)
+        record = self._owners.get(owner)
+        if record is None or record.share == share:
+            return {}
+        record.share, record.cap = share, self._cap(share)
+        return self._share()
+
+    def owner_share_used(self, owner: Hashable) -> int:
+        """What the owner's producers hold of S together (grants minus their reserve bytes)."""
+        record = self._owners.get(owner)
+        return record.used if record is not None else 0
+
+    def owner_cap(self, owner: Hashable) -> int | None:
+        """The most the owner's producers may hold of S together; None when it has no cap."""
+        record = self._owners.get(owner)
+        return record.cap if record is not None and record.share is not None else None
 
     def register_producer(self, conn_id: K) -> dict[K, int]:
         """The connection sent its first TRANSFER: it now shares the pool (or waits for a share).
@@ -331,6 +391,8 @@ class CreditAllocator(Generic[K]):
         self._producers[conn_id] = grant
         self._producer_sizes += grant.size
         self._producer_windows += grant.window
+        if grant.owner is not None:
+            grant.owner.used += grant.size - 1
         if len(self._producers) > 1 and self.target() == target:
             # Nobody else's grant moves: a full pass would repeat the last one for everyone before
             # the newcomer, which comes last. O(1) once the aggressive share is clamped.
@@ -344,11 +406,18 @@ class CreditAllocator(Generic[K]):
             raise UnknownConnectionError(f"connection {conn_id!r} is not registered")
         self._granted -= grant.size
         self._committed -= grant.window
+        owner = grant.owner
+        if owner is not None:
+            owner.conns -= 1
+            if not owner.conns:
+                del self._owners[owner.key]
         if self._producers.pop(conn_id, None) is None:
             return {}  # a provisional connection frees only its reserve byte
         self._producer_sizes -= grant.size
         self._producer_windows -= grant.window
-        if not self._short and self.target() == target:
+        if owner is not None:
+            owner.used -= grant.size - 1
+        if not self._short and self.target() == target and (owner is None or not owner.short):
             return {}  # everyone already has the (unchanged) target: the freed bytes are not wanted
         return self._share()
 
@@ -380,6 +449,8 @@ class CreditAllocator(Generic[K]):
             )
         old = {conn_id: g.size for conn_id, g in self._grants.items()}
         self._config, self._reserve, self._shareable = config, reserve, shareable
+        for owner in self._owners.values():
+            owner.cap = self._cap(owner.share)
         for grant in self._grants.values():
             if not paced:
                 self._resize(grant, 0, window=0)
@@ -391,6 +462,8 @@ class CreditAllocator(Generic[K]):
             self._short = False
             for grant in self._producers.values():
                 grant.waiting = False
+            for owner in self._owners.values():
+                owner.short = False
         return {c: g.size for c, g in self._grants.items() if g.size != old[c]}
 
     # -- reading ------------------------------------------------------------------------------
@@ -447,6 +520,9 @@ class CreditAllocator(Generic[K]):
         reserve = reserve_for(config.pool_bytes, self._slots)
         return reserve, config.pool_bytes - reserve
 
+    def _cap(self, share: Fraction | None) -> int:
+        return 0 if share is None else int(self._shareable * share // 100)
+
     def _get(self, conn_id: K) -> _Grant:
         try:
             return self._grants[conn_id]
@@ -460,6 +536,8 @@ class CreditAllocator(Generic[K]):
         if grant.producer:
             self._producer_sizes += size - grant.size
             self._producer_windows += new_window - grant.window
+            if grant.owner is not None:
+                grant.owner.used += size - grant.size
         grant.size, grant.window = size, new_window
 
     def _fit(self, grant: _Grant, target: int, need: int, grant_room: int, promise_room: int) -> int:
@@ -477,9 +555,18 @@ class CreditAllocator(Generic[K]):
         grant_room = self._shareable - (self._producer_sizes - n)
         promise_room = self._shareable - (self._producer_windows - n)
         target = self.target()
-        size = self._fit(grant, target, self.need(), grant_room, promise_room)
-        grant.waiting = size == WAIT_GRANT and self.need() > WAIT_GRANT
+        need = self.need()
+        size = self._fit(grant, target, need, grant_room, promise_room)
+        owner = grant.owner
+        if owner is not None and owner.share is not None:
+            capped = self._fit(grant, target, need, min(grant_room, owner.cap - (owner.used - (grant.size - 1))),
+                               promise_room)
+            if capped < size:  # the owner's cap, not the pool, holds it back
+                size = capped
+                owner.short = True
+                target = size
         self._short = self._short or size < target
+        grant.waiting = size == WAIT_GRANT and need > WAIT_GRANT
         if size == grant.size:
             return {}
         self._resize(grant, size)
@@ -503,11 +590,23 @@ class CreditAllocator(Generic[K]):
         grant_room = self._shareable
         promise_room = self._shareable - (self._producer_windows - len(self._producers))
         short = False
+        for record in self._owners.values():
+            record.room, record.short = record.cap, False
         for conn_id, grant in self._producers.items():
             size = self._fit(grant, target, need, grant_room, promise_room)
+            owner = grant.owner
+            if owner is not None and owner.share is not None:
+                capped = self._fit(grant, target, need, min(grant_room, owner.room), promise_room)
+                if capped < size:  # the owner's cap, not the pool, holds it back
+                    size = capped
+                    owner.short = True
+                else:
+                    short = short or size < target
+                owner.room -= size - 1
+            else:
+                short = short or size < target
             promise_room -= max(0, size - grant.window)
             grant_room -= size - 1
-            short = short or size < target
             grant.waiting = size == WAIT_GRANT and need > WAIT_GRANT
             if size != grant.size:
                 self._resize(grant, size)

@@ -6,9 +6,11 @@ a dependency for what is 150 lines here, and the RFC's test vector checks these 
 nor the salted password), so a leaked users file does not let anyone log in, only attempt a dictionary
 attack against 4096 (or more) PBKDF2 iterations per guess.
 
-Not done: SASLprep (RFC 4013) of user names and passwords: they are used as their UTF-8 bytes, so a
-client must send the same code points the password was set with; channel binding (`p=`) is refused:
-TLS already binds the server by its certificate, and a client asking for binding fails loudly.
+User names and passwords are prepared with SASLprep (RFC 4013, protocol/saslprep.py) on both sides, as
+RFC 5802 asks: the client before it salts the password and sends the name, the broker before it looks
+the name up, and `StoredCredential.from_password` before it hashes (printable ASCII is unchanged, so
+credentials stored before SASLprep stay valid). Channel binding (`p=`) is refused: TLS already binds
+the server by its certificate, and a client asking for binding fails loudly.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from typing import Callable
+
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 
 __all__ = [
     "MECHANISM",
@@ -74,8 +78,9 @@ class StoredCredential:
 
     @classmethod
     def from_password(cls, password: str, iterations: int = DEFAULT_ITERATIONS, salt: bytes | None = None) -> StoredCredential:
+        """SaslprepError (a ValueError) when the password cannot be prepared (a control character, say)."""
         salt = secrets.token_bytes(16) if salt is None else salt
-        salted = salted_password(password, salt, iterations)
+        salted = salted_password(saslprep(password, stored=True, what="password"), salt, iterations)
         client_key = _hmac(salted, b"Client Key")
         return cls(salt, iterations, hashlib.sha256(client_key).digest(), _hmac(salted, b"Server Key"))
 
@@ -101,7 +106,12 @@ class StoredCredential:
         return cls(salt, iterations, stored, server)
 
     def check_password(self, password: str) -> bool:
-        """For PLAIN: derive the client key from `password` and compare its hash with StoredKey."""
+        """For PLAIN: derive the client key from `password` (SASLprepped; False when it cannot be) and
+        compare its hash with StoredKey."""
+        try:
+            password = saslprep(password, what="password")
+        except SaslprepError:
+            return False
         salted = salted_password(password, self.salt, self.iterations)
         return hmac.compare_digest(hashlib.sha256(_hmac(salted, b"Client Key")).digest(), self.stored_key)
 
@@ -177,7 +187,10 @@ class ScramServer:
         if authzid:
             raise ScramError("an authorization identity (a=) is not supported")
         attrs = _attributes(bare, "nr")
-        self.username = _unescape_name(attrs["n"])
+        try:
+            self.username = saslprep(_unescape_name(attrs["n"]), what="user name")
+        except SaslprepError as exc:
+            raise ScramError(str(exc)) from None
         client_nonce = attrs["r"]
         if not client_nonce or not client_nonce.isascii():  # RFC 5802: printable ASCII, no ","
             raise ScramError("the client nonce must be printable ASCII")
@@ -227,9 +240,11 @@ class ScramClient:
     raises ScramError unless the server proved it knows the credential (mutual authentication)."""
 
     def __init__(self, username: str, password: str, nonce: str | None = None):
+        """SaslprepError (a ValueError) when the name or the password cannot be prepared."""
+        username = saslprep(username, what="user name")
         self._bare = f"n={_escape_name(username)},r={nonce or _nonce()}"
         self._nonce = self._bare.rpartition(",r=")[2]
-        self._password = password
+        self._password = saslprep(password, what="password")
         self._server_signature = b""
 
     def first(self) -> bytes:

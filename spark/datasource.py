@@ -35,7 +35,8 @@ def _prepare(options: WriteOptions) -> None:
     taken under its producer id and sequence (docs/protocol.md, "Idempotent producers"), so Spark's retry
     of the failed task would find every row a duplicate and succeed without a single row in any queue."""
     if options.exchange == "":
-        with blocking.connect(options.url, client_name="flowbroker-spark driver", timeout=options.connect_timeout) as conn:
+        with blocking.connect(options.url, client_name="flowbroker-spark driver", timeout=options.connect_timeout,
+                              **options.connect_arguments()) as conn:
             conn.declare_queue(options.routing_key)
 
 

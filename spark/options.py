@@ -10,21 +10,27 @@ Every option is documented in docs/spark.md.
 from __future__ import annotations
 
 import math
+import os
+import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from flowbroker.client.url import DEFAULT_URL
+from flowbroker.client.credentials import Credentials
+from flowbroker.client.url import DEFAULT_URL, parse_url
 
-__all__ = ["WriteOptions", "ReadOptions", "OptionError", "MAX_PRODUCER_ID_BASE"]
+__all__ = ["WriteOptions", "ReadOptions", "ConnectOptions", "OptionError", "MAX_PRODUCER_ID_BASE"]
 
 MAX_PRODUCER_ID_BASE = 200
 """Characters of a `jobId`: the producer id adds "/" and the partition (and, streaming, the batch id)
 and must stay within the broker's 255 characters."""
 
+_CONNECT = {"user", "password", "passwordenv", "passwordfile", "tlscafile", "tlscertfile", "tlskeyfile"}
 _WRITE = {"url", "queue", "exchange", "routingkey", "routingkeycolumn", "jobid", "timeout", "batchsize",
-          "window", "connecttimeout", "reconnecttimeout", "arrow", "path"}
+          "window", "connecttimeout", "reconnecttimeout", "arrow", "path", *_CONNECT}
 _READ = {"url", "queue", "prefetch", "buffersize", "maxbatchsize", "polltimeout", "replaytimeout",
-         "connecttimeout", "path"}
+         "connecttimeout", "path", *_CONNECT}
 
 
 _SPARK = {"checkpointlocation", "queryname"}
@@ -68,7 +74,84 @@ def _flag(given: dict[str, str], name: str, default: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class WriteOptions:
+class ConnectOptions:
+    """Who the driver and the tasks log in as, and the TLS they use (docs/spark.md, "Authentication and TLS").
+
+    The password is read where a connection is made (driver or executor), from `passwordEnv` (an
+    environment variable) or `passwordFile` (a file), so that it is neither in the job's options, which
+    Spark shows in its plans and UI, nor pickled into its tasks; `password` itself works too, for a
+    notebook. TLS goes with a `flowbroker+tls://` URL: `tlsCaFile` is the CA to trust (default: the
+    system's), `tlsCertFile` and `tlsKeyFile` a client certificate for mutual TLS."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    password_env: str | None = None
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    @classmethod
+    def parse_connect(cls, given: dict[str, str]) -> dict[str, Any]:
+        """The connection options of `given` (lower-cased names) as keyword arguments, checked."""
+        out: dict[str, Any] = {
+            "user": given.get("user"), "password": given.get("password"), "password_env": given.get("passwordenv"),
+            "password_file": given.get("passwordfile"), "tls_ca_file": given.get("tlscafile"),
+            "tls_cert_file": given.get("tlscertfile"), "tls_key_file": given.get("tlskeyfile"),
+        }
+        sources = [name for name, key in (("password", "password"), ("passwordEnv", "password_env"),
+                                          ("passwordFile", "password_file")) if out[key] is not None]
+        if out["user"] is not None and not out["user"]:
+            raise OptionError("option user must not be empty")
+        if out["user"] is None and sources:
+            raise OptionError(f"option {sources[0]} needs the option user")
+        if out["user"] is not None and len(sources) != 1:
+            raise OptionError("option user needs exactly one of password, passwordEnv and passwordFile "
+                              f"(given: {', '.join(sources) or 'none'})")
+        tls = [name for name, key in (("tlsCaFile", "tls_ca_file"), ("tlsCertFile", "tls_cert_file"),
+                                      ("tlsKeyFile", "tls_key_file")) if out[key] is not None]
+        try:
+            secure = parse_url(given.get("url", DEFAULT_URL)).tls
+        except ValueError as exc:
+            raise OptionError(f"option url: {exc}") from None
+        if tls and not secure:
+            raise OptionError(f"option {tls[0]} is for a flowbroker+tls:// url")
+        if (out["tls_cert_file"] is None) != (out["tls_key_file"] is None):
+            raise OptionError("options tlsCertFile and tlsKeyFile go together")
+        return out
+
+    def connect_arguments(self) -> dict[str, Any]:
+        """`auth` and `ssl_context` for `connect`, the password read now (on the driver or the executor
+        that connects). OptionError naming the option when the variable or the file is missing."""
+        arguments: dict[str, Any] = {}
+        if self.user is not None:
+            arguments["auth"] = Credentials(self.user, self._password())
+        if self.tls_ca_file is not None or self.tls_cert_file is not None:
+            context = ssl.create_default_context(cafile=self.tls_ca_file)
+            if self.tls_cert_file is not None:
+                context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+            arguments["ssl_context"] = context
+        return arguments
+
+    def _password(self) -> str:
+        if self.password is not None:
+            return self.password
+        if self.password_env is not None:
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise OptionError(f"option passwordEnv: the environment variable {self.password_env} is not set "
+                                  "where this connects (set it on the driver and the executors, e.g. "
+                                  "spark.executorEnv)")
+            return value
+        assert self.password_file is not None
+        try:
+            return Path(self.password_file).read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise OptionError(f"option passwordFile: {self.password_file}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class WriteOptions(ConnectOptions):
     """Where and how a write sends its rows (docs/spark.md, "Options")."""
 
     url: str = DEFAULT_URL
@@ -121,11 +204,12 @@ class WriteOptions:
             connect_timeout=_number(given, "connectTimeout", cls.connect_timeout, minimum=0),
             reconnect_timeout=_number(given, "reconnectTimeout", cls.reconnect_timeout, minimum=0),
             arrow=_flag(given, "arrow", cls.arrow),
+            **cls.parse_connect(given),
         )
 
 
 @dataclass(frozen=True)
-class ReadOptions:
+class ReadOptions(ConnectOptions):
     """What the streaming source reads, and how much it lets into Spark at once (docs/spark.md)."""
 
     url: str = DEFAULT_URL
@@ -163,4 +247,5 @@ class ReadOptions:
             poll_timeout=_number(given, "pollTimeout", cls.poll_timeout, minimum=0),
             replay_timeout=_number(given, "replayTimeout", cls.replay_timeout, minimum=0),
             connect_timeout=_number(given, "connectTimeout", cls.connect_timeout, minimum=0),
+            **cls.parse_connect(given),
         )

@@ -87,7 +87,7 @@ class QueueStreamReader(DataSourceStreamReader):
         if self._consumer is None:
             options = self.options
             self._conn = blocking.connect(options.url, client_name=f"flowbroker-spark source {options.queue}",
-                                          timeout=options.connect_timeout)
+                                          timeout=options.connect_timeout, **options.connect_arguments())
             consumer = self._conn.consumer(options.queue, prefetch=options.prefetch, buffer_size=options.buffer_size)
             consumer.subscribe(timeout=options.connect_timeout)
             self._consumer = consumer

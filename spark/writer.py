@@ -78,7 +78,8 @@ def send_partition(
     their completions. The n-th message of the partition is the producer's sequence n."""
     sent = 0
     with blocking.connect(options.url, client_name=f"flowbroker-spark {producer_id}", timeout=options.connect_timeout,
-                          close_timeout=options.timeout, reconnect_timeout=options.reconnect_timeout) as conn:
+                          close_timeout=options.timeout, reconnect_timeout=options.reconnect_timeout,
+                          **options.connect_arguments()) as conn:
         if options.exchange == "":
             # Again in each task, not only on the driver: a retry after a broker restart must not find
             # the queue missing (a refused row is taken under its sequence: the next retry would succeed

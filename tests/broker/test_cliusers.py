@@ -56,3 +56,42 @@ def test_the_store_keeps_the_last_good_users_when_the_file_turns_bad(tmp_path: P
     generation = store.generation
     path.write_text("{not json")
     assert store.refresh() is not None and store.get("a") is not None and store.generation == generation
+
+
+def test_resource_limits_are_written_kept_by_passwd_listed_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "u.json"
+    f = ["--users-file", str(path)]
+    assert run("user", "add", "b", "--password-stdin", "--max-connections", "3", "--max-queues", "5",
+               "--credit-share-percent", "12.5", *f, stdin="pw\n")[0] == 0
+    assert run("user", "passwd", "b", "--password-stdin", *f, stdin="n3w\n")[0] == 0
+    b = read_users(path)["b"]
+    assert (b.max_connections, b.max_queues, b.credit_share_percent) == (3, 5, 12.5)
+    code, out = run("user", "list", *f)
+    assert code == 0 and out.rstrip().endswith("max_connections=3\tmax_queues=5\tcredit_share_percent=12.5")
+    code, out = run("user", "add", "c", "--password-stdin", "--credit-share-percent", "101", *f, stdin="pw\n")
+    assert code != 0 and "credit-share-percent" in out
+    path.write_text('{"users": {"d": {"password": "%s", "max_queues": -1}}}'
+                    % read_users(path)["b"].credential.encode())
+    try:
+        read_users(path)
+    except ValueError as exc:
+        assert "max_queues must be an integer in [0, 1000000]" in str(exc)
+    else:
+        raise AssertionError("a negative max_queues was accepted")
+
+
+def test_names_and_passwords_are_saslprepped(tmp_path: Path) -> None:
+    f = ["--users-file", str(tmp_path / "u.json")]
+    assert run("user", "add", "\u2168", "--password-stdin", *f, stdin="I\u00adX\u00a0pw\n")[0] == 0
+    users = read_users(tmp_path / "u.json")
+    assert list(users) == ["IX"] and users["IX"].credential.check_password("\u2168 pw")
+    code, out = run("user", "add", "b", "--password-stdin", *f, stdin="bad\x07\n")
+    assert code != 0 and "password: a control character (U+0007)" in out and "bad" not in out.split(":", 1)[1]
+    assert run("user", "passwd", "I\u00adX", "--password-stdin", *f, stdin="new\n")[0] == 0  # found as IX
+    (tmp_path / "u.json").write_text((tmp_path / "u.json").read_text().replace('"IX"', '"\\u2168"'))
+    try:
+        read_users(tmp_path / "u.json")
+    except ValueError as exc:
+        assert "user name 'Ⅸ' is not in its SASLprep form 'IX'" in str(exc)
+    else:
+        raise AssertionError("a name no login could match was accepted")

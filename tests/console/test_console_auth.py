@@ -119,7 +119,7 @@ async def test_the_session_cookie_reads_and_needs_the_csrf_header_to_change(brok
     assert page.status == 200 and "/console/console.js" in page.text
     assert (await request(broker, "GET", "/login", headers={"Cookie": session})).status == 303
     got = await request(broker, "GET", "/session", headers={"Cookie": session})
-    assert got.status == 200 and got.json() == {"csrf": csrf}
+    assert got.status == 200 and got.json() == {"csrf": csrf, "read_only": False}
     assert (await request(broker, "GET", "/api/queues", headers={"Cookie": session})).status == 200
     assert (await request(broker, "GET", "/console/uPlot.iife.min.js", headers={"Cookie": session})).status == 200
 

@@ -278,3 +278,66 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     assert page.context.cookies() == []
     old = {"Cookie": f"{cookie['name']}={cookie['value']}"}  # the cookie a copy of it would still carry
     assert page.request.get(broker.admin_url + "/api/queues", headers=old).status == 401
+
+
+def test_a_monitoring_user_sees_no_change_buttons_and_a_forced_change_is_still_refused(tmp_path: Path) -> None:
+    """A user with the monitoring tag logs in to the console with its name and password: the stop-all and
+    start-all buttons and the thresholds form are not shown (the page says it is read only), the views
+    are; a change forced from the page's own session (with its CSRF token) is refused with 403 read_only
+    and changes nothing; an administrator's session beside it keeps the buttons."""
+    from flowbroker.broker.users import User, write_users
+    from flowbroker.protocol.scram import StoredCredential
+
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `make system-tools` installs Debian's chromium"
+    users = tmp_path / "users.json"
+    write_users(users, {"watch": User("watch", StoredCredential.from_password("w4tch-pw"), ("monitoring",)),
+                        "root": User("root", StoredCredential.from_password("r00t-pw"), ("administrator",))})
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "flowbroker.toml"
+    config.write_text(f'[server]\nport = {port}\n\n[admin]\nport = {admin_port}\ntoken = "{TOKEN}"\n\n'
+                      f'[udp]\nenabled = false\n\n[auth]\nusers_file = "{users}"\nfailed_login_delay = 0.1\n')
+    proc = subprocess.Popen([FLOWBROKER, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_listening(port, proc)
+        wait_listening(admin_port, proc)
+        broker = Broker(f"flowbroker://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
+        with blocking.connect(broker.url, timeout=10) as conn:
+            conn.declare_queue("watched")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                watcher = browser.new_context().new_page()
+                _log_in(watcher, broker, "watch", "w4tch-pw")
+                expect(row(watcher, "queues", "queue", "watched", "saturated")).to_be_visible()  # views: shown
+                expect(watcher.locator("#read-only")).to_be_visible()
+                for hidden in ("#stop-all", "#start-all", "#thresholds-form", "#apply-thresholds"):
+                    expect(watcher.locator(hidden)).to_be_hidden()
+                expect(watcher.locator("#logout")).to_be_visible()
+                forced = watcher.evaluate("""async () => {
+                    const session = await (await fetch("/session")).json();
+                    const answer = await fetch("/api/producers/stop-all", {method: "POST",
+                        headers: {"X-Flowbroker-CSRF": session.csrf}, credentials: "same-origin"});
+                    return {status: answer.status, body: await answer.json(), read_only: session.read_only};
+                }""")
+                assert forced["read_only"] is True and forced["status"] == 403, forced
+                assert forced["body"]["error"]["code"] == "read_only"
+                assert broker.api("GET", "/api/broker")["producers_stopped"] is False  # nothing changed
+
+                admin = browser.new_context().new_page()  # an administrator beside it keeps the buttons
+                _log_in(admin, broker, "root", "r00t-pw")
+                expect(admin.locator("#stop-all")).to_be_visible()
+                expect(admin.locator("#thresholds-form")).to_be_visible()
+                expect(admin.locator("#read-only")).to_be_hidden()
+            finally:
+                browser.close()
+    finally:
+        err = stop(proc)
+    assert proc.returncode == 0, err
+
+
+def _log_in(page: Page, broker: Broker, user: str, password: str) -> None:
+    page.goto(broker.admin_url + "/")
+    page.fill("#username", user)
+    page.fill("#password", password)
+    page.click("#login")
+    expect(page.locator("#logout")).to_be_visible()

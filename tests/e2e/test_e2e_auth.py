@@ -193,3 +193,17 @@ async def test_a_response_before_any_challenge_or_a_second_hello_is_refused(star
     error = await raw.next()
     assert error.code is ErrorCode.UNEXPECTED_FRAME
     await raw.stream.aclose()
+
+
+async def test_a_password_typed_in_another_unicode_form_logs_in_by_saslprep(start_flowbroker: Any,
+                                                                          tmp_path: Path) -> None:
+    """RFC 4013: a password set as "I<soft hyphen>X<no-break space>café" is the same as "<ROMAN NUMERAL
+    NINE> café" (with é composed or not), over SCRAM and PLAIN; a control character is refused by the SDK."""
+    path = tmp_path / "users.json"
+    write_users(path, {"\u00e9le": User("\u00e9le", StoredCredential.from_password("I\u00adX\u00a0cafe\u0301"))})
+    broker = await start_flowbroker(auth={"users_file": str(path), "failed_login_delay": DELAY}, udp={"enabled": False})
+    for auth in (("e\u0301le", "\u2168 caf\u00e9"), fc.Credentials("\u00e9le", "IX caf\u00e9", "PLAIN")):
+        async with await fc.connect(broker.url, auth=auth, timeout=LIMIT) as conn:
+            assert conn.welcome.identity == "\u00e9le"
+    with pytest.raises(ValueError, match="password: a control character"):
+        await fc.connect(broker.url, auth=("\u00e9le", "IX\x07"), timeout=LIMIT)

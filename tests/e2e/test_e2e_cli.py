@@ -96,7 +96,7 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
             assert time.monotonic() < deadline and broker.poll() is None, "no port file"
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        assert set(ports) == {"port", "admin_port", "udp_port", "metrics_port"}
+        assert set(ports) == {"port", "admin_port", "udp_port", "metrics_port", "tls_port"}
         assert ports["port"] > 0 and ports["admin_port"] > 0 and ports["udp_port"] > 0
         assert ports["metrics_port"] == ports["admin_port"]  # /metrics on the admin port by default
         pub = subprocess.run([FLOWBROKER, "publish", "-k", "q", "x"], capture_output=True, text=True, timeout=30,

@@ -15,6 +15,7 @@ import trustme
 import flowbroker.client as fc
 import flowbroker.client.credentials as credentials
 from flowbroker.broker.users import User, write_users
+from flowbroker.protocol import ErrorCode
 from flowbroker.protocol.scram import ScramClient, StoredCredential
 
 from tests.e2e.test_e2e_idempotent import CuttableProxy, read_queue, send_with_cuts
@@ -88,3 +89,33 @@ async def test_over_tls_the_reconnect_keeps_the_ssl_context_and_logs_in_again(
     assert conn.welcome.identity == "alice"
     check_fresh_logins(broker, conn, scram_exchanges)
     assert await read_queue(broker.url, "q", COUNT) == [b"%d" % i for i in range(COUNT)]
+
+
+async def test_a_reconnect_the_broker_refuses_stops_at_once_with_the_authentication_error(
+        start_flowbroker: Any, nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The password changes while an idempotent producer's connection is up; the connection is cut. Its
+    reconnect is refused (UNAUTHORIZED): it does not retry for reconnect_timeout (a silent hang with a
+    wrong password), it closes with fc.AuthenticationError, which the application's next call raises."""
+    users = users_file(tmp_path)
+    broker = await start_flowbroker(auth={"users_file": users, "failed_login_delay": 0.05}, udp={"enabled": False})
+    proxy = CuttableProxy(broker.port)
+    port = await nursery.start(proxy.serve)
+    async with await fc.connect(broker.url) as admin:
+        await admin.declare_queue("q")
+    conn = await fc.connect(f"flowbroker://127.0.0.1:{port}", auth=("alice", "wonderland"), timeout=5,
+                            reconnect_timeout=600)
+    with pytest.raises(fc.AuthenticationError) as info:
+        async with conn:
+            producer = conn.producer(routing_key="q", producer_id="p-auth", idempotent=True)
+            await producer.send(b"0")
+            await producer.flush(timeout=10)
+            write_users(Path(users), {"alice": User("alice", StoredCredential.from_password("changed!", 4096))})
+            proxy.cut()
+            with trio.fail_after(60):  # far below reconnect_timeout: only a reconnect that gave up ends here
+                while not conn.is_closed:
+                    await trio.sleep(0.01)
+            assert isinstance(conn.close_error, fc.AuthenticationError)
+            assert conn.close_error.code is ErrorCode.UNAUTHORIZED
+            await producer.send(b"1")
+    assert info.value is conn.close_error
+    assert proxy.accepted == 2 and broker.server.authenticator.failures == 1  # one attempt, no retries

@@ -4,6 +4,8 @@ promises a shrink leaves behind stay charged until they drain, and nobody waits 
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -170,6 +172,24 @@ class PoolMachine(RuleBasedStateMachine):
         self.producers: set[int] = set()
         self.next_id = 0
         self.committed = 0
+        self.owner_of: dict[int, str | None] = {}
+        self.shares: dict[str, float] = {}
+
+    def _caps(self) -> dict[str, int]:
+        """Each capped owner with a live connection: floor(S * share / 100)."""
+        assert self.alloc is not None
+        live = {o for o in self.owner_of.values() if o is not None}
+        return {o: int(self.alloc.shareable * Fraction(str(self.shares[o])) // 100)
+                for o in live if self.shares.get(o)}
+
+    def _owner_free(self, conn: int) -> int | None:
+        """What the connection's owner's cap leaves of S, None when uncapped."""
+        assert self.alloc is not None
+        owner = self.owner_of[conn]
+        cap = self._caps().get(owner) if owner is not None else None
+        if cap is None:
+            return None
+        return cap - sum(self.alloc.size_of(c) - 1 for c in self.producers if self.owner_of[c] == owner)
 
     @rule(config=configs, floor=st.integers(1, 20_000), slots=st.integers(1, 40))
     @precondition(lambda self: self.alloc is None)
@@ -182,18 +202,35 @@ class PoolMachine(RuleBasedStateMachine):
             self.shadow[conn] = size
 
     @precondition(lambda self: self.alloc is not None)
-    @rule()
-    def connect(self) -> None:
+    @rule(owner=st.sampled_from([None, "a", "b", "c"]), share=st.sampled_from([0, 1, 10, 33.3, 50, 100]))
+    def connect(self, owner: str | None, share: float) -> None:
         assert self.alloc is not None
         conn, self.next_id = self.next_id, self.next_id + 1
         paced = self.alloc.config.policy is not CreditPolicy.NONE
         if paced and len(self.shadow) >= self.alloc.reserve:
             with pytest.raises(PoolExhaustedError):
-                self.alloc.connect(conn)
+                self.alloc.connect(conn, owner, share)
             return
-        changed = self.alloc.connect(conn)
+        before = self.alloc.sizes()
+        changed = self.alloc.connect(conn, owner, share)
         assert changed == {conn: WAIT_GRANT if paced else 0}
+        assert {c: s for c, s in self.alloc.sizes().items() if c != conn} == before
         self.shadow[conn] = changed[conn]
+        self.owner_of[conn] = owner
+        if owner is not None:
+            self.shares[owner] = share
+            if any(c != conn and self.owner_of[c] == owner for c in self.shadow):
+                # a new share for a live owner takes effect at once, as the broker applies it
+                self._apply(self.alloc.set_owner_share(owner, share))
+
+    @precondition(lambda self: any(o is not None for o in self.owner_of.values()))
+    @rule(data=st.data(), share=st.sampled_from([0, 1, 10, 50]))
+    def change_share(self, data: st.DataObject, share: float) -> None:
+        """The users file gave an owner another share."""
+        assert self.alloc is not None
+        owner = data.draw(st.sampled_from(sorted({o for o in self.owner_of.values() if o is not None})))
+        self.shares[owner] = share
+        self._apply(self.alloc.set_owner_share(owner, share))
 
     @precondition(lambda self: bool(set(self.shadow) - self.producers))
     @rule(data=st.data())
@@ -209,6 +246,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.alloc is not None
         conn = data.draw(st.sampled_from(sorted(self.shadow)))
         del self.shadow[conn]
+        del self.owner_of[conn]
         self.producers.discard(conn)
         changed = self.alloc.disconnect(conn)
         assert conn not in changed
@@ -246,7 +284,9 @@ class PoolMachine(RuleBasedStateMachine):
             free = alloc.shareable - sum(alloc.size_of(c) - 1 for c in self.producers)
             for conn in self.producers:
                 if alloc.is_waiting(conn):
-                    assert free + 1 < alloc.need(), (conn, free, alloc.need())
+                    owner_free = self._owner_free(conn)
+                    could = free + 1 if owner_free is None else min(free, owner_free) + 1
+                    assert could < alloc.need(), (conn, free, owner_free, alloc.need())
 
     @precondition(lambda self: self.alloc is not None)
     @rule(config=configs)
@@ -295,7 +335,15 @@ class PoolMachine(RuleBasedStateMachine):
         for conn in self.producers:
             if alloc.is_waiting(conn):
                 could = min(free_grants + 1, alloc.window_of(conn) + max(0, free_promises))
+                owner_free = self._owner_free(conn)
+                if owner_free is not None:
+                    could = min(could, owner_free + 1)
                 assert could < need, (conn, could, need)
+        # no owner's producers hold more of S together than the owner's share of it
+        for owner, cap in self._caps().items():
+            used = sum(self.shadow[c] - 1 for c in self.producers if self.owner_of[c] == owner)
+            assert used <= cap, (owner, used, cap)
+            assert alloc.owner_cap(owner) == cap and alloc.owner_share_used(owner) == used
 
 
 PoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import base64
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import ScramClient, ScramError, ScramServer, StoredCredential
 
 # RFC 7677, section 3: user "user", password "pencil".
@@ -124,8 +125,21 @@ def test_random_messages_raise_only_scram_error(first: bytes, final: bytes) -> N
 @settings(max_examples=50, deadline=None)
 @given(st.text(min_size=1, max_size=20).filter(lambda s: s.isprintable()), st.text(max_size=20))
 def test_any_name_and_password_log_in(name: str, password: str) -> None:
+    """Any name and password SASLprep accepts (docs/security.md) log in, as the names they prepare to;
+    a password it refuses cannot be stored."""
+    try:
+        saslprep(password, stored=True)
+    except SaslprepError:
+        with pytest.raises(SaslprepError):
+            StoredCredential.from_password(password, 64)
+        return
+    try:
+        prepared = saslprep(name, stored=True)
+    except SaslprepError:
+        assume(False)
+        return
     cred = StoredCredential.from_password(password, 64)
-    srv = ScramServer(lambda n: cred if n == name else None, SECRET)
+    srv = ScramServer(lambda n: cred if n == prepared else None, SECRET)
     client = ScramClient(name, password)
     client.verify(srv.final(client.final(srv.first(client.first()))))
-    assert srv.username == name
+    assert srv.username == prepared

@@ -32,6 +32,7 @@ class Broker:
     port: int
     admin_port: int
     token: str
+    tls_port: int | None = None  # with [tls] enabled in the config
 
     @property
     def url(self) -> str:
@@ -65,7 +66,7 @@ def start_broker(tmp: Path, config: str = "", port: int = 0) -> Broker:
     time.sleep(0.05)  # written in one go, but let the writer finish
     ports = json.loads(port_file.read_text())
     token = (tmp / "home" / ".flowbroker" / f"admin-token-{ports['admin_port']}").read_text().strip()
-    return Broker(proc, ports["port"], ports["admin_port"], token)
+    return Broker(proc, ports["port"], ports["admin_port"], token, ports.get("tls_port"))
 
 
 def stop_broker(broker: Broker) -> None:

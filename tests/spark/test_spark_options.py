@@ -58,3 +58,51 @@ def test_a_layout_that_cannot_work_fails_on_the_driver():
         Layout.of(["value"], {"value": "int"}, None)
     with pytest.raises(LayoutError, match="not a column"):
         Layout.of(["value"], {"value": "binary"}, "region")
+
+
+def test_credentials_and_tls_options_are_checked_and_read_where_the_connection_is_made(tmp_path, monkeypatch):
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    read = ReadOptions.parse({"queue": "q", "User": "u", "passwordFile": str(secret)})
+    assert "from-file" not in repr(read)
+    assert read.connect_arguments()["auth"].password == "from-file"  # read now, the newline dropped
+    options = WriteOptions.parse({"queue": "q", "user": "u", "passwordEnv": "FB_TEST_PW"})
+    with pytest.raises(OptionError, match="environment variable FB_TEST_PW is not set"):
+        options.connect_arguments()
+    monkeypatch.setenv("FB_TEST_PW", "from-env")
+    auth = options.connect_arguments()["auth"]
+    assert (auth.username, auth.password) == ("u", "from-env")
+    options = WriteOptions.parse({"queue": "q", "user": "u", "password": "inline"})
+    assert "inline" not in repr(options) and options.connect_arguments()["auth"].password == "inline"
+    assert WriteOptions.parse({"queue": "q"}).connect_arguments() == {}
+    with pytest.raises(OptionError, match="passwordFile: .*No such file"):
+        ReadOptions.parse({"queue": "q", "user": "u", "passwordFile": str(tmp_path / "none")}).connect_arguments()
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"user": "u"}, "exactly one of password, passwordEnv and passwordFile"),
+    ({"user": "u", "password": "p", "passwordEnv": "E"}, "exactly one"),
+    ({"password": "p"}, "option password needs the option user"),
+    ({"user": ""}, "user must not be empty"),
+    ({"tlsCaFile": "ca.pem"}, "tlsCaFile is for a flowbroker\\+tls:// url"),
+    ({"url": "flowbroker+tls://h:1", "tlsCertFile": "c.pem"}, "tlsCertFile and tlsKeyFile go together"),
+    ({"url": "http://h"}, "option url"),
+])
+def test_connection_options_are_refused_with_a_reason(given, message):
+    for parse in (WriteOptions.parse, ReadOptions.parse):
+        with pytest.raises(OptionError, match=message):
+            parse({"queue": "q", **given})
+
+
+def test_tls_options_make_the_context(tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("client.example")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "client.pem"))
+    options = WriteOptions.parse({"url": "flowbroker+tls://localhost:5671", "queue": "q",
+                                  "tlsCaFile": str(tmp_path / "ca.pem"), "tlsCertFile": str(tmp_path / "client.pem"),
+                                  "tlsKeyFile": str(tmp_path / "client.pem")})
+    context = options.connect_arguments()["ssl_context"]
+    assert context.check_hostname and len(context.get_ca_certs()) == 1

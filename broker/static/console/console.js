@@ -343,6 +343,11 @@ async function poll() {
 async function start() {
   const session = await api("GET", "/session");
   csrf = session.csrf;
+  if (session.read_only) {
+    // a monitoring user's session: the broker refuses changes (403 read_only), so offer none
+    for (const id of ["stop-all", "start-all", "thresholds-section"]) document.getElementById(id).hidden = true;
+    document.getElementById("read-only").hidden = false;
+  }
   document.getElementById("stop-all").addEventListener("click", () =>
     producers("stop-all", "Stop every producer of this broker? Their sends wait until you start them again."));
   document.getElementById("start-all").addEventListener("click", () =>

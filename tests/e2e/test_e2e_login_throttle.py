@@ -1,0 +1,72 @@
+"""Failed logins throttled per source address, over real sockets: a guesser opening many connections at
+once from 127.0.0.1 gets its attempts looked at one at a time (the rest refused unlooked), counted in the
+metrics, while a well-behaved client logged in beside it loses nothing and a login from another address
+(127.0.0.2) is not made to wait."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import flowbroker.client as fc
+from flowbroker.broker.metrics import BrokerCollector
+from flowbroker.broker.users import User, write_users
+from flowbroker.client.handshake import connect_stream
+from flowbroker.protocol import ErrorCode
+from flowbroker.protocol.scram import StoredCredential
+
+LIMIT = 10.0
+
+
+async def login_from_elsewhere(port: int) -> None:
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.2")
+    async with await connect_stream(stream, auth=("alice", "right"), timeout=LIMIT) as elsewhere:
+        assert elsewhere.welcome.identity == "alice"
+
+
+async def test_a_guesser_on_many_connections_is_throttled_and_nobody_else_is(start_flowbroker: Any,
+                                                                             tmp_path: Path) -> None:
+    users = tmp_path / "users.json"
+    write_users(users, {"alice": User("alice", StoredCredential.from_password("right", 4096))})
+    broker = await start_flowbroker(auth={"users_file": str(users), "failed_login_delay": 0.05,
+                                          "failed_login_max_delay": 2.0}, udp={"enabled": False})
+    throttle = broker.core.login_throttle
+    outcomes: list[str] = []
+
+    async def guess(password: str) -> None:
+        with pytest.raises(fc.HandshakeError) as info:
+            await fc.connect(broker.url, auth=("alice", password), timeout=LIMIT)
+        assert info.value.code is ErrorCode.UNAUTHORIZED
+        outcomes.append("throttled" if "too many failed logins from 127.0.0.1" in str(info.value) else "failed")
+
+    async with await fc.connect(broker.url, auth=("alice", "right"), timeout=LIMIT) as good:
+        await good.declare_queue("work")
+        producer = good.producer(routing_key="work")
+        await guess("wrong-0")  # the first failure: from now on 127.0.0.1's attempts wait their turn
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(guess, f"wrong-{i + 1}")
+            for i in range(200):  # the client logged in beside the guesser is not slowed nor loses anything
+                await producer.send(b"%d" % i, timeout=LIMIT)
+            await producer.flush(timeout=LIMIT)
+            await login_from_elsewhere(broker.port)  # during the attack
+        delayed_before = throttle.delayed
+        await login_from_elsewhere(broker.port)  # while 127.0.0.1 is throttled: not made to wait
+        assert throttle.delayed == delayed_before and throttle.failures("127.0.0.2", broker.core.clock_ns()) == 0
+        async with good.consumer("work", prefetch=200) as consumer:
+            got = [(await consumer.receive(timeout=LIMIT)).body for _ in range(200)]
+        assert got == [b"%d" % i for i in range(200)]
+    assert len(outcomes) == 41
+    # after the first failure the attempts were looked at one at a time, 0.05, 0.1, 0.2 ... 2 s apart:
+    # of 40 sent at once only the few whose turn came within 2 s were looked at, the rest refused unlooked
+    # (all 40 would have been looked at, in parallel, by the per-connection delay alone)
+    assert outcomes.count("failed") <= 20 and outcomes.count("throttled") >= 20
+    assert throttle.delayed >= 1 and throttle.refused == outcomes.count("throttled")
+    assert throttle.failures("127.0.0.1", broker.core.clock_ns()) == outcomes.count("failed")
+    samples = {s.name: s.value for m in BrokerCollector(broker.core).collect() for s in m.samples}
+    assert samples["flowbroker_logins_throttled_total"] == throttle.refused
+    assert samples["flowbroker_logins_delayed_total"] == throttle.delayed
+    assert samples["flowbroker_login_throttle_sources"] == 1
