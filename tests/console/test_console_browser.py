@@ -191,7 +191,8 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     expect(row(page, "connections", "client", CLIENT, "granted")).to_contain_text("iB")
     expect(page.locator("#charts .chart[data-queue='orders'] canvas")).to_have_count(1)
     # what the chart draws: the depth against the stop and resume lines (the last points, from the page)
-    assert _chart_tail(page, "orders") == [35, 30, 15]
+    # (waited for: a poll can land between the stop at 31 and the producer's window of 5 filling up)
+    wait_for(lambda: _chart_tail(page, "orders") == [35, 30, 15], "the chart's depth reaches 35 at the stop line 30")
     expect(page.locator("#broker-summary")).to_have_text("flowbroker: 1 connection(s), 1 queue(s), 1 saturated, "
                                                         "5 transfer(s) held")
     time.sleep(4)  # a few more seconds of history on the chart: the depth flat at the stop line

@@ -43,26 +43,30 @@ async def _late_producer_sends(start_flowbroker: Any, *, slow: bool, check: Call
 
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
-        stack.callback(nursery.cancel_scope.cancel)
-        for i in range(IDLE):
-            conn = await stack.enter_async_context(await fb.connect(broker.url, client_name=f"early{i}"))
-            if i == 0:
-                await conn.declare_queue("q")
-            producer = conn.producer(routing_key="q")
-            await producer.send(b"hello", timeout=5)
-            await producer.flush(timeout=5)
-            if slow:
-                nursery.start_soon(trickle, producer)
-        late = await stack.enter_async_context(await fb.connect(broker.url, client_name="late"))
-        producer = late.producer(routing_key="q")
-        with trio.move_on_after(5) as waited:  # before BUFFER_LIMIT: forever, or minutes (it waits for a share)
-            for n in range(MESSAGES):
-                await producer.send(b"m" * 8000)
-            await producer.flush()
-        if waited.cancelled_caught:
-            return False
-        check(broker)
-        return True
+        # cancelled before the stack closes the trickles' connections: a trickle that sent on a
+        # connection already closed failed the test with ConnectionClosed (seen once under load)
+        try:
+            for i in range(IDLE):
+                conn = await stack.enter_async_context(await fb.connect(broker.url, client_name=f"early{i}"))
+                if i == 0:
+                    await conn.declare_queue("q")
+                producer = conn.producer(routing_key="q")
+                await producer.send(b"hello", timeout=5)
+                await producer.flush(timeout=5)
+                if slow:
+                    nursery.start_soon(trickle, producer)
+            late = await stack.enter_async_context(await fb.connect(broker.url, client_name="late"))
+            producer = late.producer(routing_key="q")
+            with trio.move_on_after(5) as waited:  # before BUFFER_LIMIT: forever, or minutes (it waits for a share)
+                for n in range(MESSAGES):
+                    await producer.send(b"m" * 8000)
+                await producer.flush()
+            if waited.cancelled_caught:
+                return False
+            check(broker)
+            return True
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["idle", "slow"])
