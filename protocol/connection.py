@@ -141,6 +141,17 @@ class Connection:
         """Size of the frame being received, length prefix included; None before its prefix is in."""
         return self._decoder.next_frame_size
 
+    @property
+    def build_deliveries(self) -> bool:
+        """True (the default): a received DELIVER's entries are `DeliveryEntry`s. False: the validated
+        lists msgpack decoded, in the same field order, for a receiver that only unpacks them (the SDK's
+        reader): a NamedTuple per message costs several times a list."""
+        return self._decoder.build_deliveries
+
+    @build_deliveries.setter
+    def build_deliveries(self, value: bool) -> None:
+        self._decoder.build_deliveries = value
+
     def set_max_frame_size(self, size: int) -> None:
         """Adopt the size negotiated in WELCOME (the largest frame this end will accept)."""
         if size < 64:
