@@ -832,11 +832,15 @@ class Connection:
                 await self._credit_lot.park()
 
     def _enqueue_transfer(self, producer: Producer, entry: QueuedEntry, size: int) -> int:
-        """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
+        """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id.
+        (`Producer.send` does the same inline.) The writer is woken only when the queue was empty: it
+        waits only once every queue is empty, so a non-empty one means it is already due to run."""
         transfer_id = self._ledger.on_sent(producer, size)
-        self._transfers.append(entry)
+        transfers = self._transfers
+        if not transfers:
+            self._wake.set()
+        transfers.append(entry)
         self._transfer_costs.append(size + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD)
-        self._wake.set()
         return transfer_id
 
     async def _wait_credit(self) -> None:
@@ -1051,7 +1055,9 @@ class Connection:
                 first_id = self._ledger.next_id - (queued - taken)
                 entries = cast(list[TransferEntry], transfers[taken:stop])  # QueuedEntry: encoded alike
                 taken = stop
-                out.append(self._proto.send(Transfer(first_id, entries)))
+                # Every entry was checked by `Producer.send` (check_message), so the frame's fields are not
+                # checked again here: that was one more pass over every message.
+                out.append(self._proto.send(Transfer(first_id, entries), fields_checked=True))
         finally:
             del transfers[:taken], costs[:taken]
 
