@@ -56,6 +56,9 @@ __all__ = ["Consumer", "ConsumerStatistics", "ConsumerStats", "Message"]
 
 YIELD_EVERY = 128
 
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+"""Bound once: the iterator calls it per message."""
+
 _ACK, _REJECT, _REQUEUE = Outcome.ACK, Outcome.REJECT, Outcome.REQUEUE
 """An enum member looked up on its class costs a Python-level attribute lookup (~75 ns): per message, once."""
 
@@ -362,7 +365,7 @@ class Consumer:
         buffered = self._buffered
         if since < YIELD_EVERY and buffered:
             self._since_yield = since
-            await trio.lowlevel.checkpoint_if_cancelled()
+            await _checkpoint_if_cancelled()
             msg = buffered.popleft()
             self._current = msg
             return msg

@@ -76,6 +76,9 @@ _HEADER_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
 """What a header value may be (protocol/frames.py); anything else would make the connection's writer refuse
 the whole TRANSFER frame (`Connection.send` checks every frame), so `send` refuses it first."""
 
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+"""Bound once: `send` calls it per message (two module attribute lookups less each time)."""
+
 _SHORT_KEY = MAX_KEY_BYTES // 4
 """A key of at most this many characters is within MAX_KEY_BYTES whatever they are (UTF-8: 4 bytes at most)."""
 
@@ -253,18 +256,21 @@ class Producer:
         `max_message_size`), and `ConnectionClosed` if the connection is or becomes closed.
         """
         conn = self._conn
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await _checkpoint_if_cancelled()
         if conn._closed is not None or conn._nursery is None:
             conn._check_open()
         key = self.routing_key if routing_key is None else routing_key
         exchange = self.exchange
-        max_size = conn.welcome.max_message_size
         # One comparison for the common message (bytes, no headers, a short key): the exact checks otherwise.
         # The writer sends these fields without checking them again (`fields_checked`): what passes here
         # must be what a TRANSFER entry may hold.
-        if (type(body) is not bytes or headers or type(key) is not str or type(exchange) is not str
-                or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size):
-            check_message(exchange, key, body, headers, max_size)
+        if type(body) is not bytes or headers or type(key) is not str or type(exchange) is not str:
+            check_message(exchange, key, body, headers, conn.welcome.max_message_size)
+            names = len(key) + len(exchange)
+        else:
+            names = len(key) + len(exchange)
+            if len(key) > _SHORT_KEY or len(body) + 4 * names > conn.welcome.max_message_size:
+                check_message(exchange, key, body, headers, conn.welcome.max_message_size)
         # message_size inlined for the common message without headers (as the consumer does on arrival)
         size = len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers)
         credit = conn.sender_window
@@ -284,7 +290,7 @@ class Producer:
             if not transfers:  # the writer waits only once every queue is empty (see _enqueue_transfer)
                 conn._wake.set()
             transfers.append((exchange, key, body, headers, None, None))
-            conn._transfer_costs.append(size + len(exchange) + len(key) + ENTRY_OVERHEAD)
+            conn._transfer_costs.append(size + names + ENTRY_OVERHEAD)
         else:  # numbered, and kept until completed so that a reconnect can send it again
             sequence = sequences.take_sequence()
             entry = (exchange, key, body, headers, sequences.producer_id, sequence)
