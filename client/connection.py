@@ -217,6 +217,7 @@ class Connection:
     ) -> None:
         self._stream = stream
         self._proto = proto
+        proto.build_deliveries = False  # DELIVER entries as decoded lists: `Consumer._on_deliver` only unpacks them
         self.welcome = welcome
         self.request_timeout = request_timeout
         self.close_timeout = close_timeout
@@ -239,6 +240,11 @@ class Connection:
         """Their estimated bytes in a TRANSFER frame, for the writer's frame-size budget."""
         self._control: collections.deque[Frame] = collections.deque()
         self._settle: dict[Outcome, list[int]] = {}
+        self._settle_outcome: Outcome | None = None
+        self._settle_tags: list[int] = []
+        """The outcome settled last and its list in `_settle` (None once the writer took the dict): the
+        next settlement with the same outcome appends without looking it up (an Outcome's hash is a
+        Python call, Enum.__hash__, on the consumer's per-message path)."""
         self._acks: dict[int, BufferAck] = {}
         self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
         self._writer_done = trio.Event()
@@ -558,6 +564,7 @@ class Connection:
         self._generation += 1
         self.reconnects += 1
         self._stream, self._proto, self.welcome = stream, proto, welcome
+        proto.build_deliveries = False
         self._ledger = ProducerLedger(welcome.buffer_size)
         # requests made while reconnecting were queued for no stream: their frames are dropped below
         self._fail_requests(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "request made while the connection was "
@@ -566,6 +573,7 @@ class Connection:
         self._transfer_costs.clear()
         self._control.clear()
         self._settle.clear()
+        self._settle_outcome = None
         self._acks.clear()
         self._noop_replies.clear()
         self._final_frames = []
@@ -835,11 +843,15 @@ class Connection:
                 await self._credit_lot.park()
 
     def _enqueue_transfer(self, producer: Producer, entry: QueuedEntry, size: int) -> int:
-        """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id."""
+        """Reserve credit and queue one message; the caller has checked credit. Returns its transfer id.
+        (`Producer.send` does the same inline.) The writer is woken only when the queue was empty: it
+        waits only once every queue is empty, so a non-empty one means it is already due to run."""
         transfer_id = self._ledger.on_sent(producer, size)
-        self._transfers.append(entry)
+        transfers = self._transfers
+        if not transfers:
+            self._wake.set()
+        transfers.append(entry)
         self._transfer_costs.append(size + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD)
-        self._wake.set()
         return transfer_id
 
     async def _wait_credit(self) -> None:
@@ -992,15 +1004,19 @@ class Connection:
     def _settle_tag(self, outcome: Outcome, tag: int) -> None:
         if self._closed is not None or self._nursery is None:
             self._check_open()
+        if outcome is self._settle_outcome:
+            self._settle_tags.append(tag)
+            return
         tags = self._settle.get(outcome)
         if tags is None:
-            self._settle[outcome] = [tag]
+            tags = self._settle[outcome] = [tag]
             # Waking once per new list is enough: the writer takes the whole dict each time it wakes,
             # and checks it again before it waits, so tags appended to a list it has not taken yet
             # go out with it.
             self._wake.set()
         else:
             tags.append(tag)
+        self._settle_outcome, self._settle_tags = outcome, tags
 
     # ------------------------------------------------------------------ writer
 
@@ -1019,6 +1035,7 @@ class Connection:
             out.extend(send(ack) for ack in acks.values())
         if self._settle:
             settle, self._settle = self._settle, {}
+            self._settle_outcome = None
             for outcome, tags in settle.items():
                 ranges = to_ranges(tags)
                 # Split, so that no frame asks the broker for more than the protocol allows.
@@ -1049,7 +1066,9 @@ class Connection:
                 first_id = self._ledger.next_id - (queued - taken)
                 entries = cast(list[TransferEntry], transfers[taken:stop])  # QueuedEntry: encoded alike
                 taken = stop
-                out.append(self._proto.send(Transfer(first_id, entries)))
+                # Every entry was checked by `Producer.send` (check_message), so the frame's fields are not
+                # checked again here: that was one more pass over every message.
+                out.append(self._proto.send(Transfer(first_id, entries), fields_checked=True))
         finally:
             del transfers[:taken], costs[:taken]
 
@@ -1239,7 +1258,8 @@ class Connection:
     def _drop_deliveries(self, frame: Deliver) -> None:
         """Deliveries for a subscription we no longer have: count them as processed on the connection's
         positions (they will never be processed), and leave settlement to the broker's cancel."""
-        self._processed(sum(message_size(entry.body, entry.headers) for entry in frame.entries), None)
+        # Entries are the decoded lists (`build_deliveries`): index 3 is the body, 4 the headers.
+        self._processed(sum(message_size(entry[3], entry[4]) for entry in frame.entries), None)
 
     # ------------------------------------------------------------------ timer
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from flowbroker.client.connection import TRANSFER_BATCH
+from flowbroker.client.connection import ENTRY_OVERHEAD, TRANSFER_BATCH
 from flowbroker.client.errors import (
     FlowControlled,
     FlowControlTimeout,
@@ -75,6 +75,9 @@ A producer that sends a million messages to a missing queue must not keep a mill
 _HEADER_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
 """What a header value may be (protocol/frames.py); anything else would make the connection's writer refuse
 the whole TRANSFER frame (`Connection.send` checks every frame), so `send` refuses it first."""
+
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+"""Bound once: `send` calls it per message (two module attribute lookups less each time)."""
 
 _SHORT_KEY = MAX_KEY_BYTES // 4
 """A key of at most this many characters is within MAX_KEY_BYTES whatever they are (UTF-8: 4 bytes at most)."""
@@ -246,24 +249,33 @@ class Producer:
         `FlowControlTimeout`; with `block=False` raises `FlowControlled` at once instead of waiting.
         Returns without yielding to other tasks unless the messages waiting for the writer reach another
         full batch (see the comment below), so the writer can batch a burst of sends into one frame.
-        Raises, before anything is sent, `TypeError` for a body that is not bytes or headers that are not
+        Raises, before anything is sent, `TypeError` for a body that is not bytes, a routing key that is
+        not str, or headers that are not
         a dict of str to str, bytes, int, float, bool or None, `TooManyHeaders` (over `MAX_HEADERS`), `KeyTooLong` (a routing key
         over `MAX_KEY_BYTES` in UTF-8) or `MessageTooLarge` (the whole message over the broker's
         `max_message_size`), and `ConnectionClosed` if the connection is or becomes closed.
         """
         conn = self._conn
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await _checkpoint_if_cancelled()
         if conn._closed is not None or conn._nursery is None:
             conn._check_open()
         key = self.routing_key if routing_key is None else routing_key
         exchange = self.exchange
-        max_size = conn.welcome.max_message_size
         # One comparison for the common message (bytes, no headers, a short key): the exact checks otherwise.
-        if type(body) is not bytes or headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
-            check_message(exchange, key, body, headers, max_size)
+        # The writer sends these fields without checking them again (`fields_checked`): what passes here
+        # must be what a TRANSFER entry may hold.
+        if type(body) is not bytes or headers or type(key) is not str or type(exchange) is not str:
+            check_message(exchange, key, body, headers, conn.welcome.max_message_size)
+            names = len(key) + len(exchange)
+        else:
+            names = len(key) + len(exchange)
+            if len(key) > _SHORT_KEY or len(body) + 4 * names > conn.welcome.max_message_size:
+                check_message(exchange, key, body, headers, conn.welcome.max_message_size)
         # message_size inlined for the common message without headers (as the consumer does on arrival)
         size = len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers)
-        if self._outstanding >= self.window or not conn.sender_window.may_send():  # not self.has_credit(), inlined
+        credit = conn.sender_window
+        # not self.has_credit(), inlined (SenderWindow.may_send too): the per-message path
+        if self._outstanding >= self.window or (credit.window and credit.position >= credit.acked_position + credit.window):
             if not block:
                 self._blocked_count += 1
                 raise FlowControlled(
@@ -271,17 +283,23 @@ class Producer:
                 )
             await self._wait_for(self.has_credit, self.send_timeout if timeout is None else timeout, "send")
         sequences = self._sequences
+        transfers = conn._transfers
         if sequences is None:
-            transfer_id = conn._enqueue_transfer(self, (self.exchange, key, body, headers, None, None), size)
+            # Connection._enqueue_transfer, inlined: the per-message path.
+            transfer_id = conn._ledger.on_sent(self, size)
+            if not transfers:  # the writer waits only once every queue is empty (see _enqueue_transfer)
+                conn._wake.set()
+            transfers.append((exchange, key, body, headers, None, None))
+            conn._transfer_costs.append(size + names + ENTRY_OVERHEAD)
         else:  # numbered, and kept until completed so that a reconnect can send it again
             sequence = sequences.take_sequence()
-            entry = (self.exchange, key, body, headers, sequences.producer_id, sequence)
+            entry = (exchange, key, body, headers, sequences.producer_id, sequence)
             transfer_id = conn._enqueue_transfer(self, entry, size)
             sequences.sent(sequence, transfer_id, entry, size)
-        self._outstanding += 1
-        if self._outstanding == 1:
+        outstanding = self._outstanding = self._outstanding + 1
+        if outstanding == 1:
             conn._active_producers[self] = None  # something to wait for when a block ends
-        if len(conn._transfers) % TRANSFER_BATCH == 0:
+        if len(transfers) % TRANSFER_BATCH == 0:
             # Yield only when a batch is ready: yielding after every message would let the writer run
             # after every message and send one-entry frames. Nor after every message while more than a
             # batch waits: then the writer is still writing earlier ones (the socket is full), and a
@@ -417,11 +435,14 @@ class Producer:
 
 def check_message(exchange: str, key: str, body: bytes, headers: Headers | None, max_size: int) -> None:
     """Raise, before anything is sent, what the broker would refuse (see the module's docstring): TypeError
-    for a body that is not bytes or headers of the wrong types, else the typed refusal. Callers skip it for
+    for a body that is not bytes, a routing key or exchange that is not str, or headers of the wrong types,
+    else the typed refusal. Callers skip it for
     the common message (bytes, no headers, a short key, a body far under the limit: one comparison in
     `send`). Shared by the TCP and the UDP producer (client/udpproducer.py)."""
-    if not isinstance(body, bytes):
+    if type(body) is not bytes:  # exactly bytes, as a TRANSFER entry's body must be (protocol/frames.py)
         raise TypeError(f"body must be bytes, not {type(body).__name__}")
+    if type(key) is not str or type(exchange) is not str:
+        raise TypeError(f"routing_key and exchange must be str, not {type(key).__name__} and {type(exchange).__name__}")
     if headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(exchange)) > max_size:
         if headers and (
             type(headers) is not dict

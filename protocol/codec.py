@@ -120,6 +120,8 @@ class FrameDecoder:
         self._pos = 0
         self.frames_decoded = 0
         self._eof = False
+        self.build_deliveries = True
+        """False: DELIVER entries stay the validated msgpack lists (`decode_body`)."""
 
     @property
     def buffered(self) -> int:
@@ -176,7 +178,7 @@ class FrameDecoder:
             obj = _unpack(view, seq)
         finally:
             view.release()  # an exception's traceback must not keep the buffer exported (feed() resizes it)
-        return decode_body(obj, seq)
+        return decode_body(obj, seq, self.build_deliveries)
 
     def _compact(self) -> None:
         """Drop the frames already decoded (bytearray gives the memory back once it shrinks by half)."""

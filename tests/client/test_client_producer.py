@@ -256,6 +256,30 @@ async def test_headers_of_the_wrong_types_are_refused_before_anything_is_sent(st
         assert not conn.is_closed
 
 
+async def test_fields_a_transfer_entry_cannot_hold_are_refused_before_anything_is_sent(start_broker) -> None:
+    """The writer sends TRANSFER frames without checking their entries again (`fields_checked`), so `send`
+    must refuse what the broker would: a routing key or exchange that is not str, a body that is not
+    exactly bytes. Refused at once; the connection stays open and the next message goes through."""
+
+    class Body(bytes):
+        pass
+
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        producer = conn.producer(routing_key="q")
+        for body, key in ((b"b", b"q"), (b"b", 7), (Body(b"b"), "q"), (bytearray(b"b"), "q")):
+            with pytest.raises(TypeError, match="must be"):
+                await producer.send(body, routing_key=key)  # type: ignore[arg-type]
+        odd = conn.producer(7, "q")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="routing_key and exchange must be str"):
+            await odd.send(b"b")
+        await producer.send(b"ok")
+        await producer.flush(timeout=5)
+        assert [entry.body for entry, _ in fake.transfers.values()] == [b"ok"] and producer.stats.sent == 1
+        assert not conn.is_closed
+
+
 async def test_the_brokers_key_too_long_is_typed(start_broker) -> None:
     broker = await start_broker(auto_complete=False)
     async with await fc.connect(broker.url, timeout=5) as conn:

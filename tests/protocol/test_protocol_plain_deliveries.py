@@ -1,0 +1,95 @@
+"""`build_deliveries=False` (what the SDK's reader uses) decodes exactly what the default decodes and refuses
+exactly what it refuses: only the type of a DELIVER's entries differs (the decoded lists, not
+`DeliveryEntry`s), so the SDK's consumer is as protected from a malformed DELIVER as before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from tests.protocol.protocol_strategies import any_frame, delivery_entries, raw_body
+
+from flowbroker.protocol import (
+    Deliver,
+    DeliveryEntry,
+    Frame,
+    FrameDecoder,
+    RemoteProtocolError,
+    Role,
+    encode_frame,
+    frame_to_wire,
+)
+from flowbroker.protocol import Connection as ProtocolConnection
+
+
+def decode(data: bytes, build: bool) -> tuple[list[Frame], tuple[str, int | None] | None]:
+    """Every frame in `data`, and the error that stopped decoding (its code name and frame_seq)."""
+    decoder = FrameDecoder(max_frame_size=1 << 16)
+    decoder.build_deliveries = build
+    decoder.feed(data)
+    frames: list[Frame] = []
+    try:
+        while (frame := decoder.next_frame()) is not None:
+            frames.append(frame)
+    except RemoteProtocolError as err:
+        return frames, (err.code.name, err.frame_seq)
+    return frames, None
+
+
+def plain(frame: Frame) -> Any:
+    """A frame's wire value with its entries as lists, whatever they were built as."""
+    return msgpack.unpackb(msgpack.packb(frame_to_wire(frame), use_bin_type=True), raw=False)
+
+
+@given(any_frame)
+def test_valid_frames_decode_alike(frame: Frame) -> None:
+    built, error = decode(encode_frame(frame), True)
+    kept, kept_error = decode(encode_frame(frame), False)
+    assert error is kept_error is None
+    assert [plain(f) for f in built] == [plain(f) for f in kept]
+    assert [type(f) for f in built] == [type(f) for f in kept]
+    if isinstance(frame, Deliver):
+        built_deliver, kept_deliver = built[0], kept[0]
+        assert isinstance(built_deliver, Deliver) and isinstance(kept_deliver, Deliver)
+        assert all(type(e) is DeliveryEntry for e in built_deliver.entries)
+        kept_entries: list[Any] = kept_deliver.entries  # msgpack's lists, whatever the annotation says
+        assert all(type(e) is list and len(e) == 6 for e in kept_entries)
+        assert [tuple(e) for e in kept_entries] == list(frame.entries)
+
+
+bad_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**64 - 1), st.floats(allow_nan=False),
+                       st.text(max_size=4), st.binary(max_size=4), st.just([]), st.just({}), st.just({"h": [1]}))
+
+
+@given(st.lists(delivery_entries, min_size=1, max_size=4), st.data())
+def test_malformed_delivery_entries_are_refused_alike(entries: list[DeliveryEntry], data: st.DataObject) -> None:
+    wire: Any = plain(Deliver(1, entries))
+    which = data.draw(st.integers(0, len(entries) - 1))
+    entry = wire[2][which]
+    how = data.draw(st.sampled_from(["field", "drop", "add", "replace"]))
+    if how == "field":
+        entry[data.draw(st.integers(0, 5))] = data.draw(bad_values)
+    elif how == "drop":
+        del entry[data.draw(st.integers(0, 5))]
+    elif how == "add":
+        entry.append(data.draw(bad_values))
+    else:
+        wire[2][which] = data.draw(bad_values)
+    try:
+        body = msgpack.packb(wire, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):
+        assume(False)
+    built = decode(raw_body(body), True)
+    kept = decode(raw_body(body), False)
+    assert built[1] == kept[1]
+    assert [plain(f) for f in built[0]] == [plain(f) for f in kept[0]]
+
+
+def test_the_protocol_connection_switch_reaches_its_decoder() -> None:
+    """`Connection.build_deliveries` (what the SDK sets) is the decoder's."""
+    client = ProtocolConnection(Role.CLIENT)
+    assert client.build_deliveries
+    client.build_deliveries = False
+    assert client._decoder.build_deliveries is False
