@@ -25,7 +25,7 @@ import trio
 from flowbroker.client.consumer import Consumer, Message
 from flowbroker.protocol import Frame
 from flowbroker.protocol.envelope import EnvelopeError, decode_delivery
-from flowbroker.protocol.frames import SubscribeUdp
+from flowbroker.protocol.frames import DeliveryEntry, SubscribeUdp
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
@@ -62,6 +62,7 @@ class UdpConsumer(Consumer):
         self._subscription: Subscription | None = None
         self._image: Image | None = None
         self._held: dict[int, int] = {}  # delivery tag -> bytes it holds in the image
+        self._polled: list[DeliveryEntry] = []  # decoded by the poll in progress, not yet buffered
         self._dirty = trio.Event()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -104,6 +105,8 @@ class UdpConsumer(Consumer):
     # -------------------------------------------------------------- the image
 
     def _on_message(self, payload: memoryview | bytes) -> None:
+        """One message polled from the image: decoded, its term bytes held until it is processed, and
+        collected in `_polled`; `_receive` hands a poll's messages to the consumer's buffer at once."""
         image = self._image
         try:
             entry = decode_delivery(payload)
@@ -115,7 +118,7 @@ class UdpConsumer(Consumer):
             space = frame_space(len(payload), image.mtu)
             image.hold(self._subscription_id_in_image(), space)
             self._held[entry.delivery_tag] = space
-        self._on_deliver([entry])
+        self._polled.append(entry)
 
     def _subscription_id_in_image(self) -> int:
         assert self._subscription is not None
@@ -158,8 +161,12 @@ class UdpConsumer(Consumer):
             for datagram, source in batch:
                 channel.on_datagram(datagram, source, now)
             self._send(channel.do_work(now))  # the rebuild moves here
+            polled = self._polled
             while subscription.poll(self._on_message, _POLL_FRAGMENTS):
-                pass
+                if polled:  # one DELIVER's worth: one call, one wake-up of the reader
+                    self._polled = []
+                    self._on_deliver(polled)
+                    polled = self._polled
             self._send(channel.do_work(now))
 
     async def _status(self) -> None:

@@ -289,12 +289,15 @@ class Image:
         total = 0
         position = sub.position
         limit = self.rebuild_position
-        checkpoint = sub.assembler.checkpoint()
+        assembler = sub.assembler
+        checkpoint = assembler.checkpoint()
+        read = self.rebuilder.read_messages
         try:
             while total < fragment_limit and position < limit:
                 position_before = position
-                position, count = self.rebuilder.read(position, limit, sub.assembler, fragment_limit - total)
+                position, count, wholes = read(position, limit, handler, assembler, fragment_limit - total)
                 total += count
+                sub.messages += wholes  # (the assembler's whole messages count themselves)
                 if position == position_before:
                     break
         except BaseException:

@@ -344,6 +344,11 @@ class Publication:
         """Append one message; return the new position, or an ``OfferResult`` (negative) saying why not."""
         if self._state is not _State.ACTIVE:
             return OfferResult.CLOSED
+        # The common case (one frame, room in the term and the window) in one call; else the general path.
+        position = self.appender.append_unfragmented(payload, self.publication_limit, self.max_possible_position,
+                                                     self.config.reserved_value)
+        if position:
+            return position
         length = len(payload)
         if length > self.max_message_length:
             raise ValueError(
