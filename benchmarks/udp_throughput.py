@@ -76,7 +76,8 @@ class Broker:
         exe = Path(sys.executable).with_name("flowbroker")
         self.proc = wait_listening(subprocess.Popen(
             [str(exe), "serve", "--port", str(self.port), "--udp-endpoint", f"127.0.0.1:{self.udp_port}", *admin,
-             "--memory-quota", args.quota], stderr=subprocess.DEVNULL), self.port)
+             "--memory-quota", args.quota, *(["--config", args.broker_config] if args.broker_config else [])],
+            stderr=subprocess.DEVNULL), self.port)
 
     def rss(self) -> int:
         return rss(self.proc.pid)
@@ -481,6 +482,8 @@ def main() -> None:
     parser.add_argument("--admin", action="store_true",
                         help="start the broker with its admin API (instead of --no-admin) to read its UDP counters")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a pairing may take")
+    parser.add_argument("--broker-config", default=None,
+                        help="a TOML file for the broker (--config), e.g. [udp] mtu = 65504 for bigger datagrams")
     args = parser.parse_args()
     if args.size < STAMP.size + SEQ.size:
         parser.error(f"--size must be at least {STAMP.size + SEQ.size}")

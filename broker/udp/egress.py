@@ -62,8 +62,9 @@ class UdpSubscription(Subscription):
     def has_credit(self) -> bool:
         stream = self.stream
         pub = stream.publication
-        return (self.unsettled < self.prefetch and stream.slot is None and pub.is_connected
-                and pub.position < pub.sender_limit)
+        # Asked before every delivery: the cheap comparisons first, the flow-control strategy's last.
+        return (self.unsettled < self.prefetch and stream.slot is None and pub.position < pub.sender_limit
+                and pub.is_connected)
 
     def deliver(self, msg: Message) -> None:
         """The next tag of the connection, then the publication's term (not the outbox). Charged 0 bytes to

@@ -1,6 +1,7 @@
 """The transport's fast paths write and read exactly what the general ones do: an unfragmented append
 (`TermAppender.append_unfragmented`, what `Publication.offer` tries first), the reader that hands whole
-messages straight to the subscriber (`TermRebuilder.read_messages`)."""
+messages straight to the subscriber (`TermRebuilder.read_messages`), and a producer's cycles that keep
+back a part-empty datagram at the tail (`Publication.do_work(whole_datagrams=True)`)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,28 @@ def test_read_messages_hands_over_what_read_and_the_assembler_do(sizes: list[int
         wholes += count
     assert fast == slow == messages[:len(slow)]
     assert wholes == sum(1 for m in slow if len(m) <= MTU - 32)
+
+
+def _datagrams(whole: bool, sizes: list[int]) -> list[bytes]:
+    pub = Publication(PublicationConfig(5, 1001, term_length=TERM, mtu=MTU, max_messages_per_send=1024), 0,
+                      destination=("127.0.0.1", 1))
+    from flowbroker.transport.frames import StatusMessage, encode_status_message
+
+    pub.do_work(0)  # SETUP
+    pub.on_datagram(encode_status_message(StatusMessage(5, 1001, 0, 0, TERM // 2, 9)), ("127.0.0.1", 1), 1)
+    out: list[bytes] = []
+    for i, size in enumerate(sizes):
+        while pub.offer(bytes([i % 251]) * size) < 0:
+            pass  # ADMIN_ACTION at a term's end: offer again
+        out += [d for d, _ in pub.do_work(2, whole_datagrams=whole)]
+    out += [d for d, _ in pub.do_work(3)]  # the shell's cycle once the application yields
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=700), min_size=1, max_size=60))
+def test_keeping_back_the_part_empty_datagram_sends_the_same_bytes_in_fewer_datagrams(sizes: list[int]) -> None:
+    every = _datagrams(False, sizes)
+    whole = _datagrams(True, sizes)
+    assert b"".join(whole) == b"".join(every)
+    assert len(whole) <= len(every)
