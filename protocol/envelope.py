@@ -127,7 +127,7 @@ def encode_delivery_of(delivery_tag: int, exchange: str, routing_key: str, body:
     msgpack packs an array as its elements one after another, so the bytes are those of packb(list))."""
     if headers is not None:
         return encode_delivery(DeliveryEntry(delivery_tag, exchange, routing_key, body, headers, redelivered))
-    meta = (b"\x95" + msgpack.packb(delivery_tag) + _packed_names(exchange, routing_key)
+    meta: bytes = (b"\x95" + msgpack.packb(delivery_tag) + _packed_names(exchange, routing_key)
             + (_NIL_TRUE if redelivered else _NIL_FALSE))
     return _LENGTH.pack(DELIVER, len(meta)) + meta + body
 
