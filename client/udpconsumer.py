@@ -130,7 +130,16 @@ class UdpConsumer(Consumer):
         image = self._image
         if space and image is not None:
             image.release(self._subscription_id_in_image(), space)
-            self._dirty.set()
+            if self._report_due(image):
+                self._dirty.set()  # the status task sends it (waking it for every message cost a task switch each)
+
+    def _report_due(self, image: Image) -> bool:
+        """Has processing moved the consumption position enough to tell the broker now: everything handed
+        out processed and the broker half-way through the window it was last given (reported at once), or
+        what the image's quarter-window rule calls for?"""
+        if not self._held and image.rebuild_position - image.last_sm_position >= image.last_sm_window // 2:
+            image.report_now()
+        return image.status_message_due()
 
     def _send(self, out: list[tuple[bytes, Any]]) -> None:
         endpoint = self._endpoint
@@ -170,15 +179,20 @@ class UdpConsumer(Consumer):
             self._send(channel.do_work(now))
 
     async def _status(self) -> None:
-        """Processing released bytes: the status message that reports it goes out without waiting for a datagram."""
+        """Processing released bytes: the status message that reports it goes out without waiting for a datagram.
+
+        Only when there is something to report (`_report_due`): an SM for every processed datagram's worth
+        of messages was the broker's busiest input (each one a dispatch round of a few deliveries), where the
+        image's quarter-window rule asks for one per quarter window; the exception is a broker that has used
+        half its window and a consumer that has processed everything, told at once."""
         channel = self._channel
         assert channel is not None
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
             image = self._image
-            if image is not None and not self._held:
-                image.report_now()  # everything handed out is processed: say so now
+            if image is not None and not self._report_due(image):
+                continue  # reported since by the receiving task's cycle
             self._send(channel.do_work(now_ns()))
 
     async def aclose(self, timeout: float | None = None) -> None:

@@ -462,6 +462,16 @@ class Image:
             self.next_sm_position = position
             self._sm_pending = True
 
+    def status_message_due(self) -> bool:
+        """Would the next ``do_work`` send a status message for what the subscribers consumed (an SM
+        pending, the consumption position a quarter window past the last reported one, or in another
+        term)? Cheap enough for an application to ask after every message it processes, so that it runs
+        the whole duty cycle only when there is something to report."""
+        position = self._consumption_positions()[0]
+        reported = self.next_sm_position
+        return (self._sm_pending or position > reported + (self.window_length >> 2)
+                or position >> self.position_bits_to_shift != reported >> self.position_bits_to_shift)
+
     def _emit_sm(self, out: list[bytes], now_ns: int, flags: int) -> None:
         position = self.next_sm_position
         # The sender may now write up to a window past this position, into the partition that held the
