@@ -25,7 +25,7 @@ pairing and round). Whatever cannot be measured (a broker or SDK without the UDP
 broker does not report) is printed as such, and the run goes on.
 
     python benchmarks/udp_throughput.py [--messages N] [--rounds R] [--only tcp-tcp,udp-tcp,udp-udp,overload]
-                                        [--overload-seconds S] [--lossy] [--admin]
+                                        [--overload-seconds S] [--lossy] [--admin] [--broker-config FILE]
 """
 
 from __future__ import annotations
