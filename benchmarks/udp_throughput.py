@@ -5,7 +5,8 @@ on 127.0.0.1, flow control on, 1 KiB messages by default. One run prints, for ea
   udp-tcp   the SDK's UDP producer (conn.producer("", queue, transport="udp")) -> broker -> TCP consumer
   udp-udp   UDP producer -> broker -> UDP consumer (conn.consumer(queue, transport="udp"))
 
-end-to-end msgs/s and MB/s (first send to last delivery), p50/p99 publish-to-deliver latency (the producer
+end-to-end msgs/s and MB/s (first send to last delivery), the CPU time per message of the producer, the
+broker and the consumer process (steadier than msgs/s on a shared machine), p50/p99 publish-to-deliver latency (the producer
 writes time.monotonic_ns() into the first 8 bytes of each body; CLOCK_MONOTONIC is shared by the processes
 of one Linux machine), the broker's idle and peak RSS (psutil), and NAKs and retransmits: the SDK side's
 from the producer's and consumer's statistics(), the broker's from its admin API (GET /api/broker) when
@@ -24,7 +25,7 @@ pairing and round). Whatever cannot be measured (a broker or SDK without the UDP
 broker does not report) is printed as such, and the run goes on.
 
     python benchmarks/udp_throughput.py [--messages N] [--rounds R] [--only tcp-tcp,udp-tcp,udp-udp,overload]
-                                        [--overload-seconds S] [--lossy] [--admin]
+                                        [--overload-seconds S] [--lossy] [--admin] [--broker-config FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import trio
 
 import flowbroker.client as fb
 from broker_throughput import QUEUE, STAMP, MiB, _queue_count, percentile_ms
-from procs import free_port, rss, stop_broker, wait_listening
+from procs import cpu_seconds, free_port, rss, stop_broker, wait_listening
 
 SEQ = struct.Struct("<Q")
 PAIRINGS = {"tcp-tcp": ("tcp", "tcp"), "udp-tcp": ("udp", "tcp"), "udp-udp": ("udp", "udp")}
@@ -76,7 +77,8 @@ class Broker:
         exe = Path(sys.executable).with_name("flowbroker")
         self.proc = wait_listening(subprocess.Popen(
             [str(exe), "serve", "--port", str(self.port), "--udp-endpoint", f"127.0.0.1:{self.udp_port}", *admin,
-             "--memory-quota", args.quota], stderr=subprocess.DEVNULL), self.port)
+             "--memory-quota", args.quota, *(["--config", args.broker_config] if args.broker_config else [])],
+            stderr=subprocess.DEVNULL), self.port)
 
     def rss(self) -> int:
         return rss(self.proc.pid)
@@ -169,6 +171,7 @@ def producer_main(url: str, transport: str, count: int, size: int, seconds: floa
         sent = 0
         async with await fb.connect(url, client_name=f"bench-{transport}-producer") as conn:
             producer = open_producer(conn, transport, window)
+            cpu = time.process_time()
             start = time.monotonic()
             end = start + seconds
             while sent < count and time.monotonic() < end:
@@ -177,7 +180,8 @@ def producer_main(url: str, transport: str, count: int, size: int, seconds: floa
             if seconds == float("inf"):
                 await producer.flush(timeout=120)
             counters = _statistics(producer)
-        return {"sent": sent, "start": start, "end": time.monotonic(), "counters": counters}
+        return {"sent": sent, "start": start, "end": time.monotonic(), "counters": counters,
+                "cpu": time.process_time() - cpu}
 
     _contained(run, out)
 
@@ -191,6 +195,7 @@ def consumer_main(url: str, transport: str, count: int, per_second: float, sampl
         received = duplicates = out_of_order = 0
         expected = 0
         first = time.monotonic()
+        cpu = time.process_time()
         async with await fb.connect(url, client_name=f"bench-{transport}-consumer") as conn:
             async with open_consumer(conn, transport, 2000) as consumer:
                 async for msg in consumer:
@@ -213,7 +218,7 @@ def consumer_main(url: str, transport: str, count: int, per_second: float, sampl
                         break
                 counters = _statistics(consumer)
         return {"received": received, "last": time.monotonic(), "latencies": latencies, "duplicates": duplicates,
-                "out_of_order": out_of_order, "counters": counters}
+                "out_of_order": out_of_order, "counters": counters, "cpu": time.process_time() - cpu}
 
     _contained(run, out)
 
@@ -288,9 +293,11 @@ def scenario_pairing(args: argparse.Namespace, name: str, round_no: int) -> floa
     try:
         trio.run(_queue_count, broker.url)
         idle = broker.rss()
+        broker_cpu = cpu_seconds(broker.proc.pid)
         pair = Pair(broker, (broker.url, sending, args.messages, args.size, float("inf"), args.window),
                     (broker.url, receiving, args.messages, 0.0, 10))
         error = pair.wait(args.timeout)
+        broker_cpu = cpu_seconds(broker.proc.pid) - broker_cpu
         if error is not None:
             print(f"not measured: {error}")
             return None
@@ -305,6 +312,10 @@ def scenario_pairing(args: argparse.Namespace, name: str, round_no: int) -> floa
         print(f"publish->deliver latency over {len(lat):,} samples: p50 {percentile_ms(lat, 0.5):.3f} ms, "
               f"p99 {percentile_ms(lat, 0.99):.3f} ms")
         print(f"broker RSS: idle {idle / MiB:.1f} MiB, peak {max(pair.peak, idle) / MiB:.1f} MiB")
+        # CPU per message of each process: what a shared machine's load does not change as it does msgs/s.
+        n = max(c["received"], 1)
+        print(f"CPU per message: producer {p.get('cpu', 0) / n * 1e6:.1f} us, broker {broker_cpu / n * 1e6:.1f} us, "
+              f"consumer {c.get('cpu', 0) / n * 1e6:.1f} us")
         if "udp" in name:
             print(f"NAKs/retransmits: producer {_format(p['counters']) if sending == 'udp' else '(TCP)'}; "
                   f"consumer {_format(c['counters']) if receiving == 'udp' else '(TCP)'}; broker {broker.counters()}")
@@ -481,6 +492,8 @@ def main() -> None:
     parser.add_argument("--admin", action="store_true",
                         help="start the broker with its admin API (instead of --no-admin) to read its UDP counters")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a pairing may take")
+    parser.add_argument("--broker-config", default=None,
+                        help="a TOML file for the broker (--config), e.g. [udp] mtu = 65504 for bigger datagrams")
     args = parser.parse_args()
     if args.size < STAMP.size + SEQ.size:
         parser.error(f"--size must be at least {STAMP.size + SEQ.size}")

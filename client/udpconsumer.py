@@ -25,7 +25,7 @@ import trio
 from flowbroker.client.consumer import Consumer, Message
 from flowbroker.protocol import Frame
 from flowbroker.protocol.envelope import EnvelopeError, decode_delivery
-from flowbroker.protocol.frames import SubscribeUdp
+from flowbroker.protocol.frames import DeliveryEntry, SubscribeUdp
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
@@ -62,6 +62,7 @@ class UdpConsumer(Consumer):
         self._subscription: Subscription | None = None
         self._image: Image | None = None
         self._held: dict[int, int] = {}  # delivery tag -> bytes it holds in the image
+        self._polled: list[DeliveryEntry] = []  # decoded by the poll in progress, not yet buffered
         self._dirty = trio.Event()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -104,6 +105,8 @@ class UdpConsumer(Consumer):
     # -------------------------------------------------------------- the image
 
     def _on_message(self, payload: memoryview | bytes) -> None:
+        """One message polled from the image: decoded, its term bytes held until it is processed, and
+        collected in `_polled`; `_receive` hands a poll's messages to the consumer's buffer at once."""
         image = self._image
         try:
             entry = decode_delivery(payload)
@@ -115,7 +118,7 @@ class UdpConsumer(Consumer):
             space = frame_space(len(payload), image.mtu)
             image.hold(self._subscription_id_in_image(), space)
             self._held[entry.delivery_tag] = space
-        self._on_deliver([entry])
+        self._polled.append(entry)
 
     def _subscription_id_in_image(self) -> int:
         assert self._subscription is not None
@@ -127,7 +130,16 @@ class UdpConsumer(Consumer):
         image = self._image
         if space and image is not None:
             image.release(self._subscription_id_in_image(), space)
-            self._dirty.set()
+            if self._report_due(image):
+                self._dirty.set()  # the status task sends it (waking it for every message cost a task switch each)
+
+    def _report_due(self, image: Image) -> bool:
+        """Has processing moved the consumption position enough to tell the broker now: everything handed
+        out processed and the broker half-way through the window it was last given (reported at once), or
+        what the image's quarter-window rule calls for?"""
+        if not self._held and image.rebuild_position - image.last_sm_position >= image.last_sm_window // 2:
+            image.report_now()
+        return image.status_message_due()
 
     def _send(self, out: list[tuple[bytes, Any]]) -> None:
         endpoint = self._endpoint
@@ -158,20 +170,29 @@ class UdpConsumer(Consumer):
             for datagram, source in batch:
                 channel.on_datagram(datagram, source, now)
             self._send(channel.do_work(now))  # the rebuild moves here
+            polled = self._polled
             while subscription.poll(self._on_message, _POLL_FRAGMENTS):
-                pass
+                if polled:  # one DELIVER's worth: one call, one wake-up of the reader
+                    self._polled = []
+                    self._on_deliver(polled)
+                    polled = self._polled
             self._send(channel.do_work(now))
 
     async def _status(self) -> None:
-        """Processing released bytes: the status message that reports it goes out without waiting for a datagram."""
+        """Processing released bytes: the status message that reports it goes out without waiting for a datagram.
+
+        Only when there is something to report (`_report_due`): an SM for every processed datagram's worth
+        of messages was the broker's busiest input (each one a dispatch round of a few deliveries), where the
+        image's quarter-window rule asks for one per quarter window; the exception is a broker that has used
+        half its window and a consumer that has processed everything, told at once."""
         channel = self._channel
         assert channel is not None
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
             image = self._image
-            if image is not None and not self._held:
-                image.report_now()  # everything handed out is processed: say so now
+            if image is not None and not self._report_due(image):
+                continue  # reported since by the receiving task's cycle
             self._send(channel.do_work(now_ns()))
 
     async def aclose(self, timeout: float | None = None) -> None:

@@ -209,9 +209,8 @@ class UdpProducer(Producer):
         # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
         # a burst of sends packs several messages into each datagram.
         if result - pub.sender_position >= pub.mtu:
-            self._send_now()
-        else:
-            self._dirty.set()
+            self._send_now(whole_datagrams=True)  # the datagrams it fills; the rest waits for more
+        self._dirty.set()
         return result
 
     async def _offer_waiting(self, pub: Publication, payload: bytes, timeout: float | None, block: bool) -> int:
@@ -257,11 +256,11 @@ class UdpProducer(Producer):
             if waited_since is not None:
                 self._blocked_seconds += trio.current_time() - waited_since
 
-    def _send_now(self) -> None:
+    def _send_now(self, *, whole_datagrams: bool = False) -> None:
         pub, endpoint = self.publication, self._endpoint
         if pub is None or endpoint is None or endpoint.closed:
             return
-        for datagram, address in pub.do_work(now_ns()):
+        for datagram, address in pub.do_work(now_ns(), whole_datagrams=whole_datagrams):
             endpoint.send(datagram, address)  # type: ignore[arg-type]
 
     def _on_progress(self) -> None:

@@ -289,12 +289,15 @@ class Image:
         total = 0
         position = sub.position
         limit = self.rebuild_position
-        checkpoint = sub.assembler.checkpoint()
+        assembler = sub.assembler
+        checkpoint = assembler.checkpoint()
+        read = self.rebuilder.read_messages
         try:
             while total < fragment_limit and position < limit:
                 position_before = position
-                position, count = self.rebuilder.read(position, limit, sub.assembler, fragment_limit - total)
+                position, count, wholes = read(position, limit, handler, assembler, fragment_limit - total)
                 total += count
+                sub.messages += wholes  # (the assembler's whole messages count themselves)
                 if position == position_before:
                     break
         except BaseException:
@@ -458,6 +461,16 @@ class Image:
         if position > self.next_sm_position:
             self.next_sm_position = position
             self._sm_pending = True
+
+    def status_message_due(self) -> bool:
+        """Would the next ``do_work`` send a status message for what the subscribers consumed (an SM
+        pending, the consumption position a quarter window past the last reported one, or in another
+        term)? Cheap enough for an application to ask after every message it processes, so that it runs
+        the whole duty cycle only when there is something to report."""
+        position = self._consumption_positions()[0]
+        reported = self.next_sm_position
+        return (self._sm_pending or position > reported + (self.window_length >> 2)
+                or position >> self.position_bits_to_shift != reported >> self.position_bits_to_shift)
 
     def _emit_sm(self, out: list[bytes], now_ns: int, flags: int) -> None:
         position = self.next_sm_position

@@ -24,6 +24,8 @@ from typing import Final
 
 from flowbroker.transport.frames import (
     BEGIN_FLAG,
+    CURRENT_VERSION,
+    DATA_HEADER,
     DATA_HEADER_LENGTH,
     END_FLAG,
     FRAME_ALIGNMENT,
@@ -62,6 +64,9 @@ _TYPE_OFFSET: Final = 6
 _ALIGN_MASK: Final = FRAME_ALIGNMENT - 1
 _ZEROS: Final = bytes(64 * 1024)
 _PAD_TYPE: Final = int(FrameType.PAD)  # plain ints: enum attribute lookups cost on the hot path
+_DATA_TYPE: Final = int(FrameType.DATA)
+_DATA_HEADER_PACK: Final = DATA_HEADER.pack_into
+_UNFRAGMENTED: Final = int(UNFRAGMENTED)
 
 Buffer = bytes | bytearray | memoryview
 FragmentHandler = Callable[[memoryview, int], None]
@@ -245,6 +250,31 @@ class TermAppender(TermLog):
         self.term_offset = offset
         return self.position
 
+    def append_unfragmented(self, message: Buffer, limit_position: int, max_position: int,
+                            reserved_value: int = 0) -> int:
+        """The hot path of ``append``: a message that fits in one frame and in the rest of the active term,
+        appended only if the tail is below ``limit_position`` and its frame ends below ``max_position``;
+        returns the new tail, or 0 when it is not that case (the caller then takes the general path, which
+        fragments, pads, refuses or reports back pressure).
+
+        One header write (a single ``pack_into``) and one payload copy; the bytes are exactly ``append``'s.
+        """
+        length = len(message)
+        if length > self.max_payload_length:
+            return 0
+        offset = self.term_offset
+        start = (self._term_count << self.position_bits_to_shift) + offset
+        frame_length = length + DATA_HEADER_LENGTH
+        aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+        if start >= limit_position or offset + aligned > self.term_length or start + frame_length >= max_position:
+            return 0
+        term = self._term
+        term[offset + DATA_HEADER_LENGTH:offset + frame_length] = message
+        _DATA_HEADER_PACK(term, offset, frame_length, CURRENT_VERSION, _UNFRAGMENTED, _DATA_TYPE, offset,
+                          self.session_id, self.stream_id, self.term_id, reserved_value)
+        self.term_offset = offset + aligned
+        return start + aligned
+
     def needs_rotation(self, length: int) -> bool:
         """True if a message of ``length`` does not fit in the rest of the active term.
 
@@ -411,6 +441,39 @@ class TermRebuilder(TermLog):
                 handler(term[offset + DATA_HEADER_LENGTH:offset + frame_length], flags)
             offset += aligned
         return position + (offset - start), fragments
+
+
+    def read_messages(
+        self, position: int, limit_position: int, whole: MessageHandler, fragment: FragmentHandler,
+        fragment_limit: int = 1 << 30,
+    ) -> tuple[int, int, int]:
+        """``read``, with unfragmented messages handed straight to ``whole`` and only the fragments of
+        fragmented ones to ``fragment`` (the assembler): one call per message on the hot path instead of
+        three. Returns (new position, fragments read, messages handed to ``whole``)."""
+        term = self.partition_for_position(position)
+        mask = self.term_length - 1
+        offset = position & mask
+        start = offset
+        limit = min(offset + (limit_position - position), self.term_length)
+        fragments = 0
+        wholes = 0
+        header = _HEADER.unpack_from
+        while offset < limit and fragments < fragment_limit:
+            frame_length, _v, flags, ftype = header(term, offset)
+            if frame_length <= 0:
+                break
+            aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+            if ftype != _PAD_TYPE:
+                if offset + aligned > limit:
+                    break
+                fragments += 1
+                if flags & _UNFRAGMENTED == _UNFRAGMENTED:
+                    wholes += 1
+                    whole(term[offset + DATA_HEADER_LENGTH:offset + frame_length])
+                else:
+                    fragment(term[offset + DATA_HEADER_LENGTH:offset + frame_length], flags)
+            offset += aligned
+        return position + (offset - start), fragments, wholes
 
 
 class FragmentAssembler:

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.subscription import Subscription
 from flowbroker.broker.udp.datapath import Address, Outgoing
-from flowbroker.protocol.envelope import encode_delivery
+from flowbroker.protocol.envelope import encode_delivery_of
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import DeliveryEntry
 from flowbroker.transport.publication import Publication, PublicationConfig
 
 if TYPE_CHECKING:
@@ -63,8 +62,9 @@ class UdpSubscription(Subscription):
     def has_credit(self) -> bool:
         stream = self.stream
         pub = stream.publication
-        return (self.unsettled < self.prefetch and stream.slot is None and pub.is_connected
-                and pub.position < pub.sender_limit)
+        # Asked before every delivery: the cheap comparisons first, the flow-control strategy's last.
+        return (self.unsettled < self.prefetch and stream.slot is None and pub.position < pub.sender_limit
+                and pub.is_connected)
 
     def deliver(self, msg: Message) -> None:
         """The next tag of the connection, then the publication's term (not the outbox). Charged 0 bytes to
@@ -72,8 +72,7 @@ class UdpSubscription(Subscription):
         self.unsettled += 1
         self.delivered_total += 1
         tag = self.session.deliveries.deliver(self, msg, 0)
-        payload = encode_delivery(DeliveryEntry(tag, msg.exchange, msg.routing_key, msg.body, msg.headers,
-                                                msg.redelivered))
+        payload = encode_delivery_of(tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)
         stream = self.stream
         if stream.publication.offer(payload) < 0:
             stream.slot = payload

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
-from flowbroker.protocol.envelope import EnvelopeError, decode_publish
+from flowbroker.protocol.envelope import PUBLISH, EnvelopeError, decode_publish
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error, FlowResumed, FlowStopped, TransferEntry
-from flowbroker.transport.frames import FrameType, Setup, decode_datagram
+from flowbroker.transport.frames import DATA_HEADER_LENGTH, FrameType, Setup, decode_datagram
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
@@ -258,8 +258,18 @@ class Ingress:
         spaces: list[int] = []
         exchange, default_key = pub.exchange, pub.routing_key
 
+        bare_limit = mtu - DATA_HEADER_LENGTH  # a message up to this is one frame
+        entry = TransferEntry
+        append_entry, append_space = entries.append, spaces.append
+
         def on_message(message: memoryview | bytes) -> None:
-            space = frame_space(len(message), mtu)
+            length = len(message)
+            if length <= bare_limit and length and message[0] == PUBLISH:
+                # The common message: a bare body in one frame (decode_publish's first case, inline).
+                append_entry(entry(exchange, default_key, bytes(message[1:])))
+                append_space((length + DATA_HEADER_LENGTH + 31) & ~31)
+                return
+            space = frame_space(length, mtu)
             try:
                 key, headers, body = decode_publish(message)
             except EnvelopeError as exc:

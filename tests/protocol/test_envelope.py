@@ -11,6 +11,7 @@ from flowbroker.protocol.envelope import (
     decode_delivery,
     decode_publish,
     encode_delivery,
+    encode_delivery_of,
     encode_publish,
     envelope_overhead,
 )
@@ -74,3 +75,30 @@ def test_a_bad_delivery_names_what_is_wrong() -> None:
     bad_tag = good[:3] + good[3:].replace(b"\x95\x01", b"\x95\x00", 1)
     with pytest.raises(EnvelopeError, match="delivery_tag"):
         decode_delivery(bad_tag)
+
+
+@settings(max_examples=300, deadline=None)
+@given(delivery_entries)
+def test_a_delivery_encoded_from_its_fields_is_byte_for_byte_encode_delivery(entry: DeliveryEntry) -> None:
+    """The broker's hot path (encode_delivery_of: cached exchange and routing key, no headers) writes the
+    same bytes as packing the whole entry, and the decoder's fast path gives back the same entry."""
+    payload = encode_delivery_of(entry.delivery_tag, entry.exchange, entry.routing_key, entry.body, entry.headers,
+                                 entry.redelivered)
+    assert payload == encode_delivery(entry)
+    assert decode_delivery(payload) == entry
+
+
+@pytest.mark.parametrize("meta", [
+    [0, "", "q", None, False],  # tag 0
+    [1, b"", "q", None, False],  # exchange not a string
+    [1, "", 7, None, False],  # routing key not a string
+    [1, "", "q", None, 0],  # redelivered not a bool
+    [True, "", "q", None, False],  # a bool is not a tag
+])
+def test_the_decoders_fast_path_refuses_what_the_full_check_refuses(meta: list[object]) -> None:
+    import msgpack
+
+    packed = msgpack.packb(meta, use_bin_type=True)
+    payload = bytes([2]) + len(packed).to_bytes(2, "big") + packed + b"body"
+    with pytest.raises(EnvelopeError):
+        decode_delivery(payload)

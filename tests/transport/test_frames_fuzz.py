@@ -149,19 +149,19 @@ def check_accepted(datagram: bytes, frames: list[f.Frame], term_length: int) -> 
         image.read(position, end_position, FragmentAssembler(lambda m: None))
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=120), max_size=20), TERM_LENGTHS)
 def test_random_bytes_never_raise_and_are_accounted(datagrams: list[bytes], term_length: int) -> None:
     check_accounting(datagrams, term_length)
 
 
-@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(mutated(), min_size=1, max_size=10), st.sampled_from([SMALL_TERM, 1 << 30]))
 def test_mutated_datagrams_never_raise_and_are_accounted(datagrams: list[bytes], term_length: int) -> None:
     check_accounting(datagrams, term_length)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(valid_datagrams(), min_size=1, max_size=10))
 def test_valid_datagrams_are_accepted(datagrams: list[bytes]) -> None:
     for datagram in datagrams:

@@ -92,3 +92,23 @@ def test_the_consumption_position_never_goes_back_and_never_passes_the_subscribe
         for sm in sms(channel.do_work(now)):
             assert last <= sm.consumption_term_offset <= image.subscriber_position(1) - image.subscriber_hold(1)
             last = sm.consumption_term_offset
+
+
+def test_status_message_due_says_when_the_next_duty_cycle_would_report_what_was_consumed() -> None:
+    """What the SDK's UDP consumer asks after each processed message before running a whole duty cycle."""
+    channel, image = channel_with_image()
+    image.window_cap = 512  # an SM once the position moved a quarter of it (128 bytes)
+    channel.do_work(0)  # the first SM
+    channel.do_work(0)  # the cap is the window now
+    assert not image.status_message_due()
+    channel.on_datagram(data(0, b"a" * 100), PUB, 1 * MS)
+    channel.on_datagram(data(160, b"b" * 100), PUB, 1 * MS)
+    channel.do_work(1 * MS)
+    image.poll(1, lambda m: None, 10)
+    image.hold(1, 320)  # polled, not processed: nothing to report
+    assert not image.status_message_due()
+    assert sms(channel.do_work(2 * MS)) == []
+    image.release(1, 160)  # 160 bytes processed: more than a quarter of the window
+    assert image.status_message_due()
+    assert [sm.consumption_term_offset for sm in sms(channel.do_work(3 * MS))] == [160]
+    assert not image.status_message_due()

@@ -1,0 +1,167 @@
+"""CPU per message of the UDP data path end to end, without sockets or trio: one process, datagrams by hand.
+
+A producer's transport `Publication` offers 1 KiB messages (the SDK's bare PUBLISH envelope); its
+datagrams go into the broker's `DataPath` (ingress: image, route, queue), whose UDP subscription
+publishes the deliveries back out (egress); a consumer's `ReceiveChannel` takes them, polls and decodes
+each DELIVER envelope, holds and releases its term bytes as the SDK's UDP consumer does, and settles
+each batch with one SETTLE frame over "TCP" (core.handle). Status messages go back both ways. What is
+left out is what the end-to-end benchmark (benchmarks/udp_throughput.py) adds: system calls, the trio
+scheduler, other processes. For instruction counts under callgrind, run it at two sizes and take the
+difference (docs/performance.md):
+
+    python benchmarks/udp_datapath_cost.py [--messages 40000] [--size 1024] [--repeat 3] [--part all]
+
+`--part transport`: only the transport (Publication -> ReceiveChannel, no broker), the floor the
+term append, datagram scan, rebuild and read cost together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from flowbroker.broker.config import load_config
+from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.udp.datapath import DataPath
+from flowbroker.protocol.envelope import decode_delivery, encode_publish
+from flowbroker.protocol.frames import Ok, Outcome, RegisterPublication, Settle, SubscribeUdp
+from flowbroker.transport.positions import frame_space
+from flowbroker.transport.publication import Publication, PublicationConfig
+from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig
+
+ENDPOINT = ("127.0.0.1", 5682)
+PRODUCER = ("127.0.0.1", 40001)
+CONSUMER = ("127.0.0.1", 40002)
+STEP_NS = 100_000  # the clock moves 0.1 ms per round
+
+
+def _ok(core: BrokerCore, session: Any, frame: Any) -> dict[str, Any]:
+    core.handle(session, frame)
+    for answer in session.collect(0):
+        if isinstance(answer, Ok):
+            return dict(answer.result)
+    raise AssertionError(f"no OK for {frame}")
+
+
+def run_transport(messages: int, size: int) -> float:
+    """Publication -> ReceiveChannel only: per-message microseconds."""
+    term_length, mtu = 2 << 20, 8192
+    pub = Publication(PublicationConfig(7, 1001, term_length=term_length, mtu=mtu, max_messages_per_send=1024,
+                                        publication_window=256 * 1024), 0, destination=ENDPOINT)
+    channel = ReceiveChannel(1001, ReceiverConfig(receiver_id=3, receiver_window=1 << 20, session_id=7,
+                                                  so_rcvbuf=1 << 20))
+    sub = channel.add_subscription(0)
+    payload = encode_publish(bytes(size))
+    received = [0]
+
+    def take(message: memoryview | bytes) -> None:
+        received[0] += 1
+
+    now = 0
+    start = time.process_time()
+    sent = 0
+    while received[0] < messages:
+        now += STEP_NS
+        while sent < messages and pub.offer(payload) > 0:
+            sent += 1
+        for datagram, _ in pub.do_work(now):
+            channel.on_datagram(datagram, PRODUCER, now)
+        back = channel.do_work(now)
+        while sub.poll(take, 256):
+            pass
+        for datagram, _ in back + channel.do_work(now):
+            pub.on_datagram(datagram, ENDPOINT, now)
+    elapsed = time.process_time() - start
+    return elapsed / messages * 1e6
+
+
+def run(messages: int, size: int) -> float:
+    """Producer publication -> broker data path -> consumer channel: per-message microseconds."""
+    config = load_config(None, {"server": {"memory_quota": 1 << 30}})
+    clock = [0]
+    core = BrokerCore(config, lambda: clock[0])
+    datapath = DataPath(config.udp, core, ENDPOINT, lambda: None, seed=1)
+    core.udp = datapath
+    core.declare_queue("bench", None)
+    owner = core.open_session("bench-producer", "anonymous", True, lambda: None)
+    owner.peer_host = PRODUCER[0]
+    consumer = core.open_session("bench-consumer", "anonymous", True, lambda: None)
+    consumer.peer_host = CONSUMER[0]
+    answer = _ok(core, owner, RegisterPublication(1 << 32, "", "bench", 1001, PRODUCER[1]))
+    pub = Publication(PublicationConfig(answer["session_id"], 1001, term_length=answer["term_length"],
+                                        mtu=answer["mtu"], max_messages_per_send=1024,
+                                        publication_window=min(256 * 1024, answer["term_length"] // 2)),
+                      0, destination=ENDPOINT)
+    window = 1 << 20
+    sub_answer = _ok(core, consumer, SubscribeUdp(1 << 32, 1, "bench", 2000, window, CONSUMER[1], 1002))
+    channel = ReceiveChannel(1002, ReceiverConfig(receiver_id=9, receiver_window=window,
+                                                  session_id=sub_answer["session_id"], so_rcvbuf=1 << 20))
+    sub = channel.add_subscription(0)
+    sub_id = sub.subscription_id
+    payload = encode_publish(bytes(size))
+    tags: list[int] = []
+    held = [0]
+    received = [0]
+
+    def take(message: memoryview | bytes) -> None:
+        entry = decode_delivery(message)
+        space = frame_space(len(message), 8192)
+        image = channel_image[0]
+        image.hold(sub_id, space)
+        held[0] += space
+        tags.append(entry.delivery_tag)
+        received[0] += 1
+
+    channel_image: list[Any] = [None]
+    sent = 0
+    start = time.process_time()
+    while received[0] < messages:
+        clock[0] += STEP_NS
+        now = clock[0]
+        while sent < messages and pub.offer(payload) > 0:
+            sent += 1
+        for datagram, _ in pub.do_work(now):
+            datapath.on_datagram(datagram, PRODUCER, now)
+        for datagram, address in datapath.do_work(now):
+            if address == CONSUMER:
+                channel.on_datagram(datagram, ENDPOINT, now)
+            else:
+                pub.on_datagram(datagram, ENDPOINT, now)
+        back = channel.do_work(now)
+        if channel_image[0] is None:
+            channel_image[0] = next(iter(channel.images.values()), None)
+        while sub.poll(take, 256):
+            pass
+        if tags:  # processed: release the bytes, settle the batch over "TCP"
+            channel_image[0].release(sub_id, held[0])
+            held[0] = 0
+            channel_image[0].report_now()
+            core.handle(consumer, Settle(Outcome.ACK, [(tags[0], tags[-1])]))
+            tags.clear()
+        consumer.collect(now)
+        owner.collect(now)
+        for datagram, _ in back + channel.do_work(now):
+            datapath.on_datagram(datagram, CONSUMER, now)
+    elapsed = time.process_time() - start
+    queue = core.queues["bench"]
+    assert queue.counters.dequeued == messages and queue.count == 0, "every message delivered and acked"
+    return elapsed / messages * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=40_000)
+    parser.add_argument("--size", type=int, default=1024, help="body bytes")
+    parser.add_argument("--repeat", type=int, default=3, help="runs; the best is printed (least disturbed)")
+    parser.add_argument("--part", choices=("all", "transport"), default="all")
+    args = parser.parse_args()
+    target = run if args.part == "all" else run_transport
+    results = [target(args.messages, args.size) for _ in range(args.repeat)]
+    what = "producer -> broker -> UDP consumer" if args.part == "all" else "transport only"
+    print(f"UDP data path ({what}), {args.size} B bodies: {min(results):.2f} us CPU per message "
+          f"(runs: {', '.join(f'{r:.2f}' for r in results)}); {1e6 / min(results):,.0f} msgs/s on one core")
+
+
+if __name__ == "__main__":
+    main()

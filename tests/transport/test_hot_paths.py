@@ -1,0 +1,91 @@
+"""The transport's fast paths write and read exactly what the general ones do: an unfragmented append
+(`TermAppender.append_unfragmented`, what `Publication.offer` tries first), the reader that hands whole
+messages straight to the subscriber (`TermRebuilder.read_messages`), and a producer's cycles that keep
+back a part-empty datagram at the tail (`Publication.do_work(whole_datagrams=True)`)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowbroker.transport.publication import Publication, PublicationConfig
+from flowbroker.transport.terms import FragmentAssembler, TermAppender, TermRebuilder
+
+TERM = 64 * 1024
+MTU = 1408
+lengths = st.lists(st.integers(min_value=0, max_value=3 * MTU), min_size=1, max_size=120)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths, st.integers(min_value=-(2**31), max_value=2**31 - 1))
+def test_the_unfragmented_append_writes_the_bytes_append_writes(sizes: list[int], initial: int) -> None:
+    fast = TermAppender(TERM, initial, 77, 1001, MTU)
+    slow = TermAppender(TERM, initial, 77, 1001, MTU)
+    for i, size in enumerate(sizes):
+        message = bytes([i % 251]) * size
+        position = fast.append_unfragmented(message, 1 << 62, 1 << 62, 5)
+        if position == 0:  # not the fast path's case: it wrote nothing
+            assert fast.position == slow.position
+            position = fast.append(message, 5)
+        assert position == slow.append(message, 5)
+        assert bytes(fast._log) == bytes(slow._log)
+
+
+def test_the_unfragmented_append_stops_at_the_limits_it_is_given() -> None:
+    app = TermAppender(TERM, 0, 1, 2, MTU)
+    assert app.append_unfragmented(b"x" * 100, 0, 1 << 62) == 0  # tail at the limit: back pressure
+    assert app.append_unfragmented(b"x" * 100, 1 << 62, 100) == 0  # the frame would pass max_position
+    assert app.append_unfragmented(b"x" * MTU, 1 << 62, 1 << 62) == 0  # two frames: the general path
+    assert app.position == 0 and not any(app._log)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths, st.integers(min_value=1, max_value=300))
+def test_read_messages_hands_over_what_read_and_the_assembler_do(sizes: list[int], limit: int) -> None:
+    app = TermAppender(TERM, 3, 77, 1001, MTU)
+    messages = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    end = 0
+    for message in messages:
+        if app.position + app.space_needed(len(message)) > TERM:
+            break
+        end = app.append(message)
+    rebuilder = TermRebuilder(TERM, 3)
+    rebuilder.partitions[0][:] = app.partitions[0]
+    slow: list[bytes] = []
+    fast: list[bytes] = []
+    assembler = FragmentAssembler(lambda m: slow.append(bytes(m)))
+    position = 0
+    while position < end:
+        position, _ = rebuilder.read(position, end, assembler, limit)
+    fragments = FragmentAssembler(lambda m: fast.append(bytes(m)))
+    position, wholes = 0, 0
+    while position < end:
+        position, _, count = rebuilder.read_messages(position, end, lambda m: fast.append(bytes(m)), fragments, limit)
+        wholes += count
+    assert fast == slow == messages[:len(slow)]
+    assert wholes == sum(1 for m in slow if len(m) <= MTU - 32)
+
+
+def _datagrams(whole: bool, sizes: list[int]) -> list[bytes]:
+    pub = Publication(PublicationConfig(5, 1001, term_length=TERM, mtu=MTU, max_messages_per_send=1024), 0,
+                      destination=("127.0.0.1", 1))
+    from flowbroker.transport.frames import StatusMessage, encode_status_message
+
+    pub.do_work(0)  # SETUP
+    pub.on_datagram(encode_status_message(StatusMessage(5, 1001, 0, 0, TERM // 2, 9)), ("127.0.0.1", 1), 1)
+    out: list[bytes] = []
+    for i, size in enumerate(sizes):
+        while pub.offer(bytes([i % 251]) * size) < 0:
+            pass  # ADMIN_ACTION at a term's end: offer again
+        out += [d for d, _ in pub.do_work(2, whole_datagrams=whole)]
+    out += [d for d, _ in pub.do_work(3)]  # the shell's cycle once the application yields
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=700), min_size=1, max_size=60))
+def test_keeping_back_the_part_empty_datagram_sends_the_same_bytes_in_fewer_datagrams(sizes: list[int]) -> None:
+    every = _datagrams(False, sizes)
+    whole = _datagrams(True, sizes)
+    assert b"".join(whole) == b"".join(every)
+    assert len(whole) <= len(every)
