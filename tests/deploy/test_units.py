@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -202,6 +203,10 @@ def test_the_units_command_starts_a_broker_with_the_shipped_configuration(tmp_pa
     try:
         wait_listening(port, broker)
         wait_listening(admin_port, broker)
+        # the token file is written once the admin port is bound (docs/management.md): just after it listens
+        deadline = time.monotonic() + 10
+        while not token_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert token_file.stat().st_mode & 0o777 == 0o600
         # where deploy/prometheus/prometheus.yml scrapes it: the admin port, no token
         with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=10) as answer:
