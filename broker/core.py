@@ -339,78 +339,104 @@ class BrokerCore:
         # Permissions (broker/permissions.py): one dict lookup per message, the decision cached per exchange.
         may_write = session.access.write_cache if session.access is not None else None
         journal = self.journal
+        # Queues enqueued to in this frame: each dispatches once, after the frame (Queue.add), so a
+        # consumer gets the frame's messages as one run (Subscription.deliver_ready).
+        touched: dict[Queue, None] = {}
+        last: Queue | None = None
         # Only the messages received: up to a credit violation, raised once they are routed.
-        for entry, size in zip(entries, sizes):
-            # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
-            if entry.producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
-                tid += 1
-                continue
-            body = entry.body
-            exchange = entry.exchange
-            routing_key = entry.routing_key
-            # Two comparisons for the common message; the exact check only when it could fail.
-            if entry.headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
-                refused = self._check_entry(entry, max_message)
-                if refused is not None:
-                    self._refuse(session, tid, size, *refused)
+        try:
+            for entry, size in zip(entries, sizes):
+                exchange, routing_key, body, headers, producer_id, sequence = entry  # (one op, not six lookups)
+                # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
+                if producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
                     tid += 1
                     continue
-            if may_write is not None and not may_write.get(exchange) and self._publish_denied(session, tid, size, exchange):
-                tid += 1
-                continue
-            if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
-                self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
-                             f"the broker is over its memory watermark ({self.memory.held} of "
-                             f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
-                tid += 1
-                continue
-            if exchange == "":
-                queue = queues_by_name.get(routing_key)
-                if queue is None:
-                    self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
-                                 f"no queue named {routing_key!r}", routing_key)
-                    tid += 1
-                    continue
-                targets = [queue]
-            else:
-                ex = self.exchanges.get(exchange)
-                if ex is None:
-                    self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
-                    tid += 1
-                    continue
-                targets = ex.route(routing_key)
-                if not targets:
-                    self.unroutable += 1
-                    if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
-                        self._refuse(session, tid, size, ErrorCode.UNROUTABLE,
-                                     f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
+                # Two comparisons for the common message; the exact check only when it could fail.
+                if headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
+                    refused = self._check_entry(entry, max_message)
+                    if refused is not None:
+                        self._refuse(session, tid, size, *refused)
                         tid += 1
                         continue
-            held: list[Message] = []
-            durable: Queue | None = None  # a durable queue took it: completion waits for the journal
-            for queue in targets:
-                msg = Message(exchange, routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
-                try:
-                    if queue.enqueue(msg, session, now):
-                        held.append(msg)
-                except QueueFull as exc:
-                    session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                if may_write is not None and not may_write.get(exchange) and self._publish_denied(session, tid, size, exchange):
+                    tid += 1
                     continue
-                if journal is not None and queue.durable:
-                    durable = queue
-            pending = len(held) + broker_hold + (durable is not None)
-            if pending:
-                transfer = HeldTransfer(session, tid, size, pending)
-                for msg in held:
-                    msg.held = transfer
-                if broker_hold:
-                    self._broker_held.append(transfer)
-                if durable is not None and journal is not None:
-                    journal.hold(transfer, session, durable.name)
-                session.transfers_held_total += 1
-            else:
-                receiver.complete(tid, size)
-            tid += 1
+                if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
+                    self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
+                                 f"the broker is over its memory watermark ({self.memory.held} of "
+                                 f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
+                    tid += 1
+                    continue
+                durable: Queue | None = None  # a durable queue took it: completion waits for the journal
+                if exchange == "":
+                    queue = queues_by_name.get(routing_key)
+                    if queue is None:
+                        self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
+                                     f"no queue named {routing_key!r}", routing_key)
+                        tid += 1
+                        continue
+                    # One queue (the common case): no list of targets nor of held messages.
+                    msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
+                    try:
+                        held_one = queue.add(msg, session, now)
+                    except QueueFull as exc:
+                        session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                        held_one = False
+                    else:
+                        if journal is not None and queue.durable:
+                            durable = queue
+                    if queue is not last:
+                        touched[queue] = None
+                        last = queue
+                    pending = held_one + broker_hold + (durable is not None)
+                    if not pending:
+                        receiver.complete(tid, size)
+                        tid += 1
+                        continue
+                    held = [msg] if held_one else []
+                else:
+                    ex = self.exchanges.get(exchange)
+                    if ex is None:
+                        self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
+                        tid += 1
+                        continue
+                    targets = ex.route(routing_key)
+                    if not targets:
+                        self.unroutable += 1
+                        if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
+                            self._refuse(session, tid, size, ErrorCode.UNROUTABLE,
+                                         f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
+                            tid += 1
+                            continue
+                    held = []
+                    for queue in targets:
+                        msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
+                        touched[queue] = None
+                        try:
+                            if queue.add(msg, session, now):
+                                held.append(msg)
+                        except QueueFull as exc:
+                            session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                            continue
+                        if journal is not None and queue.durable:
+                            durable = queue
+                    last = None
+                    pending = len(held) + broker_hold + (durable is not None)
+                if pending:
+                    transfer = HeldTransfer(session, tid, size, pending)
+                    for msg in held:
+                        msg.held = transfer
+                    if broker_hold:
+                        self._broker_held.append(transfer)
+                    if durable is not None and journal is not None:
+                        journal.hold(transfer, session, durable.name)
+                    session.transfers_held_total += 1
+                else:
+                    receiver.complete(tid, size)
+                tid += 1
+        finally:  # (whatever went wrong, what was enqueued is delivered)
+            for queue in touched:
+                queue.dispatch()
         if receiver.window.consumed_position != consumed:
             session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
