@@ -13,6 +13,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import replace
+from itertools import groupby
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
@@ -82,6 +84,7 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 """Declared at start and never deleted (AMQP's rule), as the default exchange "" is not."""
 
 
+_owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
 
 
@@ -557,22 +560,24 @@ class BrokerCore:
         settles by bisection, so the frame costs its own size plus what it settles; the core gives the
         messages to their queues (settled, or requeued in tag order) and resumes the subscriptions."""
         requeue = frame.outcome is Outcome.REQUEUE
+        reject = frame.outcome is Outcome.REJECT
         settled, unknown = session.deliveries.settle(frame.ranges)
         subs: dict[Subscription, None] = {}
         touched: dict[Queue, list[Message]] = {}
-        for sub, msg in settled:
-            sub.unsettled -= 1
+        # In tag order, settlements come in runs of one subscription (all of them, with one consumer):
+        # each run is one call to its queue, in the same order as one call per message.
+        for sub, run in groupby(settled, _owner):
+            msgs = list(map(_item, run))
+            sub.unsettled -= len(msgs)
             subs[sub] = None
             queue = sub.queue
-            if queue not in touched:
-                touched[queue] = []
             if requeue:
-                touched[queue].append(msg)
+                touched.setdefault(queue, []).extend(msgs)
             else:
-                queue.settle(msg)
-        if frame.outcome is Outcome.REJECT:  # a loop of its own: acknowledgements pay nothing for it
-            for sub, _ in settled:
-                sub.queue.counters.consumer_rejected += 1
+                touched[queue] = msgs
+                queue.settle_many(msgs)
+                if reject:
+                    queue.counters.consumer_rejected += len(msgs)
         for sub in subs:
             sub.queue.resume_subscription(sub)  # prefetch freed; dispatch follows below
         for queue, msgs in touched.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from flowbroker.broker.memory import MemoryMeter
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from flowbroker.broker.session import Session
 
 __all__ = ["Queue", "QueueFull", "QueueCounters", "QueueStatistics"]
+
+_size = attrgetter("size")
 
 
 class QueueFull(Exception):
@@ -325,6 +328,25 @@ class Queue:
         if not self.deleted:
             self.store.settle(msg)
             self._remove(msg)
+
+    def settle_many(self, msgs: list[Message]) -> None:
+        """`settle` for each of `msgs`, in order. A queue that holds no transfer, over the memory store
+        (whose `settle` does nothing), counts them out in one step: the per-message work is one sum in C."""
+        if self.deleted:
+            return
+        if self.held or type(self.store) is not MemoryStore:
+            for msg in msgs:
+                self.settle(msg)
+            return
+        # No message here holds a transfer (`held` would name it), so `_remove` has nothing to release.
+        size = sum(map(_size, msgs))
+        self.count -= len(msgs)
+        self.size -= size
+        meter = self.meter
+        meter.held -= size
+        self.counters.dequeued += len(msgs)
+        if meter.alarm:
+            meter.released()
 
     def settled(self) -> None:
         """After a batch of settlements: leave saturation if under resume, deliver what is ready."""
