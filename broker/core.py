@@ -346,10 +346,49 @@ class BrokerCore:
         # consumer gets the frame's messages as one run (Subscription.deliver_ready).
         touched: dict[Queue, None] = {}
         last: Queue | None = None
-        # Only the messages received: up to a credit violation, raised once they are routed.
+        # The common message (below) of a flow-controlled producer completes nothing but itself (its
+        # queue's hard limit, whose drop-head releases other transfers, is for the others): such
+        # messages completed as routed are told to the receiver as runs of consecutive ids
+        # (complete_run), and a run is told before anything else in the frame may complete a transfer.
+        fast = session.flow_control
+        run_first = run_end = -1
+        run_size = 0
         try:
+            # Only the messages received: up to a credit violation, raised once they are routed.
             for entry, size in zip(entries, sizes):
                 exchange, routing_key, body, headers, producer_id, sequence = entry  # (one op, not six lookups)
+                if (
+                    fast
+                    and exchange == ""
+                    and producer_id is None
+                    and not headers
+                    and len(body) <= fast_body
+                    and len(routing_key) <= _SHORT_KEY
+                    and (may_write is None or may_write.get(exchange))
+                    and (queue := queues_by_name.get(routing_key)) is not None
+                ):
+                    # One queue, within every limit: no list of targets nor of held messages.
+                    msg = Message(exchange, routing_key, body, headers, size, None, sequence)
+                    held_one = queue.add(msg, session, now)  # (never QueueFull: the producer has flow control)
+                    if queue is not last:
+                        touched[queue] = None
+                        last = queue
+                    durable = journal is not None and queue.durable
+                    if held_one or broker_hold or durable:
+                        self._hold(session, tid, size, [msg] if held_one else [], broker_hold, queue if durable else None)
+                    elif tid == run_end:
+                        run_end += 1
+                        run_size += size
+                    else:
+                        if run_end != run_first:
+                            receiver.complete_run(run_first, run_end - run_first, run_size)
+                        run_first, run_end, run_size = tid, tid + 1, size
+                    tid += 1
+                    continue
+                if run_end != run_first:  # everything below may complete transfers: the run goes first
+                    receiver.complete_run(run_first, run_end - run_first, run_size)
+                    run_first = run_end = -1
+                    run_size = 0
                 # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
                 if producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
                     tid += 1
@@ -370,33 +409,14 @@ class BrokerCore:
                                  f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
                     tid += 1
                     continue
-                durable: Queue | None = None  # a durable queue took it: completion waits for the journal
                 if exchange == "":
-                    queue = queues_by_name.get(routing_key)
-                    if queue is None:
+                    target = queues_by_name.get(routing_key)
+                    if target is None:
                         self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
                                      f"no queue named {routing_key!r}", routing_key)
                         tid += 1
                         continue
-                    # One queue (the common case): no list of targets nor of held messages.
-                    msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
-                    try:
-                        held_one = queue.add(msg, session, now)
-                    except QueueFull as exc:
-                        session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
-                        held_one = False
-                    else:
-                        if journal is not None and queue.durable:
-                            durable = queue
-                    if queue is not last:
-                        touched[queue] = None
-                        last = queue
-                    pending = held_one + broker_hold + (durable is not None)
-                    if not pending:
-                        receiver.complete(tid, size)
-                        tid += 1
-                        continue
-                    held = [msg] if held_one else []
+                    targets: Collection[Queue] = (target,)
                 else:
                     ex = self.exchanges.get(exchange)
                     if ex is None:
@@ -411,39 +431,48 @@ class BrokerCore:
                                          f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
                             tid += 1
                             continue
-                    held = []
-                    for queue in targets:
-                        msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
-                        touched[queue] = None
-                        try:
-                            if queue.add(msg, session, now):
-                                held.append(msg)
-                        except QueueFull as exc:
-                            session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
-                            continue
-                        if journal is not None and queue.durable:
-                            durable = queue
-                    last = None
-                    pending = len(held) + broker_hold + (durable is not None)
-                if pending:
-                    transfer = HeldTransfer(session, tid, size, pending)
-                    for msg in held:
-                        msg.held = transfer
-                    if broker_hold:
-                        self._broker_held.append(transfer)
-                    if durable is not None and journal is not None:
-                        journal.hold(transfer, session, durable.name)
-                    session.transfers_held_total += 1
+                held: list[Message] = []
+                durable_queue: Queue | None = None  # a durable queue took it: completion waits for the journal
+                for queue in targets:
+                    msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
+                    touched[queue] = None
+                    try:
+                        if queue.add(msg, session, now):
+                            held.append(msg)
+                    except QueueFull as exc:
+                        session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                        continue
+                    if journal is not None and queue.durable:
+                        durable_queue = queue
+                last = None
+                if held or broker_hold or durable_queue is not None:
+                    self._hold(session, tid, size, held, broker_hold, durable_queue)
                 else:
                     receiver.complete(tid, size)
                 tid += 1
-        finally:  # (whatever went wrong, what was enqueued is delivered)
+        finally:  # (whatever went wrong, what was routed is completed and delivered)
+            if run_end != run_first:
+                receiver.complete_run(run_first, run_end - run_first, run_size)
             for queue in touched:
                 queue.dispatch()
         if receiver.window.consumed_position != consumed:
             session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
             self._memory_alarm()
+
+    def _hold(self, session: Session, tid: int, size: int, held: list[Message], broker_hold: bool,
+              durable: Queue | None) -> None:
+        """Transfer `tid` completes later: when the saturated queues that hold `held` release them, a
+        broker-wide stop ends (`broker_hold`) and the journal commits it (`durable`, a queue's name for
+        the disk alarm), whichever comes last."""
+        transfer = HeldTransfer(session, tid, size, len(held) + broker_hold + (durable is not None))
+        for msg in held:
+            msg.held = transfer
+        if broker_hold:
+            self._broker_held.append(transfer)
+        if durable is not None and self.journal is not None:
+            self.journal.hold(transfer, session, durable.name)
+        session.transfers_held_total += 1
 
     def _sequence_taken(self, session: Session, tid: int, size: int, entry: TransferEntry, now: int) -> bool:
         """True when this message of an idempotent producer is the next of its producer id (route it);

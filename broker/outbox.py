@@ -86,6 +86,8 @@ class Outbox:
     def deliver_many(self, sub_id: int, entries: list[DeliveryEntry], sizes: list[int]) -> None:
         """`deliver` for a run of deliveries to one subscription (`sizes`: each one's charged bytes),
         sealing frames at the same entries as `deliver` would; wakes the writer once."""
+        if not entries:
+            return  # (an open frame must never be empty: DELIVER carries at least one entry)
         open_frames, open_bytes = self.open_frames, self._open_bytes
         frame = open_frames.get(sub_id)
         used = open_bytes.get(sub_id, 0)

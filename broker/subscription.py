@@ -13,7 +13,9 @@ of blocked subscriptions (20,000 of them made every enqueue walk them all).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from flowbroker.protocol.credit import SenderWindow
 from flowbroker.protocol.errors import ErrorCode
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Subscription"]
 
-_make_entry = DeliveryEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
+# tuple.__new__ in C: cheaper than the NamedTuple's Python __new__ or _make (hot path; always six fields)
+_make_entry: Callable[[Any], DeliveryEntry] = partial(tuple.__new__, DeliveryEntry)
 _UNLIMITED = float("inf")  # the limit of a window that is off
 
 
