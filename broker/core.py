@@ -13,6 +13,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import replace
+from itertools import groupby
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
@@ -83,6 +85,7 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 """Declared at start and never deleted (AMQP's rule), as the default exchange "" is not."""
 
 
+_owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
 
 
@@ -353,82 +356,137 @@ class BrokerCore:
         # Permissions (broker/permissions.py): one dict lookup per message, the decision cached per exchange.
         may_write = session.access.write_cache if session.access is not None else None
         journal = self.journal
-        # Only the messages received: up to a credit violation, raised once they are routed.
-        for entry, size in zip(entries, sizes):
-            # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
-            if entry.producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
-                tid += 1
-                continue
-            body = entry.body
-            exchange = entry.exchange
-            routing_key = entry.routing_key
-            # Two comparisons for the common message; the exact check only when it could fail.
-            if entry.headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
-                refused = self._check_entry(entry, max_message)
-                if refused is not None:
-                    self._refuse(session, tid, size, *refused)
+        # Queues enqueued to in this frame: each dispatches once, after the frame (Queue.add), so a
+        # consumer gets the frame's messages as one run (Subscription.deliver_ready).
+        touched: dict[Queue, None] = {}
+        last: Queue | None = None
+        # The common message (below) of a flow-controlled producer completes nothing but itself (its
+        # queue's hard limit, whose drop-head releases other transfers, is for the others): such
+        # messages completed as routed are told to the receiver as runs of consecutive ids
+        # (complete_run), and a run is told before anything else in the frame may complete a transfer.
+        fast = session.flow_control
+        run_first = run_end = -1
+        run_size = 0
+        try:
+            # Only the messages received: up to a credit violation, raised once they are routed.
+            for entry, size in zip(entries, sizes):
+                exchange, routing_key, body, headers, producer_id, sequence = entry  # (one op, not six lookups)
+                if (
+                    fast
+                    and exchange == ""
+                    and producer_id is None
+                    and not headers
+                    and len(body) <= fast_body
+                    and len(routing_key) <= _SHORT_KEY
+                    and (may_write is None or may_write.get(exchange))
+                    and (queue := queues_by_name.get(routing_key)) is not None
+                ):
+                    # One queue, within every limit: no list of targets nor of held messages.
+                    msg = Message(exchange, routing_key, body, headers, size, None, sequence)
+                    held_one = queue.add(msg, session, now)  # (never QueueFull: the producer has flow control)
+                    if queue is not last:
+                        touched[queue] = None
+                        last = queue
+                    durable = journal is not None and queue.durable
+                    if held_one or broker_hold or durable:
+                        self._hold(session, tid, size, [msg] if held_one else [], broker_hold, queue if durable else None)
+                    elif tid == run_end:
+                        run_end += 1
+                        run_size += size
+                    else:
+                        if run_end != run_first:
+                            receiver.complete_run(run_first, run_end - run_first, run_size)
+                        run_first, run_end, run_size = tid, tid + 1, size
                     tid += 1
                     continue
-            if may_write is not None and not may_write.get(exchange) and self._publish_denied(session, tid, size, exchange):
-                tid += 1
-                continue
-            if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
-                self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
-                             f"the broker is over its memory watermark ({self.memory.held} of "
-                             f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
-                tid += 1
-                continue
-            if exchange == "":
-                queue = queues_by_name.get(routing_key)
-                if queue is None:
-                    self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
-                                 f"no queue named {routing_key!r}", routing_key)
+                if run_end != run_first:  # everything below may complete transfers: the run goes first
+                    receiver.complete_run(run_first, run_end - run_first, run_size)
+                    run_first = run_end = -1
+                    run_size = 0
+                # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
+                if producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
                     tid += 1
                     continue
-                targets = [queue]
-            else:
-                ex = self.exchanges.get(exchange)
-                if ex is None:
-                    self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
-                    tid += 1
-                    continue
-                targets = ex.route(routing_key)
-                if not targets:
-                    self.unroutable += 1
-                    if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
-                        self._refuse(session, tid, size, ErrorCode.UNROUTABLE,
-                                     f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
+                # Two comparisons for the common message; the exact check only when it could fail.
+                if headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
+                    refused = self._check_entry(entry, max_message)
+                    if refused is not None:
+                        self._refuse(session, tid, size, *refused)
                         tid += 1
                         continue
-            held: list[Message] = []
-            durable: Queue | None = None  # a durable queue took it: completion waits for the journal
-            for queue in targets:
-                msg = Message(exchange, routing_key, body, entry.headers, size, entry.producer_id, entry.sequence)
-                try:
-                    if queue.enqueue(msg, session, now):
-                        held.append(msg)
-                except QueueFull as exc:
-                    session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                if may_write is not None and not may_write.get(exchange) and self._publish_denied(session, tid, size, exchange):
+                    tid += 1
                     continue
-                if journal is not None and queue.durable:
-                    durable = queue
-            pending = len(held) + broker_hold + (durable is not None)
-            if pending:
-                transfer = HeldTransfer(session, tid, size, pending)
-                for msg in held:
-                    msg.held = transfer
-                if broker_hold:
-                    self._broker_held.append(transfer)
-                if durable is not None and journal is not None:
-                    journal.hold(transfer, session, durable.name)
-                session.transfers_held_total += 1
-            else:
-                receiver.complete(tid, size)
-            tid += 1
+                if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
+                    self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
+                                 f"the broker is over its memory watermark ({self.memory.held} of "
+                                 f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
+                    tid += 1
+                    continue
+                if exchange == "":
+                    target = queues_by_name.get(routing_key)
+                    if target is None:
+                        self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
+                                     f"no queue named {routing_key!r}", routing_key)
+                        tid += 1
+                        continue
+                    targets: Collection[Queue] = (target,)
+                else:
+                    ex = self.exchanges.get(exchange)
+                    if ex is None:
+                        self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
+                        tid += 1
+                        continue
+                    targets = ex.route(routing_key)
+                    if not targets:
+                        self.unroutable += 1
+                        if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
+                            self._refuse(session, tid, size, ErrorCode.UNROUTABLE,
+                                         f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
+                            tid += 1
+                            continue
+                held: list[Message] = []
+                durable_queue: Queue | None = None  # a durable queue took it: completion waits for the journal
+                for queue in targets:
+                    msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
+                    touched[queue] = None
+                    try:
+                        if queue.add(msg, session, now):
+                            held.append(msg)
+                    except QueueFull as exc:
+                        session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                        continue
+                    if journal is not None and queue.durable:
+                        durable_queue = queue
+                last = None
+                if held or broker_hold or durable_queue is not None:
+                    self._hold(session, tid, size, held, broker_hold, durable_queue)
+                else:
+                    receiver.complete(tid, size)
+                tid += 1
+        finally:  # (whatever went wrong, what was routed is completed and delivered)
+            if run_end != run_first:
+                receiver.complete_run(run_first, run_end - run_first, run_size)
+            for queue in touched:
+                queue.dispatch()
         if receiver.window.consumed_position != consumed:
             session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
             self._memory_alarm()
+
+    def _hold(self, session: Session, tid: int, size: int, held: list[Message], broker_hold: bool,
+              durable: Queue | None) -> None:
+        """Transfer `tid` completes later: when the saturated queues that hold `held` release them, a
+        broker-wide stop ends (`broker_hold`) and the journal commits it (`durable`, a queue's name for
+        the disk alarm), whichever comes last."""
+        transfer = HeldTransfer(session, tid, size, len(held) + broker_hold + (durable is not None))
+        for msg in held:
+            msg.held = transfer
+        if broker_hold:
+            self._broker_held.append(transfer)
+        if durable is not None and self.journal is not None:
+            self.journal.hold(transfer, session, durable.name)
+        session.transfers_held_total += 1
 
     def _sequence_taken(self, session: Session, tid: int, size: int, entry: TransferEntry, now: int) -> bool:
         """True when this message of an idempotent producer is the next of its producer id (route it);
@@ -545,22 +603,24 @@ class BrokerCore:
         settles by bisection, so the frame costs its own size plus what it settles; the core gives the
         messages to their queues (settled, or requeued in tag order) and resumes the subscriptions."""
         requeue = frame.outcome is Outcome.REQUEUE
+        reject = frame.outcome is Outcome.REJECT
         settled, unknown = session.deliveries.settle(frame.ranges)
         subs: dict[Subscription, None] = {}
         touched: dict[Queue, list[Message]] = {}
-        for sub, msg in settled:
-            sub.unsettled -= 1
+        # In tag order, settlements come in runs of one subscription (all of them, with one consumer):
+        # each run is one call to its queue, in the same order as one call per message.
+        for sub, run in groupby(settled, _owner):
+            msgs = list(map(_item, run))
+            sub.unsettled -= len(msgs)
             subs[sub] = None
             queue = sub.queue
-            if queue not in touched:
-                touched[queue] = []
             if requeue:
-                touched[queue].append(msg)
+                touched.setdefault(queue, []).extend(msgs)
             else:
-                queue.settle(msg)
-        if frame.outcome is Outcome.REJECT:  # a loop of its own: acknowledgements pay nothing for it
-            for sub, _ in settled:
-                sub.queue.counters.consumer_rejected += 1
+                touched[queue] = msgs
+                queue.settle_many(msgs)
+                if reject:
+                    queue.counters.consumer_rejected += len(msgs)
         for sub in subs:
             sub.queue.resume_subscription(sub)  # prefetch freed; dispatch follows below
         for queue, msgs in touched.items():

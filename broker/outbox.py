@@ -83,6 +83,40 @@ class Outbox:
             self._open_bytes[sub_id] = size
         self.wake()
 
+    def deliver_many(self, sub_id: int, entries: list[DeliveryEntry], sizes: list[int]) -> None:
+        """`deliver` for a run of deliveries to one subscription (`sizes`: each one's charged bytes),
+        sealing frames at the same entries as `deliver` would; wakes the writer once."""
+        if not entries:
+            return  # (an open frame must never be empty: DELIVER carries at least one entry)
+        open_frames, open_bytes = self.open_frames, self._open_bytes
+        frame = open_frames.get(sub_id)
+        used = open_bytes.get(sub_id, 0)
+        budget = self.max_delivery_frame_bytes
+        if used + sum(sizes) < budget:  # the common case: no frame fills up
+            if frame is None:
+                open_frames[sub_id] = entries
+            else:
+                frame += entries
+            open_bytes[sub_id] = used + sum(sizes)
+        else:
+            if frame is None:
+                frame = []
+            sealed = self.sealed
+            for entry, size in zip(entries, sizes):
+                frame.append(entry)
+                used += size
+                if used >= budget:
+                    sealed.append(Deliver(sub_id, frame))
+                    frame = []
+                    used = 0
+            if frame:
+                open_frames[sub_id] = frame
+                open_bytes[sub_id] = used
+            else:
+                open_frames.pop(sub_id, None)
+                open_bytes.pop(sub_id, None)
+        self.wake()
+
     def take_control(self) -> list[Frame]:
         """The control frames queued, in order; the writer is no longer woken for them."""
         self.woken = False

@@ -13,7 +13,9 @@ of blocked subscriptions (20,000 of them made every enqueue walk them all).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from flowbroker.protocol.credit import SenderWindow
 from flowbroker.protocol.errors import ErrorCode
@@ -23,10 +25,13 @@ if TYPE_CHECKING:
     from flowbroker.broker.message import Message
     from flowbroker.broker.queue import Queue
     from flowbroker.broker.session import Session
+    from flowbroker.broker.store import QueueStore
 
 __all__ = ["Subscription"]
 
-_make_entry = DeliveryEntry._make  # tuple.__new__: cheaper than the NamedTuple's Python __new__ (hot path)
+# tuple.__new__ in C: cheaper than the NamedTuple's Python __new__ or _make (hot path; always six fields)
+_make_entry: Callable[[Any], DeliveryEntry] = partial(tuple.__new__, DeliveryEntry)
+_UNLIMITED = float("inf")  # the limit of a window that is off
 
 
 class Subscription:
@@ -65,6 +70,47 @@ class Subscription:
         session.outbox.deliver(
             self.sub_id, _make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)), size
         )
+
+    def deliver_ready(self, store: QueueStore) -> None:
+        """Deliver ready messages from `store` while this subscription has credit (its queue's rotation
+        holds only this one). The same checks and bookkeeping as `has_credit` and `deliver` once per
+        message, but with the windows read into locals, the connection's ledger and outbox called once
+        for the run, and one DELIVER entry tuple per message (callgrind: about a quarter of a
+        delivery's instructions were method calls). Only for this class: the queue calls the
+        subclasses (UDP), which pace or deliver otherwise, one message at a time."""
+        room = self.prefetch - self.unsettled
+        sw, cw = self.sender_window, self.connection_window
+        # may_send(): position below acked + window, or the window off (0): a limit nothing reaches.
+        sw_pos, cw_pos = sw.position, cw.position
+        sw_limit = sw.acked_position + sw.window if sw.window else _UNLIMITED
+        cw_limit = cw.acked_position + cw.window if cw.window else _UNLIMITED
+        if room <= 0 or sw_pos >= sw_limit or cw_pos >= cw_limit or not store:
+            return
+        session = self.session
+        ledger = session.deliveries
+        take = store.take
+        tag = ledger.next_tag
+        msgs: list[Message] = []
+        entries: list[DeliveryEntry] = []
+        sizes: list[int] = []
+        while True:
+            msg = take()
+            size = msg.size
+            msgs.append(msg)
+            sizes.append(size)
+            entries.append(_make_entry((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)))
+            tag += 1
+            sw_pos += size
+            cw_pos += size
+            room -= 1
+            if not room or sw_pos >= sw_limit or cw_pos >= cw_limit or not store:
+                break
+        n = len(msgs)
+        self.unsettled += n
+        self.delivered_total += n
+        sw.position = sw_pos
+        ledger.deliver_many(self, msgs, cw_pos - cw.position)  # the tags counted above, in order
+        session.outbox.deliver_many(self.sub_id, entries, sizes)
 
     def queue_deleted(self, name: str) -> None:
         """Its queue was deleted (the queue closed it): the connection forgets it and is told."""

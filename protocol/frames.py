@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import MISSING, dataclass, fields
+from functools import partial
 from typing import Any, Callable, ClassVar, NamedTuple, Union
 
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
@@ -719,7 +720,7 @@ def _transfer_entries(v: Any, build: bool = True) -> list[TransferEntry]:
                 if sequence is not None and (type(sequence) is not int or sequence < 0):
                     break
         else:
-            # _make is tuple.__new__ (C), several times cheaper than the NamedTuple's Python __new__.
+            # _make_transfer is tuple.__new__ (C), several times cheaper than the NamedTuple's Python __new__.
             return list(map(_make_transfer, v)) if build else v
     except (TypeError, ValueError):  # an entry that is not a sequence of six fields
         pass
@@ -743,8 +744,10 @@ def _transfer_entries(v: Any, build: bool = True) -> list[TransferEntry]:
     return out if build else v
 
 
-_make_transfer = TransferEntry._make
-_make_delivery = DeliveryEntry._make
+# tuple.__new__ through partial: all in C. NamedTuple._make is a Python function (a frame and a len()
+# per entry); the entries built here always have their six fields, which is all it checks.
+_make_transfer: Callable[[Any], TransferEntry] = partial(tuple.__new__, TransferEntry)
+_make_delivery: Callable[[Any], DeliveryEntry] = partial(tuple.__new__, DeliveryEntry)
 _NONES = {3: (None, None, None), 4: (None, None), 5: (None,)}
 
 

@@ -139,6 +139,21 @@ class TransferReceiver:
             self.newly_completed.append(transfer_id)
         self.window.consumed_position += size
 
+    def complete_run(self, first_id: int, count: int, size: int) -> None:
+        """`complete` for the `count` transfers from `first_id` on, `size` bytes in all: one call for
+        a frame's messages that completed as they were routed. The common case, the run continuing the
+        cumulative point with no ranges above it, moves the point once; otherwise each id is
+        completed in turn."""
+        completed = self.completed
+        end = first_id + count
+        if first_id == completed.cumulative + 1 and not completed.holes and end <= self.next_transfer_id:
+            completed.cumulative = end - 1
+            self.window.consumed_position += size
+            return
+        for transfer_id in range(first_id, end):
+            self.complete(transfer_id, 0)
+        self.window.consumed_position += size
+
     def completions(self) -> list[Complete]:
         """The COMPLETE frames due (none if nothing completed since the last call): the cumulative
         point, and the ids completed above it since, at most MAX_RANGES_PER_FRAME ranges a frame."""

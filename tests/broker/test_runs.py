@@ -1,0 +1,85 @@
+"""The per-run paths of the hot path do what the per-message paths they replace do, entry for entry:
+`Outbox.deliver_many` seals DELIVER frames where `deliver` would, `DeliveryLedger.deliver_many`
+keeps the tags and bytes `deliver` would, and `TransferReceiver.complete_run` leaves the state
+(cumulative point, ranges above it, consumed bytes, COMPLETE frames) that `complete` would."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flowbroker.broker.outbox import Outbox
+from flowbroker.protocol.delivery import DeliveryLedger
+from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame, TransferEntry
+from flowbroker.protocol.session import TransferReceiver
+
+_sizes = st.lists(st.integers(1, 3000), max_size=60)
+
+
+def _entries(n: int, start: int) -> list[DeliveryEntry]:
+    return [DeliveryEntry(start + i, "", "q", b"x", None, False) for i in range(n)]
+
+
+def _frames(outbox: Outbox) -> list[Frame]:
+    frames: list[Frame] = []
+    outbox.take_deliveries(frames)
+    return frames
+
+
+@given(st.lists(_sizes, max_size=6), st.integers(512, 8192))
+def test_deliver_many_seals_frames_where_deliver_would(runs: list[list[int]], budget: int) -> None:
+    one, many = Outbox(lambda: None, 10, budget), Outbox(lambda: None, 10, budget)
+    tag = 1
+    for sizes in runs:
+        entries = _entries(len(sizes), tag)
+        tag += len(sizes)
+        for entry, size in zip(entries, sizes):
+            one.deliver(7, entry, size)
+        many.deliver_many(7, list(entries), list(sizes))
+        assert [f for f in one.sealed] == [f for f in many.sealed]
+        assert one.open_frames == many.open_frames and one._open_bytes == many._open_bytes
+    assert _frames(one) == _frames(many)
+    assert all(isinstance(f, Deliver) for f in _frames(many))
+
+
+@given(st.lists(_sizes, max_size=5))
+def test_deliver_many_tags_as_deliver_does(runs: list[list[int]]) -> None:
+    one: DeliveryLedger[str, int] = DeliveryLedger(1 << 20)
+    many: DeliveryLedger[str, int] = DeliveryLedger(1 << 20)
+    for k, sizes in enumerate(runs):
+        owner = f"sub{k % 2}"
+        tags = [one.deliver(owner, i, size) for i, size in enumerate(sizes)]
+        first = many.deliver_many(owner, list(range(len(sizes))), sum(sizes))
+        assert tags == list(range(first, first + len(sizes)))
+    assert (one.next_tag, one.unsettled, one.tags, one.window.position) == (
+        many.next_tag, many.unsettled, many.tags, many.window.position)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5)), max_size=20), st.randoms(use_true_random=False))
+def test_complete_run_leaves_what_complete_would(plan: list[tuple[bool, int]], rnd: random.Random) -> None:
+    """Ids in order, as routed: each group completed at once (one run, or one by one) or kept back
+    and completed afterwards in some order, as held transfers are."""
+    one, many = TransferReceiver(1 << 30), TransferReceiver(1 << 30)
+    total = sum(n for _, n in plan)
+    for r in (one, many):
+        r.receive(1, [TransferEntry("", "q", b"x" * 10, None, None, None)] * total)
+    tid = 1
+    kept: list[int] = []
+    for now, n in plan:
+        if now:
+            for i in range(tid, tid + n):
+                one.complete(i, 100)
+            many.complete_run(tid, n, 100 * n)
+        else:
+            kept.extend(range(tid, tid + n))
+        tid += n
+        assert one.completions() == many.completions()
+    rnd.shuffle(kept)
+    for i in kept:
+        one.complete(i, 100)
+        many.complete_run(i, 1, 100)
+    assert one.completions() == many.completions()
+    assert (one.completed.cumulative, one.completed.ranges_above(), one.window.consumed_position) == (
+        many.completed.cumulative, many.completed.ranges_above(), many.window.consumed_position)
