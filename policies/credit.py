@@ -500,15 +500,36 @@ class CreditAllocator(Generic[K]):
             return changed
         target = self.target()
         need = self.need()
+        marks_waiting = need > WAIT_GRANT
         grant_room = self._shareable
         promise_room = self._shareable - (self._producer_windows - len(self._producers))
         short = False
+        # _fit inlined: this pass runs on every producer's departure while some are short, so with 1,000
+        # producers (970 waiting under the default policy) it is what a disconnect costs. Once grant_room
+        # cannot hold `need`, everyone after waits: those already waiting are left as they are.
         for conn_id, grant in self._producers.items():
-            size = self._fit(grant, target, need, grant_room, promise_room)
-            promise_room -= max(0, size - grant.window)
+            if grant_room + 1 < need:
+                if grant.size == WAIT_GRANT and grant.waiting == marks_waiting:
+                    short = short or WAIT_GRANT < target
+                    continue
+                size = WAIT_GRANT
+            else:
+                window = grant.window
+                if target <= window:
+                    size = target
+                else:
+                    more = target - window
+                    size = window + (more if more <= promise_room else max(0, promise_room))
+                if size > grant_room + 1:
+                    size = grant_room + 1
+                if size < need:
+                    size = WAIT_GRANT
+                if size > window:
+                    promise_room -= size - window
             grant_room -= size - 1
-            short = short or size < target
-            grant.waiting = size == WAIT_GRANT and need > WAIT_GRANT
+            if size < target:
+                short = True
+            grant.waiting = size == WAIT_GRANT and marks_waiting
             if size != grant.size:
                 self._resize(grant, size)
                 changed[conn_id] = size
