@@ -55,7 +55,7 @@ def producers_main(url: str, connections: int, per_connection: list[int], size: 
         # Each connection closes as soon as its messages are complete, as a producer that is done leaves:
         # under the default credit policy only about 30 producers hold a share at once (the rest wait,
         # docs/policies.md), and a waiting one gets its share when a holder leaves.
-        async with await fb.connect(url, client_name=f"many-producer-{i}") as conn:
+        async with await fb.connect(url, client_name=f"many-producer-{i}", timeout=120) as conn:
             producer = conn.producer(routing_key=QUEUE, window=WINDOW)
             connected[0] += 1
             if connected[0] == connections:
@@ -135,7 +135,7 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
                 proc.start()
                 ups.append(up)
                 producers.append(proc)
-            if not ready.wait(60) or not all(up.wait(120) for up in ups):
+            if not ready.wait(60) or not all(up.wait(600) for up in ups):
                 raise RuntimeError(f"{layout}: the clients did not connect within the time allowed")
             time.sleep(0.5)
             if args.profile:
