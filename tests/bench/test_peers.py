@@ -46,7 +46,7 @@ def test_flowbroker_row_parses_and_missing_peers_are_named(tmp_path):
     row = rows[0]
     assert number(row["msgs/s (median)"]) == number(row["msgs/s (rounds)"]) > 0  # one round: its own median
     assert number(row["MB/s"]) > 0
-    assert 0 < number(row["p50"]) <= number(row["p99"])
+    assert 0 <= number(row["p50"]) <= number(row["p99"])  # (a quiet machine may round a p50 to 0.0 ms)
     parts = [number(row[k]) for k in ("CPU us/msg: server", "producer", "consumer")]
     assert all(p > 0 for p in parts)
     assert abs(sum(parts) - number(row["all three"])) <= 0.15  # each rounded to 0.1
