@@ -17,7 +17,8 @@ Prints per layout msgs/s (first send to last receipt), p50/p99 publish-to-receiv
 time per message (its process, read through psutil before and after the load); then the layouts side by side
 with each one's rate and broker CPU relative to the first layout (the issue's target: 10x1 at >= 0.9x the rate
 of 1x1, the broker's CPU per message no higher). --rounds R repeats the layouts in alternating order.
---profile DIR records the broker under py-spy (when installed) into DIR/LAYOUT-ROUND.txt (collapsed stacks).
+--producer-nice N runs the producer processes at that niceness (Linux shares CPU per runnable thread, so
+10 producer processes take CPU from the broker and the consumer). --profile DIR records the broker under py-spy (when installed) into DIR/LAYOUT-ROUND.txt (collapsed stacks).
 
     python benchmarks/many_producers.py [--messages 200000] [--layouts 1x1,10x1,4x25,4x250] [--rounds 1]
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import shutil
 import statistics
@@ -44,9 +46,11 @@ from peers import QUEUE, WINDOW, Server, consumer_main, percentile_ms, setup, st
 
 
 def producers_main(url: str, connections: int, per_connection: list[int], size: int, up: Any, go: Any,
-                   out: Any) -> None:
+                   out: Any, nice: int = 0) -> None:
     """`connections` producer connections in one process, connection i sending per_connection[i] messages;
-    set `up` once all are connected, start on `go`."""
+    set `up` once all are connected, start on `go`. `nice`: this process's niceness (os.nice)."""
+    if nice:
+        os.nice(nice)
     pad = b"x" * (size - STAMP.size)
     cpu = time.process_time()
     result: dict[str, float] = {}
@@ -120,19 +124,23 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
     with tempfile.TemporaryDirectory(prefix="many-producers-") as tmp:
         server: Server = start_flowbroker(Path(tmp))
         spy: subprocess.Popen[bytes] | None = None
+        children: list[Any] = []  # the client processes started here: ended if the run fails
         try:
             setup("flowbroker", server.url, "memory")
             ready, go = ctx.Event(), ctx.Event()
             cq, pq = ctx.Queue(), ctx.Queue()
             consumer = ctx.Process(target=consumer_main, args=("flowbroker", server.url, args.messages, ready, cq))
             consumer.start()
+            children.append(consumer)
             ups = []
             producers = []
             for p in range(processes):
                 up = ctx.Event()
                 proc = ctx.Process(target=producers_main, args=(
-                    server.url, per_process, counts[p * per_process:(p + 1) * per_process], args.size, up, go, pq))
+                    server.url, per_process, counts[p * per_process:(p + 1) * per_process], args.size, up, go, pq,
+                    args.producer_nice))
                 proc.start()
+                children.append(proc)
                 ups.append(up)
                 producers.append(proc)
             if not ready.wait(60) or not all(up.wait(600) for up in ups):
@@ -156,6 +164,10 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
             if spy is not None:
                 spy.send_signal(2)  # py-spy writes its output on SIGINT
                 spy.wait(30)
+            for child in children:  # a failed run leaves none behind (multiprocessing would wait for them)
+                if child.is_alive():
+                    child.kill()
+                    child.join()
             server.stop()
     elapsed = c["last"] - min(starts)
     return Result(layout, c["received"] / elapsed, c["received"], percentile_ms(c["latencies"], 0.5),
@@ -170,6 +182,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--profile", metavar="DIR", help="record the broker with py-spy into DIR")
+    parser.add_argument("--producer-nice", type=int, default=0,
+                        help="the producer processes' niceness: how much CPU Linux gives them beside the broker")
     args = parser.parse_args()
     layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
     args.py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
