@@ -587,27 +587,49 @@ class CreditAllocator(Generic[K]):
             return changed
         target = self.target()
         need = self.need()
+        marks_waiting = need > WAIT_GRANT
         grant_room = self._shareable
         promise_room = self._shareable - (self._producer_windows - len(self._producers))
         short = False
         for record in self._owners.values():
             record.room, record.short = record.cap, False
+        # _fit inlined: this pass runs on every producer's departure while some are short, so with 1,000
+        # producers (970 waiting under the default policy) it is what a disconnect costs. Once grant_room
+        # cannot hold `need`, everyone after waits: those already waiting are left as they are (a user's
+        # cap can only lower a grant, so it changes nothing for them).
         for conn_id, grant in self._producers.items():
-            size = self._fit(grant, target, need, grant_room, promise_room)
-            owner = grant.owner
-            if owner is not None and owner.share is not None:
-                capped = self._fit(grant, target, need, min(grant_room, owner.room), promise_room)
-                if capped < size:  # the owner's cap, not the pool, holds it back
-                    size = capped
-                    owner.short = True
+            window = grant.window
+            if grant_room + 1 < need:
+                if grant.size == WAIT_GRANT and grant.waiting == marks_waiting:
+                    short = short or WAIT_GRANT < target
+                    continue
+                size = WAIT_GRANT
+                short = short or size < target
+            else:
+                if target <= window:
+                    size = target
+                else:
+                    more = target - window
+                    size = window + (more if more <= promise_room else max(0, promise_room))
+                if size > grant_room + 1:
+                    size = grant_room + 1
+                if size < need:
+                    size = WAIT_GRANT
+                owner = grant.owner
+                if owner is not None and owner.share is not None:
+                    capped = self._fit(grant, target, need, min(grant_room, owner.room), promise_room)
+                    if capped < size:  # the owner's cap, not the pool, holds it back
+                        size = capped
+                        owner.short = True
+                    else:
+                        short = short or size < target
+                    owner.room -= size - 1
                 else:
                     short = short or size < target
-                owner.room -= size - 1
-            else:
-                short = short or size < target
-            promise_room -= max(0, size - grant.window)
+                if size > window:
+                    promise_room -= size - window
             grant_room -= size - 1
-            grant.waiting = size == WAIT_GRANT and need > WAIT_GRANT
+            grant.waiting = size == WAIT_GRANT and marks_waiting
             if size != grant.size:
                 self._resize(grant, size)
                 changed[conn_id] = size

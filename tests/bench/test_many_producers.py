@@ -1,0 +1,26 @@
+"""benchmarks/many_producers.py, run for real with a tiny N: each layout (processes x connections) delivers
+every message and the summary table parses, one row per layout beside the first. Figures are not asserted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "many_producers.py"
+
+
+def test_layouts_deliver_everything_and_the_table_parses():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--messages", "2001", "--layouts", "1x1,2x3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    # 2,001 messages over 6 connections: shares of 334 and 333, and every one arrives
+    assert "round 1 1x1 (1 producer connections): " in out and "round 1 2x3 (6 producer connections): " in out, out
+    assert out.count("2,001 received") == 2, out
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
+    assert rows[0][:2] == ["producers (processes x connections)", "msgs/s (median)"] and len(rows[0]) == 8, rows[0]
+    assert [r[0] for r in rows[2:]] == ["1x1", "2x3"], rows
+    assert rows[2][3] == "1.00x" and rows[2][5] == "1.00x", rows[2]  # the first layout is the baseline
+    for row in rows[2:]:
+        assert len(row) == 8 and float(row[1].replace(",", "")) > 0 and float(row[4]) > 0, row
