@@ -422,34 +422,17 @@ class TermRebuilder(TermLog):
         Stops at the first missing frame, at ``limit_position``, at the end of the term, or after
         ``fragment_limit`` fragments. PAD frames are skipped (they advance the position, deliver nothing).
         """
-        term = self.partition_for_position(position)
-        mask = self.term_length - 1
-        offset = position & mask
-        start = offset
-        limit = min(offset + (limit_position - position), self.term_length)
-        fragments = 0
-        header = _HEADER.unpack_from
-        while offset < limit and fragments < fragment_limit:
-            frame_length, _v, flags, ftype = header(term, offset)
-            if frame_length <= 0:
-                break
-            aligned = (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
-            if ftype != _PAD_TYPE:
-                if offset + aligned > limit:
-                    break
-                fragments += 1
-                handler(term[offset + DATA_HEADER_LENGTH:offset + frame_length], flags)
-            offset += aligned
-        return position + (offset - start), fragments
-
+        new_position, fragments, _ = self.read_messages(position, limit_position, None, handler, fragment_limit)
+        return new_position, fragments
 
     def read_messages(
-        self, position: int, limit_position: int, whole: MessageHandler, fragment: FragmentHandler,
+        self, position: int, limit_position: int, whole: MessageHandler | None, fragment: FragmentHandler,
         fragment_limit: int = 1 << 30,
     ) -> tuple[int, int, int]:
         """``read``, with unfragmented messages handed straight to ``whole`` and only the fragments of
         fragmented ones to ``fragment`` (the assembler): one call per message on the hot path instead of
-        three. Returns (new position, fragments read, messages handed to ``whole``)."""
+        three. ``whole`` None hands every fragment to ``fragment`` (that is ``read``). Returns (new
+        position, fragments read, messages handed to ``whole``)."""
         term = self.partition_for_position(position)
         mask = self.term_length - 1
         offset = position & mask
@@ -467,7 +450,7 @@ class TermRebuilder(TermLog):
                 if offset + aligned > limit:
                     break
                 fragments += 1
-                if flags & _UNFRAGMENTED == _UNFRAGMENTED:
+                if whole is not None and flags & _UNFRAGMENTED == _UNFRAGMENTED:
                     wholes += 1
                     whole(term[offset + DATA_HEADER_LENGTH:offset + frame_length])
                 else:
