@@ -43,7 +43,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
-from flowbroker.broker.adminusers import AdminUsers, basic_credentials
+from flowbroker.broker.adminusers import AdminUsers, LoginThrottled, basic_credentials
+from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.config import AdminConfig, valid_token
 from flowbroker.broker.users import UserStore
 from flowbroker.broker.console import PUBLIC_PATHS
@@ -165,7 +166,6 @@ def publish_token(config: AdminConfig, port: int, token: str) -> Path:
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-_SLOW_HEADER = "x-flowbroker-login-failed"  # marks a refused admin user's password, answered after [auth] failed_login_delay
 
 
 class BearerAuth:
@@ -184,16 +184,13 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._public:
-            refusal = self._refusal(scope)
+            refusal = await self._refusal(scope)
             if refusal is not None:
-                if _SLOW_HEADER in refusal.headers and self._users is not None:
-                    del refusal.headers[_SLOW_HEADER]
-                    await trio.sleep(self._users.failed_delay)  # a wrong password: guessing is slow
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _refusal(self, scope: Scope) -> Response | None:
+    async def _refusal(self, scope: Scope) -> Response | None:
         """None when the request may go on, else the answer that refuses it."""
         header = b""
         for name, value in scope["headers"]:
@@ -206,7 +203,7 @@ class BearerAuth:
                 return self._session_refusal(scope, self._sessions.csrf(sid), self._sessions.read_only(sid))
         scheme, _, credential = header.partition(b" ")
         if scheme.lower() == b"basic" and self._users is not None:
-            return self._basic_refusal(scope, credential)
+            return await self._basic_refusal(scope, credential)
         if not header or scheme.lower() != b"bearer" or not credential.strip():
             return _error_response(
                 401, "unauthorized",
@@ -217,16 +214,23 @@ class BearerAuth:
             return _error_response(403, "forbidden", "the admin token is wrong")
         return None
 
-    def _basic_refusal(self, scope: Scope, credential: bytes) -> Response | None:
-        """An admin user by HTTP Basic: administrator may do anything, monitoring only read."""
+    async def _basic_refusal(self, scope: Scope, credential: bytes) -> Response | None:
+        """An admin user by HTTP Basic: administrator may do anything, monitoring only read. A refused
+        password is answered after [auth] failed_login_delay, and an address that keeps failing waits its
+        turn (AdminUsers.login)."""
         assert self._users is not None
         pair = basic_credentials(credential)
-        checked = self._users.check(*pair) if pair is not None else None
+        client = scope.get("client")
+        try:
+            checked = await self._users.login(*(pair or ("", "")), client[0] if client else None)
+        except LoginThrottled as exc:
+            LOGGER.warning("admin API: HTTP Basic credentials refused unlooked: %s", exc)
+            return _error_response(429, "too_many_failed_logins", str(exc), headers={"Retry-After": "30"})
         if checked is None:
             LOGGER.warning("admin API: refused HTTP Basic credentials for user %s",
                            logsafe(pair[0]) if pair is not None else "(malformed)")
             return _error_response(403, "forbidden", "wrong user or password, or the user has no admin tag "
-                                                     "(administrator or monitoring)", headers={_SLOW_HEADER: "1"})
+                                                     "(administrator or monitoring)")
         user, read_only = checked
         if read_only and scope["method"] not in SAFE_METHODS:
             return _read_only_refusal(user.name)
@@ -472,7 +476,8 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
                ports: Callable[[], tuple[int | None, int | None]] | None = None,
                metrics: Route | None = None, metrics_need_token: bool = False,
-               users: UserStore | None = None, failed_delay: float = 1.0) -> ASGIApp:
+               users: UserStore | None = None, failed_delay: float = 1.0,
+               throttle: LoginThrottle | None = None) -> ASGIApp:
     """The admin ASGI app: Starlette routes behind bearer-token auth (or an admin user's, from `users`);
     `metrics` is the `GET /metrics` route when the metrics are served here (broker/metricshttp.py), open
     unless `metrics_need_token`."""
@@ -500,7 +505,7 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         routes.append(metrics)
         open_paths = frozenset() if metrics_need_token else frozenset({metrics.path})
     sessions = console.SessionStore()
-    admin_users = AdminUsers(users, failed_delay) if users is not None else None
+    admin_users = AdminUsers(users, failed_delay, throttle, core.clock_ns) if users is not None else None
     routes += console.console_routes(token, sessions, admin_users)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
     return BearerAuth(app, token, sessions, open_paths, admin_users)
@@ -597,7 +602,8 @@ class AdminServer(HttpListener):
 
     def __init__(self, config: AdminConfig, core: BrokerCore, peer_of: PeerOf | None = None,
                  broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
-                 metrics_need_token: bool = False, users: UserStore | None = None, failed_delay: float = 1.0):
+                 metrics_need_token: bool = False, users: UserStore | None = None, failed_delay: float = 1.0,
+                 throttle: LoginThrottle | None = None):
         super().__init__(config.host, config.port, "admin")
         self.config = config
         self.core = core
@@ -605,7 +611,7 @@ class AdminServer(HttpListener):
         self._token_origin = "generated at start" if self._token_unwritten else "reused"
         self._broker_port = broker_port or (lambda: None)
         self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
-                              metrics_need_token, users, failed_delay)
+                              metrics_need_token, users, failed_delay, throttle)
 
     def _bound(self, port: int) -> None:
         if self._token_unwritten:  # only now: a broker that could not bind must not touch the file

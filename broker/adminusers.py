@@ -5,6 +5,10 @@ refused every change (403). The admin token still works, for scripts and the CLI
 costs a PBKDF2 (a few ms at 4096 iterations), so a verified (user, password) pair is remembered, by a
 hash of the password, until the users file changes: a dashboard polling every second with Basic auth
 does not cost a PBKDF2 a request. The memory is bounded (MAX_REMEMBERED pairs).
+
+Failed logins are throttled per source address with the broker's `LoginThrottle` (broker/auth.py), the
+one the data port uses: an address guessing admin passwords over many parallel requests has its attempts
+looked at one at a time, and its failures slow its logins on either port.
 """
 
 from __future__ import annotations
@@ -12,10 +16,14 @@ from __future__ import annotations
 import base64
 import hmac
 import secrets
+from collections.abc import Callable
 
+import trio
+
+from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.users import User, UserStore
 
-__all__ = ["AdminUsers", "ADMINISTRATOR", "MONITORING", "MAX_REMEMBERED", "basic_credentials"]
+__all__ = ["AdminUsers", "ADMINISTRATOR", "MONITORING", "MAX_REMEMBERED", "LoginThrottled", "basic_credentials"]
 
 ADMINISTRATOR = "administrator"
 MONITORING = "monitoring"
@@ -31,12 +39,40 @@ def basic_credentials(value: bytes) -> tuple[str, str] | None:
     return (user, password) if sep and user else None
 
 
+class LoginThrottled(Exception):
+    """Refused unlooked: the address has failed so often lately that its turn is over the maximum delay."""
+
+
 class AdminUsers:
-    def __init__(self, store: UserStore, failed_delay: float = 1.0):
+    def __init__(self, store: UserStore, failed_delay: float = 1.0, throttle: LoginThrottle | None = None,
+                 clock_ns: Callable[[], int] | None = None):
         self.store = store
         self.failed_delay = failed_delay  # [auth] failed_login_delay: a refused password waits this long
+        self.throttle = throttle
+        self._clock_ns = clock_ns or (lambda: int(trio.current_time() * 1e9))
         self._pepper = secrets.token_bytes(16)
         self._verified: dict[tuple[str, bytes], int] = {}  # (user, keyed password hash) -> store generation
+
+    async def login(self, name: str, password: str, host: str | None) -> tuple[User, bool] | None:
+        """`check`, throttled per source address: waits for `host`'s turn when it has failed lately (raises
+        LoginThrottled when that turn is too far away), and after a refusal counts the failure and waits
+        `failed_delay` before answering."""
+        throttle = self.throttle
+        wait = throttle.admit(host, self._clock_ns()) if throttle is not None else 0
+        if wait is None:
+            raise LoginThrottled(f"too many failed logins from {host}: wait and try again")
+        try:
+            if wait:
+                await trio.sleep(wait / 1e9)
+            checked = self.check(name, password)
+            if checked is None:
+                if throttle is not None:
+                    throttle.failed(host, self._clock_ns())
+                await trio.sleep(self.failed_delay)
+            return checked
+        finally:
+            if throttle is not None:
+                throttle.settle(host)
 
     def check(self, name: str, password: str) -> tuple[User, bool] | None:
         """(user, read_only) for a user with an admin tag and this password; None otherwise."""

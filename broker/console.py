@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Scope
 
-from flowbroker.broker.adminusers import AdminUsers
+from flowbroker.broker.adminusers import AdminUsers, LoginThrottled
 from flowbroker.broker.logsafe import logsafe
 
 __all__ = [
@@ -199,11 +199,18 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
             return _error(400, "invalid_json", LOGIN_BODY)
         read_only = False
         if given is None:  # an admin user (broker/adminusers.py)
-            checked = (users.check(name, password) if users is not None and isinstance(name, str)
-                       and isinstance(password, str) else None)
+            if users is None:
+                return _error(403, "forbidden", "this broker has no admin users: log in with the admin token")
+            client = request.client
+            try:  # waits its address's turn after failures; a refusal waits [auth] failed_login_delay
+                checked = await users.login(name if isinstance(name, str) else "",
+                                            password if isinstance(password, str) else "",
+                                            client.host if client is not None else None)
+            except LoginThrottled as exc:
+                LOGGER.warning("console: a login refused unlooked: %s", exc)
+                return _error(429, "too_many_failed_logins", str(exc))
             if checked is None:
                 LOGGER.warning("console: a login refused for user %s", logsafe(name))
-                await trio.sleep(users.failed_delay if users is not None else 0)
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")
             read_only = checked[1]
             who = f"user {checked[0].name}" + (" (monitoring: read only)" if read_only else "")

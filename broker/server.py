@@ -204,7 +204,7 @@ class BrokerServer:
                 self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port,
                                          metrics_route(served) if on_admin and served is not None else None,
                                          metrics.require_token, self.authenticator.store,
-                                         self.config.auth.failed_login_delay)
+                                         self.config.auth.failed_login_delay, self.authenticator.throttle)
                 self.admin_port = self.admin.bind()
                 if on_admin:
                     self.metrics_port = self.admin_port

@@ -5,6 +5,7 @@ the token still working beside them."""
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 from pathlib import Path
 from typing import Any
@@ -81,3 +82,51 @@ async def test_the_console_logs_in_a_user_and_a_monitoring_session_is_read_only(
                             {"Content-Type": "application/json"})
     assert refused.status == 403 and trio.current_time() - began >= DELAY
     await login(broker)  # the token, as before
+
+
+async def _basic_from(broker: Any, source: str, user: str, password: str) -> int:
+    """A GET /api/queues with HTTP Basic from the local address `source` (127.0.0.x); its status."""
+    port = int(broker.admin_url.rsplit(":", 1)[1])
+
+    def call() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20, source_address=(source, 0))
+        try:
+            conn.request("GET", "/api/queues", headers=basic(user, password))
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    return await trio.to_thread.run_sync(call)
+
+
+async def test_an_address_guessing_admin_passwords_in_parallel_is_throttled_and_nobody_else_is(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    """Many wrong passwords sent at once from one address (HTTP Basic, then the console's login) are
+    looked at one at a time, the rest refused unlooked (429); an administrator on another address is not
+    made to wait. The throttle is the data port's (broker/auth.py LoginThrottle)."""
+    users = tmp_path / "users.json"
+    write_users(users, {"root": User("root", StoredCredential.from_password("r00t", 4096), ("administrator",))})
+    broker = await start_flowbroker(admin={"token": TOKEN}, auth={
+        "users_file": str(users), "failed_login_delay": 0.1, "failed_login_max_delay": 1.0})
+    throttle = broker.core.login_throttle
+    assert await _basic_from(broker, "127.0.0.1", "root", "wrong-0") == 403  # the first failure
+    statuses: list[int] = []
+
+    async def guess(i: int) -> None:
+        statuses.append(await _basic_from(broker, "127.0.0.1", "root", f"wrong-{i}"))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(12):
+            nursery.start_soon(guess, i + 1)
+        await trio.sleep(0.05)
+        assert await _basic_from(broker, "127.0.0.2", "root", "r00t") == 200  # during the guessing
+    # spaced 0.1, 0.2, 0.4 ... s apart: a few are looked at within the 1 s maximum, the rest refused unlooked
+    assert sorted(set(statuses)) == [403, 429] and throttle.refused == statuses.count(429), statuses
+    # another address has no failures, so the throttle gives it no wait (admit returns 0 for it)
+    assert throttle.failures("127.0.0.2", broker.core.clock_ns()) == 0
+    login = await request(broker, "POST", "/login", json.dumps({"username": "root", "password": "no"}).encode(),
+                          {"Content-Type": "application/json"})
+    assert login.status in (403, 429)  # the console's login shares the address's throttle
+    assert throttle.failures("127.0.0.1", broker.core.clock_ns()) >= 2

@@ -26,6 +26,16 @@ def _serve(home: Path, port: int, admin_port: int) -> subprocess.Popen[str]:
     )
 
 
+def _token(token_file: Path, proc: subprocess.Popen[str]) -> str:
+    """The token file's content once the broker has written it: just after its admin port is bound, so a
+    client that saw the port listen may look a moment too early (seen under load)."""
+    deadline = time.monotonic() + 20
+    while not (token_file.is_file() and token_file.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{token_file} not written"
+        time.sleep(0.05)
+    return token_file.read_text()
+
+
 def _cli(home: Path, admin_port: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWBROKER_ADMIN")}
     return subprocess.run([FLOWBROKER, *args, "--admin-url", f"http://127.0.0.1:{admin_port}"],
@@ -38,7 +48,7 @@ def test_a_broker_that_cannot_bind_the_admin_port_leaves_the_running_brokers_tok
     try:
         wait_listening(admin_port, first)
         token_file = tmp_path / ".flowbroker" / f"admin-token-{admin_port}"
-        before = token_file.read_text()
+        before = _token(token_file, first)
         assert _cli(tmp_path, admin_port, "queues").returncode == 0
 
         second = _serve(tmp_path, free_port(), admin_port)  # same admin port: must fail to start
@@ -60,7 +70,7 @@ def test_two_brokers_on_one_host_keep_their_own_token_files(tmp_path: Path) -> N
         for proc, (_, admin_port) in zip(brokers, ports):
             wait_listening(admin_port, proc)
         files = [tmp_path / ".flowbroker" / f"admin-token-{admin_port}" for _, admin_port in ports]
-        assert files[0].read_text() != files[1].read_text()
+        assert _token(files[0], brokers[0]) != _token(files[1], brokers[1])
         for _, admin_port in ports:  # each CLI finds its broker's token from the URL's port
             result = _cli(tmp_path, admin_port, "queues")
             assert result.returncode == 0, result.stderr
@@ -77,7 +87,7 @@ def test_a_restarted_broker_reuses_the_token_its_cli_has(tmp_path: Path) -> None
         proc = _serve(tmp_path, free_port(), admin_port)
         try:
             wait_listening(admin_port, proc)
-            tokens.append(token_file.read_text())
+            tokens.append(_token(token_file, proc))
         finally:
             err = stop(proc)
     assert tokens[0] == tokens[1]
