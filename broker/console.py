@@ -22,7 +22,6 @@ import logging
 import secrets
 import time
 
-import trio
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -91,7 +91,6 @@ from flowbroker.protocol import (
     PurgeQueue,
     RemoteProtocolError,
     Settle,
-    Subscribe,
     Transfer,
     TransferEntry,
     Unbind,

@@ -10,7 +10,6 @@ if missing; the batch job's id (the base of its producer ids) is made here too, 
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourceStreamWriter, DataSourceWriter

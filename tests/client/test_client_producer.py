@@ -19,7 +19,6 @@ from flowbroker.protocol import (
     ErrorCode,
     FlowResumed,
     FlowStopped,
-    Transfer,
     message_size,
 )
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
