@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import statistics
 import subprocess
@@ -86,23 +85,6 @@ def producers_main(url: str, connections: int, per_connection: list[int], size: 
     out.put(result)
 
 
-def producer_result(q: Any, procs: list[Any], seconds: float = 600) -> dict[str, Any]:
-    """The next producer process's result (any of them)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            result: dict[str, Any] = q.get(timeout=0.2)
-            return result
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                try:  # what the last one to exit put may still be on its way through the pipe
-                    late: dict[str, Any] = q.get(timeout=5)
-                    return late
-                except queue.Empty:
-                    raise RuntimeError("every producer process exited without a result") from None
-    raise RuntimeError(f"no producer result within {seconds:.0f} s")
-
-
 @dataclass
 class Result:
     layout: str
@@ -155,7 +137,7 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
             go.set()
             c = wait_result(cq, consumer, "consumer")
             cpu = server.cpu_seconds() - cpu
-            results = [producer_result(pq, producers) for _ in producers]
+            results = [wait_result(pq, producers, "producer", 600) for _ in producers]
             starts = [r["start"] for r in results]
             for proc in producers:
                 proc.join()

@@ -405,16 +405,25 @@ def one_run(system: str, args: argparse.Namespace) -> Run:
 
 
 def wait_result(q: Any, proc: Any, what: str, seconds: float = 900) -> dict[str, Any]:
-    """The child's result; a child that put a large result on its queue cannot exit before it is read."""
+    """The next result on `q` from `proc`, or from any of them when `proc` is a list of processes (a child
+    that put a large result on its queue cannot exit before it is read). Fails once they have all exited
+    without one, or after `seconds` (then it ends them)."""
+    procs = proc if isinstance(proc, list) else [proc]
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             result: dict[str, Any] = q.get(timeout=0.2)
             return result
         except queue.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(f"the {what} process died (exit code {proc.exitcode})") from None
-    proc.kill()
+            if not any(p.is_alive() for p in procs):
+                try:  # what the last one to exit put may still be on its way through the pipe
+                    late: dict[str, Any] = q.get(timeout=5)
+                    return late
+                except queue.Empty:
+                    codes = ", ".join(str(p.exitcode) for p in procs)
+                    raise RuntimeError(f"the {what} process(es) exited without a result (exit code {codes})") from None
+    for p in procs:
+        p.kill()
     raise RuntimeError(f"the {what} process gave no result within {seconds:.0f} s")
 
 
