@@ -52,6 +52,7 @@ def run(messages: int, batch: int, size: int, permissions: bool = False) -> floa
     # Each end speaks through a broker-side state machine fed by a client-side one, as on the wire.
     p_client, p_broker = Connection(Role.CLIENT), Connection(Role.BROKER)
     c_client, c_broker = Connection(Role.CLIENT), Connection(Role.BROKER)
+    p_broker.build_transfers = False  # as the broker's server reads (BrokerServer's ConnectionHandler)
     for client, broker in ((p_client, p_broker), (c_client, c_broker)):
         broker.receive_data(client.send(Hello(PROTOCOL_VERSION, "bench", True, [])))
         broker.next_frame()

@@ -541,7 +541,7 @@ class BrokerCore:
         """True when this message of an idempotent producer is the next of its producer id (route it);
         otherwise it is answered now: a duplicate is completed (not enqueued), a gap or an id the broker
         cannot track is refused (completed with an ERROR naming why)."""
-        verdict = self.producer_sequences.check(entry.producer_id, entry.sequence, now)  # type: ignore[arg-type]
+        verdict = self.producer_sequences.check(entry[4], entry[5], now)  # type: ignore[arg-type]
         if verdict is None:
             return True
         if verdict is DUPLICATE:
@@ -561,14 +561,16 @@ class BrokerCore:
         """Why a message cannot be routed (a key over MAX_KEY_BYTES, the whole message over
         max_message_size), or None. Checked at publish so that a message the broker takes can always
         be delivered: a DELIVER carries the same fields."""
-        key_bytes = utf8_len(entry.routing_key)
+        # (by index: the broker's reader keeps a TRANSFER's entries as decoded lists, `build_transfers`)
+        exchange, routing_key, body, headers = entry[0], entry[1], entry[2], entry[3]
+        key_bytes = utf8_len(routing_key)
         if key_bytes > MAX_KEY_BYTES:
             return (ErrorCode.KEY_TOO_LONG,
                     f"routing key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes", None)
-        size = message_wire_size(entry.exchange, entry.routing_key, entry.body, entry.headers)
+        size = message_wire_size(exchange, routing_key, body, headers)
         if size > max_message:
             return (ErrorCode.MESSAGE_TOO_LARGE,
-                    f"message of {size} bytes (body {len(entry.body)}, with its routing key, exchange and "
+                    f"message of {size} bytes (body {len(body)}, with its routing key, exchange and "
                     f"headers) exceeds max_message_size {max_message}", None)
         return None
 

@@ -437,6 +437,9 @@ class ConnectionHandler:
         self.io = stream_io(stream)
         cfg = server.config.server
         self.conn = Connection(Role.BROKER, cfg.max_frame_size)
+        # A TRANSFER's entries stay the checked lists msgpack decoded: the core unpacks or indexes them,
+        # and a NamedTuple built and freed per message cost more than both (docs/performance.md).
+        self.conn.build_transfers = False
         self.session: Session | None = None
         self._wakeup = trio.Event()
         self._writing = False  # the writer task is inside _write: nobody else may write

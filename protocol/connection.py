@@ -152,6 +152,17 @@ class Connection:
     def build_deliveries(self, value: bool) -> None:
         self._decoder.build_deliveries = value
 
+    @property
+    def build_transfers(self) -> bool:
+        """True (the default): a received TRANSFER's entries are `TransferEntry`s. False: the validated
+        lists msgpack decoded, each with its six fields in the same order, for a receiver that unpacks
+        or indexes them (the broker's reader): a NamedTuple per message costs several times a list."""
+        return self._decoder.build_transfers
+
+    @build_transfers.setter
+    def build_transfers(self, value: bool) -> None:
+        self._decoder.build_transfers = value
+
     def set_max_frame_size(self, size: int) -> None:
         """Adopt the size negotiated in WELCOME (the largest frame this end will accept)."""
         if size < 64:
