@@ -39,7 +39,7 @@ def test_deliver_many_seals_frames_where_deliver_would(runs: list[list[int]], bu
         tag += len(sizes)
         for entry, size in zip(entries, sizes):
             one.deliver(7, entry, size)
-        many.deliver_many(7, list(entries), list(sizes))
+        many.deliver_many(7, list(entries), sum(sizes), iter(sizes))
         assert [f for f in one.sealed] == [f for f in many.sealed]
         assert one.open_frames == many.open_frames and one._open_bytes == many._open_bytes
     assert _frames(one) == _frames(many)
