@@ -37,6 +37,10 @@ class Role(enum.Enum):
     CLIENT = "client"
     BROKER = "broker"
 
+    # Hashed by identity, in C, like their equality: Enum's own __hash__ is a Python call, and every
+    # frame sent or received looks up its role and state in the tables below (four calls a frame).
+    __hash__ = object.__hash__
+
 
 class State(enum.Enum):
     AWAIT_HELLO = "await-hello"  # nothing exchanged yet
@@ -44,6 +48,8 @@ class State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"  # CLOSE sent or received, or the byte stream ended
     ERROR = "error"  # a protocol error: the shell must close the transport
+
+    __hash__ = object.__hash__  # (as Role's)
 
 
 _SESSION = frozenset({FrameType.NOOP, FrameType.ERROR, FrameType.CLOSE})
