@@ -91,6 +91,11 @@ __all__ = ["BrokerServer", "now_ns"]
 
 LOGGER = logging.getLogger("flowbroker.broker.server")
 RECEIVE_SIZE = 64 * 1024  # per read; 256 KiB reads from 200 busy connections fragmented the heap by tens of MiB
+LARGE_READ = 1024 * 1024
+"""The most one read asks for the rest of a frame larger than RECEIVE_SIZE whose length is in: the SDK's
+TRANSFER frames are about 256 KiB, read 64 KiB at a time they cost four reads (and four scheduler rounds:
+a read yields) where one or two do. What is read beyond the allowance is charged to the partial-frame
+budget before it is read (`grant_read`), as before, so the bound on bytes held is the same."""
 FINAL_FLUSH_SECONDS = 2.0
 READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
@@ -707,7 +712,11 @@ class ConnectionHandler:
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE:
             while True:
-                size = frame_bytes.grant_read(conn.buffered, RECEIVE_SIZE)
+                want = RECEIVE_SIZE
+                frame_size = conn.next_frame_size  # (None before a length prefix is in)
+                if frame_size is not None and frame_size - conn.buffered > RECEIVE_SIZE:
+                    want = min(frame_size - conn.buffered, LARGE_READ)  # the rest of a large frame
+                size = frame_bytes.grant_read(conn.buffered, want)
                 if not size:  # in the middle of a large frame, and the budget is spent
                     await frame_bytes.budget.wait_freed()
                     continue
