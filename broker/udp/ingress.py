@@ -76,6 +76,7 @@ class UdpPublication:
     channel: ReceiveChannel
     subscription: Subscription
     image: Image | None = None
+    mtu: int = 0  # the mtu it was told to send with ([udp] mtu, or loopback_mtu from a loopback address)
     pending: deque[tuple[int, int]] = field(default_factory=deque)
     """(transfer id, term bytes) of each message polled and not yet released, in transfer-id order (id 0:
     a message that was never routed, a bad envelope, released with the ones before it)."""
@@ -132,12 +133,13 @@ class Ingress:
         session.errors_sent = None  # its ERRORs reach the owner's wire, counted there (_drain_outbox)
         core._register_producer(session)
         window = config.max_receiver_window
+        mtu = config.publication_mtu(source[0])
         receiver = ReceiverConfig(
             receiver_id=self._rng.randrange(1, 2**31),
             receiver_window=window,
             congestion_control=config.congestion_control,
             session_id=session_id,
-            so_rcvbuf=max(window, config.mtu),
+            so_rcvbuf=max(window, mtu),
             max_images=1,
             max_pending_setups=4,
         )
@@ -148,13 +150,13 @@ class Ingress:
             on_unavailable_image=lambda image: self._image_gone(holder[0], image),
         )
         pub = UdpPublication(session_id, stream_id, owner, source, exchange, routing_key, session, channel,
-                             subscription)
+                             subscription, mtu=mtu)
         holder.append(pub)
         self.publications[session_id] = pub
         LOGGER.info("connection %d registered UDP publication %d (stream %d) from %s:%d to exchange %r",
                     owner.conn_id, session_id, stream_id, source[0], source[1], exchange)
         return {"session_id": session_id, "stream_id": stream_id, "endpoint": datapath.endpoint_text,
-                "term_length": config.term_length, "mtu": config.mtu, "connection": session.conn_id}
+                "term_length": config.term_length, "mtu": mtu, "connection": session.conn_id}
 
     def _image_available(self, pub: UdpPublication, image: Image) -> None:
         pub.image = image
@@ -217,14 +219,14 @@ class Ingress:
         if source != pub.source:
             return "wrong_source"
         if data[6] == FrameType.SETUP and data[7] == 0:
-            problem = self._setup_problem(data)
+            problem = self._setup_problem(pub, data)
             if problem is not None:
                 return problem
         pub.channel.on_datagram(data, source, now_ns)
         pub.woken = True
         return None
 
-    def _setup_problem(self, data: bytes | bytearray | memoryview) -> str | None:
+    def _setup_problem(self, pub: UdpPublication, data: bytes | bytearray | memoryview) -> str | None:
         frames, reason = decode_datagram(data)
         if reason is not None or not frames or not isinstance(frames[0], Setup):
             return None  # the channel counts a malformed SETUP itself
@@ -232,7 +234,7 @@ class Ingress:
         config = self.datapath.config
         if setup.term_length != config.term_length:
             return "setup_term_length"
-        if setup.mtu > config.mtu:
+        if setup.mtu > pub.mtu:
             return "setup_mtu"
         return None
 
@@ -403,7 +405,9 @@ class Ingress:
         if session.credit_waiting or not session.open:
             cap = 0
         else:
-            cap = min(max(session.buffer_size, config.min_receiver_window), config.max_receiver_window)
+            # Never below one datagram of the publication's mtu (loopback_mtu may be above
+            # min_receiver_window): a window smaller than a full frame would stall a fragmented message.
+            cap = min(max(session.buffer_size, config.min_receiver_window, pub.mtu), config.max_receiver_window)
         if image.window_cap == cap:
             return False
         image.window_cap = cap

@@ -23,7 +23,8 @@ MS = 1_000_000
 class Rig:
     """A broker core with its data path, one owner connection, and a publication registered by it."""
 
-    def __init__(self, *, stream_id: int = 1001, **sections: dict[str, Any]) -> None:
+    def __init__(self, *, stream_id: int = 1001, source: tuple[str, int] = SOURCE,
+                 **sections: dict[str, Any]) -> None:
         sections.setdefault("credit", {"policy": "static", "static_size": 64 * 1024})
         self.h = Harness(**sections)
         self.core = self.h.core
@@ -31,13 +32,14 @@ class Rig:
         self.datapath = DataPath(self.h.config.udp, self.core, ENDPOINT, self._wake, seed=7)
         self.core.udp = self.datapath
         self.owner: Producer = self.h.producer("owner")
-        self.owner.session.peer_host = SOURCE[0]
-        answer = self.owner.ok(lambda rid: RegisterPublication(rid, "", "q", stream_id, SOURCE[1]))
+        self.source = source
+        self.owner.session.peer_host = source[0]
+        answer = self.owner.ok(lambda rid: RegisterPublication(rid, "", "q", stream_id, source[1]))
         self.answer = answer
         self.session_id: int = answer["session_id"]
         udp = self.h.config.udp
         self.pub = Publication(
-            PublicationConfig(self.session_id, stream_id, term_length=udp.term_length, mtu=udp.mtu,
+            PublicationConfig(self.session_id, stream_id, term_length=udp.term_length, mtu=answer["mtu"],
                               max_messages_per_send=64),
             self.h.now, destination=ENDPOINT,
         )
@@ -52,9 +54,9 @@ class Rig:
             now = self.h.now
             for datagram, address in self.pub.do_work(now):
                 assert address == ENDPOINT
-                self.datapath.on_datagram(datagram, SOURCE, now)
+                self.datapath.on_datagram(datagram, self.source, now)
             for datagram, address in self.datapath.do_work(now):
-                assert address == SOURCE
+                assert address == self.source
                 self.pub.on_datagram(datagram, ENDPOINT, now)
 
     def offer_all(self, bodies: list[bytes], rounds: int = 200) -> int:
@@ -83,10 +85,41 @@ def test_registration_answers_the_session_and_geometry_and_opens_a_producer_sess
     rig.h.queue("q")
     udp = rig.h.config.udp
     assert rig.answer["endpoint"] == "127.0.0.1:5682" and rig.answer["stream_id"] == 1001
-    assert (rig.answer["term_length"], rig.answer["mtu"]) == (udp.term_length, udp.mtu)
+    # from a loopback address: datagrams of loopback_mtu (at most term_length / 8 and max_receiver_window)
+    assert (rig.answer["term_length"], rig.answer["mtu"]) == (udp.term_length, 65504)
     pub_session = rig.core.sessions[rig.answer["connection"]]
     assert pub_session.client_name == f"owner udp:{rig.session_id}"
     assert pub_session.conn_id in rig.core.credit.producer_ids
+
+
+def test_a_publication_from_another_host_sends_with_the_configured_mtu_and_loopback_mtu_is_bounded() -> None:
+    rig = Rig(source=("10.1.2.3", 40001))
+    rig.h.queue("q")
+    assert rig.answer["mtu"] == rig.h.config.udp.mtu == 8192
+    bodies = [b"%04d" % i + b"r" * 3000 for i in range(200)]
+    assert rig.offer_all(bodies) == len(bodies)
+    rig.cycle(rounds=20)
+    assert rig.bodies() == bodies
+    small = Rig(udp={"term_length": 65536, "mtu": 4096, "min_receiver_window": 4096, "max_receiver_window": 32768})
+    assert small.answer["mtu"] == 8192  # term_length / 8
+    narrow = Rig(udp={"max_receiver_window": 20000})
+    assert narrow.answer["mtu"] == 20000 & ~31  # a window holds at least one datagram
+    assert Rig(udp={"loopback_mtu": 4096}).answer["mtu"] == 4096
+
+
+def test_a_window_never_closes_below_one_datagram_of_the_publication_so_big_messages_go_through() -> None:
+    """The credit grant (static 16 KiB here) is below loopback_mtu: the image's window is raised to one
+    datagram, or a message fragmented into mtu-sized frames could never be sent."""
+    rig = Rig(credit={"policy": "static", "static_size": 16 * 1024})
+    rig.h.queue("q")
+    bodies = [b"%04d" % i + b"B" * 200_000 for i in range(6)]  # each in four 64 KiB frames
+    assert rig.offer_all(bodies) == len(bodies)
+    for _ in range(50):
+        rig.cycle()
+        if len(rig.bodies()) == len(bodies):
+            break
+    assert rig.bodies() == bodies
+    assert rig.image.statistics().receiver_window >= 65504
 
 
 def test_messages_are_routed_in_order_and_the_window_is_the_credit_grant() -> None:
@@ -194,7 +227,7 @@ def test_datagrams_that_are_not_the_registered_publications_are_refused_by_reaso
 
 
 def test_a_setup_with_other_geometry_is_refused() -> None:
-    rig = Rig()
+    rig = Rig(source=("10.1.2.3", 40001))
     udp = rig.h.config.udp
     for config, reason in (
         (PublicationConfig(rig.session_id, 1001, term_length=udp.term_length * 2, mtu=udp.mtu), "setup_term_length"),
@@ -202,7 +235,7 @@ def test_a_setup_with_other_geometry_is_refused() -> None:
     ):
         wrong = Publication(config, rig.h.now, destination=ENDPOINT)
         for datagram, _ in wrong.do_work(rig.h.now):
-            rig.datapath.on_datagram(datagram, SOURCE, rig.h.now)
+            rig.datapath.on_datagram(datagram, rig.source, rig.h.now)
         assert rig.datapath.refused[reason] == 1
     assert rig.image is None
 
