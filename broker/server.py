@@ -160,6 +160,14 @@ class BrokerServer:
         self.opened = 0  # connections that completed the handshake since the last summary...
         self.closed = 0  # ...and that closed since then
 
+    def _begin_udp_pass(self) -> None:
+        self.in_chunk = True
+
+    def _end_udp_pass(self) -> None:
+        """A pass of the UDP data path is over: write what it woke, as at the end of a reader's chunk."""
+        self.in_chunk = False
+        self.flush_woken()
+
     def flush_woken(self) -> None:
         """Write out, without waiting, what the frames just handled made due on every connection."""
         woken, self._woken = self._woken, {}
@@ -201,6 +209,7 @@ class BrokerServer:
                                     f"{exc.strerror or exc} (--udp-endpoint HOST:PORT to choose another, "
                                     "--no-udp to run without it)") from None
             self.udp_port = self.udp.port
+            self.udp.begin_pass, self.udp.end_pass = self._begin_udp_pass, self._end_udp_pass
         metrics = self.config.metrics
         served = broker_metrics(self.core, metrics.max_producer_series) if metrics.enabled else None
         try:
