@@ -119,6 +119,9 @@ assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME
 WRITE_FRAMES = 8
 """Most TRANSFER frames in one socket write, so control traffic never waits long behind data."""
 RECEIVE_SIZE = 256 * 1024
+SETTLE_HOLD_MAX = 1024
+"""Most settlements the writer lets wait while the application keeps settling (`_settlements_may_wait`),
+lowered to a quarter of the smallest prefetch in force of the connection's subscriptions (`_settle_hold`)."""
 WRITE_CHUNK = 1024 * 1024
 """A write larger than this goes out a chunk at a time, so that the timer can tell a broker that reads
 slowly (each chunk goes through) from one that reads nothing (see `_timer`)."""
@@ -240,6 +243,16 @@ class Connection:
         self._settle: dict[Outcome, list[Range]] = {}
         """Settlements waiting for the writer, as runs of consecutive tags (closed runs; the open one is
         `_run_*`), per outcome. Bounded by the unsettled deliveries."""
+        self._settle_count = 0
+        """Tags in the closed runs of `_settle`."""
+        self._settle_hold = SETTLE_HOLD_MAX
+        """Most settlements the writer lets wait (`_settlements_may_wait`): SETTLE_HOLD_MAX, lowered to a
+        quarter of each subscription's prefetch in force as its OK arrives, so that what is held back
+        is never much of the broker's credit."""
+        self._settle_seen = 0
+        self._settle_still = 0
+        """Settlements pending when the writer last let them wait (0: it sent them since), and the passes
+        since then that found no more."""
         self._run_outcome: Outcome | None = None
         self._run_first = 0
         self._run_next = -1
@@ -578,6 +591,7 @@ class Connection:
         self._transfer_costs.clear()
         self._control.clear()
         self._settle.clear()
+        self._settle_count = self._settle_seen = self._settle_still = 0
         self._run_outcome, self._run_next = None, -1
         self._acks.clear()
         self._noop_replies.clear()
@@ -1029,6 +1043,7 @@ class Connection:
         if runs is None:
             runs = self._settle[outcome] = []
         runs.append((self._run_first, self._run_next - 1))
+        self._settle_count += self._run_next - self._run_first
         self._run_outcome, self._run_next = None, -1
 
     # ------------------------------------------------------------------ writer
@@ -1050,6 +1065,7 @@ class Connection:
             self._close_run()
         if self._settle:
             settle, self._settle = self._settle, {}
+            self._settle_count = 0
             for outcome, runs in settle.items():
                 ranges = runs if len(runs) == 1 else merge_ranges(runs)
                 # Split, so that no frame asks the broker for more than the protocol allows.
@@ -1123,11 +1139,38 @@ class Connection:
                 self._transfers or self._control or self._settle or self._run_outcome is not None or self._acks
                 or self._noop_replies
             ):
+                if self._settlements_may_wait():
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    continue
+                self._settle_seen = self._settle_still = 0
                 out: list[bytes] = []
                 self._encode_control(out)
                 self._encode_transfers(out)
                 await self._write(b"".join(out))
                 self._last_sent = trio.current_time()
+
+    def _settlements_may_wait(self) -> bool:
+        """Whether the writer, woken with nothing but settlements to send, lets them wait for one more pass
+        of the scheduler (it yields and looks again): only while the application is still settling (more
+        were settled since the last pass), and at most `_settle_hold` settlements. A consumer iterating a full buffer yields once per YIELD_EVERY messages, and the
+        writer used to send a SETTLE frame at each of those yields: one frame per ~85 messages at
+        saturation, each a write here and a read, a wake-up and a dispatch at the broker. Waiting while
+        the application settles on makes them a frame per several hundred messages. Nothing waits once
+        the application stops settling: when it waits for its next message (its buffer is empty) or does
+        anything else, the next pass finds nothing new and sends; anything else to write (transfers,
+        buffer acks, requests) takes the settlements along at once; a close sends them."""
+        if self._transfers or self._control or self._acks or self._noop_replies:
+            return False
+        pending = self._settle_count + (self._run_next - self._run_first if self._run_outcome is not None else 0)
+        if pending >= self._settle_hold:
+            return False
+        if pending == self._settle_seen:
+            # Nothing new since the last pass. Once may be the order of one scheduler batch (the writer ran
+            # before the consumer's task in it); twice, the application is doing something else.
+            self._settle_still += 1
+            return self._settle_still < 2
+        self._settle_seen, self._settle_still = pending, 0
+        return True
 
     async def _write_final(self) -> None:
         """Closed: write what a graceful close still sends, then `_final_frames` (CLOSE, and why)."""

@@ -436,6 +436,9 @@ class Consumer:
         in_force = result.get("prefetch")
         if type(in_force) is int and in_force > 0:
             self.prefetch_in_force = min(in_force, self.prefetch) if self.prefetch else in_force
+        if self.prefetch_in_force is not None:  # the writer never holds back much of this credit
+            conn = self._conn
+            conn._settle_hold = max(1, min(conn._settle_hold, self.prefetch_in_force // 4))
         self._subscribing = None
         if self._closed:  # nobody will use it: cancel it at once (`aclose` then has nothing to cancel)
             self._conn._cancel_nowait(self)

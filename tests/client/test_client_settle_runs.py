@@ -75,3 +75,62 @@ def test_merge_ranges_of_runs_is_to_ranges_of_their_tags(tags: list[int]) -> Non
         else:
             runs.append((tag, tag))
     assert merge_ranges(runs) == to_ranges(tags)
+
+
+def test_a_consumer_settling_a_full_buffer_sends_a_settle_frame_per_several_yields() -> None:
+    """The writer lets settlements wait while the application keeps settling (up to a quarter of the
+    prefetch): iterating and acking 2,000 buffered messages, which yields once per
+    YIELD_EVERY, sends a SETTLE frame per several yields instead of one per yield, and the last ones go out
+    once the application stops (here: it waits for a message that does not come)."""
+    from flowbroker.client.consumer import YIELD_EVERY
+    from flowbroker.protocol import Deliver, DeliveryEntry, Ok, Subscribe
+
+    count, prefetch = 2000, 2000
+
+    async def run() -> list[Settle]:
+        client_end, broker_end = trio.testing.memory_stream_pair()
+        client, broker = ProtocolConnection(Role.CLIENT), ProtocolConnection(Role.BROKER)
+        broker.receive_data(client.send(Hello(PROTOCOL_VERSION, "test", True, [], None)))
+        broker.next_frame()
+        welcome = Welcome(1, 1, "test", 8 << 20, 1 << 20, 0, 0, "test")
+        client.receive_data(broker.send(welcome))
+        client.next_frame()
+        settles: list[Settle] = []
+
+        async def scripted_broker() -> None:
+            while True:
+                broker.receive_data(bytes(await broker_end.receive_some(1 << 20)))
+                while (frame := broker.next_frame()) is not None:
+                    if isinstance(frame, Subscribe):
+                        await broker_end.send_all(broker.send(Ok(frame.request_id, {"queue": "q", "prefetch": prefetch})))
+                        for first in range(1, count + 1, 500):
+                            entries = [DeliveryEntry(tag, "", "q", b"x", None, False) for tag in range(first, first + 500)]
+                            await broker_end.send_all(broker.send(Deliver(frame.subscription_id, entries)))
+                    elif isinstance(frame, Settle):
+                        settles.append(frame)
+
+        conn = Connection(client_end, client, welcome)
+        async with conn, trio.open_nursery() as nursery:
+            nursery.start_soon(scripted_broker)
+            async with conn.consumer("q", prefetch=prefetch) as consumer:
+                while consumer.buffered < count:
+                    await trio.sleep(0)
+                received = 0
+                async for msg in consumer:
+                    await msg.ack()
+                    received += 1
+                    if received == count:
+                        break
+                with trio.move_on_after(0.5):  # the application waits: what it settled goes out
+                    await consumer.receive()
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        return settles
+
+    settles = trio.run(run)
+    tags = sorted(t for frame in settles for lo, hi in frame.ranges for t in range(lo, hi + 1))
+    assert tags == list(range(1, count + 1))
+    assert {frame.outcome for frame in settles} == {Outcome.ACK}
+    # one frame per yield would be count / YIELD_EVERY (16); at most a quarter of the prefetch is held
+    assert len(settles) <= count // (prefetch // 4) + 1
+    assert len(settles) < count // YIELD_EVERY
