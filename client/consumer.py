@@ -167,7 +167,12 @@ class Message:
             raise AlreadySettled(f"delivery {self.delivery_tag} was already settled ({self.settled.name})")
         consumer = self._consumer
         if consumer._settles_over_tcp:
-            consumer._conn._settle_tag(outcome, self.delivery_tag)
+            connection = consumer._conn
+            tag = self.delivery_tag
+            if tag == connection._run_next and outcome is connection._run_outcome:  # `_settle_tag`'s common case
+                connection._run_next = tag + 1
+            else:
+                connection._settle_tag(outcome, tag)
         self.settled = outcome
         consumer._unsettled -= 1
         if self._unprocessed:  # `_mark_processed` inlined
