@@ -167,7 +167,12 @@ class Message:
             raise AlreadySettled(f"delivery {self.delivery_tag} was already settled ({self.settled.name})")
         consumer = self._consumer
         if consumer._settles_over_tcp:
-            consumer._conn._settle_tag(outcome, self.delivery_tag)
+            connection = consumer._conn
+            tag = self.delivery_tag
+            if tag == connection._run_next and outcome is connection._run_outcome:  # `_settle_tag`'s common case
+                connection._run_next = tag + 1
+            else:
+                connection._settle_tag(outcome, tag)
         self.settled = outcome
         consumer._unsettled -= 1
         if self._unprocessed:  # `_mark_processed` inlined
@@ -436,6 +441,9 @@ class Consumer:
         in_force = result.get("prefetch")
         if type(in_force) is int and in_force > 0:
             self.prefetch_in_force = min(in_force, self.prefetch) if self.prefetch else in_force
+        if self.prefetch_in_force is not None:  # the writer never holds back much of this credit
+            conn = self._conn
+            conn._settle_hold = max(1, min(conn._settle_hold, self.prefetch_in_force // 4))
         self._subscribing = None
         if self._closed:  # nobody will use it: cancel it at once (`aclose` then has nothing to cancel)
             self._conn._cancel_nowait(self)

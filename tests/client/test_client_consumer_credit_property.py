@@ -24,6 +24,8 @@ class StandInConnection:
 
     close_timeout = 1.0
     is_closed = False
+    _run_next = -1  # no open run of settlements: every one goes through `_settle_tag`
+    _run_outcome = None
     _processed = Connection._processed
     _set_buffer = Connection._set_buffer
 
