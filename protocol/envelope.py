@@ -18,6 +18,7 @@ producer's window keeps moving), never lets it reach a queue. Pure functions, no
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "PUBLISH_ENVELOPED",
     "decode_delivery",
     "decode_publish",
+    "delivery_head",
     "encode_delivery",
     "encode_delivery_of",
     "encode_publish",
@@ -120,16 +122,30 @@ def _packed_names(exchange: str, routing_key: str) -> bytes:
     return packed
 
 
+_pack_int: Callable[[int], bytes] = msgpack.Packer().pack
+"""One packer for the tags (msgpack.packb builds a Packer per call); it returns the bytes and resets."""
+
+
+def delivery_head(delivery_tag: int, exchange: str, routing_key: str, headers: Headers | None,
+                  redelivered: bool) -> bytes:
+    """The bytes of a DELIVER payload before its body: ``delivery_head(...) + body`` is
+    `encode_delivery_of`'s payload. The broker writes head and body into its term one after the other
+    (`Publication.offer_parts`), so a delivery's body is copied once, into the term, not first into a
+    payload of its own."""
+    if headers is not None:
+        meta: bytes = msgpack.packb([delivery_tag, exchange, routing_key, headers, redelivered], use_bin_type=True)
+    else:
+        meta = (b"\x95" + _pack_int(delivery_tag) + _packed_names(exchange, routing_key)
+                + (_NIL_TRUE if redelivered else _NIL_FALSE))
+    return _LENGTH.pack(DELIVER, len(meta)) + meta
+
+
 def encode_delivery_of(delivery_tag: int, exchange: str, routing_key: str, body: bytes, headers: Headers | None,
                        redelivered: bool) -> bytes:
     """`encode_delivery` from the fields, byte for byte the same, without building a DeliveryEntry: a
     message without headers packs only its tag (exchange and routing key come packed from a small cache;
     msgpack packs an array as its elements one after another, so the bytes are those of packb(list))."""
-    if headers is not None:
-        return encode_delivery(DeliveryEntry(delivery_tag, exchange, routing_key, body, headers, redelivered))
-    meta: bytes = (b"\x95" + msgpack.packb(delivery_tag) + _packed_names(exchange, routing_key)
-            + (_NIL_TRUE if redelivered else _NIL_FALSE))
-    return _LENGTH.pack(DELIVER, len(meta)) + meta + body
+    return delivery_head(delivery_tag, exchange, routing_key, headers, redelivered) + body
 
 
 def decode_delivery(payload: bytes | memoryview) -> DeliveryEntry:
