@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import msgpack
@@ -148,8 +148,34 @@ def encode_delivery_of(delivery_tag: int, exchange: str, routing_key: str, body:
     return delivery_head(delivery_tag, exchange, routing_key, headers, redelivered) + body
 
 
+_unpackb = msgpack.unpackb
+_make_entry: Callable[[Any], DeliveryEntry] = partial(tuple.__new__, DeliveryEntry)
+"""tuple.__new__ in C: a DeliveryEntry without the NamedTuple's Python __new__ (the consumer's per-message path)."""
+
+
 def decode_delivery(payload: bytes | memoryview) -> DeliveryEntry:
-    """The delivery a DELIVER payload carries (checked as a DELIVER frame's entry is)."""
+    """The delivery a DELIVER payload carries (checked as a DELIVER frame's entry is).
+
+    The common delivery (no headers, its envelope well formed) is decoded and checked inline, in one
+    call; anything else takes the general path, which names what is wrong."""
+    n = len(payload)
+    if n >= 3 and payload[0] == DELIVER:
+        end = 3 + ((payload[1] << 8) | payload[2])
+        if end <= n:
+            try:
+                meta = _unpackb(payload[3:end], raw=False, strict_map_key=True)
+            except Exception:  # the general path below names it
+                meta = None
+            if type(meta) is list and len(meta) == 5:
+                tag, exchange, key, headers, redelivered = meta
+                if (headers is None and type(tag) is int and tag >= 1 and type(exchange) is str
+                        and type(key) is str and type(redelivered) is bool):
+                    return _make_entry((tag, exchange, key, bytes(payload[end:]), None, redelivered))
+    return _decode_delivery_checked(payload)
+
+
+def _decode_delivery_checked(payload: bytes | memoryview) -> DeliveryEntry:
+    """`decode_delivery`'s general path: every check, an `EnvelopeError` naming the first that fails."""
     if not len(payload) or payload[0] != DELIVER:
         raise EnvelopeError("not a delivery envelope (kind 0x02)")
     meta, end = _meta(payload, "deliver")

@@ -59,6 +59,34 @@ async def test_a_slow_udp_consumer_paces_the_broker_within_its_window(start_flow
     assert datapath.refused.total() == 0
 
 
+async def test_messages_kept_unsettled_leave_the_rest_of_the_window_open(start_flowbroker: Start) -> None:
+    """The consumer releases processed bytes in the image in steps (a sixteenth of its window), not per
+    message; an application that keeps most of its window unsettled and settles the rest one by one still
+    gets every message: what is processed below a step is released by the receiving task's next cycle
+    (at the latest the image's SM timer), so the window never stays closed on processed messages."""
+    broker = await start_flowbroker()
+    window = 64 * 1024
+    kept_count = 59  # 59 x 1,088 term bytes: all but 1,344 bytes of the window, under one step (4 KiB)
+    bodies = [b"%05d" % i + b"k" * 1000 for i in range(kept_count + 150)]
+    kept: list[fc.Message] = []
+    got: list[bytes] = []
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "kept", bodies)
+        with trio.fail_after(60):
+            async with conn.consumer("kept", transport="udp", buffer_size=window, prefetch=1000) as consumer:
+                async for msg in consumer:
+                    got.append(msg.body)
+                    if len(kept) < kept_count:
+                        kept.append(msg)  # not settled: its bytes stay held
+                    else:
+                        await msg.ack()
+                    if len(got) == len(bodies):
+                        break
+                for msg in kept:
+                    await msg.ack()
+    assert got == bodies
+
+
 async def test_ack_reject_and_requeue_go_over_tcp(start_flowbroker: Start) -> None:
     broker = await start_flowbroker()
     async with await fc.connect(broker.url) as conn:
