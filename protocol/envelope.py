@@ -125,6 +125,18 @@ def _packed_names(exchange: str, routing_key: str) -> bytes:
 _pack_int: Callable[[int], bytes] = msgpack.Packer().pack
 """One packer for the tags (msgpack.packb builds a Packer per call); it returns the bytes and resets."""
 
+_HEAD_UINT32 = struct.Struct(">BHBBI")
+"""kind, meta length, then msgpack's fixarray of 5 and a uint32 tag: the head of every delivery whose tag
+is in [65536, 2**32) (msgpack packs those, and only those, as 0xce + 4 bytes)."""
+_HEAD_UINT16 = struct.Struct(">BHBBH")
+"""The same for tags in [256, 65536) (0xcd + 2 bytes)."""
+
+
+@lru_cache(maxsize=1024)
+def _tail(exchange: str, routing_key: str, redelivered: bool) -> bytes:
+    """What follows the tag in the meta of a delivery without headers: names, nil headers, redelivered."""
+    return _packed_names(exchange, routing_key) + (_NIL_TRUE if redelivered else _NIL_FALSE)
+
 
 def delivery_head(delivery_tag: int, exchange: str, routing_key: str, headers: Headers | None,
                   redelivered: bool) -> bytes:
@@ -135,8 +147,12 @@ def delivery_head(delivery_tag: int, exchange: str, routing_key: str, headers: H
     if headers is not None:
         meta: bytes = msgpack.packb([delivery_tag, exchange, routing_key, headers, redelivered], use_bin_type=True)
     else:
-        meta = (b"\x95" + _pack_int(delivery_tag) + _packed_names(exchange, routing_key)
-                + (_NIL_TRUE if redelivered else _NIL_FALSE))
+        tail = _tail(exchange, routing_key, redelivered)
+        if 0xFFFF < delivery_tag <= 0xFFFF_FFFF:  # a connection's tags after its first 65,535 deliveries
+            return _HEAD_UINT32.pack(DELIVER, 6 + len(tail), 0x95, 0xCE, delivery_tag) + tail
+        if 0xFF < delivery_tag <= 0xFFFF:
+            return _HEAD_UINT16.pack(DELIVER, 4 + len(tail), 0x95, 0xCD, delivery_tag) + tail
+        meta = b"\x95" + _pack_int(delivery_tag) + tail
     return _LENGTH.pack(DELIVER, len(meta)) + meta
 
 
@@ -157,7 +173,9 @@ def decode_delivery(payload: bytes | memoryview) -> DeliveryEntry:
     """The delivery a DELIVER payload carries (checked as a DELIVER frame's entry is).
 
     The common delivery (no headers, its envelope well formed) is decoded and checked inline, in one
-    call; anything else takes the general path, which names what is wrong."""
+    call; anything else takes the general path, which names what is wrong. (Reading a uint32 tag and
+    looking its tail up in a cache of names, without msgpack, took more instructions, not fewer: 13,603
+    against 11,772 per decode under callgrind.)"""
     n = len(payload)
     if n >= 3 and payload[0] == DELIVER:
         end = 3 + ((payload[1] << 8) | payload[2])
