@@ -69,6 +69,7 @@ class UdpConsumer(Consumer):
         self._release_step = max(self.window // 16, 1)
         self._max_payload = 0  # the image's largest unfragmented payload (mtu - header)
         self._image_subscriber = 0  # the id the image knows our subscription by
+        self._unheld = False  # a poll took messages it did not hold (dropped, or after the end)
         self._dirty = trio.Event()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -120,6 +121,7 @@ class UdpConsumer(Consumer):
         try:
             entry = decode_delivery(payload)
         except EnvelopeError as exc:
+            self._unheld = True
             self.malformed += 1
             log.warning("UDP subscription %s: payload dropped: %s", self.subscription_id, exc)
             return
@@ -131,6 +133,8 @@ class UdpConsumer(Consumer):
                 space = frame_space(length, self._max_payload + DATA_HEADER_LENGTH)
             self._held[entry.delivery_tag] = space
             self._polled_space += space
+        else:
+            self._unheld = True
         self._polled.append(entry)
 
     def _subscription_id_in_image(self) -> int:
@@ -195,7 +199,11 @@ class UdpConsumer(Consumer):
             self._done.set()
 
     async def _receive(self) -> None:
-        """Datagrams into the image, messages out of it into the consumer's buffer, SMs and NAKs back."""
+        """Datagrams into the image, messages out of it into the consumer's buffer, SMs and NAKs back.
+
+        One duty cycle of the channel per batch of datagrams, before the poll (the rebuild moves there,
+        and SMs and NAKs go out). Not a second one after it: a poll holds what it hands out, so it moves
+        no consumption position, unless it dropped a message or the consumer has ended (`_unheld`)."""
         channel, subscription, endpoint = self._channel, self._subscription, self._endpoint
         assert channel is not None and subscription is not None
         while True:
@@ -219,7 +227,9 @@ class UdpConsumer(Consumer):
                     self._polled = []
                     self._on_deliver(polled)
                     polled = self._polled
-            self._send(channel.do_work(now))
+            if self._unheld:  # messages polled and not held moved the consumption position: report it
+                self._unheld = False
+                self._send(channel.do_work(now))
 
     async def _status(self) -> None:
         """Processing released bytes: the status message that reports it goes out without waiting for a datagram.
