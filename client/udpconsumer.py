@@ -26,8 +26,8 @@ from flowbroker.client.consumer import Consumer, Message
 from flowbroker.protocol import Frame
 from flowbroker.protocol.envelope import EnvelopeError, decode_delivery
 from flowbroker.protocol.frames import DeliveryEntry, SubscribeUdp
-from flowbroker.transport.image import Image
 from flowbroker.transport.frames import DATA_HEADER_LENGTH
+from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
 from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
@@ -146,7 +146,7 @@ class UdpConsumer(Consumer):
 
         Released in steps of a sixteenth of the window, at once when everything handed out is processed,
         and by every cycle of the receiving task (`_flush_released`: at the latest the image's SM timer,
-        so an application that keeps messages unsettled cannot leave the rest of its window unreleased):
+        so bytes below a step do not wait while the application is still on a message):
         the image reports a consumption position only every quarter window anyway, and releasing (and
         asking whether an SM is due) per message was a tenth of the consumer's time. The position the
         broker hears of never passes what was processed."""
