@@ -13,6 +13,13 @@ difference (docs/performance.md):
 
 `--part transport`: only the transport (Publication -> ReceiveChannel, no broker), the floor the
 term append, datagram scan, rebuild and read cost together.
+
+`--part ingress`: the producer -> broker half only (the UDP producer's side of issue 11 item 7): the
+`Publication`'s datagrams into the broker's `DataPath`, routed to a queue whose subscriber is a TCP
+consumer session (its DELIVER frames collected and encoded, one SETTLE per batch, as in
+benchmarks/broker_core_cost.py). Set beside `broker_core_cost.py` (a TCP producer into the same core) it
+says what a message costs the broker arriving over UDP rather than TCP; the CPU of the producer's
+`offer`/`do_work` and of the broker's side are printed apart.
 """
 
 from __future__ import annotations
@@ -25,7 +32,18 @@ from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.protocol.envelope import decode_delivery, encode_publish
-from flowbroker.protocol.frames import Ok, Outcome, RegisterPublication, Settle, SubscribeUdp
+from flowbroker.protocol import Connection, Role
+from flowbroker.protocol.frames import (
+    PROTOCOL_VERSION,
+    Hello,
+    Ok,
+    Outcome,
+    RegisterPublication,
+    Settle,
+    Subscribe,
+    SubscribeUdp,
+    Welcome,
+)
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.publication import Publication, PublicationConfig
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig
@@ -149,13 +167,91 @@ def run(messages: int, size: int) -> float:
     return elapsed / messages * 1e6
 
 
+def run_ingress(messages: int, size: int, split: list[float] | None = None) -> float:
+    """Producer publication -> broker data path -> queue -> TCP consumer session: per-message microseconds
+    of the whole; ``split`` gets the producer's and the broker's shares (microseconds per message)."""
+    config = load_config(None, {"server": {"memory_quota": 1 << 30}})
+    clock = [0]
+    core = BrokerCore(config, lambda: clock[0])
+    datapath = DataPath(config.udp, core, ENDPOINT, lambda: None, seed=1)
+    core.udp = datapath
+    core.declare_queue("bench", None)
+    owner = core.open_session("bench-producer", "anonymous", True, lambda: None)
+    owner.peer_host = PRODUCER[0]
+    consumer = core.open_session("bench-consumer", "anonymous", True, lambda: None)
+    answer = _ok(core, owner, RegisterPublication(1 << 32, "", "bench", 1001, PRODUCER[1]))
+    pub = Publication(PublicationConfig(answer["session_id"], 1001, term_length=answer["term_length"],
+                                        mtu=answer["mtu"], max_messages_per_send=1024,
+                                        publication_window=min(256 * 1024, answer["term_length"] // 2)),
+                      0, destination=ENDPOINT)
+    # The consumer speaks through a broker-side protocol state machine, as on the wire.
+    c_client, c_broker = Connection(Role.CLIENT), Connection(Role.BROKER)
+    c_broker.receive_data(c_client.send(Hello(PROTOCOL_VERSION, "bench", True, [])))
+    c_broker.next_frame()
+    c_client.receive_data(c_broker.send(Welcome(PROTOCOL_VERSION, 1, "bench", 8 << 20, 1 << 20, 60_000, 1 << 20,
+                                                "anonymous")))
+    c_client.next_frame()
+    c_broker.receive_data(c_client.send(Subscribe(1, 1, "bench", 100_000, 0)))
+    core.handle(consumer, c_broker.next_frame())  # type: ignore[arg-type]
+    b"".join(c_broker.send(f) for f in consumer.collect(0))
+    payload = encode_publish(bytes(size))
+    sent = 0
+    settled = 0
+    producer_cpu = 0.0
+    start = time.process_time()
+    while settled < messages:
+        clock[0] += STEP_NS
+        now = clock[0]
+        t0 = time.process_time()
+        while sent < messages and pub.offer(payload) > 0:
+            sent += 1
+        datagrams = pub.do_work(now)
+        producer_cpu += time.process_time() - t0
+        for datagram, _ in datagrams:
+            datapath.on_datagram(datagram, PRODUCER, now)
+        back = datapath.do_work(now)
+        owner.collect(now)
+        delivered = settled
+        for frame in consumer.collect(now):
+            c_broker.send(frame)
+            entries = getattr(frame, "entries", None)
+            if entries:
+                delivered = entries[-1].delivery_tag
+        if delivered > settled:  # one SETTLE per collect, as the SDK sends them
+            core.handle(consumer, Settle(Outcome.ACK, [(settled + 1, delivered)]))
+            settled = delivered
+        back += datapath.do_work(now)
+        t0 = time.process_time()
+        for datagram, _ in back:
+            pub.on_datagram(datagram, ENDPOINT, now)
+        producer_cpu += time.process_time() - t0
+    elapsed = time.process_time() - start
+    queue = core.queues["bench"]
+    assert queue.counters.dequeued == messages and queue.count == 0, "every message delivered and acked"
+    if split is not None:
+        split[:] = [producer_cpu / messages * 1e6, (elapsed - producer_cpu) / messages * 1e6]
+    return elapsed / messages * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=40_000)
     parser.add_argument("--size", type=int, default=1024, help="body bytes")
     parser.add_argument("--repeat", type=int, default=3, help="runs; the best is printed (least disturbed)")
-    parser.add_argument("--part", choices=("all", "transport"), default="all")
+    parser.add_argument("--part", choices=("all", "transport", "ingress"), default="all")
     args = parser.parse_args()
+    if args.part == "ingress":
+        splits: list[list[float]] = []
+        results = []
+        for _ in range(args.repeat):
+            split: list[float] = []
+            results.append(run_ingress(args.messages, args.size, split))
+            splits.append(split)
+        best = min(range(len(results)), key=results.__getitem__)
+        print(f"UDP data path (producer -> broker -> TCP consumer session), {args.size} B bodies: "
+              f"{results[best]:.2f} us CPU per message (runs: {', '.join(f'{r:.2f}' for r in results)}); "
+              f"of the best run, producer {splits[best][0]:.2f} us, broker {splits[best][1]:.2f} us")
+        return
     target = run if args.part == "all" else run_transport
     results = [target(args.messages, args.size) for _ in range(args.repeat)]
     what = "producer -> broker -> UDP consumer" if args.part == "all" else "transport only"

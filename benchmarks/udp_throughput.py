@@ -150,6 +150,15 @@ def _statistics(obj: Any) -> dict[str, int]:
         return {}
 
 
+def _wire_counters(producer: Any) -> dict[str, int]:
+    """A UDP producer's data datagrams sent and status messages received (how many messages each
+    datagram carried, how many SMs the broker sent for them); empty for a TCP producer or an SDK without."""
+    counters = getattr(getattr(producer, "publication", None), "counters", None)
+    if counters is None:
+        return {}
+    return {name: int(getattr(counters, name, 0)) for name in ("data_datagrams_sent", "status_messages_received")}
+
+
 def _contained(run: Any, out: Any) -> None:
     """Run a worker's trio main; put its result, or what stopped it as one line, on `out`."""
     try:
@@ -180,8 +189,9 @@ def producer_main(url: str, transport: str, count: int, size: int, seconds: floa
             if seconds == float("inf"):
                 await producer.flush(timeout=120)
             counters = _statistics(producer)
+            wire = _wire_counters(producer)
         return {"sent": sent, "start": start, "end": time.monotonic(), "counters": counters,
-                "cpu": time.process_time() - cpu}
+                "cpu": time.process_time() - cpu, "wire": wire}
 
     _contained(run, out)
 
@@ -316,6 +326,10 @@ def scenario_pairing(args: argparse.Namespace, name: str, round_no: int) -> floa
         n = max(c["received"], 1)
         print(f"CPU per message: producer {p.get('cpu', 0) / n * 1e6:.1f} us, broker {broker_cpu / n * 1e6:.1f} us, "
               f"consumer {c.get('cpu', 0) / n * 1e6:.1f} us")
+        wire = p.get("wire") or {}
+        if wire.get("data_datagrams_sent"):
+            print(f"producer datagrams: {wire['data_datagrams_sent']:,} ({p['sent'] / wire['data_datagrams_sent']:.2f} "
+                  f"messages each), status messages from the broker: {wire.get('status_messages_received', 0):,}")
         if "udp" in name:
             print(f"NAKs/retransmits: producer {_format(p['counters']) if sending == 'udp' else '(TCP)'}; "
                   f"consumer {_format(c['counters']) if receiving == 'udp' else '(TCP)'}; broker {broker.counters()}")

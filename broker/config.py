@@ -231,6 +231,7 @@ class UdpConfig:
     endpoint: str = "127.0.0.1:5682"
     term_length: int = 2 * MiB
     mtu: int = 8192
+    loopback_mtu: int = 65504
     min_receiver_window: int = 8192
     max_receiver_window: int = MiB
     congestion_control: str = "static"
@@ -255,6 +256,9 @@ class UdpConfig:
         _int_range("udp", "mtu", self.mtu, 64, 65504)
         if self.mtu % 32 or self.mtu > tl // 8:
             raise ConfigError("udp", "mtu", self.mtu, "must be a multiple of 32 and at most term_length / 8")
+        _int_range("udp", "loopback_mtu", self.loopback_mtu, 64, 65504)
+        if self.loopback_mtu % 32:
+            raise ConfigError("udp", "loopback_mtu", self.loopback_mtu, "must be a multiple of 32")
         _int_range("udp", "max_receiver_window", self.max_receiver_window, self.mtu, tl // 2)
         _int_range("udp", "min_receiver_window", self.min_receiver_window, self.mtu, self.max_receiver_window)
         if self.congestion_control not in CONGESTION_CONTROLS:
@@ -279,6 +283,19 @@ class UdpConfig:
     def address(self) -> tuple[str, int]:
         """`endpoint` as (host, port); ValueError naming what is wrong."""
         return parse_endpoint(self.endpoint, "127.0.0.1:5682")
+
+    def publication_mtu(self, host: str) -> int:
+        """The mtu a producer's publication registered from `host` sends with: `loopback_mtu` from a
+        loopback address (no IP fragments there, and each datagram costs both ends a system call and a
+        pass of the data path, so fewer, bigger ones cost less per message), at most term_length / 8 and
+        max_receiver_window; `mtu` from anywhere else."""
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            return self.mtu
+        return min(self.loopback_mtu, self.term_length // 8, self.max_receiver_window & ~31)
 
 
 def parse_endpoint(endpoint: object, example: str) -> tuple[str, int]:

@@ -86,6 +86,7 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 
 
 _owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
+_new_message = object.__new__  # (a Message built field by field on the router's hot path: BrokerCore.route)
 _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
 
 
@@ -144,6 +145,7 @@ class BrokerCore:
         # when the commit that covers it returns. `recovered_producers` is each producer id's highest
         # sequence found in it at start, also accepted into `producer_sequences` (broker/recovery.py).
         self.journal: Journal | None = None
+        self.route_runs = True  # False: every message through route's per-message path (tests compare the two)
         self.recovered_producers: dict[str, int] = {}
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
@@ -368,6 +370,53 @@ class BrokerCore:
         run_first = run_end = -1
         run_size = 0
         try:
+            # The common frame: every message to one memory-only queue that takes them all without
+            # saturating (Queue.takes_run) from a flow-controlled producer, none held by a broker-wide stop.
+            # Its leading run of common messages (below) to that queue is built in one loop and added
+            # with one `add_run`, its ids completed as one run; the rest, if any, goes through the loop
+            # below. tests/broker/test_runs.py checks it against the per-message path (`route_runs` off).
+            if fast and not broker_hold and self.route_runs and entries:
+                key = entries[0][1]
+                queue = queues_by_name.get(key) if len(key) <= _SHORT_KEY else None
+                if (
+                    queue is not None
+                    and not (journal is not None and queue.durable)
+                    and (may_write is None or may_write.get(""))
+                    and queue.takes_run(len(sizes), sum(sizes))
+                ):
+                    msgs: list[Message] = []
+                    offset = queue.next_offset
+                    run_size = 0
+                    for (exchange, routing_key, body, headers, producer_id, sequence), size in zip(entries, sizes):
+                        if exchange != "" or routing_key != key or producer_id is not None or headers or len(body) > fast_body:
+                            break
+                        # Message's fields set here: a class call with its __init__ costs half as much again.
+                        msg = _new_message(Message)
+                        msg.exchange = exchange
+                        msg.routing_key = routing_key
+                        msg.body = body
+                        msg.headers = headers
+                        msg.size = size
+                        msg.producer_id = None
+                        msg.sequence = sequence
+                        msg.redelivered = False
+                        msg.held = None
+                        msg.offset = offset
+                        offset += 1
+                        msgs.append(msg)
+                        run_size += size
+                    if msgs:
+                        queue.add_run(msgs, run_size)
+                        touched[queue] = None
+                        last = queue
+                        run_first, run_end = tid, tid + len(msgs)
+                        tid = run_end
+                        if len(msgs) < len(sizes):
+                            entries, sizes = entries[len(msgs):], sizes[len(msgs):]
+                        else:
+                            entries, sizes = [], []
+                    else:
+                        run_size = 0
             # Only the messages received: up to a credit violation, raised once they are routed.
             for entry, size in zip(entries, sizes):
                 exchange, routing_key, body, headers, producer_id, sequence = entry  # (one op, not six lookups)
@@ -492,7 +541,7 @@ class BrokerCore:
         """True when this message of an idempotent producer is the next of its producer id (route it);
         otherwise it is answered now: a duplicate is completed (not enqueued), a gap or an id the broker
         cannot track is refused (completed with an ERROR naming why)."""
-        verdict = self.producer_sequences.check(entry.producer_id, entry.sequence, now)  # type: ignore[arg-type]
+        verdict = self.producer_sequences.check(entry[4], entry[5], now)  # type: ignore[arg-type]
         if verdict is None:
             return True
         if verdict is DUPLICATE:
@@ -512,14 +561,16 @@ class BrokerCore:
         """Why a message cannot be routed (a key over MAX_KEY_BYTES, the whole message over
         max_message_size), or None. Checked at publish so that a message the broker takes can always
         be delivered: a DELIVER carries the same fields."""
-        key_bytes = utf8_len(entry.routing_key)
+        # (by index: the broker's reader keeps a TRANSFER's entries as decoded lists, `build_transfers`)
+        exchange, routing_key, body, headers = entry[0], entry[1], entry[2], entry[3]
+        key_bytes = utf8_len(routing_key)
         if key_bytes > MAX_KEY_BYTES:
             return (ErrorCode.KEY_TOO_LONG,
                     f"routing key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes", None)
-        size = message_wire_size(entry.exchange, entry.routing_key, entry.body, entry.headers)
+        size = message_wire_size(exchange, routing_key, body, headers)
         if size > max_message:
             return (ErrorCode.MESSAGE_TOO_LARGE,
-                    f"message of {size} bytes (body {len(entry.body)}, with its routing key, exchange and "
+                    f"message of {size} bytes (body {len(body)}, with its routing key, exchange and "
                     f"headers) exceeds max_message_size {max_message}", None)
         return None
 

@@ -15,7 +15,7 @@ producers), and that connection must not pay for this one. Deliveries need no su
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame
@@ -83,8 +83,9 @@ class Outbox:
             self._open_bytes[sub_id] = size
         self.wake()
 
-    def deliver_many(self, sub_id: int, entries: list[DeliveryEntry], sizes: list[int]) -> None:
-        """`deliver` for a run of deliveries to one subscription (`sizes`: each one's charged bytes),
+    def deliver_many(self, sub_id: int, entries: list[DeliveryEntry], total: int, sizes: Iterable[int]) -> None:
+        """`deliver` for a run of deliveries to one subscription, `total` charged bytes in all (`sizes`:
+        each one's, in order, read only when a frame fills up: the caller passes a lazy iterable),
         sealing frames at the same entries as `deliver` would; wakes the writer once."""
         if not entries:
             return  # (an open frame must never be empty: DELIVER carries at least one entry)
@@ -92,12 +93,12 @@ class Outbox:
         frame = open_frames.get(sub_id)
         used = open_bytes.get(sub_id, 0)
         budget = self.max_delivery_frame_bytes
-        if used + sum(sizes) < budget:  # the common case: no frame fills up
+        if used + total < budget:  # the common case: no frame fills up
             if frame is None:
                 open_frames[sub_id] = entries
             else:
                 frame += entries
-            open_bytes[sub_id] = used + sum(sizes)
+            open_bytes[sub_id] = used + total
         else:
             if frame is None:
                 frame = []

@@ -250,6 +250,30 @@ class Queue:
             return True  # (dispatch, which follows, never releases: only settling does)
         return False
 
+    def takes_run(self, count: int, size: int) -> bool:
+        """True when `count` more messages of `size` bytes in all, from a flow-controlled producer, can
+        be added with `add_run`: the queue is not saturated and stays under its stop thresholds (the
+        count one lowered to a drain-time limit, as in `add`) after the last of them, so `add` would
+        neither saturate nor hold on any of them (depth and bytes only grow), and its store is the
+        memory store. The hard limit is not for flow-controlled producers (`add`)."""
+        return (
+            not self.saturated
+            and self.count + count <= self._stop_count
+            and self.size + size <= self.thresholds._stop_size
+            and type(self.store) is MemoryStore
+        )
+
+    def add_run(self, msgs: list[Message], size: int) -> None:
+        """`add` for a run of messages of a flow-controlled producer that `takes_run` allowed, `size`
+        bytes in all, whose offsets the caller set from `next_offset` up, in order (the router, which
+        builds them in one loop). What `add` does per message, once: the offsets taken, the messages
+        appended (the deque's `extend`, in C), depth and bytes counted. None is held (`takes_run`)."""
+        self.next_offset += len(msgs)
+        self.store.extend(msgs)  # type: ignore[attr-defined]  # (a MemoryStore: takes_run)
+        self.count += len(msgs)
+        self.size += size
+        self.meter.held += size
+
     def recovered(self, now_ns: int) -> None:
         """Count the messages a journal's store came back with (broker/recovery.py): they are the queue's
         depth like any other, so its watermarks (and the broker's memory watermark) apply at once."""

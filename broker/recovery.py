@@ -32,6 +32,7 @@ from flowbroker.broker.journalrecord import (
     scan,
 )
 from flowbroker.broker.journalstore import JournalStore
+from flowbroker.protocol.frames import check_delivery_entry
 from flowbroker.broker.message import Message
 from flowbroker.broker.queue import Queue
 
@@ -103,6 +104,12 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
     kind = r[0]
     queues = out.queues
     if kind == MESSAGE:
+        # The fields a DELIVER carries, checked as a received TRANSFER's are: the broker encodes its
+        # DELIVER frames without re-checking them (BrokerServer._encode), so nothing unchecked may
+        # enter a queue. Raises ValueError naming the field: the record is skipped as malformed.
+        check_delivery_entry((1, r[3], r[4], r[5], r[6], False))
+        if type(r[7]) is not int or r[7] < 0:
+            raise ValueError(f"message size {r[7]!r} is not a non-negative integer")
         q = queues.get(r[1])
         if q is not None:
             q.messages[r[2]] = (r, seg, False)

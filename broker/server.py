@@ -91,6 +91,11 @@ __all__ = ["BrokerServer", "now_ns"]
 
 LOGGER = logging.getLogger("flowbroker.broker.server")
 RECEIVE_SIZE = 64 * 1024  # per read; 256 KiB reads from 200 busy connections fragmented the heap by tens of MiB
+LARGE_READ = 1024 * 1024
+"""The most one read asks for the rest of a frame larger than RECEIVE_SIZE whose length is in: the SDK's
+TRANSFER frames are about 256 KiB, read 64 KiB at a time they cost four reads (and four scheduler rounds:
+a read yields) where one or two do. What is read beyond the allowance is charged to the partial-frame
+budget before it is read (`grant_read`), as before, so the bound on bytes held is the same."""
 FINAL_FLUSH_SECONDS = 2.0
 READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
@@ -155,6 +160,14 @@ class BrokerServer:
         self.opened = 0  # connections that completed the handshake since the last summary...
         self.closed = 0  # ...and that closed since then
 
+    def _begin_udp_pass(self) -> None:
+        self.in_chunk = True
+
+    def _end_udp_pass(self) -> None:
+        """A pass of the UDP data path is over: write what it woke, as at the end of a reader's chunk."""
+        self.in_chunk = False
+        self.flush_woken()
+
     def flush_woken(self) -> None:
         """Write out, without waiting, what the frames just handled made due on every connection."""
         woken, self._woken = self._woken, {}
@@ -196,6 +209,7 @@ class BrokerServer:
                                     f"{exc.strerror or exc} (--udp-endpoint HOST:PORT to choose another, "
                                     "--no-udp to run without it)") from None
             self.udp_port = self.udp.port
+            self.udp.begin_pass, self.udp.end_pass = self._begin_udp_pass, self._end_udp_pass
         metrics = self.config.metrics
         served = broker_metrics(self.core, metrics.max_producer_series) if metrics.enabled else None
         try:
@@ -437,6 +451,9 @@ class ConnectionHandler:
         self.io = stream_io(stream)
         cfg = server.config.server
         self.conn = Connection(Role.BROKER, cfg.max_frame_size)
+        # A TRANSFER's entries stay the checked lists msgpack decoded: the core unpacks or indexes them,
+        # and a NamedTuple built and freed per message cost more than both (docs/performance.md).
+        self.conn.build_transfers = False
         self.session: Session | None = None
         self._wakeup = trio.Event()
         self._writing = False  # the writer task is inside _write: nobody else may write
@@ -704,7 +721,11 @@ class ConnectionHandler:
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE:
             while True:
-                size = frame_bytes.grant_read(conn.buffered, RECEIVE_SIZE)
+                want = RECEIVE_SIZE
+                frame_size = conn.next_frame_size  # (None before a length prefix is in)
+                if frame_size is not None and frame_size - conn.buffered > RECEIVE_SIZE:
+                    want = min(frame_size - conn.buffered, LARGE_READ)  # the rest of a large frame
+                size = frame_bytes.grant_read(conn.buffered, want)
                 if not size:  # in the middle of a large frame, and the budget is spent
                     await frame_bytes.budget.wait_freed()
                     continue
@@ -792,9 +813,12 @@ class ConnectionHandler:
         """The frames' bytes; None (and this connection closing) if the state machine refuses one
         or encoding fails, which would be a broker bug: it must end this connection, not the task
         that found it (which may be another connection's reader, flushing)."""
-        conn = self.conn
+        send = self.conn.send
         try:
-            return b"".join([conn.send(f) for f in frames])
+            # A DELIVER's entries are built by the broker from messages whose fields were checked when
+            # they entered it (TRANSFER decoding, the UDP envelope, journal recovery): re-checking each
+            # entry here was about a quarter of encoding. Every other frame is checked as it is sent.
+            return b"".join([send(f, fields_checked=type(f) is Deliver) for f in frames])
         except LocalProtocolError as exc:
             LOGGER.error("connection %s: cannot send: %s", self.session and self.session.conn_id, exc)
             self.close(_Closing(ErrorCode.INTERNAL_ERROR, f"broker cannot send: {exc}", error=False))

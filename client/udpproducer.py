@@ -37,6 +37,7 @@ from flowbroker.protocol import ErrorCode, Headers
 from flowbroker.protocol.envelope import encode_publish
 from flowbroker.protocol.frames import ClosePublication, RegisterPublication
 from flowbroker.transport.drivers import OfferVerdict, offer_verdict
+from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.publication import Publication, PublicationConfig
 from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
 
@@ -55,6 +56,7 @@ PUBLICATION_WINDOW = 256 * 1024
 pub-wnd): how much a producer buffers on its own side before `send` waits."""
 
 _LINGER_NS = 100_000_000  # after close: keep answering NAKs this long (the broker has completed everything)
+_BARE_FRAME_EXTRA = DATA_HEADER_LENGTH + 1 + 31  # a bare body's frame: header, envelope byte, alignment
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -87,6 +89,13 @@ class UdpProducer(Producer):
         self._broker: tuple[str, int] | None = None
         self._ends: collections.deque[int] = collections.deque()
         """The end position of each message sent and not yet complete, in order."""
+        self._batch: list[bytes] = []
+        """Bodies of bare messages `send` took and the publication has not been given yet: appended in
+        one `Publication.offer_many` (`_commit`) once a datagram's worth waits, or before anything else
+        touches the publication. Their positions were claimed by `send` as the append will write them."""
+        self._batch_end = 0  # the tail once the batch is appended: where the next message starts
+        self._batch_room = 0  # bytes of the active term left after the batch
+        self._bare_limit = 0  # a bare body shorter than this is one frame (mtu - header)
         self._opening: trio.Lock = trio.Lock()
         self._dirty = trio.Event()
         self._done = trio.Event()
@@ -99,7 +108,7 @@ class UdpProducer(Producer):
         """A message may be offered now without waiting (the publication's term has room)."""
         pub = self.publication
         return (pub is not None and self._outstanding < self.window and pub.is_connected
-                and pub.position < pub.publication_limit)
+                and (self._batch_end if self._batch else pub.position) < pub.publication_limit)
 
     def _describe_wait(self) -> str:
         pub = self.publication
@@ -195,23 +204,66 @@ class UdpProducer(Producer):
         max_size = conn.welcome.max_message_size
         if type(body) is not bytes or headers or len(key) > _SHORT_KEY or len(body) + 4 * (len(key) + len(self.exchange)) > max_size:
             check_message(self.exchange, key, body, headers, max_size)
-        payload = b"\x00" + body if own_key and not headers else encode_publish(body, None if own_key else key, headers)
+        if own_key and not headers:
+            # The common message, a bare body: claimed here (its frame fits in the active term, and starts
+            # below the publication limit as `offer` requires) and appended with the rest of the batch.
+            if not self._batch:  # the first claim of a batch starts from the tail as it is now
+                self._claimed(pub)
+            start = self._batch_end
+            aligned = (len(body) + _BARE_FRAME_EXTRA) & ~31
+            if (aligned <= self._batch_room and start < pub.publication_limit and len(body) < self._bare_limit
+                    and self._outstanding < self.window and not self._closed):
+                self._batch.append(body)
+                result = self._batch_end = start + aligned
+                self._batch_room -= aligned
+                self._sent(pub, result)
+                return result
+            payload = b"\x00" + body
+        else:
+            payload = encode_publish(body, None if own_key else key, headers)
         if len(payload) > pub.max_message_length:
             raise ValueError(f"a message of {len(payload)} bytes exceeds the UDP publication's maximum "
                              f"{pub.max_message_length} (term_length / 8); send it over TCP")
+        self._commit(pub)  # what was claimed before it goes first
         result = pub.offer(payload) if self._outstanding < self.window and not self._closed else -1
         if result <= 0:  # the common case above: offered at once; otherwise wait for the window
             result = await self._offer_waiting(pub, payload, timeout, block)
+        self._sent(pub, result)
+        return result
+
+    def _sent(self, pub: Publication, result: int) -> None:
+        """A message was taken, ending at position `result`: count it, send what fills datagrams."""
         self._ends.append(result)
         self._outstanding += 1
         if self._outstanding == 1:
-            conn._active_producers[self] = None
+            self._conn._active_producers[self] = None
         # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
         # a burst of sends packs several messages into each datagram.
         if result - pub.sender_position >= pub.mtu:
             self._send_now(whole_datagrams=True)  # the datagrams it fills; the rest waits for more
         self._dirty.set()
-        return result
+
+    def _claimed(self, pub: Publication) -> None:
+        """A batch begins: its claims start from the publication's tail (which anything may have moved
+        while no batch was open: an append on the general path, a new term)."""
+        appender = pub.appender
+        self._batch_end = pub.position
+        self._batch_room = pub.term_length - appender.term_offset
+        self._bare_limit = pub.mtu - DATA_HEADER_LENGTH  # a bare body below this is one frame
+
+    def _commit(self, pub: Publication) -> None:
+        """Append the claimed batch. Whatever may move the publication's limit or state (its duty cycle,
+        a status message, closing) runs only after this, so the claims made still hold and the append
+        cannot be refused; if it were, that is a bug, reported as the connection's internal error."""
+        batch = self._batch
+        if not batch:
+            return
+        end = pub.offer_many(batch, b"\x00")
+        if end != self._batch_end:
+            raise ConnectionClosed(ErrorCode.INTERNAL_ERROR,
+                                   f"UDP publication {self.session_id}: the batch claimed up to position "
+                                   f"{self._batch_end} could not be appended (offer_many {end})")
+        batch.clear()
 
     async def _offer_waiting(self, pub: Publication, payload: bytes, timeout: float | None, block: bool) -> int:
         """Offer `payload` until it is taken: while back-pressured, wait for the broker's window (at most
@@ -225,6 +277,7 @@ class UdpProducer(Producer):
                 if self._closed:
                     raise ConnectionClosed(ErrorCode.NORMAL, f"UDP publication {self.session_id} is closed")
                 if self._outstanding < self.window:
+                    self._commit(pub)  # another task's claims, made while this one waited, go first
                     result = pub.offer(payload)
                     verdict = offer_verdict(result)
                 else:  # the producer's own window of messages not yet complete is full
@@ -260,6 +313,7 @@ class UdpProducer(Producer):
         pub, endpoint = self.publication, self._endpoint
         if pub is None or endpoint is None or endpoint.closed:
             return
+        self._commit(pub)
         for datagram, address in pub.do_work(now_ns(), whole_datagrams=whole_datagrams):
             endpoint.send(datagram, address)  # type: ignore[arg-type]
 
@@ -299,6 +353,8 @@ class UdpProducer(Producer):
                 with trio.move_on_at(pub.next_deadline_ns() / 1_000_000_000):
                     batch = await endpoint.receive_batch(DEFAULT_BATCH)
                 now = now_ns()
+                if batch:
+                    self._commit(pub)  # before a status message may move the limit the claims used
                 for datagram, source in batch:
                     pub.on_datagram(datagram, source, now)
                 self._send_now()
@@ -323,6 +379,7 @@ class UdpProducer(Producer):
             self._closed = True
             return
         self._closed = True
+        self._send_now()  # what send took goes out before the publication closes
         conn = self._conn
         session_id = self.session_id
         assert session_id is not None

@@ -122,6 +122,8 @@ class FrameDecoder:
         self._eof = False
         self.build_deliveries = True
         """False: DELIVER entries stay the validated msgpack lists (`decode_body`)."""
+        self.build_transfers = True
+        """False: TRANSFER entries stay the validated msgpack lists, six fields each (`decode_body`)."""
 
     @property
     def buffered(self) -> int:
@@ -178,7 +180,7 @@ class FrameDecoder:
             obj = _unpack(view, seq)
         finally:
             view.release()  # an exception's traceback must not keep the buffer exported (feed() resizes it)
-        return decode_body(obj, seq, self.build_deliveries)
+        return decode_body(obj, seq, self.build_deliveries, self.build_transfers)
 
     def _compact(self) -> None:
         """Drop the frames already decoded (bytearray gives the memory back once it shrinks by half)."""

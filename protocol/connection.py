@@ -37,6 +37,10 @@ class Role(enum.Enum):
     CLIENT = "client"
     BROKER = "broker"
 
+    # Hashed by identity, in C, like their equality: Enum's own __hash__ is a Python call, and every
+    # frame sent or received looks up its role and state in the tables below (four calls a frame).
+    __hash__ = object.__hash__
+
 
 class State(enum.Enum):
     AWAIT_HELLO = "await-hello"  # nothing exchanged yet
@@ -44,6 +48,8 @@ class State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"  # CLOSE sent or received, or the byte stream ended
     ERROR = "error"  # a protocol error: the shell must close the transport
+
+    __hash__ = object.__hash__  # (as Role's)
 
 
 _SESSION = frozenset({FrameType.NOOP, FrameType.ERROR, FrameType.CLOSE})
@@ -151,6 +157,17 @@ class Connection:
     @build_deliveries.setter
     def build_deliveries(self, value: bool) -> None:
         self._decoder.build_deliveries = value
+
+    @property
+    def build_transfers(self) -> bool:
+        """True (the default): a received TRANSFER's entries are `TransferEntry`s. False: the validated
+        lists msgpack decoded, each with its six fields in the same order, for a receiver that unpacks
+        or indexes them (the broker's reader): a NamedTuple per message costs several times a list."""
+        return self._decoder.build_transfers
+
+    @build_transfers.setter
+    def build_transfers(self, value: bool) -> None:
+        self._decoder.build_transfers = value
 
     def set_max_frame_size(self, size: int) -> None:
         """Adopt the size negotiated in WELCOME (the largest frame this end will accept)."""

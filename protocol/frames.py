@@ -701,12 +701,15 @@ def _entries(v: Any) -> None:
         raise _over("messages in one frame", len(v), MAX_ENTRIES_PER_FRAME, "MAX_ENTRIES_PER_FRAME")
 
 
-def _transfer_entries(v: Any, build: bool = True) -> list[TransferEntry]:
+def _transfer_entries(v: Any, build: bool = True, pad: bool = False) -> list[TransferEntry]:
     """TRANSFER entries. The hot path of both directions: the common entry has all six fields (the SDK
     always sends six), and a loop that unpacks them costs half of one that indexes each (callgrind);
     anything else falls to the field-by-field loop, which also names what is wrong. An entry is any
     sequence of its fields (msgpack gives lists, the SDK builds tuples): one that unpacks to six
-    well-typed fields is taken as such, without a check of its own type, which would cost a quarter more."""
+    well-typed fields is taken as such, without a check of its own type, which would cost a quarter more.
+
+    `build=False` checks only; with `pad=True` too, the entries are kept as received (msgpack's lists)
+    but every one has its six fields (absent optional ones None), for a receiver that unpacks them."""
     _entries(v)
     try:
         for exchange, key, body, headers, producer_id, sequence in v:
@@ -724,7 +727,7 @@ def _transfer_entries(v: Any, build: bool = True) -> list[TransferEntry]:
             return list(map(_make_transfer, v)) if build else v
     except (TypeError, ValueError):  # an entry that is not a sequence of six fields
         pass
-    out = []
+    out: list[Any] = []
     for e in v:
         if not isinstance(e, (list, tuple)) or not 3 <= len(e) <= 6:
             raise _Bad("each entry must be [exchange, routing_key, body, headers?, producer_id?, sequence?]")
@@ -741,7 +744,9 @@ def _transfer_entries(v: Any, build: bool = True) -> list[TransferEntry]:
         # Absent optional fields are filled with their default, None.
         if build:
             out.append(_make_transfer(e if n == 6 else (*e, *_NONES[n])))
-    return out if build else v
+        elif pad:
+            out.append(e if n == 6 else [*e, *_NONES[n]])
+    return out if build or pad else v
 
 
 # tuple.__new__ through partial: all in C. NamedTuple._make is a Python function (a frame and a len()
@@ -830,7 +835,7 @@ _register(AuthChallenge, _auth_data)
 _register(AuthResponse, _auth_data)
 
 
-def decode_body(obj: Any, frame_seq: int, build_deliveries: bool = True) -> Frame:
+def decode_body(obj: Any, frame_seq: int, build_deliveries: bool = True, build_transfers: bool = True) -> Frame:
     """Validate an unpacked msgpack value and build its frame.
 
     `build_deliveries=False` checks a DELIVER's entries as thoroughly but leaves them the lists msgpack
@@ -838,6 +843,8 @@ def decode_body(obj: Any, frame_seq: int, build_deliveries: bool = True) -> Fram
     creating and freeing a tuple subclass costs several times a plain list (about a tenth of the SDK
     consumer's instructions per message went to `DeliveryEntry._make`). For a receiver that only unpacks
     them (the SDK's reader, `Consumer._on_deliver`); attribute access (`entry.body`) then fails.
+    `build_transfers=False` does the same for a TRANSFER's entries (the broker's reader, which unpacks or
+    indexes them), each padded to its six fields.
 
     Raises RemoteProtocolError(MALFORMED_FRAME) naming the frame type and field at fault.
     """
@@ -847,7 +854,7 @@ def decode_body(obj: Any, frame_seq: int, build_deliveries: bool = True) -> Fram
     if type(type_code) is not int or type_code not in _SCHEMA_BY_INT:
         raise RemoteProtocolError(f"unknown frame type {type_code!r}", ErrorCode.MALFORMED_FRAME, frame_seq)
     ftype = _SCHEMA_BY_INT[type_code]
-    cls, checkers, required = _SCHEMA[ftype] if build_deliveries else _SCHEMA_PLAIN_ENTRIES[ftype]
+    cls, checkers, required = _SCHEMAS[build_deliveries][build_transfers][ftype]
     values = obj[1:]
     if not required <= len(values) <= len(checkers):
         raise RemoteProtocolError(
@@ -900,8 +907,22 @@ def check_delivery_entry(entry: Any) -> None:
 
 
 _SCHEMA_BY_INT: dict[int, FrameType] = {int(t): t for t in _SCHEMA}
-_SCHEMA_PLAIN_ENTRIES: dict[FrameType, tuple[type[Any], tuple[Checker, ...], int]] = {
-    ftype: (cls, tuple(_CHECK_ONLY[c] if c is _delivery_entries else c for c in checkers), required)
-    for ftype, (cls, checkers, required) in _SCHEMA.items()
+_PLAIN_ENTRIES: dict[Checker, Checker] = {
+    _delivery_entries: _CHECK_ONLY[_delivery_entries],
+    _transfer_entries: lambda v: _transfer_entries(v, False, True),
 }
-"""`_SCHEMA` with DELIVER's entry checker that checks without building (`decode_body(build_deliveries=False)`)."""
+
+
+def _plain(kinds: tuple[Checker, ...]) -> dict[FrameType, tuple[type[Any], tuple[Checker, ...], int]]:
+    return {
+        ftype: (cls, tuple(_PLAIN_ENTRIES[c] if c in kinds else c for c in checkers), required)
+        for ftype, (cls, checkers, required) in _SCHEMA.items()
+    }
+
+
+_SCHEMAS = (
+    (_plain((_delivery_entries, _transfer_entries)), _plain((_delivery_entries,))),  # build_deliveries False
+    (_plain((_transfer_entries,)), _SCHEMA),  # build_deliveries True
+)
+"""`_SCHEMA` by [build_deliveries][build_transfers] (`decode_body`): with the entry checkers of DELIVER
+and/or TRANSFER that check without building."""

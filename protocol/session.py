@@ -84,7 +84,8 @@ class TransferReceiver:
                 f"transfer id {first_id} received, expected {self.next_transfer_id}", ErrorCode.TRANSFER_ID_GAP
             )
         # message_size() inlined for the common message without headers (one call less per message)
-        sizes = [len(e.body) + MESSAGE_OVERHEAD if not e.headers else message_size(e.body, e.headers) for e in entries]
+        # (entries by index: the broker's reader keeps them as decoded lists, `Connection.build_transfers`)
+        sizes = [len(e[2]) + MESSAGE_OVERHEAD if not e[3] else message_size(e[2], e[3]) for e in entries]
         window = self.window
         position = window.position
         total = sum(sizes)
@@ -115,7 +116,8 @@ class TransferReceiver:
         transfer ids and their charged sizes, without the credit check, because there the image's window
         is the credit (the producer cannot send past it). Returns (first id, sizes)."""
         first_id = self.next_transfer_id
-        sizes = [len(e.body) + MESSAGE_OVERHEAD if not e.headers else message_size(e.body, e.headers) for e in entries]
+        # (entries by index: the broker's reader keeps them as decoded lists, `Connection.build_transfers`)
+        sizes = [len(e[2]) + MESSAGE_OVERHEAD if not e[3] else message_size(e[2], e[3]) for e in entries]
         self.window.position += sum(sizes)
         self.next_transfer_id = first_id + len(sizes)
         return first_id, sizes

@@ -171,6 +171,9 @@ def align(value: int, alignment: int = FRAME_ALIGNMENT) -> int:
 
 _HEADER: Final = struct.Struct("<iBBH")
 DATA_HEADER: Final = struct.Struct("<iBBHiiiiq")
+# A later frame's header as check_data_datagram reads it: without flags and reserved value, which it
+# does not check (two fields fewer to build per frame).
+_NEXT_HEADER: Final = struct.Struct("<iBxHiiii")
 _NAK: Final = struct.Struct("<iBBHiiiii")
 _SM: Final = struct.Struct("<iBBHiiiiiq")
 _SM_GTAG: Final = struct.Struct("<iBBHiiiiiqq")
@@ -488,15 +491,17 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
         if term_offset & (FRAME_ALIGNMENT - 1):
             return RejectReason.TERM_OFFSET_MISALIGNED
         return None
+    # The first frame's offset is checked here; each later one must be at the end of the one before
+    # (INCONSISTENT_FRAMES otherwise), so it is aligned and in range too: only its length is checked.
+    if frame_length < DATA_HEADER_LENGTH:
+        return RejectReason.BAD_FRAME_LENGTH
+    if term_offset < 0:
+        return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
+    if term_offset & (FRAME_ALIGNMENT - 1):
+        return RejectReason.TERM_OFFSET_MISALIGNED
+    next_header = _NEXT_HEADER.unpack_from
     offset = 0
-    expected_offset = term_offset
     while True:
-        if frame_length < DATA_HEADER_LENGTH:
-            return RejectReason.BAD_FRAME_LENGTH
-        if term_offset < 0:
-            return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
-        if term_offset & (FRAME_ALIGNMENT - 1):
-            return RejectReason.TERM_OFFSET_MISALIGNED
         if ftype == _PAD_TYPE:
             if frame_length & (FRAME_ALIGNMENT - 1):
                 return RejectReason.BAD_FRAME_LENGTH
@@ -506,7 +511,8 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
                 return RejectReason.TRAILING_BYTES
             return None
         aligned = (frame_length + FRAME_ALIGNMENT - 1) & ~(FRAME_ALIGNMENT - 1)
-        if term_offset + aligned > term_length:
+        expected_offset = term_offset + aligned
+        if expected_offset > term_length:
             return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
         if offset + frame_length > n:
             return RejectReason.FRAME_LONGER_THAN_DATAGRAM
@@ -515,8 +521,7 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
             return None
         if n - offset < DATA_HEADER_LENGTH:
             return RejectReason.TRAILING_BYTES
-        expected_offset += aligned
-        (frame_length, version, _flags, ftype, term_offset, s2, st2, t2, _rv) = unpack(buf, offset)
+        frame_length, version, ftype, term_offset, s2, st2, t2 = next_header(buf, offset)
         if version != CURRENT_VERSION:
             return RejectReason.BAD_VERSION
         if (
@@ -527,6 +532,8 @@ def check_data_datagram(buf: Buffer, term_length: int = TERM_MAX_LENGTH) -> Reje
             or t2 != term_id
         ):
             return RejectReason.INCONSISTENT_FRAMES
+        if frame_length < DATA_HEADER_LENGTH:
+            return RejectReason.BAD_FRAME_LENGTH
 
 
 def _decode_data(buf: Buffer, term_length: int) -> tuple[list[Frame], RejectReason | None]:

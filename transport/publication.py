@@ -379,6 +379,17 @@ class Publication:
             return position
         return self.offer(bytes(head) + bytes(body))
 
+    def offer_many(self, messages: list[bytes], head: bytes = b"") -> int:
+        """Append ``messages``, each behind ``head``, as unfragmented frames, all or none: the new
+        position, or 0 when one would need the general path (``offer`` of ``head + message`` each:
+        fragmenting, padding to the next term, back pressure, a closed publication) and nothing was
+        appended. The bytes are those of offering each in turn. A producer that collects a burst
+        (the SDK's UDP producer, up to a datagram's worth) appends it in one call."""
+        if self._state is not _State.ACTIVE:
+            return 0
+        return self.appender.append_many(messages, head, self.publication_limit, self.max_possible_position,
+                                         self.config.reserved_value)
+
     def close(self, now_ns: int) -> None:
         """Stop accepting offers; drain what is appended, then linger with end-of-stream heartbeats."""
         if self._state is _State.ACTIVE:

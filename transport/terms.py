@@ -66,6 +66,7 @@ _ZEROS: Final = bytes(64 * 1024)
 _PAD_TYPE: Final = int(FrameType.PAD)  # plain ints: enum attribute lookups cost on the hot path
 _DATA_TYPE: Final = int(FrameType.DATA)
 _DATA_HEADER_PACK: Final = DATA_HEADER.pack_into
+_DATA_HEADER_AND_BYTE: Final = struct.Struct(DATA_HEADER.format + "B")  # a header and a one-byte envelope
 _UNFRAGMENTED: Final = int(UNFRAGMENTED)
 
 Buffer = bytes | bytearray | memoryview
@@ -298,6 +299,59 @@ class TermAppender(TermLog):
                           self.session_id, self.stream_id, self.term_id, reserved_value)
         self.term_offset = offset + aligned
         return start + aligned
+
+    def append_many(self, messages: list[bytes], head: bytes, limit_position: int, max_position: int,
+                    reserved_value: int = 0) -> int:
+        """Append each of ``messages`` behind ``head`` (its first bytes: an envelope), one unfragmented
+        frame each, all or none: the batch must fit in the rest of the active term, every frame in one
+        frame, the last one must start below ``limit_position`` (the rule ``offer`` applies to each
+        message) and end below ``max_position``. Returns the new tail, or 0 when that is not the case
+        (nothing written: the caller appends them one by one on the general path).
+
+        The bytes are exactly those of ``append(head + message)`` for each in turn: a producer's burst
+        claimed once and written in one loop (a 33-byte header and envelope byte in one ``pack_into``
+        when ``head`` is one byte), without a call and a concatenated copy per message."""
+        if not messages:
+            return self.position
+        hlen = len(head)
+        max_payload = self.max_payload_length - hlen
+        offset = self.term_offset
+        total = 0
+        last = 0
+        for message in messages:
+            length = len(message)
+            if length > max_payload:
+                return 0
+            last = total
+            total += (length + hlen + DATA_HEADER_LENGTH + _ALIGN_MASK) & ~_ALIGN_MASK
+        start = (self._term_count << self.position_bits_to_shift) + offset
+        last_length = len(messages[-1]) + hlen + DATA_HEADER_LENGTH
+        if (offset + total > self.term_length or start + last >= limit_position
+                or start + last + last_length >= max_position):
+            return 0
+        term = self._term
+        session_id, stream_id, term_id = self.session_id, self.stream_id, self.term_id
+        if hlen == 1:
+            pack = _DATA_HEADER_AND_BYTE.pack_into
+            byte = head[0]
+            for message in messages:
+                frame_length = len(message) + 33
+                pack(term, offset, frame_length, CURRENT_VERSION, _UNFRAGMENTED, _DATA_TYPE, offset,
+                     session_id, stream_id, term_id, reserved_value, byte)
+                term[offset + 33:offset + frame_length] = message
+                offset += (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+        else:
+            pack = _DATA_HEADER_PACK
+            body_at = DATA_HEADER_LENGTH + hlen
+            for message in messages:
+                frame_length = len(message) + body_at
+                pack(term, offset, frame_length, CURRENT_VERSION, _UNFRAGMENTED, _DATA_TYPE, offset,
+                     session_id, stream_id, term_id, reserved_value)
+                term[offset + DATA_HEADER_LENGTH:offset + body_at] = head
+                term[offset + body_at:offset + frame_length] = message
+                offset += (frame_length + _ALIGN_MASK) & ~_ALIGN_MASK
+        self.term_offset = offset
+        return start + total
 
     def needs_rotation(self, length: int) -> bool:
         """True if a message of ``length`` does not fit in the rest of the active term.

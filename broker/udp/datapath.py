@@ -47,7 +47,7 @@ REFUSAL_REASONS = (
     "wrong_direction",  # a sender's frame for a receiver's session, or the reverse
     "unregistered_receiver",  # a multicast group's SM, ERR or RTTM with a receiver id no member registered
     "setup_term_length",  # a SETUP with another term length than [udp] term_length
-    "setup_mtu",  # a SETUP with an mtu over [udp] mtu
+    "setup_mtu",  # a SETUP with an mtu over the publication's ([udp] mtu, or loopback_mtu from a loopback address)
 )
 """Why ``DataPath`` drops a datagram before any image or publication sees it (``refused``)."""
 

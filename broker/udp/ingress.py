@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,7 @@ from flowbroker.broker.udp.datapath import Address, Outgoing
 from flowbroker.protocol.envelope import PUBLISH, EnvelopeError, decode_publish
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error, FlowResumed, FlowStopped, TransferEntry
-from flowbroker.transport.frames import DATA_HEADER_LENGTH, FrameType, Setup, decode_datagram
+from flowbroker.transport.frames import FrameType, Setup, decode_datagram
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
@@ -54,6 +56,9 @@ MAX_MESSAGES_PER_CYCLE = 4096
 again at once), so one fast producer cannot hold the event loop for long."""
 
 _POLL_FRAGMENTS = 256  # fragments one Subscription.poll call hands over
+# tuple.__new__ through partial (all in C), as protocol/frames.py builds a TRANSFER's entries: several times
+# cheaper than the NamedTuple's Python __new__.
+_new_entry: Callable[[Any], TransferEntry] = partial(tuple.__new__, TransferEntry)
 LOG_INTERVAL_NS = 10_000_000_000
 
 
@@ -71,6 +76,7 @@ class UdpPublication:
     channel: ReceiveChannel
     subscription: Subscription
     image: Image | None = None
+    mtu: int = 0  # the mtu it was told to send with ([udp] mtu, or loopback_mtu from a loopback address)
     pending: deque[tuple[int, int]] = field(default_factory=deque)
     """(transfer id, term bytes) of each message polled and not yet released, in transfer-id order (id 0:
     a message that was never routed, a bad envelope, released with the ones before it)."""
@@ -127,12 +133,13 @@ class Ingress:
         session.errors_sent = None  # its ERRORs reach the owner's wire, counted there (_drain_outbox)
         core._register_producer(session)
         window = config.max_receiver_window
+        mtu = config.publication_mtu(source[0])
         receiver = ReceiverConfig(
             receiver_id=self._rng.randrange(1, 2**31),
             receiver_window=window,
             congestion_control=config.congestion_control,
             session_id=session_id,
-            so_rcvbuf=max(window, config.mtu),
+            so_rcvbuf=max(window, mtu),
             max_images=1,
             max_pending_setups=4,
         )
@@ -143,13 +150,13 @@ class Ingress:
             on_unavailable_image=lambda image: self._image_gone(holder[0], image),
         )
         pub = UdpPublication(session_id, stream_id, owner, source, exchange, routing_key, session, channel,
-                             subscription)
+                             subscription, mtu=mtu)
         holder.append(pub)
         self.publications[session_id] = pub
         LOGGER.info("connection %d registered UDP publication %d (stream %d) from %s:%d to exchange %r",
                     owner.conn_id, session_id, stream_id, source[0], source[1], exchange)
         return {"session_id": session_id, "stream_id": stream_id, "endpoint": datapath.endpoint_text,
-                "term_length": config.term_length, "mtu": config.mtu, "connection": session.conn_id}
+                "term_length": config.term_length, "mtu": mtu, "connection": session.conn_id}
 
     def _image_available(self, pub: UdpPublication, image: Image) -> None:
         pub.image = image
@@ -212,14 +219,14 @@ class Ingress:
         if source != pub.source:
             return "wrong_source"
         if data[6] == FrameType.SETUP and data[7] == 0:
-            problem = self._setup_problem(data)
+            problem = self._setup_problem(pub, data)
             if problem is not None:
                 return problem
         pub.channel.on_datagram(data, source, now_ns)
         pub.woken = True
         return None
 
-    def _setup_problem(self, data: bytes | bytearray | memoryview) -> str | None:
+    def _setup_problem(self, pub: UdpPublication, data: bytes | bytearray | memoryview) -> str | None:
         frames, reason = decode_datagram(data)
         if reason is not None or not frames or not isinstance(frames[0], Setup):
             return None  # the channel counts a malformed SETUP itself
@@ -227,7 +234,7 @@ class Ingress:
         config = self.datapath.config
         if setup.term_length != config.term_length:
             return "setup_term_length"
-        if setup.mtu > config.mtu:
+        if setup.mtu > pub.mtu:
             return "setup_mtu"
         return None
 
@@ -249,7 +256,65 @@ class Ingress:
         return out
 
     def _poll(self, pub: UdpPublication, now_ns: int) -> bool:
-        """Route what the image has (at most MAX_MESSAGES_PER_CYCLE); True if anything was polled."""
+        """Route what the image has (at most MAX_MESSAGES_PER_CYCLE); True if anything was polled.
+
+        The poll's messages are gathered first (the handler is a list's append: no Python call per
+        message) and then taken in bulk, as a TCP TRANSFER's entries are: when every one is a bare
+        PUBLISH (the SDK's common message) one list comprehension builds the entries, and when route
+        completes them all at once (no saturated queue holds one) nothing is held or queued in
+        ``pending``: the consumption position passes them straight away, as it would after a hold and its
+        release. Anything else (an envelope with a key or headers, a bad envelope, a message held by a
+        saturated queue) takes the per-message path, whose holds are released in transfer-id order."""
+        image = pub.image
+        assert image is not None
+        sub_id = pub.subscription.subscription_id
+        messages: list[memoryview | bytes] = []
+        take = messages.append
+        polled = 0
+        while polled < MAX_MESSAGES_PER_CYCLE:
+            count = image.poll(sub_id, take, _POLL_FRAGMENTS)
+            if not count:
+                break
+            polled += count
+        if not messages:
+            return False
+        if polled >= MAX_MESSAGES_PER_CYCLE:
+            pub.woken = True
+            self.datapath.wake()  # more to route: the next cycle comes at once
+        exchange, default_key = pub.exchange, pub.routing_key
+        entries: list[TransferEntry] | None
+        try:
+            # decode_publish's first case (a PUBLISH byte, then the body), for the whole poll at once.
+            entries = [_new_entry((exchange, default_key, bytes(m[1:]), None, None, None))
+                       for m in messages if m[0] == PUBLISH]
+        except IndexError:  # an empty payload: a bad envelope, for the per-message path
+            entries = None
+        if entries is None or len(entries) != len(messages):
+            return self._poll_each(pub, messages, now_ns)
+        session = pub.session
+        transfers = session.transfers
+        tid, sizes = transfers.receive_unchecked(entries)
+        pub.messages += len(entries)
+        self.datapath.core.route(session, tid, entries, sizes)
+        pending = pub.pending
+        if pending or transfers.completed.cumulative < tid + len(entries) - 1:
+            # Not all complete (or older ones still held): hold every one, release in order.
+            mtu = image.mtu
+            total = 0
+            for m in messages:
+                space = frame_space(len(m), mtu)
+                pending.append((tid, space))
+                tid += 1
+                total += space
+            image.hold(sub_id, total)
+        elif image.rebuild_position == image.subscriber_position(sub_id):
+            image.report_now()  # caught up: the producer may be waiting for exactly this (flush)
+        self._drain_outbox(pub, now_ns)
+        return True
+
+    def _poll_each(self, pub: UdpPublication, messages: list[memoryview | bytes], now_ns: int) -> bool:
+        """``_poll``'s per-message path: each envelope decoded on its own, a bad one counted and dropped
+        (its bytes released with the messages before it, so the producer's window keeps moving)."""
         image = pub.image
         assert image is not None
         sub_id = pub.subscription.subscription_id
@@ -257,19 +322,8 @@ class Ingress:
         entries: list[TransferEntry] = []
         spaces: list[int] = []
         exchange, default_key = pub.exchange, pub.routing_key
-
-        bare_limit = mtu - DATA_HEADER_LENGTH  # a message up to this is one frame
-        entry = TransferEntry
-        append_entry, append_space = entries.append, spaces.append
-
-        def on_message(message: memoryview | bytes) -> None:
-            length = len(message)
-            if length <= bare_limit and length and message[0] == PUBLISH:
-                # The common message: a bare body in one frame (decode_publish's first case, inline).
-                append_entry(entry(exchange, default_key, bytes(message[1:])))
-                append_space((length + DATA_HEADER_LENGTH + 31) & ~31)
-                return
-            space = frame_space(length, mtu)
+        for message in messages:
+            space = frame_space(len(message), mtu)
             try:
                 key, headers, body = decode_publish(message)
             except EnvelopeError as exc:
@@ -281,27 +335,16 @@ class Ingress:
                     LOGGER.warning("UDP publication %d: message dropped (%d so far): %s", pub.session_id,
                                    self.bad_envelopes, logsafe(exc))
                 spaces.append(-space)  # never routed: released with the messages before it
-                return
+                continue
             entries.append(TransferEntry(exchange, default_key if key is None else key, body, headers))
             spaces.append(space)
-
-        polled = 0
-        while polled < MAX_MESSAGES_PER_CYCLE:
-            count = image.poll(sub_id, on_message, _POLL_FRAGMENTS)
-            if not count:
-                break
-            polled += count
-        if not spaces:
-            return False
-        if polled >= MAX_MESSAGES_PER_CYCLE:
-            pub.woken = True
-            self.datapath.wake()  # more to route: the next cycle comes at once
         total = 0
         for space in spaces:
             total += abs(space)
         image.hold(sub_id, total)
         session = pub.session
         tid = 0
+        sizes: list[int] = []
         if entries:
             tid, sizes = session.transfers.receive_unchecked(entries)
             pub.messages += len(entries)
@@ -362,7 +405,9 @@ class Ingress:
         if session.credit_waiting or not session.open:
             cap = 0
         else:
-            cap = min(max(session.buffer_size, config.min_receiver_window), config.max_receiver_window)
+            # Never below one datagram of the publication's mtu (loopback_mtu may be above
+            # min_receiver_window): a window smaller than a full frame would stall a fragmented message.
+            cap = min(max(session.buffer_size, config.min_receiver_window, pub.mtu), config.max_receiver_window)
         if image.window_cap == cap:
             return False
         image.window_cap = cap

@@ -14,6 +14,8 @@ import logging
 
 import trio
 
+from collections.abc import Callable
+
 from flowbroker.broker.config import UdpConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.udp.datapath import DataPath, Outgoing
@@ -42,6 +44,12 @@ class UdpShell:
         self._nursery: trio.Nursery | None = None
         self.datapath.groups.open_socket = self._open_group
         self.datapath.groups.close_socket = self._close_group
+        # Called around each pass of the data path (the datagrams of a batch and the duty cycle): the
+        # server's, so that TCP connections the pass woke (a consumer that the messages just routed were
+        # delivered to, a producer told FLOW_STOPPED) are written to once, directly, at the end of the
+        # pass, as after a TCP reader's chunk, instead of each waking its writer task.
+        self.begin_pass: Callable[[], None] = _nothing
+        self.end_pass: Callable[[], None] = _nothing
 
     @property
     def port(self) -> int:
@@ -85,16 +93,24 @@ class UdpShell:
             for endpoint, _ in self._groups.values():
                 endpoint.close()
 
-    async def _group_receiver(self, endpoint: UdpEndpoint, scope: trio.CancelScope) -> None:
+    def _pass(self, batch: list[tuple[bytes, tuple[str, int]]]) -> None:
+        """Hand a batch of datagrams to the data path, run its duty cycle, send what it returns."""
         datapath = self.datapath
+        self.begin_pass()
+        try:
+            now = now_ns()
+            for datagram, source in batch:
+                datapath.on_datagram(datagram, source, now)
+            out = datapath.do_work(now)
+        finally:
+            self.end_pass()
+        self._send(out)
+
+    async def _group_receiver(self, endpoint: UdpEndpoint, scope: trio.CancelScope) -> None:
         try:
             with scope:
                 while True:
-                    batch = await endpoint.receive_batch(DEFAULT_BATCH)
-                    now = now_ns()
-                    for datagram, source in batch:
-                        datapath.on_datagram(datagram, source, now)
-                    self._send(datapath.do_work(now))
+                    self._pass(await endpoint.receive_batch(DEFAULT_BATCH))
         finally:
             endpoint.close()
 
@@ -104,16 +120,17 @@ class UdpShell:
             batch: list[tuple[bytes, tuple[str, int]]] = []
             with trio.move_on_at(datapath.deadline_ns(now_ns()) / 1_000_000_000):
                 batch = await endpoint.receive_batch(DEFAULT_BATCH)
-            now = now_ns()
-            for datagram, source in batch:
-                datapath.on_datagram(datagram, source, now)
-            self._send(datapath.do_work(now))
+            self._pass(batch)
 
     async def _waker(self) -> None:
         while True:
             await self._woken.wait()
             self._woken = trio.Event()
-            self._send(self.datapath.do_work(now_ns()))
+            self._pass([])
+
+
+def _nothing() -> None:
+    pass
 
 
 def open_data_path(config: UdpConfig, core: BrokerCore) -> UdpShell:

@@ -309,7 +309,9 @@ class Consumer(Client):
         super().on_frame(frame)
         if isinstance(frame, Deliver):
             sub = frame.subscription_id
-            for entry in frame.entries:
+            # The broker fills DELIVER with plain tuples in DeliveryEntry's order (the wire is the same):
+            # named here, as the SDK names what it decodes.
+            for entry in map(DeliveryEntry._make, frame.entries):
                 # Tags are unique per connection and increase per subscription. Across subscriptions
                 # the wire order may differ from tag order: the outbox batches DELIVER per subscription.
                 assert entry.delivery_tag > self.last_tag.get(sub, 0), f"tags of subscription {sub} must increase"

@@ -192,6 +192,8 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
         ("auth", {"plain": "sometimes"}, "[auth] plain = 'sometimes': must be one of never, tls-or-loopback, always"),
         ("auth", {"failed_login_delay": 61}, "[auth] failed_login_delay = 61: must be a number in [0, 60]"),
         ("auth", {"loopback_user": "a\nb"}, "[auth] loopback_user = 'a\\nb': must be a user name"),
+        ("udp", {"loopback_mtu": 65536}, "[udp] loopback_mtu = 65536: must be an integer in [64, 65504]"),
+        ("udp", {"loopback_mtu": 8200}, "[udp] loopback_mtu = 8200: must be a multiple of 32"),
     ],
 )
 def test_a_value_out_of_range_is_refused_naming_the_key(section: str, values: dict[str, Any], message: str) -> None:

@@ -14,7 +14,8 @@ import trio
 
 import flowbroker.client as fb
 from flowbroker.broker import views
-from tests.broker.test_journal_recovery import broker, drain, url
+from tests.broker.test_journal_recovery import broker, drain
+from tests.serving import url
 
 BODY = b"x" * 1024
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import trio
 
 import flowbroker.client as fb
 from flowbroker.broker import views
-from flowbroker.broker.config import load_config
 from flowbroker.broker.journal import Journal, segment_name
 from flowbroker.broker.journalrecord import MESSAGE, QUEUE, encode
 from flowbroker.broker.journalstore import JournalStore
@@ -29,20 +27,11 @@ from flowbroker.broker.message import Message
 from flowbroker.broker.recovery import read_journal
 from flowbroker.broker.server import BrokerServer
 
-
-@asynccontextmanager
-async def broker(data_dir: Path, **storage: Any) -> AsyncIterator[BrokerServer]:
-    config = load_config(None, {"server": {"port": 0, "memory_quota": 1 << 30}, "admin": {"enabled": False},
-                                "udp": {"enabled": False}, "storage": {"data_dir": str(data_dir), **storage}})
-    server = BrokerServer(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield server
-        server.shutdown()
+from tests.serving import serving, url
 
 
-def url(server: BrokerServer) -> str:
-    return f"flowbroker://127.0.0.1:{server.port}"
+def broker(data_dir: Path, **storage: Any) -> AbstractAsyncContextManager[BrokerServer]:
+    return serving(storage={"data_dir": str(data_dir), **storage})
 
 
 async def drain(conn: fb.Connection, queue: str, count: int, ack: bool = True) -> list[tuple[bytes, bool]]:

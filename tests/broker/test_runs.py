@@ -6,13 +6,15 @@ keeps the tags and bytes `deliver` would, and `TransferReceiver.complete_run` le
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flowbroker.broker.outbox import Outbox
+from tests.broker.coreharness import Harness
 from flowbroker.protocol.delivery import DeliveryLedger
-from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame, TransferEntry
+from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame, Ok, TransferEntry
 from flowbroker.protocol.session import TransferReceiver
 
 _sizes = st.lists(st.integers(1, 3000), max_size=60)
@@ -37,7 +39,7 @@ def test_deliver_many_seals_frames_where_deliver_would(runs: list[list[int]], bu
         tag += len(sizes)
         for entry, size in zip(entries, sizes):
             one.deliver(7, entry, size)
-        many.deliver_many(7, list(entries), list(sizes))
+        many.deliver_many(7, list(entries), sum(sizes), iter(sizes))
         assert [f for f in one.sealed] == [f for f in many.sealed]
         assert one.open_frames == many.open_frames and one._open_bytes == many._open_bytes
     assert _frames(one) == _frames(many)
@@ -83,3 +85,66 @@ def test_complete_run_leaves_what_complete_would(plan: list[tuple[bool, int]], r
     assert one.completions() == many.completions()
     assert (one.completed.cumulative, one.completed.ranges_above(), one.window.consumed_position) == (
         many.completed.cumulative, many.completed.ranges_above(), many.window.consumed_position)
+
+
+_ENTRY_KINDS = st.sampled_from(["q", "q", "q", "q", "r", "missing", "exchange", "headers", "long"])
+_STEPS = st.lists(
+    st.one_of(st.just("ack"), st.lists(st.tuples(_ENTRY_KINDS, st.integers(1, 300)), min_size=1, max_size=12)),
+    max_size=14,
+)
+
+
+def _entry(kind: str, size: int) -> tuple[str, str, bytes, dict[str, Any] | None]:
+    body = bytes(size)
+    if kind == "exchange":
+        return ("ex", "k", body, None)
+    if kind == "headers":
+        return ("", "q", body, {"h": 1})
+    if kind == "long":  # a routing key past the common message's length: the exact checks
+        return ("", "q" * 100, body, None)
+    return ("", kind, body, None)
+
+
+def _run_core(steps: list[Any], stop_count: int, stop_size: int, prefetch: int, runs: bool) -> tuple[Any, ...]:
+    h = Harness()
+    h.core.route_runs = runs
+    h.queue("q", flow_stop_count=stop_count, flow_resume_count=max(1, stop_count // 2),
+            flow_stop_size=stop_size, flow_resume_size=stop_size // 2)
+    h.queue("r")
+    h.queue("q" * 100)
+    producer, consumer = h.producer(), h.consumer()
+    assert isinstance(producer.declare_exchange("ex", "direct"), Ok)
+    assert isinstance(producer.bind("q", "ex", "k"), Ok)
+    consumer.subscribe("q", prefetch=prefetch)
+    producer.send("", "q", b"first")  # registers the producer: its share of credit follows
+    producer.pump()
+    for step in steps:
+        if step == "ack":
+            consumer.pump()
+            consumer.ack()
+        else:
+            producer.send_many([_entry(kind, size) for kind, size in step], force=True)
+        h.advance(0.001)
+        producer.pump()
+        consumer.pump()
+    queues = [h.core.queues[name] for name in ("q", "r")]
+    return (
+        producer.frames,
+        consumer.frames,
+        [(q.count, q.size, q.next_offset, q.saturated, q.counters.held_total, len(q.held),
+          [(m.offset, m.body, m.routing_key, m.exchange, m.headers, m.held is not None) for m in q.store])
+         for q in queues],
+        h.core.memory.held,
+    )
+
+
+@given(_STEPS, st.integers(1, 40), st.integers(200, 8000), st.integers(1, 30))
+def test_route_run_leaves_what_the_per_message_path_would(
+    steps: list[Any], stop_count: int, stop_size: int, prefetch: int
+) -> None:
+    """A TRANSFER's leading run of common messages to one queue (`Queue.add_run`, one completion run)
+    against every message through `Queue.add`: the same frames to both clients (COMPLETE, BUFFER_ACK,
+    FLOW_STOPPED/RESUMED, DELIVER, ERROR), the same queues (depth, bytes, offsets, holds, saturation)
+    and memory count, whether the frame saturates its queue, mixes queues, exchanges, headers and
+    unknown queues, or not."""
+    assert _run_core(steps, stop_count, stop_size, prefetch, True) == _run_core(steps, stop_count, stop_size, prefetch, False)

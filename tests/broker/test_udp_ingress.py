@@ -23,7 +23,8 @@ MS = 1_000_000
 class Rig:
     """A broker core with its data path, one owner connection, and a publication registered by it."""
 
-    def __init__(self, *, stream_id: int = 1001, **sections: dict[str, Any]) -> None:
+    def __init__(self, *, stream_id: int = 1001, source: tuple[str, int] = SOURCE,
+                 **sections: dict[str, Any]) -> None:
         sections.setdefault("credit", {"policy": "static", "static_size": 64 * 1024})
         self.h = Harness(**sections)
         self.core = self.h.core
@@ -31,13 +32,14 @@ class Rig:
         self.datapath = DataPath(self.h.config.udp, self.core, ENDPOINT, self._wake, seed=7)
         self.core.udp = self.datapath
         self.owner: Producer = self.h.producer("owner")
-        self.owner.session.peer_host = SOURCE[0]
-        answer = self.owner.ok(lambda rid: RegisterPublication(rid, "", "q", stream_id, SOURCE[1]))
+        self.source = source
+        self.owner.session.peer_host = source[0]
+        answer = self.owner.ok(lambda rid: RegisterPublication(rid, "", "q", stream_id, source[1]))
         self.answer = answer
         self.session_id: int = answer["session_id"]
         udp = self.h.config.udp
         self.pub = Publication(
-            PublicationConfig(self.session_id, stream_id, term_length=udp.term_length, mtu=udp.mtu,
+            PublicationConfig(self.session_id, stream_id, term_length=udp.term_length, mtu=answer["mtu"],
                               max_messages_per_send=64),
             self.h.now, destination=ENDPOINT,
         )
@@ -52,9 +54,9 @@ class Rig:
             now = self.h.now
             for datagram, address in self.pub.do_work(now):
                 assert address == ENDPOINT
-                self.datapath.on_datagram(datagram, SOURCE, now)
+                self.datapath.on_datagram(datagram, self.source, now)
             for datagram, address in self.datapath.do_work(now):
-                assert address == SOURCE
+                assert address == self.source
                 self.pub.on_datagram(datagram, ENDPOINT, now)
 
     def offer_all(self, bodies: list[bytes], rounds: int = 200) -> int:
@@ -83,10 +85,41 @@ def test_registration_answers_the_session_and_geometry_and_opens_a_producer_sess
     rig.h.queue("q")
     udp = rig.h.config.udp
     assert rig.answer["endpoint"] == "127.0.0.1:5682" and rig.answer["stream_id"] == 1001
-    assert (rig.answer["term_length"], rig.answer["mtu"]) == (udp.term_length, udp.mtu)
+    # from a loopback address: datagrams of loopback_mtu (at most term_length / 8 and max_receiver_window)
+    assert (rig.answer["term_length"], rig.answer["mtu"]) == (udp.term_length, 65504)
     pub_session = rig.core.sessions[rig.answer["connection"]]
     assert pub_session.client_name == f"owner udp:{rig.session_id}"
     assert pub_session.conn_id in rig.core.credit.producer_ids
+
+
+def test_a_publication_from_another_host_sends_with_the_configured_mtu_and_loopback_mtu_is_bounded() -> None:
+    rig = Rig(source=("10.1.2.3", 40001))
+    rig.h.queue("q")
+    assert rig.answer["mtu"] == rig.h.config.udp.mtu == 8192
+    bodies = [b"%04d" % i + b"r" * 3000 for i in range(200)]
+    assert rig.offer_all(bodies) == len(bodies)
+    rig.cycle(rounds=20)
+    assert rig.bodies() == bodies
+    small = Rig(udp={"term_length": 65536, "mtu": 4096, "min_receiver_window": 4096, "max_receiver_window": 32768})
+    assert small.answer["mtu"] == 8192  # term_length / 8
+    narrow = Rig(udp={"max_receiver_window": 20000})
+    assert narrow.answer["mtu"] == 20000 & ~31  # a window holds at least one datagram
+    assert Rig(udp={"loopback_mtu": 4096}).answer["mtu"] == 4096
+
+
+def test_a_window_never_closes_below_one_datagram_of_the_publication_so_big_messages_go_through() -> None:
+    """The credit grant (static 16 KiB here) is below loopback_mtu: the image's window is raised to one
+    datagram, or a message fragmented into mtu-sized frames could never be sent."""
+    rig = Rig(credit={"policy": "static", "static_size": 16 * 1024})
+    rig.h.queue("q")
+    bodies = [b"%04d" % i + b"B" * 200_000 for i in range(6)]  # each in four 64 KiB frames
+    assert rig.offer_all(bodies) == len(bodies)
+    for _ in range(50):
+        rig.cycle()
+        if len(rig.bodies()) == len(bodies):
+            break
+    assert rig.bodies() == bodies
+    assert rig.image.statistics().receiver_window >= 65504
 
 
 def test_messages_are_routed_in_order_and_the_window_is_the_credit_grant() -> None:
@@ -194,7 +227,7 @@ def test_datagrams_that_are_not_the_registered_publications_are_refused_by_reaso
 
 
 def test_a_setup_with_other_geometry_is_refused() -> None:
-    rig = Rig()
+    rig = Rig(source=("10.1.2.3", 40001))
     udp = rig.h.config.udp
     for config, reason in (
         (PublicationConfig(rig.session_id, 1001, term_length=udp.term_length * 2, mtu=udp.mtu), "setup_term_length"),
@@ -202,7 +235,7 @@ def test_a_setup_with_other_geometry_is_refused() -> None:
     ):
         wrong = Publication(config, rig.h.now, destination=ENDPOINT)
         for datagram, _ in wrong.do_work(rig.h.now):
-            rig.datapath.on_datagram(datagram, SOURCE, rig.h.now)
+            rig.datapath.on_datagram(datagram, rig.source, rig.h.now)
         assert rig.datapath.refused[reason] == 1
     assert rig.image is None
 
@@ -290,3 +323,73 @@ def test_a_publication_closed_while_flow_stopped_leaves_its_owner_resumed() -> N
     assert [f.destination for f in rig.owner.received(FlowStopped)] == ["q"]
     rig.owner.ok(lambda rid: ClosePublication(rid, rig.session_id))
     assert [f.destination for f in rig.owner.received(FlowResumed)] == ["q"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["bare", "keyed", "headers", "empty", "bad_kind"]), min_size=60, max_size=200),
+       st.integers(0, 2**32))
+def test_mixed_envelopes_complete_in_order_and_the_consumption_position_never_passes_an_unrouted_message(
+    kinds: list[str], seed: int
+) -> None:
+    """Polls of only bare messages are taken in bulk, anything else message by message; either way every
+    good message lands once and in order, every bad one is counted, and the consumption position the
+    producer sees never passes a message that is not complete (a saturated queue holds them)."""
+    import random
+
+    rng = random.Random(seed)
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=12, flow_resume_count=4)
+    rig.h.queue("other", flow_stop_count=12, flow_resume_count=4)
+    consumers = {name: rig.h.consumer(f"c-{name}") for name in ("q", "other")}
+    for name, consumer in consumers.items():
+        consumer.subscribe(name, prefetch=5)
+    payloads: list[bytes] = []
+    good: list[tuple[str, bytes]] = []  # (queue, body) of each good message, in order
+    for i, kind in enumerate(kinds):
+        body = b"%06d" % i + b"m" * rng.randrange(0, 1500)
+        if kind == "bare":
+            payloads.append(encode_publish(body))
+            good.append(("q", body))
+        elif kind == "keyed":
+            payloads.append(encode_publish(body, "other"))
+            good.append(("other", body))
+        elif kind == "headers":
+            payloads.append(encode_publish(body, None, {"h": i}))
+            good.append(("q", body))
+        else:
+            payloads.append(b"" if kind == "empty" else b"\x07" + body)
+    ends: list[int] = []
+    sent = 0
+    for _ in range(3000):
+        while sent < len(payloads):
+            end = rig.pub.offer(payloads[sent])
+            if end < 0:
+                break
+            ends.append(end)
+            sent += 1
+        rig.cycle(rounds=1, step_ms=rng.choice([1, 5, 50]))
+        image = rig.image
+        if image is not None and ends:
+            # The messages up to the last one completed (and any bad ones right after it) may be consumed;
+            # transfer ids count the good messages from 1.
+            reached = rig.datapath.ingress.publications[rig.session_id].session.transfers.completed.cumulative
+            allowed = rig.pub.start_position
+            count = 0
+            for index, end in enumerate(ends):
+                if kinds[index] in ("bare", "keyed", "headers"):
+                    if count == reached:
+                        break
+                    count += 1
+                allowed = end
+            assert image.statistics().consumption_position <= allowed
+        if rng.random() < 0.4:
+            for consumer in consumers.values():
+                consumer.pump()
+                consumer.ack()
+        if (sent == len(payloads) and sum(len(c.bodies()) for c in consumers.values()) == len(good)
+                and image is not None and image.statistics().consumption_position == rig.pub.position):
+            break
+    for name, consumer in consumers.items():
+        assert consumer.bodies() == [body for queue, body in good if queue == name]
+    bad = len(kinds) - len(good)
+    assert rig.datapath.ingress.bad_envelopes == bad

@@ -84,10 +84,10 @@ async def test_a_fault_in_a_connections_own_io_ends_that_connection_only(
         elif where == "encoding":  # the state machine or msgpack fails on an answer
             real_send = handler.conn.send
 
-            def send(frame: Frame) -> bytes:
+            def send(frame: Frame, *, fields_checked: bool = False) -> bytes:
                 if isinstance(frame, Ok):
                     boom()
-                return real_send(frame)
+                return real_send(frame, fields_checked=fields_checked)
 
             monkeypatch.setattr(handler.conn, "send", send)
             what = "encoding"

@@ -19,6 +19,7 @@ import trio
 import flowbroker.client as fc
 from flowbroker.client import blocking
 from flowbroker.client.udpproducer import UdpProducer
+from flowbroker.protocol import Headers
 from tests.conftest import RunningBroker
 
 LIMIT = 20.0
@@ -223,6 +224,49 @@ async def test_across_many_terms_every_message_arrives_once_in_order(start_flowb
                     await producer.send(body)
                 await producer.flush()
     assert [m.body for m in broker.core.queues["terms"].store] == bodies
+
+
+async def test_concurrent_senders_of_bare_keyed_and_fragmented_messages_keep_each_ones_order(
+    start_flowbroker: Start,
+) -> None:
+    """Bare messages are claimed by `send` and appended a batch at a time; anything else (a key, headers,
+    a message over one frame, the end of a term, a closed window) takes the general path, after the
+    batch claimed before it. Three tasks sending all of these at once on one producer, across many
+    terms: every message arrives once, each task's in the order it sent them."""
+    broker = await start_flowbroker(udp={"endpoint": "127.0.0.1:0", "term_length": 65536, "mtu": 4096,
+                                         "loopback_mtu": 4096, "min_receiver_window": 4096,
+                                         "max_receiver_window": 32768})
+
+    def message(task: int, i: int) -> tuple[bytes, str | None, Headers | None]:
+        body = b"%d:%05d:" % (task, i) + b"c" * ((i * 37 + task * 11) % 300)
+        if i % 50 == 7:
+            return body + b"F" * 5000, None, None  # over loopback_mtu (4 KiB here): fragmented
+        if i % 10 == 3:
+            return body, "mixed", None  # the registration's key, named: still bare
+        if i % 10 == 5:
+            return body, None, {"n": str(i)}
+        return body, None, None
+
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("mixed")
+        with trio.fail_after(60):
+            async with conn.producer("", "mixed", transport="udp") as producer:
+
+                async def sender(task: int) -> None:
+                    for i in range(1500):
+                        body, key, headers = message(task, i)
+                        await producer.send(body, headers, key)
+                        if i % 97 == 0:
+                            await trio.sleep(0)  # let the others and the publication's tasks run
+
+                async with trio.open_nursery() as nursery:
+                    for task in range(3):
+                        nursery.start_soon(sender, task)
+                await producer.flush()
+    got = [m.body for m in broker.core.queues["mixed"].store]
+    assert len(got) == 4500
+    for task in range(3):
+        assert [b for b in got if b.startswith(b"%d:" % task)] == [message(task, i)[0] for i in range(1500)]
 
 
 async def test_the_admin_api_shows_the_data_path_and_its_refusals(start_flowbroker: Start) -> None:

@@ -6,8 +6,7 @@ another user's producer still gets its share, and a changed share reaches the op
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -15,31 +14,19 @@ import pytest
 import trio
 
 import flowbroker.client as fc
-from flowbroker.broker.config import load_config
 from flowbroker.broker.server import BrokerServer
 from flowbroker.broker.users import User, write_users
 from flowbroker.protocol import ErrorCode
 from flowbroker.protocol.scram import StoredCredential
 
+from tests.serving import serving, url
+
 LIMIT = 10.0
 CRED = StoredCredential.from_password("pw", 4096)
 
 
-@asynccontextmanager
-async def broker(users: Path, data_dir: Path, **sections: dict[str, Any]) -> AsyncIterator[BrokerServer]:
-    overrides: dict[str, dict[str, Any]] = {
-        "server": {"port": 0, "memory_quota": 1 << 30}, "admin": {"enabled": False}, "udp": {"enabled": False},
-        "storage": {"data_dir": str(data_dir)}, "auth": {"users_file": str(users)}}
-    overrides.update(sections)
-    server = BrokerServer(load_config(None, overrides))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield server
-        server.shutdown()
-
-
-def url(server: BrokerServer) -> str:
-    return f"flowbroker://127.0.0.1:{server.port}"
+def broker(users: Path, data_dir: Path, **sections: dict[str, Any]) -> AbstractAsyncContextManager[BrokerServer]:
+    return serving(storage={"data_dir": str(data_dir)}, auth={"users_file": str(users)}, **sections)
 
 
 async def test_max_queues_refuses_one_more_and_redeclare_delete_and_other_users_behave(tmp_path: Path) -> None:

@@ -148,7 +148,7 @@ def test_held_transfer_flow_stopped_then_completed_out_of_order() -> None:
     (deliver,) = [f for f in consumer.collect(broker.now) if isinstance(f, Deliver)]
     assert len(deliver.entries) == 2
     assert not [f for f in broker.client_receives() if isinstance(f, (Complete, FlowResumed))]  # unsettled: held
-    broker.core.handle(consumer, Settle(Outcome.ACK, [(deliver.entries[0].delivery_tag, deliver.entries[1].delivery_tag)]))
+    broker.core.handle(consumer, Settle(Outcome.ACK, [(deliver.entries[0][0], deliver.entries[1][0])]))
     received = broker.client_receives()
     assert FlowResumed("full") in received and Complete(4, []) in received
     assert received.index(FlowResumed("full")) < received.index(Complete(4, []))

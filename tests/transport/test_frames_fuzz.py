@@ -182,3 +182,96 @@ def test_mutations_reach_many_reject_reasons() -> None:
 
     collect()
     assert len(seen) >= 8, seen
+
+
+def _reference_check_data_datagram(buf: bytes, term_length: int) -> RejectReason | None:
+    """check_data_datagram as it was before it stopped re-checking a later frame's offset (implied by
+    the consistency check) and unpacking its flags and reserved value: the reasons must not change."""
+    n = len(buf)
+    if n < f.DATA_HEADER_LENGTH:
+        return RejectReason.TOO_SHORT
+    unpack = f.DATA_HEADER.unpack_from
+    frame_length, version, _flags, ftype, term_offset, session_id, stream_id, term_id, _rv = unpack(buf, 0)
+    if version != f.CURRENT_VERSION:
+        return RejectReason.BAD_VERSION
+    if ftype == 0x01 and frame_length == 0:
+        if n != f.DATA_HEADER_LENGTH:
+            return RejectReason.BAD_FRAME_LENGTH
+        if term_offset < 0 or term_offset >= term_length:
+            return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
+        if term_offset & (f.FRAME_ALIGNMENT - 1):
+            return RejectReason.TERM_OFFSET_MISALIGNED
+        return None
+    offset = 0
+    expected_offset = term_offset
+    while True:
+        if frame_length < f.DATA_HEADER_LENGTH:
+            return RejectReason.BAD_FRAME_LENGTH
+        if term_offset < 0:
+            return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
+        if term_offset & (f.FRAME_ALIGNMENT - 1):
+            return RejectReason.TERM_OFFSET_MISALIGNED
+        if ftype == 0x00:
+            if frame_length & (f.FRAME_ALIGNMENT - 1):
+                return RejectReason.BAD_FRAME_LENGTH
+            if term_offset + frame_length > term_length:
+                return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
+            if n > offset + frame_length:
+                return RejectReason.TRAILING_BYTES
+            return None
+        aligned = (frame_length + f.FRAME_ALIGNMENT - 1) & ~(f.FRAME_ALIGNMENT - 1)
+        if term_offset + aligned > term_length:
+            return RejectReason.TERM_OFFSET_OUT_OF_BOUNDS
+        if offset + frame_length > n:
+            return RejectReason.FRAME_LONGER_THAN_DATAGRAM
+        offset += aligned
+        if offset >= n:
+            return None
+        if n - offset < f.DATA_HEADER_LENGTH:
+            return RejectReason.TRAILING_BYTES
+        expected_offset += aligned
+        (frame_length, version, _flags, ftype, term_offset, s2, st2, t2, _rv) = unpack(buf, offset)
+        if version != f.CURRENT_VERSION:
+            return RejectReason.BAD_VERSION
+        if (
+            (ftype != 0x01 and ftype != 0x00)
+            or term_offset != expected_offset
+            or s2 != session_id
+            or st2 != stream_id
+            or t2 != term_id
+        ):
+            return RejectReason.INCONSISTENT_FRAMES
+
+
+@st.composite
+def later_frame_mutated(draw: st.DrawFn) -> bytes:
+    """A run of DATA frames (maybe ending in PAD) with one header field of a later frame set to an edge
+    value: what the check looks at per later frame (length, version, type, offset, ids)."""
+    session, stream, term = draw(INT32), draw(INT32), draw(INT32)
+    offset = draw(st.integers(0, 2040)) * 32
+    data = bytearray()
+    starts = []
+    for payload in draw(st.lists(st.binary(max_size=100), min_size=2, max_size=6)):
+        frame = f.DataFrame(32 + len(payload), draw(FLAGS), offset, session, stream, term, 0, payload)
+        starts.append(len(data))
+        data += f.encode_data(frame)
+        offset += frame.aligned_length
+    if draw(st.booleans()):
+        starts.append(len(data))
+        data += f.encode_data(f.DataFrame(SMALL_TERM - offset, 0xC0, offset, session, stream, term,
+                                          frame_type=f.FrameType.PAD))
+    start = draw(st.sampled_from(starts[1:]))
+    field, size = draw(st.sampled_from([(0, 4), (4, 1), (5, 1), (6, 2), (8, 4), (12, 4), (16, 4), (20, 4)]))
+    value = draw(st.sampled_from([0, 1, 28, 31, 32, 33, 64, 2**15, SMALL_TERM, -1, -32, 2**31 - 1]))
+    data[start + field:start + field + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
+    if draw(st.booleans()):
+        del data[draw(st.integers(start, len(data))):]
+    return bytes(data)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(mutated(), valid_datagrams(), later_frame_mutated(), st.binary(max_size=300)),
+       TERM_LENGTHS | st.just(SMALL_TERM))
+def test_the_data_check_gives_the_reference_reason_for_any_datagram(datagram: bytes, term_length: int) -> None:
+    if f.frame_type_of(datagram) in (f.FrameType.DATA, f.FrameType.PAD):
+        assert f.check_data_datagram(datagram, term_length) is _reference_check_data_datagram(datagram, term_length)

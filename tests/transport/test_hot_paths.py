@@ -119,3 +119,37 @@ def test_keeping_back_the_part_empty_datagram_sends_the_same_bytes_in_fewer_data
     whole = _datagrams(True, sizes)
     assert b"".join(whole) == b"".join(every)
     assert len(whole) <= len(every)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(min_value=0, max_value=MTU), min_size=0, max_size=12), min_size=1, max_size=40),
+       st.sampled_from([b"", b"\x00", b"\x01\x00\x03"]), st.integers(min_value=-(2**31), max_value=2**31 - 1))
+def test_a_batch_append_writes_what_appending_each_message_behind_its_head_writes(
+    batches: list[list[int]], head: bytes, initial: int
+) -> None:
+    fast = TermAppender(TERM, initial, 77, 1001, MTU)
+    slow = TermAppender(TERM, initial, 77, 1001, MTU)
+    for b, sizes in enumerate(batches):
+        messages = [bytes([(b + i) % 251]) * size for i, size in enumerate(sizes)]
+        before = fast.position
+        position = fast.append_many(messages, head, 1 << 62, 1 << 62, 5)
+        if position == 0:  # not its case (a frame too long, the term's end): all or none, so none
+            assert fast.position == before and bytes(fast._log) == bytes(slow._log)
+            for message in messages:
+                position = fast.append(head + message, 5)
+        for message in messages:
+            slow.append(head + message, 5)
+        assert position == slow.position == fast.position
+        assert bytes(fast._log) == bytes(slow._log)
+
+
+def test_a_batch_append_stops_at_the_limits_it_is_given() -> None:
+    app = TermAppender(TERM, 0, 1, 2, MTU)
+    three = [b"x" * 100] * 3  # 160 term bytes each: the last starts at 320, ends at 453
+    assert app.append_many(three, b"\x00", 320, 1 << 62) == 0  # the last would start at the limit
+    assert app.append_many(three, b"\x00", 1 << 62, 453) == 0  # the last frame would reach max_position
+    assert app.append_many([b"x" * 10, b"x" * (MTU - 32)], b"\x00", 1 << 62, 1 << 62) == 0  # two frames
+    assert app.position == 0 and not any(app._log)
+    assert app.append_many(three, b"\x00", 321, 454) == 480
+    pub = Publication(PublicationConfig(7, 1001, term_length=TERM, mtu=MTU), 0, destination=("127.0.0.1", 1))
+    assert pub.offer_many(three, b"\x00") == 0  # not connected: no room below the publication limit
