@@ -482,7 +482,7 @@ class Queue:
         active = self._active
         while store and active:
             sub = active[0]
-            if len(active) == 1 and type(sub) is Subscription:  # alone: all its credit allows, in one run
+            if len(active) == 1 and sub.takes_runs:  # alone: all its credit allows, in one run
                 if not sub.closed:
                     sub.deliver_ready(store)
                     if not store:

@@ -36,6 +36,10 @@ class Subscription:
     __slots__ = ("session", "sub_id", "queue", "prefetch", "sender_window", "connection_window", "unsettled",
                  "delivered_total", "active", "closed")
 
+    takes_runs = True
+    """The queue may call `deliver_ready` when this subscription is alone in its rotation (a subclass that
+    does not override it with its own pacing sets this False)."""
+
     def __init__(self, session: Session, sub_id: int, queue: Queue, prefetch: int, buffer_size: int):
         self.session = session
         self.sub_id = sub_id
@@ -73,8 +77,8 @@ class Subscription:
         holds only this one). The same checks and bookkeeping as `has_credit` and `deliver` once per
         message, but with the windows read into locals, the connection's ledger and outbox called once
         for the run, and one DELIVER entry tuple per message (callgrind: about a quarter of a
-        delivery's instructions were method calls). Only for this class: the queue calls the
-        subclasses (UDP), which pace or deliver otherwise, one message at a time."""
+        delivery's instructions were method calls). A subclass that paces otherwise overrides it (a UDP
+        subscription: broker/udp/egress.py) or sets `takes_runs` False (a multicast group's)."""
         room = self.prefetch - self.unsettled
         sw, cw = self.sender_window, self.connection_window
         # may_send() of both windows: position below acked + window, or the window off (0): a limit

@@ -194,7 +194,10 @@ class Message:
         return False
 
     def _mark_processed(self) -> None:
-        """Count it processed, once. The common case (no byte buffer on) is two additions inline."""
+        """Count it processed, once. The common case (no byte buffer on) is two additions inline. The UDP
+        consumer is told too (`_on_processed`), as when it is settled first: a message settled only after
+        the next one was taken was never released in the image, and an application that settles each
+        message after taking the next stalled its UDP consumer for good once its window was used."""
         if self._unprocessed:
             self._unprocessed = False
             consumer = self._consumer
@@ -205,6 +208,8 @@ class Message:
             else:
                 sub.consumed_position += self._size
                 conn.consumed_position += self._size
+            if consumer._on_processed is not None:
+                consumer._on_processed(self)
 
 
 class Consumer:

@@ -26,6 +26,7 @@ from flowbroker.client.consumer import Consumer, Message
 from flowbroker.protocol import Frame
 from flowbroker.protocol.envelope import EnvelopeError, decode_delivery
 from flowbroker.protocol.frames import DeliveryEntry, SubscribeUdp
+from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
@@ -63,6 +64,12 @@ class UdpConsumer(Consumer):
         self._image: Image | None = None
         self._held: dict[int, int] = {}  # delivery tag -> bytes it holds in the image
         self._polled: list[DeliveryEntry] = []  # decoded by the poll in progress, not yet buffered
+        self._polled_space = 0  # their term bytes: held in the image in one call after the poll
+        self._released = 0  # term bytes processed and not yet released in the image (see _release)
+        self._release_step = max(self.window // 16, 1)
+        self._max_payload = 0  # the image's largest unfragmented payload (mtu - header)
+        self._image_subscriber = 0  # the id the image knows our subscription by
+        self._unheld = False  # a poll took messages it did not hold (dropped, or after the end)
         self._dirty = trio.Event()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -101,23 +108,33 @@ class UdpConsumer(Consumer):
         image.window_cap = self.window
         self._image = image
         self._held.clear()
+        self._released = 0
+        self._max_payload = image.mtu - DATA_HEADER_LENGTH
+        self._image_subscriber = self._subscription_id_in_image()
 
     # -------------------------------------------------------------- the image
 
     def _on_message(self, payload: memoryview | bytes) -> None:
-        """One message polled from the image: decoded, its term bytes held until it is processed, and
-        collected in `_polled`; `_receive` hands a poll's messages to the consumer's buffer at once."""
-        image = self._image
+        """One message polled from the image: decoded, its term bytes counted to be held until it is
+        processed, and collected in `_polled`; `_receive` holds a poll's bytes in the image in one call
+        and hands its messages to the consumer's buffer in one call."""
         try:
             entry = decode_delivery(payload)
         except EnvelopeError as exc:
+            self._unheld = True
             self.malformed += 1
             log.warning("UDP subscription %s: payload dropped: %s", self.subscription_id, exc)
             return
-        if image is not None and not self._ended:
-            space = frame_space(len(payload), image.mtu)
-            image.hold(self._subscription_id_in_image(), space)
+        if not self._ended:
+            length = len(payload)
+            if length <= self._max_payload:  # one frame: frame_space inlined
+                space = (length + DATA_HEADER_LENGTH + 31) & ~31
+            else:
+                space = frame_space(length, self._max_payload + DATA_HEADER_LENGTH)
             self._held[entry.delivery_tag] = space
+            self._polled_space += space
+        else:
+            self._unheld = True
         self._polled.append(entry)
 
     def _subscription_id_in_image(self) -> int:
@@ -125,13 +142,36 @@ class UdpConsumer(Consumer):
         return self._subscription.subscription_id
 
     def _release(self, msg: Message) -> None:
-        """`msg` is processed: the image may report its bytes consumed."""
+        """`msg` is processed: the image may report its bytes consumed.
+
+        Released in steps of a sixteenth of the window, at once when everything handed out is processed,
+        and by every cycle of the receiving task (`_flush_released`: at the latest the image's SM timer,
+        so bytes below a step do not wait while the application is still on a message):
+        the image reports a consumption position only every quarter window anyway, and releasing (and
+        asking whether an SM is due) per message was a tenth of the consumer's time. The position the
+        broker hears of never passes what was processed."""
         space = self._held.pop(msg.delivery_tag, 0)
+        if not space:
+            return
+        released = self._released + space
+        if released < self._release_step and self._held:
+            self._released = released
+            return
+        self._released = 0
         image = self._image
-        if space and image is not None:
-            image.release(self._subscription_id_in_image(), space)
+        if image is not None:
+            image.release(self._image_subscriber, released)
             if self._report_due(image):
                 self._dirty.set()  # the status task sends it (waking it for every message cost a task switch each)
+
+    def _flush_released(self) -> None:
+        """Release in the image what processing released since the last step (see `_release`)."""
+        released = self._released
+        image = self._image
+        if released and image is not None:
+            self._released = 0
+            image.release(self._image_subscriber, released)
+            self._report_due(image)  # may ask for an SM now; the caller's do_work sends it
 
     def _report_due(self, image: Image) -> bool:
         """Has processing moved the consumption position enough to tell the broker now: everything handed
@@ -159,7 +199,11 @@ class UdpConsumer(Consumer):
             self._done.set()
 
     async def _receive(self) -> None:
-        """Datagrams into the image, messages out of it into the consumer's buffer, SMs and NAKs back."""
+        """Datagrams into the image, messages out of it into the consumer's buffer, SMs and NAKs back.
+
+        One duty cycle of the channel per batch of datagrams, before the poll (the rebuild moves there,
+        and SMs and NAKs go out). Not a second one after it: a poll holds what it hands out, so it moves
+        no consumption position, unless it dropped a message or the consumer has ended (`_unheld`)."""
         channel, subscription, endpoint = self._channel, self._subscription, self._endpoint
         assert channel is not None and subscription is not None
         while True:
@@ -169,14 +213,23 @@ class UdpConsumer(Consumer):
             now = now_ns()
             for datagram, source in batch:
                 channel.on_datagram(datagram, source, now)
+            self._flush_released()
             self._send(channel.do_work(now))  # the rebuild moves here
             polled = self._polled
             while subscription.poll(self._on_message, _POLL_FRAGMENTS):
+                space = self._polled_space
+                if space:  # the poll's term bytes stay held until their messages are processed
+                    self._polled_space = 0
+                    image = self._image
+                    if image is not None:
+                        image.hold(self._image_subscriber, space)
                 if polled:  # one DELIVER's worth: one call, one wake-up of the reader
                     self._polled = []
                     self._on_deliver(polled)
                     polled = self._polled
-            self._send(channel.do_work(now))
+            if self._unheld:  # messages polled and not held moved the consumption position: report it
+                self._unheld = False
+                self._send(channel.do_work(now))
 
     async def _status(self) -> None:
         """Processing released bytes: the status message that reports it goes out without waiting for a datagram.

@@ -18,7 +18,8 @@ producer's window keeps moving), never lets it reach a queue. Pure functions, no
 from __future__ import annotations
 
 import struct
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, partial
 from typing import Any
 
 import msgpack
@@ -32,6 +33,7 @@ __all__ = [
     "PUBLISH_ENVELOPED",
     "decode_delivery",
     "decode_publish",
+    "delivery_head",
     "encode_delivery",
     "encode_delivery_of",
     "encode_publish",
@@ -120,20 +122,78 @@ def _packed_names(exchange: str, routing_key: str) -> bytes:
     return packed
 
 
+_pack_int: Callable[[int], bytes] = msgpack.Packer().pack
+"""One packer for the tags (msgpack.packb builds a Packer per call); it returns the bytes and resets."""
+
+_HEAD_UINT32 = struct.Struct(">BHBBI")
+"""kind, meta length, then msgpack's fixarray of 5 and a uint32 tag: the head of every delivery whose tag
+is in [65536, 2**32) (msgpack packs those, and only those, as 0xce + 4 bytes)."""
+_HEAD_UINT16 = struct.Struct(">BHBBH")
+"""The same for tags in [256, 65536) (0xcd + 2 bytes)."""
+
+
+@lru_cache(maxsize=1024)
+def _tail(exchange: str, routing_key: str, redelivered: bool) -> bytes:
+    """What follows the tag in the meta of a delivery without headers: names, nil headers, redelivered."""
+    return _packed_names(exchange, routing_key) + (_NIL_TRUE if redelivered else _NIL_FALSE)
+
+
+def delivery_head(delivery_tag: int, exchange: str, routing_key: str, headers: Headers | None,
+                  redelivered: bool) -> bytes:
+    """The bytes of a DELIVER payload before its body: ``delivery_head(...) + body`` is
+    `encode_delivery_of`'s payload. The broker writes head and body into its term one after the other
+    (`Publication.offer_parts`), so a delivery's body is copied once, into the term, not first into a
+    payload of its own."""
+    if headers is not None:
+        meta: bytes = msgpack.packb([delivery_tag, exchange, routing_key, headers, redelivered], use_bin_type=True)
+    else:
+        tail = _tail(exchange, routing_key, redelivered)
+        if 0xFFFF < delivery_tag <= 0xFFFF_FFFF:  # a connection's tags after its first 65,535 deliveries
+            return _HEAD_UINT32.pack(DELIVER, 6 + len(tail), 0x95, 0xCE, delivery_tag) + tail
+        if 0xFF < delivery_tag <= 0xFFFF:
+            return _HEAD_UINT16.pack(DELIVER, 4 + len(tail), 0x95, 0xCD, delivery_tag) + tail
+        meta = b"\x95" + _pack_int(delivery_tag) + tail
+    return _LENGTH.pack(DELIVER, len(meta)) + meta
+
+
 def encode_delivery_of(delivery_tag: int, exchange: str, routing_key: str, body: bytes, headers: Headers | None,
                        redelivered: bool) -> bytes:
     """`encode_delivery` from the fields, byte for byte the same, without building a DeliveryEntry: a
     message without headers packs only its tag (exchange and routing key come packed from a small cache;
     msgpack packs an array as its elements one after another, so the bytes are those of packb(list))."""
-    if headers is not None:
-        return encode_delivery(DeliveryEntry(delivery_tag, exchange, routing_key, body, headers, redelivered))
-    meta: bytes = (b"\x95" + msgpack.packb(delivery_tag) + _packed_names(exchange, routing_key)
-            + (_NIL_TRUE if redelivered else _NIL_FALSE))
-    return _LENGTH.pack(DELIVER, len(meta)) + meta + body
+    return delivery_head(delivery_tag, exchange, routing_key, headers, redelivered) + body
+
+
+_unpackb = msgpack.unpackb
+_make_entry: Callable[[Any], DeliveryEntry] = partial(tuple.__new__, DeliveryEntry)
+"""tuple.__new__ in C: a DeliveryEntry without the NamedTuple's Python __new__ (the consumer's per-message path)."""
 
 
 def decode_delivery(payload: bytes | memoryview) -> DeliveryEntry:
-    """The delivery a DELIVER payload carries (checked as a DELIVER frame's entry is)."""
+    """The delivery a DELIVER payload carries (checked as a DELIVER frame's entry is).
+
+    The common delivery (no headers, its envelope well formed) is decoded and checked inline, in one
+    call; anything else takes the general path, which names what is wrong. (Reading a uint32 tag and
+    looking its tail up in a cache of names, without msgpack, took more instructions, not fewer: 13,603
+    against 11,772 per decode under callgrind.)"""
+    n = len(payload)
+    if n >= 3 and payload[0] == DELIVER:
+        end = 3 + ((payload[1] << 8) | payload[2])
+        if end <= n:
+            try:
+                meta = _unpackb(payload[3:end], raw=False, strict_map_key=True)
+            except Exception:  # the general path below names it
+                meta = None
+            if type(meta) is list and len(meta) == 5:
+                tag, exchange, key, headers, redelivered = meta
+                if (headers is None and type(tag) is int and tag >= 1 and type(exchange) is str
+                        and type(key) is str and type(redelivered) is bool):
+                    return _make_entry((tag, exchange, key, bytes(payload[end:]), None, redelivered))
+    return _decode_delivery_checked(payload)
+
+
+def _decode_delivery_checked(payload: bytes | memoryview) -> DeliveryEntry:
+    """`decode_delivery`'s general path: every check, an `EnvelopeError` naming the first that fails."""
     if not len(payload) or payload[0] != DELIVER:
         raise EnvelopeError("not a delivery envelope (kind 0x02)")
     meta, end = _meta(payload, "deliver")

@@ -368,6 +368,17 @@ class Publication:
             return OfferResult.MAX_POSITION_EXCEEDED
         return OfferResult.BACK_PRESSURED if self.is_connected else OfferResult.NOT_CONNECTED
 
+    def offer_parts(self, head: bytes | bytearray | memoryview, body: bytes | bytearray | memoryview) -> int:
+        """``offer(head + body)``, each part copied once into the term in the common case (one frame, room in
+        the term and the window); the same return, the same bytes in the term."""
+        if self._state is not _State.ACTIVE:
+            return OfferResult.CLOSED
+        position = self.appender.append_unfragmented_parts(head, body, self.publication_limit,
+                                                           self.max_possible_position, self.config.reserved_value)
+        if position:
+            return position
+        return self.offer(bytes(head) + bytes(body))
+
     def offer_many(self, messages: list[bytes], head: bytes = b"") -> int:
         """Append ``messages``, each behind ``head``, as unfragmented frames, all or none: the new
         position, or 0 when one would need the general path (``offer`` of ``head + message`` each:

@@ -11,6 +11,10 @@ sender limit its status messages set; one message may overflow it, as DCP lets o
 has more than that window plus one message in flight to a consumer that has not processed them. A delivery
 the publication cannot take at once waits in one slot and goes first when the window opens; status messages
 that open the window put the subscription back in its queue's rotation.
+
+A subscription alone in its queue's rotation takes a run (`UdpSubscription.deliver_ready`, as a TCP one
+does): every message its prefetch and window allow in one call, each written into the term as its envelope
+head and its body (the body copied once), the connection's ledger told once and the data path woken once.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.subscription import Subscription
 from flowbroker.broker.udp.datapath import Address, Outgoing
-from flowbroker.protocol.envelope import encode_delivery_of
+from flowbroker.protocol.envelope import delivery_head
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.transport.publication import Publication, PublicationConfig
+from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
 
 if TYPE_CHECKING:
     from flowbroker.broker.message import Message
     from flowbroker.broker.queue import Queue
     from flowbroker.broker.session import Session
+    from flowbroker.broker.store import QueueStore
     from flowbroker.broker.udp.datapath import DataPath
 
 __all__ = ["Egress", "UdpSubscription", "MAX_CLOSING"]
@@ -72,11 +77,66 @@ class UdpSubscription(Subscription):
         self.unsettled += 1
         self.delivered_total += 1
         tag = self.session.deliveries.deliver(self, msg, 0)
-        payload = encode_delivery_of(tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered)
-        stream = self.stream
-        if stream.publication.offer(payload) < 0:
-            stream.slot = payload
+        _append(self.stream, delivery_head(tag, msg.exchange, msg.routing_key, msg.headers, msg.redelivered),
+                msg.body)
         self.egress.datapath.wake()
+
+    def deliver_ready(self, store: QueueStore) -> None:
+        """Deliver ready messages from `store` while this subscription has credit (its queue's rotation holds
+        only this one): `has_credit` and `deliver` once per message, with the checks read into locals, the
+        connection's ledger told once for the run and the data path woken once. Each delivery goes into the
+        term as its envelope head and its body (`Publication.offer_parts`: the body copied once). The run
+        stops where `has_credit` would: prefetch used, the consumer's window (the sender limit) reached, or a
+        delivery the publication could not take (it waits in the slot, as `deliver` leaves it)."""
+        stream = self.stream
+        pub = stream.publication
+        room = self.prefetch - self.unsettled
+        if room <= 0 or stream.slot is not None or not store or not pub.is_connected:
+            return
+        sender_limit = pub.sender_limit
+        if pub.position >= sender_limit:
+            return
+        ledger = self.session.deliveries
+        take = store.take
+        offer = pub.offer_parts
+        tag = ledger.next_tag
+        msgs: list[Message] = []
+        while True:
+            msg = take()
+            msgs.append(msg)
+            head = delivery_head(tag, msg.exchange, msg.routing_key, msg.headers, msg.redelivered)
+            position = offer(head, msg.body)
+            if position < 0:
+                position = _append_slow(stream, position, head, msg.body)
+                if position < 0:
+                    break  # in the slot now
+            tag += 1
+            room -= 1
+            if not room or position >= sender_limit or not store:
+                break
+        n = len(msgs)
+        self.unsettled += n
+        self.delivered_total += n
+        ledger.deliver_many(self, msgs, 0)  # the tags counted above, in order
+        self.egress.datapath.wake()
+
+
+def _append(stream: _Stream, head: bytes, body: bytes) -> None:
+    """One delivery into the stream's term, or into its slot when the publication cannot take it now."""
+    position = stream.publication.offer_parts(head, body)
+    if position < 0:
+        _append_slow(stream, position, head, body)
+
+
+def _append_slow(stream: _Stream, result: int, head: bytes, body: bytes) -> int:
+    """An offer refused with `result`: after a term rotation (ADMIN_ACTION) offered again at once, as Aeron
+    asks (it waited in the slot for the next status message); otherwise, or refused again, the delivery
+    waits in the slot. Returns the position, or the (negative) result that put it in the slot."""
+    if result == OfferResult.ADMIN_ACTION:
+        result = stream.publication.offer_parts(head, body)
+    if result < 0:
+        stream.slot = head + body
+    return result
 
 
 class Egress:
@@ -155,7 +215,10 @@ class Egress:
         """The consumer's status message moved the limit: the waiting delivery first, then the queue."""
         slot = stream.slot
         if slot is not None:
-            if stream.publication.offer(slot) < 0:
+            result = stream.publication.offer(slot)
+            if result == OfferResult.ADMIN_ACTION:  # the term rotated: offered again at once (see _append_slow)
+                result = stream.publication.offer(slot)
+            if result < 0:
                 return
             stream.slot = None
         sub = stream.subscription

@@ -77,6 +77,7 @@ class GroupSubscription(Subscription):
 
     __slots__ = ("group",)
 
+    takes_runs = False  # one message at a time: the group's publication paces it (Group.may_send)
     group: Group
 
     def __init__(self, group: Group, queue: Queue, prefetch: int) -> None:  # noqa: D107 - no session

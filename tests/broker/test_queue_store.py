@@ -119,6 +119,8 @@ TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=60, d
 class FakeSubscription:
     """What `Queue` asks of a subscription, with credit the test hands out one message at a time."""
 
+    takes_runs = False  # one message per `deliver`: the queue never calls deliver_ready on it
+
     def __init__(self) -> None:
         self.closed = False
         self.active = False

@@ -145,6 +145,30 @@ def test_prefetch_bounds_unsettled_deliveries() -> None:
     assert len(rig.bodies) == 10
 
 
+def test_a_lone_subscription_takes_its_window_in_one_run_across_term_ends() -> None:
+    """A lone UDP subscription takes a run (`UdpSubscription.deliver_ready`) bounded by its window, with
+    consecutive tags; a delivery that meets a term's end is offered again at once (the term rotated) rather
+    than left in the slot until the next status message, so runs cross term ends without waiting. (With a
+    window of a quarter term the publication's own limit, half a term past what it sent, is never what
+    stops an offer: only a rotation could have put a delivery in the slot.)"""
+    rig = Rig(window=16 * 1024, udp={"term_length": 64 * 1024, "max_receiver_window": 32 * 1024})
+    count = 400  # about 6 terms of 1 KiB deliveries
+    bodies = [b"%04d" % i + b"t" * 1000 for i in range(count)]
+    rig.publish(bodies)
+    frame = frame_space(1004 + 40, rig.h.config.udp.mtu)
+    for _ in range(200):
+        rig.cycle()
+        assert rig.stream.slot is None
+        assert rig.unprocessed_in_flight() <= rig.window + frame
+        rig.process(len(rig.held))
+        if len(rig.bodies) == count:
+            break
+    assert rig.bodies == bodies
+    assert rig.stream.publication.position > 5 * 64 * 1024  # it crossed several term ends
+    rig.cycle()
+    assert len(rig.core.queues["q"].store) == 0 and not rig.owner.session.deliveries.unsettled
+
+
 def test_closing_the_connection_requeues_in_order_and_ends_the_publication() -> None:
     rig = Rig()
     rig.publish([b"r%d" % i for i in range(10)])

@@ -59,6 +59,58 @@ async def test_a_slow_udp_consumer_paces_the_broker_within_its_window(start_flow
     assert datapath.refused.total() == 0
 
 
+async def test_messages_kept_unsettled_leave_the_rest_of_the_window_open(start_flowbroker: Start) -> None:
+    """An application that keeps most of a window's messages unsettled and settles the rest one by one gets
+    every message: a message it moved past is processed (its bytes leave the image's hold whenever it is
+    settled), and the processed bytes, released in steps of a sixteenth of the window, always reach the
+    image (at once when everything handed out is processed, else by the receiving task's next cycle)."""
+    broker = await start_flowbroker()
+    window = 64 * 1024
+    kept_count = 59  # 59 x 1,088 term bytes: all but 1,344 bytes of the window
+    bodies = [b"%05d" % i + b"k" * 1000 for i in range(kept_count + 150)]
+    kept: list[fc.Message] = []
+    got: list[bytes] = []
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "kept", bodies)
+        with trio.fail_after(60):
+            async with conn.consumer("kept", transport="udp", buffer_size=window, prefetch=1000) as consumer:
+                async for msg in consumer:
+                    got.append(msg.body)
+                    if len(kept) < kept_count:
+                        kept.append(msg)  # not settled: its bytes stay held
+                    else:
+                        await msg.ack()
+                    if len(got) == len(bodies):
+                        break
+                for msg in kept:
+                    await msg.ack()
+    assert got == bodies
+
+
+async def test_a_message_settled_after_the_next_was_taken_is_released(start_flowbroker: Start) -> None:
+    """Taking the next message processes the previous one (docs/client.md): its bytes leave the image's
+    hold then, whenever it is settled. (They were released only by a settle that came first: settling
+    each message after taking the next stalled the consumer once its window was used.)"""
+    broker = await start_flowbroker()
+    window = 32 * 1024
+    bodies = [b"%05d" % i + b"n" * 1000 for i in range(200)]  # about 7 windows
+    got: list[bytes] = []
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "next", bodies)
+        with trio.fail_after(LIMIT):
+            async with conn.consumer("next", transport="udp", buffer_size=window) as consumer:
+                previous: fc.Message | None = None
+                async for msg in consumer:
+                    if previous is not None:
+                        await previous.ack()
+                    previous = msg
+                    got.append(msg.body)
+                    if len(got) == len(bodies):
+                        await msg.ack()
+                        break
+    assert got == bodies
+
+
 async def test_ack_reject_and_requeue_go_over_tcp(start_flowbroker: Start) -> None:
     broker = await start_flowbroker()
     async with await fc.connect(broker.url) as conn:

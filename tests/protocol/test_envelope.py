@@ -10,6 +10,7 @@ from flowbroker.protocol.envelope import (
     EnvelopeError,
     decode_delivery,
     decode_publish,
+    delivery_head,
     encode_delivery,
     encode_delivery_of,
     encode_publish,
@@ -86,6 +87,16 @@ def test_a_delivery_encoded_from_its_fields_is_byte_for_byte_encode_delivery(ent
                                  entry.redelivered)
     assert payload == encode_delivery(entry)
     assert decode_delivery(payload) == entry
+
+
+@pytest.mark.parametrize("tag", [1, 127, 128, 255, 256, 65535, 65536, 65537, 2**32 - 1, 2**32, 2**63])
+@pytest.mark.parametrize("redelivered", [False, True])
+def test_the_delivery_head_is_msgpacks_at_every_tag_width(tag: int, redelivered: bool) -> None:
+    """`delivery_head` packs tags in [256, 2**32) with structs of its own: the bytes msgpack writes there,
+    and msgpack's own everywhere else (fixint, uint8, uint64)."""
+    entry = DeliveryEntry(tag, "amq.direct", "orders", b"body", None, redelivered)
+    assert delivery_head(tag, entry.exchange, entry.routing_key, None, redelivered) + b"body" == encode_delivery(entry)
+    assert decode_delivery(encode_delivery(entry)) == entry
 
 
 @pytest.mark.parametrize("meta", [

@@ -40,6 +40,36 @@ def test_the_unfragmented_append_stops_at_the_limits_it_is_given() -> None:
 
 
 @settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(min_value=0, max_value=80), st.integers(min_value=0, max_value=3 * MTU)),
+                min_size=1, max_size=120), st.integers(min_value=-(2**31), max_value=2**31 - 1))
+def test_the_append_of_a_head_and_a_body_writes_the_bytes_of_their_join(parts: list[tuple[int, int]],
+                                                                        initial: int) -> None:
+    """`append_unfragmented_parts(head, body)` (the broker's deliveries: envelope, then body) is
+    `append_unfragmented(head + body)` byte for byte, refusing the same cases; through `Publication.offer_parts`
+    the general path takes what the fast one refuses, as `offer` does."""
+    parted = TermAppender(TERM, initial, 77, 1001, MTU)
+    joined = TermAppender(TERM, initial, 77, 1001, MTU)
+    for i, (head_size, body_size) in enumerate(parts):
+        head, body = bytes([i % 251]) * head_size, bytes([(i + 7) % 251]) * body_size
+        position = parted.append_unfragmented_parts(head, body, 1 << 62, 1 << 62, 5)
+        expected = joined.append_unfragmented(head + body, 1 << 62, 1 << 62, 5)
+        assert position == expected
+        if position == 0:
+            assert parted.position == joined.position
+            parted.append(head + body, 5)
+            joined.append(head + body, 5)
+        assert bytes(parted._log) == bytes(joined._log)
+    assert parted.append_unfragmented_parts(b"h", b"x" * 100, parted.position, 1 << 62) == 0  # at the limit
+    parts_pub = Publication(PublicationConfig(5, 6, term_length=TERM, mtu=MTU), 0)
+    joined_pub = Publication(PublicationConfig(5, 6, term_length=TERM, mtu=MTU), 0)
+    parts_pub.publication_limit = joined_pub.publication_limit = TERM  # as if connected
+    for i, (head_size, body_size) in enumerate(parts):
+        head, body = bytes([i % 251]) * head_size, bytes([(i + 7) % 251]) * body_size
+        assert parts_pub.offer_parts(head, body) == joined_pub.offer(head + body)
+    assert bytes(parts_pub.appender._log) == bytes(joined_pub.appender._log)
+
+
+@settings(max_examples=200, deadline=None)
 @given(lengths, st.integers(min_value=1, max_value=300))
 def test_read_messages_hands_over_what_read_and_the_assembler_do(sizes: list[int], limit: int) -> None:
     app = TermAppender(TERM, 3, 77, 1001, MTU)
