@@ -30,6 +30,7 @@ from typing import Any
 
 from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.session import Session
 from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.protocol.envelope import decode_delivery, encode_publish
 from flowbroker.protocol import Connection, Role
@@ -94,8 +95,10 @@ def run_transport(messages: int, size: int) -> float:
     return elapsed / messages * 1e6
 
 
-def run(messages: int, size: int) -> float:
-    """Producer publication -> broker data path -> consumer channel: per-message microseconds."""
+def _broker_with_publication() -> tuple[list[int], BrokerCore, DataPath, Session, Session, Publication]:
+    """A broker core with its UDP data path and a queue "bench", a producer session that registered a
+    publication to it (the producer's `Publication`, as the SDK makes it from the answer), and a consumer
+    session; the clock is the list's one value, in nanoseconds."""
     config = load_config(None, {"server": {"memory_quota": 1 << 30}})
     clock = [0]
     core = BrokerCore(config, lambda: clock[0])
@@ -111,6 +114,12 @@ def run(messages: int, size: int) -> float:
                                         mtu=answer["mtu"], max_messages_per_send=1024,
                                         publication_window=min(256 * 1024, answer["term_length"] // 2)),
                       0, destination=ENDPOINT)
+    return clock, core, datapath, owner, consumer, pub
+
+
+def run(messages: int, size: int) -> float:
+    """Producer publication -> broker data path -> consumer channel: per-message microseconds."""
+    clock, core, datapath, owner, consumer, pub = _broker_with_publication()
     window = 1 << 20
     sub_answer = _ok(core, consumer, SubscribeUdp(1 << 32, 1, "bench", 2000, window, CONSUMER[1], 1002))
     channel = ReceiveChannel(1002, ReceiverConfig(receiver_id=9, receiver_window=window,
@@ -170,20 +179,7 @@ def run(messages: int, size: int) -> float:
 def run_ingress(messages: int, size: int, split: list[float] | None = None) -> float:
     """Producer publication -> broker data path -> queue -> TCP consumer session: per-message microseconds
     of the whole; ``split`` gets the producer's and the broker's shares (microseconds per message)."""
-    config = load_config(None, {"server": {"memory_quota": 1 << 30}})
-    clock = [0]
-    core = BrokerCore(config, lambda: clock[0])
-    datapath = DataPath(config.udp, core, ENDPOINT, lambda: None, seed=1)
-    core.udp = datapath
-    core.declare_queue("bench", None)
-    owner = core.open_session("bench-producer", "anonymous", True, lambda: None)
-    owner.peer_host = PRODUCER[0]
-    consumer = core.open_session("bench-consumer", "anonymous", True, lambda: None)
-    answer = _ok(core, owner, RegisterPublication(1 << 32, "", "bench", 1001, PRODUCER[1]))
-    pub = Publication(PublicationConfig(answer["session_id"], 1001, term_length=answer["term_length"],
-                                        mtu=answer["mtu"], max_messages_per_send=1024,
-                                        publication_window=min(256 * 1024, answer["term_length"] // 2)),
-                      0, destination=ENDPOINT)
+    clock, core, datapath, owner, consumer, pub = _broker_with_publication()
     # The consumer speaks through a broker-side protocol state machine, as on the wire.
     c_client, c_broker = Connection(Role.CLIENT), Connection(Role.BROKER)
     c_broker.receive_data(c_client.send(Hello(PROTOCOL_VERSION, "bench", True, [])))
@@ -216,7 +212,7 @@ def run_ingress(messages: int, size: int, split: list[float] | None = None) -> f
             c_broker.send(frame)
             entries = getattr(frame, "entries", None)
             if entries:
-                delivered = entries[-1].delivery_tag
+                delivered = entries[-1][0]  # the broker's DELIVER entries are plain tuples (delivery_tag first)
         if delivered > settled:  # one SETTLE per collect, as the SDK sends them
             core.handle(consumer, Settle(Outcome.ACK, [(settled + 1, delivered)]))
             settled = delivered

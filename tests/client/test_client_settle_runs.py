@@ -22,6 +22,21 @@ from flowbroker.protocol.ranges import to_ranges
 OUTCOMES = [Outcome.ACK, Outcome.REJECT, Outcome.REQUEUE]
 
 
+def _connected() -> tuple[
+    Connection, ProtocolConnection, trio.StapledStream[trio.testing.MemorySendStream, trio.testing.MemoryReceiveStream]
+]:
+    """A real SDK connection past its handshake on one end of a memory stream pair, and the broker-role
+    state machine and stream end that play the broker."""
+    client_end, broker_end = trio.testing.memory_stream_pair()
+    client, broker = ProtocolConnection(Role.CLIENT), ProtocolConnection(Role.BROKER)
+    broker.receive_data(client.send(Hello(PROTOCOL_VERSION, "test", True, [], None)))
+    broker.next_frame()
+    welcome = Welcome(1, 1, "test", 8 << 20, 1 << 20, 0, 0, "test")
+    client.receive_data(broker.send(welcome))
+    client.next_frame()
+    return Connection(client_end, client, welcome), broker, broker_end
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     data=st.data(),
@@ -35,14 +50,7 @@ def test_settle_frames_settle_every_tag_once_in_to_ranges_form(data: st.DataObje
     yields = data.draw(st.sets(st.integers(0, count - 1), max_size=5), label="writer runs after")
 
     async def run() -> list[Settle]:
-        client_end, broker_end = trio.testing.memory_stream_pair()
-        client, broker = ProtocolConnection(Role.CLIENT), ProtocolConnection(Role.BROKER)
-        broker.receive_data(client.send(Hello(PROTOCOL_VERSION, "test", True, [], None)))
-        broker.next_frame()
-        welcome = Welcome(1, 1, "test", 8 << 20, 1 << 20, 0, 0, "test")
-        client.receive_data(broker.send(welcome))
-        client.next_frame()
-        conn = Connection(client_end, client, welcome)
+        conn, broker, broker_end = _connected()
         async with conn:
             for i, tag in enumerate(order):
                 conn._settle_tag(outcomes[tag - 1], tag)
@@ -88,13 +96,7 @@ def test_a_consumer_settling_a_full_buffer_sends_a_settle_frame_per_several_yiel
     count, prefetch = 2000, 2000
 
     async def run() -> list[Settle]:
-        client_end, broker_end = trio.testing.memory_stream_pair()
-        client, broker = ProtocolConnection(Role.CLIENT), ProtocolConnection(Role.BROKER)
-        broker.receive_data(client.send(Hello(PROTOCOL_VERSION, "test", True, [], None)))
-        broker.next_frame()
-        welcome = Welcome(1, 1, "test", 8 << 20, 1 << 20, 0, 0, "test")
-        client.receive_data(broker.send(welcome))
-        client.next_frame()
+        conn, broker, broker_end = _connected()
         settles: list[Settle] = []
 
         async def scripted_broker() -> None:
@@ -109,7 +111,6 @@ def test_a_consumer_settling_a_full_buffer_sends_a_settle_frame_per_several_yiel
                     elif isinstance(frame, Settle):
                         settles.append(frame)
 
-        conn = Connection(client_end, client, welcome)
         async with conn, trio.open_nursery() as nursery:
             nursery.start_soon(scripted_broker)
             async with conn.consumer("q", prefetch=prefetch) as consumer:
