@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+from hypothesis import assume
 from hypothesis import strategies as st
 
 from flowbroker.protocol import (
@@ -218,3 +219,31 @@ def raw_frame(obj: Any) -> bytes:
 def raw_body(body: bytes) -> bytes:
     """A length-prefixed frame around arbitrary body bytes."""
     return LENGTH_PREFIX.pack(len(body)) + body
+
+
+bad_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**64 - 1), st.floats(allow_nan=False),
+                       st.text(max_size=4), st.binary(max_size=4), st.just([]), st.just({}), st.just({"h": [1]}))
+"""Values no entry field may hold in some place: what `mutated_entries_body` puts into an entry."""
+
+
+def mutated_entries_body(wire: Any, data: st.DataObject) -> bytes:
+    """The msgpack body of `wire` (a TRANSFER or DELIVER as plain lists) with one of its entries spoiled: a
+    field replaced by a `bad_values` value, a field dropped, one added, or the entry replaced whole. A wire
+    msgpack cannot pack is not an example (`assume`)."""
+    which = data.draw(st.integers(0, len(wire[2]) - 1))
+    entry = wire[2][which]
+    how = data.draw(st.sampled_from(["field", "drop", "add", "replace"]))
+    if how == "field":
+        entry[data.draw(st.integers(0, 5))] = data.draw(bad_values)
+    elif how == "drop":
+        del entry[data.draw(st.integers(0, 5))]
+    elif how == "add":
+        entry.append(data.draw(bad_values))
+    else:
+        wire[2][which] = data.draw(bad_values)
+    try:
+        body: bytes = msgpack.packb(wire, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):
+        assume(False)
+        raise
+    return body
