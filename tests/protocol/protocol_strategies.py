@@ -9,10 +9,12 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from flowbroker.protocol import (
+    AuthChallenge,
+    AuthResponse,
     Bind,
     BufferAck,
-    BufferLimit,
     BufferControl,
+    BufferLimit,
     Cancel,
     Close,
     ClosePublication,
@@ -28,23 +30,24 @@ from flowbroker.protocol import (
     FlowResumed,
     FlowStopped,
     Frame,
+    FrameDecoder,
     FrameType,
     Hello,
+    JoinGroup,
     Noop,
     Ok,
     Outcome,
     PurgeQueue,
     RegisterPublication,
+    RemoteProtocolError,
     Settle,
     Subscribe,
     SubscribeUdp,
-    JoinGroup,
-    AuthChallenge,
-    AuthResponse,
     Transfer,
     TransferEntry,
     Unbind,
     Welcome,
+    frame_to_wire,
 )
 from flowbroker.protocol.codec import LENGTH_PREFIX
 
@@ -247,3 +250,26 @@ def mutated_entries_body(wire: Any, data: st.DataObject) -> bytes:
         assume(False)
         raise
     return body
+
+
+def decode_frames(data: bytes, build_transfers: bool = True, build_deliveries: bool = True
+                  ) -> tuple[list[Frame], tuple[str, int | None] | None]:
+    """Every frame in `data` decoded with the decoder's switches as given (whether TRANSFER and DELIVER
+    entries become NamedTuples or stay msgpack's lists), and the error that stopped decoding (its code name
+    and frame_seq)."""
+    decoder = FrameDecoder(max_frame_size=1 << 16)
+    decoder.build_transfers = build_transfers
+    decoder.build_deliveries = build_deliveries
+    decoder.feed(data)
+    frames: list[Frame] = []
+    try:
+        while (frame := decoder.next_frame()) is not None:
+            frames.append(frame)
+    except RemoteProtocolError as err:
+        return frames, (err.code.name, err.frame_seq)
+    return frames, None
+
+
+def plain(frame: Frame) -> Any:
+    """A frame's wire value with its entries as lists, whatever they were built as."""
+    return msgpack.unpackb(msgpack.packb(frame_to_wire(frame), use_bin_type=True), raw=False)

@@ -6,41 +6,29 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.protocol.protocol_strategies import any_frame, delivery_entries, mutated_entries_body, raw_body
+from tests.protocol.protocol_strategies import (
+    any_frame,
+    decode_frames,
+    delivery_entries,
+    mutated_entries_body,
+    plain,
+    raw_body,
+)
 
 from flowbroker.protocol import (
     Deliver,
     DeliveryEntry,
     Frame,
-    FrameDecoder,
-    RemoteProtocolError,
     Role,
     encode_frame,
-    frame_to_wire,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
 
 
 def decode(data: bytes, build: bool) -> tuple[list[Frame], tuple[str, int | None] | None]:
-    """Every frame in `data`, and the error that stopped decoding (its code name and frame_seq)."""
-    decoder = FrameDecoder(max_frame_size=1 << 16)
-    decoder.build_deliveries = build
-    decoder.feed(data)
-    frames: list[Frame] = []
-    try:
-        while (frame := decoder.next_frame()) is not None:
-            frames.append(frame)
-    except RemoteProtocolError as err:
-        return frames, (err.code.name, err.frame_seq)
-    return frames, None
-
-
-def plain(frame: Frame) -> Any:
-    """A frame's wire value with its entries as lists, whatever they were built as."""
-    return msgpack.unpackb(msgpack.packb(frame_to_wire(frame), use_bin_type=True), raw=False)
+    return decode_frames(data, build_deliveries=build)
 
 
 @given(any_frame)
