@@ -9,6 +9,10 @@ processes this script started are ever signalled).
 
   flowbroker      `flowbroker serve` (default settings: flow control on, memory-only queue), its SDK;
                   the producer's window is the SDK's (1,000 uncompleted transfers), consumer prefetch 2,000.
+  flowbroker-latency  the same, with the queue declared with a latency bound as well as the default size
+                  one: flow_stop_drain_time 0.03 s, flow_resume_drain_time 0.02 s (docs/policies.md, "Time
+                  thresholds"). The size watermark alone lets the backlog wander up to 80 MiB whenever the
+                  consumer falls behind for a while; this bounds it at about 30 ms of the consumer's pace.
   nats-core       `nats-server` (Debian's package), `nats-py`: plain publish/subscribe on one subject.
                   Nothing paces the producer and nothing is kept: a slow subscriber loses messages.
   nats-jetstream  the same server with -js: a stream in memory (--jetstream-storage), the producer's
@@ -67,7 +71,10 @@ WINDOW = 1000  # the producer's uncompleted transfers / pending PubAcks
 PREFETCH = 2000  # the consumer's
 SAMPLE_EVERY = 10  # latency of every 10th message
 IDLE_SECONDS = 10.0  # a consumer that has received nothing for this long stops (NATS core may drop)
-SYSTEMS = ("flowbroker", "nats-core", "nats-jetstream", "rabbitmq")
+SYSTEMS = ("flowbroker", "flowbroker-latency", "nats-core", "nats-jetstream", "rabbitmq")
+# flowbroker-latency's queue: saturated while its backlog would take over 30 ms to drain at the consumers'
+# measured pace, clear again under 20 ms
+LATENCY_STOP, LATENCY_RESUME = 0.03, 0.02
 
 
 # -- what is installed ---------------------------------------------------------------------------
@@ -176,7 +183,7 @@ def start_rabbitmq(tmp: Path) -> Server:
 
 
 def start_server(system: str, tmp: Path) -> Server:
-    if system == "flowbroker":
+    if system.startswith("flowbroker"):
         return start_flowbroker(tmp)
     if system in ("nats-core", "nats-jetstream"):
         return start_nats(tmp, system == "nats-jetstream")
@@ -196,7 +203,7 @@ def producer_main(system: str, url: str, count: int, size: int, go: Any, out: An
     cpu = time.process_time()
     result: dict[str, float] = {}
 
-    if system == "flowbroker":
+    if system.startswith("flowbroker"):
         async def fb_run() -> None:
             async with await fb.connect(url, client_name="peers-producer") as conn:
                 producer = conn.producer(routing_key=QUEUE, window=WINDOW)
@@ -254,7 +261,7 @@ def consumer_main(system: str, url: str, count: int, ready: Any, out: Any) -> No
         state["received"] += 1
         state["last"] = now / 1e9
 
-    if system == "flowbroker":
+    if system.startswith("flowbroker"):
         async def fb_run() -> None:
             async with await fb.connect(url, client_name="peers-consumer") as conn:
                 async with conn.consumer(QUEUE, prefetch=PREFETCH) as consumer:
@@ -329,10 +336,13 @@ def consumer_main(system: str, url: str, count: int, ready: Any, out: Any) -> No
 
 def setup(system: str, url: str, storage: str) -> None:
     """Declare what the run publishes into: the queue, the stream and its consumer."""
-    if system == "flowbroker":
+    if system.startswith("flowbroker"):
         async def fb_declare() -> None:
             async with await fb.connect(url, client_name="peers-setup") as conn:
-                await conn.declare_queue(QUEUE)
+                if system == "flowbroker-latency":
+                    await conn.declare_queue(QUEUE, flow_stop_drain_time=LATENCY_STOP, flow_resume_drain_time=LATENCY_RESUME)
+                else:
+                    await conn.declare_queue(QUEUE)
         trio.run(fb_declare)
     elif system == "nats-jetstream":
         import nats

@@ -19,6 +19,7 @@ and identity (the per-queue offset); the queue keeps the accounting and the flow
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
@@ -152,10 +153,13 @@ class Queue:
         self.deleted = False
         self.counters = QueueCounters()
         # Latency-bounded flow control (policies/drain.py), kept up by the flow timer (`tick`), never
-        # per message; `time_hold`: a time threshold is not under its resume mark (blocks clearing).
+        # per message. The drain-time thresholds become counts at each tick: the stop is folded into the
+        # count watermark's (checked on every enqueue), the resume is checked on every settlement
+        # (`_check_resume`). `age_hold`: the age is not under its resume mark (re-read on the tick only).
         self.drain = DrainEstimator()
-        self.time_hold = False
+        self.age_hold = False
         self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
+        self._drain_resume_count = sys.maxsize  # the drain-time resume as a count (maxsize: off)
         self.owner: str | None = None  # the identity that declared it: what its user's max_queues counts
 
     def __repr__(self) -> str:
@@ -307,9 +311,8 @@ class Queue:
             self.stop_reason = (THRESHOLD_FLOW_STOP_COUNT, t.flow_stop_count, self.count)
         elif self.size > t._stop_size or self.count <= self._stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
-        else:  # over the drain-time limit (drain_limits): held until the flow timer finds it under resume
+        else:  # over the drain-time limit (drain_limits): held until under its resume count
             self.stop_reason = drain_reason(t.time, self.drain, self.count)
-            self.time_hold = True
         self.saturated = True
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
@@ -330,7 +333,11 @@ class Queue:
             meter.released()
 
     def _check_resume(self) -> None:
-        if self.saturated and not self.time_hold and is_under_resume(self.count, self.size, self.thresholds):
+        """Clear when every dimension is under its resume: count and size, drain time (as a count: an
+        empty queue drains in no time whatever the rate), and the age as the last tick found it."""
+        count = self.count
+        if (self.saturated and not self.age_hold and (count < self._drain_resume_count or not count)
+                and is_under_resume(count, self.size, self.thresholds)):
             self._clear()
 
     def _clear(self) -> None:
@@ -441,11 +448,12 @@ class Queue:
         threshold over its stop; clear when every threshold is under its resume (count and size too:
         `_check_resume`)."""
         t = self.thresholds
-        self._stop_count = min(t._stop_count, drain_limits(t.time, self.drain, bool(self.subscriptions))[0])
+        stop, self._drain_resume_count = drain_limits(t.time, self.drain, bool(self.subscriptions))
+        self._stop_count = min(t._stop_count, stop)
         if head is None:
             head = self._head_offset()
         verdict = evaluate(t.time, self.drain, now_ns, self.count, head, bool(self.subscriptions))
-        self.time_hold = not verdict.under_resume
+        self.age_hold = not verdict.age_under_resume
         if verdict.over_stop and not self.saturated:
             self._saturate(now_ns)
             self.stop_reason = (verdict.threshold, verdict.limit_ms, verdict.value_ms)

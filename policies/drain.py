@@ -101,13 +101,16 @@ class TimeThresholds:
 @dataclass(frozen=True, slots=True)
 class TimeVerdict:
     """What the tick found: ``over_stop`` (with the threshold name, limit and value in milliseconds, as
-    FLOW_STOPPED carries them) or ``under_resume`` (both time dimensions under their resume marks)."""
+    FLOW_STOPPED carries them) or ``under_resume`` (both time dimensions under their resume marks).
+    ``age_under_resume`` is the age dimension alone: the queue re-checks drain time as a count on every
+    settlement (``drain_limits``), but the age only on the tick."""
 
     over_stop: bool
     under_resume: bool
     threshold: str = ""
     limit_ms: int = 0
     value_ms: int = 0
+    age_under_resume: bool = True
 
 
 _QUIET: Final = TimeVerdict(False, True)
@@ -231,9 +234,10 @@ def evaluate(t: TimeThresholds, est: DrainEstimator, now_ns: int, depth: int, he
         if depth > stop:
             over, limit, value = THRESHOLD_FLOW_STOP_DRAIN_TIME, t.flow_stop_drain_time, est.drain_time(depth)
         under = depth < resume or depth == 0  # an empty queue drains in no time, whatever the rate
+    age_under = True
     if t.flow_stop_age:
         age = est.oldest_age(now_ns, head_offset)
         if not over and age > t.flow_stop_age:
             over, limit, value = THRESHOLD_FLOW_STOP_AGE, t.flow_stop_age, age
-        under = under and (age < t.flow_resume_age or age == 0.0)
-    return TimeVerdict(bool(over), under and not over, over, _ms(limit), _ms(value))
+        age_under = age < t.flow_resume_age or age == 0.0
+    return TimeVerdict(bool(over), under and age_under and not over, over, _ms(limit), _ms(value), age_under)

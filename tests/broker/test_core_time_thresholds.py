@@ -4,6 +4,8 @@ threshold and count/size thresholds combined with them (whichever trips stops, a
 
 from __future__ import annotations
 
+import math
+
 from tests.broker.coreharness import Consumer, Harness, Producer
 
 from flowbroker.policies.drain import TICK_SECONDS
@@ -77,6 +79,53 @@ def test_a_queue_saturates_on_drain_time_and_resumes_when_the_consumer_speeds_up
     while r.c.tags():
         r.tick(0, 60)
     assert r.c.bodies() == [b"m%06d" % i for i in range(r.sent)]  # nothing lost, in order
+
+
+def test_a_drain_time_stop_clears_at_the_settlement_that_takes_the_backlog_under_resume() -> None:
+    """The resume is a count too (resume x rate at the last tick), checked on every settlement: a producer
+    is not kept stopped for the rest of a tick after its consumers drained the backlog (the queue would
+    run dry and the consumers idle until the tick)."""
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
+    r = Rig(h, "q", prefetch=10)
+    queue = h.core.queues["q"]
+    for _ in range(10):
+        r.tick(55, 50)
+    while not r.stops():
+        r.tick(80, 50)
+        assert h.now < 3e9
+    resume_count = math.ceil(0.25 * queue.drain.rate)  # 125 at the 500 msgs/s measured
+    assert queue.saturated and queue.count > resume_count
+    before = h.now
+    while queue.count >= resume_count:  # settle one by one, the clock stopped: no tick in between
+        assert queue.saturated and not r.resumes()
+        r.c.pump()
+        r.c.ack(r.c.tags()[:1])
+        r.frames += r.p.pump()
+    assert h.now == before and not queue.saturated and queue.held == {}
+    assert r.resumes() == [FlowResumed("q")] and r.p.outstanding == {}
+    while r.c.tags():
+        r.tick(0, 60)
+    assert r.c.bodies() == [b"m%06d" % i for i in range(r.sent)]  # nothing lost, in order
+
+
+def test_an_age_over_its_resume_keeps_a_drained_queue_stopped_until_the_tick() -> None:
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25, flow_stop_age=0.3, flow_resume_age=0.2)
+    r = Rig(h, "q", prefetch=10)
+    queue = h.core.queues["q"]
+    for _ in range(10):
+        r.tick(55, 50)
+    while not r.stops():
+        r.tick(80, 50)
+        assert h.now < 3e9
+    assert queue.age_hold  # the oldest ready message waited over 0.2 s: the age is not under its resume
+    while queue.count:
+        r.c.pump()
+        r.c.ack(r.c.tags())
+    assert queue.saturated and not r.resumes()  # drained, but the age is re-read on the tick only
+    r.tick(0, 0)
+    assert not queue.saturated and r.resumes() == [FlowResumed("q")]
 
 
 def test_a_queue_without_consumers_saturates_on_age_not_on_drain_time() -> None:

@@ -194,6 +194,12 @@ def test_hysteresis_stop_and_resume_are_never_both_true(
         assert drain > t.flow_stop_drain_time * (1 - 1e-9)
     if verdict.over_stop:
         assert verdict.threshold in ("flow_stop_drain_time", "flow_stop_age")
+    # the age alone, as the queue keeps it between ticks; the drain-time half is its resume count
+    resume_count = drain_limits(t, est, True)[1]
+    assert verdict.age_under_resume == (not t.flow_stop_age or est.oldest_age(now, 0) < t.flow_resume_age
+                                        or est.oldest_age(now, 0) == 0.0)
+    if not verdict.over_stop:
+        assert verdict.under_resume == (verdict.age_under_resume and (ready < resume_count or ready == 0))
 
 
 def test_thresholds_validate_and_default_resume_to_stop() -> None:
