@@ -108,7 +108,7 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
         spy: subprocess.Popen[bytes] | None = None
         children: list[Any] = []  # the client processes started here: ended if the run fails
         try:
-            setup("flowbroker", server.url, "memory")
+            setup("flowbroker-latency" if args.latency_bound else "flowbroker", server.url, "memory")
             ready, go = ctx.Event(), ctx.Event()
             cq, pq = ctx.Queue(), ctx.Queue()
             consumer = ctx.Process(target=consumer_main, args=("flowbroker", server.url, args.messages, ready, cq))
@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--profile", metavar="DIR", help="record the broker with py-spy into DIR")
+    parser.add_argument("--latency-bound", action="store_true",
+                        help="declare the queue as peers.py's flowbroker-latency does (flow_stop_drain_time 0.03 s, "
+                             "resume 0.02 s) instead of with the defaults (size watermarks only)")
     parser.add_argument("--producer-nice", type=int, default=0,
                         help="the producer processes' niceness: how much CPU Linux gives them beside the broker")
     args = parser.parse_args()

@@ -24,3 +24,10 @@ def test_layouts_deliver_everything_and_the_table_parses():
     assert rows[2][3] == "1.00x" and rows[2][5] == "1.00x", rows[2]  # the first layout is the baseline
     for row in rows[2:]:
         assert len(row) == 8 and float(row[1].replace(",", "")) > 0 and float(row[4]) > 0, row
+
+
+def test_a_latency_bounded_queue_delivers_everything_too():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--messages", "2001", "--layouts", "2x1", "--latency-bound"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "round 1 2x1 (2 producer connections): " in proc.stdout and "2,001 received" in proc.stdout, proc.stdout
