@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["Queue", "QueueFull", "QueueCounters", "QueueStatistics"]
 
 _size = attrgetter("size")
+_offset = attrgetter("offset")
 
 
 class QueueFull(Exception):
@@ -147,6 +148,10 @@ class Queue:
         self.saturated = False
         self.stop_reason: tuple[str, int, int] = ("", 0, 0)  # threshold, limit, value when it tripped
         self.held: dict[Message, None] = {}
+        # No message below this offset is in `held`: the offset of the first message held since `held`
+        # was last empty (offsets only grow, so later ones are above it; one taken out early keeps it low,
+        # which is only cautious). `settle_many` keeps its one-step path for settlements below it.
+        self._held_floor = 0
         self.stopped_producers: dict[Session, None] = {}
         self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
         self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
@@ -246,7 +251,10 @@ class Queue:
         # Only flow-controlled producers are held: a legacy producer (HELLO flow_control false) is
         # never paced (as with stop-all); the hard limit and overflow policy protect the queue from it.
         if self.saturated and (producer is None or producer.flow_control):
-            self.held[msg] = None
+            held = self.held
+            if not held:
+                self._held_floor = msg.offset
+            held[msg] = None
             self.counters.held_total += 1
             if producer is not None and producer not in self.stopped_producers:
                 self.stopped_producers[producer] = None
@@ -366,11 +374,12 @@ class Queue:
         (whose `settle` does nothing), counts them out in one step: the per-message work is one sum in C."""
         if self.deleted:
             return
-        if self.held or type(self.store) is not MemoryStore:
+        if type(self.store) is not MemoryStore or (self.held and max(map(_offset, msgs), default=-1) >= self._held_floor):
             for msg in msgs:
                 self.settle(msg)
             return
-        # No message here holds a transfer (`held` would name it), so `_remove` has nothing to release.
+        # No message here holds a transfer (all are below `held`'s floor), so `_remove` has nothing to
+        # release. A saturated queue holds its newest messages while its consumers settle its oldest.
         size = sum(map(_size, msgs))
         self.count -= len(msgs)
         self.size -= size

@@ -148,3 +148,60 @@ def test_route_run_leaves_what_the_per_message_path_would(
     and memory count, whether the frame saturates its queue, mixes queues, exchanges, headers and
     unknown queues, or not."""
     assert _run_core(steps, stop_count, stop_size, prefetch, True) == _run_core(steps, stop_count, stop_size, prefetch, False)
+
+
+class _Producer:
+    """What a HeldTransfer needs of a session: it counts holds and hears completions."""
+
+    def __init__(self) -> None:
+        self.transfers_held_now = 0
+        self.completed: list[int] = []
+
+    def complete_transfer(self, tid: int, size: int) -> None:
+        self.completed.append(tid)
+
+
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=25), st.randoms())
+def test_settle_many_settles_as_settle_does_while_the_queue_holds_transfers(
+    steps: list[tuple[int, int]], rnd: random.Random
+) -> None:
+    """`Queue.settle_many` keeps a one-step path for settlements below the offset of the first message
+    its saturation held; whatever it takes, the queue ends where per-message `settle` leaves it, and
+    the same held transfers complete."""
+    from flowbroker.broker.message import HeldTransfer, Message
+    from flowbroker.broker.queue import Queue
+    from flowbroker.policies.overflow import Thresholds
+
+    thresholds = Thresholds(flow_stop_count=8, flow_resume_count=4)
+    queues = {"many": Queue("q", thresholds), "one": Queue("q", thresholds)}
+    producers = {name: _Producer() for name in queues}
+    delivered: dict[str, list[Message]] = {name: [] for name in queues}
+    tid = 0
+    for adds, settles in steps:
+        for _ in range(adds):
+            for name, queue in queues.items():
+                msg = Message("", "q", b"x" * 10, None, 10)
+                if queue.add(msg, None, 0):
+                    msg.held = HeldTransfer(producers[name], tid, 10, 1)  # type: ignore[arg-type]
+            tid += 1
+        picks = None
+        for name, queue in queues.items():
+            while queue.store:  # delivered: taken from the store, unsettled
+                delivered[name].append(queue.store.take())
+            if picks is None:  # the same messages (by position) settled in both queues, in any order
+                picks = rnd.sample(range(len(delivered[name])), min(settles, len(delivered[name])))
+            msgs = [delivered[name][i] for i in picks]
+            for i in sorted(picks, reverse=True):
+                del delivered[name][i]
+            if name == "many":
+                queue.settle_many(msgs)
+            else:
+                for msg in msgs:
+                    queue.settle(msg)
+            queue.settled()
+        many, one = queues["many"], queues["one"]
+        assert (many.count, many.size, many.saturated, many.counters.dequeued, many.meter.held) == (
+            one.count, one.size, one.saturated, one.counters.dequeued, one.meter.held)
+        assert [m.offset for m in many.held] == [m.offset for m in one.held]
+        assert producers["many"].completed == producers["one"].completed
+        assert producers["many"].transfers_held_now == producers["one"].transfers_held_now
