@@ -41,6 +41,14 @@ class Rig:
         self.h.core.tick(self.h.now)
         self.frames += self.p.pump()
 
+    def saturate_on_drain_time(self) -> None:
+        """500 msgs/s settled, 550 then 800 offered, until the queue stops on its drain time."""
+        for _ in range(10):
+            self.tick(55, 50)
+        while not self.stops():
+            self.tick(80, 50)
+            assert self.h.now < 3e9, "the backlog's drain time passed its stop long ago"
+
     def stops(self) -> list[FlowStopped]:
         return [f for f in self.frames if isinstance(f, FlowStopped)]
 
@@ -89,11 +97,7 @@ def test_a_drain_time_stop_clears_at_the_settlement_that_takes_the_backlog_under
     h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
     r = Rig(h, "q", prefetch=10)
     queue = h.core.queues["q"]
-    for _ in range(10):
-        r.tick(55, 50)
-    while not r.stops():
-        r.tick(80, 50)
-        assert h.now < 3e9
+    r.saturate_on_drain_time()
     resume_count = math.ceil(0.25 * queue.drain.rate)  # 125 at the 500 msgs/s measured
     assert queue.saturated and queue.count > resume_count
     before = h.now
@@ -114,11 +118,7 @@ def test_an_age_over_its_resume_keeps_a_drained_queue_stopped_until_the_tick() -
     h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25, flow_stop_age=0.3, flow_resume_age=0.2)
     r = Rig(h, "q", prefetch=10)
     queue = h.core.queues["q"]
-    for _ in range(10):
-        r.tick(55, 50)
-    while not r.stops():
-        r.tick(80, 50)
-        assert h.now < 3e9
+    r.saturate_on_drain_time()
     assert queue.age_hold  # the oldest ready message waited over 0.2 s: the age is not under its resume
     while queue.count:
         r.c.pump()
