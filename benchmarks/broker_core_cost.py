@@ -7,8 +7,12 @@ consumer's SETTLE frames (one per batch, as the SDK sends them) are decoded and 
 left out is what the end-to-end benchmark adds: system calls, the trio scheduler, other processes.
 
     python benchmarks/broker_core_cost.py [--messages 200000] [--batch 64] [--size 1024] [--permissions]
-                                          [--producers 1]
+                                          [--producers 1] [--saturated]
 
+`--saturated`: the queue spends half its time at its stop watermark, as one whose consumer falls behind
+does: it is declared with flow_stop_count 4 frames and flow_resume_count 2 frames, and its consumer settles
+in bursts, every 8 frames all it has but the newest frame, so the frames that arrive while it is saturated
+are held (the `HeldTransfer` path) and released together when the burst takes it under resume.
 `--permissions`: the producer is a user with permissions (every message's write on its exchange is
 checked, from the connection's cache), instead of the loopback user, who is not checked at all.
 `--producers N`: N producer connections take turns, one frame each per turn (each one's share 2-4 MiB),
@@ -27,6 +31,7 @@ import time
 
 from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
+from flowbroker.broker.session import Session
 from flowbroker.protocol import Connection, Role
 from flowbroker.protocol.frames import (
     PROTOCOL_VERSION,
@@ -42,7 +47,11 @@ from flowbroker.protocol.frames import (
 )
 
 
-def run(messages: int, batch: int, size: int, permissions: bool = False, producers: int = 1) -> float:
+SETTLE_BURST = 8  # --saturated: frames between the consumer's settlements
+
+
+def run(messages: int, batch: int, size: int, permissions: bool = False, producers: int = 1,
+        saturated: bool = False) -> float:
     """Seconds of CPU for `messages` messages through the core; returns per-message microseconds."""
     settings: dict[str, dict[str, int]] = {"server": {"memory_quota": 1 << 30}}
     if producers > 1:
@@ -62,7 +71,7 @@ def run(messages: int, batch: int, size: int, permissions: bool = False, produce
         user = User("bench", StoredCredential.from_password("x", 1), (), ".*", ".*", ".*")
         for session in sessions:
             session.access = Access("bench", user)
-    core.declare_queue("bench", None)
+    core.declare_queue("bench", {"flow_stop_count": 4 * batch, "flow_resume_count": 2 * batch} if saturated else None)
     # Each end speaks through a broker-side state machine fed by a client-side one, as on the wire.
     pairs = [(Connection(Role.CLIENT), Connection(Role.BROKER)) for _ in range(producers)]
     c_client, c_broker = Connection(Role.CLIENT), Connection(Role.BROKER)
@@ -91,15 +100,25 @@ def run(messages: int, batch: int, size: int, permissions: bool = False, produce
     # SDK does (all prepared beforehand, so only the broker's work is timed; its output is encoded but
     # nobody decodes it).
     frames: list[bytes] = []
-    settles: list[bytes] = []
+    tags: list[int] = []  # the last delivery tag of each frame's messages
     tag, next_id = producers, 2
     for _ in range(messages // (batch * producers)):
         for client, _broker in pairs:
             frames.append(client.send(Transfer(next_id, [TransferEntry("", "bench", body, None, None, None)] * batch)))
-            settles.append(c_client.send(Settle(Outcome.ACK, [(tag + 1, tag + batch)])))
             tag += batch
+            tags.append(tag)
         next_id += batch
     order = [(sessions[i % producers], pairs[i % producers][1]) for i in range(len(frames))]
+    settles: list[bytes] = []  # after each frame (b"": none)
+    settled = producers
+    for i, last in enumerate(tags):
+        if saturated and (i % SETTLE_BURST != SETTLE_BURST - 1 or i == 0):
+            settles.append(b"")
+            continue
+        upto = tags[i - 1] if saturated else last  # a burst leaves the newest frame unsettled
+        settles.append(c_client.send(Settle(Outcome.ACK, [(settled + 1, upto)])))
+        settled = upto
+    last_settle = c_client.send(Settle(Outcome.ACK, [(settled + 1, tags[-1])])) if settled < tags[-1] else b""
     start = time.process_time()
     for (session, broker), data, settle in zip(order, frames, settles, strict=True):
         broker.receive_data(data)
@@ -107,15 +126,23 @@ def run(messages: int, batch: int, size: int, permissions: bool = False, produce
             core.handle(session, frame)
         _encode(broker, session.collect(clock[0]))
         _encode(c_broker, consumer.collect(clock[0]))
-        c_broker.receive_data(settle)
-        while (frame := c_broker.next_frame()) is not None:
-            core.handle(consumer, frame)
+        _settle(c_broker, core, consumer, settle)
         clock[0] += 1_000_000 // producers
+    _settle(c_broker, core, consumer, last_settle)
     elapsed = time.process_time() - start
     queue = core.queues["bench"]
     sent = len(frames) * batch
+    assert not saturated or queue.counters.held_total >= sent // 4, "a quarter of the messages held at least"
     assert queue.counters.dequeued == sent + producers and queue.count == 0, "every message delivered and acked"
     return elapsed / sent * 1e6
+
+
+def _settle(conn: Connection, core: BrokerCore, consumer: Session, data: bytes) -> None:
+    """The consumer's SETTLE bytes through its broker-side connection into the core (none: nothing)."""
+    if data:
+        conn.receive_data(data)
+        while (frame := conn.next_frame()) is not None:
+            core.handle(consumer, frame)
 
 
 def _encode(conn: Connection, frames: list[Frame]) -> bytes:
@@ -136,9 +163,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs; the best is printed (least disturbed)")
     parser.add_argument("--permissions", action="store_true", help="the producers' permissions are checked")
     parser.add_argument("--producers", type=int, default=1, help="producer connections taking turns")
+    parser.add_argument("--saturated", action="store_true", help="the queue saturates and clears once a frame")
     args = parser.parse_args()
-    results = [run(args.messages, args.batch, args.size, args.permissions, args.producers) for _ in range(args.repeat)]
-    print(f"broker core, {args.producers} producer(s), {args.size} B bodies, {args.batch} per TRANSFER: "
+    results = [run(args.messages, args.batch, args.size, args.permissions, args.producers, args.saturated)
+               for _ in range(args.repeat)]
+    print(f"broker core, {args.producers} producer(s), {args.size} B bodies, {args.batch} per TRANSFER"
+          f"{', saturated' if args.saturated else ''}: "
           f"{min(results):.2f} us CPU per message (runs: {', '.join(f'{r:.2f}' for r in results)}); "
           f"{1e6 / min(results):,.0f} msgs/s on one core")
 

@@ -382,7 +382,7 @@ class BrokerCore:
                     queue is not None
                     and not (journal is not None and queue.durable)
                     and (may_write is None or may_write.get(""))
-                    and queue.takes_run(len(sizes), sum(sizes))
+                    and ((held_run := queue.saturated and queue.takes_held_run()) or queue.takes_run(len(sizes), sum(sizes)))
                 ):
                     msgs: list[Message] = []
                     offset = queue.next_offset
@@ -405,12 +405,20 @@ class BrokerCore:
                         offset += 1
                         msgs.append(msg)
                         run_size += size
-                    if msgs:
+                    if msgs and held_run:  # a saturated queue: each held, completed when it clears
+                        queue.add_held_run(msgs, run_size, session)
+                        for msg in msgs:
+                            msg.held = HeldTransfer(session, tid, msg.size, 1)
+                            tid += 1
+                        session.transfers_held_total += len(msgs)
+                        run_size = 0
+                    elif msgs:
                         queue.add_run(msgs, run_size)
-                        touched[queue] = None
-                        last = queue
                         run_first, run_end = tid, tid + len(msgs)
                         tid = run_end
+                    if msgs:
+                        touched[queue] = None
+                        last = queue
                         if len(msgs) < len(sizes):
                             entries, sizes = entries[len(msgs):], sizes[len(msgs):]
                         else:

@@ -11,6 +11,7 @@ completes (returning its credit) only when the count reaches zero (Qpid's ingres
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from flowbroker.protocol.frames import Headers
@@ -18,7 +19,7 @@ from flowbroker.protocol.frames import Headers
 if TYPE_CHECKING:
     from flowbroker.broker.session import Session
 
-__all__ = ["Message", "HeldTransfer"]
+__all__ = ["Message", "HeldTransfer", "release_all"]
 
 
 class HeldTransfer:
@@ -83,3 +84,32 @@ class Message:
         if held is not None:
             self.held = None
             held.release()
+
+
+def release_all(msgs: Iterable[Message]) -> None:
+    """`Message.release` for each of `msgs`, in order, with the completions batched: consecutive
+    transfer ids of one session that complete here complete in one call (`Session.complete_transfers`).
+    A saturated queue that clears releases every transfer it held at once (ten producers' windows, 10,000
+    of them), and one release at a time took three calls and a wake-up each."""
+    session: Session | None = None
+    first = end = size = 0
+    for msg in msgs:
+        transfer = msg.held
+        if transfer is None:
+            continue
+        msg.held = None
+        transfer.pending -= 1
+        if transfer.pending:
+            continue
+        owner = transfer.session
+        owner.transfers_held_now -= 1
+        tid = transfer.transfer_id
+        if owner is session and tid == end:
+            end += 1
+            size += transfer.size
+            continue
+        if session is not None:
+            session.complete_transfers(first, end - first, size)
+        session, first, end, size = owner, tid, tid + 1, transfer.size
+    if session is not None:
+        session.complete_transfers(first, end - first, size)

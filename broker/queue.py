@@ -26,7 +26,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from flowbroker.broker.memory import MemoryMeter
-from flowbroker.broker.message import Message
+from flowbroker.broker.message import Message, release_all
 from flowbroker.broker.store import MemoryStore, QueueStore
 from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.drain import DrainEstimator, drain_limits, drain_reason, evaluate
@@ -275,6 +275,31 @@ class Queue:
             and type(self.store) is MemoryStore
         )
 
+    def takes_held_run(self) -> bool:
+        """True when a run of messages of a flow-controlled producer may be added with `add_held_run`:
+        the queue is saturated already, so `add` would hold every one of them and nothing else (the hard
+        limit is not for flow-controlled producers), and its store is the memory store."""
+        return self.saturated and type(self.store) is MemoryStore
+
+    def add_held_run(self, msgs: list[Message], size: int, producer: Session) -> None:
+        """`add` for a run that `takes_held_run` allowed, offsets set as for `add_run`: each message is
+        appended and held, and the producer told FLOW_STOPPED if it was not yet stopped by this queue.
+        The caller holds each message's transfer (`msg.held`), as it does for a message `add` held. A
+        queue at its stop watermark takes its producers' windows this way until it clears."""
+        self.next_offset += len(msgs)
+        self.store.extend(msgs)  # type: ignore[attr-defined]  # (a MemoryStore: takes_held_run)
+        self.count += len(msgs)
+        self.size += size
+        self.meter.held += size
+        held = self.held
+        if not held:
+            self._held_floor = msgs[0].offset
+        held.update(dict.fromkeys(msgs))
+        self.counters.held_total += len(msgs)
+        if producer not in self.stopped_producers:
+            self.stopped_producers[producer] = None
+            producer.flow_stopped(self)
+
     def add_run(self, msgs: list[Message], size: int) -> None:
         """`add` for a run of messages of a flow-controlled producer that `takes_run` allowed, `size`
         bytes in all, whose offsets the caller set from `next_offset` up, in order (the router, which
@@ -353,8 +378,7 @@ class Queue:
         self.saturated = False
         self.counters.saturated_since_ns = 0
         held, self.held = self.held, {}
-        for msg in held:
-            msg.release()
+        release_all(held)
         stopped, self.stopped_producers = self.stopped_producers, {}
         for producer in stopped:
             producer.flow_resumed(self)

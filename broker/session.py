@@ -204,6 +204,13 @@ class Session:
         self.transfers.complete(transfer_id, size)
         self.outbox.wake()
 
+    def complete_transfers(self, first_id: int, count: int, size: int) -> None:
+        """`complete_transfer` for the `count` held transfers from `first_id` on, `size` bytes in all."""
+        if not self.open:
+            return
+        self.transfers.complete_run(first_id, count, size)
+        self.outbox.wake()
+
     def resize_buffer(self, size: int, now_ns: int) -> None:
         """A credit policy changed this producer's buffer (the caller sends the BUFFER_CONTROL)."""
         self.transfers.resize(size)

@@ -150,15 +150,23 @@ def test_route_run_leaves_what_the_per_message_path_would(
     assert _run_core(steps, stop_count, stop_size, prefetch, True) == _run_core(steps, stop_count, stop_size, prefetch, False)
 
 
-class _Producer:
-    """What a HeldTransfer needs of a session: it counts holds and hears completions."""
+class _Recorder:
+    """A session as HeldTransfer and release_all see it, recording what completes, one id at a time."""
 
     def __init__(self) -> None:
+        self.open = True
         self.transfers_held_now = 0
         self.completed: list[int] = []
+        self.size = 0
+        self.wakes = 0
 
     def complete_transfer(self, tid: int, size: int) -> None:
-        self.completed.append(tid)
+        self.complete_transfers(tid, 1, size)
+
+    def complete_transfers(self, first: int, count: int, size: int) -> None:
+        self.completed += range(first, first + count)
+        self.size += size
+        self.wakes += 1
 
 
 @given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=25), st.randoms())
@@ -174,7 +182,7 @@ def test_settle_many_settles_as_settle_does_while_the_queue_holds_transfers(
 
     thresholds = Thresholds(flow_stop_count=8, flow_resume_count=4)
     queues = {"many": Queue("q", thresholds), "one": Queue("q", thresholds)}
-    producers = {name: _Producer() for name in queues}
+    producers = {name: _Recorder() for name in queues}
     delivered: dict[str, list[Message]] = {name: [] for name in queues}
     tid = 0
     for adds, settles in steps:
@@ -205,3 +213,44 @@ def test_settle_many_settles_as_settle_does_while_the_queue_holds_transfers(
         assert [m.offset for m in many.held] == [m.offset for m in one.held]
         assert producers["many"].completed == producers["one"].completed
         assert producers["many"].transfers_held_now == producers["one"].transfers_held_now
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.booleans()), max_size=40), st.randoms())
+def test_release_all_completes_what_releasing_one_by_one_completes(
+    plan: list[tuple[int, int, bool]], rnd: random.Random
+) -> None:
+    """A queue clearing releases its held messages with `release_all`: the same transfers complete, in the
+    same order per session, as with `Message.release` one by one, whatever the other holders (a transfer
+    to several queues, a broker-wide stop) and however the sessions interleave."""
+    from flowbroker.broker.message import HeldTransfer, Message, release_all
+
+    others_first = [rnd.random() < 0.5 for _ in plan]  # the other holders let go before the queue clears
+    order = list(range(len(plan)))
+    tail = order[len(order) // 2:]
+    rnd.shuffle(tail)  # a requeue may put some out of tid order
+    order[len(order) // 2:] = tail
+    results = []
+    for batched in (False, True):
+        sessions = [_Recorder() for _ in range(3)]
+        made: list[Message] = []
+        tids = [1, 1, 1]
+        for (owner, holders, held), early in zip(plan, others_first):  # holders: this queue and others
+            msg = Message("", "q", b"x", None, 10)
+            if held:
+                msg.held = HeldTransfer(sessions[owner], tids[owner], 10, holders)  # type: ignore[arg-type]
+                if early:
+                    for _ in range(holders - 1):
+                        msg.held.release()
+            tids[owner] += 1
+            made.append(msg)
+        msgs = [made[i] for i in order]
+        if batched:
+            release_all(msgs)
+        else:
+            for msg in msgs:
+                msg.release()
+        assert all(msg.held is None for msg in msgs)
+        results.append([(s.completed, s.size, s.transfers_held_now) for s in sessions])
+        if batched:
+            assert all(s.wakes <= len(s.completed) for s in sessions)
+    assert results[0] == results[1]
