@@ -256,9 +256,8 @@ class Queue:
                 self._held_floor = msg.offset
             held[msg] = None
             self.counters.held_total += 1
-            if producer is not None and producer not in self.stopped_producers:
-                self.stopped_producers[producer] = None
-                producer.flow_stopped(self)
+            if producer is not None:
+                self._stop(producer)
             return True  # (dispatch, which follows, never releases: only settling does)
         return False
 
@@ -286,16 +285,16 @@ class Queue:
         appended and held, and the producer told FLOW_STOPPED if it was not yet stopped by this queue.
         The caller holds each message's transfer (`msg.held`), as it does for a message `add` held. A
         queue at its stop watermark takes its producers' windows this way until it clears."""
-        self.next_offset += len(msgs)
-        self.store.extend(msgs)  # type: ignore[attr-defined]  # (a MemoryStore: takes_held_run)
-        self.count += len(msgs)
-        self.size += size
-        self.meter.held += size
+        self.add_run(msgs, size)
         held = self.held
         if not held:
             self._held_floor = msgs[0].offset
         held.update(dict.fromkeys(msgs))
         self.counters.held_total += len(msgs)
+        self._stop(producer)
+
+    def _stop(self, producer: Session) -> None:
+        """`producer` sent to this saturated queue: FLOW_STOPPED, once until the queue clears."""
         if producer not in self.stopped_producers:
             self.stopped_producers[producer] = None
             producer.flow_stopped(self)
@@ -304,9 +303,10 @@ class Queue:
         """`add` for a run of messages of a flow-controlled producer that `takes_run` allowed, `size`
         bytes in all, whose offsets the caller set from `next_offset` up, in order (the router, which
         builds them in one loop). What `add` does per message, once: the offsets taken, the messages
-        appended (the deque's `extend`, in C), depth and bytes counted. None is held (`takes_run`)."""
+        appended (the deque's `extend`, in C), depth and bytes counted. Nothing is held here
+        (`add_held_run` holds them after)."""
         self.next_offset += len(msgs)
-        self.store.extend(msgs)  # type: ignore[attr-defined]  # (a MemoryStore: takes_run)
+        self.store.extend(msgs)  # type: ignore[attr-defined]  # (a MemoryStore: takes_run, takes_held_run)
         self.count += len(msgs)
         self.size += size
         self.meter.held += size
@@ -368,9 +368,10 @@ class Queue:
     def _check_resume(self) -> None:
         """Clear when every dimension is under its resume: count and size, drain time (as a count: an
         empty queue drains in no time whatever the rate), and the age as the last tick found it."""
+        if not self.saturated or self.age_hold:
+            return
         count = self.count
-        if (self.saturated and not self.age_hold and (count < self._drain_resume_count or not count)
-                and is_under_resume(count, self.size, self.thresholds)):
+        if (count < self._drain_resume_count or not count) and is_under_resume(count, self.size, self.thresholds):
             self._clear()
 
     def _clear(self) -> None:

@@ -273,3 +273,14 @@ def decode_frames(data: bytes, build_transfers: bool = True, build_deliveries: b
 def plain(frame: Frame) -> Any:
     """A frame's wire value with its entries as lists, whatever they were built as."""
     return msgpack.unpackb(msgpack.packb(frame_to_wire(frame), use_bin_type=True), raw=False)
+
+
+def assert_spoiled_entries_refused_alike(frame: Frame, data: st.DataObject, switch: str) -> None:
+    """`frame` (a TRANSFER or DELIVER) with one entry spoiled (`mutated_entries_body`) decodes to the same
+    error and the same frames whether the decoder's `switch` ("build_transfers" or "build_deliveries")
+    builds its entries or keeps msgpack's lists."""
+    body = raw_body(mutated_entries_body(plain(frame), data))
+    built = decode_frames(body, **{switch: True})
+    kept = decode_frames(body, **{switch: False})
+    assert built[1] == kept[1]
+    assert [plain(f) for f in built[0]] == [plain(f) for f in kept[0]]
