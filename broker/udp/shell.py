@@ -11,10 +11,9 @@ recover, and is counted on the endpoint).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
-
-from collections.abc import Callable
 
 from flowbroker.broker.config import UdpConfig
 from flowbroker.broker.core import BrokerCore
