@@ -31,7 +31,7 @@ from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
 from flowbroker.policies.drain import DrainEstimator
-from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
+from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH, CAPABILITY_MANDATORY
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, CreditError
 from flowbroker.protocol.errors import ErrorCode, RemoteProtocolError
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, message_wire_size, utf8_len
@@ -188,6 +188,7 @@ class BrokerCore:
         self.connections_opened += 1
         session.errors_sent = self.errors_sent
         session.report_unroutable = CAPABILITY_MANDATORY in capabilities
+        session.deliver_batches = CAPABILITY_DELIVER_BATCH in capabilities
         if flow_control:
             # Every flow-controlled connection holds a grant from connect on: WAIT_GRANT (1 byte, one
             # message) until its first TRANSFER registers it as a producer, so a connection that only

@@ -99,6 +99,7 @@ class Session:
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
+        self.deliver_batches = False  # HELLO asked for CAPABILITY_DELIVER_BATCH: its UDP consumers take batches
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
         self.broker_stop: FlowStopped | None = None  # the FLOW_STOPPED "*" that announced them
         # consumer half

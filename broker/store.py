@@ -50,6 +50,10 @@ class QueueStore(Protocol):
     def take(self) -> Message:
         """The ready message with the lowest offset, now delivered (the caller checked len() > 0)."""
 
+    def __getitem__(self, index: int) -> Message:
+        """The `index`-th ready message in offset order, not taken: `store[0]` is what `take` returns next
+        (a UDP subscription sizes its next batch by it before taking it)."""
+
     def requeue(self, msgs: Iterable[Message]) -> None:
         """Taken messages are ready again, each at its place in offset order (offsets are kept)."""
 

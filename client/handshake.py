@@ -20,6 +20,7 @@ from flowbroker.client.credentials import AuthArg, hello_auth
 from flowbroker.client.errors import AuthenticationError, HandshakeError
 from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
+    CAPABILITY_DELIVER_BATCH,
     CAPABILITY_MANDATORY,
     PROTOCOL_VERSION,
     AuthChallenge,
@@ -61,7 +62,7 @@ async def connect(
     again with the same `auth` (a fresh SCRAM exchange: a new client nonce); others close as before.
     """
     address = parse_url(url)
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY])
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY, CAPABILITY_DELIVER_BATCH])
 
     if ssl_context is not None and not address.tls:
         raise ValueError(f"{url!r}: ssl_context is for flowbroker+tls:// URLs")
@@ -102,7 +103,7 @@ async def connect_stream(
     """`connect` over a stream the caller opened (a `trio.SSLStream` over TCP, an in-memory stream in a
     test): the HELLO/WELCOME handshake within `timeout`, then a Connection that owns the stream (it
     closes it; so does a failed handshake). Raises HandshakeError as `connect` does."""
-    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY])
+    hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY, CAPABILITY_DELIVER_BATCH])
 
     async def given() -> trio.abc.Stream:
         return stream

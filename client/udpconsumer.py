@@ -12,6 +12,12 @@ DELIVER frames:
   settled it), so the consumption position the broker sees advances on processing, not on arrival: a
   slow handler paces the broker, which never has more than the window unprocessed in flight;
 - settlement goes over the TCP connection by delivery tag, as for a TCP consumer.
+
+The connection's HELLO asks for capability "deliver-batch", so the broker sends a run of deliveries as
+DELIVER_BATCH payloads, many to an Aeron message (protocol/envelope.py). A batch's term bytes are shared
+out among its messages (equal shares, the remainder on the first), each held until that message is
+processed: the position the broker hears of still never passes what was processed, and it reaches the
+batch's end when all of it is.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import trio
 
 from flowbroker.client.consumer import Consumer, Message
 from flowbroker.protocol import Frame
-from flowbroker.protocol.envelope import EnvelopeError, decode_delivery
-from flowbroker.protocol.frames import DeliveryEntry, SubscribeUdp
+from flowbroker.protocol.envelope import DELIVER_BATCH, EnvelopeError, decode_delivery, decode_delivery_batch
+from flowbroker.protocol.frames import SubscribeUdp
 from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
@@ -63,7 +69,7 @@ class UdpConsumer(Consumer):
         self._subscription: Subscription | None = None
         self._image: Image | None = None
         self._held: dict[int, int] = {}  # delivery tag -> bytes it holds in the image
-        self._polled: list[DeliveryEntry] = []  # decoded by the poll in progress, not yet buffered
+        self._polled: list[Any] = []  # entries decoded by the poll in progress, not yet buffered
         self._polled_space = 0  # their term bytes: held in the image in one call after the poll
         self._released = 0  # term bytes processed and not yet released in the image (see _release)
         self._release_step = max(self.window // 16, 1)
@@ -118,6 +124,9 @@ class UdpConsumer(Consumer):
         """One message polled from the image: decoded, its term bytes counted to be held until it is
         processed, and collected in `_polled`; `_receive` holds a poll's bytes in the image in one call
         and hands its messages to the consumer's buffer in one call."""
+        if len(payload) and payload[0] == DELIVER_BATCH:
+            self._on_batch(payload)
+            return
         try:
             entry = decode_delivery(payload)
         except EnvelopeError as exc:
@@ -136,6 +145,32 @@ class UdpConsumer(Consumer):
         else:
             self._unheld = True
         self._polled.append(entry)
+
+    def _on_batch(self, payload: memoryview | bytes) -> None:
+        """A DELIVER_BATCH: its entries collected in `_polled` as they are (the lists `_on_deliver` takes),
+        the payload's term bytes shared out among them to be held until each is processed."""
+        try:
+            entries = decode_delivery_batch(payload)
+        except EnvelopeError as exc:
+            self._unheld = True
+            self.malformed += 1
+            log.warning("UDP subscription %s: payload dropped: %s", self.subscription_id, exc)
+            return
+        if not self._ended:
+            length = len(payload)
+            if length <= self._max_payload:  # one frame: frame_space inlined
+                space = (length + DATA_HEADER_LENGTH + 31) & ~31
+            else:
+                space = frame_space(length, self._max_payload + DATA_HEADER_LENGTH)
+            share, extra = divmod(space, len(entries))
+            held = self._held
+            for entry in entries:
+                held[entry[0]] = share
+            held[entries[0][0]] += extra
+            self._polled_space += space
+        else:
+            self._unheld = True
+        self._polled += entries
 
     def _subscription_id_in_image(self) -> int:
         assert self._subscription is not None

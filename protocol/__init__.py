@@ -17,7 +17,7 @@ from flowbroker.protocol.credit import (
     CreditError,
     message_size,
 )
-from flowbroker.protocol.capabilities import CAPABILITY_MANDATORY
+from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH, CAPABILITY_MANDATORY
 from flowbroker.protocol.producer import ProducerLedger, ProducerLedgerStatistics
 from flowbroker.protocol.resend import ResendLedger
 from flowbroker.protocol.session import TransferReceiver, TransferReceiverStatistics
@@ -57,6 +57,7 @@ __all__ = [
     "BufferState",
     "CreditError",
     "message_size",
+    "CAPABILITY_DELIVER_BATCH",
     "CAPABILITY_MANDATORY",
     "ProducerLedger",
     "ProducerLedgerStatistics",

@@ -9,6 +9,12 @@ says what follows:
   length (``routing_key`` nil for the registration's, ``headers`` nil or a map), then the body.
 - ``0x02`` DELIVER (broker -> UDP consumer): a u16 length, a msgpack array
   ``[delivery_tag, exchange, routing_key, headers, redelivered]``, then the body.
+- ``0x03`` DELIVER_BATCH (broker -> UDP consumer whose connection asked for capability
+  ``"deliver-batch"``): a msgpack array of deliveries, each a DELIVER frame's entry
+  ``[delivery_tag, exchange, routing_key, body, headers, redelivered]``, tags consecutive and ascending. The
+  broker fills one unfragmented Aeron message (a datagram) with as many as fit, so a consumer decodes,
+  walks and checks one payload per batch instead of one per message, as a TCP consumer does one DELIVER
+  frame.
 
 The same field checks as the TCP frames apply (protocol/frames.py): a payload that fails them raises
 ``EnvelopeError`` naming what was wrong; the broker counts and drops it (completing its bytes, so the
@@ -24,25 +30,41 @@ from typing import Any
 
 import msgpack
 
-from flowbroker.protocol.frames import DeliveryEntry, Headers, check_delivery_entry, check_headers
+from flowbroker.protocol.frames import (
+    DeliveryEntry,
+    Headers,
+    check_delivery_entries,
+    check_delivery_entry,
+    check_headers,
+)
 
 __all__ = [
+    "BATCH_HEAD_BOUND",
     "DELIVER",
+    "DELIVER_BATCH",
+    "DELIVER_BATCH_KIND",
     "EnvelopeError",
     "PUBLISH",
     "PUBLISH_ENVELOPED",
     "decode_delivery",
+    "decode_delivery_batch",
     "decode_publish",
+    "delivery_entry_bound",
     "delivery_head",
     "encode_delivery",
+    "encode_delivery_batch",
     "encode_delivery_of",
     "encode_publish",
     "envelope_overhead",
+    "pack_delivery_entries",
 ]
 
 PUBLISH = 0x00
 PUBLISH_ENVELOPED = 0x01
 DELIVER = 0x02
+DELIVER_BATCH = 0x03
+DELIVER_BATCH_KIND = b"\x03"
+"""The first byte of a DELIVER_BATCH payload; the packed entries follow (`encode_delivery_batch`)."""
 
 _LENGTH = struct.Struct(">BH")
 _MAX_ENVELOPE = 0xFFFF
@@ -209,3 +231,53 @@ def _decode_delivery_checked(payload: bytes | memoryview) -> DeliveryEntry:
     except ValueError as exc:
         raise EnvelopeError(f"deliver envelope: {exc}") from None
     return entry
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+_pack_entries: Callable[[Any], bytes] = msgpack.Packer().pack
+"""One packer for the batches' entries (the default use_bin_type=True: bodies as bin, names as str)."""
+
+BATCH_HEAD_BOUND = 6
+"""The most a DELIVER_BATCH payload adds around its entries: the kind byte and msgpack's array header."""
+
+_ENTRY_FIXED_BOUND = 32
+"""The most an entry's msgpack takes beyond its body and names' characters: array header 1, tag up to 9,
+three str/bin headers of up to 5, nil or packed headers' own bytes counted apart, redelivered 1."""
+
+
+def delivery_entry_bound(body: bytes, exchange: str, routing_key: str, headers: Headers | None) -> int:
+    """At least the bytes a delivery's entry takes in a DELIVER_BATCH (never fewer, so a batch filled by
+    these bounds fits where it must): the body, four bytes per character of the names (UTF-8's most), and
+    the packed headers. The broker sums them to fill a datagram without packing each entry apart."""
+    bound = len(body) + ((len(exchange) + len(routing_key)) << 2) + _ENTRY_FIXED_BOUND
+    if headers:
+        bound += len(msgpack.packb(headers, use_bin_type=True))
+    return bound
+
+
+def encode_delivery_batch(entries: list[Any]) -> bytes:
+    """The DELIVER_BATCH payload of `entries` (DELIVER frame entries, tuples or lists of six fields). The
+    broker writes `DELIVER_BATCH_KIND` and `pack_delivery_entries(entries)` into its term as two parts."""
+    return DELIVER_BATCH_KIND + _pack_entries(entries)
+
+
+pack_delivery_entries = _pack_entries
+"""The bytes of a DELIVER_BATCH after its kind byte: msgpack of the entries."""
+
+
+def decode_delivery_batch(payload: bytes | memoryview) -> list[Any]:
+    """The deliveries of a DELIVER_BATCH payload: lists of a `DeliveryEntry`'s six fields, checked as a
+    DELIVER frame's entries are (at most MAX_ENTRIES_PER_FRAME, each field's type, headers). Raises
+    `EnvelopeError` naming what is wrong."""
+    if not len(payload) or payload[0] != DELIVER_BATCH:
+        raise EnvelopeError("not a delivery batch envelope (kind 0x03)")
+    try:
+        entries = _unpackb(payload[1:], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise EnvelopeError(f"deliver batch: not valid msgpack ({type(exc).__name__})") from None
+    try:
+        check_delivery_entries(entries)
+    except ValueError as exc:
+        raise EnvelopeError(f"deliver batch: {exc}") from None
+    return entries  # type: ignore[no-any-return]

@@ -64,6 +64,7 @@ __all__ = [
     "decode_body",
     "check_frame",
     "check_headers",
+    "check_delivery_entries",
     "check_delivery_entry",
     "frame_to_wire",
 ]
@@ -894,6 +895,16 @@ def check_headers(value: Any) -> Headers | None:
     envelope, protocol/envelope.py). Raises ValueError naming what is wrong."""
     try:
         return _headers(value)
+    except _Bad as exc:
+        raise ValueError(str(exc)) from None
+
+
+def check_delivery_entries(entries: Any) -> list[Any]:
+    """The checks a DELIVER frame's entries get, for entries carried outside a frame (a UDP DELIVER_BATCH,
+    protocol/envelope.py): the entries as given (lists or tuples of six fields), checked. Raises ValueError
+    naming what is wrong."""
+    try:
+        return _delivery_entries(entries, False)
     except _Bad as exc:
         raise ValueError(str(exc)) from None
 

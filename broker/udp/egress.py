@@ -13,8 +13,13 @@ the publication cannot take at once waits in one slot and goes first when the wi
 that open the window put the subscription back in its queue's rotation.
 
 A subscription alone in its queue's rotation takes a run (`UdpSubscription.deliver_ready`, as a TCP one
-does): every message its prefetch and window allow in one call, each written into the term as its envelope
-head and its body (the body copied once), the connection's ledger told once and the data path woken once.
+does): every message its prefetch and window allow in one call, the connection's ledger told once and the
+data path woken once. When the consumer's connection asked for capability "deliver-batch" (the SDK does),
+the run goes out as DELIVER_BATCH payloads, as many deliveries in each as fit one datagram (the publication's
+mtu; a loopback consumer's is `[udp] loopback_mtu`, within its window), as a TCP run goes out as DELIVER
+frames of many entries: the consumer then decodes and walks one Aeron message per batch, not one per
+delivery. Otherwise each delivery is its own DELIVER payload, written into the term as its envelope head and
+its body (the body copied once).
 """
 
 from __future__ import annotations
@@ -25,8 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.subscription import Subscription
 from flowbroker.broker.udp.datapath import Address, Outgoing
-from flowbroker.protocol.envelope import delivery_head
+from flowbroker.protocol.envelope import (
+    BATCH_HEAD_BOUND,
+    DELIVER_BATCH_KIND,
+    delivery_entry_bound,
+    delivery_head,
+    pack_delivery_entries,
+)
 from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
+from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
 
 if TYPE_CHECKING:
@@ -53,7 +66,8 @@ class _Stream:
     destination: tuple[str, int]
     publication: Publication
     subscription: UdpSubscription
-    slot: bytes | None = None  # a delivery the publication could not take yet (at most one)
+    slot: bytes | None = None  # a delivery (or batch) the publication could not take yet (at most one)
+    batch_room: int = 0  # the bytes of entries a DELIVER_BATCH may carry (one datagram's); 0: one DELIVER each
 
 
 class UdpSubscription(Subscription):
@@ -96,6 +110,9 @@ class UdpSubscription(Subscription):
         sender_limit = pub.sender_limit
         if pub.position >= sender_limit:
             return
+        if stream.batch_room:
+            self._deliver_batches(store, room, sender_limit)
+            return
         ledger = self.session.deliveries
         take = store.take
         offer = pub.offer_parts
@@ -119,6 +136,69 @@ class UdpSubscription(Subscription):
         self.delivered_total += n
         ledger.deliver_many(self, msgs, 0)  # the tags counted above, in order
         self.egress.datapath.wake()
+
+    def _deliver_batches(self, store: QueueStore, room: int, sender_limit: int) -> None:
+        """`deliver_ready` in DELIVER_BATCH payloads: entries are collected while their bounds
+        (`delivery_entry_bound`) fit the batch's room, and the batch goes into the term when the next
+        message would not fit (it opens the next batch), at MAX_ENTRIES_PER_FRAME, or at the run's end.
+        A batch's room is one datagram's, and never more than what is left of the window (the first
+        message of a batch always goes, so at most one message overflows the window, as with one DELIVER
+        each). The run stops as `deliver_ready`'s: prefetch used, the window reached, the store empty, or a
+        batch the publication could not take (it waits in the slot). A message too big for any batch goes
+        alone as a DELIVER payload (fragmented by the publication)."""
+        stream = self.stream
+        pub = stream.publication
+        batch_room = stream.batch_room
+        ledger = self.session.deliveries
+        take = store.take
+        tag = ledger.next_tag
+        msgs: list[Message] = []
+        batch: list[Any] = []
+        space = min(batch_room, sender_limit - pub.position - DATA_HEADER_LENGTH)
+        while True:
+            msg = store[0]
+            need = delivery_entry_bound(msg.body, msg.exchange, msg.routing_key, msg.headers)
+            if batch and (need > space or len(batch) == MAX_ENTRIES_PER_FRAME):  # full: out it goes
+                position = _offer_batch(stream, batch)
+                batch = []
+                if position < 0 or position >= sender_limit:
+                    break  # in the slot, or the window is used: the message stays ready
+                space = min(batch_room, sender_limit - position - DATA_HEADER_LENGTH)
+            take()
+            msgs.append(msg)
+            room -= 1
+            if need > batch_room:  # no batch can carry it: alone, as a DELIVER
+                head = delivery_head(tag, msg.exchange, msg.routing_key, msg.headers, msg.redelivered)
+                tag += 1
+                position = pub.offer_parts(head, msg.body)
+                if position < 0:
+                    position = _append_slow(stream, position, head, msg.body)
+                if position < 0 or position >= sender_limit or not room or not store:
+                    break
+                space = min(batch_room, sender_limit - position - DATA_HEADER_LENGTH)
+                continue
+            batch.append((tag, msg.exchange, msg.routing_key, msg.body, msg.headers, msg.redelivered))
+            tag += 1
+            space -= need
+            if not room or not store:
+                break
+        if batch:
+            _offer_batch(stream, batch)
+        n = len(msgs)
+        self.unsettled += n
+        self.delivered_total += n
+        ledger.deliver_many(self, msgs, 0)  # the tags counted above, in order
+        self.egress.datapath.wake()
+
+
+def _offer_batch(stream: _Stream, batch: list[Any]) -> int:
+    """One DELIVER_BATCH into the stream's term (its kind byte and its packed entries, as two parts), or
+    into the slot; the position, or the negative result that put it in the slot."""
+    packed = pack_delivery_entries(batch)
+    position = stream.publication.offer_parts(DELIVER_BATCH_KIND, packed)
+    if position < 0:
+        position = _append_slow(stream, position, DELIVER_BATCH_KIND, packed)
+    return position
 
 
 def _append(stream: _Stream, head: bytes, body: bytes) -> None:
@@ -163,14 +243,18 @@ class Egress:
                                f"too many UDP subscriptions ([udp] max_subscriptions {config.max_subscriptions})")
         the_queue, in_force = core.check_subscribe(owner, subscription_id, queue, prefetch)
         session_id = datapath.session_ids.take()
+        # A loopback consumer gets loopback_mtu's datagrams, at most an eighth of the window it asked for
+        # (several datagrams in flight, not stop-and-wait); elsewhere, and under a smaller window, [udp] mtu.
+        mtu = max(config.mtu, min(config.publication_mtu(destination[0]), (buffer_size // 8) & ~31))
         publication = Publication(
-            PublicationConfig(session_id, stream_id, term_length=config.term_length, mtu=config.mtu,
+            PublicationConfig(session_id, stream_id, term_length=config.term_length, mtu=mtu,
                               initial_term_id=self._rng.randrange(-(2**31), 2**31), max_messages_per_send=64,
                               linger_ns=_LINGER_NS),
             now_ns, destination=destination,
         )
         sub = UdpSubscription(owner, subscription_id, the_queue, in_force, 0)
-        stream = _Stream(session_id, stream_id, destination, publication, sub)
+        stream = _Stream(session_id, stream_id, destination, publication, sub,
+                         batch_room=mtu - DATA_HEADER_LENGTH - BATCH_HEAD_BOUND if owner.deliver_batches else 0)
         sub.stream = stream
         sub.egress = self
         self.subscriptions[session_id] = stream

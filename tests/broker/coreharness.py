@@ -10,7 +10,7 @@ Nothing here reads broker internals except the session object the broker hands o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from flowbroker.broker.config import load_config
@@ -77,9 +77,11 @@ class Harness:
         from before BUFFER_LIMIT."""
         return Producer(self, name, flow_control=flow_control, window=window, fences=fences)
 
-    def consumer(self, name: str = "consumer", *, flow_control: bool = False) -> Consumer:
-        """`flow_control=True` is what the SDK does by default: a connection that only consumes."""
-        return Consumer(self, name, flow_control=flow_control)
+    def consumer(self, name: str = "consumer", *, flow_control: bool = False,
+                 capabilities: Collection[str] = ()) -> Consumer:
+        """`flow_control=True` is what the SDK does by default: a connection that only consumes.
+        `capabilities`: what its HELLO asked for (protocol/capabilities.py)."""
+        return Consumer(self, name, flow_control=flow_control, capabilities=capabilities)
 
     def queue(self, name: str, **arguments: Any) -> None:
         """Declare a queue through the core's API (not a frame)."""
@@ -89,11 +91,12 @@ class Harness:
 class Client:
     """One connection: frames in, frames out, and what a client learns from them."""
 
-    def __init__(self, harness: Harness, name: str, *, flow_control: bool):
+    def __init__(self, harness: Harness, name: str, *, flow_control: bool, capabilities: Collection[str] = ()):
         self.h = harness
         self.core = harness.core
         self.wakes = 0
-        self.session: Session = self.core.open_session(name, "anonymous", flow_control, self._wake)
+        self.session: Session = self.core.open_session(name, "anonymous", flow_control, self._wake,
+                                                       capabilities=capabilities)
         self.frames: list[Frame] = []  # everything ever received, in order
         self.errors: list[Error] = []
         self.oks: dict[int, Ok] = {}
@@ -285,8 +288,9 @@ class Producer(Client):
 class Consumer(Client):
     """A consumer: subscriptions, deliveries, settlement and buffer acknowledgements."""
 
-    def __init__(self, harness: Harness, name: str, *, flow_control: bool = False):
-        super().__init__(harness, name, flow_control=flow_control)
+    def __init__(self, harness: Harness, name: str, *, flow_control: bool = False,
+                 capabilities: Collection[str] = ()):
+        super().__init__(harness, name, flow_control=flow_control, capabilities=capabilities)
         self.deliveries: list[tuple[int, DeliveryEntry]] = []  # (subscription id, entry), tag order
         self.unsettled: dict[int, tuple[int, DeliveryEntry]] = {}  # tag -> (sub id, entry)
         self.delivered_bytes: dict[int, int] = {0: 0}  # opaque (0 = connection) -> bytes delivered

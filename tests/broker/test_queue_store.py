@@ -110,6 +110,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert list(self.store) == self.model.ready_in_order()
         assert len(self.store) == len(self.model.ready)
         assert bool(self.store) is bool(self.model.ready)
+        if self.model.ready:  # the head, not taken: what take() returns next
+            assert self.store[0] is self.model.ready_in_order()[0]
 
 
 TestStoreMachine = StoreMachine.TestCase

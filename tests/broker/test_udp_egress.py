@@ -1,17 +1,24 @@
 """The broker's UDP egress in memory (no trio, no sockets): a UDP subscription's publication and a transport
 `ReceiveChannel` playing the consumer exchange datagrams by hand. The consumer's window is its credit: the
-broker never has more than that window (plus one message) unprocessed in flight; settlement stays on TCP."""
+broker never has more than that window (plus one message) unprocessed in flight; settlement stays on TCP.
+
+Most tests run twice: with a consumer whose HELLO asked for capability "deliver-batch" (the SDK's: runs go
+out as DELIVER_BATCH payloads, a batch's term bytes shared out among its messages as the SDK does) and
+with one that did not (one DELIVER per message)."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowbroker.broker.udp.datapath import DataPath
-from flowbroker.protocol.envelope import decode_delivery
+from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH
+from flowbroker.protocol.envelope import DELIVER_BATCH, decode_delivery, decode_delivery_batch
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.protocol.frames import Cancel, Error, Outcome, SubscribeUdp, Transfer, TransferEntry
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig
@@ -25,13 +32,15 @@ MS = 1_000_000
 class Rig:
     """A core with its data path, a consumer connection with a UDP subscription, and its receive channel."""
 
-    def __init__(self, *, window: int = 16 * 1024, prefetch: int = 1000, **sections: dict[str, Any]) -> None:
+    def __init__(self, *, window: int = 16 * 1024, prefetch: int = 1000, batches: bool = False,
+                 **sections: dict[str, Any]) -> None:
         self.h = Harness(**sections)
         self.core = self.h.core
         self.datapath = DataPath(self.h.config.udp, self.core, ENDPOINT, lambda: None, seed=3)
         self.core.udp = self.datapath
         self.h.queue("q")
-        self.owner: Consumer = self.h.consumer("udp-consumer")
+        self.owner: Consumer = self.h.consumer(
+            "udp-consumer", capabilities=[CAPABILITY_DELIVER_BATCH] if batches else [])
         self.owner.session.peer_host = CONSUMER[0]
         self.answer = self.owner.ok(lambda rid: SubscribeUdp(rid, 1, "q", prefetch, window, CONSUMER[1], 1002))
         self.channel = ReceiveChannel(1002, ReceiverConfig(receiver_id=9, receiver_window=window,
@@ -41,6 +50,7 @@ class Rig:
         self.held: list[tuple[int, int]] = []  # (tag, term bytes) handed up, not processed
         self.tags: list[int] = []
         self.bodies: list[bytes] = []
+        self.payloads: list[tuple[int, int]] = []  # (envelope kind, entries) of every payload polled
         self.loss = 0.0
         self.rng = random.Random(5)
 
@@ -63,12 +73,22 @@ class Rig:
             image = self.image
 
             def take(payload: memoryview | bytes) -> None:
-                entry = decode_delivery(payload)
                 assert image is not None
                 space = frame_space(len(payload), image.mtu)
                 image.hold(self.sub.subscription_id, space)
+                if payload[0] == DELIVER_BATCH:
+                    entries = decode_delivery_batch(payload)
+                    share, extra = divmod(space, len(entries))  # as the SDK shares a batch's bytes out
+                    tags = [e[0] for e in entries]
+                    assert tags == list(range(tags[0], tags[0] + len(tags)))
+                    self.held += [(tag, share + (extra if i == 0 else 0)) for i, tag in enumerate(tags)]
+                    self.bodies += [e[3] for e in entries]
+                    self.payloads.append((DELIVER_BATCH, len(entries)))
+                    return
+                entry = decode_delivery(payload)
                 self.held.append((entry.delivery_tag, space))
                 self.bodies.append(entry.body)
+                self.payloads.append((payload[0], 1))
 
             self.channel.do_work(now)
             while self.sub.poll(take, 64):
@@ -105,8 +125,9 @@ def test_subscribe_udp_answers_like_subscribe_plus_the_session() -> None:
     assert 1 in rig.owner.session.subscriptions
 
 
-def test_messages_arrive_in_order_over_udp_and_settle_over_tcp() -> None:
-    rig = Rig()
+@pytest.mark.parametrize("batches", [False, True])
+def test_messages_arrive_in_order_over_udp_and_settle_over_tcp(batches: bool) -> None:
+    rig = Rig(batches=batches)
     bodies = [b"m%04d" % i for i in range(300)]
     rig.publish(bodies)
     for _ in range(100):
@@ -119,22 +140,27 @@ def test_messages_arrive_in_order_over_udp_and_settle_over_tcp() -> None:
     assert len(rig.core.queues["q"].store) == 0 and not rig.owner.session.deliveries.unsettled
 
 
-def test_an_unprocessing_consumer_gets_no_more_than_its_window() -> None:
-    rig = Rig(window=16 * 1024)
+@pytest.mark.parametrize("batches", [False, True])
+def test_a_slow_consumer_never_has_more_than_its_window_unprocessed_in_flight(batches: bool) -> None:
+    rig = Rig(window=16 * 1024, batches=batches)
     rig.publish([b"x" * 1000] * 200)
+    frame = frame_space(1000 + 40, rig.h.config.udp.mtu)  # body + the envelope's few bytes
     for _ in range(30):
         rig.cycle(step_ms=50)
-    frame = frame_space(1000 + 40, rig.h.config.udp.mtu)  # body + the envelope's few bytes
-    assert 0 < len(rig.bodies) <= rig.window // frame + 2
-    assert rig.unprocessed_in_flight() <= rig.window + frame
+        assert rig.unprocessed_in_flight() <= rig.window + frame
+        rig.process(1)  # a slow application: one message per cycle, so runs start with little window left
+    per_message = 1000 + 10 if batches else frame  # in a batch, a body and its entry's few bytes
+    before = len(rig.bodies)
+    assert 0 < before - 30 <= rig.window // per_message + 2
     rig.process(len(rig.held))
     for _ in range(5):
         rig.cycle()
-    assert len(rig.bodies) > rig.window // frame + 2  # processing opened the window
+    assert len(rig.bodies) >= before + rig.window // per_message // 2  # processing opened the window
 
 
-def test_prefetch_bounds_unsettled_deliveries() -> None:
-    rig = Rig(prefetch=5, window=1 << 20)
+@pytest.mark.parametrize("batches", [False, True])
+def test_prefetch_bounds_unsettled_deliveries(batches: bool) -> None:
+    rig = Rig(batches=batches, prefetch=5, window=1 << 20)
     rig.publish([b"p"] * 20)
     for _ in range(10):
         rig.cycle()
@@ -145,13 +171,14 @@ def test_prefetch_bounds_unsettled_deliveries() -> None:
     assert len(rig.bodies) == 10
 
 
-def test_a_lone_subscription_takes_its_window_in_one_run_across_term_ends() -> None:
+@pytest.mark.parametrize("batches", [False, True])
+def test_a_lone_subscription_takes_its_window_in_one_run_across_term_ends(batches: bool) -> None:
     """A lone UDP subscription takes a run (`UdpSubscription.deliver_ready`) bounded by its window, with
     consecutive tags; a delivery that meets a term's end is offered again at once (the term rotated) rather
     than left in the slot until the next status message, so runs cross term ends without waiting. (With a
     window of a quarter term the publication's own limit, half a term past what it sent, is never what
     stops an offer: only a rotation could have put a delivery in the slot.)"""
-    rig = Rig(window=16 * 1024, udp={"term_length": 64 * 1024, "max_receiver_window": 32 * 1024})
+    rig = Rig(window=16 * 1024, batches=batches, udp={"term_length": 64 * 1024, "max_receiver_window": 32 * 1024})
     count = 400  # about 6 terms of 1 KiB deliveries
     bodies = [b"%04d" % i + b"t" * 1000 for i in range(count)]
     rig.publish(bodies)
@@ -169,8 +196,9 @@ def test_a_lone_subscription_takes_its_window_in_one_run_across_term_ends() -> N
     assert len(rig.core.queues["q"].store) == 0 and not rig.owner.session.deliveries.unsettled
 
 
-def test_closing_the_connection_requeues_in_order_and_ends_the_publication() -> None:
-    rig = Rig()
+@pytest.mark.parametrize("batches", [False, True])
+def test_closing_the_connection_requeues_in_order_and_ends_the_publication(batches: bool) -> None:
+    rig = Rig(batches=batches)
     rig.publish([b"r%d" % i for i in range(10)])
     for _ in range(5):
         rig.cycle()
@@ -185,8 +213,9 @@ def test_closing_the_connection_requeues_in_order_and_ends_the_publication() -> 
     assert session_id not in rig.datapath.session_ids.live  # end of stream sent, lingered, given back
 
 
-def test_cancel_requeues_and_closes_the_publication() -> None:
-    rig = Rig()
+@pytest.mark.parametrize("batches", [False, True])
+def test_cancel_requeues_and_closes_the_publication(batches: bool) -> None:
+    rig = Rig(batches=batches)
     rig.publish([b"c%d" % i for i in range(4)])
     for _ in range(5):
         rig.cycle()
@@ -221,10 +250,10 @@ def test_subscriptions_are_bounded_and_checked_like_subscribe() -> None:
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(0, 2**32), st.integers(1, 150), st.sampled_from([Outcome.ACK, Outcome.REQUEUE]))
+@given(st.integers(0, 2**32), st.integers(1, 150), st.sampled_from([Outcome.ACK, Outcome.REQUEUE]), st.booleans())
 def test_with_loss_every_message_is_delivered_and_settled_exactly_once(seed: int, count: int,
-                                                                        second: Outcome) -> None:
-    rig = Rig(window=8 * 1024)
+                                                                        second: Outcome, batches: bool) -> None:
+    rig = Rig(window=8 * 1024, batches=batches)
     rig.rng = random.Random(seed)
     rig.loss = 0.05
     bodies = [b"%05d" % i + b"z" * rig.rng.randrange(0, 2000) for i in range(count)]
@@ -248,3 +277,46 @@ def test_with_loss_every_message_is_delivered_and_settled_exactly_once(seed: int
             break
     assert sorted(acked) == sorted(bodies) and len(acked) == len(set(acked))
     assert len(rig.core.queues["q"].store) == 0
+
+
+def test_a_batching_consumer_gets_full_datagrams_of_deliveries_and_a_plain_one_a_delivery_each() -> None:
+    """A run to a consumer whose connection asked for "deliver-batch" goes out as DELIVER_BATCH payloads,
+    each filling one datagram of the publication's mtu (no fragments) as far as its messages allow; one
+    that did not ask gets one DELIVER per message, as before the capability existed."""
+    bodies = [b"%05d" % i + b"b" * 200 for i in range(600)]
+    for batches in (True, False):
+        rig = Rig(window=1 << 20, batches=batches)
+        rig.publish(bodies)
+        for _ in range(20):
+            rig.cycle()
+            rig.process(len(rig.held))
+            if len(rig.bodies) == len(bodies):
+                break
+        assert rig.bodies == bodies
+        mtu = rig.stream.publication.mtu
+        if not batches:
+            assert {kind for kind, _ in rig.payloads} == {0x02}
+            continue
+        assert {kind for kind, _ in rig.payloads} == {DELIVER_BATCH}
+        per_datagram = (mtu - 32 - 6) // (205 + 4 * len("q") + 32)  # what the entry bounds let one carry
+        assert [n for _, n in rig.payloads[:-1]] == [per_datagram] * (len(rig.payloads) - 1)
+        assert rig.stream.publication.statistics().data_datagrams_sent >= len(rig.payloads)
+
+
+def test_a_batch_is_never_fragmented_and_never_over_the_entry_limit() -> None:
+    """Tiny messages: a batch stops at MAX_ENTRIES_PER_FRAME (what the consumer checks) before its datagram
+    is full; a message too big for any batch goes alone as a DELIVER (fragmented by the publication), in
+    its place in the order."""
+    rig = Rig(window=1 << 20, prefetch=5000, batches=True)  # a loopback consumer: loopback_mtu's datagrams
+    big = b"B" * 100_000
+    bodies = [b"%d" % i for i in range(2500)] + [big] + [b"t%d" % i for i in range(10)]
+    rig.publish(bodies)
+    for _ in range(50):
+        rig.cycle()
+        rig.process(len(rig.held))
+        if len(rig.bodies) == len(bodies):
+            break
+    assert rig.bodies == bodies
+    assert rig.stream.publication.mtu == 65504
+    assert max(n for kind, n in rig.payloads if kind == DELIVER_BATCH) == MAX_ENTRIES_PER_FRAME
+    assert (0x02, 1) in rig.payloads

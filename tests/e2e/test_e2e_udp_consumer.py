@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable
 
+import pytest
 import trio
 
 import flowbroker.client as fc
@@ -27,7 +28,10 @@ async def fill(conn: fc.Connection, queue: str, bodies: list[bytes]) -> None:
             await producer.send(body)
 
 
-async def test_a_slow_udp_consumer_paces_the_broker_within_its_window(start_flowbroker: Start) -> None:
+@pytest.mark.parametrize("batches", [True, False])
+async def test_a_slow_udp_consumer_paces_the_broker_within_its_window(start_flowbroker: Start, batches: bool) -> None:
+    """With DELIVER_BATCH payloads (the SDK asks for capability "deliver-batch") and without (a broker that
+    does not know it, as an older one: one DELIVER per message)."""
     broker = await start_flowbroker()
     window = 32 * 1024
     bodies = [b"%05d" % i + b"s" * 1000 for i in range(400)]
@@ -37,9 +41,13 @@ async def test_a_slow_udp_consumer_paces_the_broker_within_its_window(start_flow
         await fill(conn, "slow", bodies)
         datapath = broker.core.udp
         assert datapath is not None
+        if not batches:
+            for session in broker.core.sessions.values():
+                session.deliver_batches = False
         with trio.fail_after(60):
             async with conn.consumer("slow", transport="udp", buffer_size=window) as consumer:
                 assert isinstance(consumer, UdpConsumer)
+                assert bool(next(iter(datapath.egress.subscriptions.values())).batch_room) == batches
                 async for msg in consumer:
                     # what the broker has sent beyond what this consumer has processed (all before `msg`)
                     stream = next(iter(datapath.egress.subscriptions.values()))
@@ -207,7 +215,7 @@ async def test_through_a_lossy_relay_every_message_is_delivered_once_in_order(st
 
     broker = await start_flowbroker()
     assert broker.udp_port is not None
-    count = 5000
+    count = 20_000  # about 1,000 datagrams of deliveries, batched: enough for the relay's 1 % faults to hit
     bodies = [b"%06d" % i + b"r" * 300 for i in range(count)]
     impairment = Impairment(0.05, 0.01, 0.01)
     relay = LossyRelay(("127.0.0.1", broker.udp_port), seed=11, to_server=impairment, to_client=impairment)

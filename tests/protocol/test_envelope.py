@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowbroker.protocol.envelope import (
+    DELIVER_BATCH,
     EnvelopeError,
     decode_delivery,
+    decode_delivery_batch,
     decode_publish,
+    delivery_entry_bound,
     delivery_head,
     encode_delivery,
+    encode_delivery_batch,
     encode_delivery_of,
     encode_publish,
     envelope_overhead,
 )
 from flowbroker.protocol.frames import DeliveryEntry
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from tests.protocol.protocol_strategies import delivery_entries, headers, text
 
 bodies = st.binary(max_size=2000)
@@ -44,7 +50,7 @@ def test_a_delivery_round_trips(entry: DeliveryEntry) -> None:
 @settings(max_examples=2000, deadline=None)
 @given(st.binary(max_size=64))
 def test_arbitrary_bytes_decode_or_raise_envelope_error_only(payload: bytes) -> None:
-    for decode in (decode_publish, decode_delivery):
+    for decode in (decode_publish, decode_delivery, decode_delivery_batch):
         try:
             decode(payload)
         except EnvelopeError:
@@ -113,3 +119,42 @@ def test_the_decoders_fast_path_refuses_what_the_full_check_refuses(meta: list[o
     payload = bytes([2]) + len(packed).to_bytes(2, "big") + packed + b"body"
     with pytest.raises(EnvelopeError):
         decode_delivery(payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(delivery_entries, min_size=1, max_size=20))
+def test_a_delivery_batch_round_trips_as_the_entries_of_a_deliver_frame(entries: list[DeliveryEntry]) -> None:
+    payload = encode_delivery_batch(entries)
+    assert payload[0] == DELIVER_BATCH
+    assert [DeliveryEntry(*e) for e in decode_delivery_batch(payload)] == entries
+    assert [DeliveryEntry(*e) for e in decode_delivery_batch(memoryview(payload))] == entries
+
+
+@settings(max_examples=500, deadline=None)
+@given(delivery_entries)
+def test_an_entry_bound_is_never_below_the_bytes_the_entry_takes(entry: DeliveryEntry) -> None:
+    """The broker fills a datagram by these bounds without packing each entry apart: a bound under the
+    real size would make a batch overrun its datagram (a fragment)."""
+    packed = msgpack.packb(tuple(entry), use_bin_type=True)
+    assert delivery_entry_bound(entry.body, entry.exchange, entry.routing_key, entry.headers) >= len(packed)
+
+
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        (b"", "not a delivery batch envelope"),
+        (b"\x02", "not a delivery batch envelope"),
+        (b"\x03\xc1", "not valid msgpack"),
+        (b"\x03" + msgpack.packb([]), "non-empty list"),
+        (b"\x03" + msgpack.packb({"a": 1}), "non-empty list"),
+        (b"\x03" + msgpack.packb([[1, "", "k", b"b", None]]), "each entry must be"),
+        (b"\x03" + msgpack.packb([[0, "", "k", b"b", None, False]], use_bin_type=True), "positive integer"),
+        (b"\x03" + msgpack.packb([[1, "", "k", "str body", None, False]], use_bin_type=True), "wrong type"),
+        (b"\x03" + msgpack.packb([[1, "", "k", b"b", None, False]] * (MAX_ENTRIES_PER_FRAME + 1),
+                                  use_bin_type=True), "MAX_ENTRIES_PER_FRAME"),
+        (b"\x03" + msgpack.packb([[1, "", "k", b"b", None, False]], use_bin_type=True) + b"\x00", "not valid msgpack"),
+    ],
+)
+def test_a_bad_delivery_batch_names_what_is_wrong(payload: bytes, problem: str) -> None:
+    with pytest.raises(EnvelopeError, match=problem):
+        decode_delivery_batch(payload)
