@@ -3,13 +3,16 @@
 A producer's transport `Publication` offers 1 KiB messages (the SDK's bare PUBLISH envelope); its
 datagrams go into the broker's `DataPath` (ingress: image, route, queue), whose UDP subscription
 publishes the deliveries back out (egress); a consumer's `ReceiveChannel` takes them, polls and decodes
-each DELIVER envelope, holds and releases its term bytes as the SDK's UDP consumer does, and settles
-each batch with one SETTLE frame over "TCP" (core.handle). Status messages go back both ways. What is
+each DELIVER_BATCH envelope (the consumer's connection asks for capability "deliver-batch", as the SDK's
+does; `--no-batches`: one DELIVER envelope per message, as for a client that does not), holds and
+releases its term bytes as the SDK's UDP consumer does, and settles each batch with one SETTLE frame
+over "TCP" (core.handle). Status messages go back both ways. What is
 left out is what the end-to-end benchmark (benchmarks/udp_throughput.py) adds: system calls, the trio
 scheduler, other processes. For instruction counts under callgrind, run it at two sizes and take the
 difference (docs/performance.md):
 
     python benchmarks/udp_datapath_cost.py [--messages 40000] [--size 1024] [--repeat 3] [--part all]
+                                           [--no-batches]
 
 `--part transport`: only the transport (Publication -> ReceiveChannel, no broker), the floor the
 term append, datagram scan, rebuild and read cost together.
@@ -32,7 +35,8 @@ from flowbroker.broker.config import load_config
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.session import Session
 from flowbroker.broker.udp.datapath import DataPath
-from flowbroker.protocol.envelope import decode_delivery, encode_publish
+from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH
+from flowbroker.protocol.envelope import DELIVER_BATCH, decode_delivery, decode_delivery_batch, encode_publish
 from flowbroker.protocol import Connection, Role
 from flowbroker.protocol.frames import (
     PROTOCOL_VERSION,
@@ -95,10 +99,11 @@ def run_transport(messages: int, size: int) -> float:
     return elapsed / messages * 1e6
 
 
-def _broker_with_publication() -> tuple[list[int], BrokerCore, DataPath, Session, Session, Publication]:
+def _broker_with_publication(batches: bool = False) -> tuple[list[int], BrokerCore, DataPath, Session, Session,
+                                                             Publication]:
     """A broker core with its UDP data path and a queue "bench", a producer session that registered a
     publication to it (the producer's `Publication`, as the SDK makes it from the answer), and a consumer
-    session; the clock is the list's one value, in nanoseconds."""
+    session (asking for DELIVER_BATCH with `batches`); the clock is the list's one value, in nanoseconds."""
     config = load_config(None, {"server": {"memory_quota": 1 << 30}})
     clock = [0]
     core = BrokerCore(config, lambda: clock[0])
@@ -107,7 +112,8 @@ def _broker_with_publication() -> tuple[list[int], BrokerCore, DataPath, Session
     core.declare_queue("bench", None)
     owner = core.open_session("bench-producer", "anonymous", True, lambda: None)
     owner.peer_host = PRODUCER[0]
-    consumer = core.open_session("bench-consumer", "anonymous", True, lambda: None)
+    consumer = core.open_session("bench-consumer", "anonymous", True, lambda: None,
+                                 capabilities=[CAPABILITY_DELIVER_BATCH] if batches else [])
     consumer.peer_host = CONSUMER[0]
     answer = _ok(core, owner, RegisterPublication(1 << 32, "", "bench", 1001, PRODUCER[1]))
     pub = Publication(PublicationConfig(answer["session_id"], 1001, term_length=answer["term_length"],
@@ -117,9 +123,9 @@ def _broker_with_publication() -> tuple[list[int], BrokerCore, DataPath, Session
     return clock, core, datapath, owner, consumer, pub
 
 
-def run(messages: int, size: int) -> float:
+def run(messages: int, size: int, batches: bool = True) -> float:
     """Producer publication -> broker data path -> consumer channel: per-message microseconds."""
-    clock, core, datapath, owner, consumer, pub = _broker_with_publication()
+    clock, core, datapath, owner, consumer, pub = _broker_with_publication(batches)
     window = 1 << 20
     sub_answer = _ok(core, consumer, SubscribeUdp(1 << 32, 1, "bench", 2000, window, CONSUMER[1], 1002))
     channel = ReceiveChannel(1002, ReceiverConfig(receiver_id=9, receiver_window=window,
@@ -132,11 +138,16 @@ def run(messages: int, size: int) -> float:
     received = [0]
 
     def take(message: memoryview | bytes) -> None:
-        entry = decode_delivery(message)
-        space = frame_space(len(message), 8192)
         image = channel_image[0]
+        space = frame_space(len(message), image.mtu)
         image.hold(sub_id, space)
         held[0] += space
+        if message[0] == DELIVER_BATCH:
+            entries = decode_delivery_batch(message)
+            tags.extend(e[0] for e in entries)
+            received[0] += len(entries)
+            return
+        entry = decode_delivery(message)
         tags.append(entry.delivery_tag)
         received[0] += 1
 
@@ -158,7 +169,7 @@ def run(messages: int, size: int) -> float:
         back = channel.do_work(now)
         if channel_image[0] is None:
             channel_image[0] = next(iter(channel.images.values()), None)
-        while sub.poll(take, 256):
+        while channel_image[0] is not None and sub.poll(take, 256):
             pass
         if tags:  # processed: release the bytes, settle the batch over "TCP"
             channel_image[0].release(sub_id, held[0])
@@ -235,6 +246,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024, help="body bytes")
     parser.add_argument("--repeat", type=int, default=3, help="runs; the best is printed (least disturbed)")
     parser.add_argument("--part", choices=("all", "transport", "ingress"), default="all")
+    parser.add_argument("--no-batches", action="store_true",
+                        help="the consumer does not ask for DELIVER_BATCH: one DELIVER envelope per message")
     args = parser.parse_args()
     if args.part == "ingress":
         splits: list[list[float]] = []
@@ -248,9 +261,12 @@ def main() -> None:
               f"{results[best]:.2f} us CPU per message (runs: {', '.join(f'{r:.2f}' for r in results)}); "
               f"of the best run, producer {splits[best][0]:.2f} us, broker {splits[best][1]:.2f} us")
         return
-    target = run if args.part == "all" else run_transport
-    results = [target(args.messages, args.size) for _ in range(args.repeat)]
-    what = "producer -> broker -> UDP consumer" if args.part == "all" else "transport only"
+    if args.part == "all":
+        results = [run(args.messages, args.size, not args.no_batches) for _ in range(args.repeat)]
+        what = f"producer -> broker -> UDP consumer, {'one DELIVER each' if args.no_batches else 'DELIVER_BATCH'}"
+    else:
+        results = [run_transport(args.messages, args.size) for _ in range(args.repeat)]
+        what = "transport only"
     print(f"UDP data path ({what}), {args.size} B bodies: {min(results):.2f} us CPU per message "
           f"(runs: {', '.join(f'{r:.2f}' for r in results)}); {1e6 / min(results):,.0f} msgs/s on one core")
 
