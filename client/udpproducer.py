@@ -17,7 +17,11 @@ DATA frame of its own `Publication` to the broker's UDP endpoint, registered ove
   Leaving the producer's `async with` flushes (at most `close_timeout`) and closes the publication.
 
 A message carries its routing key and headers only when they differ from the registration's (the
-envelope of protocol/envelope.py).
+envelope of protocol/envelope.py). When the broker's answer says `publish_batch`, a burst of bare messages
+goes as PUBLISH_BATCH payloads, as many bodies to an Aeron message as fit one datagram: `send` claims each
+body's place in the open batch (the position it returns is the batch's end as it stands with that body, so
+the broker's consumption position, which moves to the end of a whole batch, passes it exactly when the
+batch is complete), and a batch is appended to the term once the next body no longer fits it.
 """
 
 from __future__ import annotations
@@ -34,8 +38,15 @@ import trio
 from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, describe_stopped
 from flowbroker.client.producer import _SHORT_KEY, Producer, check_message
 from flowbroker.protocol import ErrorCode, Headers
-from flowbroker.protocol.envelope import encode_publish
+from flowbroker.protocol.envelope import (
+    PUBLISH_BATCH_KIND,
+    array_head_length,
+    bin_length,
+    encode_publish,
+    pack_publish_bodies,
+)
 from flowbroker.protocol.frames import ClosePublication, RegisterPublication
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.transport.drivers import OfferVerdict, offer_verdict
 from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.publication import Publication, PublicationConfig
@@ -89,13 +100,18 @@ class UdpProducer(Producer):
         self._broker: tuple[str, int] | None = None
         self._ends: collections.deque[int] = collections.deque()
         """The end position of each message sent and not yet complete, in order."""
-        self._batch: list[bytes] = []
-        """Bodies of bare messages `send` took and the publication has not been given yet: appended in
-        one `Publication.offer_many` (`_commit`) once a datagram's worth waits, or before anything else
-        touches the publication. Their positions were claimed by `send` as the append will write them."""
+        self._batch: list[Any] = []
+        """What of bare messages `send` took and the publication has not been given yet: their bodies, or
+        with `publish_batch` the bodies of each PUBLISH_BATCH (a list per batch, the last one open).
+        Appended in one `Publication.offer_many` (`_commit`) once a datagram's worth waits, or before
+        anything else touches the publication. Their positions were claimed by `send` as the append will
+        write them."""
         self._batch_end = 0  # the tail once the batch is appended: where the next message starts
         self._batch_room = 0  # bytes of the active term left after the batch
         self._bare_limit = 0  # a bare body shorter than this is one frame (mtu - header)
+        self._publish_batch = False  # the broker takes PUBLISH_BATCH (REGISTER_PUBLICATION's answer)
+        self._open_start = 0  # where the open PUBLISH_BATCH starts
+        self._open_length = 0  # its payload's bytes so far
         self._opening: trio.Lock = trio.Lock()
         self._dirty = trio.Event()
         self._done = trio.Event()
@@ -147,6 +163,7 @@ class UdpProducer(Producer):
             if host in ("0.0.0.0", "::", ""):
                 host = conn._peer_host() or host
             self.session_id = int(answer["session_id"])
+            self._publish_batch = answer.get("publish_batch") is True
             config = PublicationConfig(
                 session_id=self.session_id, stream_id=self.stream_id, term_length=int(answer["term_length"]),
                 mtu=int(answer["mtu"]), initial_term_id=random.randrange(-(2**31), 2**31),
@@ -209,10 +226,15 @@ class UdpProducer(Producer):
             # below the publication limit as `offer` requires) and appended with the rest of the batch.
             if not self._batch:  # the first claim of a batch starts from the tail as it is now
                 self._claimed(pub)
+            if self._publish_batch:
+                result = self._claim_in_batch(pub, body)
+                if result:
+                    self._sent(pub, result)
+                    return result
             start = self._batch_end
             aligned = (len(body) + _BARE_FRAME_EXTRA) & ~31
-            if (aligned <= self._batch_room and start < pub.publication_limit and len(body) < self._bare_limit
-                    and self._outstanding < self.window and not self._closed):
+            if (not self._publish_batch and aligned <= self._batch_room and start < pub.publication_limit
+                    and len(body) < self._bare_limit and self._outstanding < self.window and not self._closed):
                 self._batch.append(body)
                 result = self._batch_end = start + aligned
                 self._batch_room -= aligned
@@ -231,6 +253,39 @@ class UdpProducer(Producer):
         self._sent(pub, result)
         return result
 
+    def _claim_in_batch(self, pub: Publication, body: bytes) -> int:
+        """Claim `body`'s place in the open PUBLISH_BATCH, or in a new one after it when it does not fit
+        (one datagram: the mtu, at most MAX_ENTRIES_PER_FRAME bodies); the batch's end with it, or 0 when
+        it cannot be claimed (too big for a batch, the term's end, the window: the general path)."""
+        if self._outstanding >= self.window or self._closed:
+            return 0
+        piece = bin_length(len(body))
+        frames = self._batch
+        if frames:
+            frame = frames[-1]
+            count = len(frame) + 1
+            length = self._open_length + piece + (2 if count == 16 else 0)  # fixarray -> array 16 at 16
+            if count <= MAX_ENTRIES_PER_FRAME and length <= self._bare_limit:
+                end = self._open_start + ((length + DATA_HEADER_LENGTH + 31) & ~31)
+                grow = end - self._batch_end
+                if grow <= self._batch_room:
+                    frame.append(body)
+                    self._open_length = length
+                    self._batch_room -= grow
+                    self._batch_end = end
+                    return end
+        start = self._batch_end
+        length = 1 + array_head_length(1) + piece
+        aligned = (length + DATA_HEADER_LENGTH + 31) & ~31
+        if length > self._bare_limit or aligned > self._batch_room or start >= pub.publication_limit:
+            return 0
+        frames.append([body])
+        self._open_start = start
+        self._open_length = length
+        self._batch_room -= aligned
+        self._batch_end = start + aligned
+        return self._batch_end
+
     def _sent(self, pub: Publication, result: int) -> None:
         """A message was taken, ending at position `result`: count it, send what fills datagrams."""
         self._ends.append(result)
@@ -238,8 +293,12 @@ class UdpProducer(Producer):
         if self._outstanding == 1:
             self._conn._active_producers[self] = None
         # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
-        # a burst of sends packs several messages into each datagram.
-        if result - pub.sender_position >= pub.mtu:
+        # a burst of sends packs several messages into each datagram: with PUBLISH_BATCH, once a batch is
+        # full (the next body opened another); else once a datagram's worth of frames waits.
+        if self._publish_batch:
+            if len(self._batch) > 1:
+                self._send_now(closed_batches=True)
+        elif result - pub.sender_position >= pub.mtu:
             self._send_now(whole_datagrams=True)  # the datagrams it fills; the rest waits for more
         self._dirty.set()
 
@@ -251,19 +310,28 @@ class UdpProducer(Producer):
         self._batch_room = pub.term_length - appender.term_offset
         self._bare_limit = pub.mtu - DATA_HEADER_LENGTH  # a bare body below this is one frame
 
-    def _commit(self, pub: Publication) -> None:
+    def _commit(self, pub: Publication, keep_open: bool = False) -> None:
         """Append the claimed batch. Whatever may move the publication's limit or state (its duty cycle,
         a status message, closing) runs only after this, so the claims made still hold and the append
         cannot be refused; if it were, that is a bug, reported as the connection's internal error."""
         batch = self._batch
         if not batch:
             return
-        end = pub.offer_many(batch, b"\x00")
-        if end != self._batch_end:
+        if self._publish_batch:
+            if keep_open:  # the full batches only: the open one may take more
+                closed, batch[:] = batch[:-1], batch[-1:]
+                claimed = self._open_start
+            else:
+                closed, claimed = batch, self._batch_end
+            end = pub.offer_many([pack_publish_bodies(bodies) for bodies in closed], PUBLISH_BATCH_KIND)
+        else:
+            end, claimed = pub.offer_many(batch, b"\x00"), self._batch_end
+        if end != claimed:
             raise ConnectionClosed(ErrorCode.INTERNAL_ERROR,
                                    f"UDP publication {self.session_id}: the batch claimed up to position "
-                                   f"{self._batch_end} could not be appended (offer_many {end})")
-        batch.clear()
+                                   f"{claimed} could not be appended (offer_many {end})")
+        if not keep_open:
+            batch.clear()
 
     async def _offer_waiting(self, pub: Publication, payload: bytes, timeout: float | None, block: bool) -> int:
         """Offer `payload` until it is taken: while back-pressured, wait for the broker's window (at most
@@ -309,11 +377,13 @@ class UdpProducer(Producer):
             if waited_since is not None:
                 self._blocked_seconds += trio.current_time() - waited_since
 
-    def _send_now(self, *, whole_datagrams: bool = False) -> None:
+    def _send_now(self, *, whole_datagrams: bool = False, closed_batches: bool = False) -> None:
+        """Append what `send` claimed and send what the window allows. `closed_batches`: the full
+        PUBLISH_BATCHes only, the open one stays open for the next sends."""
         pub, endpoint = self.publication, self._endpoint
         if pub is None or endpoint is None or endpoint.closed:
             return
-        self._commit(pub)
+        self._commit(pub, keep_open=closed_batches)
         for datagram, address in pub.do_work(now_ns(), whole_datagrams=whole_datagrams):
             endpoint.send(datagram, address)  # type: ignore[arg-type]
 

@@ -9,6 +9,10 @@ says what follows:
   length (``routing_key`` nil for the registration's, ``headers`` nil or a map), then the body.
 - ``0x02`` DELIVER (broker -> UDP consumer): a u16 length, a msgpack array
   ``[delivery_tag, exchange, routing_key, headers, redelivered]``, then the body.
+- ``0x04`` PUBLISH_BATCH (producer -> broker, when REGISTER_PUBLICATION's answer says ``publish_batch``):
+  a msgpack array of 1 to MAX_ENTRIES_PER_FRAME bodies (bin), each a message to the registration's
+  exchange and routing key without headers; the SDK fills one unfragmented Aeron message (a datagram)
+  with a burst of sends, so the broker walks and decodes one term frame per batch.
 - ``0x03`` DELIVER_BATCH (broker -> UDP consumer whose connection asked for capability
   ``"deliver-batch"``): a msgpack array of deliveries, each a DELIVER frame's entry
   ``[delivery_tag, exchange, routing_key, body, headers, redelivered]``, tags consecutive and ascending. The
@@ -37,9 +41,16 @@ from flowbroker.protocol.frames import (
     check_delivery_entry,
     check_headers,
 )
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 
 __all__ = [
     "BATCH_HEAD_BOUND",
+    "PUBLISH_BATCH",
+    "PUBLISH_BATCH_KIND",
+    "array_head_length",
+    "bin_length",
+    "decode_publish_batch",
+    "encode_publish_batch",
     "DELIVER",
     "DELIVER_BATCH",
     "DELIVER_BATCH_KIND",
@@ -57,12 +68,16 @@ __all__ = [
     "encode_publish",
     "envelope_overhead",
     "pack_delivery_entries",
+    "pack_publish_bodies",
 ]
 
 PUBLISH = 0x00
 PUBLISH_ENVELOPED = 0x01
 DELIVER = 0x02
 DELIVER_BATCH = 0x03
+PUBLISH_BATCH = 0x04
+PUBLISH_BATCH_KIND = b"\x04"
+"""The first byte of a PUBLISH_BATCH payload; the packed bodies follow (`encode_publish_batch`)."""
 DELIVER_BATCH_KIND = b"\x03"
 """The first byte of a DELIVER_BATCH payload; the packed entries follow (`encode_delivery_batch`)."""
 
@@ -281,3 +296,46 @@ def decode_delivery_batch(payload: bytes | memoryview) -> list[Any]:
     except ValueError as exc:
         raise EnvelopeError(f"deliver batch: {exc}") from None
     return entries  # type: ignore[no-any-return]
+
+
+def bin_length(body_length: int) -> int:
+    """The bytes msgpack packs a body of `body_length` bytes into (bin 8, 16 or 32: its header and the body):
+    the SDK's UDP producer sizes a PUBLISH_BATCH as it fills it, without packing it."""
+    if body_length < 0x100:
+        return body_length + 2
+    if body_length < 0x10000:
+        return body_length + 3
+    return body_length + 5
+
+
+def array_head_length(count: int) -> int:
+    """The bytes of msgpack's header for an array of `count` items (fixarray, array 16, array 32)."""
+    return 1 if count < 16 else 3 if count < 0x10000 else 5
+
+
+def encode_publish_batch(bodies: list[bytes]) -> bytes:
+    """The PUBLISH_BATCH payload of `bodies`: its length is 1 + array_head_length(n) + the bin_lengths."""
+    return PUBLISH_BATCH_KIND + _pack_entries(bodies)
+
+
+pack_publish_bodies = _pack_entries
+"""The bytes of a PUBLISH_BATCH after its kind byte: msgpack of the list of bodies."""
+
+
+def decode_publish_batch(payload: bytes | memoryview) -> list[bytes]:
+    """The bodies of a PUBLISH_BATCH payload (1 to MAX_ENTRIES_PER_FRAME, each bin). Raises `EnvelopeError`
+    naming what is wrong."""
+    if not len(payload) or payload[0] != PUBLISH_BATCH:
+        raise EnvelopeError("not a publish batch envelope (kind 0x04)")
+    try:
+        bodies = _unpackb(payload[1:], raw=False)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise EnvelopeError(f"publish batch: not valid msgpack ({type(exc).__name__})") from None
+    if type(bodies) is not list or not bodies:
+        raise EnvelopeError("publish batch: must be a non-empty array of bodies")
+    if len(bodies) > MAX_ENTRIES_PER_FRAME:
+        raise EnvelopeError(f"publish batch: {len(bodies)} bodies, over MAX_ENTRIES_PER_FRAME {MAX_ENTRIES_PER_FRAME}")
+    for body in bodies:
+        if type(body) is not bytes:
+            raise EnvelopeError("publish batch: every body must be bin (bytes)")
+    return bodies

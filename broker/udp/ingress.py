@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
-from flowbroker.protocol.envelope import PUBLISH, EnvelopeError, decode_publish
+from flowbroker.protocol.envelope import PUBLISH, PUBLISH_BATCH, EnvelopeError, decode_publish, decode_publish_batch
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error, FlowResumed, FlowStopped, TransferEntry
 from flowbroker.transport.frames import FrameType, Setup, decode_datagram
@@ -79,7 +79,9 @@ class UdpPublication:
     mtu: int = 0  # the mtu it was told to send with ([udp] mtu, or loopback_mtu from a loopback address)
     pending: deque[tuple[int, int]] = field(default_factory=deque)
     """(transfer id, term bytes) of each message polled and not yet released, in transfer-id order (id 0:
-    a message that was never routed, a bad envelope, released with the ones before it)."""
+    a message that was never routed, a bad envelope, released with the ones before it). A PUBLISH_BATCH
+    is one entry, its last message's transfer id: its bytes are released when all its messages complete,
+    so the consumption position only ever moves to the end of a term frame."""
     woken: bool = True  # the publication session's outbox or completions changed: drain it
     messages: int = 0
     bad_envelopes: int = 0
@@ -156,7 +158,8 @@ class Ingress:
         LOGGER.info("connection %d registered UDP publication %d (stream %d) from %s:%d to exchange %r",
                     owner.conn_id, session_id, stream_id, source[0], source[1], exchange)
         return {"session_id": session_id, "stream_id": stream_id, "endpoint": datapath.endpoint_text,
-                "term_length": config.term_length, "mtu": mtu, "connection": session.conn_id}
+                "term_length": config.term_length, "mtu": mtu, "connection": session.conn_id,
+                "publish_batch": True}
 
     def _image_available(self, pub: UdpPublication, image: Image) -> None:
         pub.image = image
@@ -283,13 +286,16 @@ class Ingress:
             self.datapath.wake()  # more to route: the next cycle comes at once
         exchange, default_key = pub.exchange, pub.routing_key
         entries: list[TransferEntry] | None
+        counts: list[int] | None = None  # messages in each polled payload, when batches are among them
         try:
             # decode_publish's first case (a PUBLISH byte, then the body), for the whole poll at once.
             entries = [_new_entry((exchange, default_key, bytes(m[1:]), None, None, None))
                        for m in messages if m[0] == PUBLISH]
         except IndexError:  # an empty payload: a bad envelope, for the per-message path
             entries = None
-        if entries is None or len(entries) != len(messages):
+        if entries is not None and len(entries) != len(messages):
+            entries, counts = _bare_and_batched(messages, exchange, default_key)
+        if entries is None:
             return self._poll_each(pub, messages, now_ns)
         session = pub.session
         transfers = session.transfers
@@ -301,11 +307,18 @@ class Ingress:
             # Not all complete (or older ones still held): hold every one, release in order.
             mtu = image.mtu
             total = 0
-            for m in messages:
-                space = frame_space(len(m), mtu)
-                pending.append((tid, space))
-                tid += 1
-                total += space
+            if counts is None:
+                for m in messages:
+                    space = frame_space(len(m), mtu)
+                    pending.append((tid, space))
+                    tid += 1
+                    total += space
+            else:  # a batch is released with its last message
+                for m, count in zip(messages, counts):
+                    space = frame_space(len(m), mtu)
+                    tid += count
+                    pending.append((tid - 1, space))
+                    total += space
             image.hold(sub_id, total)
         elif image.rebuild_position == image.subscriber_position(sub_id):
             image.report_now()  # caught up: the producer may be waiting for exactly this (flush)
@@ -320,11 +333,16 @@ class Ingress:
         sub_id = pub.subscription.subscription_id
         mtu = image.mtu
         entries: list[TransferEntry] = []
-        spaces: list[int] = []
+        spaces: list[tuple[int, int]] = []  # (messages routed from the payload, its term bytes)
         exchange, default_key = pub.exchange, pub.routing_key
         for message in messages:
             space = frame_space(len(message), mtu)
             try:
+                if len(message) and message[0] == PUBLISH_BATCH:
+                    bodies = decode_publish_batch(message)
+                    entries += [_new_entry((exchange, default_key, body, None, None, None)) for body in bodies]
+                    spaces.append((len(bodies), space))
+                    continue
                 key, headers, body = decode_publish(message)
             except EnvelopeError as exc:
                 pub.bad_envelopes += 1
@@ -334,13 +352,13 @@ class Ingress:
                     self._last_warning_ns = now_ns
                     LOGGER.warning("UDP publication %d: message dropped (%d so far): %s", pub.session_id,
                                    self.bad_envelopes, logsafe(exc))
-                spaces.append(-space)  # never routed: released with the messages before it
+                spaces.append((0, space))  # never routed: released with the messages before it
                 continue
             entries.append(TransferEntry(exchange, default_key if key is None else key, body, headers))
-            spaces.append(space)
+            spaces.append((1, space))
         total = 0
-        for space in spaces:
-            total += abs(space)
+        for _, space in spaces:
+            total += space
         image.hold(sub_id, total)
         session = pub.session
         tid = 0
@@ -350,12 +368,12 @@ class Ingress:
             pub.messages += len(entries)
         pending = pub.pending
         next_tid = tid
-        for space in spaces:
-            if space < 0:
-                pending.append((0, -space))
-            else:
-                pending.append((next_tid, space))
-                next_tid += 1
+        for count, space in spaces:
+            if not count:
+                pending.append((0, space))
+            else:  # a batch's bytes go with its last message
+                next_tid += count
+                pending.append((next_tid - 1, space))
         if entries:
             self.datapath.core.route(session, tid, entries, sizes)
         self._drain_outbox(pub, now_ns)
@@ -418,3 +436,27 @@ class Ingress:
         for pub in self.publications.values():
             deadline = min(deadline, pub.channel.next_deadline_ns(now_ns))
         return deadline
+
+
+def _bare_and_batched(messages: list[memoryview | bytes], exchange: str,
+                      routing_key: str) -> tuple[list[TransferEntry] | None, list[int] | None]:
+    """A poll's entries when every payload is a bare PUBLISH or a PUBLISH_BATCH (the SDK's), with the number
+    of messages each payload carries; (None, None) when one is anything else or malformed (the
+    per-message path decodes, counts and drops it)."""
+    entries: list[TransferEntry] = []
+    counts: list[int] = []
+    for m in messages:
+        kind = m[0] if len(m) else -1
+        if kind == PUBLISH:
+            entries.append(_new_entry((exchange, routing_key, bytes(m[1:]), None, None, None)))
+            counts.append(1)
+        elif kind == PUBLISH_BATCH:
+            try:
+                bodies = decode_publish_batch(m)
+            except EnvelopeError:
+                return None, None
+            entries += [_new_entry((exchange, routing_key, body, None, None, None)) for body in bodies]
+            counts.append(len(bodies))
+        else:
+            return None, None
+    return entries, counts

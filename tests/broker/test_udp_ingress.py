@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowbroker.broker.udp.datapath import DataPath
-from flowbroker.protocol.envelope import encode_publish
+from flowbroker.protocol.envelope import encode_publish, encode_publish_batch
 from flowbroker.protocol.frames import ClosePublication, Error, FlowResumed, FlowStopped, RegisterPublication
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
 from tests.broker.coreharness import Harness, Producer
@@ -326,14 +326,30 @@ def test_a_publication_closed_while_flow_stopped_leaves_its_owner_resumed() -> N
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.sampled_from(["bare", "keyed", "headers", "empty", "bad_kind"]), min_size=60, max_size=200),
+@given(st.lists(st.sampled_from(["bare", "keyed", "headers", "empty", "bad_kind", "batch", "bad_batch"]),
+                min_size=60, max_size=200),
        st.integers(0, 2**32))
 def test_mixed_envelopes_complete_in_order_and_the_consumption_position_never_passes_an_unrouted_message(
     kinds: list[str], seed: int
 ) -> None:
-    """Polls of only bare messages are taken in bulk, anything else message by message; either way every
-    good message lands once and in order, every bad one is counted, and the consumption position the
-    producer sees never passes a message that is not complete (a saturated queue holds them)."""
+    """Polls of only bare messages and PUBLISH_BATCHes are taken in bulk, anything else message by
+    message; either way every good message lands once and in order, every bad payload is counted, and the
+    consumption position the producer sees never passes a message that is not complete (a saturated queue
+    holds them): a batch's bytes go only once all of its messages are complete."""
+    _check_envelopes(kinds, seed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["bare", "batch"]), min_size=60, max_size=200), st.integers(0, 2**32))
+def test_bare_and_batched_polls_taken_in_bulk_hold_a_batch_until_all_of_it_is_complete(
+    kinds: list[str], seed: int
+) -> None:
+    """The SDK's payloads only: every poll is taken in bulk (`_poll`), and when a saturated queue holds
+    some of a poll's messages each batch stays held to its last message."""
+    _check_envelopes(kinds, seed)
+
+
+def _check_envelopes(kinds: list[str], seed: int) -> None:
     import random
 
     rng = random.Random(seed)
@@ -345,9 +361,17 @@ def test_mixed_envelopes_complete_in_order_and_the_consumption_position_never_pa
         consumer.subscribe(name, prefetch=5)
     payloads: list[bytes] = []
     good: list[tuple[str, bytes]] = []  # (queue, body) of each good message, in order
+    carried: list[int] = []  # good messages in each payload
     for i, kind in enumerate(kinds):
         body = b"%06d" % i + b"m" * rng.randrange(0, 1500)
-        if kind == "bare":
+        before = len(good)
+        if kind == "batch":
+            bodies = [body + b"%d" % j for j in range(rng.randrange(1, 6))]
+            payloads.append(encode_publish_batch(bodies))
+            good += [("q", b) for b in bodies]
+        elif kind == "bad_batch":
+            payloads.append(encode_publish_batch([body])[:-1])  # its body one byte short: not msgpack
+        elif kind == "bare":
             payloads.append(encode_publish(body))
             good.append(("q", body))
         elif kind == "keyed":
@@ -356,8 +380,9 @@ def test_mixed_envelopes_complete_in_order_and_the_consumption_position_never_pa
         elif kind == "headers":
             payloads.append(encode_publish(body, None, {"h": i}))
             good.append(("q", body))
-        else:
+        elif kind in ("empty", "bad_kind"):
             payloads.append(b"" if kind == "empty" else b"\x07" + body)
+        carried.append(len(good) - before)
     ends: list[int] = []
     sent = 0
     for _ in range(3000):
@@ -370,16 +395,15 @@ def test_mixed_envelopes_complete_in_order_and_the_consumption_position_never_pa
         rig.cycle(rounds=1, step_ms=rng.choice([1, 5, 50]))
         image = rig.image
         if image is not None and ends:
-            # The messages up to the last one completed (and any bad ones right after it) may be consumed;
-            # transfer ids count the good messages from 1.
+            # The payloads whose messages are all complete (and any bad ones right after them) may be
+            # consumed; transfer ids count the good messages from 1.
             reached = rig.datapath.ingress.publications[rig.session_id].session.transfers.completed.cumulative
             allowed = rig.pub.start_position
             count = 0
             for index, end in enumerate(ends):
-                if kinds[index] in ("bare", "keyed", "headers"):
-                    if count == reached:
-                        break
-                    count += 1
+                if carried[index] and count + carried[index] > reached:
+                    break
+                count += carried[index]
                 allowed = end
             assert image.statistics().consumption_position <= allowed
         if rng.random() < 0.4:
@@ -391,5 +415,5 @@ def test_mixed_envelopes_complete_in_order_and_the_consumption_position_never_pa
             break
     for name, consumer in consumers.items():
         assert consumer.bodies() == [body for queue, body in good if queue == name]
-    bad = len(kinds) - len(good)
+    bad = carried.count(0)
     assert rig.datapath.ingress.bad_envelopes == bad

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -226,16 +227,29 @@ async def test_across_many_terms_every_message_arrives_once_in_order(start_flowb
     assert [m.body for m in broker.core.queues["terms"].store] == bodies
 
 
+@pytest.mark.parametrize("publish_batch", [True, False])
 async def test_concurrent_senders_of_bare_keyed_and_fragmented_messages_keep_each_ones_order(
-    start_flowbroker: Start,
+    start_flowbroker: Start, publish_batch: bool,
 ) -> None:
-    """Bare messages are claimed by `send` and appended a batch at a time; anything else (a key, headers,
-    a message over one frame, the end of a term, a closed window) takes the general path, after the
-    batch claimed before it. Three tasks sending all of these at once on one producer, across many
-    terms: every message arrives once, each task's in the order it sent them."""
+    """Bare messages are claimed by `send` and appended a batch at a time (PUBLISH_BATCH payloads, or
+    with a broker whose answer does not offer them, as an older one, one bare PUBLISH frame each);
+    anything else (a key, headers, a message over one frame, the end of a term, a closed window) takes
+    the general path, after the batch claimed before it. Three tasks sending all of these at once on one
+    producer, across many terms: every message arrives once, each task's in the order it sent them."""
     broker = await start_flowbroker(udp={"endpoint": "127.0.0.1:0", "term_length": 65536, "mtu": 4096,
                                          "loopback_mtu": 4096, "min_receiver_window": 4096,
                                          "max_receiver_window": 32768})
+    assert broker.core.udp is not None
+    ingress = broker.core.udp.ingress
+    if not publish_batch:
+        register = ingress.register
+
+        def without_batches(*args: Any) -> dict[str, Any]:
+            answer = register(*args)
+            del answer["publish_batch"]
+            return answer
+
+        setattr(ingress, "register", without_batches)
 
     def message(task: int, i: int) -> tuple[bytes, str | None, Headers | None]:
         body = b"%d:%05d:" % (task, i) + b"c" * ((i * 37 + task * 11) % 300)
@@ -263,6 +277,7 @@ async def test_concurrent_senders_of_bare_keyed_and_fragmented_messages_keep_eac
                     for task in range(3):
                         nursery.start_soon(sender, task)
                 await producer.flush()
+                assert isinstance(producer, UdpProducer) and producer._publish_batch is publish_batch
     got = [m.body for m in broker.core.queues["mixed"].store]
     assert len(got) == 4500
     for task in range(3):

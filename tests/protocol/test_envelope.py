@@ -9,7 +9,12 @@ from hypothesis import strategies as st
 
 from flowbroker.protocol.envelope import (
     DELIVER_BATCH,
+    PUBLISH_BATCH,
     EnvelopeError,
+    array_head_length,
+    bin_length,
+    decode_publish_batch,
+    encode_publish_batch,
     decode_delivery,
     decode_delivery_batch,
     decode_publish,
@@ -50,7 +55,7 @@ def test_a_delivery_round_trips(entry: DeliveryEntry) -> None:
 @settings(max_examples=2000, deadline=None)
 @given(st.binary(max_size=64))
 def test_arbitrary_bytes_decode_or_raise_envelope_error_only(payload: bytes) -> None:
-    for decode in (decode_publish, decode_delivery, decode_delivery_batch):
+    for decode in (decode_publish, decode_delivery, decode_delivery_batch, decode_publish_batch):
         try:
             decode(payload)
         except EnvelopeError:
@@ -158,3 +163,35 @@ def test_an_entry_bound_is_never_below_the_bytes_the_entry_takes(entry: Delivery
 def test_a_bad_delivery_batch_names_what_is_wrong(payload: bytes, problem: str) -> None:
     with pytest.raises(EnvelopeError, match=problem):
         decode_delivery_batch(payload)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 300), st.integers(65530, 65540)), min_size=1, max_size=40))
+def test_a_publish_batch_round_trips_and_its_length_is_what_the_producer_claims(lengths: list[int]) -> None:
+    """The SDK's UDP producer claims each body's place in a batch from these lengths, before packing it:
+    the payload must be exactly that long, or its append would not end where the claims said (the
+    lengths cross msgpack's bin 8/16/32 and fixarray/array 16 boundaries)."""
+    bodies = [bytes([i % 256]) * n for i, n in enumerate(lengths)]
+    payload = encode_publish_batch(bodies)
+    assert payload[0] == PUBLISH_BATCH
+    assert len(payload) == 1 + array_head_length(len(bodies)) + sum(bin_length(len(b)) for b in bodies)
+    assert decode_publish_batch(payload) == bodies
+    assert decode_publish_batch(memoryview(payload)) == bodies
+
+
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        (b"", "not a publish batch envelope"),
+        (b"\x00body", "not a publish batch envelope"),
+        (b"\x04\xc1", "not valid msgpack"),
+        (b"\x04" + msgpack.packb([]), "non-empty array"),
+        (b"\x04" + msgpack.packb(b"x", use_bin_type=True), "non-empty array"),
+        (b"\x04" + msgpack.packb(["str"], use_bin_type=True), "must be bin"),
+        (b"\x04" + msgpack.packb([b"x"] * (MAX_ENTRIES_PER_FRAME + 1), use_bin_type=True), "MAX_ENTRIES_PER_FRAME"),
+        (encode_publish_batch([b"abc"])[:-1], "not valid msgpack"),
+    ],
+)
+def test_a_bad_publish_batch_names_what_is_wrong(payload: bytes, problem: str) -> None:
+    with pytest.raises(EnvelopeError, match=problem):
+        decode_publish_batch(payload)
