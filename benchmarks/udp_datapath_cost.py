@@ -14,6 +14,10 @@ difference (docs/performance.md):
     python benchmarks/udp_datapath_cost.py [--messages 40000] [--size 1024] [--repeat 3] [--part all]
                                            [--no-batches]
 
+The producer offers PUBLISH_BATCH payloads of as many bodies as fit one datagram, as the SDK's UDP producer
+does against a broker that offers them (`--no-publish-batch`: one bare PUBLISH per message, as against an
+older broker, or as an Aeron client publishing plain messages).
+
 `--part transport`: only the transport (Publication -> ReceiveChannel, no broker), the floor the
 term append, datagram scan, rebuild and read cost together.
 
@@ -36,7 +40,15 @@ from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.session import Session
 from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH
-from flowbroker.protocol.envelope import DELIVER_BATCH, decode_delivery, decode_delivery_batch, encode_publish
+from flowbroker.protocol.envelope import (
+    DELIVER_BATCH,
+    array_head_length,
+    bin_length,
+    decode_delivery,
+    decode_delivery_batch,
+    encode_publish,
+    encode_publish_batch,
+)
 from flowbroker.protocol import Connection, Role
 from flowbroker.protocol.frames import (
     PROTOCOL_VERSION,
@@ -123,7 +135,16 @@ def _broker_with_publication(batches: bool = False) -> tuple[list[int], BrokerCo
     return clock, core, datapath, owner, consumer, pub
 
 
-def run(messages: int, size: int, batches: bool = True) -> float:
+def _payload(pub: Publication, size: int, publish_batch: bool) -> tuple[bytes, int]:
+    """What the producer offers at a time and how many messages it carries: a datagram's worth of bodies
+    as one PUBLISH_BATCH, or one bare PUBLISH."""
+    if not publish_batch:
+        return encode_publish(bytes(size)), 1
+    per_batch = max(1, (pub.mtu - 32 - 1 - array_head_length(1024)) // bin_length(size))
+    return encode_publish_batch([bytes(size)] * min(per_batch, 1024)), min(per_batch, 1024)
+
+
+def run(messages: int, size: int, batches: bool = True, publish_batch: bool = True) -> float:
     """Producer publication -> broker data path -> consumer channel: per-message microseconds."""
     clock, core, datapath, owner, consumer, pub = _broker_with_publication(batches)
     window = 1 << 20
@@ -132,7 +153,8 @@ def run(messages: int, size: int, batches: bool = True) -> float:
                                                   session_id=sub_answer["session_id"], so_rcvbuf=1 << 20))
     sub = channel.add_subscription(0)
     sub_id = sub.subscription_id
-    payload = encode_publish(bytes(size))
+    payload, carried = _payload(pub, size, publish_batch)
+    messages = max(messages // carried, 1) * carried  # whole batches
     tags: list[int] = []
     held = [0]
     received = [0]
@@ -158,7 +180,7 @@ def run(messages: int, size: int, batches: bool = True) -> float:
         clock[0] += STEP_NS
         now = clock[0]
         while sent < messages and pub.offer(payload) > 0:
-            sent += 1
+            sent += carried
         for datagram, _ in pub.do_work(now):
             datapath.on_datagram(datagram, PRODUCER, now)
         for datagram, address in datapath.do_work(now):
@@ -187,7 +209,7 @@ def run(messages: int, size: int, batches: bool = True) -> float:
     return elapsed / messages * 1e6
 
 
-def run_ingress(messages: int, size: int, split: list[float] | None = None) -> float:
+def run_ingress(messages: int, size: int, split: list[float] | None = None, publish_batch: bool = True) -> float:
     """Producer publication -> broker data path -> queue -> TCP consumer session: per-message microseconds
     of the whole; ``split`` gets the producer's and the broker's shares (microseconds per message)."""
     clock, core, datapath, owner, consumer, pub = _broker_with_publication()
@@ -201,7 +223,8 @@ def run_ingress(messages: int, size: int, split: list[float] | None = None) -> f
     c_broker.receive_data(c_client.send(Subscribe(1, 1, "bench", 100_000, 0)))
     core.handle(consumer, c_broker.next_frame())  # type: ignore[arg-type]
     b"".join(c_broker.send(f) for f in consumer.collect(0))
-    payload = encode_publish(bytes(size))
+    payload, carried = _payload(pub, size, publish_batch)
+    messages = max(messages // carried, 1) * carried  # whole batches
     sent = 0
     settled = 0
     producer_cpu = 0.0
@@ -211,7 +234,7 @@ def run_ingress(messages: int, size: int, split: list[float] | None = None) -> f
         now = clock[0]
         t0 = time.process_time()
         while sent < messages and pub.offer(payload) > 0:
-            sent += 1
+            sent += carried
         datagrams = pub.do_work(now)
         producer_cpu += time.process_time() - t0
         for datagram, _ in datagrams:
@@ -246,6 +269,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024, help="body bytes")
     parser.add_argument("--repeat", type=int, default=3, help="runs; the best is printed (least disturbed)")
     parser.add_argument("--part", choices=("all", "transport", "ingress"), default="all")
+    parser.add_argument("--no-publish-batch", action="store_true",
+                        help="the producer offers one bare PUBLISH per message, not PUBLISH_BATCHes")
     parser.add_argument("--no-batches", action="store_true",
                         help="the consumer does not ask for DELIVER_BATCH: one DELIVER envelope per message")
     args = parser.parse_args()
@@ -254,7 +279,7 @@ def main() -> None:
         results = []
         for _ in range(args.repeat):
             split: list[float] = []
-            results.append(run_ingress(args.messages, args.size, split))
+            results.append(run_ingress(args.messages, args.size, split, not args.no_publish_batch))
             splits.append(split)
         best = min(range(len(results)), key=results.__getitem__)
         print(f"UDP data path (producer -> broker -> TCP consumer session), {args.size} B bodies: "
@@ -262,8 +287,10 @@ def main() -> None:
               f"of the best run, producer {splits[best][0]:.2f} us, broker {splits[best][1]:.2f} us")
         return
     if args.part == "all":
-        results = [run(args.messages, args.size, not args.no_batches) for _ in range(args.repeat)]
-        what = f"producer -> broker -> UDP consumer, {'one DELIVER each' if args.no_batches else 'DELIVER_BATCH'}"
+        results = [run(args.messages, args.size, not args.no_batches, not args.no_publish_batch)
+                   for _ in range(args.repeat)]
+        what = (f"producer -> broker -> UDP consumer, {'one PUBLISH each' if args.no_publish_batch else 'PUBLISH_BATCH'}"
+                f", {'one DELIVER each' if args.no_batches else 'DELIVER_BATCH'}")
     else:
         results = [run_transport(args.messages, args.size) for _ in range(args.repeat)]
         what = "transport only"
