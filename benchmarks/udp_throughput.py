@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import multiprocessing as mp
 import queue
 import random
@@ -149,8 +150,8 @@ def preload(transport: str) -> None:
     the UDP consumer's CPU per message and none of the TCP one's."""
     if transport == "udp":
         try:
-            import flowbroker.client.udpconsumer  # noqa: F401
-            import flowbroker.client.udpproducer  # noqa: F401
+            for module in ("flowbroker.client.udpconsumer", "flowbroker.client.udpproducer"):
+                importlib.import_module(module)
         except ImportError:  # an SDK without them: open_consumer / open_producer say so
             pass
 
