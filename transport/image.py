@@ -42,7 +42,9 @@ from flowbroker.transport.terms import FragmentAssembler, TermRebuilder
 __all__ = ["Image", "ImageState", "ImageStatistics", "ImageTimers", "MessageHandler", "SubscriberState"]
 
 Address = Hashable
-MessageHandler = Callable[[memoryview | bytes], None]
+MessageHandler = Callable[[memoryview | bytes], object]
+"""Called with each whole message. A true result from an unfragmented message stops the poll after it
+(Aeron's controlled poll, BREAK); a fragmented message's result is not looked at."""
 
 
 class ImageState(enum.Enum):
@@ -295,10 +297,10 @@ class Image:
         try:
             while total < fragment_limit and position < limit:
                 position_before = position
-                position, count, wholes = read(position, limit, handler, assembler, fragment_limit - total)
+                position, count, wholes, stopped = read(position, limit, handler, assembler, fragment_limit - total)
                 total += count
                 sub.messages += wholes  # (the assembler's whole messages count themselves)
-                if position == position_before:
+                if stopped or position == position_before:
                     break
         except BaseException:
             # Re-read this call's fragments next time, with the reassembly as it was when the call began

@@ -72,7 +72,8 @@ _UNFRAGMENTED: Final = int(UNFRAGMENTED)
 Buffer = bytes | bytearray | memoryview
 FragmentHandler = Callable[[memoryview, int], None]
 """Called with (payload, flags) per DATA fragment; the payload aliases the term until it is cleaned."""
-MessageHandler = Callable[[memoryview | bytes], None]
+MessageHandler = Callable[[memoryview | bytes], object]
+"""Called with each whole message; a true result stops the read after it (Aeron's controlled poll, BREAK)."""
 
 
 def _aligned(length: int) -> int:
@@ -500,17 +501,19 @@ class TermRebuilder(TermLog):
         Stops at the first missing frame, at ``limit_position``, at the end of the term, or after
         ``fragment_limit`` fragments. PAD frames are skipped (they advance the position, deliver nothing).
         """
-        new_position, fragments, _ = self.read_messages(position, limit_position, None, handler, fragment_limit)
+        new_position, fragments, _, _ = self.read_messages(position, limit_position, None, handler, fragment_limit)
         return new_position, fragments
 
     def read_messages(
         self, position: int, limit_position: int, whole: MessageHandler | None, fragment: FragmentHandler,
         fragment_limit: int = 1 << 30,
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int, bool]:
         """``read``, with unfragmented messages handed straight to ``whole`` and only the fragments of
         fragmented ones to ``fragment`` (the assembler): one call per message on the hot path instead of
-        three. ``whole`` None hands every fragment to ``fragment`` (that is ``read``). Returns (new
-        position, fragments read, messages handed to ``whole``)."""
+        three. ``whole`` None hands every fragment to ``fragment`` (that is ``read``). A true result from
+        ``whole`` stops the read after that message (a handler that bounds what one poll takes by what the
+        messages hold, not by their count: the broker's ingress). Returns (new position, fragments read,
+        messages handed to ``whole``, stopped by ``whole``)."""
         term = self.partition_for_position(position)
         mask = self.term_length - 1
         offset = position & mask
@@ -530,11 +533,13 @@ class TermRebuilder(TermLog):
                 fragments += 1
                 if whole is not None and flags & _UNFRAGMENTED == _UNFRAGMENTED:
                     wholes += 1
-                    whole(term[offset + DATA_HEADER_LENGTH:offset + frame_length])
+                    if whole(term[offset + DATA_HEADER_LENGTH:offset + frame_length]):
+                        offset += aligned
+                        return position + (offset - start), fragments, wholes, True
                 else:
                     fragment(term[offset + DATA_HEADER_LENGTH:offset + frame_length], flags)
             offset += aligned
-        return position + (offset - start), fragments, wholes
+        return position + (offset - start), fragments, wholes, False
 
 
 class FragmentAssembler:

@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING, Any
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
 from flowbroker.protocol.envelope import PUBLISH, PUBLISH_BATCH, EnvelopeError, decode_publish, decode_publish_batch
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error, FlowResumed, FlowStopped, TransferEntry
-from flowbroker.transport.frames import FrameType, Setup, decode_datagram
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
+from flowbroker.transport.frames import DATA_HEADER_LENGTH, FrameType, Setup, decode_datagram
 from flowbroker.transport.image import Image
 from flowbroker.transport.positions import frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig, Subscription
@@ -261,6 +263,16 @@ class Ingress:
     def _poll(self, pub: UdpPublication, now_ns: int) -> bool:
         """Route what the image has (at most MAX_MESSAGES_PER_CYCLE); True if anything was polled.
 
+        Polling also stops once the publication session's messages routed and not yet complete would pass
+        its grant in *charged* bytes (message_size: the body and MESSAGE_OVERHEAD), as a TCP producer's
+        credit does: the image's window bounds term bytes, and a PUBLISH_BATCH of empty bodies costs two
+        term bytes a message against 512 charged, so a window's worth of them held by a saturated queue
+        would be 256 times its grant (measured: 16 MB held on a 64 KiB grant). What is not polled stays in
+        the term, inside the window, until completions make room. The poll's handler counts each payload's
+        messages (a batch's from its array header) and stops the poll once either bound is reached, so a
+        cycle passes them by at most one payload: MAX_ENTRIES_PER_FRAME messages (a PUBLISH_BATCH must fit
+        one frame; a fragmented one is dropped, so a fragmented message is always one message).
+
         The poll's messages are gathered first (the handler is a list's append: no Python call per
         message) and then taken in bulk, as a TCP TRANSFER's entries are: when every one is a bare
         PUBLISH (the SDK's common message) one list comprehension builds the entries, and when route
@@ -271,17 +283,32 @@ class Ingress:
         image = pub.image
         assert image is not None
         sub_id = pub.subscription.subscription_id
+        window = pub.session.transfers.window
+        room = max(image.window_cap or 0, pub.mtu) - (window.position - window.consumed_position)
+        if room <= 0:
+            return False  # the grant is held: completions wake the publication (and poll again)
         messages: list[memoryview | bytes] = []
-        take = messages.append
-        polled = 0
-        while polled < MAX_MESSAGES_PER_CYCLE:
-            count = image.poll(sub_id, take, _POLL_FRAGMENTS)
-            if not count:
-                break
-            polled += count
+        append = messages.append
+        count = charged = 0  # messages taken (a batch's count) and their charged bytes
+
+        def take(m: memoryview | bytes) -> bool:
+            """Collect a payload; True (stop the poll after it) once a bound is reached."""
+            nonlocal count, charged
+            append(m)
+            if len(m) > 1 and m[0] == PUBLISH_BATCH:
+                n = _batch_count(m)
+                count += n
+                charged += len(m) + n * MESSAGE_OVERHEAD
+            else:
+                count += 1
+                charged += len(m) + MESSAGE_OVERHEAD
+            return count >= MAX_MESSAGES_PER_CYCLE or charged >= room
+
+        while image.poll(sub_id, take, _POLL_FRAGMENTS) and count < MAX_MESSAGES_PER_CYCLE and charged < room:
+            pass
         if not messages:
             return False
-        if polled >= MAX_MESSAGES_PER_CYCLE:
+        if count >= MAX_MESSAGES_PER_CYCLE:
             pub.woken = True
             self.datapath.wake()  # more to route: the next cycle comes at once
         exchange, default_key = pub.exchange, pub.routing_key
@@ -294,7 +321,7 @@ class Ingress:
         except IndexError:  # an empty payload: a bad envelope, for the per-message path
             entries = None
         if entries is not None and len(entries) != len(messages):
-            entries, counts = _bare_and_batched(messages, exchange, default_key)
+            entries, counts = _bare_and_batched(messages, exchange, default_key, image.mtu - DATA_HEADER_LENGTH)
         if entries is None:
             return self._poll_each(pub, messages, now_ns)
         session = pub.session
@@ -339,6 +366,8 @@ class Ingress:
             space = frame_space(len(message), mtu)
             try:
                 if len(message) and message[0] == PUBLISH_BATCH:
+                    if len(message) > mtu - DATA_HEADER_LENGTH:
+                        raise EnvelopeError("publish batch: fragmented (a batch must fit one datagram)")
                     bodies = decode_publish_batch(message)
                     entries += [_new_entry((exchange, default_key, body, None, None, None)) for body in bodies]
                     spaces.append((len(bodies), space))
@@ -438,11 +467,24 @@ class Ingress:
         return deadline
 
 
-def _bare_and_batched(messages: list[memoryview | bytes], exchange: str,
-                      routing_key: str) -> tuple[list[TransferEntry] | None, list[int] | None]:
-    """A poll's entries when every payload is a bare PUBLISH or a PUBLISH_BATCH (the SDK's), with the number
-    of messages each payload carries; (None, None) when one is anything else or malformed (the
-    per-message path decodes, counts and drops it)."""
+def _batch_count(payload: memoryview | bytes) -> int:
+    """The number of bodies a PUBLISH_BATCH says it carries (msgpack's array header after the kind byte),
+    read without decoding it: what `_poll` bounds a cycle by. A header that is not an array's counts as
+    the most a batch may carry (the batch is dropped as malformed when decoded)."""
+    head = payload[1]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head == 0xDC and len(payload) >= 4:
+        return (payload[2] << 8) | payload[3]
+    return MAX_ENTRIES_PER_FRAME
+
+
+def _bare_and_batched(messages: list[memoryview | bytes], exchange: str, routing_key: str,
+                      max_payload: int) -> tuple[list[TransferEntry] | None, list[int] | None]:
+    """A poll's entries when every payload is a bare PUBLISH or a PUBLISH_BATCH (the SDK's) within one
+    frame (`max_payload` bytes: a batch is never fragmented), with the number of messages each payload
+    carries; (None, None) when one is anything else or malformed (the per-message path decodes, counts
+    and drops it)."""
     entries: list[TransferEntry] = []
     counts: list[int] = []
     for m in messages:
@@ -450,7 +492,7 @@ def _bare_and_batched(messages: list[memoryview | bytes], exchange: str,
         if kind == PUBLISH:
             entries.append(_new_entry((exchange, routing_key, bytes(m[1:]), None, None, None)))
             counts.append(1)
-        elif kind == PUBLISH_BATCH:
+        elif kind == PUBLISH_BATCH and len(m) <= max_payload:
             try:
                 bodies = decode_publish_batch(m)
             except EnvelopeError:

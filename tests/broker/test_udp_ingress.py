@@ -10,8 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowbroker.broker.udp.datapath import DataPath
+from flowbroker.broker.udp.ingress import MAX_MESSAGES_PER_CYCLE
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.envelope import encode_publish, encode_publish_batch
 from flowbroker.protocol.frames import ClosePublication, Error, FlowResumed, FlowStopped, RegisterPublication
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
 from tests.broker.coreharness import Harness, Producer
 
@@ -417,3 +420,85 @@ def _check_envelopes(kinds: list[str], seed: int) -> None:
         assert consumer.bodies() == [body for queue, body in good if queue == name]
     bad = carried.count(0)
     assert rig.datapath.ingress.bad_envelopes == bad
+
+
+def _held_charged(rig: Rig) -> int:
+    """Charged bytes (message_size) of the publication session's messages routed and not complete."""
+    window = rig.datapath.ingress.publications[rig.session_id].session.transfers.window
+    return int(window.position - window.consumed_position)
+
+
+def test_batches_of_empty_bodies_at_a_saturated_queue_hold_no_more_than_the_grant_and_one_batch() -> None:
+    """A window of term bytes holds a thousand times more empty bodies in PUBLISH_BATCHes (two bytes each)
+    than it holds charged bytes (512 each). The ingress stops polling once what it routed and has not
+    completed reaches the grant: it held 16 MB on a 64 KiB grant before it did."""
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=10, flow_resume_count=5)
+    payload = encode_publish_batch([b""] * MAX_ENTRIES_PER_FRAME)
+    worst = 0
+    for _ in range(100):
+        while rig.pub.offer(payload) > 0:
+            pass
+        rig.cycle(rounds=1)
+        worst = max(worst, _held_charged(rig))
+    grant = rig.image.window_cap
+    assert grant == 64 * 1024
+    assert 0 < worst <= grant + MAX_ENTRIES_PER_FRAME * (MESSAGE_OVERHEAD + 2)
+    assert len(rig.core.queues["q"].store) <= 10 + grant // MESSAGE_OVERHEAD + MAX_ENTRIES_PER_FRAME
+    consumer = rig.h.consumer("c")  # draining the queue completes what was held: polling goes on
+    consumer.subscribe("q", prefetch=5000)
+    for _ in range(50):
+        consumer.pump()
+        consumer.ack()
+        rig.cycle(rounds=1)
+    assert len(consumer.bodies()) > 10 + grant // MESSAGE_OVERHEAD + MAX_ENTRIES_PER_FRAME
+
+
+def test_bare_messages_at_a_saturated_queue_hold_no_more_than_the_grant_and_one_message() -> None:
+    rig = Rig()
+    rig.h.queue("q", flow_stop_count=10, flow_resume_count=5)
+    worst = 0
+    for _ in range(100):
+        while rig.pub.offer(encode_publish(b"")) > 0:
+            pass
+        rig.cycle(rounds=1)
+        worst = max(worst, _held_charged(rig))
+    assert 0 < worst <= rig.image.window_cap + MESSAGE_OVERHEAD
+
+
+def test_a_cycle_routes_at_most_its_message_bound_and_one_batch_more() -> None:
+    """A frame costs the broker time in proportion to what it carries: a cycle's messages are counted
+    from each batch's header, not as one per payload (a window of batches of empty bodies is half a
+    million messages)."""
+    rig = Rig(credit={"policy": "static", "static_size": 1 << 20})
+    rig.h.queue("q")
+    payload = encode_publish_batch([b""] * MAX_ENTRIES_PER_FRAME)
+    rig.cycle()  # connected: SETUP, status message
+    for _ in range(200):
+        if rig.pub.offer(payload) < 0:
+            break
+    for datagram, _ in rig.pub.do_work(rig.h.now):
+        rig.datapath.on_datagram(datagram, SOURCE, rig.h.now)
+    queue = rig.core.queues["q"]
+    routed = []
+    for _ in range(5):
+        before = len(queue.store)
+        rig.datapath.do_work(rig.h.now)
+        routed.append(len(queue.store) - before)
+    assert max(routed) <= MAX_MESSAGES_PER_CYCLE + MAX_ENTRIES_PER_FRAME
+    assert sum(routed) > MAX_MESSAGES_PER_CYCLE  # and the next cycles go on
+
+
+def test_a_fragmented_batch_is_dropped_and_counted_and_the_window_moves_on() -> None:
+    """The SDK never fragments a PUBLISH_BATCH; one that is would be up to MAX_ENTRIES_PER_FRAME messages
+    the poll could not see coming, so it is a bad envelope."""
+    rig = Rig()
+    rig.h.queue("q")
+    big = encode_publish_batch([b"f" * 40_000, b"g" * 40_000])  # over one frame of the 64 KiB mtu
+    assert rig.offer_all([b"before"]) == 1
+    assert rig.pub.offer(big) > 0
+    assert rig.offer_all([b"after"]) == 1
+    rig.cycle(rounds=5)
+    assert rig.bodies() == [b"before", b"after"]
+    assert rig.datapath.ingress.bad_envelopes == 1
+    assert rig.image.statistics().consumption_position == rig.pub.position

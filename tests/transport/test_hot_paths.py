@@ -90,10 +90,25 @@ def test_read_messages_hands_over_what_read_and_the_assembler_do(sizes: list[int
     fragments = FragmentAssembler(lambda m: fast.append(bytes(m)))
     position, wholes = 0, 0
     while position < end:
-        position, _, count = rebuilder.read_messages(position, end, lambda m: fast.append(bytes(m)), fragments, limit)
+        position, _, count, _ = rebuilder.read_messages(position, end, lambda m: fast.append(bytes(m)), fragments, limit)
         wholes += count
     assert fast == slow == messages[:len(slow)]
     assert wholes == sum(1 for m in slow if len(m) <= MTU - 32)
+    # A handler that returns true stops the read after that message (Aeron's controlled poll, BREAK):
+    # reading on from where it stopped hands over the same messages, each once.
+    stopping: list[bytes] = []
+    stop_assembler = FragmentAssembler(lambda m: stopping.append(bytes(m)))
+
+    def every_third(m: memoryview | bytes) -> bool:
+        stopping.append(bytes(m))
+        return len(stopping) % 3 == 0
+
+    position, stops = 0, 0
+    while position < end:
+        position, _, _, stopped = rebuilder.read_messages(position, end, every_third, stop_assembler, limit)
+        stops += stopped
+    assert stopping == slow
+    assert stops == sum(1 for i, m in enumerate(slow) if (i + 1) % 3 == 0 and len(m) <= MTU - 32)
 
 
 def _datagrams(whole: bool, sizes: list[int]) -> list[bytes]:
