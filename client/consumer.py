@@ -38,6 +38,7 @@ unacknowledged (that stalled a consumer for good when the SDK restarted its coun
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 from types import TracebackType
 from collections.abc import Callable
@@ -114,6 +115,10 @@ ConsumerStats = ConsumerStatistics
 """The name of `ConsumerStatistics` before issue 9, kept for one release (`consumer.stats`)."""
 
 
+def _nothing() -> None:
+    """`Consumer._on_processed` of a consumer that is told nothing (a TCP one: `_release_at` is never reached)."""
+
+
 @dataclass(eq=False, slots=True)
 class Message:
     """A delivered message. Settle it once with `ack()`, `reject()` or `requeue()`.
@@ -184,8 +189,8 @@ class Message:
             else:
                 sub.consumed_position += self._size
                 conn.consumed_position += self._size
-            if consumer._on_processed is not None:  # the UDP consumer: its image may advance past it
-                consumer._on_processed(self)
+            if sub.consumed_position >= consumer._release_at:  # the UDP consumer: its image may advance
+                consumer._on_processed()
         since = consumer._settles_since_yield + 1
         if since >= YIELD_EVERY:
             consumer._settles_since_yield = 0
@@ -195,9 +200,10 @@ class Message:
 
     def _mark_processed(self) -> None:
         """Count it processed, once. The common case (no byte buffer on) is two additions inline. The UDP
-        consumer is told too (`_on_processed`), as when it is settled first: a message settled only after
-        the next one was taken was never released in the image, and an application that settles each
-        message after taking the next stalled its UDP consumer for good once its window was used."""
+        consumer is told too (`_on_processed`, once `_release_at` is reached), as when it is settled first:
+        a message settled only after the next one was taken was never released in the image, and an
+        application that settles each message after taking the next stalled its UDP consumer for good once
+        its window was used."""
         if self._unprocessed:
             self._unprocessed = False
             consumer = self._consumer
@@ -208,8 +214,8 @@ class Message:
             else:
                 sub.consumed_position += self._size
                 conn.consumed_position += self._size
-            if consumer._on_processed is not None:
-                consumer._on_processed(self)
+            if sub.consumed_position >= consumer._release_at:
+                consumer._on_processed()
 
 
 class Consumer:
@@ -260,8 +266,11 @@ class Consumer:
         """The SUBSCRIBE sent and not yet answered: its request id and pending answer."""
         self._closed = False
         self._error: PublishError | None = None  # the queue was deleted
-        self._on_processed: Callable[[Message], None] | None = None
-        """Told of each message once it is processed (client/udpconsumer.py releases its bytes in the image)."""
+        self._release_at: float = math.inf
+        """The subscription's processed position (`consumed_position`) at which `_on_processed` is due:
+        client/udpconsumer.py sets it to the end of the oldest payload its image holds, so a processed
+        message costs one comparison here, not a call; never for a TCP consumer."""
+        self._on_processed: Callable[[], None] = _nothing
 
     @property
     def buffered(self) -> int:

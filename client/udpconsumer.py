@@ -14,22 +14,32 @@ DELIVER frames:
 - settlement goes over the TCP connection by delivery tag, as for a TCP consumer.
 
 The connection's HELLO asks for capability "deliver-batch", so the broker sends a run of deliveries as
-DELIVER_BATCH payloads, many to an Aeron message (protocol/envelope.py). A batch's term bytes are shared
-out among its messages (equal shares, the remainder on the first), each held until that message is
-processed: the position the broker hears of still never passes what was processed, and it reaches the
-batch's end when all of it is.
+DELIVER_BATCH payloads, many to an Aeron message (protocol/envelope.py).
+
+What is held is counted in payloads, not messages: each payload polled (a batch, or one DELIVER) is
+recorded with the charged bytes (`message_size`) its messages end at, counting every message handed out,
+and its term bytes. The subscription's processed position (`consumed_position`, charged bytes) is kept
+per message by `Message` anyway; once it reaches a payload's end, that payload's term bytes are released
+in the image. Processing may go out of order (settling before taking the next), so what is released is
+a count of bytes, as in the image itself: it never exceeds what was processed. Single DELIVERs (a broker
+without batches) are recorded in groups of up to a sixteenth of the window, so the image is told in
+steps, not per message. The check per processed message is one comparison in `Message`
+(`Consumer._release_at`), not a call.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from flowbroker.client.consumer import Consumer, Message
 from flowbroker.protocol import Frame
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD, message_size
 from flowbroker.protocol.envelope import DELIVER_BATCH, EnvelopeError, decode_delivery, decode_delivery_batch
 from flowbroker.protocol.frames import SubscribeUdp
 from flowbroker.transport.frames import DATA_HEADER_LENGTH
@@ -68,10 +78,12 @@ class UdpConsumer(Consumer):
         self._channel: ReceiveChannel | None = None
         self._subscription: Subscription | None = None
         self._image: Image | None = None
-        self._held: dict[int, int] = {}  # delivery tag -> bytes it holds in the image
+        self._held: deque[list[int]] = deque()
+        """[charged end, term bytes] of each payload (or group of single DELIVERs) held in the image, in the
+        order handed out: released once the processed position reaches its end."""
+        self._charged_end = 0  # the charged bytes of every message handed out (the end of the last held)
         self._polled: list[Any] = []  # entries decoded by the poll in progress, not yet buffered
         self._polled_space = 0  # their term bytes: held in the image in one call after the poll
-        self._released = 0  # term bytes processed and not yet released in the image (see _release)
         self._release_step = max(self.window // 16, 1)
         self._max_payload = 0  # the image's largest unfragmented payload (mtu - header)
         self._image_subscriber = 0  # the id the image knows our subscription by
@@ -83,6 +95,7 @@ class UdpConsumer(Consumer):
         self.malformed = 0
         """Payloads that were not delivery envelopes (dropped; their bytes released)."""
         self._on_processed = self._release
+        self._release_at = math.inf
 
     def _open_endpoint(self) -> UdpEndpoint:
         """The socket the image is read from: an ephemeral port on the TCP connection's local address."""
@@ -113,8 +126,8 @@ class UdpConsumer(Consumer):
     def _image_available(self, image: Image) -> None:
         image.window_cap = self.window
         self._image = image
-        self._held.clear()
-        self._released = 0
+        self._held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
+        self._release_at = math.inf
         self._max_payload = image.mtu - DATA_HEADER_LENGTH
         self._image_subscriber = self._subscription_id_in_image()
 
@@ -140,8 +153,8 @@ class UdpConsumer(Consumer):
                 space = (length + DATA_HEADER_LENGTH + 31) & ~31
             else:
                 space = frame_space(length, self._max_payload + DATA_HEADER_LENGTH)
-            self._held[entry.delivery_tag] = space
-            self._polled_space += space
+            body, headers = entry.body, entry.headers
+            self._hold(len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers), space, True)
         else:
             self._unheld = True
         self._polled.append(entry)
@@ -162,51 +175,53 @@ class UdpConsumer(Consumer):
                 space = (length + DATA_HEADER_LENGTH + 31) & ~31
             else:
                 space = frame_space(length, self._max_payload + DATA_HEADER_LENGTH)
-            share, extra = divmod(space, len(entries))
-            held = self._held
-            for entry in entries:
-                held[entry[0]] = share
-            held[entries[0][0]] += extra
-            self._polled_space += space
+            if any(e[4] for e in entries):
+                charged = sum(message_size(e[3], e[4]) for e in entries)
+            else:
+                charged = sum(map(len, [e[3] for e in entries])) + MESSAGE_OVERHEAD * len(entries)
+            self._hold(charged, space, False)
         else:
             self._unheld = True
         self._polled += entries
+
+    def _hold(self, charged: int, space: int, single: bool) -> None:
+        """A payload's messages (`charged` bytes of them) hold `space` term bytes until all are processed. A
+        single DELIVER joins the group before it while that group is under a sixteenth of the window."""
+        self._polled_space += space
+        end = self._charged_end = self._charged_end + charged
+        held = self._held
+        if single and held:
+            last = held[-1]
+            if last[1] < self._release_step:
+                last[0] = end
+                last[1] += space
+                if len(held) == 1:
+                    self._release_at = end
+                return
+        held.append([end, space])
+        if len(held) == 1:
+            self._release_at = end
 
     def _subscription_id_in_image(self) -> int:
         assert self._subscription is not None
         return self._subscription.subscription_id
 
-    def _release(self, msg: Message) -> None:
-        """`msg` is processed: the image may report its bytes consumed.
-
-        Released in steps of a sixteenth of the window, at once when everything handed out is processed,
-        and by every cycle of the receiving task (`_flush_released`: at the latest the image's SM timer,
-        so bytes below a step do not wait while the application is still on a message):
-        the image reports a consumption position only every quarter window anyway, and releasing (and
-        asking whether an SM is due) per message was a tenth of the consumer's time. The position the
-        broker hears of never passes what was processed."""
-        space = self._held.pop(msg.delivery_tag, 0)
-        if not space:
-            return
-        released = self._released + space
-        if released < self._release_step and self._held:
-            self._released = released
-            return
-        self._released = 0
-        image = self._image
-        if image is not None:
-            image.release(self._image_subscriber, released)
-            if self._report_due(image):
-                self._dirty.set()  # the status task sends it (waking it for every message cost a task switch each)
-
-    def _flush_released(self) -> None:
-        """Release in the image what processing released since the last step (see `_release`)."""
-        released = self._released
+    def _release(self) -> None:
+        """The processed position reached the end of the oldest held payload (`Consumer._release_at`): the
+        image may report the term bytes of every payload it has passed as consumed. At once when
+        everything handed out is processed; a status message goes out when `_report_due` says so (the
+        status task sends it: waking it per payload, not per message)."""
+        consumed = self._receiver_window.consumed_position
+        held = self._held
+        released = 0
+        while held and held[0][0] <= consumed:
+            released += held.popleft()[1]
+        self._release_at = held[0][0] if held else math.inf
         image = self._image
         if released and image is not None:
-            self._released = 0
             image.release(self._image_subscriber, released)
-            self._report_due(image)  # may ask for an SM now; the caller's do_work sends it
+            if self._report_due(image):
+                self._dirty.set()
 
     def _report_due(self, image: Image) -> bool:
         """Has processing moved the consumption position enough to tell the broker now: everything handed
@@ -248,7 +263,6 @@ class UdpConsumer(Consumer):
             now = now_ns()
             for datagram, source in batch:
                 channel.on_datagram(datagram, source, now)
-            self._flush_released()
             self._send(channel.do_work(now))  # the rebuild moves here
             polled = self._polled
             while subscription.poll(self._on_message, _POLL_FRAGMENTS):
