@@ -38,7 +38,6 @@ unacknowledged (that stalled a consumer for good when the SDK restarted its coun
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass, field
 from types import TracebackType
 from collections.abc import Callable
@@ -115,8 +114,9 @@ ConsumerStats = ConsumerStatistics
 """The name of `ConsumerStatistics` before issue 9, kept for one release (`consumer.stats`)."""
 
 
-def _nothing() -> None:
-    """`Consumer._on_processed` of a consumer that is told nothing (a TCP one: `_release_at` is never reached)."""
+RELEASE_NEVER = 1 << 62
+"""`Consumer._release_at` when nothing is due: a position no subscription reaches (an int: comparing an int
+with float('inf') costs several times an int comparison)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -189,8 +189,9 @@ class Message:
             else:
                 sub.consumed_position += self._size
                 conn.consumed_position += self._size
-            if sub.consumed_position >= consumer._release_at:  # the UDP consumer: its image may advance
-                consumer._on_processed()
+            release = consumer._on_processed  # the UDP consumer's: its image may advance past it
+            if release is not None and sub.consumed_position >= consumer._release_at:
+                release()
         since = consumer._settles_since_yield + 1
         if since >= YIELD_EVERY:
             consumer._settles_since_yield = 0
@@ -214,8 +215,9 @@ class Message:
             else:
                 sub.consumed_position += self._size
                 conn.consumed_position += self._size
-            if sub.consumed_position >= consumer._release_at:
-                consumer._on_processed()
+            release = consumer._on_processed
+            if release is not None and sub.consumed_position >= consumer._release_at:
+                release()
 
 
 class Consumer:
@@ -266,11 +268,12 @@ class Consumer:
         """The SUBSCRIBE sent and not yet answered: its request id and pending answer."""
         self._closed = False
         self._error: PublishError | None = None  # the queue was deleted
-        self._release_at: float = math.inf
+        self._release_at = RELEASE_NEVER
         """The subscription's processed position (`consumed_position`) at which `_on_processed` is due:
         client/udpconsumer.py sets it to the end of the oldest payload its image holds, so a processed
-        message costs one comparison here, not a call; never for a TCP consumer."""
-        self._on_processed: Callable[[], None] = _nothing
+        message costs one comparison here, not a call."""
+        self._on_processed: Callable[[], None] | None = None
+        """What `_release_at` calls (client/udpconsumer.py); None for a TCP consumer, which checks nothing more."""
 
     @property
     def buffered(self) -> int:

@@ -30,14 +30,13 @@ steps, not per message. The check per processed message is one comparison in `Me
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.consumer import Consumer, Message
+from flowbroker.client.consumer import RELEASE_NEVER, Consumer
 from flowbroker.protocol import Frame
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, message_size
 from flowbroker.protocol.envelope import DELIVER_BATCH, EnvelopeError, decode_delivery, decode_delivery_batch
@@ -95,7 +94,7 @@ class UdpConsumer(Consumer):
         self.malformed = 0
         """Payloads that were not delivery envelopes (dropped; their bytes released)."""
         self._on_processed = self._release
-        self._release_at = math.inf
+        self._release_at = RELEASE_NEVER
 
     def _open_endpoint(self) -> UdpEndpoint:
         """The socket the image is read from: an ephemeral port on the TCP connection's local address."""
@@ -127,7 +126,7 @@ class UdpConsumer(Consumer):
         image.window_cap = self.window
         self._image = image
         self._held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
-        self._release_at = math.inf
+        self._release_at = RELEASE_NEVER
         self._max_payload = image.mtu - DATA_HEADER_LENGTH
         self._image_subscriber = self._subscription_id_in_image()
 
@@ -216,7 +215,7 @@ class UdpConsumer(Consumer):
         released = 0
         while held and held[0][0] <= consumed:
             released += held.popleft()[1]
-        self._release_at = held[0][0] if held else math.inf
+        self._release_at = held[0][0] if held else RELEASE_NEVER
         image = self._image
         if released and image is not None:
             image.release(self._image_subscriber, released)
