@@ -136,33 +136,11 @@ class UdpConsumer(Consumer):
         """One message polled from the image: decoded, its term bytes counted to be held until it is
         processed, and collected in `_polled`; `_receive` holds a poll's bytes in the image in one call
         and hands its messages to the consumer's buffer in one call."""
-        if len(payload) and payload[0] == DELIVER_BATCH:
-            self._on_batch(payload)
-            return
         try:
-            entry = decode_delivery(payload)
-        except EnvelopeError as exc:
-            self._unheld = True
-            self.malformed += 1
-            log.warning("UDP subscription %s: payload dropped: %s", self.subscription_id, exc)
-            return
-        if not self._ended:
-            length = len(payload)
-            if length <= self._max_payload:  # one frame: frame_space inlined
-                space = (length + DATA_HEADER_LENGTH + 31) & ~31
+            if len(payload) and payload[0] == DELIVER_BATCH:
+                entries: list[Any] = decode_delivery_batch(payload)
             else:
-                space = frame_space(length, self._max_payload + DATA_HEADER_LENGTH)
-            body, headers = entry.body, entry.headers
-            self._hold(len(body) + MESSAGE_OVERHEAD if not headers else message_size(body, headers), space, True)
-        else:
-            self._unheld = True
-        self._polled.append(entry)
-
-    def _on_batch(self, payload: memoryview | bytes) -> None:
-        """A DELIVER_BATCH: its entries collected in `_polled` as they are (the lists `_on_deliver` takes),
-        the payload's term bytes shared out among them to be held until each is processed."""
-        try:
-            entries = decode_delivery_batch(payload)
+                entries = [decode_delivery(payload)]
         except EnvelopeError as exc:
             self._unheld = True
             self.malformed += 1
@@ -178,7 +156,7 @@ class UdpConsumer(Consumer):
                 charged = sum(message_size(e[3], e[4]) for e in entries)
             else:
                 charged = sum(map(len, [e[3] for e in entries])) + MESSAGE_OVERHEAD * len(entries)
-            self._hold(charged, space, False)
+            self._hold(charged, space, payload[0] != DELIVER_BATCH)
         else:
             self._unheld = True
         self._polled += entries

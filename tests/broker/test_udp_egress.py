@@ -106,6 +106,14 @@ class Rig:
         if done:
             self.owner.settle(outcome, [tag for tag, _ in done])
 
+    def consume(self, count: int, rounds: int) -> None:
+        """Cycle, processing everything handed up each time, until `count` messages have arrived."""
+        for _ in range(rounds):
+            self.cycle()
+            self.process(len(self.held))
+            if len(self.bodies) == count:
+                break
+
     @property
     def stream(self) -> Any:
         return self.datapath.egress.subscriptions[self.answer["session_id"]]
@@ -130,11 +138,7 @@ def test_messages_arrive_in_order_over_udp_and_settle_over_tcp(batches: bool) ->
     rig = Rig(batches=batches)
     bodies = [b"m%04d" % i for i in range(300)]
     rig.publish(bodies)
-    for _ in range(100):
-        rig.cycle()
-        rig.process(len(rig.held))
-        if len(rig.bodies) == 300:
-            break
+    rig.consume(300, 100)
     assert rig.bodies == bodies
     rig.cycle()
     assert len(rig.core.queues["q"].store) == 0 and not rig.owner.session.deliveries.unsettled
@@ -287,11 +291,7 @@ def test_a_batching_consumer_gets_full_datagrams_of_deliveries_and_a_plain_one_a
     for batches in (True, False):
         rig = Rig(window=1 << 20, batches=batches)
         rig.publish(bodies)
-        for _ in range(20):
-            rig.cycle()
-            rig.process(len(rig.held))
-            if len(rig.bodies) == len(bodies):
-                break
+        rig.consume(len(bodies), 20)
         assert rig.bodies == bodies
         mtu = rig.stream.publication.mtu
         if not batches:
@@ -311,11 +311,7 @@ def test_a_batch_is_never_fragmented_and_never_over_the_entry_limit() -> None:
     big = b"B" * 100_000
     bodies = [b"%d" % i for i in range(2500)] + [big] + [b"t%d" % i for i in range(10)]
     rig.publish(bodies)
-    for _ in range(50):
-        rig.cycle()
-        rig.process(len(rig.held))
-        if len(rig.bodies) == len(bodies):
-            break
+    rig.consume(len(bodies), 50)
     assert rig.bodies == bodies
     assert rig.stream.publication.mtu == 65504
     assert max(n for kind, n in rig.payloads if kind == DELIVER_BATCH) == MAX_ENTRIES_PER_FRAME
