@@ -273,12 +273,12 @@ class Ingress:
         cycle passes them by at most one payload: MAX_ENTRIES_PER_FRAME messages (a PUBLISH_BATCH must fit
         one frame; a fragmented one is dropped, so a fragmented message is always one message).
 
-        The poll's messages are gathered first (the handler is a list's append: no Python call per
-        message) and then taken in bulk, as a TCP TRANSFER's entries are: when every one is a bare
-        PUBLISH (the SDK's common message) one list comprehension builds the entries, and when route
-        completes them all at once (no saturated queue holds one) nothing is held or queued in
-        ``pending``: the consumption position passes them straight away, as it would after a hold and its
-        release. Anything else (an envelope with a key or headers, a bad envelope, a message held by a
+        The poll's payloads are gathered first (the handler appends and counts them) and then taken in
+        bulk, as a TCP TRANSFER's entries are: when every one is a bare PUBLISH one list comprehension
+        builds the entries, when they are bare PUBLISHes and PUBLISH_BATCHes (the SDK's) one pass over
+        them does (`_bare_and_batched`), and when route completes them all at once (no saturated queue
+        holds one) nothing is held or queued in ``pending``: the consumption position passes them straight
+        away, as it would after a hold and its release. Anything else (an envelope with a key or headers, a bad envelope, a message held by a
         saturated queue) takes the per-message path, whose holds are released in transfer-id order."""
         image = pub.image
         assert image is not None
@@ -475,7 +475,7 @@ def _batch_count(payload: memoryview | bytes) -> int:
     if 0x90 <= head <= 0x9F:
         return head & 0x0F
     if head == 0xDC and len(payload) >= 4:
-        return (payload[2] << 8) | payload[3]
+        return min((payload[2] << 8) | payload[3], MAX_ENTRIES_PER_FRAME)  # more: malformed, dropped
     return MAX_ENTRIES_PER_FRAME
 
 
