@@ -136,11 +136,9 @@ class UdpConsumer(Consumer):
         """One message polled from the image: decoded, its term bytes counted to be held until it is
         processed, and collected in `_polled`; `_receive` holds a poll's bytes in the image in one call
         and hands its messages to the consumer's buffer in one call."""
+        single = not len(payload) or payload[0] != DELIVER_BATCH
         try:
-            if len(payload) and payload[0] == DELIVER_BATCH:
-                entries: list[Any] = decode_delivery_batch(payload)
-            else:
-                entries = [decode_delivery(payload)]
+            entries: list[Any] = [decode_delivery(payload)] if single else decode_delivery_batch(payload)
         except EnvelopeError as exc:
             self._unheld = True
             self.malformed += 1
@@ -156,7 +154,7 @@ class UdpConsumer(Consumer):
                 charged = sum(message_size(e[3], e[4]) for e in entries)
             else:
                 charged = sum(map(len, [e[3] for e in entries])) + MESSAGE_OVERHEAD * len(entries)
-            self._hold(charged, space, payload[0] != DELIVER_BATCH)
+            self._hold(charged, space, single)
         else:
             self._unheld = True
         self._polled += entries

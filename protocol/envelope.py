@@ -271,6 +271,16 @@ def delivery_entry_bound(body: bytes, exchange: str, routing_key: str, headers: 
     return bound
 
 
+def _unpack_batch(payload: bytes | memoryview, kind: int, what: str) -> Any:
+    """What follows a batch envelope's kind byte, unpacked; EnvelopeError for another kind or bad msgpack."""
+    if not len(payload) or payload[0] != kind:
+        raise EnvelopeError(f"not a {what} envelope (kind {kind:#04x})")
+    try:
+        return _unpackb(payload[1:], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise EnvelopeError(f"{what}: not valid msgpack ({type(exc).__name__})") from None
+
+
 def encode_delivery_batch(entries: list[Any]) -> bytes:
     """The DELIVER_BATCH payload of `entries` (DELIVER frame entries, tuples or lists of six fields). The
     broker writes `DELIVER_BATCH_KIND` and `pack_delivery_entries(entries)` into its term as two parts."""
@@ -285,16 +295,11 @@ def decode_delivery_batch(payload: bytes | memoryview) -> list[Any]:
     """The deliveries of a DELIVER_BATCH payload: lists of a `DeliveryEntry`'s six fields, checked as a
     DELIVER frame's entries are (at most MAX_ENTRIES_PER_FRAME, each field's type, headers). Raises
     `EnvelopeError` naming what is wrong."""
-    if not len(payload) or payload[0] != DELIVER_BATCH:
-        raise EnvelopeError("not a delivery batch envelope (kind 0x03)")
-    try:
-        entries = _unpackb(payload[1:], raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for malformed input
-        raise EnvelopeError(f"deliver batch: not valid msgpack ({type(exc).__name__})") from None
+    entries = _unpack_batch(payload, DELIVER_BATCH, "delivery batch")
     try:
         check_delivery_entries(entries)
     except ValueError as exc:
-        raise EnvelopeError(f"deliver batch: {exc}") from None
+        raise EnvelopeError(f"delivery batch: {exc}") from None
     return entries  # type: ignore[no-any-return]
 
 
@@ -325,12 +330,7 @@ pack_publish_bodies = _pack_entries
 def decode_publish_batch(payload: bytes | memoryview) -> list[bytes]:
     """The bodies of a PUBLISH_BATCH payload (1 to MAX_ENTRIES_PER_FRAME, each bin). Raises `EnvelopeError`
     naming what is wrong."""
-    if not len(payload) or payload[0] != PUBLISH_BATCH:
-        raise EnvelopeError("not a publish batch envelope (kind 0x04)")
-    try:
-        bodies = _unpackb(payload[1:], raw=False)
-    except Exception as exc:  # msgpack raises several types for malformed input
-        raise EnvelopeError(f"publish batch: not valid msgpack ({type(exc).__name__})") from None
+    bodies = _unpack_batch(payload, PUBLISH_BATCH, "publish batch")
     if type(bodies) is not list or not bodies:
         raise EnvelopeError("publish batch: must be a non-empty array of bodies")
     if len(bodies) > MAX_ENTRIES_PER_FRAME:

@@ -168,11 +168,9 @@ class UdpSubscription(Subscription):
             msgs.append(msg)
             room -= 1
             if need > batch_room:  # no batch can carry it: alone, as a DELIVER
-                head = delivery_head(tag, msg.exchange, msg.routing_key, msg.headers, msg.redelivered)
+                position = _append(stream, delivery_head(tag, msg.exchange, msg.routing_key, msg.headers,
+                                                         msg.redelivered), msg.body)
                 tag += 1
-                position = pub.offer_parts(head, msg.body)
-                if position < 0:
-                    position = _append_slow(stream, position, head, msg.body)
                 if position < 0 or position >= sender_limit or not room or not store:
                     break
                 space = min(batch_room, sender_limit - position - DATA_HEADER_LENGTH)
@@ -194,18 +192,16 @@ class UdpSubscription(Subscription):
 def _offer_batch(stream: _Stream, batch: list[Any]) -> int:
     """One DELIVER_BATCH into the stream's term (its kind byte and its packed entries, as two parts), or
     into the slot; the position, or the negative result that put it in the slot."""
-    packed = pack_delivery_entries(batch)
-    position = stream.publication.offer_parts(DELIVER_BATCH_KIND, packed)
-    if position < 0:
-        position = _append_slow(stream, position, DELIVER_BATCH_KIND, packed)
-    return position
+    return _append(stream, DELIVER_BATCH_KIND, pack_delivery_entries(batch))
 
 
-def _append(stream: _Stream, head: bytes, body: bytes) -> None:
-    """One delivery into the stream's term, or into its slot when the publication cannot take it now."""
+def _append(stream: _Stream, head: bytes, body: bytes) -> int:
+    """One payload (`head` then `body`) into the stream's term, or into its slot when the publication
+    cannot take it now; the position, or the negative result that put it in the slot."""
     position = stream.publication.offer_parts(head, body)
     if position < 0:
-        _append_slow(stream, position, head, body)
+        position = _append_slow(stream, position, head, body)
+    return position
 
 
 def _append_slow(stream: _Stream, result: int, head: bytes, body: bytes) -> int:

@@ -289,14 +289,15 @@ class Ingress:
             return False  # the grant is held: completions wake the publication (and poll again)
         messages: list[memoryview | bytes] = []
         append = messages.append
-        count = charged = 0  # messages taken (a batch's count) and their charged bytes
+        count = charged = batches = 0  # messages taken (a batch's count), their charged bytes, batches
 
         def take(m: memoryview | bytes) -> bool:
             """Collect a payload; True (stop the poll after it) once a bound is reached."""
-            nonlocal count, charged
+            nonlocal count, charged, batches
             append(m)
             if len(m) > 1 and m[0] == PUBLISH_BATCH:
                 n = _batch_count(m)
+                batches += 1
                 count += n
                 charged += len(m) + n * MESSAGE_OVERHEAD
             else:
@@ -314,14 +315,17 @@ class Ingress:
         exchange, default_key = pub.exchange, pub.routing_key
         entries: list[TransferEntry] | None
         counts: list[int] | None = None  # messages in each polled payload, when batches are among them
-        try:
-            # decode_publish's first case (a PUBLISH byte, then the body), for the whole poll at once.
-            entries = [_new_entry((exchange, default_key, bytes(m[1:]), None, None, None))
-                       for m in messages if m[0] == PUBLISH]
-        except IndexError:  # an empty payload: a bad envelope, for the per-message path
-            entries = None
-        if entries is not None and len(entries) != len(messages):
+        if batches:  # the SDK's: bare PUBLISHes and PUBLISH_BATCHes in one pass
             entries, counts = _bare_and_batched(messages, exchange, default_key, image.mtu - DATA_HEADER_LENGTH)
+        else:
+            try:
+                # decode_publish's first case (a PUBLISH byte, then the body), for the whole poll at once.
+                entries = [_new_entry((exchange, default_key, bytes(m[1:]), None, None, None))
+                           for m in messages if m[0] == PUBLISH]
+            except IndexError:  # an empty payload: a bad envelope, for the per-message path
+                entries = None
+            if entries is not None and len(entries) != len(messages):
+                entries = None  # another envelope among them
         if entries is None:
             return self._poll_each(pub, messages, now_ns)
         session = pub.session
@@ -366,11 +370,9 @@ class Ingress:
             space = frame_space(len(message), mtu)
             try:
                 if len(message) and message[0] == PUBLISH_BATCH:
-                    if len(message) > mtu - DATA_HEADER_LENGTH:
-                        raise EnvelopeError("publish batch: fragmented (a batch must fit one datagram)")
-                    bodies = decode_publish_batch(message)
-                    entries += [_new_entry((exchange, default_key, body, None, None, None)) for body in bodies]
-                    spaces.append((len(bodies), space))
+                    batch = _batch_entries(message, exchange, default_key, mtu - DATA_HEADER_LENGTH)
+                    entries += batch
+                    spaces.append((len(batch), space))
                     continue
                 key, headers, body = decode_publish(message)
             except EnvelopeError as exc:
@@ -479,12 +481,20 @@ def _batch_count(payload: memoryview | bytes) -> int:
     return MAX_ENTRIES_PER_FRAME
 
 
+def _batch_entries(payload: memoryview | bytes, exchange: str, routing_key: str,
+                   max_payload: int) -> list[TransferEntry]:
+    """The TRANSFER entries of a PUBLISH_BATCH within one frame (`max_payload` bytes): a fragmented one
+    could carry more messages than `_poll` saw coming, so it is a bad envelope. Raises EnvelopeError."""
+    if len(payload) > max_payload:
+        raise EnvelopeError("publish batch: fragmented (a batch must fit one datagram)")
+    return [_new_entry((exchange, routing_key, body, None, None, None)) for body in decode_publish_batch(payload)]
+
+
 def _bare_and_batched(messages: list[memoryview | bytes], exchange: str, routing_key: str,
                       max_payload: int) -> tuple[list[TransferEntry] | None, list[int] | None]:
     """A poll's entries when every payload is a bare PUBLISH or a PUBLISH_BATCH (the SDK's) within one
-    frame (`max_payload` bytes: a batch is never fragmented), with the number of messages each payload
-    carries; (None, None) when one is anything else or malformed (the per-message path decodes, counts
-    and drops it)."""
+    frame (`_batch_entries`), with the number of messages each payload carries; (None, None) when one is
+    anything else or malformed (the per-message path decodes, counts and drops it)."""
     entries: list[TransferEntry] = []
     counts: list[int] = []
     for m in messages:
@@ -492,13 +502,13 @@ def _bare_and_batched(messages: list[memoryview | bytes], exchange: str, routing
         if kind == PUBLISH:
             entries.append(_new_entry((exchange, routing_key, bytes(m[1:]), None, None, None)))
             counts.append(1)
-        elif kind == PUBLISH_BATCH and len(m) <= max_payload:
+        elif kind == PUBLISH_BATCH:
             try:
-                bodies = decode_publish_batch(m)
+                batch = _batch_entries(m, exchange, routing_key, max_payload)
             except EnvelopeError:
                 return None, None
-            entries += [_new_entry((exchange, routing_key, body, None, None, None)) for body in bodies]
-            counts.append(len(bodies))
+            entries += batch
+            counts.append(len(batch))
         else:
             return None, None
     return entries, counts
