@@ -52,6 +52,34 @@ async def test_receive_batch_respects_max_count() -> None:
         assert [d for d, _ in first] == [b"\x00", b"\x01", b"\x02"]
 
 
+async def test_a_batch_stops_at_the_datagram_that_reaches_max_bytes() -> None:
+    """`try_receive_batch` never waits and returns what the socket holds, at most `max_count` datagrams and
+    none after the one that brings the batch to `max_bytes` (the broker's pass bound); each datagram is its
+    own bytes of exactly its length, whatever the endpoint's largest datagram."""
+    async with open_udp(LOCAL, so_rcvbuf=1 << 20) as a, open_udp(LOCAL, so_rcvbuf=1 << 20) as b:
+        assert b.try_receive_batch(8, 100) == []
+        sizes = [40_000, 30_000, 20_000, 9_000, 10, 60_000]
+        for i, size in enumerate(sizes):
+            assert a.send(bytes([i]) * size, b.local_address)
+        await trio.sleep(0.05)
+        batches: list[list[bytes]] = []
+        while len(batches) < 10:
+            batch = b.try_receive_batch(8, 65536)
+            if not batch:
+                break
+            assert {source for _, source in batch} == {a.local_address}
+            batches.append([d for d, _ in batch])
+        assert [[len(d) for d in batch] for batch in batches] == [[40_000, 30_000], [20_000, 9_000, 10, 60_000]]
+        assert [d[0] for batch in batches for d in batch] == list(range(6))
+        for i in range(3):
+            a.send(b"%d" % i, b.local_address)
+        with trio.fail_after(5):
+            first = await b.receive_batch(8, 1)  # the bound reached by the first datagram
+        assert [d for d, _ in first] == [b"0"]
+        assert [d for d, _ in b.try_receive_batch(2)] == [b"1", b"2"]
+        assert b.counters.datagrams_received == 9
+
+
 async def test_receive_into_caller_buffer() -> None:
     async with open_udp(LOCAL) as a, open_udp(LOCAL) as b:
         a.send(b"x" * 1500, b.local_address)

@@ -7,8 +7,8 @@ counted, and NAKs repair it), and a receive drains whatever the kernel holds in 
 (``receive_batch``) after a single wait. Everything outside this package is sans-IO: publications and images
 take datagrams and return datagrams to send.
 
-Buffers are bounded: one receive buffer of ``max_datagram`` bytes per endpoint plus the kernel's
-SO_RCVBUF/SO_SNDBUF (Aeron's defaults: 128 KiB receive, OS default send).
+Buffers are bounded: a receive takes at most ``max_datagram`` bytes (the datagram's own bytes object), plus
+the kernel's SO_RCVBUF/SO_SNDBUF (Aeron's defaults: 128 KiB receive, OS default send).
 """
 
 from __future__ import annotations
@@ -90,8 +90,7 @@ class UdpEndpoint:
     def __init__(self, sock: socket.socket, max_datagram: int = MAX_UDP_PAYLOAD) -> None:
         sock.setblocking(False)
         self._sock = sock
-        self._buffer = bytearray(max_datagram)
-        self._view = memoryview(self._buffer)
+        self._max_datagram = max_datagram
         self.counters = UdpCounters()
         self._closed = False
 
@@ -177,10 +176,14 @@ class UdpEndpoint:
     # -------------------------------------------------------------------- receive
 
     def try_receive(self) -> tuple[bytes, Address] | None:
-        """One datagram if the kernel has one, else None; never waits."""
+        """One datagram if the kernel has one, else None; never waits.
+
+        ``recvfrom`` copies the datagram once, into the bytes it returns (trimmed in place to its length);
+        receiving into a buffer of our own and copying that out cost a second copy: 7.5 against 5.3 us a
+        64 KiB datagram on loopback, 1.2 against 0.9 us a small one."""
         self._check_open()
         try:
-            n, addr = self._sock.recvfrom_into(self._buffer)
+            datagram, addr = self._sock.recvfrom(self._max_datagram)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as exc:
@@ -189,9 +192,28 @@ class UdpEndpoint:
                 self.counters.receive_errors += 1
                 return None
             raise
-        self.counters.datagrams_received += 1
-        self.counters.bytes_received += n
-        return bytes(self._view[:n]), (str(addr[0]), int(addr[1]))
+        counters = self.counters
+        counters.datagrams_received += 1
+        counters.bytes_received += len(datagram)
+        return datagram, (addr if len(addr) == 2 else (addr[0], addr[1]))
+
+    def try_receive_batch(self, max_count: int = DEFAULT_BATCH,
+                          max_bytes: int | None = None) -> list[tuple[bytes, Address]]:
+        """Up to ``max_count`` datagrams the kernel has now (maybe none), and no more once they reach
+        ``max_bytes`` together (the datagram that reaches it is taken); never waits, never yields."""
+        batch: list[tuple[bytes, Address]] = []
+        try_receive = self.try_receive
+        room = max_bytes if max_bytes is not None else -1
+        while len(batch) < max_count:
+            got = try_receive()
+            if got is None:
+                break
+            batch.append(got)
+            if room >= 0:
+                room -= len(got[0])
+                if room <= 0:
+                    break
+        return batch
 
     async def receive(self) -> tuple[bytes, Address]:
         """Wait for the next datagram (a trio checkpoint, cancellable)."""
@@ -203,16 +225,13 @@ class UdpEndpoint:
                 return got
             await trio.lowlevel.wait_readable(self._sock)
 
-    async def receive_batch(self, max_count: int = DEFAULT_BATCH) -> list[tuple[bytes, Address]]:
-        """Wait for at least one datagram, then drain up to ``max_count`` without yielding again."""
+    async def receive_batch(self, max_count: int = DEFAULT_BATCH,
+                            max_bytes: int | None = None) -> list[tuple[bytes, Address]]:
+        """Wait for at least one datagram, then drain up to ``max_count`` (and ``max_bytes``, as
+        ``try_receive_batch``) without yielding again."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        batch: list[tuple[bytes, Address]] = []
         while True:
-            while len(batch) < max_count:
-                got = self.try_receive()
-                if got is None:
-                    break
-                batch.append(got)
+            batch = self.try_receive_batch(max_count, max_bytes)
             if batch:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
