@@ -119,6 +119,15 @@ class DataPath:
         self.groups: Groups = Groups(self)
         self.datagrams_received = 0
         self.refused: Counter[str] = Counter()
+        self.in_cycle = False
+        """Set by the shell when a pass begins, cleared here once the ingress's duty cycle has run: until
+        then a `wake` (an SM that let a subscription deliver, a completion, a grant) is served by this
+        pass's own `do_work`, so the shell does not run another for it."""
+        self.more_waiting = False
+        """Set by the shell: the datagrams of this pass stopped at its bound, so more may be waiting in the
+        socket. A producer that is still sending is not waiting for a status message, so the one a
+        caught-up image would send at once (for a producer's flush) waits for the pass that empties the
+        socket (`Ingress`); sent after every pass, it was one SM for every two datagrams."""
 
     @property
     def endpoint_text(self) -> str:
@@ -177,6 +186,7 @@ class DataPath:
     def do_work(self, now_ns: int) -> Outgoing:
         """Both sides' duty cycles: SMs, NAKs and RTTMs for the images, data and SETUPs for the publications."""
         out = self.ingress.do_work(now_ns)
+        self.in_cycle = False  # what wakes from here on needs a cycle of its own
         out += self.egress.do_work(now_ns)
         out += self.groups.do_work(now_ns)
         return out

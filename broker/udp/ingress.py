@@ -85,6 +85,7 @@ class UdpPublication:
     is one entry, its last message's transfer id: its bytes are released when all its messages complete,
     so the consumption position only ever moves to the end of a term frame."""
     woken: bool = True  # the publication session's outbox or completions changed: drain it
+    caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
     messages: int = 0
     bad_envelopes: int = 0
 
@@ -248,7 +249,12 @@ class Ingress:
     def do_work(self, now_ns: int) -> Outgoing:
         """Each image's duty cycle, its messages routed, holds released, windows set, SMs out."""
         out: Outgoing = []
+        more_waiting = self.datapath.more_waiting
         for pub in list(self.publications.values()):
+            if pub.caught_up and not more_waiting:
+                pub.caught_up = False
+                if pub.image is not None:
+                    pub.image.report_now()
             out += pub.channel.do_work(now_ns)  # rebuild what arrived; timers
             if pub.image is not None and (pub.woken or pub.image.rebuild_position > pub.image.subscriber_position(
                     pub.subscription.subscription_id)):
@@ -352,7 +358,7 @@ class Ingress:
                     total += space
             image.hold(sub_id, total)
         elif image.rebuild_position == image.subscriber_position(sub_id):
-            image.report_now()  # caught up: the producer may be waiting for exactly this (flush)
+            self._caught_up(pub, image)
         self._drain_outbox(pub, now_ns)
         return True
 
@@ -442,8 +448,18 @@ class Ingress:
             sub_id = pub.subscription.subscription_id
             image.release(sub_id, released)
             if not pending and image.rebuild_position == image.subscriber_position(sub_id):
-                image.report_now()  # caught up: the producer may be waiting for exactly this (flush)
+                self._caught_up(pub, image)
         return bool(released)
+
+    def _caught_up(self, pub: UdpPublication, image: Image) -> None:
+        """Everything the image received is complete: the producer may be waiting for exactly this (its
+        flush), so the status message goes out in this cycle, unless more datagrams wait in the socket
+        (`DataPath.more_waiting`): then the producer is still sending, and the cycle that finds the socket
+        empty sends it (`do_work`)."""
+        if self.datapath.more_waiting:
+            pub.caught_up = True
+        else:
+            image.report_now()
 
     def _apply_window(self, pub: UdpPublication) -> bool:
         image = pub.image

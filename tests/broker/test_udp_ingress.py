@@ -489,6 +489,39 @@ def test_a_cycle_routes_at_most_its_message_bound_and_one_batch_more() -> None:
     assert sum(routed) > MAX_MESSAGES_PER_CYCLE  # and the next cycles go on
 
 
+def test_a_caught_up_status_message_waits_while_more_datagrams_wait_in_the_socket() -> None:
+    """Completing everything received sends a status message at once (a flushing producer waits for
+    exactly that), unless the shell says its pass stopped at its bound with more datagrams waiting: a
+    producer still sending is not waiting, and the pass that finds the socket empty sends it."""
+    for more_waiting in (False, True):
+        rig = Rig()
+        rig.h.queue("q")
+        rig.cycle()  # connected: SETUP, status message
+        for i in range(10):  # far below a quarter window: only the caught-up rule reports them
+            assert rig.pub.offer(encode_publish(b"m%03d" % i)) >= 0
+        now = rig.h.now
+        for datagram, _ in rig.pub.do_work(now):
+            rig.datapath.on_datagram(datagram, SOURCE, now)
+        rig.datapath.more_waiting = more_waiting
+        out = rig.datapath.do_work(now)
+        assert len(rig.bodies()) == 10
+        image = rig.image
+        end = image.statistics().consumption_position
+        assert end == rig.pub.position
+        if not more_waiting:
+            assert image.last_sm_position == end and out
+            continue
+        assert image.last_sm_position < end and not out  # deferred
+        assert rig.datapath.do_work(now) == [] and image.last_sm_position < end  # still waiting
+        rig.datapath.more_waiting = False  # the socket was found empty
+        out = rig.datapath.do_work(now)
+        assert len(out) == 1 and image.last_sm_position == end
+        limit = rig.pub.sender_limit
+        for datagram, _ in out:
+            rig.pub.on_datagram(datagram, ENDPOINT, now)
+        assert rig.pub.sender_limit == end + image.statistics().receiver_window > limit  # the producer told
+
+
 def test_a_fragmented_batch_is_dropped_and_counted_and_the_window_moves_on() -> None:
     """The SDK never fragments a PUBLISH_BATCH; one that is would be up to MAX_ENTRIES_PER_FRAME messages
     the poll could not see coming, so it is a bad envelope."""
