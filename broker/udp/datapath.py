@@ -122,7 +122,8 @@ class DataPath:
         self.in_cycle = False
         """Set by the shell when a pass begins, cleared here once the ingress's duty cycle has run: until
         then a `wake` (an SM that let a subscription deliver, a completion, a grant) is served by this
-        pass's own `do_work`, so the shell does not run another for it."""
+        pass's own `do_work`, so the shell does not run another for it, unless the ingress is left
+        `pending`."""
         self.more_waiting = False
         """Set by the shell: the datagrams of this pass stopped at its bound, so more may be waiting in the
         socket. A producer that is still sending is not waiting for a status message, so the one a

@@ -86,6 +86,7 @@ class UdpPublication:
     so the consumption position only ever moves to the end of a term frame."""
     woken: bool = True  # the publication session's outbox or completions changed: drain it
     caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
+    more_to_route: bool = False  # the last poll stopped at a bound (the cycle's messages, the grant)
     messages: int = 0
     bad_envelopes: int = 0
 
@@ -256,9 +257,9 @@ class Ingress:
                 if pub.image is not None:
                     pub.image.report_now()
             out += pub.channel.do_work(now_ns)  # rebuild what arrived; timers
-            if pub.image is not None and (pub.woken or pub.image.rebuild_position > pub.image.subscriber_position(
-                    pub.subscription.subscription_id)):
-                pub.woken = False
+            if pub.image is not None and (pub.woken or pub.more_to_route or pub.image.rebuild_position
+                                          > pub.image.subscriber_position(pub.subscription.subscription_id)):
+                pub.woken = pub.more_to_route = False
                 if self._poll(pub, now_ns) or self._drain_outbox(pub, now_ns):
                     out += pub.channel.do_work(now_ns)  # the SM the new consumption position calls for
             elif pub.woken:
@@ -315,9 +316,9 @@ class Ingress:
             pass
         if not messages:
             return False
-        if count >= MAX_MESSAGES_PER_CYCLE:
-            pub.woken = True
-            self.datapath.wake()  # more to route: the next cycle comes at once
+        if count >= MAX_MESSAGES_PER_CYCLE or charged >= room:
+            pub.more_to_route = True  # stopped at a bound: the next cycle comes at once (`pending`)
+            self.datapath.wake()
         exchange, default_key = pub.exchange, pub.routing_key
         entries: list[TransferEntry] | None
         counts: list[int] | None = None  # messages in each polled payload, when batches are among them
@@ -419,6 +420,7 @@ class Ingress:
     def _drain_outbox(self, pub: UdpPublication, now_ns: int) -> bool:
         """Relay the publication session's frames, release completed holds, set the window; True if the
         consumption position or the window moved."""
+        pub.woken = False  # what woke it is drained here; a wake from here on is a new one
         session = pub.session
         owner = pub.owner
         for frame in session.collect(now_ns):
@@ -477,6 +479,13 @@ class Ingress:
             return False
         image.window_cap = cap
         return True
+
+    def pending(self) -> bool:
+        """Is there work a cycle left for the next: a poll that stopped at a bound (the cycle's messages,
+        or the grant while what it routed completed at once), or a publication woken after its drain (a
+        later publication's routing changed it)? The shell runs another cycle for it at once. Not a
+        publication whose grant is held by a saturated queue: its completions wake it."""
+        return any(pub.woken or pub.more_to_route for pub in self.publications.values())
 
     def deadline_ns(self, now_ns: int) -> int:
         deadline = now_ns + 1_000_000_000

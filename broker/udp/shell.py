@@ -43,6 +43,7 @@ class UdpShell:
     def __init__(self, config: UdpConfig, core: BrokerCore, endpoint: UdpEndpoint) -> None:
         self.endpoint = endpoint
         self._woken = trio.Event()
+        self._woke_in_pass = False
         self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
         core.udp = self.datapath
         # A multicast group's socket: bound to its control group (where members' SMs and NAKs go), sending
@@ -65,8 +66,12 @@ class UdpShell:
     def wake(self) -> None:
         """Something changed outside a datagram: run the duty cycle soon (in the waker task), unless a pass
         under way will run it (`DataPath.in_cycle`): an SM that let a UDP subscription deliver woke the
-        waker for a pass that found nothing left to do, two of every five passes."""
-        if not self.datapath.in_cycle:
+        waker for a pass that found nothing left to do, two of every five passes. What the pass's cycle
+        leaves for the next one (a publication whose poll stopped at the cycle's message bound) is
+        asked of the ingress at the pass's end (`Ingress.pending`)."""
+        if self.datapath.in_cycle:
+            self._woke_in_pass = True
+        else:
             self._woken.set()
 
     def _send(self, out: Outgoing) -> None:
@@ -115,6 +120,10 @@ class UdpShell:
             out = datapath.do_work(now)
         finally:
             datapath.in_cycle = False
+            if self._woke_in_pass:
+                self._woke_in_pass = False
+                if datapath.ingress.pending():
+                    self._woken.set()
             self.end_pass()
         self._send(out)
 

@@ -54,8 +54,8 @@ async def test_a_pass_takes_in_at_most_pass_bytes_and_the_datagram_that_reaches_
 
 async def test_a_wake_during_a_pass_is_served_by_that_pass() -> None:
     """A wake while a pass takes in its datagrams (an SM that let a UDP subscription deliver) is served by
-    the pass's own duty cycle, which follows: the waker runs no pass for it. A wake from outside a pass (a
-    TCP consumer's settlement) runs one."""
+    the pass's own duty cycle, which follows: the waker runs no pass for it, unless the cycle left the
+    ingress pending. A wake from outside a pass (a TCP consumer's settlement) runs one."""
     shell = RecordingShell()
     on_datagram = shell.datapath.on_datagram
 
@@ -86,5 +86,14 @@ async def test_a_wake_during_a_pass_is_served_by_that_pass() -> None:
             shell.wake()
             await trio.testing.wait_all_tasks_blocked()
             assert [sizes for sizes, _ in shell.passes] == [[100], []]  # the waker's
+            # A wake in a pass whose cycle left the ingress pending (a poll stopped at the cycle's
+            # message bound): the waker runs the next cycle.
+            shell.datapath.ingress.pending = lambda: True  # type: ignore[method-assign]
+            sender.send(b"y" * 200, shell.endpoint.local_address)
+            with trio.fail_after(5):
+                while sum(shell.datapath.refused.values()) < 2:
+                    await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()
+            assert [sizes for sizes, _ in shell.passes] == [[100], [], [200], []]
             nursery.cancel_scope.cancel()
-    assert wakes_in_cycle == [False, False]  # cleared once the ingress's cycle ran, every pass
+    assert wakes_in_cycle == [False] * 4  # cleared once the ingress's cycle ran, every pass
