@@ -11,6 +11,7 @@ recover, and is counted on the endpoint).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import trio
@@ -19,6 +20,7 @@ from flowbroker.broker.config import UdpConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.udp.datapath import DataPath, Outgoing
 from flowbroker.transport.channel import ChannelUri
+from flowbroker.transport.frames import FrameType
 from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
 from flowbroker.transport.udp.sockets import open_multicast_publication_endpoint
 
@@ -27,6 +29,8 @@ __all__ = ["UdpShell", "open_data_path"]
 LOGGER = logging.getLogger("flowbroker.broker")
 
 SOCKET_BUFFER = 4 * 1024 * 1024  # SO_RCVBUF/SO_SNDBUF asked for (the kernel may clamp them)
+
+_DATA_TYPE = int(FrameType.DATA)  # PAD is 0, DATA 1: the frames a pass takes in order, PASS_BYTES at a time
 
 PASS_BYTES = 64 * 1024
 """The datagram bytes one pass takes in before the receiver yields (the datagram that reaches it is taken):
@@ -44,6 +48,7 @@ class UdpShell:
         self.endpoint = endpoint
         self._woken = trio.Event()
         self._woke_in_pass = False
+        self._backlog: deque[tuple[bytes, tuple[str, int]]] = deque()  # data read ahead (`_take`)
         self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
         core.udp = self.datapath
         # A multicast group's socket: bound to its control group (where members' SMs and NAKs go), sending
@@ -136,16 +141,16 @@ class UdpShell:
             endpoint.close()
 
     async def _receiver(self) -> None:
-        """A pass per turn: what the socket holds now (at most PASS_BYTES) goes in with a plain yield
-        after it; only an empty socket waits, in a cancel scope for the data path's next deadline (a
-        cancel scope a pass cost more than the pass's datagram copies). A pass that stopped at its bound
-        tells the data path more may be waiting (`DataPath.more_waiting`); the turn that finds the socket
-        empty runs a pass without datagrams first, for what that deferred."""
+        """A pass per turn (`_take`: every control datagram the socket holds, at most PASS_BYTES of data)
+        with a plain yield after it; only an empty socket waits, in a cancel scope for the data path's
+        next deadline (a cancel scope a pass cost more than the pass's datagram copies). While data is
+        left for later passes (`DataPath.more_waiting`) a caught-up status message waits; the turn that
+        finds nothing left runs a pass without datagrams first, for what that deferred."""
         datapath, endpoint = self.datapath, self.endpoint
         while True:
-            batch = endpoint.try_receive_batch(DEFAULT_BATCH, PASS_BYTES)
+            batch = self._take()
             if batch:
-                datapath.more_waiting = _bounded(batch)
+                datapath.more_waiting = bool(self._backlog)
                 self._pass(batch)
                 await trio.lowlevel.checkpoint()
                 continue
@@ -153,9 +158,38 @@ class UdpShell:
                 datapath.more_waiting = False
                 self._pass(batch)
             with trio.move_on_at(datapath.deadline_ns(now_ns()) / 1_000_000_000):
-                batch = await endpoint.receive_batch(DEFAULT_BATCH, PASS_BYTES)
-            datapath.more_waiting = _bounded(batch)
+                await endpoint.wait_readable()
+            batch = self._take()
+            datapath.more_waiting = bool(self._backlog)
             self._pass(batch)
+
+    def _take(self) -> list[tuple[bytes, tuple[str, int]]]:
+        """This pass's datagrams. What the socket holds is read now, up to DEFAULT_BATCH datagrams and
+        while the backlog of data read ahead is under DEFAULT_BATCH: control datagrams (a consumer's SMs
+        and NAKs, SETUPs, RTTMs, anything malformed) go into this pass, data (DATA and PAD frames, in
+        their order) into the backlog, of which this pass takes PASS_BYTES (the datagram that reaches it
+        included). The socket is one queue for every peer: read in order, a UDP consumer's SM waited
+        behind each datagram of a producer's window, one pass each, so the consumer's deliveries lagged
+        its producer's and the queue grew (UDP -> UDP p50 182-235 ms against 12-14 ms read ahead)."""
+        backlog, try_receive = self._backlog, self.endpoint.try_receive
+        batch: list[tuple[bytes, tuple[str, int]]] = []
+        for _ in range(DEFAULT_BATCH):
+            if len(backlog) >= DEFAULT_BATCH:
+                break
+            got = try_receive()
+            if got is None:
+                break
+            datagram = got[0]
+            if len(datagram) >= 8 and datagram[6] <= _DATA_TYPE and not datagram[7]:  # PAD or DATA
+                backlog.append(got)
+            else:
+                batch.append(got)
+        room = PASS_BYTES
+        while backlog and room > 0:
+            got = backlog.popleft()
+            batch.append(got)
+            room -= len(got[0])
+        return batch
 
     async def _waker(self) -> None:
         while True:
@@ -166,12 +200,6 @@ class UdpShell:
 
 def _nothing() -> None:
     pass
-
-
-def _bounded(batch: list[tuple[bytes, tuple[str, int]]]) -> bool:
-    """Did this receive stop at its bound (DEFAULT_BATCH datagrams or PASS_BYTES), rather than at an
-    empty socket?"""
-    return len(batch) >= DEFAULT_BATCH or sum(len(datagram) for datagram, _ in batch) >= PASS_BYTES
 
 
 def open_data_path(config: UdpConfig, core: BrokerCore) -> UdpShell:

@@ -11,7 +11,8 @@ import trio.testing
 
 from flowbroker.broker.udp.datapath import Outgoing
 from flowbroker.broker.udp.shell import PASS_BYTES, UdpShell
-from flowbroker.transport.udp import open_udp
+from flowbroker.transport.frames import FrameType
+from flowbroker.transport.udp import DEFAULT_BATCH, open_udp
 from tests.broker.coreharness import Harness
 
 LOCAL = ("127.0.0.1", 0)
@@ -30,26 +31,51 @@ class RecordingShell(UdpShell):
         super()._pass(batch)
 
 
-async def test_a_pass_takes_in_at_most_pass_bytes_and_the_datagram_that_reaches_it() -> None:
-    """Six 40,000-byte datagrams waiting: passes of two (80,000 reaches PASS_BYTES), each telling the data
-    path that more may be waiting, and then a pass of none once the socket is found empty, which tells it
-    that nothing is (the status messages that waited go out there)."""
+def _frame(frame_type: int, fill: int, size: int) -> bytes:
+    """A datagram whose Aeron header says `frame_type` (what the shell sorts by), `fill` bytes after it."""
+    return bytes(6) + frame_type.to_bytes(2, "little") + bytes([fill]) * (size - 8)
+
+
+async def test_a_pass_takes_every_control_datagram_and_at_most_pass_bytes_of_data() -> None:
+    """Six 40,000-byte DATA datagrams and a status message behind the third: the first pass takes the
+    status message ahead of the data (a consumer's SM does not wait for a producer's window to be routed)
+    and two DATA datagrams (80,000 bytes reach PASS_BYTES), the next passes two each in their order. Each
+    pass tells the data path whether data is left for later (`more_waiting`), the last that none is."""
     assert PASS_BYTES == 64 * 1024
     shell = RecordingShell()
+    data = [_frame(FrameType.DATA, i, 40_000) for i in range(6)]
+    sm = _frame(FrameType.SM, 0xEE, 36)
     async with open_udp(LOCAL) as sender:
-        for i in range(6):
-            assert sender.send(bytes([i]) * 40_000, shell.endpoint.local_address)
+        for datagram in data[:3] + [sm] + data[3:]:
+            assert sender.send(datagram, shell.endpoint.local_address)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(shell.run)
             with trio.fail_after(5):
-                while sum(shell.datapath.refused.values()) < 6:  # unregistered: refused, counted
+                while sum(shell.datapath.refused.values()) < 7:  # unregistered: refused, counted
                     await trio.sleep(0.01)
                 await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
     taken = [(sizes, more) for sizes, more in shell.passes if sizes]
-    assert taken == [([40_000, 40_000], True)] * 3
-    assert shell.passes[3] == ([], False)  # the socket found empty after a bounded pass
-    assert not shell.datapath.more_waiting
+    assert taken == [([36, 40_000, 40_000], True), ([40_000, 40_000], True), ([40_000, 40_000], False)]
+    assert len(shell.passes) == 3 and not shell.datapath.more_waiting
+    assert not shell._backlog
+
+
+async def test_data_read_ahead_is_bounded() -> None:
+    """What a pass reads ahead is bounded: at most DEFAULT_BATCH datagrams a pass from the socket, and
+    none once DEFAULT_BATCH DATA datagrams wait in the backlog (the rest stay in the kernel's buffer)."""
+    shell = RecordingShell()
+    async with open_udp(LOCAL) as sender:
+        for i in range(3 * DEFAULT_BATCH):
+            assert sender.send(_frame(FrameType.DATA, i % 256, 1500), shell.endpoint.local_address)
+        await trio.sleep(0.05)
+        first = shell._take()  # reads 64, takes 44 (44 x 1,500 B reach 64 KiB)
+        assert len(first) == 44 and len(shell._backlog) == DEFAULT_BATCH - 44
+        second = shell._take()  # reads only until 64 wait again
+        assert len(second) == 44 and len(shell._backlog) == DEFAULT_BATCH - 44
+        assert shell.endpoint.counters.datagrams_received == DEFAULT_BATCH + 44  # the rest in the kernel
+        assert [d[8] for d, _ in first + second] == list(range(88))  # in their order
+        shell.endpoint.close()
 
 
 async def test_a_wake_during_a_pass_is_served_by_that_pass() -> None:

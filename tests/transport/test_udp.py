@@ -78,6 +78,13 @@ async def test_a_batch_stops_at_the_datagram_that_reaches_max_bytes() -> None:
         assert [d for d, _ in first] == [b"0"]
         assert [d for d, _ in b.try_receive_batch(2)] == [b"1", b"2"]
         assert b.counters.datagrams_received == 9
+        with trio.move_on_after(0.05) as idle:
+            await b.wait_readable()  # nothing there: waits
+        assert idle.cancelled_caught
+        a.send(b"3", b.local_address)
+        with trio.fail_after(5):
+            await b.wait_readable()
+        assert b.try_receive_batch() == [(b"3", a.local_address)]  # waiting took nothing
 
 
 async def test_receive_into_caller_buffer() -> None:

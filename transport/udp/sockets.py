@@ -237,6 +237,12 @@ class UdpEndpoint:
                 return batch
             await trio.lowlevel.wait_readable(self._sock)
 
+    async def wait_readable(self) -> None:
+        """Wait until the socket holds a datagram (or is closed), then take nothing: for a receiver that
+        reads with ``try_receive`` in an order of its own."""
+        self._check_open()
+        await trio.lowlevel.wait_readable(self._sock)
+
     async def receive_into(self, buf: bytearray | memoryview) -> tuple[int, Address]:
         """Wait for a datagram and copy it into ``buf``; returns its length and source."""
         await trio.lowlevel.checkpoint_if_cancelled()
