@@ -476,7 +476,17 @@ def scenario_lossy(args: argparse.Namespace) -> None:
                 print(f"not measured: timed out after {args.timeout:.0f} s")
                 return
         c = pair.c
-        p = pair.p or {"start": time.monotonic(), "sent": count}
+        if pair.p is None:  # the consumer's result came first: the producer reports "sent" after its last
+            try:            # publish, and the last message can be delivered within the same poll
+                got = pair.pq.get(timeout=10)
+                if "error" not in got:
+                    pair.p = got
+            except queue.Empty:
+                pass
+        if pair.p is None:
+            print("not measured: the producer did not report its start")
+            return
+        p = pair.p
         try:
             last = pair.pq.get(timeout=2)
         except queue.Empty:
