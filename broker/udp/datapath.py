@@ -125,10 +125,10 @@ class DataPath:
         pass's own `do_work`, so the shell does not run another for it, unless the ingress is left
         `pending`."""
         self.more_waiting = False
-        """Set by the shell: the datagrams of this pass stopped at its bound, so more may be waiting in the
-        socket. A producer that is still sending is not waiting for a status message, so the one a
-        caught-up image would send at once (for a producer's flush) waits for the pass that empties the
-        socket (`Ingress`); sent after every pass, it was one SM for every two datagrams."""
+        """Set by the shell: DATA frames are left for later passes (read ahead, `UdpShell._take`). A
+        producer that is still sending is not waiting for a status message, so the one a caught-up image
+        would send at once (for a producer's flush) waits for the pass that leaves none (`Ingress`); sent
+        after every pass, it was one SM for every two datagrams."""
 
     @property
     def endpoint_text(self) -> str:

@@ -455,9 +455,9 @@ class Ingress:
 
     def _caught_up(self, pub: UdpPublication, image: Image) -> None:
         """Everything the image received is complete: the producer may be waiting for exactly this (its
-        flush), so the status message goes out in this cycle, unless more datagrams wait in the socket
-        (`DataPath.more_waiting`): then the producer is still sending, and the cycle that finds the socket
-        empty sends it (`do_work`)."""
+        flush), so the status message goes out in this cycle, unless more DATA waits for later passes
+        (`DataPath.more_waiting`): then the producer is still sending, and the cycle of the pass that
+        leaves none sends it (`do_work`)."""
         if self.datapath.more_waiting:
             pub.caught_up = True
         else:

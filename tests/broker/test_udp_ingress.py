@@ -501,10 +501,10 @@ def test_a_cycle_routes_at_most_its_message_bound_and_one_batch_more() -> None:
     assert queue.saturated and not rig.datapath.ingress.pending()
 
 
-def test_a_caught_up_status_message_waits_while_more_datagrams_wait_in_the_socket() -> None:
+def test_a_caught_up_status_message_waits_while_more_data_waits_for_later_passes() -> None:
     """Completing everything received sends a status message at once (a flushing producer waits for
-    exactly that), unless the shell says its pass stopped at its bound with more datagrams waiting: a
-    producer still sending is not waiting, and the pass that finds the socket empty sends it."""
+    exactly that), unless the shell says DATA is left for later passes: a producer still sending is not
+    waiting, and the pass that leaves none sends it."""
     for more_waiting in (False, True):
         rig = Rig()
         rig.h.queue("q")
@@ -525,7 +525,7 @@ def test_a_caught_up_status_message_waits_while_more_datagrams_wait_in_the_socke
             continue
         assert image.last_sm_position < end and not out  # deferred
         assert rig.datapath.do_work(now) == [] and image.last_sm_position < end  # still waiting
-        rig.datapath.more_waiting = False  # the socket was found empty
+        rig.datapath.more_waiting = False  # no DATA left for later passes
         out = rig.datapath.do_work(now)
         assert len(out) == 1 and image.last_sm_position == end
         limit = rig.pub.sender_limit

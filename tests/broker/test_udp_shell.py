@@ -19,7 +19,7 @@ LOCAL = ("127.0.0.1", 0)
 
 
 class RecordingShell(UdpShell):
-    """A shell that records each pass: its datagrams' sizes, and whether it was told more may be waiting."""
+    """A shell that records each pass: its datagrams' sizes, and whether DATA was left for later passes."""
 
     def __init__(self) -> None:
         h = Harness()
