@@ -256,7 +256,7 @@ _pack_entries: Callable[[Any], bytes] = msgpack.Packer().pack
 BATCH_HEAD_BOUND = 6
 """The most a DELIVER_BATCH payload adds around its entries: the kind byte and msgpack's array header."""
 
-ENTRY_FIXED_BOUND = 32
+_ENTRY_FIXED_BOUND = 32
 """The most an entry's msgpack takes beyond its body and names' characters: array header 1, tag up to 9,
 three str/bin headers of up to 5, nil or packed headers' own bytes counted apart, redelivered 1."""
 
@@ -265,7 +265,7 @@ def delivery_entry_bound(body: bytes, exchange: str, routing_key: str, headers: 
     """At least the bytes a delivery's entry takes in a DELIVER_BATCH (never fewer, so a batch filled by
     these bounds fits where it must): the body, four bytes per character of the names (UTF-8's most), and
     the packed headers. The broker sums them to fill a datagram without packing each entry apart."""
-    bound = len(body) + ((len(exchange) + len(routing_key)) << 2) + ENTRY_FIXED_BOUND
+    bound = len(body) + ((len(exchange) + len(routing_key)) << 2) + _ENTRY_FIXED_BOUND
     if headers:
         bound += len(msgpack.packb(headers, use_bin_type=True))
     return bound

@@ -37,6 +37,13 @@ _IDS = struct.Struct("<ii")
 _DATA_IDS_OFFSET = 12  # DATA, PAD, SETUP: session id, stream id
 _CONTROL_IDS_OFFSET = 8  # SM, NAK, ERR, RTTM
 _TO_INGRESS = frozenset({FrameType.DATA, FrameType.PAD, FrameType.SETUP})
+_DATA_FRAMES = frozenset({FrameType.DATA, FrameType.PAD})
+
+
+def is_data_frame(data: bytes | bytearray | memoryview) -> bool:
+    """Does this datagram's header say DATA or PAD (a producer's stream, taken in order), rather than a
+    control frame (SM, NAK, SETUP, RTTM) or something malformed? What the shell sorts its read-ahead by."""
+    return len(data) >= 8 and _TYPE.unpack_from(data, 6)[0] in _DATA_FRAMES
 _TO_EGRESS = frozenset({FrameType.SM, FrameType.NAK, FrameType.ERR})
 
 REFUSAL_REASONS = (

@@ -33,7 +33,6 @@ from flowbroker.broker.udp.datapath import Address, Outgoing
 from flowbroker.protocol.envelope import (
     BATCH_HEAD_BOUND,
     DELIVER_BATCH_KIND,
-    ENTRY_FIXED_BOUND,
     delivery_entry_bound,
     delivery_head,
     pack_delivery_entries,
@@ -159,10 +158,7 @@ class UdpSubscription(Subscription):
         while True:
             msg = store[0]
             body, exchange, routing_key, headers = msg.body, msg.exchange, msg.routing_key, msg.headers
-            if headers:
-                need = delivery_entry_bound(body, exchange, routing_key, headers)
-            else:  # delivery_entry_bound inlined for the common message: a call a message less
-                need = len(body) + ((len(exchange) + len(routing_key)) << 2) + ENTRY_FIXED_BOUND
+            need = delivery_entry_bound(body, exchange, routing_key, headers)
             if batch and (need > space or len(batch) == MAX_ENTRIES_PER_FRAME):  # full: out it goes
                 position = _offer_batch(stream, batch)
                 batch = []

@@ -18,9 +18,8 @@ import trio
 
 from flowbroker.broker.config import UdpConfig
 from flowbroker.broker.core import BrokerCore
-from flowbroker.broker.udp.datapath import DataPath, Outgoing
+from flowbroker.broker.udp.datapath import DataPath, Outgoing, is_data_frame
 from flowbroker.transport.channel import ChannelUri
-from flowbroker.transport.frames import FrameType
 from flowbroker.transport.udp import DEFAULT_BATCH, UdpEndpoint, now_ns, open_udp
 from flowbroker.transport.udp.sockets import open_multicast_publication_endpoint
 
@@ -29,8 +28,6 @@ __all__ = ["UdpShell", "open_data_path"]
 LOGGER = logging.getLogger("flowbroker.broker")
 
 SOCKET_BUFFER = 4 * 1024 * 1024  # SO_RCVBUF/SO_SNDBUF asked for (the kernel may clamp them)
-
-_DATA_TYPE = int(FrameType.DATA)  # PAD is 0, DATA 1: the frames a pass takes in order, PASS_BYTES at a time
 
 PASS_BYTES = 64 * 1024
 """The datagram bytes one pass takes in before the receiver yields (the datagram that reaches it is taken):
@@ -149,19 +146,18 @@ class UdpShell:
         datapath, endpoint = self.datapath, self.endpoint
         while True:
             batch = self._take()
-            if batch:
-                datapath.more_waiting = bool(self._backlog)
-                self._pass(batch)
-                await trio.lowlevel.checkpoint()
-                continue
-            if datapath.more_waiting:
-                datapath.more_waiting = False
-                self._pass(batch)
-            with trio.move_on_at(datapath.deadline_ns(now_ns()) / 1_000_000_000):
-                await endpoint.wait_readable()
-            batch = self._take()
+            waited = not batch
+            if waited:
+                if datapath.more_waiting:
+                    datapath.more_waiting = False
+                    self._pass(batch)
+                with trio.move_on_at(datapath.deadline_ns(now_ns()) / 1_000_000_000):
+                    await endpoint.wait_readable()
+                batch = self._take()
             datapath.more_waiting = bool(self._backlog)
             self._pass(batch)
+            if not waited:
+                await trio.lowlevel.checkpoint()  # the wait yielded already
 
     def _take(self) -> list[tuple[bytes, tuple[str, int]]]:
         """This pass's datagrams. What the socket holds is read now, up to DEFAULT_BATCH datagrams and
@@ -179,8 +175,7 @@ class UdpShell:
             got = try_receive()
             if got is None:
                 break
-            datagram = got[0]
-            if len(datagram) >= 8 and datagram[6] <= _DATA_TYPE and not datagram[7]:  # PAD or DATA
+            if is_data_frame(got[0]):
                 backlog.append(got)
             else:
                 batch.append(got)
