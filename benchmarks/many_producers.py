@@ -18,7 +18,8 @@ time per message (its process, read through psutil before and after the load); t
 with each one's rate and broker CPU relative to the first layout (the issue's target: 10x1 at >= 0.9x the rate
 of 1x1, the broker's CPU per message no higher). --rounds R repeats the layouts in alternating order.
 --producer-nice N runs the producer processes at that niceness (Linux shares CPU per runnable thread, so
-10 producer processes take CPU from the broker and the consumer). --profile DIR records the broker under py-spy (when installed) into DIR/LAYOUT-ROUND.txt (collapsed stacks).
+10 producer processes take CPU from the broker and the consumer). --paced runs the broker with `[queues]
+pace_producers = true` (docs/policies.md, "Pacing"). --profile DIR records the broker under py-spy (when installed) into DIR/LAYOUT-ROUND.txt (collapsed stacks).
 
     python benchmarks/many_producers.py [--messages 200000] [--layouts 1x1,10x1,4x25,4x250] [--rounds 1]
 """
@@ -104,7 +105,7 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
     counts = [share + (1 if i < extra else 0) for i in range(connections)]
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="many-producers-") as tmp:
-        server: Server = start_flowbroker(Path(tmp))
+        server: Server = start_flowbroker(Path(tmp), paced=args.paced)
         spy: subprocess.Popen[bytes] | None = None
         children: list[Any] = []  # the client processes started here: ended if the run fails
         try:
@@ -167,6 +168,8 @@ def main() -> None:
     parser.add_argument("--latency-bound", action="store_true",
                         help="declare the queue as peers.py's flowbroker-latency does (flow_stop_drain_time 0.03 s, "
                              "resume 0.02 s) instead of with the defaults (size watermarks only)")
+    parser.add_argument("--paced", action="store_true",
+                        help="run the broker with [queues] pace_producers = true, as peers.py's flowbroker-paced")
     parser.add_argument("--producer-nice", type=int, default=0,
                         help="the producer processes' niceness: how much CPU Linux gives them beside the broker")
     args = parser.parse_args()

@@ -13,6 +13,9 @@ processes this script started are ever signalled).
                   one: flow_stop_drain_time 0.03 s, flow_resume_drain_time 0.02 s (docs/policies.md, "Time
                   thresholds"). The size watermark alone lets the backlog wander up to 80 MiB whenever the
                   consumer falls behind for a while; this bounds it at about 30 ms of the consumer's pace.
+  flowbroker-paced  the default queue on a broker with `[queues] pace_producers = true` (docs/policies.md,
+                  "Pacing"): the producer's completions wait while the queue holds more than twice the
+                  consumer's prefetch ready, until it is down to the prefetch. No stop, no threshold to set.
   nats-core       `nats-server` (Debian's package), `nats-py`: plain publish/subscribe on one subject.
                   Nothing paces the producer and nothing is kept: a slow subscriber loses messages.
   nats-jetstream  the same server with -js: a stream in memory (--jetstream-storage), the producer's
@@ -71,7 +74,7 @@ WINDOW = 1000  # the producer's uncompleted transfers / pending PubAcks
 PREFETCH = 2000  # the consumer's
 SAMPLE_EVERY = 10  # latency of every 10th message
 IDLE_SECONDS = 10.0  # a consumer that has received nothing for this long stops (NATS core may drop)
-SYSTEMS = ("flowbroker", "flowbroker-latency", "nats-core", "nats-jetstream", "rabbitmq")
+SYSTEMS = ("flowbroker", "flowbroker-latency", "flowbroker-paced", "nats-core", "nats-jetstream", "rabbitmq")
 # flowbroker-latency's queue: saturated while its backlog would take over 30 ms to drain at the consumers'
 # measured pace, clear again under 20 ms
 LATENCY_STOP, LATENCY_RESUME = 0.03, 0.02
@@ -126,12 +129,17 @@ class Server:
             stop_broker(proc)  # SIGTERM, SIGKILL after 10 s
 
 
-def start_flowbroker(tmp: Path) -> Server:
+def start_flowbroker(tmp: Path, paced: bool = False) -> Server:
     port = free_port()
     exe = Path(sys.executable).with_name("flowbroker")
     log = open(tmp / "flowbroker.log", "wb")
-    proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), "--no-admin", "--no-udp",
-                             "--no-metrics", "--data-dir", str(tmp / "flowbroker-data")], stderr=log, stdout=log)
+    config: list[str] = []
+    if paced:
+        (tmp / "flowbroker.toml").write_text("[queues]\npace_producers = true\n")
+        config = ["--config", str(tmp / "flowbroker.toml")]
+    proc = subprocess.Popen([str(exe), "serve", *config, "--host", "127.0.0.1", "--port", str(port), "--no-admin",
+                             "--no-udp", "--no-metrics", "--data-dir", str(tmp / "flowbroker-data")],
+                            stderr=log, stdout=log)
     log.close()
     return Server(f"flowbroker://127.0.0.1:{port}", [wait_listening(proc, port)])
 
@@ -184,7 +192,7 @@ def start_rabbitmq(tmp: Path) -> Server:
 
 def start_server(system: str, tmp: Path) -> Server:
     if system.startswith("flowbroker"):
-        return start_flowbroker(tmp)
+        return start_flowbroker(tmp, paced=system == "flowbroker-paced")
     if system in ("nats-core", "nats-jetstream"):
         return start_nats(tmp, system == "nats-jetstream")
     return start_rabbitmq(tmp)

@@ -142,9 +142,15 @@ class QueueDefaults:
     flow_resume_percent: float = 70.0
     overflow: str = OVERFLOW_REJECT
     max_prefetch: int = 10_000
+    pace_producers: bool = False
+    """Hold back the completions and credit of a producer that routed to a queue holding more ready
+    messages than twice its consumers' combined prefetch until that queue is down to the prefetch
+    (docs/policies.md, "Pacing"): the backlog, and the latency it costs, stay small without stopping anyone."""
 
     def validate(self) -> None:
         _int_range("queues", "max_size", self.max_size, 0, 1 << 50)
+        if not isinstance(self.pace_producers, bool):  # "false" would be truthy
+            raise ConfigError("queues", "pace_producers", self.pace_producers, "must be true or false")
         for key in ("flow_stop_percent", "flow_resume_percent"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:

@@ -88,6 +88,9 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 _owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _new_message = object.__new__  # (a Message built field by field on the router's hot path: BrokerCore.route)
 _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
+PACE_MAX_NS = 100_000_000
+"""The longest a paced producer's completions wait for its queue to catch up (checked by the flow timer, so
+100-200 ms): a queue whose consumers have stopped paces no one for long, and its watermarks take over."""
 
 
 class RequestError(Exception):
@@ -146,6 +149,11 @@ class BrokerCore:
         # sequence found in it at start, also accepted into `producer_sequences` (broker/recovery.py).
         self.journal: Journal | None = None
         self.route_runs = True  # False: every message through route's per-message path (tests compare the two)
+        self.pace_producers = config.queues.pace_producers
+        """[queues] pace_producers: `route` paces a producer on a queue it routed to that has more ready than
+        twice its consumers' combined prefetch (Queue.pace_limit): its completions and credit wait until
+        the queue is down to that prefetch (Queue.pace_clear, Queue.paced), or PACE_MAX_NS."""
+        self.paced_queues: dict[Queue, None] = {}  # queues with paced producers: what `tick` looks at
         self.recovered_producers: dict[str, int] = {}
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
@@ -218,6 +226,9 @@ class BrokerCore:
         self.connections_closed += 1
         session.detach()
         session.window_listener = None
+        if session.paced_on is not None:  # a queue that never catches up must not keep it
+            session.paced_on.paced.pop(session, None)
+            session.paced_on = None
         if self.udp is not None:  # its UDP publications and subscriptions end with it
             self.udp.close_owner(session.conn_id, self.clock_ns())
         if session.conn_id in self.credit:
@@ -525,8 +536,17 @@ class BrokerCore:
         finally:  # (whatever went wrong, what was routed is completed and delivered)
             if run_end != run_first:
                 receiver.complete_run(run_first, run_end - run_first, run_size)
+            # Pacing (docs/policies.md): a producer whose queue is behind gets its completions and
+            # credit once the queue catches up (Session.collect holds them, the queue releases them).
+            pace = self.pace_producers and session.paced_on is None
             for queue in touched:
                 queue.dispatch()
+                if pace and len(queue.store) > queue.pace_limit and not queue.deleted:
+                    session.paced_on = queue
+                    session.paced_total += 1
+                    queue.paced[session] = now
+                    self.paced_queues[queue] = None
+                    pace = False
         if receiver.window.consumed_position != consumed:
             session.outbox.wake()  # COMPLETE and perhaps a BUFFER_ACK are due
         if self.memory.over():  # checked once a frame: the bound is exceeded by at most one frame
@@ -850,10 +870,16 @@ class BrokerCore:
 
     def tick(self, now_ns: int) -> None:
         """The broker's flow timer (the server calls it every policies.drain.TICK_SECONDS): each queue with
-        a time threshold updates its drain-rate estimate and evaluates them. O(those queues) per tick,
-        nothing per message."""
+        a time threshold updates its drain-rate estimate and evaluates them, and producers paced for over
+        PACE_MAX_NS are released. O(those queues) per tick, nothing per message."""
         for queue in self.timed_queues.values():
             queue.tick(now_ns)
+        if self.paced_queues:
+            before = now_ns - PACE_MAX_NS
+            for queue in list(self.paced_queues):
+                queue.release_paced(before)
+                if not queue.paced:
+                    del self.paced_queues[queue]
 
     def track_time_thresholds(self, queue: Queue, thresholds: Thresholds | None = None) -> None:
         """Keep `timed_queues` to the queues with a time threshold: the flow timer ticks only those, so

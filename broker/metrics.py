@@ -79,6 +79,7 @@ class _ProducerRow:
     unacknowledged: int
     stopped_seconds: float | None  # None while not flow-stopped
     flow_stops: int
+    paced_total: int
     received: int
     stops: list[tuple[str, str]]  # (destination, threshold) holding it stopped
 
@@ -138,7 +139,7 @@ class Scrape:
             self.producers.append(_ProducerRow(
                 [str(session.conn_id), session.client_name, session.identity], session.buffer_size,
                 window.position - window.acked_position, _seconds(now, stops[0][1]) if stops else None,
-                session.flow_stops, window.position, [(stop[0], stop[3]) for stop in stops],
+                session.flow_stops, session.paced_total, window.position, [(stop[0], stop[3]) for stop in stops],
             ))
         self.queues: list[QueueStatistics] = []
         self._after: str | None = None
@@ -319,6 +320,8 @@ class Scrape:
                         "(0 when not).", _PRODUCER)
         stops = _counter("flowbroker_producer_flow_stops", "Times it was told FLOW_STOPPED.", _PRODUCER)
         received = _counter("flowbroker_producer_received_bytes", "Bytes of transfers received.", _PRODUCER)
+        paced = _counter("flowbroker_producer_paced", "Times its completions and credit waited for a queue it "
+                         "routed to to catch up with its consumers ([queues] pace_producers).", _PRODUCER)
         info = g("flowbroker_flow_stop_info", "1 for each (producer, queue) where the queue ('*': a broker-wide "
                  "stop) holds the producer stopped, and by which threshold.", _PRODUCER + ["queue", "threshold"])
         for row in self.producers:
@@ -329,9 +332,10 @@ class Scrape:
             stopped_for.add_metric(label, row.stopped_seconds or 0.0)
             stops.add_metric(label, row.flow_stops)
             received.add_metric(label, row.received)
+            paced.add_metric(label, row.paced_total)
             for destination, threshold in row.stops:
                 info.add_metric(label + [destination, threshold], 1)
-        yield from (granted, unacked, flow_stopped, stopped_for, stops, received, info)
+        yield from (granted, unacked, flow_stopped, stopped_for, stops, received, paced, info)
         yield GaugeMetricFamily("flowbroker_producer_series_dropped", "Producers left out by [metrics] "
                                 "max_producer_series.", value=self.producers_dropped)
 

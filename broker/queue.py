@@ -154,6 +154,17 @@ class Queue:
         self._held_floor = 0
         self.stopped_producers: dict[Session, None] = {}
         self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
+        self._prefetch_total = 0
+        self.pace_clear = sys.maxsize
+        """Ready messages the consumers are behind by no longer once they are down to it: their combined
+        prefetch, what they may hold in flight besides; none subscribed: never behind."""
+        self.pace_limit = sys.maxsize
+        """Ready messages beyond which a producer routing here is paced (`Session.paced_on`): twice
+        `pace_clear`, so that a producer woken at `pace_clear` sends a prefetch's worth before it waits again."""
+        self.paced: dict[Session, int] = {}
+        """The producers paced on it (since when, ns), released once its ready messages are down to
+        `pace_clear` (`_check_pace`, after each dispatch), it is purged or deleted, or by the flow timer
+        (`release_paced`)."""
         self._active: deque[Subscription] = deque()  # the rotation: those that may have credit
         self.deleted = False
         self.counters = QueueCounters()
@@ -435,6 +446,7 @@ class Queue:
         for msg in purged:
             self._remove(msg)
         self._check_resume()
+        self._check_pace()
         return len(purged)
 
     def delete(self) -> list[Subscription]:
@@ -450,6 +462,8 @@ class Queue:
         for sub in subs:
             sub.closed = True
         self._active.clear()
+        self._prefetch_total, self.pace_clear, self.pace_limit = 0, sys.maxsize, sys.maxsize
+        self._check_pace()
         return subs
 
     def set_thresholds(self, thresholds: Thresholds, now_ns: int) -> None:
@@ -498,6 +512,7 @@ class Queue:
 
     def add_subscription(self, sub: Subscription) -> None:
         self.subscriptions[sub] = None
+        self._update_pace_limit(sub.prefetch)
         self.resume_subscription(sub)
         self.dispatch()
 
@@ -508,8 +523,33 @@ class Queue:
         if sub not in self.subscriptions:
             return
         del self.subscriptions[sub]
+        self._update_pace_limit(-sub.prefetch)
         if len(self._active) > 2 * len(self.subscriptions) + 8:
             self._active = deque(s for s in self._active if not s.closed)
+
+    def _update_pace_limit(self, change: int) -> None:
+        """A subscription came (+ its prefetch) or went (-): O(1), as subscribing and cancelling are."""
+        self._prefetch_total += change
+        self.pace_clear = self._prefetch_total if self.subscriptions else sys.maxsize
+        self.pace_limit = 2 * self.pace_clear if self.subscriptions else sys.maxsize
+        self._check_pace()
+
+    def _check_pace(self) -> None:
+        """Release the producers paced on this queue once it holds no more ready than `pace_clear`."""
+        if self.paced and (len(self.store) <= self.pace_clear or self.deleted):
+            paced, self.paced = self.paced, {}
+            for session in paced:
+                session.paced_on = None
+                session.outbox.wake()  # its completions and credit are due
+
+    def release_paced(self, before_ns: int) -> None:
+        """The flow timer: release the producers paced on it since before `before_ns`, caught up or not,
+        so that a queue whose consumers stopped paces no one for long (its watermarks take over)."""
+        for session, since in list(self.paced.items()):
+            if since < before_ns:
+                del self.paced[session]
+                session.paced_on = None
+                session.outbox.wake()
 
     def resume_subscription(self, sub: Subscription) -> None:
         """Credit may have returned to `sub`: put it back in the rotation (call dispatch() after)."""
@@ -519,7 +559,13 @@ class Queue:
 
     def dispatch(self) -> None:
         """Hand ready messages to subscriptions with credit, round robin, until none has any. A
-        subscription found without credit leaves the rotation until resume_subscription()."""
+        subscription found without credit leaves the rotation until resume_subscription(). Then the
+        producers paced here go on if the consumers have caught up."""
+        self._dispatch()
+        if self.paced:
+            self._check_pace()
+
+    def _dispatch(self) -> None:
         store = self.store
         active = self._active
         while store and active:

@@ -96,6 +96,11 @@ class Session:
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
         self.flow_stops = 0  # times a destination it was not stopped on stopped it (metrics)
+        # Pacing ([queues] pace_producers, docs/policies.md): a queue it routed to that is behind its
+        # consumers; until it catches up (Queue.paced) or the flow timer gives up waiting, its completions
+        # and credit are not sent (`collect`), so its window fills and it waits, as for credit.
+        self.paced_on: Queue | None = None
+        self.paced_total = 0  # times it was paced (views, metrics)
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
@@ -174,13 +179,15 @@ class Session:
         frames = outbox.take_control()
         # Each part is asked only when it may have something: this runs once per frame written, and
         # a connection that only produces or only consumes would otherwise pay for the other half.
-        if transfers.newly_completed or transfers.completed.cumulative != transfers.reported_cumulative:
-            frames += transfers.completions()
-        window = transfers.window
-        if window.consumed_position != window.acked_position:
-            ack = transfers.ack_due(now_ns)
-            if ack is not None:
-                frames.append(self._granted(ack))
+        # A paced producer's completions and credit wait (its queue wakes the outbox when it catches up).
+        if self.paced_on is None:
+            if transfers.newly_completed or transfers.completed.cumulative != transfers.reported_cumulative:
+                frames += transfers.completions()
+            window = transfers.window
+            if window.consumed_position != window.acked_position:
+                ack = transfers.ack_due(now_ns)
+                if ack is not None:
+                    frames.append(self._granted(ack))
         if outbox.sealed or outbox.open_frames:
             outbox.take_deliveries(frames)
         return frames

@@ -242,6 +242,8 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
             "transfers_held": stats.transfers_held_now,
             "transfers_held_total": stats.transfers_held_total,
             "transfers_duplicate": stats.transfers_duplicate,
+            "paced_on": session.paced_on.name if session.paced_on is not None else None,
+            "paced_total": session.paced_total,
         },
         "flow": _flow(session, now_ns),
         "consumer": {

@@ -122,6 +122,7 @@ class FakeSubscription:
     """What `Queue` asks of a subscription, with credit the test hands out one message at a time."""
 
     takes_runs = False  # one message per `deliver`: the queue never calls deliver_ready on it
+    prefetch = 1  # what the queue's pacing limit adds up (Queue.pace_limit)
 
     def __init__(self) -> None:
         self.closed = False
