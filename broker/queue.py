@@ -156,8 +156,8 @@ class Queue:
         self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
         self._prefetch_total = 0
         self.pace_clear = sys.maxsize
-        """Ready messages the consumers are behind by no longer once they are down to it: their combined
-        prefetch, what they may hold in flight besides; none subscribed: never behind."""
+        """Ready messages at or below which its consumers have caught up (a paced producer is released):
+        their combined prefetch, as many again as they may hold in flight; none subscribed: never behind."""
         self.pace_limit = sys.maxsize
         """Ready messages beyond which a producer routing here is paced (`Session.paced_on`): twice
         `pace_clear`, so that a producer woken at `pace_clear` sends a prefetch's worth before it waits again."""
