@@ -331,3 +331,18 @@ def test_a_queues_consumer_buffers_and_an_idempotent_producers_duplicates() -> N
     m = scrape(h)
     assert value(m, "flowbroker_idempotent_producer_ids") == 1
     assert value(m, "flowbroker_idempotent_duplicates_total") == 1
+
+
+def test_a_paced_producer_is_counted() -> None:
+    """[queues] pace_producers: each time a producer's completions wait for its queue's consumers, its
+    `flowbroker_producer_paced_total` goes up (docs/metrics.md)."""
+    h = Harness(credit={"policy": "static", "static_size": MiB}, queues={"pace_producers": True})
+    h.queue("q")
+    c = h.consumer("reader")
+    c.subscribe("q", prefetch=1)
+    p = h.producer("feeder")
+    p.register()
+    labels = {"connection": p.session.conn_id, "client_name": "feeder", "identity": "anonymous"}
+    assert value(scrape(h), "flowbroker_producer_paced_total", **labels) == 0
+    p.send_many([("", "q", b"x", None)] * 4)  # 1 delivered, 3 ready: over twice the prefetch
+    assert value(scrape(h), "flowbroker_producer_paced_total", **labels) == 1
