@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -538,18 +539,15 @@ class Queue:
         """Release the producers paced on this queue once it holds no more ready than `pace_clear`."""
         if self.paced and (len(self.store) <= self.pace_clear or self.deleted):
             paced, self.paced = self.paced, {}
-            for session in paced:
-                session.paced_on = None
-                session.outbox.wake()  # its completions and credit are due
+            _release(paced)
 
     def release_paced(self, before_ns: int) -> None:
         """The flow timer: release the producers paced on it since before `before_ns`, caught up or not,
         so that a queue whose consumers stopped paces no one for long (its watermarks take over)."""
-        for session, since in list(self.paced.items()):
-            if since < before_ns:
-                del self.paced[session]
-                session.paced_on = None
-                session.outbox.wake()
+        expired = [session for session, since in self.paced.items() if since < before_ns]
+        for session in expired:
+            del self.paced[session]
+        _release(expired)
 
     def resume_subscription(self, sub: Subscription) -> None:
         """Credit may have returned to `sub`: put it back in the rotation (call dispatch() after)."""
@@ -588,3 +586,10 @@ class Queue:
     def deliver_to(self, sub: Subscription) -> None:
         """One ready message to `sub` (the caller checked ready and credit): sharing a connection's buffer."""
         sub.deliver(self.store.take())
+
+
+def _release(sessions: Iterable[Session]) -> None:
+    """Paced producers go on: their completions and credit are due (Session.collect sends them)."""
+    for session in sessions:
+        session.paced_on = None
+        session.outbox.wake()

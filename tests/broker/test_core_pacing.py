@@ -11,9 +11,10 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.broker.coreharness import Harness, Producer
+from tests.broker.coreharness import Consumer, Harness, Producer
 
 from flowbroker.broker.core import PACE_MAX_NS
+from flowbroker.broker.queue import Queue
 from flowbroker.protocol.frames import BufferAck, Cancel, Complete, DeleteQueue, FlowStopped, Ok, PurgeQueue
 
 ONE = [("", "q", b"x", None)]
@@ -29,6 +30,15 @@ def producer(h: Harness, name: str = "producer") -> Producer:
     return p
 
 
+def paced_queue(prefetch: int) -> tuple[Harness, Queue, Consumer, Producer]:
+    """A pacing broker with queue "q", one consumer subscribed with `prefetch`, and a producer."""
+    h = make()
+    h.queue("q")
+    c = h.consumer()
+    c.subscribe("q", prefetch=prefetch)
+    return h, h.core.queues["q"], c, producer(h)
+
+
 def completed(p: Producer) -> int:
     """What the producer has learnt is complete, once it has read what the broker has for it."""
     p.pump()
@@ -36,13 +46,8 @@ def completed(p: Producer) -> int:
 
 
 def test_completions_wait_past_twice_the_prefetch_ready_and_come_at_the_prefetch() -> None:
-    h = make()
-    h.queue("q")
-    queue = h.core.queues["q"]
-    c = h.consumer()
-    c.subscribe("q", prefetch=3)
+    h, queue, c, p = paced_queue(3)
     assert (queue.pace_clear, queue.pace_limit) == (3, 6)
-    p = producer(h)
     first = p.send_many(ONE * 9)  # 3 delivered, 6 ready: not more than twice the prefetch
     assert p.session.paced_on is None and completed(p) == first[-1]
     last = p.send("", "q")  # 7 ready: paced
@@ -60,11 +65,7 @@ def test_completions_wait_past_twice_the_prefetch_ready_and_come_at_the_prefetch
 
 def test_credit_waits_too() -> None:
     """A producer that counts only bytes is paced as well: its BUFFER_ACKs wait with its completions."""
-    h = make()
-    h.queue("q")
-    c = h.consumer()
-    c.subscribe("q", prefetch=1)
-    p = producer(h)
+    h, _, c, p = paced_queue(1)
     p.pump()
     acks = len(p.received(BufferAck))
     p.send_many([("", "q", b"x" * 60_000, None)] * 4)  # 3 ready: paced; 240 KB consumed, an ack is due
@@ -79,11 +80,7 @@ def test_credit_waits_too() -> None:
 
 
 def test_the_flow_timer_releases_a_producer_whose_queue_does_not_catch_up() -> None:
-    h = make()
-    h.queue("q")
-    c = h.consumer()
-    c.subscribe("q", prefetch=1)  # and never settles
-    p = producer(h)
+    h, _, c, p = paced_queue(1)  # whose consumer never settles
     last = p.send_many(ONE * 5)[-1]
     assert p.session.paced_on is not None and completed(p) < last
     h.advance(PACE_MAX_NS / 2e9)
@@ -172,12 +169,7 @@ def test_paced_past_twice_the_prefetch_until_down_to_it(steps: list[tuple[int, i
     """A frame paces the producer exactly when it leaves more than twice the prefetch ready; while paced,
     no completion reaches it; a settlement that brings the queue down to the prefetch, or the flow timer,
     releases it. Every body sent is delivered once, in order, and every transfer completes."""
-    h = make()
-    h.queue("q")
-    queue = h.core.queues["q"]
-    c = h.consumer()
-    c.subscribe("q", prefetch=prefetch)
-    p = producer(h)
+    h, queue, c, p = paced_queue(prefetch)
     sent: list[bytes] = []
     last = 0
     for frame, acks, timer in steps:
