@@ -10,7 +10,9 @@ views as `<client name> udp:<session id>`). Its image is read by one broker subs
   no credit check, the image's window already bounds what the producer can send) routed by the core's one
   routing path (`BrokerCore.route`), and is *held* in the image (`Image.hold`, its `frame_space`) until
   that transfer completes; holds are released in transfer-id order, so the consumption position the SMs
-  carry is the completion point and a saturated queue closes the producer's window;
+  carry is the completion point and a saturated queue closes the producer's window; a producer paced on a
+  queue (`[queues] pace_producers`, docs/policies.md "Pacing") keeps its holds until the queue releases it,
+  as a TCP producer's completions wait;
 - the image's `window_cap` is the publication session's grant from the pool, clamped to
   [min_receiver_window, max_receiver_window] (and under the congestion window); 0 while it waits for a
   share of the pool;
@@ -341,8 +343,9 @@ class Ingress:
         pub.messages += len(entries)
         self.datapath.core.route(session, tid, entries, sizes)
         pending = pub.pending
-        if pending or transfers.completed.cumulative < tid + len(entries) - 1:
-            # Not all complete (or older ones still held): hold every one, release in order.
+        if pending or session.paced_on is not None or transfers.completed.cumulative < tid + len(entries) - 1:
+            # Not all complete (or older ones still held, or the producer paced): hold every one, release
+            # in order.
             mtu = image.mtu
             total = 0
             if counts is None:
@@ -442,6 +445,8 @@ class Ingress:
         pending = pub.pending
         if image is None or not pending:
             return False
+        if pub.session.paced_on is not None:
+            return False  # paced (docs/policies.md, "Pacing"): its queue releases it and wakes it
         cumulative = pub.session.transfers.completed.cumulative
         released = 0
         while pending and pending[0][0] <= cumulative:

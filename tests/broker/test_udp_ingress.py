@@ -9,6 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flowbroker.broker.queue import Queue
 from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.broker.udp.ingress import MAX_MESSAGES_PER_CYCLE
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
@@ -16,7 +17,7 @@ from flowbroker.protocol.envelope import encode_publish, encode_publish_batch
 from flowbroker.protocol.frames import ClosePublication, Error, FlowResumed, FlowStopped, RegisterPublication
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
-from tests.broker.coreharness import Harness, Producer
+from tests.broker.coreharness import Consumer, Harness, Producer
 
 ENDPOINT = ("127.0.0.1", 5682)
 SOURCE = ("127.0.0.1", 40001)
@@ -547,3 +548,70 @@ def test_a_fragmented_batch_is_dropped_and_counted_and_the_window_moves_on() -> 
     assert rig.bodies() == [b"before", b"after"]
     assert rig.datapath.ingress.bad_envelopes == 1
     assert rig.image.statistics().consumption_position == rig.pub.position
+
+
+# -- pacing ([queues] pace_producers, docs/policies.md "Pacing") ------------------------------------
+
+
+def paced_rig(pace: bool = True, prefetch: int = 5) -> tuple[Rig, Queue, Consumer]:
+    """A rig whose queue "q" has one consumer subscribed with `prefetch`; the rig, the queue, the consumer."""
+    rig = Rig(queues={"pace_producers": pace})
+    rig.h.queue("q")
+    consumer = rig.h.consumer()
+    consumer.subscribe("q", prefetch=prefetch)
+    return rig, rig.core.queues["q"], consumer
+
+
+def test_a_paced_udp_producer_keeps_its_holds_until_its_queue_catches_up() -> None:
+    """Over UDP the consumption position is the completion point: pacing holds it, so the producer's window
+    closes a window past it, as a paced TCP producer's completions wait. The consumer catching up (the
+    queue down to its prefetch) releases it; every message arrives once, in order."""
+    rig, queue, consumer = paced_rig()
+    body = b"p" * 1000  # 64 KiB static grant: some 60 messages a window; the term takes some 1,000
+    bodies = [b"%04d" % i + body for i in range(1500)]
+    sent = rig.offer_all(bodies, rounds=5)
+    session = rig.core.sessions[rig.answer["connection"]]
+    assert session.paced_on is queue and sent < len(bodies)  # paced, then back-pressured
+    assert session in rig.core.queues["q"].paced
+    held_at = rig.image.statistics().consumption_position
+    assert held_at < rig.pub.position
+    rig.cycle(rounds=10)  # time passes (well under PACE_MAX_NS): nothing moves while the queue is behind
+    assert rig.image.statistics().consumption_position == held_at
+    assert len(queue.store) <= queue.pace_limit + 64 * 1024 // 1000 + 1  # one window past the pace
+    positions = [held_at]
+    for _ in range(1000):  # the consumer takes its prefetch at a time until everything has arrived
+        consumer.pump()
+        consumer.ack()
+        rig.cycle()
+        positions.append(rig.image.statistics().consumption_position)
+        while sent < len(bodies) and rig.pub.offer(encode_publish(bodies[sent])) >= 0:
+            sent += 1
+        if len(consumer.bodies()) == len(bodies):
+            break
+    assert consumer.bodies() == bodies  # once each, in order
+    assert positions[-1] > held_at and session.paced_total > 1  # released, paced again, released ...
+    assert session.paced_on is None and not queue.paced
+
+
+def test_the_flow_timer_releases_a_paced_udp_producer() -> None:
+    from flowbroker.broker.core import PACE_MAX_NS
+
+    rig, queue, _ = paced_rig()  # its consumer never settles
+    rig.offer_all([b"t" * 1000] * 100, rounds=3)
+    session = rig.core.sessions[rig.answer["connection"]]
+    assert session.paced_on is queue
+    held_at = rig.image.statistics().consumption_position
+    rig.h.advance(2 * PACE_MAX_NS / 1e9)
+    rig.core.tick(rig.h.now)
+    assert session.paced_on is None
+    rig.cycle()
+    assert rig.image.statistics().consumption_position > held_at  # the window moved on
+
+
+def test_without_pacing_a_udp_producer_is_held_only_by_watermarks() -> None:
+    rig, queue, _ = paced_rig(pace=False)
+    bodies = [b"%04d" % i + b"u" * 1000 for i in range(400)]
+    assert rig.offer_all(bodies, rounds=50) == len(bodies)
+    rig.cycle(rounds=20)
+    assert rig.image.statistics().consumption_position == rig.pub.position  # each window completed at once
+    assert rig.core.sessions[rig.answer["connection"]].paced_total == 0 and len(queue.store) == 395
