@@ -615,3 +615,21 @@ def test_without_pacing_a_udp_producer_is_held_only_by_watermarks() -> None:
     rig.cycle(rounds=20)
     assert rig.image.statistics().consumption_position == rig.pub.position  # each window completed at once
     assert rig.core.sessions[rig.answer["connection"]].paced_total == 0 and len(queue.store) == 395
+
+
+def test_a_publication_closed_or_its_owner_gone_while_paced_leaves_no_pace_behind() -> None:
+    for close in ("publication", "owner"):
+        rig, queue, consumer = paced_rig()
+        rig.offer_all([b"c" * 1000] * 100, rounds=3)
+        assert queue.paced and rig.core.paced_queues
+        if close == "publication":
+            rig.owner.ok(lambda rid: ClosePublication(rid, rig.session_id))
+        else:
+            rig.owner.close()
+        assert not queue.paced and rig.answer["connection"] not in rig.core.sessions
+        consumer.pump()
+        consumer.ack()  # the queue catches up with no one to release
+        rig.core.tick(rig.h.now)
+        assert not rig.core.paced_queues
+        consumer.pump()
+        assert len(consumer.bodies()) == 10  # what was enqueued is still delivered
