@@ -12,6 +12,7 @@ refuses nothing from a well-behaved producer.
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 import flowbroker.client as fb
@@ -26,10 +27,13 @@ MESSAGES = 20_000
 QUEUE = "udp-lossy"
 
 
+@pytest.mark.parametrize("pace", [False, True], ids=["unpaced", "paced"])
 async def test_a_publication_through_loss_duplication_and_reordering_is_routed_exactly_once_in_order(
-    start_flowbroker,
+    start_flowbroker, pace: bool,
 ) -> None:
-    broker: RunningBroker = await start_flowbroker()
+    """Paced ([queues] pace_producers, a consumer prefetch of 10 so that it paces), the holds wait for the
+    queue's release as well as for retransmits: still exactly once, in order."""
+    broker: RunningBroker = await start_flowbroker(queues={"pace_producers": pace})
     datapath = broker.core.udp
     assert datapath is not None and broker.udp_port is not None
     impairment = Impairment(loss=0.05, duplication=0.01, reordering=0.01)
@@ -41,6 +45,7 @@ async def test_a_publication_through_loss_duplication_and_reordering_is_routed_e
             await conn.declare_queue(QUEUE)
             answer = await conn._request(lambda rid: RegisterPublication(rid, "", QUEUE, 1001, relay.server_port), 10)
             session_id = int(answer["session_id"])
+            pub_session = broker.core.sessions[answer["connection"]]
             assert list(datapath.ingress.publications) == [session_id]
             config = PublicationConfig(session_id=session_id, stream_id=int(answer["stream_id"]),
                                        term_length=int(answer["term_length"]), mtu=int(answer["mtu"]),
@@ -49,7 +54,7 @@ async def test_a_publication_through_loss_duplication_and_reordering_is_routed_e
             driver = PublicationDriver(publication, endpoint)
 
             async def consume() -> None:
-                async with conn.consumer(QUEUE, prefetch=1000) as consumer:
+                async with conn.consumer(QUEUE, prefetch=10 if pace else 1000) as consumer:
                     async for msg in consumer:
                         received.append(msg.body)
                         await msg.ack()
@@ -76,3 +81,4 @@ async def test_a_publication_through_loss_duplication_and_reordering_is_routed_e
     assert up.dropped > 0 and up.duplicated > 0 and up.reordered > 0 and down.received > 0
     assert publication.counters.naks_received > 0 and publication.counters.retransmits_sent > 0
     assert session_id not in datapath.session_ids.live  # given back
+    assert (pub_session.paced_total > 0) == pace
