@@ -174,6 +174,9 @@ def _tune_garbage_collector() -> None:
               help="Serve GET /metrics on a port of its own (port 0 = any free) [default: on the admin port].")
 @click.option("--metrics/--no-metrics", "metrics_enabled", default=None,
               help="Serve GET /metrics for Prometheus [default: on].")
+@click.option("--pace-producers/--no-pace-producers", "pace_producers", default=None,
+              help="Hold back the completions of a producer whose queue is behind its consumers "
+                   "(docs/policies.md, \"Pacing\") [default: off].")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where durable queues are journalled [default: $XDG_STATE_HOME/flowbroker, else "
                    "~/.local/state/flowbroker].")
@@ -185,13 +188,14 @@ def _tune_garbage_collector() -> None:
 def serve(config_path: Path | None, host: str | None, port: int | None, memory_quota: int | None,
           credit_policy: str | None, idle_timeout: float | None, admin_host: str | None, admin_port: int | None,
           admin_enabled: bool | None, udp_endpoint: str | None, udp_enabled: bool | None,
-          metrics_endpoint: str | None, metrics_enabled: bool | None, data_dir: Path | None,
-          port_file: Path | None) -> None:
+          metrics_endpoint: str | None, metrics_enabled: bool | None, pace_producers: bool | None,
+          data_dir: Path | None, port_file: Path | None) -> None:
     """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
     admin token are."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
         "credit": {"policy": credit_policy},
+        "queues": {"pace_producers": pace_producers},
         "admin": {"host": admin_host, "port": admin_port, "enabled": admin_enabled},
         "udp": {"endpoint": udp_endpoint, "enabled": udp_enabled},
         "metrics": {"endpoint": metrics_endpoint, "enabled": metrics_enabled},

@@ -258,7 +258,8 @@ def test_serve_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.Monke
     result = runner.invoke(
         main,
         ["serve", "--config", str(path), "--port", "7100", "--memory-quota", "1GiB", "--credit-policy", "dynamic",
-         "--admin", "--admin-port", "7101", "--metrics-endpoint", "127.0.0.1:9419", "--no-metrics"],
+         "--admin", "--admin-port", "7101", "--metrics-endpoint", "127.0.0.1:9419", "--no-metrics",
+         "--pace-producers"],
         catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
@@ -271,6 +272,7 @@ def test_serve_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.Monke
     assert (flagged.metrics.endpoint, flagged.metrics.enabled) == ("127.0.0.1:9419", False)
     assert (from_file.metrics.endpoint, from_file.metrics.enabled) == ("", True)
     assert (flagged.server.host, flagged.server.idle_timeout) == ("127.0.0.2", 5.0)  # not flagged: the file's
+    assert (from_file.queues.pace_producers, flagged.queues.pace_producers) == (False, True)
 
 
 def test_serve_reports_a_configuration_error_naming_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
