@@ -9,6 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flowbroker.broker.core import PACE_MAX_NS
 from flowbroker.broker.queue import Queue
 from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.broker.udp.ingress import MAX_MESSAGES_PER_CYCLE
@@ -594,8 +595,6 @@ def test_a_paced_udp_producer_keeps_its_holds_until_its_queue_catches_up() -> No
 
 
 def test_the_flow_timer_releases_a_paced_udp_producer() -> None:
-    from flowbroker.broker.core import PACE_MAX_NS
-
     rig, queue, _ = paced_rig()  # its consumer never settles
     rig.offer_all([b"t" * 1000] * 100, rounds=3)
     session = rig.core.sessions[rig.answer["connection"]]
