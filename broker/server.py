@@ -429,7 +429,7 @@ async def _send_and_close(io: StreamIO, conn: Connection, frames: list[Frame], u
                 await _drain(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError, OSError):
             pass
-    await trio.aclose_forcefully(stream)
+    await io.close()
 
 
 async def _drain(stream: trio.abc.Stream) -> None:
@@ -650,7 +650,7 @@ class ConnectionHandler:
                         await _send_and_close(self.io, conn, [])
                         return None
                     if conn.state is State.CLOSED:
-                        await trio.aclose_forcefully(self.stream)
+                        await self.io.close()
                         return None
                     self._held(frames_before)
                     data = await self._receive()
@@ -660,10 +660,10 @@ class ConnectionHandler:
         except trio.TooSlowError:
             LOGGER.info("connection from %s sent no %s within %.1fs", self.peer,
                         "HELLO" if expect is Hello else "AUTH_RESPONSE", cfg.handshake_timeout)
-            await trio.aclose_forcefully(self.stream)
+            await self.io.close()
         except _FrameTimeout:
             LOGGER.info("connection from %s: %s", self.peer, self._frame_timeout_text())
-            await trio.aclose_forcefully(self.stream)
+            await self.io.close()
         except RemoteProtocolError as exc:
             if head in HTTP_METHODS and expect is Hello:
                 LOGGER.info("connection from %s: an HTTP request on the broker port; answered 400 naming the "
@@ -676,7 +676,7 @@ class ConnectionHandler:
                 self.io, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
             )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await trio.aclose_forcefully(self.stream)
+            await self.io.close()
         return None
 
     def _wake(self) -> None:
@@ -910,7 +910,7 @@ class ConnectionHandler:
             frames.append(Close(reason.code, reason.text))
             await _send_and_close(self.io, self.conn, frames, self._unsent)
         else:
-            await trio.aclose_forcefully(self.stream)
+            await self.io.close()
         self.server.closed += 1
         level = logging.DEBUG if reason.code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN) else logging.WARNING
         LOGGER.log(level, "connection %d closed: %s (%s)", session.conn_id, logsafe(reason.text), reason.code.name)
