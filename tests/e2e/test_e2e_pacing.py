@@ -2,7 +2,8 @@
 `BrokerServer` on 127.0.0.1. A producer far faster than its queue's consumer is paced once more than twice
 the consumer's prefetch is ready (its completions wait), which keeps the queue near that, and loses
 nothing; a producer beside it, to a queue whose consumer may hold everything it sends, is not paced:
-pacing is per producer, by the queues it routes to. With the default (false) no one is paced."""
+pacing is per producer, by the queues it routes to. With the default (false) no one is paced. A UDP
+producer is paced the same way: the consumption position the broker reports (its completion point) waits."""
 
 from __future__ import annotations
 
