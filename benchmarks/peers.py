@@ -133,13 +133,9 @@ def start_flowbroker(tmp: Path, paced: bool = False) -> Server:
     port = free_port()
     exe = Path(sys.executable).with_name("flowbroker")
     log = open(tmp / "flowbroker.log", "wb")
-    config: list[str] = []
-    if paced:
-        (tmp / "flowbroker.toml").write_text("[queues]\npace_producers = true\n")
-        config = ["--config", str(tmp / "flowbroker.toml")]
-    proc = subprocess.Popen([str(exe), "serve", *config, "--host", "127.0.0.1", "--port", str(port), "--no-admin",
-                             "--no-udp", "--no-metrics", "--data-dir", str(tmp / "flowbroker-data")],
-                            stderr=log, stdout=log)
+    proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), "--no-admin", "--no-udp",
+                             "--no-metrics", *(["--pace-producers"] if paced else []),
+                             "--data-dir", str(tmp / "flowbroker-data")], stderr=log, stdout=log)
     log.close()
     return Server(f"flowbroker://127.0.0.1:{port}", [wait_listening(proc, port)])
 

@@ -227,8 +227,7 @@ class BrokerCore:
         session.detach()
         session.window_listener = None
         if session.paced_on is not None:  # a queue that never catches up must not keep it
-            session.paced_on.paced.pop(session, None)
-            session.paced_on = None
+            session.paced_on.forget_paced(session)
         if self.udp is not None:  # its UDP publications and subscriptions end with it
             self.udp.close_owner(session.conn_id, self.clock_ns())
         if session.conn_id in self.credit:
@@ -542,9 +541,7 @@ class BrokerCore:
             for queue in touched:
                 queue.dispatch()
                 if pace and len(queue.store) > queue.pace_limit and not queue.deleted:
-                    session.paced_on = queue
-                    session.paced_total += 1
-                    queue.paced[session] = now
+                    queue.pace(session, now)
                     self.paced_queues[queue] = None
                     pace = False
         if receiver.window.consumed_position != consumed:

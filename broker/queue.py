@@ -463,8 +463,7 @@ class Queue:
         for sub in subs:
             sub.closed = True
         self._active.clear()
-        self._prefetch_total, self.pace_clear, self.pace_limit = 0, sys.maxsize, sys.maxsize
-        self._check_pace()
+        self._update_pace_limit(-self._prefetch_total)  # none subscribed now: its paced producers go on
         return subs
 
     def set_thresholds(self, thresholds: Thresholds, now_ns: int) -> None:
@@ -540,6 +539,18 @@ class Queue:
         if self.paced and (len(self.store) <= self.pace_clear or self.deleted):
             paced, self.paced = self.paced, {}
             _release(paced)
+
+    def pace(self, session: Session, now_ns: int) -> None:
+        """`session` routed here while its consumers are behind: its completions and credit wait
+        (`Session.collect`) until this queue releases it."""
+        session.paced_on = self
+        session.paced_total += 1
+        self.paced[session] = now_ns
+
+    def forget_paced(self, session: Session) -> None:
+        """`session` is closing: it is no longer paced here (nothing is sent to it)."""
+        self.paced.pop(session, None)
+        session.paced_on = None
 
     def release_paced(self, before_ns: int) -> None:
         """The flow timer: release the producers paced on it since before `before_ns`, caught up or not,
