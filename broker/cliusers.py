@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from flowbroker.broker.config import ConfigError, load_config
-from flowbroker.broker.users import LIMITS, TAGS, User, UsersError, read_users, write_users
+from flowbroker.broker.users import LIMITS, TAGS, User, UsersError, check_name, read_users, write_users
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import DEFAULT_ITERATIONS, StoredCredential
 
@@ -94,6 +94,10 @@ def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: 
     path = _path(config_path, users_file)
     users = _read(path)
     name = _name(name, stored=True)
+    try:
+        check_name(name, str(path))  # what the broker would refuse, refused before it is written
+    except UsersError as exc:
+        raise click.ClickException(str(exc)) from None
     if name in users:
         raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
     try:

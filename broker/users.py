@@ -66,7 +66,9 @@ class User:
         return doc
 
 
-def _user(name: object, entry: object, where: str) -> User:
+def check_name(name: object, where: str) -> str:
+    """`name` if a users file may hold it: printable, 1..255 characters, in its SASLprep form. The loader
+    and `flowbroker user add` share it, so the CLI never writes a file the broker would refuse whole."""
     if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 255:
         raise UsersError(f"{where}: user name {name!r} must be printable, 1..255 characters")
     try:
@@ -75,6 +77,11 @@ def _user(name: object, entry: object, where: str) -> User:
         raise UsersError(f"{where}: {exc}") from None
     if prepared != name:  # logins are looked up by their SASLprepped name: this one could never log in
         raise UsersError(f"{where}: user name {name!r} is not in its SASLprep form {prepared!r} (RFC 4013)")
+    return name
+
+
+def _user(name: object, entry: object, where: str) -> User:
+    name = check_name(name, where)
     if not isinstance(entry, dict):
         raise UsersError(f"{where}: user {name!r} must be an object")
     unknown = set(entry) - {"password", "tags", "configure", "write", "read", *LIMITS}

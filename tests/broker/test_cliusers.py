@@ -49,6 +49,20 @@ def test_a_bad_pattern_or_empty_password_is_refused(tmp_path: Path) -> None:
     assert code != 0 and "empty" in out
 
 
+def test_a_name_the_broker_would_refuse_is_not_written(tmp_path: Path) -> None:
+    """An empty name used to be written, and then the file was refused whole: by the broker (nobody could
+    log in) and by every later `user` command, `user delete` included."""
+    path = tmp_path / "u.json"
+    f = ["--users-file", str(path)]
+    assert run("user", "add", "carol", "--password-stdin", *f, stdin="pw\n")[0] == 0
+    for bad in ("", "x" * 256):
+        code, out = run("user", "add", bad, "--password-stdin", *f, stdin="pw\n")
+        assert code != 0 and "must be printable, 1..255 characters" in out, (bad, out)
+    code, out = run("user", "list", *f)
+    assert code == 0 and out.startswith("carol\t") and len(out.splitlines()) == 1
+    assert list(read_users(path)) == ["carol"]
+
+
 def test_the_store_keeps_the_last_good_users_when_the_file_turns_bad(tmp_path: Path) -> None:
     path = tmp_path / "u.json"
     run("user", "add", "a", "--password-stdin", "--users-file", str(path), stdin="pw\n")
