@@ -40,44 +40,55 @@ class AdminClient:
     Never from the command line, where `ps` shows it to every user of the host."""
 
     def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
+        if "://" not in url:  # "127.0.0.1:5681" is meant as http://127.0.0.1:5681, not a URL scheme
+            url = "http://" + url
         self.url = url.rstrip("/")
         self.timeout = timeout
         parsed = urllib.parse.urlsplit(self.url)
+        if parsed.scheme not in ("http", "https"):
+            raise click.ClickException(
+                f"--admin-url {printable(url)}: the admin API is http:// or https:// (e.g. {DEFAULT_ADMIN_URL})")
         try:
             self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
         except ValueError:
             raise click.ClickException(f"--admin-url {printable(url)}: the port is not a number") from None
+        self.token: str | None = None
+        self._no_token = ""  # why there is none: said once the URL has been seen to be the admin API
         from_env = os.environ.get(TOKEN_ENV, "").strip()
         if token_file is None and from_env:
             self.token, self.token_source = from_env, TOKEN_ENV
             return
         path = Path(token_file).expanduser() if token_file else token_file_for(DEFAULT_TOKEN_FILE, self.port)
+        self.token_source = str(path)
         try:
             self.token = path.read_text().strip()
         except OSError as exc:
-            raise click.ClickException(
-                f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker wrote "
-                f"its generated token ({printable(path)}: {exc.strerror or exc})"
-            ) from None
+            self._no_token = (f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker "
+                              f"wrote its generated token ({printable(path)}: {exc.strerror or exc})")
+            return
         if not self.token:
-            raise click.ClickException(f"no admin token: {printable(path)} is empty")
-        self.token_source = str(path)
+            self.token, self._no_token = None, f"no admin token: {printable(path)} is empty"
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One request; JSON object in, JSON object out. Without a token it is still sent (without
+        credentials), so that a wrong port or a broker that is not running is named as such, not as a
+        missing token; the admin API's 401 to it is then the token's error."""
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
-                     "Accept": "application/json"},
-        )
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             with exc:
-                raise click.ClickException(self._describe(exc.code, exc.read())) from None
+                description = self._describe(exc.code, exc.read())
+            if self.token is None and exc.code in (401, 403) and not description.startswith(self.url):
+                raise click.ClickException(self._no_token) from None
+            raise click.ClickException(description) from None
         except urllib.error.URLError as exc:
-            reason = getattr(exc.reason, "strerror", None) or exc.reason
+            reason = getattr(exc.reason, "strerror", None) or exc.reason or type(exc.reason).__name__
             raise click.ClickException(
                 f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
             ) from None

@@ -189,9 +189,9 @@ def test_errors_are_clear_and_exit_non_zero(daemon: Daemon) -> None:
     unreachable = cli("queues", "--admin-url", f"http://127.0.0.1:{free_port()}",
                       env={"FLOWBROKER_ADMIN_TOKEN": "whatever-token"})
     assert unreachable.returncode != 0 and "cannot reach the admin API" in unreachable.stderr
-    no_token = subprocess.run([FLOWBROKER, "queues", "--token-file", str(daemon.token_file) + ".missing"],
+    no_token = subprocess.run([FLOWBROKER, "queues", *admin_url, "--token-file", str(daemon.token_file) + ".missing"],
                               capture_output=True, text=True, timeout=30, env={**os.environ, "FLOWBROKER_ADMIN_TOKEN": ""})
-    assert no_token.returncode != 0 and "no admin token" in no_token.stderr
+    assert no_token.returncode != 0 and "no admin token" in no_token.stderr and ".missing" in no_token.stderr
 
 
 def test_every_management_command_has_help() -> None:
@@ -378,6 +378,29 @@ def test_the_admin_cli_on_the_broker_port_says_so(daemon: Daemon) -> None:
                              capture_output=True, text=True, timeout=30,
                              env={**os.environ, "FLOWBROKER_ADMIN_TOKEN": "whatever-token"})
     assert refused.returncode == 1 and "Connection refused" in refused.stderr
+
+
+def test_without_a_token_the_cli_still_names_a_wrong_port_or_a_refused_one(daemon: Daemon, tmp_path: Path) -> None:
+    """The token is looked up for the URL's port (docs/management.md): where no broker wrote one, the
+    wrong port or a port nobody listens on is said before a missing token is (which it used to say instead)."""
+    env = {**os.environ, "HOME": str(tmp_path), "FLOWBROKER_ADMIN_TOKEN": ""}
+    port = daemon.url.rsplit(":", 1)[1]
+    for url in (f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"):  # without a scheme: http:// is meant
+        wrong = subprocess.run([FLOWBROKER, "queues", "--admin-url", url], capture_output=True, text=True,
+                               timeout=30, env=env)
+        assert wrong.returncode == 1 and len(wrong.stderr.splitlines()) == 1, wrong.stderr
+        assert f"http://127.0.0.1:{port} is the flowbroker broker port, not its admin API" in wrong.stderr
+    refused_port = free_port()
+    refused = subprocess.run([FLOWBROKER, "queues", "--admin-url", f"http://127.0.0.1:{refused_port}"],
+                             capture_output=True, text=True, timeout=30, env=env)
+    assert refused.returncode == 1
+    assert f"cannot reach the admin API at http://127.0.0.1:{refused_port}: Connection refused" in refused.stderr
+    admin = subprocess.run([FLOWBROKER, "queues", "--admin-url", daemon.admin[1]], capture_output=True, text=True,
+                           timeout=30, env=env)  # the admin API itself, and no token for it here
+    assert admin.returncode == 1 and "no admin token" in admin.stderr and "Traceback" not in admin.stderr
+    other = subprocess.run([FLOWBROKER, "queues", "--admin-url", "ftp://127.0.0.1:21"], capture_output=True,
+                           text=True, timeout=30, env=env)
+    assert other.returncode == 1 and "the admin API is http:// or https://" in other.stderr
 
 
 def test_queue_set_takes_time_thresholds_as_durations(daemon: Daemon) -> None:
