@@ -486,6 +486,8 @@ class Connection:
             consumer._on_connection_closed()
         self._flow.close()
         self._credit_lot.unpark_all()
+        if self._run_outcome is not None:  # the open run goes out with a graceful close's frames
+            self._close_run()
         self._run_next = -1  # a settlement from now on takes `_settle_tag`'s slow path, which raises
         self._wake.set()
 

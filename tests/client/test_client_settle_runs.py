@@ -135,3 +135,25 @@ def test_a_consumer_settling_a_full_buffer_sends_a_settle_frame_per_several_yiel
     # one frame per yield would be count / YIELD_EVERY (16); at most a quarter of the prefetch is held
     assert len(settles) <= count // (prefetch // 4) + 1
     assert len(settles) < count // YIELD_EVERY
+
+
+def test_settlements_of_an_open_run_go_out_when_the_connection_closes_at_once() -> None:
+    """An ack and then `conn.aclose()` with no yield between: closing used to end the open run by setting
+    only its end (`_run_next = -1`), so the writer sent SETTLE [(4, -2)], which the SDK's own state machine
+    refused ("cannot send: SETTLE frame ... bad range"), and the acked messages came back redelivered."""
+
+    async def run() -> list[Settle]:
+        conn, broker, broker_end = _connected()
+        async with conn:
+            conn._settle_tag(Outcome.ACK, 4)
+            conn._settle_tag(Outcome.ACK, 5)
+            conn._settle_tag(Outcome.REJECT, 7)
+            await conn.aclose()
+        broker.receive_data(bytes(await broker_end.receive_some(1 << 20)))
+        frames = []
+        while (frame := broker.next_frame()) is not None:
+            frames.append(frame)
+        return [f for f in frames if isinstance(f, Settle)]
+
+    settles = trio.run(run)
+    assert sorted((f.outcome, f.ranges) for f in settles) == sorted([(Outcome.ACK, [(4, 5)]), (Outcome.REJECT, [(7, 7)])])
