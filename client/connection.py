@@ -1209,16 +1209,19 @@ class Connection:
         generation = self._generation
         try:
             while self._closed is None:
-                data = await self._stream.receive_some(RECEIVE_SIZE)
-                self._last_received = trio.current_time()
-                proto.receive_data(bytes(data))
+                # Frames first, then a read: bytes that came in the handshake's read after WELCOME (a
+                # FLOW_STOPPED the broker sends a new connection during a stop-all) are handled at once,
+                # not when the broker next writes.
                 while (frame := proto.next_frame()) is not None:
                     self._dispatch(frame)
                     if self._closed is not None:
                         return
+                data = await self._stream.receive_some(RECEIVE_SIZE)
+                self._last_received = trio.current_time()
                 if not data:
                     self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "the broker closed the connection"), generation)
                     return
+                proto.receive_data(bytes(data))
         except RemoteProtocolError as exc:
             self._protocol_violation(str(exc), exc.code, exc.frame_seq)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:

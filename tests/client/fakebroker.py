@@ -179,6 +179,7 @@ class FakeBroker:
         answer_requests: bool = True,
         welcome: bool = True,
         max_prefetch: int = 10_000,
+        after_welcome: tuple[Frame, ...] = (),
     ) -> None:
         self.buffer_size = buffer_size
         self.idle_timeout_ms = idle_timeout_ms
@@ -189,6 +190,8 @@ class FakeBroker:
         self.answer_requests = answer_requests
         self.welcome = welcome
         self.max_prefetch = max_prefetch
+        self.after_welcome = after_welcome
+        """Frames sent in the same write as WELCOME (as the broker sends FLOW_STOPPED after a stop-all)."""
         """The prefetch in force a SUBSCRIBE's OK reports, as the broker's cap (the fake does not apply it)."""
         self.full_queues: set[str] = set()
         self.held_queues: set[str] = set()
@@ -242,7 +245,8 @@ class FakeBroker:
             if self.welcome:
                 await conn.send(
                     Welcome(1, len(self.conns) + 1, "fake", 1024 * 1024 * 4, self.max_message_size,
-                            self.idle_timeout_ms, self.buffer_size, "fake-broker")
+                            self.idle_timeout_ms, self.buffer_size, "fake-broker"),
+                    *self.after_welcome,
                 )
                 self.conns.append(conn)
                 self._accepted.unpark_all()

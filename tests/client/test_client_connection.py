@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 import flowbroker.client as fc
-from flowbroker.protocol import Bind, Close, DeclareQueue, Error, ErrorCode, Hello, Noop, Ok, Unbind
+from flowbroker.protocol import Bind, Close, DeclareQueue, Error, ErrorCode, FlowStopped, Hello, Noop, Ok, Unbind
 
 
 async def test_connect_handshake_and_declare(start_broker) -> None:
@@ -206,3 +206,16 @@ def test_parse_url() -> None:
     assert with_udp == fc.BrokerAddress("example.org", 1234, "10.0.0.7:5682")
     assert str(with_udp) == "flowbroker://example.org:1234?udp=10.0.0.7:5682"
     assert Ok(1, {}).request_id == 1
+
+
+async def test_frames_in_the_same_read_as_welcome_are_handled_at_once(start_broker) -> None:
+    """The broker sends a new connection FLOW_STOPPED('*') right after WELCOME during a stop-all; when both
+    arrived in one read, the reader used to wait for the broker's next bytes before decoding what the
+    handshake had left buffered, so `flow_state` missed the stop (up to the next noop: 20 s)."""
+    stopped = FlowStopped("*", "admin", 0, 0, "an operator's stop-all")
+    broker = await start_broker(after_welcome=(stopped,))
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        with trio.fail_after(2):
+            while conn.flow_state.destinations != ("*",):
+                await trio.sleep(0.01)
+        assert conn.statistics().frames_received == 2
