@@ -29,7 +29,7 @@ attributes a program can match on, not only text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from flowbroker.protocol import ErrorCode
 from flowbroker.protocol.names import ALL_DESTINATIONS
@@ -58,6 +58,7 @@ __all__ = [
     "publish_error",
     "block_error_name",
     "describe_stopped",
+    "stopped_suffix",
 ]
 
 
@@ -217,7 +218,7 @@ class PublishFailures(FlowbrokerError):
             first = f" (first: {self.errors[0]})" if self.errors else ""
             parts.append(f"{failed} message{'s' * (failed != 1)} refused{first}")
         if unconfirmed:
-            stopped = f"; flow-stopped: {describe_stopped(self.destinations)}" if self.destinations else ""
+            stopped = stopped_suffix(self.destinations)
             parts.append(
                 f"{unconfirmed} message{'s' * (unconfirmed != 1)} sent and not completed {why_unconfirmed}".rstrip()
                 + f" (they may still be enqueued and delivered: resending may duplicate them){stopped}"
@@ -275,6 +276,11 @@ def block_error_name(exc: BaseException) -> str:
     the name of the exception its `with` block raised)."""
     name = getattr(exc, "block_error_name", None)
     return name if isinstance(name, str) else type(exc).__name__
+
+
+def stopped_suffix(destinations: Sequence[str]) -> str:
+    """"; flow-stopped: ..." for a flow-control error's text, or "" when nothing is flow-stopped."""
+    return f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
 
 
 def describe_stopped(destinations: Iterable[str]) -> str:

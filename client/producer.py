@@ -50,7 +50,7 @@ from flowbroker.client.errors import (
     PublishFailures,
     TooManyHeaders,
     block_error_name,
-    describe_stopped,
+    stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvents, FlowState
 from flowbroker.protocol import ErrorCode, Headers, message_size
@@ -278,8 +278,10 @@ class Producer:
         if self._outstanding >= self.window or (credit.window and credit.position >= credit.acked_position + credit.window):
             if not block:
                 self._blocked_count += 1
+                destinations = conn.flow_state.destinations
                 raise FlowControlled(
-                    f"no credit ({self._describe_wait()})", conn.flow_state.destinations, self._limit_name()
+                    f"no credit ({self._describe_wait()}{stopped_suffix(destinations)})", destinations,
+                    self._limit_name(),
                 )
             await self._wait_for(self.has_credit, self.send_timeout if timeout is None else timeout, "send")
         sequences = self._sequences
@@ -383,9 +385,8 @@ class Producer:
             if what == "send":
                 self._blocked_seconds += trio.current_time() - start
         destinations = conn.flow_state.destinations
-        stopped = f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
         raise FlowControlTimeout(
-            f"{what} timed out after {timeout:g} s ({self._describe_wait()}{stopped})",
+            f"{what} timed out after {timeout:g} s ({self._describe_wait()}{stopped_suffix(destinations)})",
             destinations,
             self._limit_name(),
             timeout,

@@ -157,6 +157,9 @@ async def test_saturation_stops_then_drain_resumes_the_producer(start_flowbroker
             event = events.get_nowait()
             assert event is not None and (event.kind, event.destination) == ("stopped", "sat")
             assert event.stop == stop and event.stopped == frozenset({"sat"})
+            with pytest.raises(fc.FlowControlled) as refused:
+                await producer.send(b"no credit", block=False)
+            assert refused.value.destinations == ("sat",) and "flow-stopped: sat" in str(refused.value)
             sent = producer.stats.sent
             assert sent == 15  # 10 completed + the window of 5 held
             assert producer.outstanding == 5 and broker.core.queues["sat"].count == sent
