@@ -136,7 +136,7 @@ class PublishError(FlowbrokerError):
     """The name of the limit the message is over (`MessageTooLarge`, `KeyTooLong`, `TooManyHeaders`)."""
 
     def __init__(self, code: ErrorCode, text: str, destination: str | None = None, transfer_id: int | None = None):
-        where = f" (queue {destination!r})" if destination else ""
+        where = f" (destination {destination!r})" if destination else ""  # a queue, or an exchange
         super().__init__(f"{code.name}{where}: {text}")
         self.code = code
         self.text = text

@@ -408,3 +408,12 @@ async def test_throughput_smoke(start_broker) -> None:
         fake = await broker.connection()
         assert len(fake.transfers) == 20_000 and fake.violations == []
     print(f"20k x 1 KiB through the fake broker: {20_000 / elapsed:,.0f} msgs/s")
+
+
+def test_a_refusals_text_names_its_destination_without_calling_an_exchange_a_queue() -> None:
+    from flowbroker.client.errors import NotFound, publish_error
+    from flowbroker.protocol import ErrorCode
+
+    error = publish_error(ErrorCode.NOT_FOUND, "no exchange named 'nope'", "nope", 7)
+    assert isinstance(error, NotFound) and error.destination == "nope" and error.transfer_id == 7
+    assert str(error) == "NOT_FOUND (destination 'nope'): no exchange named 'nope'"
