@@ -199,9 +199,12 @@ async def _await_welcome(
                 error = frame
             elif isinstance(frame, Close):
                 code = error.code if error is not None else frame.code
-                text = f"{error.text}; " if error is not None else ""
+                # The broker's CLOSE usually repeats its ERROR's text: say it once.
+                texts = [error.text] if error is not None else []
+                if frame.reason and frame.reason not in texts:
+                    texts.append(frame.reason)
                 refused = AuthenticationError if code is ErrorCode.UNAUTHORIZED else HandshakeError
-                raise refused(f"broker refused the connection: {text}{frame.reason}", code)
+                raise refused(f"broker refused the connection: {'; '.join(texts)}", code)
         if not data:
             raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
 

@@ -95,6 +95,7 @@ async def test_a_failed_login_is_refused_slowly_counted_and_logged_and_others_lo
         assert info.value.code is ErrorCode.UNAUTHORIZED
         name = auth[0] if isinstance(auth, tuple) else auth.username
         assert f"authentication failed for user {name!r}" in str(info.value)
+        assert str(info.value).count("authentication failed") == 1  # the ERROR's text, not CLOSE's copy too
         assert "password" not in str(info.value).replace("PASSWORD", "")  # no hint which part was wrong
         assert any("login refused for user" in r.getMessage() and name in r.getMessage() for r in caplog.records)
         assert broker.server.authenticator.failures == 1
