@@ -384,7 +384,8 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
                     if as_json:
                         click.echo(message_json(msg.body, msg.headers, msg.exchange, msg.routing_key, msg.redelivered))
                     else:
-                        click.echo(msg.body.decode(errors="replace"))
+                        # escaped as the tables are: a body cannot drive the terminal or forge a line
+                        click.echo(printable(msg.body.decode(errors="replace"), backslash=False))
                     await msg.ack()
                     received += 1
 

@@ -31,6 +31,14 @@ def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=30)
         assert con.returncode == 0, con.stderr
         assert con.stdout.splitlines() == ["hello", "world", "hello", "world"]
+        evil = "two\nlines \x1b]0;title\x07\x1b[31mred"
+        pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "greetings", evil],
+                             capture_output=True, text=True, timeout=30)
+        assert pub.returncode == 0, pub.stderr
+        con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "greetings"],
+                             capture_output=True, text=True, timeout=30)
+        assert con.returncode == 0 and "\x1b" not in con.stdout and "\x07" not in con.stdout  # no raw control bytes
+        assert con.stdout.splitlines() == [r"two\nlines \x1b]0;title\x07\x1b[31mred"]  # one line, escaped
         missing = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "nope"],
                                  capture_output=True, text=True, timeout=30)
         assert missing.returncode != 0 and "no queue named 'nope'" in missing.stderr
