@@ -40,7 +40,8 @@ def snapshot(client: AdminClient, limit: int) -> dict[str, Any]:
     queues = client.request("GET", f"/api/queues?limit={SCAN}")
     connections = client.request("GET", f"/api/connections?limit={SCAN}")
     ranked = sorted(queues["queues"], key=_queue_order)
-    stopped = [c for c in connections["connections"] if c["flow"]["stopped"]]
+    # A stop-all tells every flow-controlled connection, but one that only consumes holds nothing back
+    stopped = [c for c in connections["connections"] if c["flow"]["stopped"] and c["role"] != "consumer"]
     return {
         "broker": broker,
         "queues": ranked[:limit],

@@ -126,3 +126,32 @@ def test_an_unreachable_broker_is_one_line_not_a_traceback(tmp_path: Path) -> No
                              "--token-file", str(token)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "cannot reach the admin API" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_stop_all_lists_its_producers_not_its_consumers(broker: Broker, held_producer: object) -> None:
+    """Every flow-controlled connection is told FLOW_STOPPED('*'), a consumer's too (it might publish next),
+    but `top` lists the producers it holds: a consumer-only connection used to be listed and counted."""
+    consumer = subprocess.Popen([FLOWBROKER, "consume", "--url", broker.url, "--timeout", "60", "quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            roles = {c["id"]: c["role"] for c in json.loads(broker.cli("connections", "--json").stdout)["connections"]}
+            consumers = [cid for cid, role in roles.items() if role == "consumer"]
+            if consumers:
+                break
+            assert time.monotonic() < deadline, roles
+            time.sleep(0.1)
+        broker.cli("producers", "stop-all")
+        try:
+            connections = json.loads(broker.cli("connections", "--json").stdout)["connections"]
+            assert all(c["flow"]["admin_stopped"] for c in connections if c["id"] in consumers)  # told, as said
+            snap = json.loads(broker.cli("top", "--count", "1", "--json").stdout)
+            listed = [p["connection"] for p in snap["flow_stopped"]]
+            assert listed and not set(listed) & set(consumers)
+            assert all(roles.get(cid) in ("producer", "both", "idle", None) for cid in listed)
+        finally:
+            broker.cli("producers", "start-all")
+    finally:
+        consumer.kill()
+        consumer.communicate()
