@@ -286,6 +286,8 @@ class BrokerServer:
             LOGGER.info("loopback user %r: a client on a loopback address that sends no credentials is this user "
                         "(may do anything); from other addresses it is refused ([auth] loopback_user)",
                         auth.loopback_user)
+        else:
+            LOGGER.info("no loopback user ([auth] loopback_user = \"\"): every client must log in")
         if store.error:
             LOGGER.error("users file: %s (no user can log in until it is fixed)", store.error)
 

@@ -49,8 +49,11 @@ async def roundtrip(url: str, auth: Any = None, queue: str = "q") -> None:
             assert (await consumer.receive(timeout=LIMIT)).body == b"m"
 
 
-async def test_without_credentials_a_loopback_client_is_the_loopback_user(start_flowbroker: Any, tmp_path: Path) -> None:
-    broker = await start(start_flowbroker, tmp_path)
+async def test_without_credentials_a_loopback_client_is_the_loopback_user(start_flowbroker: Any, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="flowbroker.broker.server"):
+        broker = await start(start_flowbroker, tmp_path)
+    assert any(r.getMessage().startswith("loopback user 'guest': ") for r in caplog.records)  # said at start
     async with await fc.connect(broker.url, timeout=LIMIT) as conn:
         assert conn.welcome.identity == "guest"
         (session,) = broker.core.sessions.values()
@@ -59,8 +62,11 @@ async def test_without_credentials_a_loopback_client_is_the_loopback_user(start_
 
 
 async def test_without_a_loopback_user_a_client_without_credentials_is_told_what_to_do(
-        start_flowbroker: Any, tmp_path: Path) -> None:
-    broker = await start(start_flowbroker, tmp_path, loopback_user="")
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="flowbroker.broker.server"):
+        broker = await start(start_flowbroker, tmp_path, loopback_user="")
+    assert any(r.getMessage() == 'no loopback user ([auth] loopback_user = ""): every client must log in'
+               for r in caplog.records)  # said at start, as the loopback user is (docs/security.md)
     with pytest.raises(fc.HandshakeError) as info:
         await fc.connect(broker.url, timeout=LIMIT)
     assert info.value.code is ErrorCode.UNAUTHORIZED
