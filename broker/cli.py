@@ -129,7 +129,13 @@ def _broker_auth() -> tuple[str, str] | None:
     FLOWBROKER_PASSWORD (environment, never flags, which `ps` shows), as SCRAM-SHA-256; without
     FLOWBROKER_USER, none (the broker's loopback user, on its own host; docs/security.md)."""
     user = os.environ.get(USER_ENV)
-    return (user, os.environ.get(PASSWORD_ENV, "")) if user else None
+    if not user:
+        return None
+    password = os.environ.get(PASSWORD_ENV, "")
+    if not password:  # an empty password would only count as one more failed login at the broker
+        raise click.ClickException(f"{USER_ENV} is set ({printable(user)!r}) but {PASSWORD_ENV} is not: set both, "
+                                   f"or unset {USER_ENV} to connect as the loopback user")
+    return user, password
 
 
 def _url_option(func: F) -> F:
@@ -312,11 +318,12 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
 
     import flowbroker.client as fb
 
+    auth = _broker_auth()
     bodies = [m.encode() for m in messages] or [line.rstrip("\n").encode() for line in sys.stdin]
     outcome = PublishOutcome(requested=len(bodies) * count)
 
     async def run() -> None:
-        async with await fb.connect(url, client_name="flowbroker-cli", auth=_broker_auth()) as conn:
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
             if declare and exchange == "":
                 await conn.declare_queue(routing_key)
             producer = conn.producer(exchange=exchange, routing_key=routing_key)
@@ -372,9 +379,11 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
 
     import flowbroker.client as fb
 
+    auth = _broker_auth()
+
     async def run() -> None:
         received = 0
-        async with await fb.connect(url, client_name="flowbroker-cli", auth=_broker_auth()) as conn:
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
             async with conn.consumer(queue, prefetch=prefetch) as consumer:
                 while not count or received < count:
                     try:
@@ -598,8 +607,10 @@ def exchange_declare(name: str, kind: str, url: str) -> None:
 
     import flowbroker.client as fb
 
+    auth = _broker_auth()
+
     async def run() -> None:
-        async with await fb.connect(url, client_name="flowbroker-cli", auth=_broker_auth()) as conn:
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
             await conn.declare_exchange(name, kind)
 
     try:

@@ -73,6 +73,11 @@ def test_publish_and_consume_log_in_with_the_environments_user(tmp_path: Path) -
         refused = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "q", "x"], capture_output=True,
                                  text=True, timeout=30, env={k: v for k, v in env.items() if k != "FLOWBROKER_USER"})
         assert refused.returncode != 0 and "FLOWBROKER_USER and FLOWBROKER_PASSWORD" in refused.stderr
+        no_password = {k: v for k, v in env.items() if k != "FLOWBROKER_PASSWORD"}
+        for command in (["publish", "-k", "q", "x"], ["consume", "--count", "1", "q"], ["exchange", "declare", "e"]):
+            half = subprocess.run([FLOWBROKER, *command, "--url", url], capture_output=True, text=True, timeout=30,
+                                  env=no_password)  # not sent as an empty password: said before connecting
+            assert half.returncode == 1 and "FLOWBROKER_USER is set ('cli') but FLOWBROKER_PASSWORD is not" in half.stderr
         pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "q", "hello"], capture_output=True,
                              text=True, timeout=30, env=env)
         assert pub.returncode == 0, pub.stderr
