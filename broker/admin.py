@@ -401,8 +401,10 @@ class AdminApi:
             elif key in TIME_QUEUE_ARGUMENTS:  # seconds; off with 0 (the thresholds validate the rest)
                 if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                     raise ApiError(400, "invalid_argument", f"{key} must be a number of seconds >= 0 (0 = off)", key)
-            elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ApiError(400, "invalid_argument", f"{key} must be an integer >= 0 (or null for the default)", key)
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 50):
+                # (the bound of the TOML's byte keys: past it, a figure is a typo, not a queue's size)
+                raise ApiError(400, "invalid_argument",
+                               f"{key} must be an integer in [0, 2^50] (or null for the default)", key)
         queue = self.core.set_queue_thresholds(name, body)
         LOGGER.info("admin: queue %r thresholds changed: %s", name, body)
         return views.queue_view(queue, self.now())
@@ -464,6 +466,10 @@ class AdminApi:
         return views.policy_view(self.core)
 
 
+async def _index(index: dict[str, Any]) -> dict[str, Any]:
+    return index
+
+
 async def _not_found(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
@@ -500,6 +506,11 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         Route("/api/policy", j(api.get_policy), methods=["GET"]),
         Route("/api/policy", j(api.put_policy), methods=["PUT"]),
     ]
+    # GET /api/ (where the broker port's answer to HTTP points): what there is, not a 404
+    index = {"endpoints": [f"{method} {route.path.replace(':name', '')}" for route in routes
+                           if isinstance(route, Route) for method in sorted(route.methods or ()) if method != "HEAD"],
+             "docs": "docs/management.md"}
+    routes += [Route(path, j(lambda request: _index(index)), methods=["GET"]) for path in ("/api", "/api/")]
     open_paths: frozenset[str] = frozenset()
     if metrics is not None:
         routes.append(metrics)

@@ -71,6 +71,11 @@ async def test_every_request_needs_the_token(broker: Any) -> None:
     assert status == 404 and answer["error"]["code"] == "not_found"
     status, answer, _ = await api(broker, "DELETE", "/api/queues")
     assert status == 405 and answer["error"]["code"] == "method_not_allowed"
+    for index in ("/api", "/api/"):  # where the broker port's answer to HTTP points: a list, not a 404
+        status, answer, _ = await api(broker, "GET", index)
+        assert status == 200 and "GET /api/queues" in answer["endpoints"] and "PATCH /api/queues/{name}" in answer["endpoints"]
+    status, answer, _ = await api(broker, "GET", "/api/", token=None)
+    assert status == 401
 
 
 async def test_generated_token_is_written_with_mode_0600(start_flowbroker: Any, tmp_path: Any) -> None:
@@ -180,6 +185,8 @@ async def test_bad_patches_name_the_field(broker: Any) -> None:
         ({"max_size": "big"}, "max_size"),
         ({"overflow": "explode"}, "overflow"),
         ({"flow_stop_size": 10, "bogus": 1}, "bogus"),
+        ({"max_size": 2**70}, "max_size"),
+        ({"max_count": 2**51}, "max_count"),
     ):
         status, answer, _ = await api(broker, "PATCH", "/api/queues/q", body)
         assert status == 400, answer
