@@ -425,13 +425,20 @@ def default_data_dir() -> Path:
     return Path(state) / "flowbroker"
 
 
+QUOTA_SEGMENTS = 2
+"""`[storage] quota` is 0 or at least this many segments. Compaction deletes whole segments, never the
+one being written, which holds up to `segment_size` bytes plus its last record even when every message is
+settled; the quota must stay above that, or the disk alarm it raises could never clear. One more segment
+leaves room for the snapshot a new segment opens with and for the records a settlement appends."""
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     """The journal of durable queues (docs/storage.md). `fsync = "always"`: a transfer to a durable queue
     completes after the group commit that wrote it was fsynced (survives a power cut); `"never"`: after
     the write reached the kernel (survives the broker's own crash, kill -9 included, not the machine's).
     Producers of durable queues are held while free space under `data_dir` is under `disk_free_limit` or
-    the journal holds more than `quota` bytes (0: no quota)."""
+    the journal holds more than `quota` bytes (0: no quota; else at least QUOTA_SEGMENTS segments)."""
 
     enabled: bool = True
     data_dir: str = ""
@@ -450,6 +457,11 @@ class StorageConfig:
         _int_range("storage", "segment_size", self.segment_size, 64 * 1024, 1 << 40)
         _int_range("storage", "disk_free_limit", self.disk_free_limit, 0, 1 << 50)
         _int_range("storage", "quota", self.quota, 0, 1 << 50)
+        if 0 < self.quota < QUOTA_SEGMENTS * self.segment_size:
+            raise ConfigError("storage", "quota", self.quota,
+                              f"must be 0 (no quota) or at least {QUOTA_SEGMENTS} x segment_size "
+                              f"({QUOTA_SEGMENTS} x {self.segment_size}): the segment being written is never "
+                              "deleted, so under a smaller quota the disk alarm may never clear")
 
     def journal_dir(self) -> Path:
         """Where the journal's segments are: `<data_dir>/journal`."""

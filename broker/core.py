@@ -369,6 +369,9 @@ class BrokerCore:
         # Permissions (broker/permissions.py): one dict lookup per message, the decision cached per exchange.
         may_write = session.access.write_cache if session.access is not None else None
         journal = self.journal
+        # The disk alarm holds flow-controlled producers of durable queues (Journal.hold); nothing paces
+        # the others, so their messages to durable queues are refused while it is on, never journalled.
+        disk_alarm = journal.alarm if journal is not None and not session.flow_control else None
         # Queues enqueued to in this frame: each dispatches once, after the frame (Queue.add), so a
         # consumer gets the frame's messages as one run (Subscription.deliver_ready).
         touched: dict[Queue, None] = {}
@@ -516,6 +519,11 @@ class BrokerCore:
                 held: list[Message] = []
                 durable_queue: Queue | None = None  # a durable queue took it: completion waits for the journal
                 for queue in targets:
+                    if disk_alarm is not None and queue.durable:
+                        session.send(Error(ErrorCode.RESOURCE_EXHAUSTED,
+                                           f"the disk alarm is on ({disk_alarm.reason}); a producer without flow "
+                                           "control is refused: retry later or use flow control", None, tid, queue.name))
+                        continue
                     msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
                     touched[queue] = None
                     try:
@@ -793,19 +801,15 @@ class BrokerCore:
 
     def declare_queue(self, name: str, arguments: dict[str, Any] | None = None, durable: bool = False,
                       owner: str | None = None, owner_limit: int = 0) -> Queue:
-        """The queue `name`, declared now unless it exists. `owner` (the declaring identity) is charged
-        for a new queue; `owner_limit` (its user's max_queues, 0: none) refuses one more over it."""
+        """The queue `name`, declared now unless it exists (a redeclare that does not match it is refused:
+        `_check_redeclare`). `owner` (the declaring identity) is charged for a new queue; `owner_limit`
+        (its user's max_queues, 0: none) refuses one more over it."""
         if not name:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "queue name must not be empty")
         thresholds, overflow = self.queue_thresholds(arguments or {})
         existing = self.queues.get(name)
         if existing is not None:
-            if arguments and (existing.thresholds != thresholds or existing.overflow is not overflow):
-                raise RequestError(
-                    ErrorCode.ALREADY_EXISTS,
-                    f"queue {name!r} exists with other arguments; change thresholds with a queue set",
-                    name,
-                )
+            self._check_redeclare(existing, durable, bool(arguments), thresholds, overflow)
             return existing
         limit = self.config.server.max_queues
         if len(self.queues) >= limit:
@@ -818,6 +822,33 @@ class BrokerCore:
         self.track_time_thresholds(queue)
         self._journal_queue(queue)
         return queue
+
+    @staticmethod
+    def _check_redeclare(queue: Queue, durable: bool, with_arguments: bool, thresholds: Thresholds,
+                         overflow: OverflowPolicy) -> None:
+        """An OK to a redeclare must not leave the client believing something false of the queue: a
+        memory-only queue answered OK to `durable=True` would lose on a restart the messages its
+        producers were told are on disk. A declare with arguments states the whole queue, so its
+        durability (the wire's default, false, included) must match as well as its arguments. A bare
+        declare (no arguments, not durable) takes the queue as it is: the wire cannot tell "not
+        durable" from "not said", and it is what `flowbroker publish`, the Spark writer and multicast
+        groups send to make sure a queue exists, durable or not."""
+        name = queue.name
+        if durable and not queue.durable:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"queue {name!r} exists memory-only and cannot become durable: delete it first "
+                               "(its messages go with it) and declare it durable=True, or declare it without "
+                               "durable", name)
+        if not with_arguments:
+            return
+        if queue.durable and not durable:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"queue {name!r} exists durable: declare it durable=True, or with no arguments "
+                               "to take it as it is, or delete it first to make it memory-only", name)
+        if queue.thresholds != thresholds or queue.overflow is not overflow:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"queue {name!r} exists with other arguments; change thresholds with a queue set",
+                               name)
 
     def charge_owner(self, queue: Queue, owner: str | None) -> None:
         """`queue` counts toward `owner`'s queues (declared now, or recovered from the journal)."""

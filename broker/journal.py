@@ -245,7 +245,10 @@ class Journal:
     def set_alarm(self, stop: FlowStopped | None) -> None:
         """Raise (stop given) or clear the disk alarm; clearing releases every transfer it held."""
         if stop is None and self.alarm is not None:
-            LOGGER.warning("disk alarm cleared: producers of durable queues resume (%s)", self.alarm.reason)
+            # the figures now: the alarm's own reason is the last look that was over a limit
+            LOGGER.warning("disk alarm cleared: the journal holds %d bytes (quota %d), %d bytes free under %s "
+                           "(disk_free_limit %d); producers of durable queues resume",
+                           sum(self.sizes.values()), self.quota, self.free_bytes, self.dir, self.disk_free_limit)
             self.alarm = None
             held, self._disk_held = self._disk_held, []
             stopped, self._stopped = self._stopped, {}

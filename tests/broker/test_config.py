@@ -194,6 +194,10 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
         ("auth", {"loopback_user": "a\nb"}, "[auth] loopback_user = 'a\\nb': must be a user name"),
         ("udp", {"loopback_mtu": 65536}, "[udp] loopback_mtu = 65536: must be an integer in [64, 65504]"),
         ("udp", {"loopback_mtu": 8200}, "[udp] loopback_mtu = 8200: must be a multiple of 32"),
+        ("storage", {"quota": MiB}, "[storage] quota = 1048576: must be 0 (no quota) or at least 2 x segment_size "
+         "(2 x 67108864)"),
+        ("storage", {"quota": 4 * MiB - 1, "segment_size": 2 * MiB},
+         "[storage] quota = 4194303: must be 0 (no quota) or at least 2 x segment_size (2 x 2097152)"),
     ],
 )
 def test_a_value_out_of_range_is_refused_naming_the_key(section: str, values: dict[str, Any], message: str) -> None:
@@ -283,3 +287,9 @@ def test_serve_reports_a_configuration_error_naming_the_key(tmp_path: Path, monk
     result = CliRunner().invoke(main, ["serve", "--config", str(path)])
     assert result.exit_code == 1
     assert "configuration error: [queues] flow_stop_percent = 120: must be a number in [0, 100]" in result.output
+
+
+def test_a_quota_of_two_segments_or_none_is_accepted() -> None:
+    """The smallest quota the disk alarm can always clear under (docs/storage.md, "The disk as flow control")."""
+    assert load_config(None, {"storage": {"quota": 2 * 64 * MiB}}).storage.quota == 128 * MiB
+    assert load_config(None, {"storage": {"quota": 0, "segment_size": 1 << 40}}).storage.quota == 0
