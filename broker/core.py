@@ -454,7 +454,16 @@ class BrokerCore:
                 ):
                     # One queue, within every limit: no list of targets nor of held messages.
                     msg = Message(exchange, routing_key, body, headers, size, None, sequence)
-                    held_one = queue.add(msg, session, now)  # (never QueueFull: the producer has flow control)
+                    try:
+                        held_one = queue.add(msg, session, now)
+                    except QueueFull as exc:  # a queue without a stop threshold: its hard limit holds everyone
+                        if run_end != run_first:  # the run is told before this refusal completes its transfer
+                            receiver.complete_run(run_first, run_end - run_first, run_size)
+                            run_first = run_end = -1
+                            run_size = 0
+                        self._refuse(session, tid, size, ErrorCode.QUEUE_FULL, str(exc), queue.name)
+                        tid += 1
+                        continue
                     if queue is not last:
                         touched[queue] = None
                         last = queue

@@ -243,11 +243,13 @@ class Queue:
         # The hard limit is for producers that do not do flow control (nothing else paces them).
         # A flow-controlled producer is bounded by its credit: its transfers past the stop threshold
         # are held, never refused, even while a policy resize leaves more bytes in flight than the
-        # queue's headroom. The overflow policy is consulted only at the limit (hot path).
-        if (producer is None or not producer.flow_control) and (
+        # queue's headroom. On a queue with no stop threshold (flow control off on it) nothing holds
+        # them, and the hard limit is for every producer. The overflow policy is consulted only at
+        # the limit (hot path).
+        if (
             (limits.max_count and self.count >= limits.max_count)
             or (limits.max_size and self.size + msg.size > limits.max_size)
-        ):
+        ) and (producer is None or not producer.flow_control or not t.flow_control):
             self.dispatch()
             self._apply_overflow(msg)
         offset = self.next_offset
@@ -278,12 +280,15 @@ class Queue:
         be added with `add_run`: the queue is not saturated and stays under its stop thresholds (the
         count one lowered to a drain-time limit, as in `add`) after the last of them, so `add` would
         neither saturate nor hold on any of them (depth and bytes only grow), and its store is the
-        memory store. The hard limit is not for flow-controlled producers (`add`)."""
+        memory store. The hard limit is not for flow-controlled producers (`add`), except on a queue
+        without a stop threshold: there `add` checks it for each message."""
+        t = self.thresholds
         return (
             not self.saturated
             and self.count + count <= self._stop_count
-            and self.size + size <= self.thresholds._stop_size
+            and self.size + size <= t._stop_size
             and type(self.store) is MemoryStore
+            and (t.flow_control or not (t.limits.max_count or t.limits.max_size))
         )
 
     def takes_held_run(self) -> bool:

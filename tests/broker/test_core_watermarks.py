@@ -439,6 +439,26 @@ def test_hard_limit_never_refuses_a_flow_controlled_producer() -> None:
     assert [e.code for e in legacy.errors] == [ErrorCode.QUEUE_FULL]
 
 
+@pytest.mark.parametrize("overflow", ["reject", "drop-head"])
+def test_a_queue_without_flow_control_holds_every_producer_to_its_hard_limit(overflow: str) -> None:
+    """With every stop threshold off, nothing holds a flow-controlled producer back at the queue: its
+    hard limit must apply to it too (`flowbroker queue set --flow-stop-count 0 --flow-stop-size 0
+    --max-count 2` used to let the CLI's flow-controlled publish put 4 messages in)."""
+    h = make()
+    h.queue("q", max_count=2, flow_stop_count=0, flow_stop_size=0, overflow=overflow)
+    p = h.producer()
+    p.register()
+    for i in range(4):
+        p.send("", "q", b"m%d" % i)
+        p.pump()
+    q = h.core.queues["q"]
+    assert q.count == 2 and not q.saturated and p.outstanding == {}
+    if overflow == "reject":
+        assert [e.code for e in p.errors] == [ErrorCode.QUEUE_FULL] * 2 and q.counters.rejected == 2
+    else:
+        assert p.errors == [] and q.counters.dropped == 2
+
+
 def test_stop_all_and_start_all_producers() -> None:
     h = make()
     h.queue("q")
