@@ -65,8 +65,9 @@ def parse_size(value: str) -> int:
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names `[section] key` and the value."""
 
-    def __init__(self, section: str, key: str, value: object, reason: str):
-        super().__init__(f"[{section}] {key} = {value!r}: {reason}")
+    def __init__(self, section: str, key: str, value: object, reason: str, *, where: str | None = None):
+        # `where` instead of "[section] key = value" for what is not a key's value (the file, a section)
+        super().__init__(f"{where if where is not None else f'[{section}] {key} = {value!r}'}: {reason}")
         self.section = section
         self.key = key
         self.value = value
@@ -544,15 +545,15 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
         try:
             data = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("file", str(path), None, f"not valid TOML: {exc}") from None
+            raise ConfigError("file", str(path), None, f"not valid TOML: {exc}", where=str(path)) from None
         except OSError as exc:
-            raise ConfigError("file", str(path), None, f"cannot be read: {exc.strerror}") from None
+            raise ConfigError("file", str(path), None, f"cannot be read: {exc.strerror}", where=str(path)) from None
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
         if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls", "storage"):
             raise ConfigError(section, "*", None, "unknown section; known: admin, auth, credit, metrics, queues, "
-                                                  "server, storage, tls, udp")
+                                                  "server, storage, tls, udp", where=f"[{section}]")
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))

@@ -152,7 +152,7 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones(section: str) ->
 
 
 def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^\[sever\] \* = None: unknown section; known: admin, auth, credit, metrics, queues, server, storage, tls, udp$"):
+    with pytest.raises(ConfigError, match=r"^\[sever\]: unknown section; known: admin, auth, credit, metrics, queues, server, storage, tls, udp$"):
         load_config(write(tmp_path, "[sever]\nport = 1\n"))
     for section in ("server", "queues", "admin", "credit"):
         with pytest.raises(ConfigError, match=rf"^\[{section}\] \* = 3: must be a table$"):
@@ -218,10 +218,10 @@ def test_an_admin_token_is_never_echoed(tmp_path: Path) -> None:
 
 def test_a_file_that_is_not_toml_or_cannot_be_read_is_named(tmp_path: Path) -> None:
     path = write(tmp_path, "[server\n")
-    with pytest.raises(ConfigError, match=rf"^\[file\] {re.escape(str(path))} = None: not valid TOML: "):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: not valid TOML: "):
         load_config(path)
     missing = tmp_path / "nowhere.toml"
-    with pytest.raises(ConfigError, match=rf"^\[file\] {re.escape(str(missing))} = None: cannot be read: "):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(missing))}: cannot be read: "):
         load_config(missing)
 
 
