@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.core import BUILTIN_EXCHANGES, BrokerCore
 from flowbroker.broker.exchange import Exchange
@@ -30,6 +30,9 @@ from flowbroker.broker.subscription import Subscription
 from flowbroker.policies.credit import CreditPolicyConfig
 from flowbroker.protocol.credit import SenderWindow
 from flowbroker.protocol.names import QUEUE_ARGUMENTS, THRESHOLD_ADMIN, THRESHOLD_MEMORY
+
+if TYPE_CHECKING:
+    from flowbroker.broker.udp.egress import UdpSubscription
 
 __all__ = [
     "THRESHOLD_KEYS",
@@ -75,7 +78,16 @@ def _buffer(log: SenderWindow) -> dict[str, int]:
 # -- queues ------------------------------------------------------------------------------------
 
 
+def _udp_buffer(sub: UdpSubscription) -> dict[str, int]:
+    """A UDP subscription's buffer is its consumer's window, not a TCP byte buffer (its `sender_window` is
+    off): the window of the consumer's last status message and the term bytes sent beyond the consumption
+    position it reported (0 and 0 before its first)."""
+    pub = sub.stream.publication
+    return {"size": pub.statistics().receiver_window, "unacked": pub.position - pub.consumption_position}
+
+
 def _subscription(sub: Subscription) -> dict[str, Any]:
+    from flowbroker.broker.udp.egress import UdpSubscription
     from flowbroker.broker.udp.multicast import GroupSubscription
 
     if isinstance(sub, GroupSubscription):  # a multicast group's: no connection of its own
@@ -90,7 +102,7 @@ def _subscription(sub: Subscription) -> dict[str, Any]:
         "prefetch": sub.prefetch,
         "unsettled": sub.unsettled,
         "delivered": sub.delivered_total,
-        "buffer": _buffer(sub.sender_window),
+        "buffer": _udp_buffer(sub) if isinstance(sub, UdpSubscription) else _buffer(sub.sender_window),
     }
 
 

@@ -32,11 +32,12 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.consumer import RELEASE_NEVER, Consumer
+from flowbroker.client.consumer import RELEASE_NEVER, Consumer, ConsumerStatistics
 from flowbroker.protocol import Frame
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, message_size
 from flowbroker.protocol.envelope import DELIVER_BATCH, EnvelopeError, decode_delivery, decode_delivery_batch
@@ -176,6 +177,14 @@ class UdpConsumer(Consumer):
         held.append([end, space])
         if len(held) == 1:
             self._release_at = end
+
+    def statistics(self) -> ConsumerStatistics:
+        """`Consumer.statistics()`, its `window` this consumer's: the byte credit its status messages grant
+        (the base class's byte buffer is the TCP one, off for a UDP subscription), at most half a term once
+        the image has said how long its terms are, as the image caps it."""
+        image = self._image
+        window = self.window if image is None else min(self.window, image.term_length // 2)
+        return replace(super().statistics(), window=window)
 
     def _subscription_id_in_image(self) -> int:
         assert self._subscription is not None

@@ -37,6 +37,7 @@ import trio
 
 from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, describe_stopped
 from flowbroker.client.producer import _SHORT_KEY, Producer, check_message
+from flowbroker.client.url import check_udp_endpoint
 from flowbroker.protocol import ErrorCode, Headers
 from flowbroker.protocol.envelope import (
     PUBLISH_BATCH_KIND,
@@ -90,6 +91,8 @@ class UdpProducer(Producer):
         stream_id: int = DEFAULT_PUBLICATION_STREAM,
         udp_endpoint: str | None = None,
     ) -> None:
+        if udp_endpoint is not None:  # here, not at the first send: that would register, then fail
+            check_udp_endpoint(udp_endpoint, "udp_endpoint")
         super().__init__(conn, exchange, routing_key, window=window, send_timeout=send_timeout, mandatory=mandatory)
         self.stream_id = stream_id
         self.udp_endpoint = udp_endpoint
@@ -159,20 +162,29 @@ class UdpProducer(Producer):
             except BaseException:
                 endpoint.close()
                 raise
-            host, broker_port = _host_port(self.udp_endpoint or conn.udp_endpoint or str(answer["endpoint"]))
-            if host in ("0.0.0.0", "::", ""):
-                host = conn._peer_host() or host
-            self.session_id = int(answer["session_id"])
+            try:
+                host, broker_port = _host_port(self.udp_endpoint or conn.udp_endpoint or str(answer["endpoint"]))
+                if host in ("0.0.0.0", "::", ""):
+                    host = conn._peer_host() or host
+                config = PublicationConfig(
+                    session_id=int(answer["session_id"]), stream_id=self.stream_id,
+                    term_length=int(answer["term_length"]), mtu=int(answer["mtu"]),
+                    initial_term_id=random.randrange(-(2**31), 2**31),
+                    publication_window=min(PUBLICATION_WINDOW, int(answer["term_length"]) // 2),
+                    max_messages_per_send=1024, linger_ns=_LINGER_NS,
+                )
+                publication = Publication(config, now_ns(), destination=(host, broker_port))
+            except BaseException:
+                # Registered, but unusable: give the registration back, or each send would leave one
+                # more behind (they are bounded per connection).
+                endpoint.close()
+                await self._unregister(answer.get("session_id"))
+                raise
+            self.session_id = config.session_id
             self._publish_batch = answer.get("publish_batch") is True
-            config = PublicationConfig(
-                session_id=self.session_id, stream_id=self.stream_id, term_length=int(answer["term_length"]),
-                mtu=int(answer["mtu"]), initial_term_id=random.randrange(-(2**31), 2**31),
-                publication_window=min(PUBLICATION_WINDOW, int(answer["term_length"]) // 2),
-                max_messages_per_send=1024, linger_ns=_LINGER_NS,
-            )
             self._endpoint = endpoint
             self._broker = (host, broker_port)
-            self.publication = Publication(config, now_ns(), destination=self._broker)
+            self.publication = publication
             conn._udp_producers[self.session_id] = self
             assert conn._nursery is not None
             conn._nursery.start_soon(conn._contained, self._run, f"UDP publication {self.session_id}")
@@ -244,8 +256,9 @@ class UdpProducer(Producer):
         else:
             payload = encode_publish(body, None if own_key else key, headers)
         if len(payload) > pub.max_message_length:
-            raise ValueError(f"a message of {len(payload)} bytes exceeds the UDP publication's maximum "
-                             f"{pub.max_message_length} (term_length / 8); send it over TCP")
+            raise ValueError(f"a message of {len(body)} bytes ({len(payload)} with its envelope) exceeds the UDP "
+                             f"publication's maximum {pub.max_message_length} (term_length / 8, the envelope "
+                             "included); send it over TCP")
         self._commit(pub)  # what was claimed before it goes first
         result = pub.offer(payload) if self._outstanding < self.window and not self._closed else -1
         if result <= 0:  # the common case above: offered at once; otherwise wait for the window
@@ -440,6 +453,17 @@ class UdpProducer(Producer):
             self._send_now()
 
     # -------------------------------------------------------------- closing
+
+    async def _unregister(self, session_id: Any) -> None:
+        """CLOSE_PUBLICATION for a registration `open` could not use (shielded, within `close_timeout`)."""
+        conn = self._conn
+        if not isinstance(session_id, int) or conn.is_closed:
+            return
+        with trio.CancelScope(shield=True):
+            try:
+                await conn._request(lambda rid: ClosePublication(rid, session_id), conn.close_timeout)
+            except Exception as exc:  # the connection is going away: the broker ends it with the connection
+                log.debug("closing UDP publication %s: %s", session_id, exc)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Close the publication: CLOSE_PUBLICATION to the broker, then its socket. Messages not yet

@@ -70,8 +70,13 @@ def _udp_query(url: str, query: str) -> str | None:
         raise ValueError(f"{url!r}: the query must be udp=HOST:PORT") from None
     if set(params) != {"udp"} or len(params["udp"]) != 1:
         raise ValueError(f"{url!r}: the only query a broker URL takes is udp=HOST:PORT")
-    value = params["udp"][0]
+    return check_udp_endpoint(params["udp"][0], f"{url!r}: udp")
+
+
+def check_udp_endpoint(value: str, name: str) -> str:
+    """`value` if it is HOST:PORT with a port in [1, 65535], else ValueError naming it `name`: the URL's
+    `udp` query and a UDP producer's `udp_endpoint` are checked alike, when given, not at first use."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{url!r}: udp={value!r} must be HOST:PORT with a port in [1, 65535]")
+        raise ValueError(f"{name}={value!r} must be HOST:PORT with a port in [1, 65535]")
     return value

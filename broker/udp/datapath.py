@@ -4,7 +4,8 @@ refused and counted (sans-IO).
 A datagram is looked at only as far as its Aeron header: its type says which side it is for (DATA, PAD
 and SETUP go to the images of registered publications; SM, NAK and ERR to the broker's publications to
 UDP consumers and of its multicast groups; RTTM to whichever owns its session id), its session id must be one the broker handed out
-over TCP, and its source address must be the one registered for that session. Anything else is dropped
+over TCP for that side (one for the other side is `wrong_direction`), and its source address must be the one
+registered for that session. Anything else is dropped
 and counted by reason (``refused``) before it reaches an image, so it creates nothing and costs the
 broker no memory, and, as the Aeron C driver does for a SETUP it refuses, it is answered with nothing.
 """
@@ -51,7 +52,8 @@ REFUSAL_REASONS = (
     "unregistered_session",  # a session id the broker did not hand out (or no longer has)
     "wrong_stream",  # a registered session id with another stream id
     "wrong_source",  # a registered session from another address than the registering client's
-    "wrong_direction",  # a sender's frame for a receiver's session, or the reverse
+    "wrong_direction",  # a sender's frame (DATA, PAD, SETUP) for a session the broker sends on (to a UDP
+    # consumer or a group), or a receiver's (SM, NAK, ERR) for one it receives (a producer's publication)
     "unregistered_receiver",  # a multicast group's SM, ERR or RTTM with a receiver id no member registered
     "setup_term_length",  # a SETUP with another term length than [udp] term_length
     "setup_mtu",  # a SETUP with an mtu over the publication's ([udp] mtu, or loopback_mtu from a loopback address)
@@ -189,6 +191,11 @@ class DataPath:
         else:
             reason = "malformed"
         if reason is not None:
+            if reason == "unregistered_session" and session_id in self.session_ids.live:
+                # Live, but not on the side its frame type is for: session ids are one space for both
+                # sides, so it is the other side's (a sender's frame for a session the broker sends, or a
+                # receiver's for one it receives). Asked only of a datagram refused anyway.
+                reason = "wrong_direction"
             self.refused[reason] += 1
 
     def do_work(self, now_ns: int) -> Outgoing:

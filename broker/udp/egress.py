@@ -277,13 +277,15 @@ class Egress:
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, session_id: int, stream_id: int,
                     now_ns: int) -> str | None:
-        """Hand an SM/NAK/ERR/RTTM to its publication; the refusal reason, or None if taken."""
+        """Hand an SM/NAK/ERR/RTTM to its publication; the refusal reason, or None if taken. Only from the
+        consumer's own address, host and port: the SDK sends them from the socket it registered and is
+        delivered to, and an SM from anywhere else on its host would open the window (`wrong_source`)."""
         stream = self.subscriptions.get(session_id) or self._closing.get(session_id)
         if stream is None:
             return "unregistered_session"
         if stream_id != stream.stream_id:
             return "wrong_stream"
-        if not isinstance(source, tuple) or source[0] != stream.destination[0]:
+        if source != stream.destination:
             return "wrong_source"
         pub = stream.publication
         limit = pub.sender_limit

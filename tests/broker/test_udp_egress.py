@@ -19,8 +19,28 @@ from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH
 from flowbroker.protocol.envelope import DELIVER_BATCH, decode_delivery, decode_delivery_batch
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
-from flowbroker.protocol.frames import Cancel, Error, Outcome, SubscribeUdp, Transfer, TransferEntry
-from flowbroker.transport.positions import frame_space
+from flowbroker.protocol.frames import (
+    Cancel,
+    Error,
+    Outcome,
+    RegisterPublication,
+    SubscribeUdp,
+    Transfer,
+    TransferEntry,
+)
+from flowbroker.transport.frames import (
+    UNFRAGMENTED,
+    DataFrame,
+    Nak,
+    Setup,
+    StatusMessage,
+    encode_data,
+    encode_heartbeat,
+    encode_nak,
+    encode_setup,
+    encode_status_message,
+)
+from flowbroker.transport.positions import compute_term_id_from_position, frame_space
 from flowbroker.transport.subscription import ReceiveChannel, ReceiverConfig
 from tests.broker.coreharness import Consumer, Harness
 
@@ -239,6 +259,62 @@ def test_control_datagrams_from_elsewhere_are_refused() -> None:
     bad = bytearray(sm[0])
     bad[8:12] = (12345).to_bytes(4, "little", signed=True)
     rig.datapath.on_datagram(bytes(bad), CONSUMER, rig.h.now)
+    assert rig.datapath.refused["unregistered_session"] == 1
+
+
+def _forged_sm(rig: Rig, ahead: int, window: int) -> bytes:
+    """An SM for the rig's session saying the consumer processed `ahead` bytes past what was sent and
+    grants `window`: what an attacker who knows the session (and the term ids) would send."""
+    pub = rig.stream.publication
+    position = pub.position + ahead
+    term_id = compute_term_id_from_position(position, pub.position_bits_to_shift, pub.initial_term_id)
+    return encode_status_message(StatusMessage(rig.answer["session_id"], 1002, term_id,
+                                               position & (pub.term_length - 1), window, 999))
+
+
+def test_status_messages_from_another_port_of_the_consumers_host_are_refused_and_open_nothing() -> None:
+    """Regression: only the host was compared, so SMs with the consumer's session id from any port of its
+    host were taken and opened the window past what the consumer had processed."""
+    rig = Rig(window=16 * 1024)
+    rig.publish([b"x" * 1000] * 100)
+    for _ in range(5):
+        rig.cycle()  # nothing processed: the consumer's window is used up
+    pub = rig.stream.publication
+    limit, delivered = pub.sender_limit, len(rig.bodies)
+    assert pub.position >= limit
+    for port in (CONSUMER[1] + 1, ENDPOINT[1], 1):
+        rig.datapath.on_datagram(_forged_sm(rig, 64 * 1024, 1 << 20), (CONSUMER[0], port), rig.h.now)
+    assert rig.datapath.refused == {"wrong_source": 3}
+    assert pub.sender_limit == limit
+    assert rig.datapath.do_work(rig.h.now + MS) == []  # no delivery went out on the forged window
+    rig.cycle()
+    assert len(rig.bodies) == delivered
+    rig.datapath.on_datagram(_forged_sm(rig, 0, 1 << 20), CONSUMER, rig.h.now)  # the registered address
+    assert pub.sender_limit > limit and rig.datapath.refused == {"wrong_source": 3}
+
+
+def test_a_receivers_frame_for_a_producers_session_and_a_senders_for_a_consumers_are_wrong_direction() -> None:
+    """SM and NAK for the session of a publication the broker receives, DATA/PAD/SETUP for one it sends on:
+    refused as `wrong_direction` (not `unregistered_session`: the id is live, on the other side)."""
+    rig = Rig()
+    producer = rig.h.producer("udp-producer")
+    producer.session.peer_host = CONSUMER[0]
+    ingress_id = producer.ok(lambda rid: RegisterPublication(rid, "", "q", 1001, 40002))["session_id"]
+    egress_id = rig.answer["session_id"]
+    sources = [CONSUMER, ("127.0.0.1", 40002)]  # each side's registered address: the direction is what is wrong
+    receivers = [encode_status_message(StatusMessage(ingress_id, 1001, 0, 0, 65536, 1)),
+                 encode_nak(Nak(ingress_id, 1001, 0, 0, 1024))]
+    senders = [encode_data(DataFrame(40, UNFRAGMENTED, 0, egress_id, 1002, 0, 0, b"x" * 8)),
+               encode_heartbeat(0, egress_id, 1002, 0),
+               encode_setup(Setup(0, egress_id, 1002, 0, 0, rig.h.config.udp.term_length, 1408))]
+    for datagram in receivers + senders:
+        for source in sources:
+            rig.datapath.on_datagram(datagram, source, rig.h.now)
+    assert rig.datapath.refused == {"wrong_direction": 2 * len(receivers + senders)}
+    assert rig.datapath.ingress.publications[ingress_id].image is None  # nothing reached either side
+    assert len(rig.bodies) == 0
+    gone = 12345  # an id nobody holds is still unregistered, whatever its direction
+    rig.datapath.on_datagram(encode_status_message(StatusMessage(gone, 1001, 0, 0, 65536, 1)), CONSUMER, rig.h.now)
     assert rig.datapath.refused["unregistered_session"] == 1
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
 
 import flowbroker.client as fc
+from flowbroker.broker import views
 from flowbroker.client import blocking
 from flowbroker.client.udpconsumer import UdpConsumer
 from flowbroker.protocol import Frame
@@ -249,3 +251,38 @@ async def test_through_a_lossy_relay_every_message_is_delivered_once_in_order(st
     assert counters["to_client"].dropped > 0 and counters["to_client"].duplicated > 0
     await trio.sleep(0.05)
     assert len(broker.core.queues["lossy"].store) == 0
+
+
+async def test_statistics_and_the_broker_views_show_the_udp_consumers_window(start_flowbroker: Start) -> None:
+    """Regression: `statistics().window` was 0 and the views' `buffer` `{"size": 0, ...}` for a UDP consumer
+    with `buffer_size=65536`: both showed the TCP byte buffer, which a UDP subscription does not use. Both
+    now show the window its status messages grant (a window over half a term is capped there)."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "shown", [b"a", b"b"])
+        async with conn.consumer("shown", transport="udp", buffer_size=65536, prefetch=10) as consumer:
+            assert consumer.statistics().window == 65536
+            msg = await consumer.receive(timeout=LIMIT)
+            stats = consumer.statistics()
+            assert stats.window == 65536 and stats.buffer_size == 65536
+            with trio.fail_after(LIMIT):  # the broker's view once the consumer's status message said so
+                while (subscription := _view(broker, "shown"))["buffer"]["size"] != 65536:
+                    await trio.sleep(0.01)
+            assert subscription["prefetch"] == 10 and 0 <= subscription["buffer"]["unacked"] <= 65536
+            connection = views.connection_view(broker.core.sessions[conn.connection_id], broker.core.clock_ns())
+            assert connection["consumer"]["subscriptions"][0]["buffer"]["size"] == 65536
+            await msg.ack()
+        async with conn.consumer("shown", transport="udp", buffer_size=8 << 20) as large:
+            await large.receive(timeout=LIMIT)
+            term_length = broker.core.config.udp.term_length
+            assert large.statistics().window == term_length // 2
+            with trio.fail_after(LIMIT):
+                while _view(broker, "shown")["buffer"]["size"] != term_length // 2:
+                    await trio.sleep(0.01)
+
+
+def _view(broker: RunningBroker, queue: str) -> dict[str, Any]:
+    """The queue's one subscription as GET /api/queues/{name} shows it."""
+    subscriptions = views.queue_view(broker.core.queues[queue], broker.core.clock_ns())["subscriptions"]
+    assert len(subscriptions) == 1
+    return dict(subscriptions[0])

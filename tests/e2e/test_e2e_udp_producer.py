@@ -318,3 +318,58 @@ async def test_the_url_names_the_udp_endpoint(start_flowbroker: Start) -> None:
             assert isinstance(producer, UdpProducer) and producer._broker == ("localhost", broker.udp_port)
             await producer.flush(timeout=LIMIT)
     assert [m.body for m in broker.core.queues["q"].store] == [b"via the URL's endpoint"]
+
+
+@pytest.mark.parametrize("endpoint", ["nonsense", "127.0.0.1", ":5682", "127.0.0.1:0", "127.0.0.1:70000", "h:x"])
+async def test_a_bad_udp_endpoint_is_refused_when_the_producer_is_made(start_flowbroker: Start,
+                                                                         endpoint: str) -> None:
+    """Regression: `udp_endpoint` was parsed only after each send had registered a publication, so every
+    send left one more registration behind until max_publications_per_connection refused them all. It
+    is checked when the producer is made, as the URL's `?udp=` is, with the same error."""
+    broker = await start_flowbroker()
+    with pytest.raises(ValueError, match=r"must be HOST:PORT with a port in \[1, 65535\]") as in_url:
+        fc.parse_url(f"{broker.url}?udp={endpoint}")
+    async with await fc.connect(broker.url) as conn:
+        with pytest.raises(ValueError) as made:
+            conn.producer("", "q", transport="udp", udp_endpoint=endpoint)
+    assert str(made.value) == f"udp_endpoint={endpoint!r} must be HOST:PORT with a port in [1, 65535]"
+    assert str(in_url.value).endswith(str(made.value)[len("udp_endpoint"):])
+    assert broker.core.udp is not None and not broker.core.udp.ingress.publications
+
+
+async def test_a_registration_the_producer_cannot_use_is_given_back(start_flowbroker: Start) -> None:
+    """A failure after REGISTER_PUBLICATION was answered (here the broker endpoint to send to cannot be
+    parsed) closes the publication at the broker: sending again and again never fills the connection's
+    max_publications_per_connection, and a good producer works afterwards."""
+    broker = await start_flowbroker()
+    datapath = broker.core.udp
+    assert datapath is not None
+    per_connection = broker.core.config.udp.max_publications_per_connection
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        conn.udp_endpoint = "garbage"  # as if the URL's check had been passed by
+        producer = conn.producer("", "q", transport="udp")
+        for _ in range(per_connection + 2):
+            with pytest.raises(ValueError):
+                await producer.send(b"never sent", timeout=LIMIT)
+            assert not datapath.ingress.publications
+        conn.udp_endpoint = None
+        async with conn.producer("", "q", transport="udp") as good:
+            await good.send(b"sent")
+            await good.flush(timeout=LIMIT)
+    assert [m.body for m in broker.core.queues["q"].store] == [b"sent"]
+
+
+async def test_a_message_with_its_envelope_is_at_most_an_eighth_of_a_term(start_flowbroker: Start) -> None:
+    """docs/client.md's limit: the 1-byte envelope of a body alone counts, so a body of term_length / 8 - 1
+    bytes goes and one of term_length / 8 is refused before anything is sent."""
+    broker = await start_flowbroker(udp={"term_length": 65536, "max_receiver_window": 32768})
+    largest = 65536 // 8 - 1
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        async with conn.producer("", "q", transport="udp") as producer:
+            await producer.send(b"l" * largest)
+            with pytest.raises(ValueError, match=f"a message of {largest + 1} bytes"):
+                await producer.send(b"l" * (largest + 1))
+            await producer.flush(timeout=LIMIT)
+    assert [len(m.body) for m in broker.core.queues["q"].store] == [largest]
