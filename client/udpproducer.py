@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, describe_stopped
+from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, stopped_suffix
 from flowbroker.client.producer import _SHORT_KEY, Producer, check_message
 from flowbroker.client.url import check_udp_endpoint
 from flowbroker.protocol import ErrorCode, Headers
@@ -372,17 +372,18 @@ class UdpProducer(Producer):
                     continue
                 if not block:
                     self._blocked_count += 1
-                    raise FlowControlled(f"no credit ({self._describe_wait()})", conn.flow_state.destinations,
-                                         self._limit_name())
+                    destinations = conn.flow_state.destinations
+                    raise FlowControlled(f"no credit ({self._describe_wait()}{stopped_suffix(destinations)})",
+                                         destinations, self._limit_name())
                 if waited_since is None:
                     waited_since = trio.current_time()
                     self._blocked_count += 1
                     self._send_now()
                 if trio.current_time() >= deadline:
                     destinations = conn.flow_state.destinations
-                    stopped = f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
-                    raise FlowControlTimeout(f"send timed out after {timeout:g} s ({self._describe_wait()}{stopped})",
-                                             destinations, self._limit_name(), timeout)
+                    raise FlowControlTimeout(
+                        f"send timed out after {timeout:g} s ({self._describe_wait()}{stopped_suffix(destinations)})",
+                        destinations, self._limit_name(), timeout)
                 with trio.move_on_at(deadline):
                     await conn._wait_credit()
                 conn._check_open()

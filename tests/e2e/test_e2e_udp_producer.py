@@ -89,7 +89,7 @@ async def test_saturation_closes_the_window_and_draining_reopens_it(start_flowbr
                         try:
                             await producer.send(BODY, block=False)
                         except fc.FlowControlled as exc:
-                            assert "full" in exc.destinations
+                            assert "full" in exc.destinations and "flow-stopped: full" in str(exc)
                             break
                         sent += 1
                         if sent % 64 == 0:
