@@ -518,6 +518,8 @@ class Queue:
     def add_subscription(self, sub: Subscription) -> None:
         self.subscriptions[sub] = None
         self._update_pace_limit(sub.prefetch)
+        if len(self.subscriptions) == 1:
+            self._derive_drain_counts()
         self.resume_subscription(sub)
         self.dispatch()
 
@@ -529,8 +531,20 @@ class Queue:
             return
         del self.subscriptions[sub]
         self._update_pace_limit(-sub.prefetch)
+        if not self.subscriptions:
+            self._derive_drain_counts()
         if len(self._active) > 2 * len(self.subscriptions) + 8:
             self._active = deque(s for s in self._active if not s.closed)
+
+    def _derive_drain_counts(self) -> None:
+        """The drain-time stop and resume as counts, now that the queue gained its first consumer or lost
+        its last (`drain_limits`: off without consumers, MIN_BACKLOG until the rate is measured), without
+        waiting for the flow timer: a producer that started within the tick after the first SUBSCRIBE
+        was not held at all (3,000 messages in a queue whose 0.5 s bound allowed about 200)."""
+        t = self.thresholds
+        if t.time.enabled:
+            stop, self._drain_resume_count = drain_limits(t.time, self.drain, bool(self.subscriptions))
+            self._stop_count = min(t._stop_count, stop)
 
     def _update_pace_limit(self, change: int) -> None:
         """A subscription came (+ its prefetch) or went (-): O(1), as subscribing and cancelling are."""

@@ -216,3 +216,35 @@ def test_the_flow_timer_ticks_only_the_queues_with_a_time_threshold() -> None:
     assert h.core.queues["timed"].drain.last_ns < h.now  # not ticked
     h.core.delete_queue("plain")
     assert h.core.timed_queues == {}
+
+
+def test_a_new_consumer_brings_the_slow_start_limit_at_once_not_at_the_next_tick() -> None:
+    """A producer that starts right after the first SUBSCRIBE, before the flow timer has ticked, is held
+    at MIN_BACKLOG (docs/policies.md "Slow start"): the drain-time limit used to stay off (no consumer at
+    the last tick) until the tick, and 3,000 messages went in where the 0.5 s bound allowed about 200. The
+    same when the last consumer left and another came."""
+    from flowbroker.policies.drain import MIN_BACKLOG
+
+    h = make()
+    h.queue("cold", flow_stop_drain_time=0.5)
+    h.advance(TICK_SECONDS)
+    h.core.tick(h.now)  # ticked with no consumer: the drain-time limit is off
+    for round_ in range(2):
+        c = h.consumer()
+        c.subscribe("cold", prefetch=1)  # no tick between this and the sends
+        p = h.producer()
+        frames = []
+        for i in range(MIN_BACKLOG + 50):
+            p.send("", "cold", b"m%d" % i)
+            frames += p.pump()
+        q = h.core.queues["cold"]
+        assert q.saturated and q.stop_reason[0] == "flow_stop_drain_time", round_
+        stops = [f for f in frames if isinstance(f, FlowStopped)]
+        assert [(f.destination, f.threshold) for f in stops] == [("cold", "flow_stop_drain_time")]
+        assert len(p.outstanding) >= 49  # held from the first message over the limit (its window goes in, held)
+        c.close()  # the last consumer leaves: the limit is off again, so purging clears the queue
+        h.core.queues["cold"].purge()
+        p.close()
+        h.advance(TICK_SECONDS)
+        h.core.tick(h.now)
+        assert not h.core.queues["cold"].saturated
