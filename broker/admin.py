@@ -242,7 +242,7 @@ class BearerAuth:
             return _error_response(401, "unauthorized", "the console session has ended (logged out or expired): log in at /")
         if scope["method"] in SAFE_METHODS:
             return None
-        if read_only:
+        if read_only and scope["path"] != "/logout":  # ending its own session changes nothing of the broker's
             return _read_only_refusal("this console session's user")
         given = b""
         for name, value in scope["headers"]:

@@ -77,6 +77,12 @@ async def test_the_console_logs_in_a_user_and_a_monitoring_session_is_read_only(
         assert (await request(broker, "GET", "/api/queues", headers=headers)).status == 200
         purge = await request(broker, "POST", "/api/queues/q/purge", headers=headers)
         assert purge.status == (403 if read_only else 200), purge.text
+        # a monitoring session may still log out (docs/console.md: Log out ends the session on the broker)
+        refused = await request(broker, "POST", "/logout", headers={"Cookie": pair})  # still needs the CSRF header
+        assert refused.status == 403 and refused.json()["error"]["code"] == "csrf"
+        out = await request(broker, "POST", "/logout", headers=headers)
+        assert out.status == 200, out.text
+        assert (await request(broker, "GET", "/api/queues", headers=headers)).status == 401
     began = trio.current_time()
     refused = await request(broker, "POST", "/login", json.dumps({"username": "root", "password": "no"}).encode(),
                             {"Content-Type": "application/json"})
