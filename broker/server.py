@@ -584,6 +584,15 @@ class ConnectionHandler:
             hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities,
             accepted.user.credit_share_percent if accepted.user is not None else 0,
         )
+        if session.fault is not None:
+            # The credit pool has no byte left for one more connection (a pool under two bytes a connection
+            # slot): refused in the handshake, so connect() raises, not WELCOME and a CLOSE a moment later.
+            fault = session.fault
+            core.close_session(session)
+            LOGGER.warning("connection from %s: refused: %s", self.peer, logsafe(str(fault)))
+            core.errors_sent[fault.code] += 1
+            await _send_and_close(self.io, self.conn, [Error(fault.code, str(fault), 1), Close(fault.code, str(fault))])
+            return
         session.peer_host = self.peer_info.host
         if accepted.user is not None:  # the loopback user may do anything: no checks at all
             session.access = Access(accepted.identity, accepted.user)

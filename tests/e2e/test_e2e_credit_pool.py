@@ -5,7 +5,10 @@ granted (or committed) than the pool."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+
+import pytest
 
 import trio
 from tests.e2e.test_e2e_admin import TOKEN, ok
@@ -92,3 +95,20 @@ async def test_fifty_flow_controlled_producers_never_get_more_than_the_pool(star
     assert seen["polls"] > 0 and seen["connections"] >= FLOODERS + 1
     assert seen["granted"] <= pool
     assert seen["waiting"] > 0  # the flood asked for more than the pool: most of it waited
+
+
+
+async def test_a_connection_the_pool_has_no_byte_for_is_refused_in_the_handshake(start_flowbroker: Any) -> None:
+    """docs/configuration.md: a pool smaller than two bytes a connection slot can run out of the 1-byte
+    grants, and the connection beyond is refused with RESOURCE_EXHAUSTED: in the handshake, so connect()
+    raises (it used to get WELCOME with buffer 0, a sign of "not paced", and a CLOSE a moment later)."""
+    broker = await start_flowbroker(admin={"token": TOKEN})
+    await ok(broker, "PUT", "/api/policy", {"quota": 100})
+    reserve = (await ok(broker, "GET", "/api/policy"))["pool"]["reserve"]
+    assert 0 < reserve < 10
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [await stack.enter_async_context(await fb.connect(broker.url, timeout=10)) for _ in range(reserve)]
+        with pytest.raises(fb.HandshakeError) as refused:
+            await fb.connect(broker.url, timeout=10)
+        assert refused.value.code is fb.ErrorCode.RESOURCE_EXHAUSTED and "credit pool" in str(refused.value)
+        assert not any(conn.is_closed for conn in opened)  # nobody else is touched
