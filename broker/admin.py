@@ -59,6 +59,8 @@ __all__ = ["AdminServer", "AdminStartError", "BearerAuth", "HttpListener", "crea
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
+HTTP_DRAIN_SECONDS = 2.0
+"""At shutdown, how long the HTTP listeners (admin API, /metrics) answer the requests already in flight."""
 # hypercorn's own "Running on http://... (CTRL + C to quit)" repeats our "admin API on" line: not logged.
 HTTP_LOGGER.addFilter(lambda record: not str(record.msg).startswith("Running on"))
 MAX_BODY = 64 * 1024
@@ -552,7 +554,7 @@ async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event) -> None:
     cfg.bind = [f"fd://{fd}"]
     cfg.accesslog = None
     cfg.errorlog = HTTP_LOGGER
-    cfg.graceful_timeout = 2.0
+    cfg.graceful_timeout = HTTP_DRAIN_SECONDS
     await hypercorn_serve(app, cfg, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
 
 
@@ -578,6 +580,9 @@ class HttpListener:
         self.port: int | None = None
         self._fd: int | None = None
         self._shutdown = trio.Event()
+        self.stopped = trio.Event()
+        """Set once serving has ended: after `shutdown()`, when the requests in flight have been answered
+        (or `graceful_timeout` passed), so the broker waits for it before it cancels what is left."""
 
     def bind(self) -> int:
         fd, port = listen(self.host, self._requested_port, self._section)
@@ -605,7 +610,10 @@ class HttpListener:
         fd, self._fd = self._fd, None
         self.logger.info("%s", self._serving_line())
         task_status.started(self.port)
-        await serve_http(self.app, fd, self._shutdown)
+        try:
+            await serve_http(self.app, fd, self._shutdown)
+        finally:
+            self.stopped.set()
 
 
 class AdminServer(HttpListener):

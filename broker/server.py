@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import trio
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
-from flowbroker.broker.admin import AdminServer, publish_token, resolve_token
+from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token
 from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, Peer, Refused
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
@@ -272,6 +272,11 @@ class BrokerServer:
             with trio.move_on_after(FINAL_FLUSH_SECONDS + 1):
                 while self.connections:
                     await trio.sleep(0.01)
+            # and the HTTP requests in flight (a scrape of many queues takes a while): answered, not cut
+            with trio.move_on_after(HTTP_DRAIN_SECONDS + 0.5):
+                for http in (self.admin, self.metrics):
+                    if http is not None:
+                        await http.stopped.wait()
             nursery.cancel_scope.cancel()
 
     def shutdown(self) -> None:

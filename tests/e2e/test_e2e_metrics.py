@@ -241,3 +241,27 @@ async def test_max_producer_series_from_the_configuration_bounds_a_scrape(start_
         assert [labels["client_name"] for labels, _ in m["flowbroker_producer_granted_bytes"]] == ["first"]
         assert one(m, "flowbroker_producer_series_dropped") == 1
         assert one(m, "flowbroker_connections", role="producer") == 2
+
+
+async def test_a_scrape_in_flight_at_shutdown_is_answered(start_flowbroker: Any) -> None:
+    """docs/operations.md: SIGTERM stops the broker gracefully, the admin API (and /metrics) draining the
+    requests in flight for 2 s. The broker used to cancel its HTTP listeners as soon as its connections had
+    closed, and a scrape of many queues got an empty reply."""
+    broker = await start_flowbroker(metrics={"endpoint": "127.0.0.1:0"})
+    names = [f"q{i:05d}" for i in range(5000)]  # a scrape of these takes the broker most of a second
+    for name in names:
+        broker.core.declare_queue(name)
+    answered: list[tuple[float, int, str]] = []
+
+    async def scrape_once() -> None:
+        status, text, _ = await get(broker.metrics_url)
+        answered.append((trio.current_time(), status, text))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scrape_once)
+        await trio.sleep(0.1)
+        shutdown_at = trio.current_time()
+        broker.server.shutdown()
+    [(at, status, text)] = answered
+    assert at > shutdown_at  # it was in flight when the broker began to stop
+    assert status == 200 and f'queue="{names[-1]}"' in text
