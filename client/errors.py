@@ -107,7 +107,8 @@ class ProtocolViolation(FlowbrokerError):
 class FlowControlled(FlowbrokerError):
     """No producer credit right now. `destinations` are the queues currently flow-stopped (may be empty
     when only the byte buffer or the window is exhausted); `limit` says which credit ran out:
-    "window" (outstanding transfers), "buffer" (unacknowledged bytes) or "closed"."""
+    "window" (outstanding transfers), "buffer" (unacknowledged bytes) or "closed"; a `flush()` that timed
+    out says "completions" (what it waits for)."""
 
     def __init__(self, message: str, destinations: Iterable[str] = (), limit: str = "buffer"):
         super().__init__(message)

@@ -388,7 +388,7 @@ class Producer:
         raise FlowControlTimeout(
             f"{what} timed out after {timeout:g} s ({self._describe_wait()}{stopped_suffix(destinations)})",
             destinations,
-            self._limit_name(),
+            "completions" if what == "flush" and not conn.is_closed else self._limit_name(),
             timeout,
         )
 

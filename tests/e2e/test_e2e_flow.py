@@ -163,8 +163,9 @@ async def test_saturation_stops_then_drain_resumes_the_producer(start_flowbroker
             sent = producer.stats.sent
             assert sent == 15  # 10 completed + the window of 5 held
             assert producer.outstanding == 5 and broker.core.queues["sat"].count == sent
-            with pytest.raises(fc.FlowControlTimeout):
+            with pytest.raises(fc.FlowControlTimeout) as held:
                 await producer.flush(timeout=0.1)  # still held
+            assert held.value.limit == "completions" and held.value.destinations == ("sat",)
 
             got = await consume(conn, "sat", sent)  # the consumer drains the queue
             assert [m.body for m in got] == [b"m%d" % i for i in range(sent)]
