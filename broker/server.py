@@ -897,10 +897,11 @@ class ConnectionHandler:
             if since is None:
                 reported_ns = None
             elif now_int - max(since, reported_ns or since) >= stuck_ns:
-                LOGGER.warning("connection %d is stuck: buffer full, no ack for %.0fs", session.conn_id,
+                LOGGER.warning("connection %d is stuck: its consumer buffer or prefetch full, nothing acknowledged "
+                               "or settled for %.0fs", session.conn_id,
                                (now_int - since) / 1e9)
                 if cfg.disconnect_when_stuck:
-                    self.close(_Closing(ErrorCode.IDLE_TIMEOUT, "consumer buffer full with no progress"))
+                    self.close(_Closing(ErrorCode.IDLE_TIMEOUT, "consumer buffer or prefetch full with no progress"))
                     return
                 reported_ns = now_int
 

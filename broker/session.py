@@ -113,6 +113,7 @@ class Session:
         self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
         self.stalled_since_ns: int | None = None  # consumer buffer full with no acknowledgement since then
         self._stall_acked = -1  # the buffer's acknowledged position when the timer last looked
+        self._stall_oldest = 0  # the oldest unsettled delivery tag then (0: none)
 
     def __repr__(self) -> str:
         return f"<Session {self.conn_id} {self.client_name!r}>"
@@ -265,17 +266,27 @@ class Session:
     # -- consumer half -----------------------------------------------------------------------
 
     def consumer_stalled(self, now_ns: int) -> int | None:
-        """Since when the connection's consumer buffer has been full with no acknowledgement moving it
-        (DCP's stuck consumer), or None. The connection's timer calls this every tick, so the state is
-        kept here, where the metrics read it, rather than in the timer: a full buffer whose acknowledged
-        position did not change between two looks is stalled from the second look on."""
-        buf = self.deliveries.window
-        if buf.window and not buf.may_send() and buf.acked_position == self._stall_acked:
+        """Since when the connection's consumer has taken all it may and moved nothing, or None: its byte
+        buffer full with no acknowledgement moving it (DCP's stuck consumer), or a subscription at its
+        prefetch with the oldest unsettled delivery still unsettled (RabbitMQ's consumer_timeout looks at
+        the same; without a byte buffer a consumer that never settles was never reported, while its
+        unsettled messages kept its queue's producers flow-stopped). The connection's timer calls this
+        every tick, so the state is kept here, where the metrics read it, rather than in the timer: what
+        did not move between two looks is stalled from the second look on."""
+        deliveries = self.deliveries
+        buf = deliveries.window
+        tags = deliveries.tags
+        oldest = tags[0] if tags else 0
+        if (buf.window and not buf.may_send() and buf.acked_position == self._stall_acked) or (
+            oldest and oldest == self._stall_oldest
+            and any(sub.unsettled >= sub.prefetch for sub in self.subscriptions.values())
+        ):
             if self.stalled_since_ns is None:
                 self.stalled_since_ns = now_ns
         else:
             self.stalled_since_ns = None
             self._stall_acked = buf.acked_position
+            self._stall_oldest = oldest
         return self.stalled_since_ns
 
     # -- end ---------------------------------------------------------------------------------

@@ -223,6 +223,35 @@ def test_a_consumer_whose_buffer_stays_full_is_counted_stuck_on_its_queues_after
     assert value(scrape(h), "flowbroker_queue_stuck_consumers", queue="q") == 0
 
 
+def test_a_consumer_at_its_prefetch_that_settles_nothing_is_stuck_too() -> None:
+    """No byte buffer: a subscription whose prefetch is full and whose oldest delivery stays unsettled is
+    stalled as a full buffer is (it used to be never reported, however long it held its queue's producers
+    flow-stopped); settling the oldest one moves it, and a consumer below its prefetch is not stuck."""
+    h = make(server={"stuck_timeout": 10.0})
+    h.queue("q")
+    p = h.producer("feeder")
+    c = h.consumer("holder")
+    c.subscribe("q", prefetch=3)
+    for _ in range(5):
+        p.send("", "q")
+    c.pump()
+    session = c.session
+    assert session.consumer_stalled(h.now) is None  # the first look
+    h.advance(1)
+    assert session.consumer_stalled(h.now) == h.now
+    h.advance(10)
+    session.consumer_stalled(h.now)
+    assert value(scrape(h), "flowbroker_queue_stuck_consumers", queue="q") == 1
+    c.ack(c.tags()[:1])  # the oldest settled: progress (and the next message comes in)
+    assert session.consumer_stalled(h.now) is None
+    c.pump()
+    c.ack(c.tags()[:2])
+    h.advance(1)
+    assert session.consumer_stalled(h.now) is None  # below its prefetch: waiting for messages, not stuck
+    h.advance(1)
+    assert session.consumer_stalled(h.now) is None
+
+
 def test_label_values_are_escaped_and_each_broker_has_its_own_registry() -> None:
     a, b = make(), make()
     odd = 'a "quoted" \\ queue\nwith a newline'
