@@ -155,14 +155,18 @@ class UdpProducer(Producer):
             endpoint = open_udp((local_host, 0), so_rcvbuf=1 << 20, so_sndbuf=1 << 20)
             try:
                 port = int(endpoint.local_address[1])
-                answer: dict[str, Any] = await conn._request(
-                    lambda rid: RegisterPublication(rid, self.exchange, self.routing_key, self.stream_id, port),
-                    timeout,
-                )
+                # Shielded (the request has its own deadline): a cancel while the answer is on its way would
+                # leave a registration nobody knows the session id of, until the connection closes.
+                with trio.CancelScope(shield=True):
+                    answer: dict[str, Any] = await conn._request(
+                        lambda rid: RegisterPublication(rid, self.exchange, self.routing_key, self.stream_id, port),
+                        timeout,
+                    )
             except BaseException:
                 endpoint.close()
                 raise
             try:
+                await trio.lowlevel.checkpoint_if_cancelled()  # the cancel that came meanwhile, given back below
                 host, broker_port = _host_port(self.udp_endpoint or conn.udp_endpoint or str(answer["endpoint"]))
                 if host in ("0.0.0.0", "::", ""):
                     host = conn._peer_host() or host

@@ -360,6 +360,37 @@ async def test_a_registration_the_producer_cannot_use_is_given_back(start_flowbr
     assert [m.body for m in broker.core.queues["q"].store] == [b"sent"]
 
 
+async def test_a_send_cancelled_while_its_registration_is_answered_leaves_none_behind(start_flowbroker: Start) -> None:
+    """The first send registers the publication; cancelled while REGISTER_PUBLICATION's answer was on its
+    way, it used to leave the broker a registration nobody knew the session id of, until the connection
+    closed. Now the answer is waited for and the registration given back, then the cancel goes on."""
+    broker = await start_flowbroker()
+    datapath = broker.core.udp
+    assert datapath is not None
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        for _ in range(broker.core.config.udp.max_publications_per_connection + 2):
+            producer = conn.producer("", "q", transport="udp")
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+
+                    async def cancel_once_asked() -> None:
+                        while not conn._requests:  # REGISTER_PUBLICATION is out, its answer not yet in
+                            await trio.sleep(0)
+                        scope.cancel()
+
+                    nursery.start_soon(cancel_once_asked)
+                    await producer.send(b"never sent", timeout=LIMIT)
+            assert scope.cancelled_caught
+            with trio.fail_after(LIMIT):
+                while datapath.ingress.publications:  # given back (CLOSE_PUBLICATION)
+                    await trio.sleep(0.01)
+        async with conn.producer("", "q", transport="udp") as good:
+            await good.send(b"sent")
+            await good.flush(timeout=LIMIT)
+    assert [m.body for m in broker.core.queues["q"].store] == [b"sent"]
+
+
 async def test_a_message_with_its_envelope_is_at_most_an_eighth_of_a_term(start_flowbroker: Start) -> None:
     """docs/client.md's limit: the 1-byte envelope of a body alone counts, so a body of term_length / 8 - 1
     bytes goes and one of term_length / 8 is refused before anything is sent."""
