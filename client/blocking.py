@@ -37,7 +37,7 @@ from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, Ha
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
 from flowbroker.client.producer import Producer, ProducerStatistics
 from flowbroker.client.url import DEFAULT_URL
-from flowbroker.protocol import ErrorCode, Headers, Welcome
+from flowbroker.protocol import Error, ErrorCode, Headers, Welcome
 
 __all__ = ["connect", "BlockingConnection", "BlockingProducer", "BlockingConsumer", "BlockingMessage", "BlockingFlowEvents"]
 
@@ -167,6 +167,26 @@ class BlockingConnection:
     def welcome(self) -> Welcome:
         """The broker's WELCOME (see `Connection.welcome`)."""
         return self.connection.welcome
+
+    @property
+    def connection_id(self) -> int:
+        return self.connection.connection_id
+
+    @property
+    def reconnecting(self) -> bool:
+        """True while a lost connection is being reconnected (see `Connection.reconnecting`)."""
+        return self.connection.reconnecting
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the connection was reconnected (see `Connection.reconnects`)."""
+        return self.connection.reconnects
+
+    @property
+    def connection_errors(self) -> list[Error]:
+        """The newest ERROR frames without a ref_id (at most 32), oldest first: a copy, taken in the
+        connection's thread."""
+        return self._run_sync(lambda: list(self.connection.connection_errors))
 
     @property
     def producer_buffer_size(self) -> int:
@@ -384,6 +404,11 @@ class BlockingFlowEvents:
         self._conn = conn
         self._events = events
 
+    @property
+    def dropped(self) -> int:
+        """Events dropped because this watcher fell behind (the oldest go first; see `FlowEvents.dropped`)."""
+        return self._events.dropped
+
     def get(self, timeout: float | None = None) -> FlowEvent | None:
         events = self._events
 
@@ -475,9 +500,10 @@ class BlockingConsumer:
 
         async def take() -> list[BlockingMessage]:
             taken: list[BlockingMessage] = []
+            if limit <= 0:
+                return taken
             try:
-                # one already buffered is taken without a wait (receive(0) would time out at once)
-                taken.append(BlockingMessage(conn, await consumer.receive(None if consumer.buffered else timeout)))
+                taken.append(BlockingMessage(conn, await consumer.receive(timeout)))  # a buffered one: at once
                 while len(taken) < limit and consumer.buffered:
                     taken.append(BlockingMessage(conn, await consumer.receive(None)))  # buffered: no wait
             except (ReceiveTimeout, trio.EndOfChannel):

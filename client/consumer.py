@@ -400,7 +400,10 @@ class Consumer:
         """The next message, waiting at most `timeout` seconds (None: no deadline) -> ReceiveTimeout.
         Subscribes first if the consumer was never entered (within the same deadline; with none, the
         connection's `request_timeout` bounds the SUBSCRIBE -> `RequestTimeout`). Raises
-        `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed."""
+        `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed. A message
+        already buffered is handed out whatever the deadline, so `receive(0)` polls."""
+        if timeout is not None and timeout <= 0 and self._buffered:
+            timeout = None  # (a deadline already passed would cancel even the buffered one's checkpoint)
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
             msg = await self._next()
             if msg is None:

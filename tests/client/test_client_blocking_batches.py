@@ -3,6 +3,8 @@ routing key), receive_many (one thread hop for what is buffered) and ack_many.""
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 from flowbroker.client import blocking
@@ -38,3 +40,55 @@ async def test_send_batch_receive_many_and_ack_many(start_flowbroker) -> None:
 
     await trio.to_thread.run_sync(run)
     assert broker.core.queues["b"].statistics().messages == 0
+
+
+async def test_a_zero_timeout_polls_what_is_buffered_and_a_zero_limit_takes_nothing(start_flowbroker) -> None:
+    """receive(0) hands out a message already buffered (it raised ReceiveTimeout however many were: the
+    passed deadline cancelled even the buffered one's checkpoint), in trio and blocking alike; receive_many
+    with a limit of 0 takes none (it took one)."""
+    import flowbroker.client as fc
+
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.declare_queue("z")
+        async with conn.producer(routing_key="z") as producer:
+            for i in range(6):
+                await producer.send(b"%d" % i)
+        async with conn.consumer("z", prefetch=10) as consumer:
+            with trio.fail_after(5):
+                while consumer.buffered < 6:
+                    await trio.sleep(0.01)
+            assert (await consumer.receive(0)).body == b"0"
+            assert (await consumer.receive(timeout=-1)).body == b"1"
+            await (await consumer.receive(0)).ack()
+
+    def run() -> None:
+        with blocking.connect(broker.url, timeout=5) as bconn:
+            with bconn.consumer("z", prefetch=10) as bconsumer:
+                assert bconsumer.receive_many(0, 5) == [] and bconsumer.receive_many(-1, 5) == []
+                first = bconsumer.receive(5)  # subscribes and waits for the first delivery
+                until = time.monotonic() + 5
+                while bconsumer.statistics().buffered < 4 and time.monotonic() < until:
+                    time.sleep(0.01)
+                polled = [first] + [bconsumer.receive(0) for _ in range(4)]
+                assert sorted(m.body for m in polled) == [b"0", b"1", b"3", b"4", b"5"]  # 0, 1 requeued by the close
+                for m in polled:
+                    m.ack()
+
+    await trio.to_thread.run_sync(run)
+
+
+async def test_the_blocking_connection_shows_what_the_trio_one_does(start_flowbroker) -> None:
+    """docs/client.md: reconnecting, reconnects, connection_id and connection_errors on the blocking
+    connection, and a flow-event watcher's dropped (each was an AttributeError)."""
+    broker = await start_flowbroker()
+
+    def run() -> None:
+        with blocking.connect(broker.url, timeout=5) as conn:
+            assert conn.connection_id == conn.welcome.connection_id
+            assert conn.reconnecting is False and conn.reconnects == 0 and conn.connection_errors == []
+            producer = conn.producer(routing_key="q")
+            with producer.flow_events() as events:
+                assert events.dropped == 0
+
+    await trio.to_thread.run_sync(run)
