@@ -724,7 +724,8 @@ class BrokerCore:
                 queue.settled()
         if unknown:
             session.send(
-                Error(ErrorCode.UNKNOWN_DELIVERY, f"{unknown} delivery tag(s) in {frame.ranges[:4]} are not outstanding")
+                Error(ErrorCode.UNKNOWN_DELIVERY, f"{unknown} delivery tag(s) in {frame.ranges[:4]} are not outstanding",
+                      session.frame_seq)
             )
 
     def on_buffer_control(self, session: Session, frame: BufferControl) -> None:
@@ -734,7 +735,7 @@ class BrokerCore:
             return
         sub = session.subscriptions.get(frame.opaque)
         if sub is None:
-            session.send(Error(ErrorCode.NOT_FOUND, f"no subscription {frame.opaque} for BUFFER_CONTROL"))
+            session.send(Error(ErrorCode.NOT_FOUND, f"no subscription {frame.opaque} for BUFFER_CONTROL", session.frame_seq))
             return
         sub.sender_window.resize(frame.buffer_size)
         sub.queue.resume_subscription(sub)
@@ -1005,6 +1006,7 @@ class BrokerCore:
         return {"created": created}
 
     def _req_unbind(self, session: Session, f: Unbind) -> dict[str, Any]:
+        self._check_binding_key(f.binding_key)  # (no binding has such a key: said as for BIND, not "removed")
         exchange, queue = self._exchange(f.exchange), self.get_queue(f.queue)
         removed = exchange.unbind(queue, f.binding_key)
         if removed:

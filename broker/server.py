@@ -803,6 +803,7 @@ class ConnectionHandler:
                     if isinstance(frame, Close):
                         self.close(_Closing(ErrorCode.NORMAL, "closed by client", error=False))
                         return False
+                    session.frame_seq = conn.frames_received  # (decoded one at a time: this frame's)
                     core.handle(session, frame)
                     if time.perf_counter() >= turn_ends:
                         more = True

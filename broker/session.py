@@ -112,6 +112,7 @@ class Session:
         self.subscriptions: dict[int, Subscription] = {}
         self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
         self.stalled_since_ns: int | None = None  # consumer buffer full with no acknowledgement since then
+        self.frame_seq: int | None = None  # the client frame being handled (set by the shell): what an ERROR about it names
         self._stall_acked = -1  # the buffer's acknowledged position when the timer last looked
         self._stall_oldest = 0  # the oldest unsettled delivery tag then (0: none)
 

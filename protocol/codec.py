@@ -10,6 +10,7 @@ caught here and turned into `RemoteProtocolError`; nothing else leaves this modu
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Any
 
@@ -92,10 +93,15 @@ def _unpack(view: memoryview, seq: int) -> Any:
     except _ContainerBudget:
         raise _limit(f"frame {seq} has more than {_CONTAINER_BUDGET} arrays or maps", seq) from None
     except ValueError as exc:
-        if "exceeds max_" in str(exc):
+        over = _MSGPACK_LIMIT.search(str(exc))
+        if over is not None:
             # A container longer than any frame may carry: refused while decoding, before the rest
-            # of it is built.
-            raise _limit(f"frame {seq}: {exc}", seq) from None
+            # of it is built. Said with the limits' names, not msgpack's words.
+            count, kind = over.group(1), over.group(2)
+            names = (f"the limit of {_MAX_ARRAY_LEN} (MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME)" if kind == "array"
+                     else f"the limit of {MAX_MAP_ITEMS} (MAX_MAP_ITEMS)")
+            raise _limit(f"frame {seq}: a{'n' if kind == 'array' else ''} {kind} of {count} items exceeds {names} "
+                         "(protocol/limits.py)", seq) from None
         raise RemoteProtocolError(
             f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
         ) from None
@@ -103,6 +109,9 @@ def _unpack(view: memoryview, seq: int) -> Any:
         raise RemoteProtocolError(
             f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
         ) from None
+
+
+_MSGPACK_LIMIT = re.compile(r"(\d+) exceeds max_(array|map)_len")
 
 
 class _ContainerBudget(Exception):

@@ -627,7 +627,7 @@ def _map(v: Any) -> dict[str, Any]:
     if type(v) is not dict:
         raise _Bad("expected a map with string keys")
     stack: list[Any] = [v]
-    items = 0
+    items = -1  # the map itself is not one of its items: 256 keys are within MAX_MAP_ITEMS
     while stack:
         item = stack.pop()
         items += 1

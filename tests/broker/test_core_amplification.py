@@ -177,6 +177,8 @@ def test_keys_over_the_limit_are_refused_with_key_too_long(where: str) -> None:
     else:
         answer = p.bind("q", "t", long_key)
         assert isinstance(answer, Error) and answer.code is ErrorCode.KEY_TOO_LONG
+        answer = p.unbind("q", "t", long_key)  # UNBIND too (limits.py: binding keys of BIND and UNBIND)
+        assert isinstance(answer, Error) and answer.code is ErrorCode.KEY_TOO_LONG
 
 
 def test_a_message_whose_headers_fill_the_frame_is_refused_at_publish() -> None:

@@ -366,10 +366,19 @@ def test_nested_map_argument_within_the_item_limit_is_accepted_and_beyond_it_ref
             value = {"k": value}
         return value
 
-    # every level is a map and its value: MAX_MAP_ITEMS counts both
-    frame = decode_one(raw_frame([9, 1, nested(MAX_MAP_ITEMS // 2)]))
+    # every value at every depth is an item, a nested map too (the argument map itself is not)
+    frame = decode_one(raw_frame([9, 1, nested(MAX_MAP_ITEMS)]))
     assert frame is not None and frame.TYPE is FrameType.OK
-    assert_malformed(raw_frame([9, 1, nested(MAX_MAP_ITEMS)]), mentions="MAX_MAP_ITEMS", code=ErrorCode.LIMIT_EXCEEDED)
+    assert_malformed(raw_frame([9, 1, nested(MAX_MAP_ITEMS + 1)]), mentions="MAX_MAP_ITEMS",
+                     code=ErrorCode.LIMIT_EXCEEDED)
+
+
+def test_a_flat_map_argument_of_max_map_items_keys_is_accepted() -> None:
+    """docs/protocol.md: MAX_MAP_ITEMS (256) items; 256 keys used to be refused, the map counted as one."""
+    frame = decode_one(raw_frame([9, 1, {f"k{i}": i for i in range(MAX_MAP_ITEMS)}]))
+    assert frame is not None and frame.TYPE is FrameType.OK
+    assert_malformed(raw_frame([9, 1, {f"k{i}": i for i in range(MAX_MAP_ITEMS + 1)}]), mentions="MAX_MAP_ITEMS",
+                     code=ErrorCode.LIMIT_EXCEEDED)
 
 
 # --- fuzzing: only RemoteProtocolError may leave the decoder ------------------------------------
@@ -480,14 +489,14 @@ def test_structurally_mutated_frames(frame: Frame, data: st.DataObject) -> None:
         (
             [10, 1, [["", "q", b""]] * (MAX_ENTRIES_PER_FRAME + 1)],
             [10, 1, [["", "q", b""]] * MAX_ENTRIES_PER_FRAME],
-            "max_array_len",
+            "MAX_ENTRIES_PER_FRAME",
         ),
         (
             [18, 1, [[1, "", "q", b"", None, False]] * (MAX_ENTRIES_PER_FRAME + 1)],
             [18, 1, [[1, "", "q", b"", None, False]] * MAX_ENTRIES_PER_FRAME],
-            "max_array_len",
+            "MAX_ENTRIES_PER_FRAME",
         ),
-        ([19, 0, [[1, 1]] * (MAX_RANGES_PER_FRAME + 1)], [19, 0, [[1, 1]] * MAX_RANGES_PER_FRAME], "max_array_len"),
+        ([19, 0, [[1, 1]] * (MAX_RANGES_PER_FRAME + 1)], [19, 0, [[1, 1]] * MAX_RANGES_PER_FRAME], "MAX_RANGES_PER_FRAME"),
         (
             [10, 1, [["", "q", b"", {f"h{i}": i for i in range(MAX_HEADERS + 1)}]]],
             [10, 1, [["", "q", b"", {f"h{i}": i for i in range(MAX_HEADERS)}]]],
