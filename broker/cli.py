@@ -165,7 +165,7 @@ def _tune_garbage_collector() -> None:
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML configuration file (every key: docs/configuration.md).")
 @click.option("--host", help="Address to listen on [default: 127.0.0.1].")
-@click.option("--port", type=int, help="TCP port for clients [default: 5680].")
+@click.option("--port", type=int, help="TCP port for clients, 0 = any free port [default: 5680].")
 @click.option("--memory-quota", type=SIZE, help="Memory the credit policies share out, e.g. 2GiB [default: 1/4 of RAM].")
 @click.option("--credit-policy", type=click.Choice([p.value for p in CreditPolicy]),
               help="Producer credit policy [default: aggressive].")

@@ -423,7 +423,9 @@ class Connection:
                 with trio.CancelScope(shield=True):
                     deadline = trio.current_time() + self.close_timeout
                     if exc is None:
-                        await self._wait_outstanding(list(self._active_producers), deadline)
+                        # (a producer whose block ended has said what it had not completed)
+                        await self._wait_outstanding(
+                            [p for p in self._active_producers if not p._unconfirmed_reported], deadline)
                         failures = self._take_failures()
                     else:
                         for producer in list(self._active_producers):

@@ -169,6 +169,9 @@ class Producer:
         """Refusals not yet reported, oldest first, at most MAX_KEPT_ERRORS."""
         self._unreported = 0
         """Refusals not yet reported (also those beyond MAX_KEPT_ERRORS)."""
+        self._unconfirmed_reported = False
+        """The producer's block ended and said which transfers were not completed: the connection's end
+        neither waits for them again nor reports them twice (a later send starts afresh)."""
         self._sequences: ResendLedger[QueuedEntry] | None = None
         """An idempotent producer's sequences and the messages it would send again after a lost connection."""
         if idempotent:
@@ -301,6 +304,7 @@ class Producer:
         outstanding = self._outstanding = self._outstanding + 1
         if outstanding == 1:
             conn._active_producers[self] = None  # something to wait for when a block ends
+            self._unconfirmed_reported = False
         if len(transfers) % TRANSFER_BATCH == 0:
             # Yield only when a batch is ready: yielding after every message would let the writer run
             # after every message and send one-entry frames. Nor after every message while more than a
@@ -339,22 +343,25 @@ class Producer:
         exception goes on untouched: nothing is waited for, and the failures are logged."""
         if exc is not None:
             self._log_unreported(f"producer block ended by {block_error_name(exc)}")
+            self._unconfirmed_reported = True
             return
         with trio.CancelScope(shield=True):
             await self._conn._wait_outstanding([self], trio.current_time() + self._conn.close_timeout)
         failures = self._take_failures(f"within close_timeout {self._conn.close_timeout:g} s")
+        self._unconfirmed_reported = True
         if failures is not None:
             raise failures
 
     def _take_failures(self, why_unconfirmed: str) -> PublishFailures | None:
         """What is unreported, as a `PublishFailures` (None if nothing is), and forget the refusals."""
-        if not self._unreported and not self._outstanding:
+        unconfirmed = 0 if self._unconfirmed_reported else self._outstanding
+        if not self._unreported and not unconfirmed:
             return None
         conn = self._conn
-        destinations = conn.flow_state.destinations if self._outstanding else ()
-        if self._outstanding and conn.is_closed:
+        destinations = conn.flow_state.destinations if unconfirmed else ()
+        if unconfirmed and conn.is_closed:
             why_unconfirmed = f"before the connection closed ({conn.close_error})"
-        failures = PublishFailures(self._errors, self._unreported, self._outstanding, destinations, why_unconfirmed)
+        failures = PublishFailures(self._errors, self._unreported, unconfirmed, destinations, why_unconfirmed)
         self._forget_errors()
         return failures
 

@@ -309,6 +309,7 @@ class UdpProducer(Producer):
         self._outstanding += 1
         if self._outstanding == 1:
             self._conn._active_producers[self] = None
+            self._unconfirmed_reported = False
         # Datagrams go out once a datagram's worth is waiting (the run task sends the rest when it runs), so
         # a burst of sends packs several messages into each datagram: with PUBLISH_BATCH, once a batch is
         # full (the next body opened another); else once a datagram's worth of frames waits.

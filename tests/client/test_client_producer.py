@@ -417,3 +417,19 @@ def test_a_refusals_text_names_its_destination_without_calling_an_exchange_a_que
     error = publish_error(ErrorCode.NOT_FOUND, "no exchange named 'nope'", "nope", 7)
     assert isinstance(error, NotFound) and error.destination == "nope" and error.transfer_id == 7
     assert str(error) == "NOT_FOUND (destination 'nope'): no exchange named 'nope'"
+
+
+async def test_a_producer_block_that_reported_its_unconfirmed_transfers_does_not_report_them_again(
+        start_broker, io_clock) -> None:
+    """Leaving a producer's block waits close_timeout and raises PublishFailures for what was not completed;
+    leaving the connection's block used to wait close_timeout again and raise the same transfers again."""
+    broker = await start_broker(buffer_size=0, auto_complete=False)
+    async with await fc.connect(broker.url, timeout=5, close_timeout=2) as conn:
+        with pytest.raises(fc.PublishFailures) as first:
+            async with conn.producer(routing_key="q") as producer:
+                for _ in range(5):
+                    await producer.send(BODY)
+        assert first.value.unconfirmed == 5
+        began = trio.current_time()
+    assert trio.current_time() - began < 2  # not a second close_timeout for the same transfers
+    assert producer.statistics().outstanding == 5  # (still not completed: said once)
