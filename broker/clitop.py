@@ -73,10 +73,7 @@ def _threshold(q: dict[str, Any], stop: bool) -> str:
     t = q["thresholds"]
     count = t["flow_stop_count" if stop else "flow_resume_count"]
     size = t["flow_stop_size" if stop else "flow_resume_size"]
-    parts = [limit_text(count)] if count else []
-    if size:
-        parts.append(limit_text(size, size=True))
-    return "/".join(parts) or "-"
+    return f"{limit_text(count)}/{limit_text(size, size=True)}"  # count/size, as `flowbroker queues` shows them
 
 
 def render(snap: dict[str, Any], *, at: str) -> str:
@@ -86,7 +83,7 @@ def render(snap: dict[str, Any], *, at: str) -> str:
     if broker.get("producers_stopped"):
         stops.append("STOP-ALL IN FORCE")
     header = (
-        f"flowbroker {printable(broker.get('name'))}  {at}  queues {snap['queues_total']} "
+        f"{printable(broker.get('name'))}  {at}  queues {snap['queues_total']} "
         f"(saturated {snap['saturated']})  connections {snap['connections_total']}  "
         f"flow-stopped producers {len(snap['flow_stopped'])}  credit policy {broker.get('credit_policy')}"
         + ("  " + " ".join(stops) if stops else "")
