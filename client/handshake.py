@@ -154,7 +154,8 @@ async def handshake(
         raise HandshakeError(f"no WELCOME from {address} within {timeout} s") from None
     except OSError as exc:
         await _close_quietly(stream)
-        raise HandshakeError(f"cannot connect to {address}: {exc}") from exc
+        raise HandshakeError(f"cannot connect to {address}: {exc} (is the broker running there? `flowbroker serve` "
+                             "listens on 127.0.0.1:5680 unless --port says otherwise)") from exc
     except (HandshakeError, RemoteProtocolError, trio.BrokenResourceError) as exc:
         await _close_quietly(stream)
         if isinstance(exc, HandshakeError):
