@@ -57,8 +57,9 @@ def _number(given: dict[str, str], name: str, default: float, *, minimum: float,
         value = int(raw) if integer else float(raw)
     except ValueError:
         raise OptionError(f"option {name} must be {'an integer' if integer else 'a number'}, not {raw!r}") from None
-    if not value >= minimum or math.isnan(value):
-        raise OptionError(f"option {name} must be >= {minimum:g}, not {raw!r}")
+    if not value >= minimum or math.isnan(value) or math.isinf(value):
+        # (inf too: a task cannot wait for ever, and the SDK's deadlines are finite seconds)
+        raise OptionError(f"option {name} must be a finite number >= {minimum:g}, not {raw!r}")
     return value
 
 
@@ -140,8 +141,8 @@ class ConnectOptions:
             value = os.environ.get(self.password_env)
             if value is None:
                 raise OptionError(f"option passwordEnv: the environment variable {self.password_env} is not set "
-                                  "where this connects (set it on the driver and the executors, e.g. "
-                                  "spark.executorEnv)")
+                                  "where this connects (set it on the driver before the SparkSession starts, "
+                                  "and on the executors, e.g. spark.executorEnv)")
             return value
         assert self.password_file is not None
         try:

@@ -92,10 +92,24 @@ def send_partition(
                 for messages in batches:
                     for at in range(0, len(messages), options.batch_size):
                         sent += producer.send_batch(messages[at:at + options.batch_size], timeout=options.timeout)
-                producer.flush(timeout=options.timeout)
+                _flush(producer, options.timeout)
         except FlowControlTimeout as exc:
             raise FlowbrokerWriteError(f"{producer_id}: {exc}{_stopped_reason(conn)}") from exc
     return PartitionWritten(producer_id, sent)
+
+
+def _flush(producer: blocking.BlockingProducer, timeout: float) -> None:
+    """Wait for every completion, failing only after `timeout` seconds in which none came: a slow
+    consumer the queue paces the task by is waited for as long as it goes on (a window of 10,000 rows
+    handed over at once used to fail at `timeout` while they were still being completed)."""
+    while True:
+        completed = producer.statistics().completed
+        try:
+            producer.flush(timeout=timeout)
+            return
+        except FlowControlTimeout:
+            if producer.statistics().completed == completed:
+                raise
 
 
 def _task() -> TaskContext:

@@ -22,7 +22,8 @@ def test_queue_routes_by_its_name_and_options_ignore_case():
     ({"queue": "q", "routingKey": "k"}, "go with exchange"),
     ({"exchange": "x", "routingKey": "k", "routingKeyColumn": "c"}, "at most one"),
     ({"queue": "q", "timeout": "soon"}, "timeout must be a number"),
-    ({"queue": "q", "window": "0"}, "window must be >= 1"),
+    ({"queue": "q", "window": "0"}, "window must be a finite number >= 1"),
+    ({"queue": "q", "timeout": "inf"}, "timeout must be a finite number >= 0"),
     ({"queue": "q", "jobId": "x" * 201}, "1 to 200 characters"),
     ({"queue": "q", "routingKeyColum": "c"}, "unknown flowbroker option"),
 ])
