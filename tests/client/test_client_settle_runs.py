@@ -37,6 +37,15 @@ def _connected() -> tuple[
     return Connection(client_end, client, welcome), broker, broker_end
 
 
+async def _settles_sent(broker: ProtocolConnection, broker_end: trio.abc.ReceiveStream) -> list[Settle]:
+    """The SETTLE frames among what the SDK has written so far (one read: all of it, in these tests)."""
+    broker.receive_data(bytes(await broker_end.receive_some(1 << 20)))
+    frames = []
+    while (frame := broker.next_frame()) is not None:
+        frames.append(frame)
+    return [f for f in frames if isinstance(f, Settle)]
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     data=st.data(),
@@ -57,11 +66,7 @@ def test_settle_frames_settle_every_tag_once_in_to_ranges_form(data: st.DataObje
                 if i in yields:
                     await trio.testing.wait_all_tasks_blocked()
             await trio.testing.wait_all_tasks_blocked()
-            broker.receive_data(bytes(await broker_end.receive_some(1 << 20)))
-            frames = []
-            while (frame := broker.next_frame()) is not None:
-                frames.append(frame)
-        return [f for f in frames if isinstance(f, Settle)]
+            return await _settles_sent(broker, broker_end)
 
     settles = trio.run(run)
     seen: dict[int, Outcome] = {}
@@ -149,11 +154,7 @@ def test_settlements_of_an_open_run_go_out_when_the_connection_closes_at_once() 
             conn._settle_tag(Outcome.ACK, 5)
             conn._settle_tag(Outcome.REJECT, 7)
             await conn.aclose()
-        broker.receive_data(bytes(await broker_end.receive_some(1 << 20)))
-        frames = []
-        while (frame := broker.next_frame()) is not None:
-            frames.append(frame)
-        return [f for f in frames if isinstance(f, Settle)]
+        return await _settles_sent(broker, broker_end)
 
     settles = trio.run(run)
     assert sorted((f.outcome, f.ranges) for f in settles) == sorted([(Outcome.ACK, [(4, 5)]), (Outcome.REJECT, [(7, 7)])])
