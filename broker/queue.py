@@ -501,8 +501,7 @@ class Queue:
         threshold over its stop; clear when every threshold is under its resume (count and size too:
         `_check_resume`)."""
         t = self.thresholds
-        stop, self._drain_resume_count = drain_limits(t.time, self.drain, bool(self.subscriptions))
-        self._stop_count = min(t._stop_count, stop)
+        self._derive_drain_counts()
         if head is None:
             head = self._head_offset()
         verdict = evaluate(t.time, self.drain, now_ns, self.count, head, bool(self.subscriptions))
@@ -537,14 +536,13 @@ class Queue:
             self._active = deque(s for s in self._active if not s.closed)
 
     def _derive_drain_counts(self) -> None:
-        """The drain-time stop and resume as counts, now that the queue gained its first consumer or lost
-        its last (`drain_limits`: off without consumers, MIN_BACKLOG until the rate is measured), without
-        waiting for the flow timer: a producer that started within the tick after the first SUBSCRIBE
+        """The drain-time stop and resume as counts (`drain_limits`: off without a drain-time threshold or
+        without consumers, MIN_BACKLOG until the rate is measured): at every tick (`_evaluate_time`), and
+        when the queue gains its first consumer or loses its last, without waiting for the flow timer: a producer that started within the tick after the first SUBSCRIBE
         was not held at all (3,000 messages in a queue whose 0.5 s bound allowed about 200)."""
         t = self.thresholds
-        if t.time.enabled:
-            stop, self._drain_resume_count = drain_limits(t.time, self.drain, bool(self.subscriptions))
-            self._stop_count = min(t._stop_count, stop)
+        stop, self._drain_resume_count = drain_limits(t.time, self.drain, bool(self.subscriptions))
+        self._stop_count = min(t._stop_count, stop)
 
     def _update_pace_limit(self, change: int) -> None:
         """A subscription came (+ its prefetch) or went (-): O(1), as subscribing and cancelling are."""

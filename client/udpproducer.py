@@ -182,7 +182,8 @@ class UdpProducer(Producer):
                 # Registered, but unusable: give the registration back, or each send would leave one
                 # more behind (they are bounded per connection).
                 endpoint.close()
-                await self._unregister(answer.get("session_id"))
+                with trio.CancelScope(shield=True):  # (also when a cancel is what ended `open`)
+                    await self._unregister(answer.get("session_id"), conn.close_timeout)
                 raise
             self.session_id = config.session_id
             self._publish_batch = answer.get("publish_batch") is True
@@ -460,16 +461,16 @@ class UdpProducer(Producer):
 
     # -------------------------------------------------------------- closing
 
-    async def _unregister(self, session_id: Any) -> None:
-        """CLOSE_PUBLICATION for a registration `open` could not use (shielded, within `close_timeout`)."""
+    async def _unregister(self, session_id: Any, timeout: float | None) -> None:
+        """CLOSE_PUBLICATION for `session_id` (a registration `open` could not use, or `aclose`'s), unless
+        the connection is closed: the broker ends its publications with it."""
         conn = self._conn
         if not isinstance(session_id, int) or conn.is_closed:
             return
-        with trio.CancelScope(shield=True):
-            try:
-                await conn._request(lambda rid: ClosePublication(rid, session_id), conn.close_timeout)
-            except Exception as exc:  # the connection is going away: the broker ends it with the connection
-                log.debug("closing UDP publication %s: %s", session_id, exc)
+        try:
+            await conn._request(lambda rid: ClosePublication(rid, session_id), timeout)
+        except Exception as exc:  # the connection is going away: the broker ends it with the connection
+            log.debug("closing UDP publication %s: %s", session_id, exc)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Close the publication: CLOSE_PUBLICATION to the broker, then its socket. Messages not yet
@@ -483,11 +484,7 @@ class UdpProducer(Producer):
         conn = self._conn
         session_id = self.session_id
         assert session_id is not None
-        if not conn.is_closed:
-            try:
-                await conn._request(lambda rid: ClosePublication(rid, session_id), timeout)
-            except Exception as exc:  # the connection is going away: the broker ends it with the connection
-                log.debug("closing UDP publication %s: %s", session_id, exc)
+        await self._unregister(session_id, timeout)
         conn._udp_producers.pop(session_id, None)
         self._scope.cancel()
         with trio.move_on_after(conn.close_timeout):
