@@ -52,6 +52,10 @@ class FlowbrokerDataSource(DataSource):
         return NAME
 
     def schema(self) -> str:
+        # Spark asks for the schema at `readStream...load()` (never for a write), from a worker whose
+        # error it reports with our message; a bad option found only in streamReader() surfaces at
+        # start() behind PySpark's own UnboundLocalError, with our OptionError as its chained cause.
+        ReadOptions.parse(self.options)
         return SOURCE_SCHEMA
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:

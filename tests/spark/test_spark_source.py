@@ -91,3 +91,16 @@ def _count(spark, folder: Path) -> int:
         return int(spark.read.parquet(str(folder)).count())
     except Exception:  # no file written yet
         return 0
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("maxBatchSize", "51", r"maxBatchSize \(51\) cannot exceed half the prefetch \(100\)"),
+    ("pollTimout", "1", "unknown flowbroker option"),
+])
+def test_a_bad_read_option_fails_load_with_its_name(spark, broker, queue, option, value, message):
+    from pyspark.errors import AnalysisException
+
+    reader = (spark.readStream.format("flowbroker").option("url", broker.url).option("queue", queue)
+              .option("prefetch", "100").option(option, value))
+    with pytest.raises(AnalysisException, match=message):
+        reader.load()
