@@ -214,15 +214,19 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
     import trio
 
     from flowbroker.broker.admin import AdminStartError
-    from flowbroker.broker.server import UdpStartError
+    from flowbroker.broker.server import TlsStartError, UdpStartError
 
     _tune_garbage_collector()
     try:
         trio.run(_serve, config, port_file)
     except Exception as exc:  # trio wraps what a nursery raised in exception groups
-        admin_error = _find(exc, AdminStartError) or _find(exc, PortFileError) or _find(exc, UdpStartError)
-        if admin_error is not None:
-            raise click.ClickException(str(admin_error)) from None
+        start_error = (_find(exc, AdminStartError) or _find(exc, PortFileError) or _find(exc, UdpStartError)
+                       or _find(exc, TlsStartError))
+        if start_error is not None:
+            raise click.ClickException(str(start_error)) from None
+        config_error = _find(exc, ConfigError)  # found only once the broker runs: a [tls] file it cannot load
+        if config_error is not None:
+            raise click.ClickException(f"configuration error: {config_error}") from None
         os_error = _find(exc, OSError)
         if isinstance(os_error, OSError):
             raise click.ClickException(

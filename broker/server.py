@@ -123,6 +123,10 @@ class UdpStartError(Exception):
     """The UDP data path's endpoint cannot be bound; the broker does not start."""
 
 
+class TlsStartError(Exception):
+    """The TLS port cannot be listened on; the broker does not start."""
+
+
 class _FrameTimeout(Exception):
     """The frame being received did not complete within [server] frame_timeout."""
 
@@ -156,6 +160,7 @@ class BrokerServer:
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
         self.authenticator = Authenticator(config.auth)  # who may connect (broker/auth.py)
+        self._users_error = self.authenticator.store.error  # the users file's error last logged
         self.core.login_throttle = self.authenticator.throttle
         self.opened = 0  # connections that completed the handshake since the last summary...
         self.closed = 0  # ...and that closed since then
@@ -193,9 +198,12 @@ class BrokerServer:
         if tls_context is not None:
             try:
                 tls_listeners = await trio.open_tcp_listeners(self.config.tls.port, host=cfg.host)
-            except BaseException:
+            except BaseException as exc:
                 for listener in listeners:
                     await trio.aclose_forcefully(listener)
+                if isinstance(exc, OSError):
+                    raise TlsStartError(f"[tls] cannot listen on {cfg.host}:{self.config.tls.port}: "
+                                        f"{exc.strerror or exc} ([tls] port to choose another)") from None
                 raise
             self.tls_port = tls_listeners[0].socket.getsockname()[1]
             listeners = listeners + tls_listeners
@@ -319,8 +327,14 @@ class BrokerServer:
         dropped), and a deleted user's connections may do nothing more (each refusal says so)."""
         while True:
             await trio.sleep(USERS_CHECK_SECONDS)
-            if self.authenticator.users_changed():
-                store = self.authenticator.store
+            changed = self.authenticator.users_changed()
+            store = self.authenticator.store
+            if store.error != self._users_error:  # said once per change, not once a second
+                self._users_error = store.error
+                if store.error:
+                    LOGGER.error("users file: %s (the %d user(s) read before stay in force until it is fixed)",
+                                 store.error, len(store.users))
+            if changed:
                 LOGGER.info("users file changed: %d user(s); permissions of open connections updated",
                             len(store.users))
                 shares: dict[str, float] = {}

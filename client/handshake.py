@@ -77,7 +77,10 @@ async def connect(
             await tls.do_handshake()
         except trio.BrokenResourceError as exc:
             await trio.aclose_forcefully(tls)
-            raise HandshakeError(f"TLS handshake with {address} failed: {exc.__cause__ or exc}") from exc
+            cause = exc.__cause__ or exc
+            hint = (" (this port does not speak TLS: the broker's plain port? Its TLS port is [tls] port)"
+                    if "WRONG_VERSION_NUMBER" in str(cause) else "")
+            raise HandshakeError(f"TLS handshake with {address} failed: {cause}{hint}") from exc
         return tls
 
     async def reopen() -> tuple[trio.abc.Stream, ProtocolConnection, Welcome]:
@@ -160,7 +163,11 @@ async def handshake(
         await _close_quietly(stream)
         if isinstance(exc, HandshakeError):
             raise
-        raise HandshakeError(f"handshake with {address} failed: {exc}") from exc
+        cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
+        if isinstance(cause, ssl.SSLError):  # TLS 1.3: the broker refuses a client certificate after the handshake
+            raise HandshakeError(f"handshake with {address} failed: TLS: {cause} (the broker may require a client "
+                                 "certificate it trusts: pass ssl_context= with load_cert_chain)") from exc
+        raise HandshakeError(f"handshake with {address} failed: {str(cause) or type(cause).__name__}") from exc
     except BaseException:
         await _close_quietly(stream)
         raise
@@ -207,7 +214,9 @@ async def _await_welcome(
                 refused = AuthenticationError if code is ErrorCode.UNAUTHORIZED else HandshakeError
                 raise refused(f"broker refused the connection: {'; '.join(texts)}", code)
         if not data:
-            raise HandshakeError("the broker closed the connection during the handshake", error.code if error else None)
+            hint = "" if head else (": it sent nothing back (a TLS port? It needs a flowbroker+tls:// URL)")
+            raise HandshakeError(f"the broker closed the connection during the handshake{hint}",
+                                 error.code if error else None)
 
 
 def _verify_broker(scram: ScramClient, welcome: Welcome, address: object) -> None:

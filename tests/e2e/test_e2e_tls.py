@@ -151,3 +151,22 @@ async def test_a_tls_connection_over_max_connections_is_closed_at_accept(
         await roundtrip(first, b"the first is served")
     async with await fc.connect(url, ssl_context=client_context(ca), timeout=LIMIT) as conn:  # room again
         await roundtrip(conn, b"tls")
+
+
+async def test_a_client_on_the_wrong_port_is_told_which_kind_of_port_it_reached(
+        start_flowbroker: Any, ca: trustme.CA, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, ca, tmp_path, auth={"loopback_user": ""})
+    with pytest.raises(fc.HandshakeError, match=r"does not speak TLS.*\[tls\] port"):
+        await fc.connect(f"flowbroker+tls://localhost:{broker.port}", ssl_context=client_context(ca), timeout=LIMIT)
+    with pytest.raises(fc.HandshakeError, match=r"TLS port\? It needs a flowbroker\+tls:// URL"):
+        await fc.connect(f"flowbroker://127.0.0.1:{broker.tls_port}", timeout=LIMIT)
+
+
+async def test_a_refused_client_certificate_is_named_in_the_error(
+        start_flowbroker: Any, ca: trustme.CA, tmp_path: Path) -> None:
+    broker = await start(start_flowbroker, ca, tmp_path, auth={"loopback_user": ""}, verify_client="required")
+    url = f"flowbroker+tls://localhost:{broker.tls_port}"
+    with pytest.raises(fc.HandshakeError, match="client certificate") as refused:
+        async with await fc.connect(url, ssl_context=client_context(ca), timeout=LIMIT) as conn:
+            await conn.declare_queue("never")
+    assert "failed: (" not in str(refused.value) and not str(refused.value).endswith("failed: ")
