@@ -257,8 +257,9 @@ class Authenticator:
         mode = self.config.plain
         if mode == "never" or (mode == "tls-or-loopback" and not peer.tls and not is_local(peer.host)):
             self.failures += 1
-            return Refused(f"PLAIN is not allowed here ([auth] plain = {mode!r}): use {SCRAM} "
-                           "(the SDK does when the URL has a password) or TLS", "PLAIN not allowed", name)
+            how = "" if mode == "never" else " or connect over TLS"
+            return Refused(f"PLAIN is not allowed here ([auth] plain = {mode!r}): use {SCRAM} (the SDK does "
+                           f"unless auth= says PLAIN){how}", "PLAIN not allowed", name)
         try:
             name = saslprep(name, what="user name")
         except SaslprepError as exc:

@@ -167,3 +167,18 @@ async def test_a_users_max_connections_refuses_one_more_and_not_others(start_flo
             pass
     async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as again:  # closed ones free it
         assert again.welcome.identity == "p"
+
+
+async def test_a_users_file_broken_while_running_is_logged_once_and_the_users_stay(
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    broker = await start(start_flowbroker, tmp_path)
+    await trio.sleep(0.05)  # a distinct modification time
+    (tmp_path / "users.json").write_text("{not json")
+    with trio.fail_after(LIMIT):
+        while not any("users file:" in r.getMessage() for r in caplog.records if r.levelname == "ERROR"):
+            await trio.sleep(0.1)
+    await trio.sleep(2.5)  # two more looks at the file: nothing more is said
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "users file:" in r.getMessage()]
+    assert len(errors) == 1 and "the 1 user(s) read before stay in force" in errors[0], errors
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
+        await conn.declare_queue("p.still")
