@@ -139,8 +139,10 @@ class Journal:
         self.live[self.active_seg] = 0
         for record in self.topology():
             self._append(encode(record))
-        if self.producers:
-            self._append(encode([PRODUCERS, dict(self.producers)]))
+        # Always written, empty or not: it ends the snapshot, so recovery knows the snapshot is whole and
+        # that a queue or exchange it does not list was deleted (a cut in an older segment may have taken
+        # the deletion's record).
+        self._append(encode([PRODUCERS, dict(self.producers)]))
 
     def _append(self, data: bytes) -> None:
         seg = self.active_seg

@@ -85,13 +85,54 @@ def read_journal(journal: Journal) -> Recovered:
                 f.flush()
                 os.fsync(f.fileno())
         out.segments[number] = result.good_length
+        snapshot: Snapshot | None = Snapshot()  # until the segment's opening snapshot has been read
         for record in result.records:
             try:
+                if snapshot is not None:
+                    snapshot = snapshot.read(out, record)
                 _replay(out, record, number)
             except (IndexError, TypeError, ValueError, KeyError) as exc:  # intact but not ours: skip it
                 LOGGER.error("journal: %s: skipped a malformed record (%s)", path.name, exc)
             out.records += 1
     return out
+
+
+@dataclass
+class Snapshot:
+    """The declarations a segment opens with (every exchange, durable queue and binding there was), up
+    to the PRODUCERS record that ends them. Read whole, it is the truth at that point: what it leaves out
+    was deleted, though the deletion's record may be lost to a cut in an older segment (a deleted queue
+    would come back with its messages). A snapshot without its end (cut, or from before the end was
+    always written) only adds."""
+
+    queues: set[int] = field(default_factory=set)
+    exchanges: set[str] = field(default_factory=set)
+    bindings: set[tuple[str, int, str]] = field(default_factory=set)
+
+    def read(self, out: Recovered, r: list[Any]) -> Snapshot | None:
+        """Note `r` if it belongs to the snapshot; returns None once the snapshot is over."""
+        kind = r[0]
+        if kind == QUEUE:
+            self.queues.add(r[1])
+        elif kind == EXCHANGE:
+            self.exchanges.add(str(r[1]))
+        elif kind == BIND:
+            self.bindings.add((str(r[1]), int(r[2]), str(r[3])))
+        else:
+            if kind == PRODUCERS:
+                self.apply(out)
+            return None
+        return self
+
+    def apply(self, out: Recovered) -> None:
+        for qid in [q for q in out.queues if q not in self.queues]:
+            LOGGER.warning("journal: queue %r is not in a later segment's snapshot: it was deleted "
+                           "(its deletion record was cut away); not recovered", out.queues[qid].name)
+            del out.queues[qid]
+        for name in [e for e in out.exchanges if e not in self.exchanges]:
+            del out.exchanges[name]
+        for key in [k for k in out.bindings if (str(k[0]), int(k[1]), str(k[2])) not in self.bindings]:
+            del out.bindings[key]
 
 
 def _owner(r: list[Any]) -> str | None:

@@ -326,3 +326,35 @@ async def test_a_durable_queue_keeps_its_time_thresholds_and_the_flow_timer_tick
             while not queue.saturated:  # the recovered message ages past 0.3 s: the flow timer sees it
                 await trio.sleep(0.05)
         assert queue.stop_reason[0] == "flow_stop_age"
+
+
+async def test_a_queue_deleted_before_a_cut_in_an_older_segment_stays_deleted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The deletion's record lies in the cut-away part of segment 1; segment 2's snapshot, which does
+    not list the queue, is what says it is gone (it used to come back with its message)."""
+    async with broker(tmp_path, segment_size=64 * 1024) as server:
+        async with await fb.connect(url(server)) as conn:
+            await conn.declare_queue("kept", durable=True)
+            await conn.declare_queue("gone", durable=True)
+            await conn.declare_exchange("old", "fanout")
+            await conn.bind("gone", "old")
+            await conn.producer(routing_key="gone").send(b"ghost")
+            p = conn.producer(routing_key="kept")
+            for _ in range(300):
+                await p.send(b"a" * 100)
+            await p.flush(timeout=10)
+            await conn.delete_queue("gone")
+            await conn.delete_exchange("old")
+            for _ in range(600):  # on into segment 2
+                await p.send(b"b" * 100)
+            await p.flush(timeout=10)
+    segments = sorted((tmp_path / "journal").glob("*.seg"))
+    assert len(segments) >= 2
+    data = bytearray(segments[0].read_bytes())
+    data[10_000] ^= 0x01  # among the messages to "kept", before the deletions' records
+    segments[0].write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, "flowbroker.journal")
+    async with broker(tmp_path) as server:
+        assert "gone" not in server.core.queues and "old" not in server.core.exchanges
+        assert "kept" in server.core.queues
+    assert "checksum mismatch" in caplog.text and "queue 'gone' is not in a later segment's snapshot" in caplog.text
