@@ -1,7 +1,7 @@
 """The `flowbroker` command: run the daemon, and try it by hand.
 
 `flowbroker serve` runs on embedded defaults; a TOML file (`--config`) and flags override them.
-SIGINT and SIGTERM shut down cleanly: completions already due are sent and every connection is
+SIGINT, SIGTERM and SIGHUP shut down cleanly: completions already due are sent and every connection is
 closed with a reason.
 
 This module holds the click commands only: the admin HTTP client is broker/adminclient.py, how its
@@ -196,7 +196,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
           admin_enabled: bool | None, udp_endpoint: str | None, udp_enabled: bool | None,
           metrics_endpoint: str | None, metrics_enabled: bool | None, pace_producers: bool | None,
           data_dir: Path | None, port_file: Path | None) -> None:
-    """Run the broker until SIGINT or SIGTERM. It logs where it listens, and where its admin API and the
+    """Run the broker until SIGINT, SIGTERM or SIGHUP. It logs where it listens, and where its admin API and the
     admin token are."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"host": host, "port": port, "memory_quota": memory_quota, "idle_timeout": idle_timeout},
@@ -291,7 +291,9 @@ async def _serve(config: Any, port_file: Path | None = None) -> None:
 async def _stop_on_signal(server: BrokerServer) -> None:
     import trio
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # SIGHUP too: a broker run in a terminal that closes stops as cleanly as one told to (it does not
+    # reload its configuration: restart it for that).
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async for signum in signals:
             logging.getLogger("flowbroker").info("received %s: shutting down", signal.Signals(signum).name)
             server.shutdown()

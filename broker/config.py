@@ -114,9 +114,9 @@ class ServerConfig:
             raise ConfigError("server", "name", self.name, "must be a non-empty string")
         _int_range("server", "max_frame_size", self.max_frame_size, 4096, 1 << 30)
         _int_range("server", "max_message_size", self.max_message_size, 1, self.max_frame_size // 2)
-        _positive("server", "idle_timeout", self.idle_timeout)
-        _positive("server", "handshake_timeout", self.handshake_timeout)
-        _positive("server", "frame_timeout", self.frame_timeout)
+        _seconds("server", "idle_timeout", self.idle_timeout)
+        _seconds("server", "handshake_timeout", self.handshake_timeout)
+        _seconds("server", "frame_timeout", self.frame_timeout)
         # At least one whole frame must fit, or a frame of max_frame_size could never complete.
         _int_range("server", "max_partial_frame_bytes", self.max_partial_frame_bytes, self.max_frame_size, 1 << 40)
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
@@ -124,14 +124,14 @@ class ServerConfig:
         _int_range("server", "max_queues", self.max_queues, 1, 10_000_000)
         _int_range("server", "max_exchanges", self.max_exchanges, 4, 10_000_000)
         _int_range("server", "max_bindings", self.max_bindings, 1, 10_000_000)
-        _positive("server", "stuck_timeout", self.stuck_timeout)
+        _seconds("server", "stuck_timeout", self.stuck_timeout)
         if not isinstance(self.disconnect_when_stuck, bool):  # "false" would be truthy
             raise ConfigError("server", "disconnect_when_stuck", self.disconnect_when_stuck, "must be true or false")
         _int_range("server", "memory_quota", self.memory_quota, MiB, 1 << 50)
         _int_range("server", "memory_watermark", self.memory_watermark, 0, 1 << 50)
         _int_range("server", "memory_resume_percent", self.memory_resume_percent, 1, 100)
         _int_range("server", "max_producer_ids", self.max_producer_ids, 1, 10_000_000)
-        _positive("server", "producer_id_ttl", self.producer_id_ttl)
+        _seconds("server", "producer_id_ttl", self.producer_id_ttl)
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ class UdpConfig:
         _int_range("udp", "max_subscriptions", self.max_subscriptions, 0, 65536)
         _int_range("udp", "max_groups", self.max_groups, 0, 1024)
         _int_range("udp", "max_group_members", self.max_group_members, 1, 1024)
-        _positive("udp", "group_receiver_timeout", self.group_receiver_timeout)
+        _seconds("udp", "group_receiver_timeout", self.group_receiver_timeout)
         if not isinstance(self.multicast_interface, str):
             raise ConfigError("udp", "multicast_interface", self.multicast_interface,
                               "must be a string: a local IPv4 address, or \"\" for the kernel's choice")
@@ -508,9 +508,14 @@ def _int_range(section: str, key: str, value: object, low: int, high: int) -> No
         raise ConfigError(section, key, value, f"must be an integer in [{low}, {high}]")
 
 
-def _positive(section: str, key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(section, key, value, "must be a number > 0")
+MIN_SECONDS = 0.001
+MAX_SECONDS = 100_000_000  # about three years: beyond it (or inf, nan) deadlines overflow the clocks they meet
+
+
+def _seconds(section: str, key: str, value: object) -> None:
+    """A duration in seconds: TOML and click both take inf and nan, which no timer can use."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise ConfigError(section, key, value, f"must be a number of seconds in [{MIN_SECONDS}, {MAX_SECONDS}]")
 
 
 def _section(cls: type[Any], name: str, table: object) -> Any:
@@ -543,17 +548,25 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("file", str(path), None, f"not valid TOML: {exc}", where=str(path)) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError("file", str(path), None, f"not UTF-8, as TOML must be: byte {exc.object[exc.start]:#04x} "
+                              f"at offset {exc.start}", where=str(path)) from None
         except OSError as exc:
             raise ConfigError("file", str(path), None, f"cannot be read: {exc.strerror}", where=str(path)) from None
-    for section, values in (overrides or {}).items():
-        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     for section in data:
         if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls", "storage"):
+            if not isinstance(data[section], dict):  # `port = 5680` above every [section]
+                raise ConfigError(section, "*", None, "a key outside any section: every key belongs under a "
+                                  "[section] (docs/configuration.md)", where=f"{section} = {data[section]!r}")
             raise ConfigError(section, "*", None, "unknown section; known: admin, auth, credit, metrics, queues, "
                                                   "server, storage, tls, udp", where=f"[{section}]")
+        if not isinstance(data[section], dict):
+            raise ConfigError(section, "*", data[section], "must be a table")
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     _parse_sizes(data)
     server = _section(ServerConfig, "server", data.get("server", {}))
     queues = _section(QueueDefaults, "queues", data.get("queues", {}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -127,3 +128,23 @@ def test_port_file_tells_the_ports_chosen_with_port_0_and_goes_with_the_broker(t
                            timeout=30)
     assert quiet.returncode == 1 and quiet.stderr.startswith("Error: --port-file ")
     assert "cannot be written" in quiet.stderr and "INFO" not in quiet.stderr
+
+
+def test_sighup_stops_the_broker_cleanly_and_removes_its_port_file(tmp_path: Path) -> None:
+    port_file = tmp_path / "ports.json"
+    broker = subprocess.Popen([FLOWBROKER, "serve", "--port", "0", "--admin-port", "0", "--no-udp",
+                               "--port-file", str(port_file)], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "HOME": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert broker.poll() is None and time.monotonic() < deadline, "the broker did not start"
+            time.sleep(0.05)
+        broker.send_signal(signal.SIGHUP)
+        _, err = broker.communicate(timeout=15)
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.communicate()
+    assert broker.returncode == 0 and "received SIGHUP: shutting down" in err, err
+    assert not port_file.exists()
