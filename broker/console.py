@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -87,10 +87,13 @@ class _Session:
     csrf: str
     expires: float
     read_only: bool = False  # logged in by a user with the monitoring tag only
+    who: str = ""  # the user, or "" for the admin token: whose sessions a full store ends first
 
 
 class SessionStore:
-    """Browser sessions: random id -> CSRF value and expiry, at most `limit`, oldest dropped first."""
+    """Browser sessions: random id -> CSRF value and expiry, at most `limit`. When full, a login ends the
+    oldest session of whoever holds the most (its own, if that is the one logging in over and over): a
+    monitoring user cannot log every administrator out by logging in 64 times."""
 
     def __init__(self, limit: int = MAX_SESSIONS, lifetime: float = SESSION_SECONDS,
                  clock: Callable[[], float] = time.monotonic):
@@ -102,15 +105,19 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, read_only: bool = False) -> tuple[str, str]:
-        """A new session: (id for the cookie, CSRF value for the page)."""
+    def create(self, read_only: bool = False, who: str = "") -> tuple[str, str]:
+        """A new session for `who`: (id for the cookie, CSRF value for the page)."""
         now = self._clock()
         for sid in [sid for sid, s in self._sessions.items() if s.expires <= now]:
             del self._sessions[sid]
         while len(self._sessions) >= self._limit:
-            self._sessions.popitem(last=False)
+            held = Counter(s.who for s in self._sessions.values())
+            held[who] += 1  # the one logging in counts its new session: on a tie, its own oldest goes
+            most = max(held.values())
+            victim = next(sid for sid, s in self._sessions.items() if held[s.who] == most)
+            del self._sessions[victim]
         sid, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-        self._sessions[sid] = _Session(csrf, now + self._lifetime, read_only)
+        self._sessions[sid] = _Session(csrf, now + self._lifetime, read_only, who)
         return sid, csrf
 
     def read_only(self, sid: str | None) -> bool:
@@ -196,7 +203,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
                 name, password = doc["username"], doc["password"]
         except (ValueError, KeyError, TypeError, AttributeError):
             return _error(400, "invalid_json", LOGIN_BODY)
-        read_only = False
+        read_only, user_name = False, ""
         if given is None:  # an admin user (broker/adminusers.py)
             if users is None:
                 return _error(403, "forbidden", "this broker has no admin users: log in with the admin token")
@@ -211,14 +218,14 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
             if checked is None:
                 LOGGER.warning("console: a login refused for user %s", logsafe(name))
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")
-            read_only = checked[1]
+            read_only, user_name = checked[1], checked[0].name
             who = f"user {checked[0].name}" + (" (monitoring: read only)" if read_only else "")
         elif not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), expected):
             LOGGER.warning("console: a login with a wrong admin token")
             return _error(403, "forbidden", "the admin token is wrong")
         else:
             who = "the admin token"
-        sid, csrf = sessions.create(read_only)
+        sid, csrf = sessions.create(read_only, user_name)
         LOGGER.info("console: logged in with %s (%d session(s) open)", who, len(sessions))
         response = JSONResponse({"csrf": csrf, "expires_in_seconds": SESSION_SECONDS, "read_only": read_only},
                                 headers=SECURITY_HEADERS)

@@ -194,3 +194,16 @@ def test_the_session_store_is_bounded_and_sessions_expire() -> None:
     store.end(ids[3])
     assert store.csrf(ids[3]) is None and store.csrf(None) is None
     assert MAX_SESSIONS >= 16
+
+
+def test_a_full_session_store_ends_the_sessions_of_whoever_holds_the_most() -> None:
+    store = SessionStore(limit=4, lifetime=60, clock=lambda: 1000.0)
+    admin = store.create(False, "root")[0]
+    token = store.create(False, "")[0]
+    watcher = [store.create(True, "watcher")[0] for _ in range(10)]  # a monitoring user logging in over and over
+    assert store.csrf(admin) is not None and store.csrf(token) is not None
+    assert [store.csrf(sid) is not None for sid in watcher] == [False] * 8 + [True] * 2  # its own oldest went
+    store.create(False, "ops")  # full: the one holding most (watcher, 2) gives way, not the oldest (root's)
+    assert store.csrf(admin) is not None and store.csrf(watcher[8]) is None and len(store) == 4
+    again = store.create(False, "root")[0]  # a tie (root 2 with this one, every other 1): its own oldest goes
+    assert store.csrf(admin) is None and store.csrf(again) is not None and store.csrf(token) is not None
