@@ -83,6 +83,7 @@ class Batch:
     waiters: list[HeldTransfer]
     deletable: list[int]
     records: int
+    waiting_on: dict[Session, str] = field(default_factory=dict)  # each waiter's session: a durable queue
     done: int = 0
     unsynced: set[int] = field(default_factory=set)
 
@@ -106,6 +107,8 @@ class Journal:
         self._chunks: list[tuple[int, bytearray]] = []
         self._records = 0
         self._waiters: list[HeldTransfer] = []
+        self._waiting_on: dict[Session, str] = {}  # a durable queue each session's waiters were routed to
+        self.in_flight = False  # a batch taken and not yet committed (being written, or retried)
         self.next_qid = 1
         self.producers: dict[str, int] = {}  # producer id -> highest sequence journalled
         self.topology: Callable[[], list[list[Any]]] = list  # the snapshot a new segment opens with
@@ -227,6 +230,7 @@ class Journal:
         """A transfer routed to durable queue `queue` completes when the commit covering its record
         returns (its `pending` counts that); while the disk alarm is on, also not before it clears."""
         self._waiters.append(transfer)
+        self._waiting_on[session] = queue
         stop = self.alarm
         if stop is not None and session.flow_control:
             transfer.pending += 1
@@ -264,6 +268,20 @@ class Journal:
                 LOGGER.warning("disk alarm: %s; producers of durable queues are held", stop.reason)
             self.alarm = stop
 
+    def tell_held(self, batch: Batch) -> None:
+        """The alarm came up because `batch` could not be written: its producers wait for it, so they
+        are told FLOW_STOPPED now (a queue of theirs, threshold `disk`), not only at their next transfer,
+        and FLOW_RESUMED when the alarm clears."""
+        stop = self.alarm
+        if stop is None:
+            return
+        for session, queue in batch.waiting_on.items():
+            if session.flow_control and session not in self._stopped:
+                self._stopped[session] = queue
+                session.flow_stops += 1
+                session.flow_stopped_on[queue] = (None, session.now_ns)
+                session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
+
     def check_disk(self) -> FlowStopped | None:
         """What the disk alarm should be now: free space under the limit, or the journal over its quota."""
         used = sum(self.sizes.values())
@@ -289,6 +307,8 @@ class Journal:
         """Everything buffered, and the segments this commit may delete (trio thread)."""
         chunks, self._chunks = self._chunks, []
         waiters, self._waiters = self._waiters, []
+        waiting_on, self._waiting_on = self._waiting_on, {}
+        self.in_flight = True
         records, self._records = self._records, 0
         deletable: list[int] = []
         live, sizes = self.live, self.sizes
@@ -298,10 +318,11 @@ class Journal:
                 del sizes[self.oldest_seg]
                 live.pop(self.oldest_seg, None)
             self.oldest_seg += 1
-        return Batch(chunks, waiters, deletable, records)
+        return Batch(chunks, waiters, deletable, records, waiting_on)
 
     def committed(self, batch: Batch) -> None:
         """The batch is on disk: complete what it covered (trio thread)."""
+        self.in_flight = False
         self.commits += 1
         self.records_written += batch.records
         self.segments_deleted += len(batch.deletable)

@@ -22,7 +22,7 @@ from flowbroker.broker.store import MemoryStore, QueueStore
 from flowbroker.protocol.frames import FlowStopped
 from flowbroker.protocol.names import THRESHOLD_DISK
 
-__all__ = ["open_journal", "run_committer", "RETRY_SECONDS", "LOOK_SECONDS"]
+__all__ = ["open_journal", "run_committer", "RETRY_SECONDS", "LOOK_SECONDS", "FINAL_COMMIT_SECONDS"]
 
 LOGGER = logging.getLogger("flowbroker.journal")
 
@@ -83,6 +83,7 @@ async def run_committer(journal: Journal) -> None:
                     "*", THRESHOLD_DISK, 0, 0,
                     f"the journal cannot write under {journal.dir}: {exc.strerror or exc}; transfers to durable "
                     "queues are held until it can"))
+                journal.tell_held(batch)
                 await trio.sleep(RETRY_SECONDS)
                 continue
             journal.committed(batch)

@@ -62,7 +62,7 @@ from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import PartialFrameBudget
 from flowbroker.broker.journal import Journal
-from flowbroker.broker.journalshell import open_journal, run_committer
+from flowbroker.broker.journalshell import FINAL_COMMIT_SECONDS, open_journal, run_committer
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.metrics import broker_metrics
 from flowbroker.broker.metricshttp import MetricsServer, metrics_route
@@ -274,6 +274,15 @@ class BrokerServer:
                 self.admin.shutdown()
             if self.metrics is not None:
                 self.metrics.shutdown()
+            if self.journal is not None and not self.journal.dormant:
+                # What producers sent before the signal is committed and completed before they are told
+                # SHUTDOWN: else a producer hears "not completed" about messages the journal then keeps,
+                # and resending them duplicates them.
+                for handler in list(self.connections.values()):
+                    handler.stop_reading()
+                with trio.move_on_after(FINAL_COMMIT_SECONDS):
+                    while self.journal.pending or self.journal.in_flight:
+                        await trio.sleep(0.005)
             LOGGER.info("shutting down: closing %d connection(s)", len(self.connections))
             for handler in list(self.connections.values()):
                 handler.close(_Closing(ErrorCode.SHUTDOWN, "broker is shutting down", error=False))
@@ -481,6 +490,7 @@ class ConnectionHandler:
         self._unsent = b""  # what a direct write could not send; the writer sends it before anything newer
         self._closing: _Closing | None = None
         self._cancel = trio.CancelScope()
+        self._reading = trio.CancelScope()  # the reader alone: cancelled by stop_reading() at shutdown
         self.last_received = trio.current_time()
         self.frame_bytes = server.frame_budget.connection()  # this connection's share of the partial-frame budget
         self.frame_started: float | None = None  # when the first byte of the partial frame in hand arrived
@@ -489,6 +499,11 @@ class ConnectionHandler:
         self.peer = peer_name(stream)
         self.peer_info = Peer(peer_host(stream), tls=isinstance(stream, trio.SSLStream))
         self._deadline = 0.0  # of the handshake (HELLO, authentication), from handshake_timeout
+
+    def stop_reading(self) -> None:
+        """Shutdown's first step: take no more frames, while the writer goes on sending what becomes due
+        (the completions of the journal's last commit) until close()."""
+        self._reading.cancel()
 
     def close(self, reason: _Closing) -> None:
         """End this connection with `reason` (from any task); the first reason wins."""
@@ -639,7 +654,10 @@ class ConnectionHandler:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._contained, self._writer, session, "the writer")
                     nursery.start_soon(self._contained, self._timer, session, "the timer")
-                    await self._contained(self._reader, session, "the reader")
+                    with self._reading:
+                        await self._contained(self._reader, session, "the reader")
+                    if self._reading.cancelled_caught:  # shutting down: the writer runs until close()
+                        await trio.sleep_forever()
                     nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):  # sending WELCOME
             self._closing = self._closing or _Closing(ErrorCode.NORMAL, "connection lost", error=False)

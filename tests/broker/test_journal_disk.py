@@ -5,6 +5,7 @@ retried, so a full disk paces producers, loses no completed message and does not
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,3 +109,34 @@ async def test_a_full_disk_holds_producers_retries_and_loses_nothing(tmpfs: Path
         async with await fb.connect(url(server)) as conn:
             got = await drain(conn, "d", sent)
         assert all(body == BODY for body, _ in got)
+
+
+async def test_a_producer_waiting_on_a_write_that_fails_is_told_which_queue_holds_it(tmpfs: Path) -> None:
+    """Its transfers are in the batch that cannot be written: FLOW_STOPPED comes now, not with a next
+    transfer it may never send, so its flush() timeout names the queue (client.md, rule 1)."""
+    async with broker(tmpfs, segment_size=8 * 1024 * 1024, disk_free_limit=0) as server:
+        async with await fb.connect(url(server)) as conn:
+            await conn.declare_queue("d", durable=True)
+            p = conn.producer(routing_key="d")
+            await p.send(BODY)
+            await p.flush(timeout=10)  # the journal's segment exists and took a commit
+            ballast = tmpfs / "ballast"
+            fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+            try:
+                with pytest.raises(OSError):
+                    while True:  # until the disk is full
+                        os.write(fd, b"\0" * 65536)
+            finally:
+                os.close(fd)
+            events = conn.flow_events()
+            for _ in range(20):
+                await p.send(BODY)
+            with pytest.raises(fb.FlowControlTimeout) as waited:
+                await p.flush(timeout=3)
+            assert tuple(waited.value.destinations) == ("d",), waited.value
+            stopped = await next_event(events, "stopped")
+            assert stopped.destination == "d" and stopped.stop is not None and stopped.stop.threshold == "disk"
+            ballast.unlink()
+            await next_event(events, "resumed")
+            await p.flush(timeout=20)
+            assert p.statistics().completed == 21
