@@ -2,8 +2,8 @@
 broker's own `trio.run` (docs/management.md).
 
 Every request needs the admin credential, `Authorization: Bearer <token>` (401 without it, 403 with a
-wrong one), or a web console session (flowbroker.broker.console: a cookie, plus a CSRF header to change
-anything); only the console's login page and its assets are public, and `GET /metrics` (served here
+wrong one), or a web console session (flowbroker.broker.console: a cookie, plus its session's header value
+on every request); only the console's login page and its assets are public, and `GET /metrics` (served here
 unless `[metrics] endpoint` gives it a port of its own) unless `[metrics] require_token`. Endpoints only
 translate HTTP to core calls and core objects to JSON through
 flowbroker.broker.views; every endpoint is `async def`, so it runs on the trio thread like the
@@ -172,8 +172,8 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 class BearerAuth:
     """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`, or the web console's
-    session cookie (flowbroker.broker.console), which for a state-changing method also needs that
-    session's CSRF header. PUBLIC_PATHS (the console's login page and its assets) and `open_paths`
+    session cookie (flowbroker.broker.console) with that session's X-Flowbroker-CSRF header (the
+    console's own files load with the cookie alone). PUBLIC_PATHS (the console's login page and its assets) and `open_paths`
     (`/metrics` unless `[metrics] require_token`: docs/metrics.md) need neither."""
 
     def __init__(self, app: ASGIApp, token: str, sessions: console.SessionStore | None = None,
@@ -242,18 +242,21 @@ class BearerAuth:
     def _session_refusal(scope: Scope, csrf: str | None, read_only: bool = False) -> Response | None:
         if csrf is None:
             return _error_response(401, "unauthorized", "the console session has ended (logged out or expired): log in at /")
-        if scope["method"] in SAFE_METHODS:
-            return None
-        if read_only and scope["path"] != "/logout":  # ending its own session changes nothing of the broker's
-            return _read_only_refusal("this console session's user")
+        if scope["method"] == "GET" and scope["path"].startswith(console.STATIC):
+            return None  # the page's own files, which the browser loads without the header: nothing of the broker's
+        # The header on every request, reads too: a browser sends the cookie to every port of its host,
+        # so another server there gets it; the header's value came in the login's answer, kept by the
+        # page in its own origin's storage, and no request of the browser's own making carries it.
         given = b""
         for name, value in scope["headers"]:
             if name == console.CSRF_HEADER.encode():
                 given = value
                 break
         if not hmac.compare_digest(given, csrf.encode()):
-            return _error_response(403, "csrf", f"a {scope['method']} with the console's cookie needs its "
-                                                f"{console.CSRF_HEADER} header (GET /session)")
+            return _error_response(403, "csrf", f"a request with the console's cookie needs its "
+                                                f"{console.CSRF_HEADER} header (the value POST /login answered)")
+        if read_only and scope["method"] not in SAFE_METHODS and scope["path"] != "/logout":
+            return _read_only_refusal("this console session's user")  # ending its own session changes nothing
         return None
 
 

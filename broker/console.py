@@ -4,11 +4,13 @@ files of a plain-JS page that polls the JSON API every second.
 Why a server-side session map and not an HMAC of the token in the cookie: logging out must end the
 session for good (an HMAC cookie stays valid until the token itself changes, so a copied cookie would
 outlive the logout), and a random id says nothing about the token. The map is bounded (MAX_SESSIONS,
-the oldest dropped first) and every entry expires (SESSION_SECONDS), so logging in over and over
-cannot grow the broker. Each session carries a random CSRF value, handed to the page by `GET /session`
-(same origin only: the API sends no CORS headers) and required in `X-Flowbroker-CSRF` on every
-state-changing request made with the cookie; with SameSite=Strict that is a second, independent fence
-against another site driving the API through the operator's browser.
+whoever holds the most giving way first) and every entry expires (SESSION_SECONDS), so logging in over
+and over cannot grow the broker. Each session carries a second random value, answered by POST /login
+alone and kept by the page in its origin's localStorage, required in `X-Flowbroker-CSRF` on every
+request made with the cookie, reads included. Why both: the cookie is HttpOnly (no script reads it)
+and SameSite=Strict, but a browser sends it to every port of the host, so another server there would
+get it; the header value never leaves the page's own origin (scheme, host and port), and no request
+the browser makes by itself carries it (it also stops another site driving the API, as a CSRF token).
 
 The console itself holds no history: its charts are kept by the page from the polls, so the broker
 does nothing for a console it would not do for `flowbroker queues`.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Scope
 
@@ -184,8 +186,8 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
         return _static("console.html")
 
     async def login_page(request: Request) -> Response:
-        if sessions.csrf(session_id(request.scope)) is not None:
-            return RedirectResponse("/", status_code=303, headers=SECURITY_HEADERS)
+        # Always the form, even with a live cookie: the page that lost its header value (another
+        # browser profile's storage, cleared storage) comes here to log in again.
         return _static("login.html")
 
     async def login(request: Request) -> Response:

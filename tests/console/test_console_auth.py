@@ -105,7 +105,7 @@ async def test_a_wrong_token_or_a_non_json_login_sets_no_cookie(broker: Any) -> 
     assert garbled.status == 400 and garbled.cookies == []
 
 
-async def test_the_session_cookie_reads_and_needs_the_csrf_header_to_change(broker: Any) -> None:
+async def test_the_session_cookie_needs_the_header_value_from_the_login_for_every_request(broker: Any) -> None:
     answer = await request(broker, "POST", "/login", json.dumps({"token": TOKEN}).encode(),
                         {"Content-Type": "application/json"})
     [set_cookie] = answer.cookies
@@ -117,11 +117,17 @@ async def test_the_session_cookie_reads_and_needs_the_csrf_header_to_change(brok
 
     page = await request(broker, "GET", "/", headers={"Cookie": session})
     assert page.status == 200 and "/console/console.js" in page.text
-    assert (await request(broker, "GET", "/login", headers={"Cookie": session})).status == 303
-    got = await request(broker, "GET", "/session", headers={"Cookie": session})
-    assert got.status == 200 and got.json() == {"csrf": csrf, "read_only": False}
-    assert (await request(broker, "GET", "/api/queues", headers={"Cookie": session})).status == 200
+    assert 'id="token"' in (await request(broker, "GET", "/login", headers={"Cookie": session})).text
     assert (await request(broker, "GET", "/console/uPlot.iife.min.js", headers={"Cookie": session})).status == 200
+    # The cookie alone reads nothing: a browser sends it to every port of the host, so a server on
+    # another port has it; it cannot have the header value, which only the login's answer carried.
+    for path in ("/session", "/api/queues", "/api/broker"):
+        alone = await request(broker, "GET", path, headers={"Cookie": session})
+        assert alone.status == 403 and alone.json()["error"]["code"] == "csrf", path
+    with_header = {"Cookie": session, "X-Flowbroker-CSRF": csrf}
+    got = await request(broker, "GET", "/session", headers=with_header)
+    assert got.status == 200 and got.json() == {"csrf": csrf, "read_only": False}
+    assert (await request(broker, "GET", "/api/queues", headers=with_header)).status == 200
 
     for headers in ({"Cookie": session}, {"Cookie": session, "X-Flowbroker-CSRF": "guessed"}):
         refused = await request(broker, "POST", "/api/producers/stop-all", headers=headers)
@@ -137,7 +143,7 @@ async def test_the_session_cookie_reads_and_needs_the_csrf_header_to_change(brok
 
     out = await request(broker, "POST", "/logout", headers={"Cookie": session, "X-Flowbroker-CSRF": csrf})
     assert out.status == 200 and any(c.startswith(f'{cookie(broker)}=""') or "max-age=0" in c.lower() for c in out.cookies)
-    after = await request(broker, "GET", "/api/queues", headers={"Cookie": session})
+    after = await request(broker, "GET", "/api/queues", headers={"Cookie": session, "X-Flowbroker-CSRF": csrf})
     assert after.status == 401  # the session is gone on the server, not only in the browser
     assert 'id="token"' in (await request(broker, "GET", "/", headers={"Cookie": session})).text
 
@@ -169,15 +175,18 @@ async def test_every_static_file_is_shipped_and_nothing_else_is_served(broker: A
 async def test_two_brokers_on_one_host_keep_their_own_sessions(broker: Any, start_flowbroker: Any) -> None:
     """A browser keeps one cookie per name and host, whatever the port: each admin port names its own."""
     other = await start_flowbroker(admin={"token": TOKEN})
-    mine, _ = await login(broker)
-    theirs, _ = await login(other)
+    mine, my_csrf = await login(broker)
+    theirs, their_csrf = await login(other)
     assert mine.split("=")[0] != theirs.split("=")[0]
     both = f"{mine}; {theirs}"  # what the browser sends to either port
-    assert (await request(broker, "GET", "/api/queues", headers={"Cookie": both})).status == 200
-    assert (await request(other, "GET", "/api/queues", headers={"Cookie": both})).status == 200
+    assert (await request(broker, "GET", "/api/queues", headers={"Cookie": both, "X-Flowbroker-CSRF": my_csrf})
+            ).status == 200
+    assert (await request(other, "GET", "/api/queues", headers={"Cookie": both, "X-Flowbroker-CSRF": their_csrf})
+            ).status == 200
     # and one broker's session is no credential on the other, under the other's cookie name
     swapped = f"{cookie(other)}={mine.split('=', 1)[1]}"
-    assert (await request(other, "GET", "/api/queues", headers={"Cookie": swapped})).status == 401
+    assert (await request(other, "GET", "/api/queues", headers={"Cookie": swapped, "X-Flowbroker-CSRF": my_csrf})
+            ).status == 401
 
 
 def test_the_session_store_is_bounded_and_sessions_expire() -> None:

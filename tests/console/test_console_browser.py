@@ -174,6 +174,13 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     assert cookie["name"] == f"flowbroker_session_{admin_port}"
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
     assert page.evaluate("document.cookie") == ""  # the page's scripts cannot read the session
+    # the cookie alone reads nothing (a browser sends it to every port of the host): the header value
+    # the login answered, kept in this origin's storage, goes with every request of the page
+    alone = {"Cookie": f"{cookie['name']}={cookie['value']}"}
+    assert page.request.get(broker.admin_url + "/api/queues", headers=alone).status == 403
+    csrf = page.evaluate("window.localStorage.getItem('flowbroker-csrf')")
+    assert csrf and page.request.get(broker.admin_url + "/api/queues", headers={**alone, "X-Flowbroker-CSRF": csrf}
+                                     ).status == 200
     producer.start()
     assert producer.ready.wait(20) and producer.error is None, producer.error
 
@@ -277,7 +284,8 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     page.click("#logout")
     expect(page.locator("#token")).to_be_visible()
     assert page.context.cookies() == []
-    old = {"Cookie": f"{cookie['name']}={cookie['value']}"}  # the cookie a copy of it would still carry
+    assert page.evaluate("window.localStorage.getItem('flowbroker-csrf')") is None
+    old = {"Cookie": f"{cookie['name']}={cookie['value']}", "X-Flowbroker-CSRF": csrf}  # what a copy would carry
     assert page.request.get(broker.admin_url + "/api/queues", headers=old).status == 401
 
 
@@ -315,7 +323,8 @@ def test_a_monitoring_user_sees_no_change_buttons_and_a_forced_change_is_still_r
                     expect(watcher.locator(hidden)).to_be_hidden()
                 expect(watcher.locator("#logout")).to_be_visible()
                 forced = watcher.evaluate("""async () => {
-                    const session = await (await fetch("/session")).json();
+                    const csrf = window.localStorage.getItem("flowbroker-csrf");
+                    const session = await (await fetch("/session", {headers: {"X-Flowbroker-CSRF": csrf}})).json();
                     const answer = await fetch("/api/producers/stop-all", {method: "POST",
                         headers: {"X-Flowbroker-CSRF": session.csrf}, credentials: "same-origin"});
                     return {status: answer.status, body: await answer.json(), read_only: session.read_only};

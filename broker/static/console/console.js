@@ -1,5 +1,6 @@
 // The flowbroker web console (docs/console.md). Plain JS, no build step: it polls the admin JSON API
-// every second with the session cookie and keeps the depth history itself (bounded), so the broker
+// every second with the session cookie and its header value (from the login, in this origin's
+// localStorage: a browser sends the cookie to every port of the host, never this) and keeps the depth history itself (bounded), so the broker
 // keeps nothing for it. Every name a client chose is put in the page with textContent, never as HTML.
 "use strict";
 
@@ -12,7 +13,8 @@ const THRESHOLDS = ["flow_stop_count", "flow_resume_count", "flow_stop_size", "f
 // are whole messages or bytes.
 const TIME_THRESHOLDS = new Set(["flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age", "flow_resume_age"]);
 
-let csrf = null;
+const CSRF_KEY = "flowbroker-csrf";  // where login.js left the session's header value
+let csrf = window.localStorage.getItem(CSRF_KEY);
 let latestQueues = new Map();  // name -> queue view of the last poll
 const history = new Map();     // name -> {t, count, bytes, stopCount, resumeCount, stopSize, resumeSize}
 const charts = new Map();      // name -> {plot, element, unit}
@@ -20,14 +22,15 @@ const charts = new Map();      // name -> {plot, element, unit}
 // -- the API --------------------------------------------------------------------------------------
 
 async function api(method, path, body) {
-  const headers = {};
-  if (method !== "GET") headers["X-Flowbroker-CSRF"] = csrf;
+  const headers = {"X-Flowbroker-CSRF": csrf};  // every request, reads too (docs/console.md)
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const response = await fetch(path, {
     method, headers, credentials: "same-origin",
     body: body === undefined ? undefined : JSON.stringify(body),
   });
-  if (response.status === 401) {           // logged out elsewhere, or the session expired
+  if (response.status === 401 || (response.status === 403 && path === "/session")) {
+    // logged out elsewhere, the session expired, or this page has no header value for it
+    window.localStorage.removeItem(CSRF_KEY);
     window.location.assign("/login");
     throw new Error("the session has ended");
   }
@@ -341,8 +344,11 @@ async function poll() {
 }
 
 async function start() {
+  if (csrf === null) {                     // the cookie alone opens nothing: log in again
+    window.location.assign("/login");
+    return;
+  }
   const session = await api("GET", "/session");
-  csrf = session.csrf;
   if (session.read_only) {
     // a monitoring user's session: the broker refuses changes (403 read_only), so offer none
     for (const id of ["stop-all", "start-all", "thresholds-section"]) document.getElementById(id).hidden = true;
@@ -356,6 +362,7 @@ async function start() {
   document.getElementById("thresholds-form").addEventListener("submit", applyThresholds);
   document.getElementById("logout").addEventListener("click", async () => {
     await api("POST", "/logout").catch(() => null);
+    window.localStorage.removeItem(CSRF_KEY);
     window.location.assign("/login");
   });
   poll();

@@ -1,4 +1,5 @@
-// The login page: posts the admin token, or an admin user's name and password, as JSON (the server sets an HttpOnly session cookie), then
+// The login page: posts the admin token, or an admin user's name and password, as JSON (the server sets an HttpOnly session cookie
+// and answers the session's header value, kept in this origin's localStorage for console.js), then
 // opens the console. The token is not stored anywhere in the browser.
 "use strict";
 // the default token file is one per admin port: name this one's
@@ -19,6 +20,8 @@ document.getElementById("login-form").addEventListener("submit", async (event) =
       credentials: "same-origin",
     });
     if (response.ok) {
+      const answer = await response.json();
+      window.localStorage.setItem("flowbroker-csrf", answer.csrf);
       window.location.assign("/");
       return;
     }
