@@ -891,6 +891,12 @@ class BrokerCore:
             stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
             if stop_key in changes and resume_key not in changes:
                 current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
+            new_max = changes.get(f"max_{dim}")
+            if (stop_key not in changes and isinstance(new_max, int) and not isinstance(new_max, bool)
+                    and 0 < new_max < current[stop_key]):
+                # a hard limit lowered under the stop it had: both derived from the new limit, as for a
+                # queue declared with only its max (else the change is refused, stop above max)
+                current[stop_key] = current[resume_key] = None
         for dim in ("drain_time", "age"):  # seconds: the same ratio kept, unrounded (none when it was off)
             stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
             old_stop, new_stop = current[stop_key], changes.get(stop_key)

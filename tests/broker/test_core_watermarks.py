@@ -591,3 +591,18 @@ def test_a_stop_changed_alone_keeps_the_queues_resume_ratio() -> None:
     assert (t.flow_stop_size, t.flow_resume_size) == (100, 100)
     with pytest.raises(Exception, match="flow_resume_size"):
         h.core.set_queue_thresholds("q", {"flow_stop_size": 100, "flow_resume_size": 200})
+
+
+def test_a_hard_limit_lowered_under_its_stop_derives_the_thresholds_from_the_new_limit() -> None:
+    """`queue set --max-size 10MiB` on a queue with the defaults (stop 80 MiB) was refused, stop above
+    max: the stop and resume are derived from the new limit instead, as for a queue declared with it."""
+    h = make()
+    h.queue("q")
+    before = h.core.queues["q"].thresholds
+    assert before.flow_stop_size > 10 << 20
+    t = h.core.set_queue_thresholds("q", {"max_size": 10 << 20}).thresholds
+    assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (10 << 20, 8 << 20, 7 << 20)
+    t = h.core.set_queue_thresholds("q", {"max_size": 100 << 20}).thresholds  # raised: the stop stays
+    assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (100 << 20, 8 << 20, 7 << 20)
+    with pytest.raises(Exception, match="flow_stop_size"):  # a stop given with it is taken as given
+        h.core.set_queue_thresholds("q", {"max_size": 1000, "flow_stop_size": 2000})
