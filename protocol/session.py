@@ -55,7 +55,7 @@ class TransferReceiver:
     """
 
     __slots__ = ("flow_control", "window", "next_transfer_id", "completed", "credit_waiting",
-                 "newly_completed", "reported_cumulative", "controls")
+                 "newly_completed", "reported_cumulative", "controls", "unfenced")
 
     def __init__(self, window: int, flow_control: bool = True):
         self.flow_control = flow_control
@@ -67,6 +67,9 @@ class TransferReceiver:
         self.newly_completed: list[int] = []  # ids completed out of order since the last COMPLETE
         self.reported_cumulative = 0  # the cumulative id the last COMPLETE carried
         self.controls = 0  # connection-level BUFFER_CONTROLs announced (`announced()`): what BUFFER_LIMIT names
+        # Turned on mid-stream (size 0 -> n): until the producer's BUFFER_LIMIT answers, what arrives may
+        # have been sent under size 0, unlimited, before it saw the grant; the check waits for the answer.
+        self.unfenced = False
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -92,7 +95,7 @@ class TransferReceiver:
         if self.flow_control and window.window and sizes:
             limit = window.limit
             # Positions only grow, so the last message starts furthest: one sum for the whole frame.
-            if position + total - sizes[-1] >= limit:
+            if position + total - sizes[-1] >= limit and not self.unfenced:
                 violation = None
                 for k, size in enumerate(sizes):
                     if position >= limit:
@@ -201,6 +204,8 @@ class TransferReceiver:
     def announced(self, window: int) -> None:
         """`resize(window)` that the caller sends to the producer as a BUFFER_CONTROL (the grant at
         connect, which WELCOME carries, is not one): BUFFER_LIMIT counts these to name the one it answers."""
+        if self.window.window == 0 and window and self.flow_control:
+            self.unfenced = True  # size 0 -> n mid-stream: see __init__
         self.resize(window)
         self.controls += 1
 
@@ -233,10 +238,14 @@ class TransferReceiver:
                 f"BUFFER_LIMIT {limit} is below the {window.position} bytes already received",
                 ErrorCode.CREDIT_VIOLATION,
             )
-        lowered = min(window.limit, max(limit, window.acked_position + window.window))
-        if lowered == window.limit:
+        fenced = max(limit, window.acked_position + window.window)
+        if self.unfenced:  # the first answer after size 0 -> n: its limit is the first that holds
+            self.unfenced = False
+        else:
+            fenced = min(window.limit, fenced)
+        if fenced == window.limit:
             return False
-        window.limit = lowered
+        window.limit = fenced
         return True
 
     @property

@@ -90,3 +90,24 @@ async def test_a_client_that_never_answers_keeps_the_old_behaviour(
     test above fails the same way on the code before BUFFER_LIMIT."""
     monkeypatch.setattr(ProducerLedger, "buffer_limit", lambda self: None)
     assert not await _late_producer_sends(start_flowbroker, slow=slow)
+
+
+@pytest.mark.parametrize("paced", ["aggressive", "static"])
+async def test_switching_from_none_to_a_paced_policy_closes_no_busy_producer(start_flowbroker: Any, paced: str) -> None:
+    """Under `none` the producers send unlimited; a switch to a paced policy while they send used to
+    close them with CREDIT_VIOLATION: bytes sent before they saw the grant were checked against it.
+    They are now checked from each producer's BUFFER_LIMIT answer on. Every message arrives, once."""
+    broker = await start_flowbroker(
+        server={"memory_quota": 64 * MiB}, credit={"policy": "none", "min_size": 4096, "max_size": 16384,
+                                                    "static_size": 16384})
+    sent = 20_000
+    async with await fb.connect(broker.url, client_name="busy") as conn:
+        await conn.declare_queue("q", max_count=0, flow_stop_count=0, flow_stop_size=0, max_size=0)
+        producer = conn.producer(routing_key="q")
+        for i in range(sent):
+            await producer.send(b"%06d" % i + b"x" * 200, timeout=10)
+            if i == 2_000:
+                broker.core.set_credit_policy(policy=paced)  # as PUT /api/policy does, mid-stream
+        await producer.flush(timeout=30)
+        assert conn.producer_buffer_size <= 16384  # paced now
+        assert broker.core.queues["q"].count == sent

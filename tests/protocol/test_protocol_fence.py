@@ -6,7 +6,8 @@ lets hypothesis interleave everything the two ends do: the SDK admits messages a
 (`on_sent`, at `send()`), its writer puts the queued control frames before the queued TRANSFERs (as
 client/connection.py does), the broker reads, completes, acknowledges and resizes the grant at random
 (shrinks and grows), and each end reads the other's frames whenever it likes. Whatever the order:
-the broker never finds a CREDIT_VIOLATION, never refuses a BUFFER_LIMIT, its limit is never below
+the broker never finds a CREDIT_VIOLATION (also when the grant goes to 0, the `none` policy, and back:
+what the client sent unlimited before it saw the new grant is not one), never refuses a BUFFER_LIMIT, its limit is never below
 what the client may start a message under, and once everything is delivered, consumed and answered
 the broker promises exactly the grant (the old, larger one no longer stays charged).
 """
@@ -80,8 +81,9 @@ class FenceOverTwoStreams(RuleBasedStateMachine):
         if isinstance(frame, BufferControl):
             assert self.ledger.on_buffer_control(frame)
             fence = self.ledger.buffer_limit()
-            assert fence is not None
-            self.control.append(fence)
+            assert (fence is None) == (frame.buffer_size == 0)  # size 0 (flow control off) needs no answer
+            if fence is not None:
+                self.control.append(fence)
         else:
             assert isinstance(frame, BufferAck)
             self.ledger.on_buffer_ack(frame)
@@ -117,9 +119,10 @@ class FenceOverTwoStreams(RuleBasedStateMachine):
         if ack is not None:
             self.to_client.append(ack)
 
-    @rule(size=st.integers(1, 6000))
+    @rule(size=st.one_of(st.just(0), st.integers(1, 6000)))
     def broker_resizes(self, size: int) -> None:
-        """The credit policy moves the grant (the core announces only a change)."""
+        """The credit policy moves the grant (the core announces only a change); 0 is the `none` policy,
+        under which the client sends unlimited until it sees a grant again (size 0 -> n mid-stream)."""
         if size != self.receiver.window.window:
             self.receiver.announced(size)
             self.to_client.append(BufferControl(0, size))
@@ -127,6 +130,8 @@ class FenceOverTwoStreams(RuleBasedStateMachine):
     @rule()
     def everything_settles(self) -> None:
         """Both ends go on until nothing is queued, in flight or unconsumed: then the promise is the grant."""
+        if self.receiver.window.window == 0:  # paced again: under size 0 nothing is acknowledged
+            self.broker_resizes(FIRST_GRANT)
         for _ in range(1000):
             if not (self.queued or self.control or self.to_broker or self.to_client or self.unconsumed):
                 break
