@@ -465,7 +465,7 @@ class AdminApi:
             raise ApiError(400, "invalid_argument", "give the policy and/or any [credit] key")
         for key, value in body.items():
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ApiError(400, "invalid_argument", f"{key} must be a number or a string", key)
+                raise ApiError(400, "invalid_argument", f"{key} must be a number (the policy: a string)", key)
         self.core.set_credit_policy(**body)
         LOGGER.info("admin: credit policy changed: %s", body)
         return views.policy_view(self.core)

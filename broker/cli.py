@@ -684,7 +684,7 @@ def policy_show(**options: Any) -> None:
 @click.option("--max-size", type=SIZE, help="dynamic/aggressive: largest buffer.")
 @click.option("--override-size", type=SIZE, help="> 0: every producer gets exactly this (0 = off).")
 @click.option("--dynamic-percent", type=float, help="dynamic: percent of the quota per connection.")
-@click.option("--dynamic-threshold-percent", type=float, help="dynamic: above this share, new ones get min.")
+@click.option("--dynamic-threshold-percent", type=float, help="dynamic: the pool, as a percent of the quota; producers beyond it wait for a share.")
 @click.option("--aggressive-percent", type=float, help="aggressive: percent of the quota shared by all producers.")
 @_admin_options
 def policy_set(name: str | None, **options: Any) -> None:
