@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import stat
@@ -294,10 +295,10 @@ def _json_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]
 
 
 def _field_in(message: str) -> str | None:
-    """The argument a core RequestError names as 'unknown queue argument 'x''."""
-    if "'" in message:
-        return message.split("'")[1]
-    return None
+    """The argument a core RequestError names as "unknown queue argument 'x'" (a message naming
+    something else in quotes, an exchange or a queue, names no field)."""
+    found = re.search(r"\bargument '([^']*)'", message)
+    return found.group(1) if found else None
 
 
 def _too_large() -> ApiError:

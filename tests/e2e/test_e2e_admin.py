@@ -486,3 +486,8 @@ async def test_delete_and_purge_a_queue(broker: Any) -> None:
     for method, path in (("DELETE", "/api/queues/jobs"), ("POST", "/api/queues/jobs/purge")):
         status, answer, _ = await api(broker, method, path)
         assert status == 404 and answer["error"]["code"] == "not_found" and "jobs" in answer["error"]["message"]
+
+
+async def test_a_refusal_naming_an_exchange_names_no_field(broker: Any) -> None:
+    status, answer, _ = await api(broker, "DELETE", "/api/exchanges/amq.direct")
+    assert status == 400 and "amq.direct" in answer["error"]["message"] and "field" not in answer["error"], answer
