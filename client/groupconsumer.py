@@ -24,7 +24,7 @@ from flowbroker.client.udpconsumer import UdpConsumer
 from flowbroker.protocol import Frame
 from flowbroker.protocol.frames import JoinGroup
 from flowbroker.transport.subscription import ReceiverConfig
-from flowbroker.transport.udp import UdpEndpoint, open_udp
+from flowbroker.transport.udp import UdpEndpoint, now_ns, open_udp
 
 if TYPE_CHECKING:
     from flowbroker.client.connection import Connection
@@ -40,7 +40,10 @@ def parse_group_address(multicast: str) -> tuple[str, int]:
     host, sep, port = multicast.rpartition(":")
     if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"multicast={multicast!r}: expected group-address:port, e.g. 239.1.2.3:40457")
-    ip = ipaddress.IPv4Address(host)
+    try:
+        ip = ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"multicast={multicast!r}: {host!r} is not an IPv4 address (e.g. 239.1.2.3:40457)") from None
     if not ip.is_multicast or int(ip) % 2 == 0:
         raise ValueError(f"multicast={multicast!r}: the group address must be an odd IPv4 multicast address")
     return str(ip), int(port)
@@ -79,6 +82,7 @@ class GroupConsumer(UdpConsumer):
         self.group_tag: int | None = None
         self.channel_uri: str | None = None
         """The group's Aeron channel, from the broker's answer."""
+        self._leaving = False
         super().__init__(conn, group, subscription_id, prefetch=0, buffer_size=buffer_size, stream_id=stream_id)
 
     def _open_endpoint(self) -> UdpEndpoint:
@@ -93,6 +97,26 @@ class GroupConsumer(UdpConsumer):
         host, port = self.group_address
         return JoinGroup(request_id, self.subscription_id, self.exchange, self.queue, f"{host}:{port}", self.fc,
                          self.window, self.receiver_id, self.stream_id)
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Leave the group. For a member, processing is settlement, so leaving must report exactly what was
+        processed: the messages it received and never handed out are not (the group keeps them for the
+        members that stay, or the queue for the next), and one last status message says how far it got
+        before the broker hears CANCEL, which it reads first (else what it processed would be offered to
+        the others again or, if it was the last, requeued)."""
+        if not self._closed:
+            self._mark_current_processed()
+            self._buffered.clear()  # never handed out: not processed (Consumer.aclose would count them)
+            image, channel = self._image, self._channel
+            if image is not None and channel is not None:
+                image.report_now()
+                self._send(channel.do_work(now_ns()))
+            self._leaving = True  # no status message after that one: what a poll takes now is not processed
+        await super().aclose(timeout)
+
+    def _send(self, out: list[tuple[bytes, Any]]) -> None:
+        if not self._leaving:
+            super()._send(out)
 
     def _receiver_config(self, session_id: int, result: dict[str, Any]) -> ReceiverConfig:
         tag = result.get("group_tag")

@@ -57,6 +57,10 @@ FLOW_CONTROLS = ("min", "tagged")
 """The `fc` a group may ask for ("" means "min")."""
 
 _LINGER_NS = 200_000_000
+LEAVE_LINGER_NS = 200_000_000
+"""How long the group waits, after its last member left with messages in flight, for that member's last
+status message (sent just before its CANCEL, on another socket: it can arrive after it) before what is
+unconfirmed goes back to the queue."""
 _MAX_CLOSING = 64
 
 
@@ -143,14 +147,16 @@ class Group:
         self.settled_position = self.publication.start_position
         self.settled_total = 0
         self.closed = False
+        self.leaving: Member | None = None  # the last member, gone, whose last status message may still come
+        self.leaving_until = 0
         self.subscription = GroupSubscription(self, queue, prefetch)
 
     # ------------------------------------------------------------------ sending
 
     def may_send(self) -> bool:
         pub = self.publication
-        return (not self.closed and self.slot is None and not self.awaited and pub.is_connected
-                and pub.position < pub.sender_limit)
+        return (not self.closed and self.slot is None and not self.awaited and self.leaving is None
+                and pub.is_connected and pub.position < pub.sender_limit)
 
     def _check_awaited(self, now_ns: int) -> bool:
         """Forget awaited members that have reported or timed out; True if none is awaited any more."""
@@ -238,11 +244,15 @@ class Group:
         pub = self.publication
         pub.on_datagram(data, source, now_ns)
         self.settle()
+        if self.leaving is not None and not self.in_flight:  # the last member's last word came: all settled
+            self.finish_leave(now_ns)
         if not self.closed:
             self._may_resume(now_ns)
         return None
 
     def do_work(self, now_ns: int) -> Outgoing:
+        if self.leaving is not None and now_ns >= self.leaving_until:
+            self.finish_leave(now_ns)
         out = self.publication.do_work(now_ns)  # expires silent members: the min may jump
         if not self.closed:
             self.settle()
@@ -251,6 +261,8 @@ class Group:
 
     def deadline_ns(self, now_ns: int) -> int:
         deadline = self.publication.next_deadline_ns()
+        if self.leaving is not None:
+            deadline = min(deadline, self.leaving_until)
         for joined in self.awaited.values():
             deadline = min(deadline, joined + self.timeout_ns)
         return deadline
@@ -261,6 +273,22 @@ class Group:
         member = self.members.pop(key, None)
         if member is None:
             return
+        if not self.members and self.in_flight and not self.closed and self.flow_control.counts(member.receiver_id):
+            # The last member: its receiver stays a while (LEAVE_LINGER_NS) for the status message it sent
+            # before leaving, so what it processed is settled, not requeued as if nobody had; nothing new is
+            # offered meanwhile (`may_send`).
+            self.leaving, self.leaving_until = member, now_ns + LEAVE_LINGER_NS
+            return
+        self._remove(member, now_ns)
+
+    def finish_leave(self, now_ns: int) -> None:
+        """The last member's linger is over: its status message came, the time is up, or a new member
+        joins (then the group closes as it would have, and the new member gets a group of its own)."""
+        member, self.leaving = self.leaving, None
+        if member is not None:
+            self._remove(member, now_ns)
+
+    def _remove(self, member: Member, now_ns: int) -> None:
         self.receivers.pop(member.receiver_id, None)
         self.awaited.pop(member.receiver_id, None)
         self.publication.remove_receiver(member.receiver_id, now_ns)
@@ -327,8 +355,9 @@ def _parse_group_endpoint(text: str) -> tuple[str, int]:
 
 
 class Groups:
-    """Every multicast group of the data path. `open_socket(channel, data)` and `close_socket(data)` are the
-    shell's (sockets are I/O): bind the group's control socket (OSError if it cannot) / close it."""
+    """Every multicast group of the data path. `open_socket(channel, data)`, `close_socket(data)` and
+    `read_pending(data, now_ns)` are the shell's (sockets are I/O): bind the group's control socket (OSError
+    if it cannot) / close it / hand what it holds to the data path now."""
 
     def __init__(self, datapath: DataPath) -> None:
         self.datapath = datapath
@@ -338,6 +367,10 @@ class Groups:
         self._closing: dict[int, Group] = {}
         self.open_socket: Callable[[ChannelUri, tuple[str, int]], None] = lambda channel, data: None
         self.close_socket: Callable[[tuple[str, int]], None] = lambda data: None
+        # Before a member leaves, its last status message (sent just before its CANCEL, or before its TCP
+        # connection closed) is read from the group's socket, so what it processed is settled, not
+        # offered again to the members that stay or, if it was the last, requeued as never processed.
+        self.read_pending: Callable[[tuple[str, int], int], None] = lambda data, now_ns: None
 
     def find_member(self, conn_id: int, subscription_id: int) -> Group | None:
         for group in self.by_name.values():
@@ -366,6 +399,11 @@ class Groups:
         if receiver_id == 0:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "receiver id 0 is not a receiver's")
         group = self.by_name.get(name)
+        if group is not None and group.leaving is not None:
+            # its last member lingers: the group closes now (what was in flight goes back to the queue) and
+            # this member gets a new one, whose image starts with nothing offered before it
+            group.finish_leave(now_ns)
+            group = self.by_name.get(name)
         if group is None:
             exchange = core.exchanges.get(exchange_name)
             if exchange is None:
@@ -470,12 +508,16 @@ class Groups:
         group = self.find_member(conn_id, subscription_id)
         if group is None:
             return False
+        self.read_pending(group.data, now_ns)
         group.leave((conn_id, subscription_id), now_ns)
         return True
 
     def close_owner(self, conn_id: int, now_ns: int) -> None:
         for group in list(self.by_name.values()):
-            for key in [k for k in group.members if k[0] == conn_id]:
+            keys = [k for k in group.members if k[0] == conn_id]
+            if keys:
+                self.read_pending(group.data, now_ns)
+            for key in keys:
                 group.leave(key, now_ns)
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, session_id: int, stream_id: int,

@@ -54,6 +54,7 @@ class UdpShell:
         self._nursery: trio.Nursery | None = None
         self.datapath.groups.open_socket = self._open_group
         self.datapath.groups.close_socket = self._close_group
+        self.datapath.groups.read_pending = self._read_group_now
         # Called around each pass of the data path (the datagrams of a batch and the duty cycle): the
         # server's, so that TCP connections the pass woke (a consumer that the messages just routed were
         # delivered to, a producer told FLOW_STOPPED) are written to once, directly, at the end of the
@@ -92,6 +93,19 @@ class UdpShell:
         scope = trio.CancelScope()
         self._groups[data] = (endpoint, scope)
         self._nursery.start_soon(self._group_receiver, endpoint, scope)
+
+    def _read_group_now(self, data: tuple[str, int], now_ns: int) -> None:
+        """What a group's socket holds, handed to the data path at once (a member is leaving: its last
+        status message may be there). Bounded: at most DEFAULT_BATCH datagrams."""
+        group = self._groups.get(data)
+        if group is None:
+            return
+        endpoint, datapath = group[0], self.datapath
+        for _ in range(DEFAULT_BATCH):
+            got = endpoint.try_receive() if not endpoint.closed else None
+            if got is None:
+                return
+            datapath.on_datagram(got[0], got[1], now_ns)
 
     def _close_group(self, data: tuple[str, int]) -> None:
         group = self._groups.pop(data, None)

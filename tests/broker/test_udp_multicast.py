@@ -237,12 +237,37 @@ def test_the_last_member_leaving_closes_the_group_and_requeues_what_it_had_not_s
     settled = rig.group.settled_total
     assert settled == 10
     m.conn.handle(Cancel(99, 1))
+    assert rig.datapath.groups.by_name  # the last member lingers for a status message sent before its CANCEL
+    rig.cycle(3, step_ms=100)  # (it sends none: it processed nothing more)
     assert not rig.datapath.groups.by_name
     assert rig.queue.count == 50 - settled and len(rig.queue.store) == 50 - settled
     assert all(msg.redelivered for msg in list(rig.queue.store)[:1])
     for _ in range(300):
         rig.cycle(1, step_ms=10)
     assert ("close", DATA) in rig.sockets and not rig.datapath.groups.by_session
+
+
+def test_the_last_members_status_message_that_comes_after_its_cancel_still_settles() -> None:
+    """A member sends its last status message and then CANCEL, on two sockets: the CANCEL can come first.
+    What it reports within LEAVE_LINGER_NS is settled; the rest goes back to the queue after it."""
+    rig = Rig()
+    m = rig.join()
+    rig.cycle(3)
+    rig.publish([b"a%d" % i for i in range(50)])
+    rig.cycle(5)
+    m.process(10)
+    rig.cycle(3, step_ms=100)
+    assert rig.group.settled_total == 10
+    m.process(20)  # processed, and the status message saying so comes only after the CANCEL
+    m.image.report_now()  # (as GroupConsumer.aclose asks for it)
+    group = rig.group
+    m.conn.handle(Cancel(99, 1))
+    assert group.leaving is not None and group.settled_total == 10
+    rig.cycle(1, step_ms=50)  # its status message now
+    assert group.settled_total == 30
+    rig.cycle(4, step_ms=100)  # the linger ends: the rest back to the queue, flagged
+    assert not rig.datapath.groups.by_name and rig.queue.count == 20
+    assert all(msg.redelivered for msg in rig.queue.store)
 
 
 def test_only_registered_members_status_messages_count() -> None:

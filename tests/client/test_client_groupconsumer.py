@@ -19,7 +19,7 @@ def test_the_group_address_must_be_an_odd_ipv4_multicast_address_and_a_port() ->
     assert parse_group_address("239.1.2.3:40457") == ("239.1.2.3", 40457)
     for bad in ("239.1.2.4:40457", "10.0.0.1:40457", "239.1.2.3", "239.1.2.3:0", "239.1.2.3:x", "[ff02::1]:1",
                 "host:40457"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"^multicast="):  # names the argument
             parse_group_address(bad)
 
 
