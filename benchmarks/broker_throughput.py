@@ -14,6 +14,7 @@ Scenarios (flow control on, 1 KiB messages by default):
 Every scenario but overload also prints the CPU time each process spent per message delivered.
   overload    the producer is 10x faster than the consumer for 30 s; prints the broker's RSS every
               second beside its idle RSS, the queue depth, and the target (idle + stop size + 32 MiB).
+              The stop size is --flow-stop-size (resume at 7/8 of it), default the broker's (80 MiB).
   tls         the throughput scenario in --rounds pairs, plain TCP and TLS (the broker's [tls] port, a
               certificate from a CA made for the run with trustme) in alternating order; prints each run's
               msgs/s and broker CPU per message, and the medians' difference.
@@ -29,6 +30,9 @@ producer writes it into the first 8 bytes of each body and the consumer subtract
     python benchmarks/broker_throughput.py [throughput|paced|overload|all] [--count N] [--rate R] ...
     python benchmarks/broker_throughput.py metrics [--rounds 3] [--scrape-every 1] [--count N]
     python benchmarks/broker_throughput.py tls [--rounds 3] [--count N]
+
+The tls scenario's CA, key and certificates are written to a temporary directory (bench-tls-*) for each
+run and removed when the run ends.
 """
 
 from __future__ import annotations
@@ -242,13 +246,26 @@ def scenario_flow(args: argparse.Namespace, rate: float, scrape_every: float | N
                   tls: bool = False) -> tuple[float, float]:
     """One run; returns the end-to-end msgs/s and the broker's CPU microseconds per message. `scrape_every`: the broker serves /metrics on a port of its
     own, scraped that often (0: served, never scraped); None: as before, no metrics listener. `tls`: the
-    clients use the broker's TLS port."""
+    clients use the broker's TLS port, with a CA and a key made for the run in a temporary directory
+    that is removed when the run ends."""
+    if not tls:
+        return _flow_run(args, rate, scrape_every, None)
+    with tempfile.TemporaryDirectory(prefix="bench-tls-") as tls_dir:
+        try:
+            return _flow_run(args, rate, scrape_every, Path(tls_dir))
+        finally:
+            os.environ.pop(TLS_CA_ENV, None)  # it named a file in tls_dir
+
+
+def _flow_run(args: argparse.Namespace, rate: float, scrape_every: float | None,
+              tls_dir: Path | None) -> tuple[float, float]:
+    tls = tls_dir is not None
     port = free_port()
     url = f"flowbroker://127.0.0.1:{port}"
     broker_args = ["--memory-quota", args.quota]
-    if tls:
+    if tls_dir is not None:
         tls_port = free_port()
-        broker_args += tls_broker_args(Path(tempfile.mkdtemp(prefix="bench-tls-")), tls_port)
+        broker_args += tls_broker_args(tls_dir, tls_port)
         url = f"flowbroker+tls://localhost:{tls_port}"
     metrics_url = ""
     if scrape_every is not None:
@@ -353,22 +370,32 @@ def scenario_tls(args: argparse.Namespace) -> None:
         print(f"{what}: TLS vs plain, medians {(tls_ - plain) / plain * 100:+.1f} %")
 
 
-async def _declare_overload(url: str, drain_time: float | None) -> int:
-    """Declare the overload queue: the broker's default thresholds, plus `flow_stop_drain_time`."""
+async def _declare_overload(url: str, drain_time: float | None, stop_size: int | None) -> int:
+    """Declare the overload queue: the broker's default thresholds, or `stop_size` as its flow_stop_size
+    (resuming at 7/8 of it, as --flow-stop-size does in the other scenarios), plus `flow_stop_drain_time`."""
+    resume = stop_size * 7 // 8 if stop_size else None
     async with await fb.connect(url, flow_control=False, client_name="bench-probe") as conn:
-        return int((await conn.declare_queue(QUEUE, flow_stop_drain_time=drain_time))["count"])
+        return int((await conn.declare_queue(QUEUE, flow_stop_size=stop_size, flow_resume_size=resume,
+                                             flow_stop_drain_time=drain_time))["count"])
+
+
+def _overload_label(args: argparse.Namespace, drain_time: float | None) -> str:
+    size = None if args.flow_stop_size is None else f"flow_stop_size {args.flow_stop_size / MiB:g} MiB"
+    if not drain_time:
+        return size or "default thresholds"
+    return f"flow_stop_drain_time {drain_time:g} s" + (f", {size}" if size else "")
 
 
 def scenario_overload(args: argparse.Namespace) -> None:
-    """The overload scenario with the default thresholds and, given --flow-stop-drain-time, again with it
-    (latency-bounded flow control), one after the other in the same run."""
+    """The overload scenario with the default thresholds (or --flow-stop-size) and, given
+    --flow-stop-drain-time, again with it (latency-bounded flow control), one after the other in the same run."""
     runs: list[float | None] = [None]
     if args.flow_stop_drain_time:
         runs.append(args.flow_stop_drain_time)
     results = [overload_run(args, drain_time) for drain_time in runs]
     print("\n== overload summary ==")
     for drain_time, (p50, p99, peak, idle, lost, refused) in zip(runs, results, strict=True):
-        label = f"flow_stop_drain_time {drain_time:g} s" if drain_time else "default thresholds"
+        label = _overload_label(args, drain_time)
         print(f"{label:>30}: latency p50 {p50 / 1000:7.3f} s, p99 {p99 / 1000:7.3f} s; peak RSS {peak / MiB:7.1f} MiB "
               f"(idle + {(peak - idle) / MiB:.1f}); lost {lost}, refused {refused}")
 
@@ -378,9 +405,10 @@ def overload_run(args: argparse.Namespace, drain_time: float | None) -> tuple[fl
     url = f"flowbroker://127.0.0.1:{port}"
     broker = start_broker(port, ["--memory-quota", args.quota])
     ctx = mp.get_context("spawn")
-    stop_size = 80 * MiB  # Qpid's default: 80 % of the default 100 MiB queue limit
+    # --flow-stop-size, else the broker's default (Qpid's: 80 % of the default 100 MiB queue limit)
+    stop_size = 80 * MiB if args.flow_stop_size is None else args.flow_stop_size
     try:
-        trio.run(_declare_overload, url, drain_time)
+        trio.run(_declare_overload, url, drain_time, args.flow_stop_size)
         time.sleep(0.5)
         idle = rss(broker.pid)
         pq, cq = ctx.Queue(), ctx.Queue()
@@ -394,7 +422,7 @@ def overload_run(args: argparse.Namespace, drain_time: float | None) -> tuple[fl
             target=producer_main, args=(url, 10**12, args.size, 0.0, args.overload_seconds, args.window, pq, True)
         )
         producer.start()
-        what = f"flow_stop_drain_time {drain_time:g} s" if drain_time else "default thresholds"
+        what = _overload_label(args, drain_time)
         print(f"\n== overload ({what}): producer unpaced, consumer {slow_rate:,.0f} msgs/s (prefetch "
               f"{args.overload_prefetch}), {args.overload_seconds:.0f} s ==")
         print(f"broker idle RSS {idle / MiB:.1f} MiB; target: stay under idle + stop size + 32 MiB = "
@@ -437,8 +465,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024, help="message body size in bytes")
     parser.add_argument("--quota", default="200MiB", help="broker memory quota (sizes producer credit)")
     parser.add_argument("--flow-stop-size", type=parse_size, default=None,
-                        help="the queue's flow_stop_size (resume at 7/8 of it); default: the broker's (80 MiB). "
-                             "Unpaced, the queue fills to it, so it sets the latency: stop size / rate")
+                        help="the queue's flow_stop_size (resume at 7/8 of it), in every scenario; default: the "
+                             "broker's (80 MiB). Unpaced, the queue fills to it, so it sets the latency: stop size "
+                             "/ rate; in overload it also sets the RSS target (idle + stop size + 32 MiB)")
     parser.add_argument("--window", type=int, default=1000,
                         help="the producer's window of uncompleted transfers (default: the SDK's, 1000). "
                              "Unpaced, it is what is in flight, so latency is about window / rate")

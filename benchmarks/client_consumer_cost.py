@@ -14,7 +14,7 @@ divide the difference of the totals by the difference of the counts (startup can
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import trio
@@ -74,7 +74,10 @@ async def run(count: int) -> float:
 
 
 def main() -> None:
-    count = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("count", nargs="?", type=int, default=200_000, metavar="COUNT",
+                        help="messages to receive and ack (default: 200,000)")
+    count = parser.parse_args().count
     per_message = trio.run(run, count)
     print(f"SDK consumer, {count:,} messages of {len(BODY)} B: CPU per message {per_message * 1e6:.2f} us")
 

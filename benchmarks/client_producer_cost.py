@@ -16,8 +16,8 @@ divide the difference of the totals by the difference of the counts (startup can
 
 from __future__ import annotations
 
+import argparse
 import struct
-import sys
 import time
 
 import msgpack
@@ -80,7 +80,10 @@ async def run(count: int) -> float:
 
 
 def main() -> None:
-    count = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("count", nargs="?", type=int, default=200_000, metavar="COUNT",
+                        help="messages to send (default: 200,000)")
+    count = parser.parse_args().count
     per_message = trio.run(run, count)
     print(f"SDK producer, {count:,} messages of {len(BODY)} B: CPU per message {per_message * 1e6:.2f} us")
 

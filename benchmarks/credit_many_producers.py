@@ -27,7 +27,11 @@ under min_size, so the floor (32 KiB) applies there, the share is inside the cla
 max_size up to N = 3. With --quota 256MiB the ramp can put ~47 MiB in flight on top of the 80 MiB stop size
 and the queue's 100 MiB hard limit refuses messages (QUEUE_FULL).
 
-    python benchmarks/credit_many_producers.py [--quota 64MiB] [--seconds 30] [--producers 200] ...
+    python benchmarks/credit_many_producers.py [--quota 64MiB] [--seconds 30] [--producers 200] ... [--keep]
+
+The broker's config and log go to a temporary directory (flowbroker-bench-*), removed at the end unless
+--keep is given or the run failed (it raised, a check above failed, or the broker logged an error): then
+the script prints the directory's path and keeps it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import collections
 import multiprocessing as mp
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -319,6 +324,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1000, help="each producer's window of uncompleted transfers")
     parser.add_argument("--flush-timeout", type=float, default=90.0)
     parser.add_argument("--drain-timeout", type=float, default=120.0)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (the broker's config and log) [default: removed at the end, "
+                             "unless the run failed]")
     args = parser.parse_args()
 
     quota = parse_size(args.quota)
@@ -362,26 +370,41 @@ def main() -> None:
     if thresholds.max_size and ramp_inflight > headroom:
         print("WARNING: that exceeds the headroom: QUEUE_FULL refusals are possible during the ramp")
 
-    with open(log_path, "wb") as log:
-        broker = start_broker(port, quota, config, log)
-        try:
-            run(args, url, broker, ctx, procs, queue_args, stop_size, policy)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
-            stop_broker(broker)
-    text = log_path.read_text(errors="replace").strip().splitlines()
-    noteworthy = [line for line in text if " WARNING " in line or " ERROR " in line or "Traceback" in line]
-    if noteworthy:
-        print(f"broker log ({log_path}): {len(noteworthy)} warning/error line(s), first ones:")
-        for line in noteworthy[:10]:
-            print("   ", line[:200])
+    keep = args.keep
+    try:
+        with open(log_path, "wb") as log:
+            broker = start_broker(port, quota, config, log)
+            try:
+                passed = run(args, url, broker, ctx, procs, queue_args, stop_size, policy)
+            finally:
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                        p.join(5)
+                stop_broker(broker)
+        text = log_path.read_text(errors="replace").strip().splitlines()
+        noteworthy = [line for line in text if " WARNING " in line or " ERROR " in line or "Traceback" in line]
+        failed = not passed or any(" ERROR " in line or "Traceback" in line for line in noteworthy)
+        keep = keep or failed
+        if noteworthy:
+            where = f" ({log_path}, kept)" if keep else " (removed with its temporary directory; --keep keeps it)"
+            print(f"broker log{where}: {len(noteworthy)} warning/error line(s), first ones:")
+            for line in noteworthy[:10]:
+                print("   ", line[:200])
+    except Exception:
+        keep = True
+        print(f"the run failed: the broker's log is kept at {log_path}", file=sys.stderr)
+        raise
+    finally:
+        if keep:
+            print(f"work directory kept (the broker's config and log): {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, url: str, broker: subprocess.Popen[bytes], ctx: Any, procs: list[Any],
-        queue_args: dict[str, int], stop_size: int, policy: CreditPolicyConfig) -> None:
+        queue_args: dict[str, int], stop_size: int, policy: CreditPolicyConfig) -> bool:
+    """The run; True when report() found it passed (exactly once, within both bounds)."""
     trio.run(_declare, url, queue_args)
     time.sleep(0.5)
     idle = rss(broker.pid)
@@ -503,12 +526,13 @@ def run(args: argparse.Namespace, url: str, broker: subprocess.Popen[bytes], ctx
         take(0.2)
     for p in procs:
         p.join(10)
-    report(args, got, producer_records, idle, peak, peak_at, peak_granted, stop_size, max_depth, policy)
+    return report(args, got, producer_records, idle, peak, peak_at, peak_granted, stop_size, max_depth, policy)
 
 
 def report(args: argparse.Namespace, got: dict[str, Any], records: list[dict[str, Any]], idle: int, peak: int,
            peak_at: float, peak_granted: int, stop_size: int, max_depth: tuple[int, int],
-           policy: CreditPolicyConfig) -> None:
+           policy: CreditPolicyConfig) -> bool:
+    """Print the outcome; True when every message arrived exactly once and both bounds held."""
     c = got.get("consumer")
     print()
     incarnations = len(records)
@@ -521,7 +545,7 @@ def report(args: argparse.Namespace, got: dict[str, Any], records: list[dict[str
         print(f"   not confirmed by flush: {r['producer_id']} sent {r['sent']} completed {r['completed']}: {r['error']}")
     if not c or "error" in c:
         print(f"consumer failed: {c}")
-        return
+        return False
     print(f"consumer: {c['received']:,} received ({c['redelivered']} redelivered, {c['malformed']} malformed); "
           f"drained {c['drained']:,} at full speed in {c['drain_seconds']:.1f} s; "
           f"max depth seen {max_depth[1]:,} msgs / {max_depth[0] / MiB:.1f} MiB")
@@ -564,6 +588,7 @@ def report(args: argparse.Namespace, got: dict[str, Any], records: list[dict[str
     print(f"peak RSS {peak / MiB:.1f} MiB at t={peak_at:.1f} s = idle {idle / MiB:.1f} + {(peak - idle) / MiB:.1f} MiB; "
           f"target idle + stop {stop_size / MiB:.1f} + granted {peak_granted / MiB:.2f} + 64 MiB = "
           f"{target / MiB:.1f} MiB: {verdict} the target")
+    return ok and max_depth[0] <= bound and peak <= target
 
 
 if __name__ == "__main__":

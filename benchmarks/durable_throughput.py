@@ -8,6 +8,9 @@ durable runs' group commits and fsyncs per second (from the broker's own count, 
 ratio of the means.
 
     python benchmarks/durable_throughput.py [--count 200000] [--rounds 3] [--size 1024] [--data-dir DIR]
+
+The brokers' journals and logs go under --data-dir DIR, kept afterwards; without it, under a temporary
+directory (flowbroker-bench-*) that is removed at the end, or kept (and named) if the run failed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import multiprocessing as mp
 import queue
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,23 +92,36 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--quota", default="200MiB")
     parser.add_argument("--data-dir", type=Path, default=None,
-                        help="where the durable runs' journals go [default: a temporary directory]")
+                        help="where the brokers' journals and logs go, kept afterwards "
+                             "[default: a temporary directory, removed at the end unless the run fails]")
     args = parser.parse_args()
     base = args.data_dir or Path(tempfile.mkdtemp(prefix="flowbroker-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
-    for r in range(args.rounds):
-        for durable in ((True, False) if r % 2 == 0 else (False, True)):
-            res = run(args, durable, base)
-            results[durable].append(res)
-            line = f"round {r + 1} {'durable    ' if durable else 'memory-only'}: {res['msgs']:,.0f} msgs/s"
-            if durable:
-                line += (f", {res['commits']:,.0f} commits/s, {res['fsyncs']:,.0f} fsyncs/s, "
-                         f"{res['per_commit']:.0f} messages per commit")
-            print(line, flush=True)
+    failed = False
+    try:
+        for r in range(args.rounds):
+            for durable in ((True, False) if r % 2 == 0 else (False, True)):
+                res = run(args, durable, base)
+                results[durable].append(res)
+                line = f"round {r + 1} {'durable    ' if durable else 'memory-only'}: {res['msgs']:,.0f} msgs/s"
+                if durable:
+                    line += (f", {res['commits']:,.0f} commits/s, {res['fsyncs']:,.0f} fsyncs/s, "
+                             f"{res['per_commit']:.0f} messages per commit")
+                print(line, flush=True)
+    except Exception:
+        failed = True
+        raise
+    finally:
+        if args.data_dir is None:
+            if failed:
+                print(f"the run failed: its brokers' logs and journals are kept under {base}", file=sys.stderr)
+            else:
+                shutil.rmtree(base, ignore_errors=True)
     durable_mean = statistics.mean(r["msgs"] for r in results[True])
     memory_mean = statistics.mean(r["msgs"] for r in results[False])
-    print(f"\n{args.count:,} messages of {args.size} B per run, {args.rounds} round(s), journal under {base}")
+    where = f"under {base}" if args.data_dir is not None else "in a temporary directory, now removed"
+    print(f"\n{args.count:,} messages of {args.size} B per run, {args.rounds} round(s), journals {where}")
     print(f"durable {durable_mean:,.0f} msgs/s, memory-only {memory_mean:,.0f} msgs/s: "
           f"durable is {durable_mean / memory_mean:.0%} of memory-only")
 

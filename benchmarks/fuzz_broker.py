@@ -1,10 +1,10 @@
 """Fuzz a broker process with hostile frames (10^6 by default) while a well-behaved client works beside them.
 
 The long run of tests/e2e/test_e2e_fuzz.py, with the same generator (tests/e2e/hostile.py): a broker
-process (`flowbroker serve`, default configuration but the memory quota), a bystander process (an SDK
-producer and consumer on a queue of their own, bursts of 5 messages 1 ms apart) and this process, whose
-N hostile connections play valid and mutated frames of every kind as fast as the broker takes them,
-reconnecting whenever the broker closes one. It prints:
+process (`flowbroker serve --no-admin --no-udp --memory-quota QUOTA`, otherwise the default configuration),
+a bystander process (an SDK producer and consumer on a queue of their own, bursts of 5 messages 1 ms apart)
+and this process, whose N hostile connections play valid and mutated frames of every kind as fast as the
+broker takes them, reconnecting whenever the broker closes one. It prints:
 
 - hostile frames sent, frames/s, bytes; connections opened and closed by the broker; errors the broker
   answered, by code (and the first text of each);

@@ -7,6 +7,9 @@ built by its appends); SQLite is a table (queue id, offset, body) with one trans
 measured: no lmdb binding is installed here.
 
     python benchmarks/journal_storage.py [--records 20000] [--size 1024] [--dir DIR]
+
+Without --dir it writes under a temporary directory (flowbroker-storage-*) and removes it at the end;
+with --dir it writes under DIR and leaves what it wrote there.
 """
 
 from __future__ import annotations
@@ -62,14 +65,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=20_000)
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--dir", type=Path, default=None, help="where to write [default: a temporary directory]")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where to write, kept afterwards [default: a temporary directory, removed at the end]")
     args = parser.parse_args()
-    base = args.dir or Path(tempfile.mkdtemp(prefix="flowbroker-storage-"))
-    print(f"{args.records:,} records of {args.size} B, every commit fsynced, under {base}")
+    if args.dir is not None:
+        run(args.dir, args.records, args.size)
+        return
+    with tempfile.TemporaryDirectory(prefix="flowbroker-storage-") as tmp:
+        run(Path(tmp), args.records, args.size)
+
+
+def run(base: Path, records_wanted: int, size: int) -> None:
+    print(f"{records_wanted:,} records of {size} B, every commit fsynced, under {base}")
     for group in (1, 10, 100, 1000):
-        records = min(args.records, 500 * group)  # one fsync per record is slow: fewer of them
+        records = min(records_wanted, 500 * group)  # one fsync per record is slow: fewer of them
         for name, fn in (("segment log", segment_log), ("SQLite WAL ", sqlite_wal)):
-            elapsed = fn(base / f"{name.strip().replace(' ', '-')}-{group}", records, args.size, group)
+            elapsed = fn(base / f"{name.strip().replace(' ', '-')}-{group}", records, size, group)
             commits = -(-records // group)
             print(f"group of {group:>4}: {name}: {records / elapsed:>9,.0f} records/s, "
                   f"{commits / elapsed:>6,.0f} commits/s")

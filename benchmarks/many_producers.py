@@ -19,7 +19,10 @@ with each one's rate and broker CPU relative to the first layout (the issue's ta
 of 1x1, the broker's CPU per message no higher). --rounds R repeats the layouts in alternating order.
 --producer-nice N runs the producer processes at that niceness (Linux shares CPU per runnable thread, so
 10 producer processes take CPU from the broker and the consumer). --paced runs the broker with `[queues]
-pace_producers = true` (docs/policies.md, "Pacing"). --profile DIR records the broker under py-spy (when installed) into DIR/LAYOUT-ROUND.txt (collapsed stacks).
+pace_producers = true` (docs/policies.md, "Pacing"). --default-gc runs the broker with CPython's default
+garbage collector instead of the tuning `flowbroker serve` applies (broker/cli.py, `_tune_garbage_collector`:
+the youngest generation every 50,000 allocations, start-up's objects frozen): the "default" rows of
+docs/performance.md, "The garbage collector". --profile DIR records the broker under py-spy (when installed) into DIR/LAYOUT-ROUND.txt (collapsed stacks).
 
     python benchmarks/many_producers.py [--messages 200000] [--layouts 1x1,10x1,4x25,4x250] [--rounds 1]
 """
@@ -105,7 +108,7 @@ def run_layout(layout: str, args: argparse.Namespace, round_: int) -> Result:
     counts = [share + (1 if i < extra else 0) for i in range(connections)]
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="many-producers-") as tmp:
-        server: Server = start_flowbroker(Path(tmp), paced=args.paced)
+        server: Server = start_flowbroker(Path(tmp), paced=args.paced, default_gc=args.default_gc)
         spy: subprocess.Popen[bytes] | None = None
         children: list[Any] = []  # the client processes started here: ended if the run fails
         try:
@@ -170,6 +173,10 @@ def main() -> None:
                              "resume 0.02 s) instead of with the defaults (size watermarks only)")
     parser.add_argument("--paced", action="store_true",
                         help="run the broker with [queues] pace_producers = true, as peers.py's flowbroker-paced")
+    parser.add_argument("--default-gc", action="store_true",
+                        help="run the broker with CPython's default garbage collector (youngest generation every 700 "
+                             "allocations, nothing frozen) instead of flowbroker serve's tuning (every 50,000, "
+                             "start-up frozen)")
     parser.add_argument("--producer-nice", type=int, default=0,
                         help="the producer processes' niceness: how much CPU Linux gives them beside the broker")
     args = parser.parse_args()
@@ -178,6 +185,8 @@ def main() -> None:
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     results: dict[str, list[Result]] = {layout: [] for layout in layouts}
+    print("broker: " + ("CPython's default garbage collector (--default-gc)" if args.default_gc
+                        else "flowbroker serve's garbage collector tuning"), flush=True)
     for round_ in range(args.rounds):
         for layout in (layouts if round_ % 2 == 0 else layouts[::-1]):
             r = run_layout(layout, args, round_)

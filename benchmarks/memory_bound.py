@@ -13,9 +13,14 @@ it grow; prints the broker's RSS every second and its peak beside the bound the 
              budget and the frame deadline bound what they hold.
   queues     100,000 queues declared with a binding each (max_queues, max_bindings).
 
-The bound printed is idle RSS + memory watermark + credit pool + partial-frame budget + 16 KiB per
-connection + 3 KiB per queue the broker allows (see docs/architecture.md, "Bounded everything").
-Nothing here asserts: it prints.
+The bound printed is idle RSS + memory watermark + credit pool + partial-frame budget + 84 KiB per
+connection + 4 KiB per queue the broker allows (see docs/architecture.md, "Bounded everything").
+The 84 KiB per connection are two terms of that bound: the 64 KiB of undecoded input every connection
+may hold outside the partial-frame budget (one read, broker/server.py RECEIVE_SIZE, the budget's
+`allowance` in broker/framebudget.py), and about 20 KiB of session state (sockets, tasks, the session;
+measured on 2026-11-26 with a throwaway script: 300 to 2,000 idle SDK connections grew a broker process
+by 18-20 KiB each, 1,000 that had each published one 1 KiB message, since purged, by 21 KiB each). The 4 KiB per queue is what the queues scenario measures (3.9 KiB on
+2026-11-26), rounded up. Nothing here asserts: it prints.
 
     python benchmarks/memory_bound.py [unpaced|producers|slowloris|queues|all] [--seconds 20] [--quota 256MiB]
 """
@@ -35,18 +40,20 @@ import trio
 
 import flowbroker.client as fb
 from flowbroker.broker.cli import parse_size
+from flowbroker.broker.server import RECEIVE_SIZE
 from flowbroker.protocol import PROTOCOL_VERSION, Connection, Hello, Role
 from procs import free_port, rss, stop_broker, wait_listening
 
 MiB = 1024 * 1024
 PARTIAL_BUDGET = 64 * MiB  # [server] max_partial_frame_bytes default (docs/configuration.md)
-PER_CONNECTION = 16 * 1024
-PER_QUEUE = 3 * 1024  # an empty queue with one binding (measured by the queues scenario: ~2.8 KiB)
+SESSION = 20 * 1024  # a connection's session state, measured (see above)
+PER_CONNECTION = RECEIVE_SIZE + SESSION  # its free read allowance (64 KiB) + its session state
+PER_QUEUE = 4 * 1024  # an empty queue with one binding (measured by the queues scenario: 3.9 KiB, 2026-11-26)
 MAX_QUEUES = 100_000  # [server] max_queues default
 
 
-def start_broker(port: int, config: str) -> subprocess.Popen[bytes]:
-    path = Path(tempfile.mkdtemp()) / "flowbroker.toml"
+def start_broker(port: int, config: str, folder: Path) -> subprocess.Popen[bytes]:
+    path = folder / "flowbroker.toml"
     path.write_text(config)
     exe = Path(sys.executable).with_name("flowbroker")
     proc = subprocess.Popen([str(exe), "serve", "--config", str(path), "--port", str(port), "--no-admin", "--no-udp"],
@@ -117,29 +124,36 @@ async def producers(url: str, seconds: float) -> str:
     async with await fb.connect(url, client_name="setup") as conn:
         await conn.declare_queue("held", flow_stop_size=32 * MiB, flow_resume_size=24 * MiB)
     body = b"p" * 1024
-    sent = [0]
+    counts = {"sent": 0, "held": 0, "refused": 0}
 
     async def one(i: int, ready: trio.Event) -> None:
-        async with await fb.connect(url, client_name=f"producer-{i}", timeout=60) as conn:
-            ready.set()
-            if i % 2:
-                await trio.sleep(seconds)  # idle: holds only its provisional grant
-                return
-            producer = conn.producer(routing_key="held")
-            with trio.move_on_after(seconds):
-                while True:
-                    try:
-                        await producer.send(body, timeout=1)
-                        sent[0] += 1
-                    except fb.FlowControlTimeout:
-                        pass
+        # Leaving the block raises PublishFailures for what the stopped queue still holds: that is the
+        # scenario's point (nobody consumes "held"), so it is counted, not raised (docs/client.md).
+        try:
+            async with await fb.connect(url, client_name=f"producer-{i}", timeout=60) as conn:
+                ready.set()
+                if i % 2:
+                    await trio.sleep(seconds)  # idle: holds only its provisional grant
+                    return
+                producer = conn.producer(routing_key="held")
+                with trio.move_on_after(seconds):
+                    while True:
+                        try:
+                            await producer.send(body, timeout=1)
+                            counts["sent"] += 1
+                        except fb.FlowControlTimeout:
+                            pass
+        except fb.PublishFailures as exc:
+            counts["held"] += exc.unconfirmed
+            counts["refused"] += exc.failed
 
     async with trio.open_nursery() as nursery:
         for i in range(1000):
             ready = trio.Event()
             nursery.start_soon(one, i, ready)
             await ready.wait()
-    return f"1,000 connections (500 idle), {sent[0]:,} messages of 1 KiB sent"
+    return (f"1,000 connections (500 idle), {counts['sent']:,} messages of 1 KiB sent, {counts['held']:,} of them "
+            f"not completed when the producers left (held by the stopped queue), {counts['refused']:,} refused")
 
 
 async def slowloris(url: str, seconds: float) -> str:
@@ -208,21 +222,22 @@ def main() -> None:
     for name in SCENARIOS if args.scenario == "all" else [args.scenario]:
         port = free_port()
         config = f"[server]\nmemory_quota = {quota}\nmax_connections = 2000\n"
-        proc = start_broker(port, config)
-        try:
-            time.sleep(0.5)
-            idle = rss(proc.pid)
-            connections = 1001 if name == "producers" else 31
-            bound = idle + quota + pool + PARTIAL_BUDGET + connections * PER_CONNECTION + MAX_QUEUES * PER_QUEUE
-            print(f"{name}: quota {quota / MiB:.0f} MiB (memory watermark = quota), pool {pool / MiB:.1f} MiB, "
-                  f"idle RSS {idle / MiB:.1f} MiB", flush=True)
-            with RssWatch(proc.pid) as watch:
-                outcome = trio.run(SCENARIOS[name], f"flowbroker://127.0.0.1:{port}", args.seconds)
-            print(f"{name}: {outcome}")
-            print(f"{name}: peak RSS {watch.peak / MiB:.1f} MiB = idle + {(watch.peak - idle) / MiB:.1f} MiB; "
-                  f"bound {bound / MiB:.1f} MiB: {'within' if watch.peak <= bound else 'OVER'}", flush=True)
-        finally:
-            stop_broker(proc)
+        with tempfile.TemporaryDirectory(prefix="memory-bound-") as folder:  # its config file: removed after
+            proc = start_broker(port, config, Path(folder))
+            try:
+                time.sleep(0.5)
+                idle = rss(proc.pid)
+                connections = 1001 if name == "producers" else 31
+                bound = idle + quota + pool + PARTIAL_BUDGET + connections * PER_CONNECTION + MAX_QUEUES * PER_QUEUE
+                print(f"{name}: quota {quota / MiB:.0f} MiB (memory watermark = quota), pool {pool / MiB:.1f} MiB, "
+                      f"idle RSS {idle / MiB:.1f} MiB", flush=True)
+                with RssWatch(proc.pid) as watch:
+                    outcome = trio.run(SCENARIOS[name], f"flowbroker://127.0.0.1:{port}", args.seconds)
+                print(f"{name}: {outcome}")
+                print(f"{name}: peak RSS {watch.peak / MiB:.1f} MiB = idle + {(watch.peak - idle) / MiB:.1f} MiB; "
+                      f"bound {bound / MiB:.1f} MiB: {'within' if watch.peak <= bound else 'OVER'}", flush=True)
+            finally:
+                stop_broker(proc)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def main() -> None:
             started = time.process_time()
             generate_latest(registry)
             best = min(best, time.process_time() - started)
-        print(f"{queues:>8,} {args.producers:>9,} {size:>12,} {best * 1e3:>14.1f} {best / max(queues, 1) * 1e6:>9.1f}")
+        per_queue = f"{best / queues * 1e6:.1f}" if queues else "-"  # no queues: nothing to divide by
+        print(f"{queues:>8,} {args.producers:>9,} {size:>12,} {best * 1e3:>14.1f} {per_queue:>9}")
 
 
 if __name__ == "__main__":

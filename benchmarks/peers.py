@@ -129,11 +129,28 @@ class Server:
             stop_broker(proc)  # SIGTERM, SIGKILL after 10 s
 
 
-def start_flowbroker(tmp: Path, paced: bool = False) -> Server:
+DEFAULT_GC_SERVE = """\
+import sys
+import flowbroker.broker.cli as cli
+if not callable(getattr(cli, "_tune_garbage_collector", None)):
+    sys.exit("broker/cli.py has no _tune_garbage_collector any more: --default-gc cannot turn it off")
+cli._tune_garbage_collector = lambda: None  # CPython's default: youngest generation every 700, nothing frozen
+sys.argv[0] = "flowbroker"
+sys.exit(cli.main())
+"""
+"""`flowbroker serve` as its console script runs it, but with the interpreter's default garbage collector:
+`serve` calls `_tune_garbage_collector` at start-up, looked up in its module when called, so replacing it
+first leaves CPython's settings as they are (docs/performance.md, "The garbage collector")."""
+
+
+def start_flowbroker(tmp: Path, paced: bool = False, default_gc: bool = False) -> Server:
+    """`flowbroker serve` on a free port, its log and data under `tmp`; `paced`: --pace-producers;
+    `default_gc`: with CPython's default garbage collector instead of serve's tuning (DEFAULT_GC_SERVE)."""
     port = free_port()
     exe = Path(sys.executable).with_name("flowbroker")
+    run = [sys.executable, "-c", DEFAULT_GC_SERVE] if default_gc else [str(exe)]
     log = open(tmp / "flowbroker.log", "wb")
-    proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), "--no-admin", "--no-udp",
+    proc = subprocess.Popen([*run, "serve", "--host", "127.0.0.1", "--port", str(port), "--no-admin", "--no-udp",
                              "--no-metrics", *(["--pace-producers"] if paced else []),
                              "--data-dir", str(tmp / "flowbroker-data")], stderr=log, stdout=log)
     log.close()

@@ -16,6 +16,8 @@ Then the paced case: a consumer at `--paced-rate` (5,000) msgs/s and a job of `-
 is not limited: every second the broker's RSS is sampled beside its bound, idle RSS + the queue's stop
 size + the credit granted then (GET /api/policy) + 64 MiB, and the job must end once the consumer has
 read (nearly) all of it. Prints one line per figure; exits 1 if the paced bound was crossed.
+
+The broker's HOME (its admin token) is a temporary directory (spark-write-*), removed at the end.
 """
 
 from __future__ import annotations
@@ -200,8 +202,13 @@ def main() -> int:
     parser.add_argument("--paced-rows", type=int, default=1_000_000)
     parser.add_argument("--paced-rate", type=float, default=5_000)
     args = parser.parse_args()
+    # the broker's HOME, where it writes its admin token: removed once the broker has stopped
+    with tempfile.TemporaryDirectory(prefix="spark-write-") as folder:
+        return run(args, Path(folder))
+
+
+def run(args: argparse.Namespace, folder: Path) -> int:
     rows, size = args.rows, args.size
-    folder = Path(tempfile.mkdtemp(prefix="spark-write-"))
     broker = Broker(folder)
     spark = spark_session()
     failed = False

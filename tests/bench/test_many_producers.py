@@ -31,3 +31,25 @@ def test_a_latency_bounded_queue_delivers_everything_too():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "round 1 2x1 (2 producer connections): " in proc.stdout and "2,001 received" in proc.stdout, proc.stdout
+
+
+def test_default_gc_runs_the_broker_with_cpythons_collector_and_delivers_everything():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--messages", "2001", "--layouts", "1x1", "--default-gc"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "broker: CPython's default garbage collector (--default-gc)" in proc.stdout, proc.stdout
+    assert "round 1 1x1 (1 producer connections): " in proc.stdout and "2,001 received" in proc.stdout, proc.stdout
+    # what the broker process it starts sets up before serving: trio.run stubbed out to report the collector
+    probe = ("import gc, sys, trio\n"
+             "def report(*args, **kwargs):\n"
+             "    print(gc.get_threshold()[0], gc.get_freeze_count())\n"
+             "    raise SystemExit(0)\n"
+             "trio.run = report\n"
+             f"sys.path.insert(0, {str(SCRIPT.parent)!r})\n"
+             "from peers import DEFAULT_GC_SERVE\n"
+             "sys.argv = ['-c', 'serve', '--port', '0', '--no-admin', '--no-udp', '--no-metrics']\n"
+             "exec(DEFAULT_GC_SERVE)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    default = subprocess.run([sys.executable, "-c", "import gc; print(gc.get_threshold()[0])"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()  # the interpreter's own
+    assert out.returncode == 0 and out.stdout.split() == [default, "0"], out.stdout + out.stderr
