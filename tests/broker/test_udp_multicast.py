@@ -226,7 +226,7 @@ def test_a_member_leaving_or_falling_silent_stops_pacing_the_group() -> None:
     assert len(rig.group.members) == 2  # the silent one is still a member (its TCP is up), not pacing
 
 
-def test_the_last_member_leaving_closes_the_group_and_requeues_what_it_had_not_seen_processed() -> None:
+def _one_member_processed_ten_of_fifty() -> tuple[Rig, Member]:
     rig = Rig()
     m = rig.join()
     rig.cycle(3)
@@ -234,6 +234,11 @@ def test_the_last_member_leaving_closes_the_group_and_requeues_what_it_had_not_s
     rig.cycle(5)
     m.process(10)
     rig.cycle(3, step_ms=100)  # its next status message reports them processed
+    return rig, m
+
+
+def test_the_last_member_leaving_closes_the_group_and_requeues_what_it_had_not_seen_processed() -> None:
+    rig, m = _one_member_processed_ten_of_fifty()
     settled = rig.group.settled_total
     assert settled == 10
     m.conn.handle(Cancel(99, 1))
@@ -250,13 +255,7 @@ def test_the_last_member_leaving_closes_the_group_and_requeues_what_it_had_not_s
 def test_the_last_members_status_message_that_comes_after_its_cancel_still_settles() -> None:
     """A member sends its last status message and then CANCEL, on two sockets: the CANCEL can come first.
     What it reports within LEAVE_LINGER_NS is settled; the rest goes back to the queue after it."""
-    rig = Rig()
-    m = rig.join()
-    rig.cycle(3)
-    rig.publish([b"a%d" % i for i in range(50)])
-    rig.cycle(5)
-    m.process(10)
-    rig.cycle(3, step_ms=100)
+    rig, m = _one_member_processed_ten_of_fifty()
     assert rig.group.settled_total == 10
     m.process(20)  # processed, and the status message saying so comes only after the CANCEL
     m.image.report_now()  # (as GroupConsumer.aclose asks for it)
