@@ -100,8 +100,8 @@ def _unpack(view: memoryview, seq: int) -> Any:
             count, kind = over.group(1), over.group(2)
             names = (f"the limit of {_MAX_ARRAY_LEN} (MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME)" if kind == "array"
                      else f"the limit of {MAX_MAP_ITEMS} (MAX_MAP_ITEMS)")
-            raise _limit(f"frame {seq}: a{'n' if kind == 'array' else ''} {kind} of {count} items exceeds {names} "
-                         "(protocol/limits.py)", seq) from None
+            raise _limit(f"frame {seq}: a{'n' if kind == 'array' else ''} {kind} of {count} items exceeds {names}",
+                         seq) from None
         raise RemoteProtocolError(
             f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
         ) from None

@@ -177,7 +177,8 @@ class ProducerLedger(Generic[Owner]):
         `acked_position` is absolute, so duplicates and reordering are harmless).
 
         Raises RemoteProtocolError: UNEXPECTED_FRAME for an opaque other than 0 (producer credit is per
-        connection), INVALID_ARGUMENT for an acknowledgement beyond the bytes sent."""
+        connection), CREDIT_VIOLATION for an acknowledgement beyond the bytes sent (what the broker answers a
+        consumer's, docs/protocol.md)."""
         if frame.opaque != 0:
             raise RemoteProtocolError(
                 f"BUFFER_ACK for opaque {frame.opaque}: producer credit is per connection", ErrorCode.UNEXPECTED_FRAME
@@ -185,7 +186,7 @@ class ProducerLedger(Generic[Owner]):
         try:
             return self.window.on_ack(frame.acked_position)
         except CreditError as exc:
-            raise RemoteProtocolError(str(exc), ErrorCode.INVALID_ARGUMENT) from None
+            raise RemoteProtocolError(str(exc), ErrorCode.CREDIT_VIOLATION) from None
 
     def on_complete(self, frame: Complete) -> list[tuple[Owner, int]]:
         """Apply a COMPLETE; returns how many transfers it newly completed per run, as (owner, count)

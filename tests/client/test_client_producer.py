@@ -372,7 +372,7 @@ async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) 
             with pytest.raises(fc.ProtocolViolation):
                 await producer.send(BODY, timeout=5)
             await fake.wait_for(lambda: fake.frames(Error) != [])
-            assert fake.frames(Error)[0].code == ErrorCode.INVALID_ARGUMENT
+            assert fake.frames(Error)[0].code == ErrorCode.CREDIT_VIOLATION  # as the broker says it of a consumer
     assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 

@@ -174,7 +174,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def buffer_ack_beyond_sent(self, beyond: int) -> None:
         with pytest.raises(RemoteProtocolError) as info:
             self.ledger.on_buffer_ack(BufferAck(0, beyond, self.position + beyond))
-        assert info.value.code == ErrorCode.INVALID_ARGUMENT
+        assert info.value.code == ErrorCode.CREDIT_VIOLATION
 
     @rule(window=st.integers(0, 5000), opaque=st.sampled_from([0, 0, 0, 7]))
     def resize(self, window: int, opaque: int) -> None:
@@ -303,5 +303,5 @@ def test_byte_credit_one_message_overflow_acks_idempotent_and_resize() -> None:
     assert info.value.code == ErrorCode.UNEXPECTED_FRAME
     with pytest.raises(RemoteProtocolError, match="beyond the 5000 bytes sent") as info:
         ledger.on_buffer_ack(BufferAck(0, 1, 5001))
-    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert info.value.code == ErrorCode.CREDIT_VIOLATION  # as the broker answers a consumer's over-acknowledgement
     assert ledger.window.acked_position == 4500
