@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
-from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences
+from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences, scoped
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.message import HeldTransfer, Message
@@ -484,9 +484,11 @@ class BrokerCore:
                     run_first = run_end = -1
                     run_size = 0
                 # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
-                if producer_id is not None and not self._sequence_taken(session, tid, size, entry, now):
-                    tid += 1
-                    continue
+                if producer_id is not None:
+                    if not self._sequence_taken(session, tid, size, entry, now):
+                        tid += 1
+                        continue
+                    producer_id = scoped(session.identity, producer_id)  # as the journal records it
                 # Two comparisons for the common message; the exact check only when it could fail.
                 if headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
                     refused = self._check_entry(entry, max_message)
@@ -584,7 +586,7 @@ class BrokerCore:
         """True when this message of an idempotent producer is the next of its producer id (route it);
         otherwise it is answered now: a duplicate is completed (not enqueued), a gap or an id the broker
         cannot track is refused (completed with an ERROR naming why)."""
-        verdict = self.producer_sequences.check(entry[4], entry[5], now)  # type: ignore[arg-type]
+        verdict = self.producer_sequences.check(entry[4], entry[5], now, session.identity)  # type: ignore[arg-type]
         if verdict is None:
             return True
         if verdict is DUPLICATE:

@@ -37,6 +37,7 @@ __all__ = [
     "MemoryProducerStates",
     "ProducerIdsExhausted",
     "ProducerSequences",
+    "scoped",
     "IdempotenceStatistics",
     "DUPLICATE",
     "MAX_PRODUCER_ID_LENGTH",
@@ -170,6 +171,12 @@ Verdict: TypeAlias = None | _Duplicate | tuple[ErrorCode, str]
 """None: the message is taken (route it); DUPLICATE: complete it now; (code, text): refuse it."""
 
 
+def scoped(owner: str, producer_id: str) -> str:
+    """The store's key for `owner`'s `producer_id` (and what the journal records with a message): the
+    user's name and the id, NUL between (a user name has no control characters, broker/users.py)."""
+    return f"{owner}\x00{producer_id}" if owner else producer_id
+
+
 class ProducerSequences:
     """The rules over a `ProducerStateStore`: `check` says what to do with one message of an
     idempotent producer. Called only for entries with a producer id, so a plain message costs the
@@ -184,7 +191,10 @@ class ProducerSequences:
         self.gaps = 0
         self.refused = 0
 
-    def check(self, producer_id: str, sequence: int | None, now_ns: int) -> Verdict:
+    def check(self, producer_id: str, sequence: int | None, now_ns: int, owner: str = "") -> Verdict:
+        """What to do with `sequence` of `producer_id`, sent by user `owner`. Each user's producer ids are
+        its own (the store's key is `scoped(owner, producer_id)`): a user who names another's id claims
+        an id of its own of that name, so it can neither make the other's messages duplicates nor gaps."""
         if sequence is None or not producer_id or len(producer_id) > MAX_PRODUCER_ID_LENGTH:
             self.refused += 1
             if sequence is None:
@@ -194,11 +204,12 @@ class ProducerSequences:
             return (ErrorCode.INVALID_ARGUMENT,
                     f"producer id of {len(producer_id)} characters: must be 1 to {MAX_PRODUCER_ID_LENGTH}")
         store = self.store
-        last = store.last_accepted(producer_id)
+        key = scoped(owner, producer_id)
+        last = store.last_accepted(key)
         expected = 0 if last is None else last + 1
         if sequence == expected:
             try:
-                store.accept(producer_id, sequence, now_ns)
+                store.accept(key, sequence, now_ns)
             except ProducerIdsExhausted as exc:
                 self.refused += 1
                 return (ErrorCode.RESOURCE_EXHAUSTED, str(exc))

@@ -20,6 +20,7 @@ import trio
 
 import flowbroker.client as fb
 from flowbroker.broker import views
+from flowbroker.broker.idempotence import scoped
 from flowbroker.broker.journal import Journal, segment_name
 from flowbroker.broker.journalrecord import MESSAGE, QUEUE, encode
 from flowbroker.broker.journalstore import JournalStore
@@ -240,7 +241,7 @@ async def test_an_idempotent_producer_resending_after_a_restart_is_deduplicated(
                 await p.send(b"%d" % i)
             await p.flush(timeout=10)
     async with broker(tmp_path) as server:
-        assert server.core.producer_sequences.store.last_accepted("loader-1") == 9
+        assert server.core.producer_sequences.store.last_accepted(scoped("guest", "loader-1")) == 9
         async with await fb.connect(url(server)) as conn:
             p = conn.producer(routing_key="d", producer_id="loader-1", idempotent=True)
             for i in range(15):  # the same stream again, and 5 more

@@ -14,6 +14,7 @@ from dataclasses import FrozenInstanceError, dataclass, field
 from typing import cast
 
 import pytest
+from flowbroker.broker.idempotence import scoped
 from tests.broker.coreharness import Harness
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -277,8 +278,9 @@ def test_producer_identity_reaches_every_queue_with_an_offset_of_each_queue() ->
     p.handle(Transfer(p.next_id, entries))
     p.next_id += len(entries)
     a, b = (list(h.core.queues[name].store) for name in ("a", "b"))
+    key = scoped(p.session.identity, "spark-7")  # the user's own id of that name (broker/idempotence.py)
     assert [(m.body, m.producer_id, m.sequence, m.offset) for m in a] == [
-        (b"one", "spark-7", 0, 0), (b"two", "spark-7", 1, 1)]
+        (b"one", key, 0, 0), (b"two", key, 1, 1)]
     assert [(m.body, m.producer_id, m.sequence, m.offset) for m in b] == [
-        (b"first in b", None, None, 0), (b"one", "spark-7", 0, 1), (b"two", "spark-7", 1, 2)]
+        (b"first in b", None, None, 0), (b"one", key, 0, 1), (b"two", key, 1, 2)]
     assert a[0] is not b[1] and a[0].body is b[1].body  # a message each, one body

@@ -182,3 +182,23 @@ async def test_a_users_file_broken_while_running_is_logged_once_and_the_users_st
     assert len(errors) == 1 and "the 1 user(s) read before stay in force" in errors[0], errors
     async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn:
         await conn.declare_queue("p.still")
+
+
+async def test_a_user_cannot_claim_another_users_producer_id(start_flowbroker: Any, tmp_path: Path) -> None:
+    """Producer ids are each user's own: p, who may not publish there, sends sequences 0-4 under the id
+    the guest then uses; the guest's 0-4 used to complete as duplicates of p's refused messages and
+    vanish. All ten of the guest's land now."""
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as mallory:
+        claim = mallory.producer(routing_key="other", producer_id="loader", idempotent=True)
+        for i in range(5):
+            await claim.send(b"claim %d" % i, timeout=LIMIT)
+        with pytest.raises(fc.PublishError):  # refused: p may not write to the default exchange
+            await claim.flush(timeout=LIMIT)
+    async with await fc.connect(broker.url, timeout=LIMIT) as guest:
+        good = guest.producer(routing_key="other", producer_id="loader", idempotent=True)
+        for i in range(10):
+            await good.send(b"good %d" % i, timeout=LIMIT)
+        await good.flush(timeout=LIMIT)
+        assert good.statistics().failed == 0
+    assert broker.core.queues["other"].count == 10
