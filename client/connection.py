@@ -451,12 +451,13 @@ class Connection:
             return None
         if len(found) == 1:
             return found[0]
+        closed = self.is_closed  # as each producer says it: the close, not the timeout, ended the wait
         return PublishFailures(
             [e for f in found for e in f.errors],
             sum(f.failed for f in found),
             sum(f.unconfirmed for f in found),
             self.flow_state.destinations,
-            f"within close_timeout {self.close_timeout:g} s",
+            f"before the connection closed ({self.close_error})" if closed else why,
         )
 
     async def aclose(self) -> None:
@@ -560,7 +561,9 @@ class Connection:
                     self._shutdown(exc)
                 return
             except (HandshakeError, trio.TooSlowError) as exc:
-                last = str(exc) or type(exc).__name__
+                # (an attempt cut off by the deadline is one the broker accepted and never answered)
+                last = ("no WELCOME before reconnect_timeout ran out" if isinstance(exc, trio.TooSlowError)
+                        else str(exc) or type(exc).__name__)
                 await trio.sleep(max(0.0, min(delay, deadline - trio.current_time())))
                 delay = min(delay * 2, RECONNECT_MAX_DELAY)
                 continue

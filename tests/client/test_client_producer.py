@@ -360,6 +360,22 @@ async def test_connection_close_fails_blocked_sender(start_broker) -> None:
     assert closing.value.unconfirmed == 1 and closing.value.failed == 0
 
 
+async def test_two_producers_cut_off_by_a_close_say_so_not_close_timeout(start_broker) -> None:
+    broker = await start_broker(auto_complete=False)
+    with pytest.raises(fc.PublishFailures) as closing:
+        async with await fc.connect(broker.url, timeout=5, close_timeout=0.2) as conn:
+            for queue in ("a", "b"):
+                await conn.producer(routing_key=queue).send(BODY)
+            fake = await broker.connection()
+            await fake.wait_for(lambda: len(fake.transfers) == 2)
+            await fake.close(ErrorCode.SHUTDOWN, "stopping")
+            with trio.fail_after(5):
+                while not conn.is_closed:
+                    await trio.sleep(0.01)
+    assert closing.value.unconfirmed == 2
+    assert "before the connection closed" in str(closing.value) and "close_timeout" not in str(closing.value)
+
+
 async def test_broker_acking_unsent_bytes_is_a_protocol_violation(start_broker) -> None:
     broker = await start_broker(buffer_size=10 * SIZE, auto_complete=False)
     with pytest.raises(fc.PublishFailures) as closing:  # never completed: said, not lost

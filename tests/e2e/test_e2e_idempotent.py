@@ -27,7 +27,8 @@ class CuttableProxy:
     `muted = "answers"` drops what the broker sends until the next cut (its COMPLETEs are lost, as when a
     connection dies with them in flight), `muted = "both"` also what the client sends (its TRANSFERs never
     reach the broker); `refusing = True` makes it close new connections at once
-    (a broker that stays unreachable)."""
+    (a broker that stays unreachable), `holding = True` keep them open and silent (a broker that accepts
+    and never answers)."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
@@ -35,6 +36,7 @@ class CuttableProxy:
         self.cuts = 0
         self.accepted = 0
         self.refusing = False
+        self.holding = False
         self.muted = ""
         self._live: list[trio.CancelScope] = []
 
@@ -47,6 +49,11 @@ class CuttableProxy:
     async def _handle(self, client: trio.SocketStream) -> None:
         self.accepted += 1
         if self.refusing:
+            await trio.aclose_forcefully(client)
+            return
+        if self.holding:
+            with trio.move_on_after(30):
+                await trio.sleep_forever()
             await trio.aclose_forcefully(client)
             return
         try:
@@ -194,6 +201,24 @@ async def test_a_broker_unreachable_for_reconnect_timeout_closes_the_connection_
             assert "not reconnected within reconnect_timeout 1 s" in str(closed.value)
             assert proxy.accepted >= 3  # it tried again, with backoff, until the deadline
     assert failures.value.unconfirmed >= 1
+
+
+async def test_a_broker_that_accepts_and_never_answers_is_named_in_the_give_up(
+    start_flowbroker, nursery: trio.Nursery
+) -> None:
+    broker = await start_flowbroker()
+    proxy, url = await start_proxy(nursery, broker)
+    with pytest.raises(fc.PublishFailures):
+        async with await fc.connect(url, timeout=5, reconnect_timeout=1) as conn:
+            await conn.declare_queue("q", flow_stop_count=1, flow_resume_count=0)  # holds their completions
+            producer = conn.producer(routing_key="q", idempotent=True)
+            for i in range(3):
+                await producer.send(b"%d" % i)
+            proxy.holding = True
+            proxy.cut()
+            with pytest.raises(fc.ConnectionClosed) as closed:
+                await producer.flush(timeout=10)
+    assert "last: no WELCOME before reconnect_timeout ran out" in str(closed.value), closed.value
 
 
 async def test_a_connection_without_idempotent_producers_is_not_reconnected(start_flowbroker, nursery: trio.Nursery) -> None:
