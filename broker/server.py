@@ -97,6 +97,7 @@ TRANSFER frames are about 256 KiB, read 64 KiB at a time they cost four reads (a
 a read yields) where one or two do. What is read beyond the allowance is charged to the partial-frame
 budget before it is read (`grant_read`), as before, so the bound on bytes held is the same."""
 FINAL_FLUSH_SECONDS = 2.0
+UDP_STATUS_GRACE_SECONDS = 0.05  # at shutdown, between UDP producers' last status messages and the CLOSE
 READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
 DRAIN_BYTES = 1024 * 1024  # ...and how much of it
@@ -280,9 +281,17 @@ class BrokerServer:
                 # and resending them duplicates them.
                 for handler in list(self.connections.values()):
                     handler.stop_reading()
+                if self.udp is not None:
+                    self.udp.pause()  # UDP producers' datagrams too; what the images hold is routed now
+                    self.udp.status_now()
                 with trio.move_on_after(FINAL_COMMIT_SECONDS):
                     while self.journal.pending or self.journal.in_flight:
                         await trio.sleep(0.005)
+                if self.udp is not None:
+                    # A UDP producer learns completions from status messages, on another socket than the
+                    # CLOSE: they go out first, with a moment to arrive before it.
+                    self.udp.status_now()
+                    await trio.sleep(UDP_STATUS_GRACE_SECONDS)
             LOGGER.info("shutting down: closing %d connection(s)", len(self.connections))
             for handler in list(self.connections.values()):
                 handler.close(_Closing(ErrorCode.SHUTDOWN, "broker is shutting down", error=False))

@@ -46,6 +46,7 @@ class UdpShell:
         self._woken = trio.Event()
         self._woke_in_pass = False
         self._backlog: deque[tuple[bytes, tuple[str, int]]] = deque()  # data read ahead (`_take`)
+        self._paused = False  # shutdown: no more datagrams taken from the endpoint
         self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
         core.udp = self.datapath
         # A multicast group's socket: bound to its control group (where members' SMs and NAKs go), sending
@@ -93,6 +94,17 @@ class UdpShell:
         scope = trio.CancelScope()
         self._groups[data] = (endpoint, scope)
         self._nursery.start_soon(self._group_receiver, endpoint, scope)
+
+    def pause(self) -> None:
+        """Shutdown: take no more datagrams from the endpoint, so that what producers send from now on is
+        not taken (and not journalled after their completions were told); what the images hold is still
+        routed by the passes that follow."""
+        self._paused = True
+
+    def status_now(self) -> None:
+        """A duty cycle now, without datagrams: the status messages due go out (at shutdown, those that
+        tell UDP producers what the journal's last commit completed, before their connections close)."""
+        self._pass([])
 
     def _read_group_now(self, data: tuple[str, int], now_ns: int) -> None:
         """What a group's socket holds, handed to the data path at once (a member is leaving: its last
@@ -159,6 +171,8 @@ class UdpShell:
         finds nothing left runs a pass without datagrams first, for what that deferred."""
         datapath, endpoint = self.datapath, self.endpoint
         while True:
+            if self._paused:
+                await trio.sleep_forever()
             batch = self._take()
             waited = not batch
             if waited:

@@ -389,3 +389,25 @@ async def test_a_graceful_shutdown_completes_what_it_journals_before_it_closes(
     assert completed > 0
     async with broker(tmp_path) as server:
         assert server.core.queues["d"].count == completed
+
+
+async def test_a_graceful_shutdown_tells_a_udp_producer_what_it_journalled(tmp_path: Path) -> None:
+    """A UDP producer learns its completions from status messages, not from the TCP connection that the
+    shutdown closes: the broker stops taking its datagrams with the TCP readers and sends the status
+    messages of the last commit before CLOSE. What it was told completed is what the journal kept (the
+    last window's completions never reached it, though the journal kept them)."""
+    async with serving(storage={"data_dir": str(tmp_path)}, udp={"enabled": True, "endpoint": "127.0.0.1:0"}) as server:
+        with pytest.raises(fb.PublishFailures):
+            async with await fb.connect(f"{url(server)}?udp=127.0.0.1:{server.udp_port}") as conn:
+                await conn.declare_queue("d", durable=True, flow_stop_count=10**8, flow_stop_size=1 << 40,
+                                         max_count=0, max_size=0)
+                p = conn.producer(routing_key="d", transport="udp")
+                with pytest.raises(fb.ConnectionClosed):
+                    for i in range(200_000):
+                        await p.send(b"%d" % i, timeout=10)
+                        if i == 20_000:
+                            server.shutdown()
+                completed = p.statistics().completed
+    assert completed > 0
+    async with broker(tmp_path) as server:
+        assert server.core.queues["d"].count == completed
