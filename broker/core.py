@@ -485,10 +485,10 @@ class BrokerCore:
                     run_size = 0
                 # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
                 if producer_id is not None:
-                    if not self._sequence_taken(session, tid, size, entry, now):
+                    producer_id = scoped(session.identity, producer_id)  # the store's key, as the journal records it
+                    if not self._sequence_taken(session, tid, size, entry, producer_id, now):
                         tid += 1
                         continue
-                    producer_id = scoped(session.identity, producer_id)  # as the journal records it
                 # Two comparisons for the common message; the exact check only when it could fail.
                 if headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
                     refused = self._check_entry(entry, max_message)
@@ -582,11 +582,12 @@ class BrokerCore:
             self.journal.hold(transfer, session, durable.name)
         session.transfers_held_total += 1
 
-    def _sequence_taken(self, session: Session, tid: int, size: int, entry: TransferEntry, now: int) -> bool:
+    def _sequence_taken(self, session: Session, tid: int, size: int, entry: TransferEntry, key: str,
+                        now: int) -> bool:
         """True when this message of an idempotent producer is the next of its producer id (route it);
         otherwise it is answered now: a duplicate is completed (not enqueued), a gap or an id the broker
         cannot track is refused (completed with an ERROR naming why)."""
-        verdict = self.producer_sequences.check(entry[4], entry[5], now, session.identity)  # type: ignore[arg-type]
+        verdict = self.producer_sequences.check(entry[4], entry[5], now, key)  # type: ignore[arg-type]
         if verdict is None:
             return True
         if verdict is DUPLICATE:

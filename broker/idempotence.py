@@ -191,10 +191,11 @@ class ProducerSequences:
         self.gaps = 0
         self.refused = 0
 
-    def check(self, producer_id: str, sequence: int | None, now_ns: int, owner: str = "") -> Verdict:
-        """What to do with `sequence` of `producer_id`, sent by user `owner`. Each user's producer ids are
-        its own (the store's key is `scoped(owner, producer_id)`): a user who names another's id claims
-        an id of its own of that name, so it can neither make the other's messages duplicates nor gaps."""
+    def check(self, producer_id: str, sequence: int | None, now_ns: int, key: str | None = None) -> Verdict:
+        """What to do with `sequence` of `producer_id`, kept in the store under `key` (the id itself when
+        None). The broker passes `scoped(user, producer_id)`: each user's producer ids are its own, so a
+        user who names another's id can make the other's messages neither duplicates nor gaps. The
+        caller builds the key, since it also records it with the message (the journal's key)."""
         if sequence is None or not producer_id or len(producer_id) > MAX_PRODUCER_ID_LENGTH:
             self.refused += 1
             if sequence is None:
@@ -204,7 +205,8 @@ class ProducerSequences:
             return (ErrorCode.INVALID_ARGUMENT,
                     f"producer id of {len(producer_id)} characters: must be 1 to {MAX_PRODUCER_ID_LENGTH}")
         store = self.store
-        key = scoped(owner, producer_id)
+        if key is None:
+            key = producer_id
         last = store.last_accepted(key)
         expected = 0 if last is None else last + 1
         if sequence == expected:

@@ -235,11 +235,7 @@ class Journal:
         if stop is not None and session.flow_control:
             transfer.pending += 1
             self._disk_held.append(transfer)
-            if session not in self._stopped:
-                self._stopped[session] = queue
-                session.flow_stops += 1
-                session.flow_stopped_on[queue] = (None, session.now_ns)
-                session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
+            self._stop(session, queue, stop)
 
     def after_commit(self, transfer: HeldTransfer) -> None:
         """Complete `transfer` with the next commit, whatever it writes: an idempotent producer's
@@ -276,11 +272,16 @@ class Journal:
         if stop is None:
             return
         for session, queue in batch.waiting_on.items():
-            if session.flow_control and session not in self._stopped:
-                self._stopped[session] = queue
-                session.flow_stops += 1
-                session.flow_stopped_on[queue] = (None, session.now_ns)
-                session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
+            if session.flow_control:
+                self._stop(session, queue, stop)
+
+    def _stop(self, session: Session, queue: str, stop: FlowStopped) -> None:
+        """Tell `session` FLOW_STOPPED on `queue` by the disk alarm, once until the alarm clears."""
+        if session not in self._stopped:
+            self._stopped[session] = queue
+            session.flow_stops += 1
+            session.flow_stopped_on[queue] = (None, session.now_ns)
+            session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
 
     def check_disk(self) -> FlowStopped | None:
         """What the disk alarm should be now: free space under the limit, or the journal over its quota."""

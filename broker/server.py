@@ -275,23 +275,7 @@ class BrokerServer:
                 self.admin.shutdown()
             if self.metrics is not None:
                 self.metrics.shutdown()
-            if self.journal is not None and not self.journal.dormant:
-                # What producers sent before the signal is committed and completed before they are told
-                # SHUTDOWN: else a producer hears "not completed" about messages the journal then keeps,
-                # and resending them duplicates them.
-                for handler in list(self.connections.values()):
-                    handler.stop_reading()
-                if self.udp is not None:
-                    self.udp.pause()  # UDP producers' datagrams too; what the images hold is routed now
-                    self.udp.status_now()
-                with trio.move_on_after(FINAL_COMMIT_SECONDS):
-                    while self.journal.pending or self.journal.in_flight:
-                        await trio.sleep(0.005)
-                if self.udp is not None:
-                    # A UDP producer learns completions from status messages, on another socket than the
-                    # CLOSE: they go out first, with a moment to arrive before it.
-                    self.udp.status_now()
-                    await trio.sleep(UDP_STATUS_GRACE_SECONDS)
+            await self._complete_the_last_commit()
             LOGGER.info("shutting down: closing %d connection(s)", len(self.connections))
             for handler in list(self.connections.values()):
                 handler.close(_Closing(ErrorCode.SHUTDOWN, "broker is shutting down", error=False))
@@ -307,6 +291,27 @@ class BrokerServer:
 
     def shutdown(self) -> None:
         self.shutdown_requested.set()
+
+    async def _complete_the_last_commit(self) -> None:
+        """Shutdown, before CLOSE: what producers sent before the signal is committed and completed before
+        they are told SHUTDOWN, else a producer hears "not completed" about messages the journal then
+        keeps, and resending them duplicates them. Nothing to do without a journal awake."""
+        journal = self.journal
+        if journal is None or journal.dormant:
+            return
+        for handler in list(self.connections.values()):
+            handler.stop_reading()
+        if self.udp is not None:
+            self.udp.pause()  # UDP producers' datagrams too; what the images hold is routed now
+            self.udp.status_now()
+        with trio.move_on_after(FINAL_COMMIT_SECONDS):
+            while journal.pending or journal.in_flight:
+                await trio.sleep(0.005)
+        if self.udp is not None:
+            # A UDP producer learns completions from status messages, on another socket than the CLOSE:
+            # they go out first, with a moment to arrive before it.
+            self.udp.status_now()
+            await trio.sleep(UDP_STATUS_GRACE_SECONDS)
 
     def _log_auth(self) -> None:
         """Say at start who may connect, so nobody runs an open broker without knowing it."""
