@@ -104,6 +104,7 @@ class ServerConfig:
     memory_watermark: int = 0  # bytes of messages held that raise the memory alarm; 0 = memory_quota
     memory_resume_percent: int = 90  # the alarm clears under this percentage of the watermark
     max_producer_ids: int = 10_000  # idempotent producer ids tracked at once (broker/idempotence.py)
+    max_producer_ids_per_user: int = 5_000  # of them, held by one authenticated user at once
     producer_id_ttl: float = 3600.0  # seconds an idle producer id is kept at least after its last message
 
     def validate(self) -> None:
@@ -131,6 +132,7 @@ class ServerConfig:
         _int_range("server", "memory_watermark", self.memory_watermark, 0, 1 << 50)
         _int_range("server", "memory_resume_percent", self.memory_resume_percent, 1, 100)
         _int_range("server", "max_producer_ids", self.max_producer_ids, 1, 10_000_000)
+        _int_range("server", "max_producer_ids_per_user", self.max_producer_ids_per_user, 1, 10_000_000)
         _seconds("server", "producer_id_ttl", self.producer_id_ttl)
 
 

@@ -164,7 +164,8 @@ class BrokerCore:
         # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id. It is
         # in memory; what a durable queue took is journalled with its message and accepted back at start.
         self.producer_sequences = ProducerSequences(
-            MemoryProducerStates(server.max_producer_ids, int(server.producer_id_ttl * 1e9)))
+            MemoryProducerStates(server.max_producer_ids, int(server.producer_id_ttl * 1e9),
+                                 server.max_producer_ids_per_user))
 
     # -- sessions ----------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ about whether the message is in the queue (it is), so its duplicate must not enq
 The state is split in two so that the durable-queue work can persist it: `ProducerStateStore` is the
 storage (what a journal must record: `accept` of a producer id's sequence), `ProducerSequences` the
 rules over it. `MemoryProducerStates` is the bounded in-memory store: at most `max_producer_ids` ids,
-each kept at least `ttl_ns` after its last taken message. A new id beyond the bound evicts the ids
+and at most `max_producer_ids_per_user` of one user's (so one tenant cannot take every place and refuse
+the others' new producers), each kept at least `ttl_ns` after its last taken message. A new id beyond the bound evicts the ids
 idle for longer than that; if none is, the new id is refused (RESOURCE_EXHAUSTED), never admitted by
 forgetting one that may still resend. An evicted id is unknown again: it must start at sequence 0, so
 its resent messages above 0 are gaps, and only a resend of its whole stream from 0, later than the
@@ -84,14 +85,19 @@ class MemoryProducerStates:
     """The bounded in-memory `ProducerStateStore`: ids in order of their last taken message (oldest
     first), so expiry looks only at the front and costs what it removes."""
 
-    __slots__ = ("max_ids", "ttl_ns", "_states", "evicted")
+    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_owned", "evicted")
 
-    def __init__(self, max_ids: int, ttl_ns: int):
-        if max_ids < 1 or ttl_ns < 0:
-            raise ValueError(f"max_ids must be >= 1 and ttl_ns >= 0, got {max_ids}, {ttl_ns}")
+    def __init__(self, max_ids: int, ttl_ns: int, max_ids_per_owner: int | None = None):
+        if max_ids < 1 or ttl_ns < 0 or (max_ids_per_owner is not None and max_ids_per_owner < 1):
+            raise ValueError(f"max_ids and max_ids_per_owner must be >= 1 and ttl_ns >= 0, got {max_ids}, "
+                             f"{max_ids_per_owner}, {ttl_ns}")
         self.max_ids = max_ids
+        self.max_ids_per_owner = max_ids if max_ids_per_owner is None else min(max_ids_per_owner, max_ids)
         self.ttl_ns = ttl_ns
         self._states: OrderedDict[str, _State] = OrderedDict()
+        # Ids held per owner (the user part of a `scoped` key); unscoped keys (no authentication, or a
+        # journal from before ids were scoped) have no owner and only the store's own bound.
+        self._owned: dict[str, int] = {}
         self.evicted = 0
 
     def last_accepted(self, producer_id: str) -> int | None:
@@ -114,9 +120,20 @@ class MemoryProducerStates:
                 raise ProducerIdsExhausted(
                     f"the broker tracks max_producer_ids {self.max_ids} producer ids and none has been idle for "
                     f"producer_id_ttl {self.ttl_ns / 1e9:g} s (the longest idle: {idle_s:.3g} s); producer id "
-                    f"{producer_id!r} is refused rather than forgetting one that may still resend"
+                    f"{_unscoped(producer_id)!r} is refused rather than forgetting one that may still resend"
+                )
+        owner = _owner(producer_id)
+        if owner and self._owned.get(owner, 0) >= self.max_ids_per_owner:
+            self.expire(now_ns)
+            if self._owned.get(owner, 0) >= self.max_ids_per_owner:
+                raise ProducerIdsExhausted(
+                    f"user {owner!r} holds max_producer_ids_per_user {self.max_ids_per_owner} producer ids, none "
+                    f"idle for producer_id_ttl {self.ttl_ns / 1e9:g} s; producer id "
+                    f"{_unscoped(producer_id)!r} is refused rather than forgetting one that may still resend"
                 )
         states[producer_id] = _State(sequence, now_ns)
+        if owner:
+            self._owned[owner] = self._owned.get(owner, 0) + 1
 
     def expire(self, now_ns: int) -> int:
         states = self._states
@@ -127,12 +144,23 @@ class MemoryProducerStates:
             if state.last_ns > horizon:
                 break
             del states[producer_id]
+            owner = _owner(producer_id)
+            if owner:
+                left = self._owned[owner] - 1
+                if left:
+                    self._owned[owner] = left
+                else:
+                    del self._owned[owner]
             removed += 1
         self.evicted += removed
         return removed
 
     def __len__(self) -> int:
         return len(self._states)
+
+    def owned(self, owner: str) -> int:
+        """How many ids `owner` holds now."""
+        return self._owned.get(owner, 0)
 
     def items(self) -> list[tuple[str, int, int]]:
         """(producer id, last taken sequence, last_ns), oldest first: for tests and views."""
@@ -169,6 +197,16 @@ DUPLICATE: Final = _Duplicate()
 
 Verdict: TypeAlias = None | _Duplicate | tuple[ErrorCode, str]
 """None: the message is taken (route it); DUPLICATE: complete it now; (code, text): refuse it."""
+
+
+def _owner(key: str) -> str:
+    """The user part of a `scoped` key ('' for an unscoped one)."""
+    return key.partition("\x00")[0] if "\x00" in key else ""
+
+
+def _unscoped(key: str) -> str:
+    """The producer id a `scoped` key was built from, as its producer named it (for error texts)."""
+    return key.partition("\x00")[2] if "\x00" in key else key
 
 
 def scoped(owner: str, producer_id: str) -> str:

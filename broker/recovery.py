@@ -202,13 +202,18 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
     journal.producers.update(rec.producers)
     core.recovered_producers = dict(rec.producers)
     states = core.producer_sequences.store
+    left_out = 0
     for producer_id, sequence in rec.producers.items():  # idempotent producers: their resends are duplicates
         try:
             states.accept(producer_id, sequence, now)
-        except ProducerIdsExhausted:
-            LOGGER.error("journal: more recovered producer ids than [server] max_producer_ids; %r and the ids "
-                         "after it are not deduplicated against what was journalled", producer_id)
-            break
+        except ProducerIdsExhausted as exc:
+            if not left_out:
+                LOGGER.error("journal: a recovered producer id is left out (%s); its resends, and those of "
+                             "the ids left out after it, are not deduplicated against what was journalled", exc)
+            left_out += 1
+    if left_out:
+        LOGGER.error("journal: %d recovered producer ids left out: raise [server] max_producer_ids (or "
+                     "max_producer_ids_per_user)", left_out)
     for name, kind in rec.exchanges.items():
         if name not in core.exchanges:
             core.exchanges[name] = Exchange(name, ExchangeKind(kind), core.routes)

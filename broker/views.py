@@ -403,6 +403,7 @@ def idempotence_view(core: BrokerCore) -> dict[str, Any]:
     return {
         "producer_ids": stats.producer_ids,
         "max_producer_ids": server.max_producer_ids,
+        "max_producer_ids_per_user": server.max_producer_ids_per_user,
         "producer_id_ttl": server.producer_id_ttl,
         "accepted": stats.accepted,
         "duplicates": stats.duplicates,

@@ -240,3 +240,24 @@ class ResendMachine(RuleBasedStateMachine):
 
 TestResendMachine = ResendMachine.TestCase
 TestResendMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_one_user_cannot_take_the_places_of_another_users_new_producers() -> None:
+    """An attacker with write permission somewhere fills only its own share of the producer ids."""
+    h = make(max_producer_ids=10, max_producer_ids_per_user=2)
+    h.queue("q")
+    mallory = producer(h, "mallory")
+    mallory.session.identity = "mallory"
+    send(mallory, "m0", [0])
+    send(mallory, "m1", [0])
+    (refused,) = send(mallory, "m2", [0])
+    mallory.pump()
+    (error,) = mallory.errors_for(refused)
+    assert error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "user 'mallory' holds max_producer_ids_per_user 2" in error.text and "'m2'" in error.text
+    alice = producer(h, "alice")
+    alice.session.identity = "alice"
+    ids = send(alice, "a0", [0, 1])
+    alice.pump()
+    assert alice.errors == [] and all(alice.is_complete(tid) for tid in ids)
+    assert queued(h) == [b"0", b"0", b"0", b"1"]

@@ -7,8 +7,9 @@ handful of producer ids with a clock that moves, through `ProducerSequences` ove
 - a message is taken exactly when its sequence is the next of its id, so what is taken per id is
   0, 1, 2, ... each exactly once, in order (the model's stream);
 - a sequence at or below the last taken is a duplicate while the id is tracked; above the next, a gap;
-- the store never holds more than `max_ids` ids; an id is forgotten only after it has been idle for
-  the TTL, and a new id is refused only when every tracked id has been active within the TTL;
+- the store never holds more than `max_ids` ids, nor more than `max_ids_per_owner` of one user's
+  (scoped keys); an id is forgotten only after it has been idle for the TTL, and a new id is refused
+  only when every tracked id (or every one its user holds) has been active within the TTL;
 - a forgotten id is unknown: it must start again at 0 (the documented "duplicate of an evicted id").
 """
 
@@ -24,18 +25,24 @@ from flowbroker.broker.idempotence import (
     MAX_PRODUCER_ID_LENGTH,
     MemoryProducerStates,
     ProducerSequences,
+    scoped,
 )
 from flowbroker.protocol.errors import ErrorCode
 
-IDS = [f"p{i}" for i in range(5)]
+IDS = ["p0", scoped("u", "p1"), scoped("u", "p2"), scoped("u", "p3"), scoped("v", "p1")]
 MAX_IDS = 3
+MAX_OWNED = 2
 TTL = 100
+
+
+def owner(key: str) -> str:
+    return key.split("\x00")[0] if "\x00" in key else ""
 
 
 class IdempotenceMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = MemoryProducerStates(MAX_IDS, TTL)
+        self.store = MemoryProducerStates(MAX_IDS, TTL, MAX_OWNED)
         self.sequences = ProducerSequences(self.store)
         self.now = 0
         self.tracked: dict[str, tuple[int, int]] = {}  # model: id -> (last taken, last_ns) while tracked
@@ -44,7 +51,7 @@ class IdempotenceMachine(RuleBasedStateMachine):
 
     def _send(self, pid: str, sequence: int) -> None:
         before = dict(self.tracked)
-        verdict = self.sequences.check(pid, sequence, self.now)
+        verdict = self.sequences.check(pid.split("\x00")[-1], sequence, self.now, pid)
         known = before.get(pid)
         expected = 0 if known is None else known[0] + 1
         if verdict is None:
@@ -60,8 +67,10 @@ class IdempotenceMachine(RuleBasedStateMachine):
             else:
                 assert code is ErrorCode.RESOURCE_EXHAUSTED, verdict
                 assert known is None and sequence == 0
-                assert len(before) == MAX_IDS
-                assert all(self.now - last_ns < TTL for _, last_ns in before.values()), "refused with an idle id"
+                mine = {k: v for k, v in before.items() if owner(pid) and owner(k) == owner(pid)}
+                full = mine if len(mine) == MAX_OWNED else before
+                assert len(full) in (MAX_IDS, MAX_OWNED), (pid, before)
+                assert all(self.now - last_ns < TTL for _, last_ns in full.values()), "refused with an idle id"
         # ids the store dropped to make room for a new one: only ids idle for the TTL
         for other in list(self.tracked):
             if self.store.last_accepted(other) is None:
@@ -114,6 +123,9 @@ class IdempotenceMachine(RuleBasedStateMachine):
     def bounded(self) -> None:
         assert len(self.store) <= MAX_IDS
         assert len(self.store) == len(self.tracked)
+        for user in ("u", "v"):
+            held = sum(owner(k) == user for k in self.tracked)
+            assert held <= MAX_OWNED and self.store.owned(user) == held
 
 
 TestIdempotenceMachine = IdempotenceMachine.TestCase
@@ -133,6 +145,21 @@ def test_a_new_id_evicts_only_ids_idle_for_the_ttl() -> None:
     # "a" is unknown again: its resend of 0 is taken anew (the documented limit), 1 would be a gap
     stats = rules.statistics()
     assert (stats.producer_ids, stats.accepted, stats.refused, stats.evicted) == (2, 3, 1, 1)
+
+
+def test_one_user_holds_at_most_its_share_of_the_ids() -> None:
+    """A user with write permission somewhere cannot take every place and refuse the others' new producers."""
+    rules = ProducerSequences(MemoryProducerStates(4, TTL, 2))
+    assert rules.check("a", 0, 0, scoped("mallory", "a")) is None
+    assert rules.check("b", 0, 1, scoped("mallory", "b")) is None
+    refused = rules.check("c", 0, 2, scoped("mallory", "c"))
+    assert refused is not None and refused is not DUPLICATE
+    code, text = refused  # type: ignore[misc]
+    assert code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "user 'mallory' holds max_producer_ids_per_user 2" in text and "'c'" in text and "\x00" not in text
+    assert rules.check("a", 0, 2, scoped("alice", "a")) is None  # alice's own place is still there
+    assert rules.check("c", 0, TTL, scoped("mallory", "c")) is None  # mallory's "a" idle for the TTL: evicted
+    assert rules.store.owned("mallory") == 2 and rules.store.owned("alice") == 1  # type: ignore[attr-defined]
 
 
 def test_duplicates_and_gaps_name_what_the_broker_expects() -> None:
