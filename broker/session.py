@@ -110,6 +110,7 @@ class Session:
         # consumer half
         self.deliveries: DeliveryLedger[Subscription, Message] = DeliveryLedger()
         self.subscriptions: dict[int, Subscription] = {}
+        self.group_memberships = 0  # multicast groups joined (broker/udp/multicast.py): they consume too
         self.dispatch_turn = 0  # which subscription gets the connection buffer's freed space first
         self.stalled_since_ns: int | None = None  # consumer buffer full with no acknowledgement since then
         self.frame_seq: int | None = None  # the client frame being handled (set by the shell): what an ERROR about it names

@@ -182,8 +182,9 @@ def held_by_connection(core: BrokerCore) -> dict[int, int]:
 
 
 def connection_role(session: Session) -> str:
-    """producer (has sent transfers), consumer (has subscriptions), both, or idle."""
-    return _role(session.next_transfer_id > 1, bool(session.subscriptions))
+    """producer (has sent transfers), consumer (has subscriptions or is a multicast group's member),
+    both, or idle."""
+    return _role(session.next_transfer_id > 1, bool(session.subscriptions) or session.group_memberships > 0)
 
 
 def _role(produced: bool, consumes: bool) -> str:
@@ -242,7 +243,7 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
         "client_name": stats.client_name,
         "peer": peer,
         "identity": session.identity,
-        "role": _role(stats.transfers_received > 0, stats.subscriptions > 0),
+        "role": _role(stats.transfers_received > 0, stats.subscriptions > 0 or session.group_memberships > 0),
         "flow_control": session.flow_control,
         "producer": {
             "buffer_size": stats.window,

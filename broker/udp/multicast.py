@@ -273,6 +273,7 @@ class Group:
         member = self.members.pop(key, None)
         if member is None:
             return
+        member.session.group_memberships -= 1
         if not self.members and self.in_flight and not self.closed and self.flow_control.counts(member.receiver_id):
             # The last member: its receiver stays a while (LEAVE_LINGER_NS) for the status message it sent
             # before leaving, so what it processed is settled, not requeued as if nobody had; nothing new is
@@ -326,6 +327,7 @@ class Group:
         self.slot = None
         for member in list(self.members.values()):
             member.session.send(Error(ErrorCode.NOT_FOUND, f"queue {name!r} was deleted", None, None, name))
+            member.session.group_memberships -= 1
         self.members.clear()
         self.receivers.clear()
         self.close(self.groups.datapath.core.clock_ns())
@@ -447,6 +449,7 @@ class Groups:
             group.requeue_in_flight()
         member = Member(owner, subscription_id, receiver_id, now_ns)
         group.members[(owner.conn_id, subscription_id)] = member
+        owner.group_memberships += 1
         group.receivers[receiver_id] = member
         group.awaited[receiver_id] = now_ns
         return {"queue": group.queue.name, "session_id": group.session_id, "stream_id": group.stream_id,

@@ -483,3 +483,18 @@ def test_the_multicast_interface_goes_into_the_groups_channel() -> None:
     m = rig.join()
     assert "|interface=127.0.0.1|" in m.answer["channel"] and "fc=min,t:2500ms" in m.answer["channel"]
     assert rig.group.channel.interface is not None and rig.group.channel.interface.host == "127.0.0.1"
+
+
+def test_a_members_connection_shows_as_a_consumer_while_it_is_in_a_group() -> None:
+    """`flowbroker connections` said role idle for a multicast member: it has no subscription of its own."""
+    from flowbroker.broker.views import connection_role, connection_view
+
+    rig = Rig()
+    a, b = rig.join(), rig.join()
+    for m in (a, b):
+        assert connection_role(m.conn.session) == "consumer"
+        assert connection_view(m.conn.session, rig.h.now)["role"] == "consumer"
+    rig.datapath.groups.leave(a.conn.session.conn_id, 1, rig.h.now)
+    assert connection_role(a.conn.session) == "idle" and connection_role(b.conn.session) == "consumer"
+    rig.group.queue_deleted("g")
+    assert connection_role(b.conn.session) == "idle"
