@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
-from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences, scoped
+from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences, Refusal, Refused, scoped
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.message import HeldTransfer, Message
@@ -494,30 +494,33 @@ class BrokerCore:
                 if headers or len(body) > fast_body or len(routing_key) > _SHORT_KEY:
                     refused = self._check_entry(entry, max_message)
                     if refused is not None:
-                        self._refuse(session, tid, size, *refused)
+                        self._refuse(session, tid, size, *refused, producer_id, sequence)
                         tid += 1
                         continue
-                if may_write is not None and not may_write.get(exchange) and self._publish_denied(session, tid, size, exchange):
+                if (may_write is not None and not may_write.get(exchange)
+                        and self._publish_denied(session, tid, size, exchange, producer_id, sequence)):
                     tid += 1
                     continue
                 if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
                     self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
                                  f"the broker is over its memory watermark ({self.memory.held} of "
-                                 f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS)
+                                 f"{self.memory.watermark} bytes held); retry later or use flow control", ALL_DESTINATIONS,
+                                 producer_id, sequence)
                     tid += 1
                     continue
                 if exchange == "":
                     target = queues_by_name.get(routing_key)
                     if target is None:
                         self._refuse(session, tid, size, ErrorCode.NOT_FOUND,
-                                     f"no queue named {routing_key!r}", routing_key)
+                                     f"no queue named {routing_key!r}", routing_key, producer_id, sequence)
                         tid += 1
                         continue
                     targets: Collection[Queue] = (target,)
                 else:
                     ex = self.exchanges.get(exchange)
                     if ex is None:
-                        self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange)
+                        self._refuse(session, tid, size, ErrorCode.NOT_FOUND, f"no exchange named {exchange!r}", exchange,
+                                     producer_id, sequence)
                         tid += 1
                         continue
                     targets = ex.route(routing_key)
@@ -525,16 +528,18 @@ class BrokerCore:
                         self.unroutable += 1
                         if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
                             self._refuse(session, tid, size, ErrorCode.UNROUTABLE,
-                                         f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange)
+                                         f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange,
+                                         producer_id, sequence)
                             tid += 1
                             continue
                 held: list[Message] = []
                 durable_queue: Queue | None = None  # a durable queue took it: completion waits for the journal
+                errors: list[Refusal] = []  # the queues that refused it: an idempotent resend is told again
                 for queue in targets:
                     if disk_alarm is not None and queue.durable:
-                        session.send(Error(ErrorCode.RESOURCE_EXHAUSTED,
-                                           f"the disk alarm is on ({disk_alarm.reason}); a producer without flow "
-                                           "control is refused: retry later or use flow control", None, tid, queue.name))
+                        errors.append((ErrorCode.RESOURCE_EXHAUSTED,
+                                       f"the disk alarm is on ({disk_alarm.reason}); a producer without flow "
+                                       "control is refused: retry later or use flow control", queue.name))
                         continue
                     msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
                     touched[queue] = None
@@ -542,10 +547,15 @@ class BrokerCore:
                         if queue.add(msg, session, now):
                             held.append(msg)
                     except QueueFull as exc:
-                        session.send(Error(ErrorCode.QUEUE_FULL, str(exc), None, tid, queue.name))
+                        errors.append((ErrorCode.QUEUE_FULL, str(exc), queue.name))
                         continue
                     if journal is not None and queue.durable:
                         durable_queue = queue
+                if errors:
+                    for code, text, dest in errors:
+                        session.send(Error(code, text, None, tid, dest))
+                    if producer_id is not None:
+                        self.producer_sequences.was_refused(producer_id, sequence, tuple(errors))  # type: ignore[arg-type]
                 last = None
                 if held or broker_hold or durable_queue is not None:
                     self._hold(session, tid, size, held, broker_hold, durable_queue)
@@ -591,8 +601,11 @@ class BrokerCore:
         verdict = self.producer_sequences.check(entry[4], entry[5], now, key)  # type: ignore[arg-type]
         if verdict is None:
             return True
-        if verdict is DUPLICATE:
+        if verdict is DUPLICATE or isinstance(verdict, Refused):
             session.duplicates += 1
+            if isinstance(verdict, Refused):  # its original was refused: so is it, the same way
+                for code, text, dest in verdict.errors:
+                    session.send(Error(code, text, None, tid, dest))
             if self.journal is not None and not self.journal.dormant:
                 # its original may still be in a commit: the duplicate's COMPLETE must not overtake it
                 self.journal.after_commit(HeldTransfer(session, tid, size, 1))
@@ -621,20 +634,27 @@ class BrokerCore:
                     f"headers) exceeds max_message_size {max_message}", None)
         return None
 
-    def _publish_denied(self, session: Session, tid: int, size: int, exchange: str) -> bool:
+    def _publish_denied(self, session: Session, tid: int, size: int, exchange: str, key: str | None,
+                        sequence: int | None) -> bool:
         """Decide (and cache) write on `exchange` for a message whose decision is not cached as allowed;
         refuse the message (UNAUTHORIZED, completed) if it is denied."""
         access = session.access
         assert access is not None
         if access.may_publish(exchange):
             return False
-        self._refuse(session, tid, size, ErrorCode.UNAUTHORIZED, access.denied_publish(exchange).text, exchange)
+        self._refuse(session, tid, size, ErrorCode.UNAUTHORIZED, access.denied_publish(exchange).text, exchange,
+                     key, sequence)
         return True
 
-    def _refuse(self, session: Session, tid: int, size: int, code: ErrorCode, text: str, dest: str | None) -> None:
-        """A transfer the broker will not enqueue: say why, and complete it so window and credit flow."""
+    def _refuse(self, session: Session, tid: int, size: int, code: ErrorCode, text: str, dest: str | None,
+                key: str | None = None, sequence: int | None = None) -> None:
+        """A transfer the broker will not enqueue: say why, and complete it so window and credit flow.
+        `key` and `sequence`: an idempotent producer's message whose sequence was taken, so that its
+        resend is refused again (broker/idempotence.py `Refused`), not completed as a duplicate."""
         session.send(Error(code, text, None, tid, dest))
         session.complete_transfer(tid, size)
+        if key is not None and sequence is not None:
+            self.producer_sequences.was_refused(key, sequence, ((code, text, dest),))
 
     def stop_all_producers(self) -> None:
         """Hold every new transfer from flow-controlled producers until start_all_producers()."""

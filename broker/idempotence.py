@@ -10,7 +10,9 @@ once each, in order, whatever the interleaving: no fencing is needed for the que
 
 A sequence is taken when the broker *decides* about its message (routes it, holds it, or refuses it
 with an error), not when the message completes: a completion held by a saturated queue says nothing
-about whether the message is in the queue (it is), so its duplicate must not enqueue it again.
+about whether the message is in the queue (it is), so its duplicate must not enqueue it again. A
+refusal is kept (the newest REFUSALS_KEPT): the duplicate of a refused message gets the same ERRORs,
+since the first may have been lost with the connection and a bare completion would say it landed.
 
 The state is split in two so that the durable-queue work can persist it: `ProducerStateStore` is the
 storage (what a journal must record: `accept` of a producer id's sequence), `ProducerSequences` the
@@ -41,6 +43,9 @@ __all__ = [
     "scoped",
     "IdempotenceStatistics",
     "DUPLICATE",
+    "Refused",
+    "Refusal",
+    "REFUSALS_KEPT",
     "MAX_PRODUCER_ID_LENGTH",
 ]
 
@@ -70,22 +75,28 @@ class ProducerStateStore(Protocol):
         """Forget the ids whose last taken message is older than the TTL; returns how many."""
         ...
 
+    def epoch(self, producer_id: str) -> int | None:
+        """Which life of `producer_id` the store holds (a new number each time the id is taken anew
+        after being unknown), None if unknown: what a refusal recorded under the id belongs to."""
+        ...
+
     def __len__(self) -> int: ...
 
 
 class _State:
-    __slots__ = ("sequence", "last_ns")
+    __slots__ = ("sequence", "last_ns", "epoch")
 
-    def __init__(self, sequence: int, last_ns: int):
+    def __init__(self, sequence: int, last_ns: int, epoch: int):
         self.sequence = sequence
         self.last_ns = last_ns
+        self.epoch = epoch  # which life of the id this is: an id forgotten and taken anew gets a new one
 
 
 class MemoryProducerStates:
     """The bounded in-memory `ProducerStateStore`: ids in order of their last taken message (oldest
     first), so expiry looks only at the front and costs what it removes."""
 
-    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_owned", "evicted")
+    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_owned", "evicted", "_epochs")
 
     def __init__(self, max_ids: int, ttl_ns: int, max_ids_per_owner: int | None = None):
         if max_ids < 1 or ttl_ns < 0 or (max_ids_per_owner is not None and max_ids_per_owner < 1):
@@ -99,6 +110,7 @@ class MemoryProducerStates:
         # journal from before ids were scoped) have no owner and only the store's own bound.
         self._owned: dict[str, int] = {}
         self.evicted = 0
+        self._epochs = 0
 
     def last_accepted(self, producer_id: str) -> int | None:
         state = self._states.get(producer_id)
@@ -131,7 +143,8 @@ class MemoryProducerStates:
                     f"idle for producer_id_ttl {self.ttl_ns / 1e9:g} s; producer id "
                     f"{_unscoped(producer_id)!r} is refused rather than forgetting one that may still resend"
                 )
-        states[producer_id] = _State(sequence, now_ns)
+        self._epochs += 1
+        states[producer_id] = _State(sequence, now_ns, self._epochs)
         if owner:
             self._owned[owner] = self._owned.get(owner, 0) + 1
 
@@ -157,6 +170,10 @@ class MemoryProducerStates:
 
     def __len__(self) -> int:
         return len(self._states)
+
+    def epoch(self, producer_id: str) -> int | None:
+        state = self._states.get(producer_id)
+        return None if state is None else state.epoch
 
     def owned(self, owner: str) -> int:
         """How many ids `owner` holds now."""
@@ -195,8 +212,34 @@ class _Duplicate:
 
 DUPLICATE: Final = _Duplicate()
 
-Verdict: TypeAlias = None | _Duplicate | tuple[ErrorCode, str]
-"""None: the message is taken (route it); DUPLICATE: complete it now; (code, text): refuse it."""
+Refusal: TypeAlias = tuple[ErrorCode, str, "str | None"]
+"""One ERROR the broker sent about a message: code, text, destination."""
+
+REFUSALS_KEPT: Final = 4096
+"""Refusals of taken sequences the broker keeps (the newest), so that the resend of a refused message is
+refused again rather than completed as a duplicate: the first ERROR may have been lost with the
+connection, and the resend's completion would then say a message the broker never enqueued had landed.
+Each is at most MAX_REFUSAL_TEXT characters of text, so they cost the broker a few MiB at most."""
+
+MAX_REFUSAL_TEXT: Final = 512
+
+
+class Refused:
+    """The verdict on a duplicate of a message the broker refused: refuse it again, with the same
+    ERRORs (then complete it, as the original was)."""
+
+    __slots__ = ("errors",)
+
+    def __init__(self, errors: tuple[Refusal, ...]) -> None:
+        self.errors = errors
+
+    def __repr__(self) -> str:
+        return f"Refused({self.errors!r})"
+
+
+Verdict: TypeAlias = None | _Duplicate | Refused | tuple[ErrorCode, str]
+"""None: the message is taken (route it); DUPLICATE: complete it now; Refused: refuse it again as its
+original was refused; (code, text): refuse it."""
 
 
 def _owner(key: str) -> str:
@@ -220,7 +263,7 @@ class ProducerSequences:
     idempotent producer. Called only for entries with a producer id, so a plain message costs the
     broker one `is not None` test."""
 
-    __slots__ = ("store", "accepted", "duplicates", "gaps", "refused")
+    __slots__ = ("store", "accepted", "duplicates", "gaps", "refused", "refusals")
 
     def __init__(self, store: ProducerStateStore):
         self.store = store
@@ -228,6 +271,20 @@ class ProducerSequences:
         self.duplicates = 0
         self.gaps = 0
         self.refused = 0
+        # (key, sequence) -> (the id's epoch, the ERRORs its message got), oldest first, REFUSALS_KEPT at most
+        self.refusals: OrderedDict[tuple[str, int], tuple[int, tuple[Refusal, ...]]] = OrderedDict()
+
+    def was_refused(self, key: str, sequence: int, errors: tuple[Refusal, ...]) -> None:
+        """The message `sequence` of `key`, taken, got `errors` (not enqueued, or not everywhere): a
+        resend of it is refused again the same way (`check` answers Refused) while it is kept."""
+        epoch = self.store.epoch(key)
+        if epoch is None:
+            return
+        refusals = self.refusals
+        refusals[(key, sequence)] = (epoch, tuple((code, text[:MAX_REFUSAL_TEXT], dest) for code, text, dest in errors))
+        refusals.move_to_end((key, sequence))
+        if len(refusals) > REFUSALS_KEPT:
+            refusals.popitem(last=False)
 
     def check(self, producer_id: str, sequence: int | None, now_ns: int, key: str | None = None) -> Verdict:
         """What to do with `sequence` of `producer_id`, kept in the store under `key` (the id itself when
@@ -257,6 +314,10 @@ class ProducerSequences:
             return None
         if sequence < expected:
             self.duplicates += 1
+            if self.refusals:
+                refusal = self.refusals.get((key, sequence))
+                if refusal is not None and refusal[0] == store.epoch(key):  # not an earlier life's
+                    return Refused(refusal[1])
             return DUPLICATE
         self.gaps += 1
         known = "unknown (never seen, or forgotten after producer_id_ttl)" if last is None else f"at sequence {last}"

@@ -261,3 +261,50 @@ def test_one_user_cannot_take_the_places_of_another_users_new_producers() -> Non
     alice.pump()
     assert alice.errors == [] and all(alice.is_complete(tid) for tid in ids)
     assert queued(h) == [b"0", b"0", b"0", b"1"]
+
+
+def test_the_resend_of_a_refused_message_is_refused_again_not_completed_as_a_duplicate() -> None:
+    """The refusal's ERROR was lost with the connection: the resend, on a new one, must not be told its
+    message landed (a duplicate's completion), since the broker never enqueued it."""
+    h = make()
+    h.queue("q")
+    h.queue("full", max_count=1)
+    h.consumer("admin").declare_exchange("fan", "fanout")
+    h.consumer("admin").bind("q", "fan")
+    h.consumer("admin").bind("full", "fan")
+    first = h.producer("first", flow_control=False)  # so the full queue refuses it rather than hold it
+    send(first, "writer", [0])
+    first.send_many([("", "no-such-queue", b"1", None)], producer_id="writer", sequences=[1])
+    first.send_many([("fan", "", b"2", None), ("fan", "", b"3", None)], producer_id="writer", sequences=[2, 3])
+    first.close()  # lost before it read its ERRORs and completions
+    second = h.producer("second", flow_control=False)
+    again = send(second, "writer", [0])
+    again += second.send_many([("", "no-such-queue", b"1", None)], producer_id="writer", sequences=[1])
+    again += second.send_many([("fan", "", b"2", None), ("fan", "", b"3", None)], producer_id="writer", sequences=[2, 3])
+    second.pump()
+    assert all(second.is_complete(tid) for tid in again)
+    assert second.errors_for(again[0]) == []  # a plain duplicate: its original landed
+    (not_found,) = second.errors_for(again[1])
+    assert not_found.code is ErrorCode.NOT_FOUND and not_found.destination == "no-such-queue"
+    assert second.errors_for(again[2]) == []  # "2" filled "full" and went to "q" too
+    (full,) = second.errors_for(again[3])  # "3": "full" refused it, "q" took it; told again, enqueued once
+    assert full.code is ErrorCode.QUEUE_FULL and full.destination == "full"
+    assert queued(h) == [b"0", b"2", b"3"] and queued(h, "full") == [b"2"]
+
+
+def test_a_refusal_is_not_repeated_to_a_later_life_of_its_producer_id() -> None:
+    """An id forgotten after its TTL starts again at 0: its new sequence 0 is a new message, taken, even
+    though the old 0 was refused."""
+    h = make(producer_id_ttl=10.0, max_producer_ids=1)
+    h.queue("q")
+    p = producer(h, "producer")
+    p.send_many([("", "absent", b"old", None)], producer_id="writer", sequences=[0])
+    h.advance(11)
+    send(p, "other", [0])  # takes the only place: "writer" is forgotten
+    h.advance(11)
+    (tid,) = send(p, "writer", [0])
+    p.pump()
+    assert p.errors_for(tid) == [] and queued(h) == [b"0", b"0"]
+    (dup,) = send(p, "writer", [0])
+    p.pump()
+    assert p.errors_for(dup) == [] and queued(h) == [b"0", b"0"]

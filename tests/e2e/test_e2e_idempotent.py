@@ -179,6 +179,36 @@ async def test_send_waits_while_reconnecting_and_flush_goes_through_it(start_flo
     assert await read_queue(broker.url, "q", 51) == [b"%d" % i for i in range(51)]
 
 
+async def test_a_refusal_whose_error_was_lost_with_the_connection_is_reported_on_the_resend(
+    start_flowbroker, nursery: trio.Nursery
+) -> None:
+    """The broker refused messages (no such queue) and the ERRORs were lost with the connection: the
+    resends are duplicates, and flush() must still raise their refusals, not count them completed."""
+    broker = await start_flowbroker()
+    proxy, url = await start_proxy(nursery, broker)
+    async with await fc.connect(broker.url) as admin:
+        await admin.declare_queue("q")
+    async with await fc.connect(url, timeout=5, reconnect_timeout=15) as conn:
+        producer = conn.producer(idempotent=True)
+        await producer.send(b"in", routing_key="q")
+        await producer.flush(timeout=5)
+        proxy.muted = "answers"  # the broker's ERRORs and COMPLETEs are dropped from here
+        for i in range(5):
+            await producer.send(b"lost %d" % i, routing_key="absent")
+        await producer.send(b"kept", routing_key="q")
+        with trio.fail_after(5):
+            while broker.core.producer_sequences.statistics().accepted < 7:
+                await trio.sleep(0.01)  # the broker took (refused) them all
+        proxy.cut()
+        with pytest.raises(fc.NotFound) as refused:  # flush raises the first refusal, counting them all
+            await producer.flush(timeout=10)
+        assert conn.reconnects == 1 and refused.value.destination == "absent"
+        stats = producer.statistics()
+        assert stats.failed == 5 and stats.completed == 7 and producer.outstanding == 0
+    assert await read_queue(broker.url, "q", 2) == [b"in", b"kept"]
+    assert broker.core.producer_sequences.statistics().duplicates == 6
+
+
 async def test_a_broker_unreachable_for_reconnect_timeout_closes_the_connection_saying_so(
     start_flowbroker, nursery: trio.Nursery
 ) -> None:
