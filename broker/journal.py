@@ -76,8 +76,10 @@ def queue_arguments(queue: Queue) -> dict[str, Any]:
 @dataclass(slots=True)
 class Batch:
     """What one group commit writes: bytes per segment in order, the transfers it completes, the
-    segments it deletes once they are on disk. `done` counts the chunks written (a retry after a
-    failed write resumes there, so no chunk is written twice)."""
+    segments it deletes once they are on disk. `done` counts the chunks written and `written` says
+    where each began: a failed write cuts every chunk of the batch back (a batch is all or nothing: a
+    chunk left on disk from a batch that never completed would be replayed at recovery, a message its
+    producer was told was not completed), and the retry writes them all again."""
 
     chunks: list[tuple[int, bytearray]]
     waiters: list[HeldTransfer]
@@ -86,6 +88,7 @@ class Batch:
     waiting_on: dict[Session, str] = field(default_factory=dict)  # each waiter's session: a durable queue
     done: int = 0
     unsynced: set[int] = field(default_factory=set)
+    written: list[tuple[int, int]] = field(default_factory=list)  # (segment, offset its chunk began at)
 
 
 class Journal:
@@ -332,24 +335,22 @@ class Journal:
 
     def write_batch(self, batch: Batch) -> None:
         """Write and fsync a batch, then delete what it compacts (worker thread). Raises OSError with
-        nothing half-done: a failed write is cut back, and a retry resumes at the failed chunk."""
+        nothing half-done: a failed write cuts the whole batch back, and a retry writes it again."""
         if batch.done == 0 and batch.chunks:
             self.dir.mkdir(parents=True, exist_ok=True)
         while batch.done < len(batch.chunks):
             seg, data = batch.chunks[batch.done]
-            fd = self._open(seg, batch)
-            start = os.lseek(fd, 0, os.SEEK_END)
             try:
+                fd = self._open(seg, batch)
+                start = os.lseek(fd, 0, os.SEEK_END)
+                batch.written.append((seg, start))
                 view = memoryview(data)
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
             except OSError:
                 self.write_errors += 1
-                try:
-                    os.ftruncate(fd, start)
-                except OSError as exc:  # the next scan cuts the torn tail at recovery
-                    LOGGER.error("journal: cannot cut segment %d back after a failed write: %s", seg, exc)
+                self._cut_back(batch)
                 raise
             self.bytes_written += len(data)
             batch.unsynced.add(seg)
@@ -365,6 +366,22 @@ class Journal:
             except FileNotFoundError:
                 pass
         self.look_at_disk()
+
+    def _cut_back(self, batch: Batch) -> None:
+        """After a failed write: truncate every segment the batch wrote to where its chunk began, so
+        none of it is on disk, and start the batch over (a chunk that cannot be cut back is logged:
+        recovery then replays it, or cuts a torn tail)."""
+        for seg, start in reversed(batch.written):
+            try:
+                if seg == self._fd_seg and self._fd >= 0:
+                    os.ftruncate(self._fd, start)
+                else:
+                    os.truncate(self.dir / segment_name(seg), start)
+            except OSError as exc:
+                LOGGER.error("journal: cannot cut segment %d back after a failed write: %s", seg, exc)
+        batch.written.clear()
+        batch.unsynced.clear()
+        batch.done = 0
 
     def _open(self, seg: int, batch: Batch) -> int:
         """The fd of segment `seg`; moving to a new segment syncs and closes the previous one first, and

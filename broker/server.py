@@ -142,6 +142,10 @@ class BrokerServer:
         self.config = config
         self.core = core or BrokerCore(config, now_ns)
         self.shutdown_requested = trio.Event()
+        # Set when the shutdown begins: a connection that arrives or finishes its handshake after it is
+        # refused SHUTDOWN before it can send a transfer (the last commit would not wait for it, and it
+        # would be told "not completed" about messages the journal keeps).
+        self.stopping = False
         self.connections: dict[int, ConnectionHandler] = {}
         self.port: int | None = None
         self.tls_port: int | None = None  # the TLS client port ([tls]), when enabled
@@ -156,7 +160,7 @@ class BrokerServer:
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
         self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
         self.peak_sockets = 0
-        self.refused = 0  # sockets refused at accept because open_sockets was at max_connections
+        self.refused = 0  # sockets refused at accept: open_sockets at max_connections, or the shutdown begun
         self.frame_budget = PartialFrameBudget(config.server.max_partial_frame_bytes, RECEIVE_SIZE)
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
@@ -271,6 +275,7 @@ class BrokerServer:
                 nursery.start_soon(self.udp.run)
             task_status.started(self.port)
             await self.shutdown_requested.wait()
+            self.stopping = True
             if self.admin is not None:
                 self.admin.shutdown()
             if self.metrics is not None:
@@ -405,6 +410,12 @@ class BrokerServer:
         socket is wrapped in an SSLStream; its handshake runs at the first read (handshake_timeout).
         (Refused at once over TLS, it gets no frames: a TCP close, which the SDK reports as refused.)"""
         limit = self.config.server.max_connections
+        if self.stopping:
+            if tls is not None:
+                stream.socket.close()
+            else:
+                self._refuse(stream, "broker is shutting down", ErrorCode.SHUTDOWN)
+            return
         if self.open_sockets >= limit:
             if tls is not None:
                 self.refused += 1
@@ -419,13 +430,12 @@ class BrokerServer:
         self.open_sockets += 1
         self.peak_sockets = max(self.peak_sockets, self.open_sockets)
 
-    def _refuse(self, stream: trio.SocketStream, text: str) -> None:
-        """ERROR + CLOSE RESOURCE_EXHAUSTED and close, without a task or a wait: a new socket's send
+    def _refuse(self, stream: trio.SocketStream, text: str, code: ErrorCode = ErrorCode.RESOURCE_EXHAUSTED) -> None:
+        """ERROR + CLOSE `code` and close, without a task or a wait: a new socket's send
         buffer is empty, so the kernel takes the two frames at once (a client reads them as the
         answer to its HELLO). What already arrived (a HELLO) is read first, so the close is a FIN."""
         self.refused += 1
         self._log_refusal("refusing connection from %s: %s", peer_name(stream), text)
-        code = ErrorCode.RESOURCE_EXHAUSTED
         self.core.errors_sent[code] += 1
         refuse_now(stream, encode_frames([Error(code, text), Close(code, text)]))
 
@@ -632,6 +642,12 @@ class ConnectionHandler:
             hello.client_name, accepted.identity, hello.flow_control, self._wake, hello.capabilities,
             accepted.user.credit_share_percent if accepted.user is not None else 0,
         )
+        if self.server.stopping:  # its handshake ended after the shutdown began: nothing more is taken
+            core.close_session(session)
+            core.errors_sent[ErrorCode.SHUTDOWN] += 1
+            text = "broker is shutting down"
+            await _send_and_close(self.io, self.conn, [Error(ErrorCode.SHUTDOWN, text, 1), Close(ErrorCode.SHUTDOWN, text)])
+            return
         if session.fault is not None:
             # The credit pool has no byte left for one more connection (a pool under two bytes a connection
             # slot): refused in the handshake, so connect() raises, not WELCOME and a CLOSE a moment later.

@@ -230,6 +230,51 @@ def test_the_journal_keeps_each_producer_ids_highest_sequence_for_idempotent_pro
     assert read_journal(journal).producers == {"p-1": 2}
 
 
+def test_a_batch_whose_write_fails_in_its_second_segment_leaves_nothing_of_it_on_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit spanning two segments wrote the first and failed in the second (ENOSPC): the first
+    chunk stayed, was replayed at recovery, and 74 of 200 messages a producer was told were not
+    completed came back (a tester, after a stop with the disk full). Now the batch is cut back whole;
+    the retry writes it all once."""
+    import errno
+    import os as real_os
+
+    import flowbroker.broker.journal as journal_module
+
+    journal = Journal(tmp_path / "journal", 64 * 1024, False, 0, 0)
+    store = JournalStore(journal, journal.new_queue_id())
+    journal.dormant = False
+    journal._roll()
+    journal.record([QUEUE, store.qid, "q", {}, 0])
+    for seq in range(3):  # 120 KB: the batch rolls into a second segment
+        msg = Message("", "q", b"x" * 40_000, None, 40_512, None, None)
+        msg.offset = seq
+        store.append(msg)
+    batch = journal.take_batch()
+    assert len({seg for seg, _ in batch.chunks}) == 2
+    second = max(seg for seg, _ in batch.chunks)
+    full = {"on": True}
+
+    class FailingOs:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_os, name)
+
+        def write(self, fd: int, data: Any) -> int:
+            if full["on"] and journal._fd_seg == second:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_os.write(fd, data)
+
+    monkeypatch.setattr(journal_module, "os", FailingOs())
+    with pytest.raises(OSError):
+        journal.write_batch(batch)
+    assert sum(f.stat().st_size for f in (tmp_path / "journal").iterdir()) == 0
+    full["on"] = False  # space again: the retry writes the whole batch, each record once
+    journal.write_batch(batch)
+    journal.close()
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "journal").iterdir())
+    assert on_disk == sum(len(data) for _, data in batch.chunks)  # each chunk once, none twice
+
+
 async def test_an_idempotent_producer_resending_after_a_restart_is_deduplicated(tmp_path: Path) -> None:
     """The producer ids' sequences come back with the durable messages: a producer that sends its stream
     again from sequence 0 to a restarted broker lands only what the broker did not have."""
@@ -409,5 +454,38 @@ async def test_a_graceful_shutdown_tells_a_udp_producer_what_it_journalled(tmp_p
                             server.shutdown()
                 completed = p.statistics().completed
     assert completed > 0
+    async with broker(tmp_path) as server:
+        assert server.core.queues["d"].count == completed
+
+
+async def test_a_connection_made_after_the_shutdown_began_is_refused_and_nothing_of_it_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutdown stops the readers of the connections it finds; one that connected after it began was read
+    on, and its producer was told "not completed" about messages the journal then kept (a tester: 949 of
+    999). Now it is refused SHUTDOWN before it can send anything."""
+    real = Journal.write_batch
+
+    def slow_write(self: Journal, batch: Any) -> None:  # the last commit takes a while
+        threading.Event().wait(0.05)
+        real(self, batch)
+
+    monkeypatch.setattr(Journal, "write_batch", slow_write)
+    async with broker(tmp_path) as server:
+        with pytest.raises(fb.PublishFailures):
+            async with await fb.connect(url(server)) as conn:
+                await conn.declare_queue("d", durable=True)
+                p = conn.producer(routing_key="d", window=10_000)
+                with pytest.raises(fb.ConnectionClosed):
+                    for i in range(100_000):
+                        await p.send(b"%d" % i)
+                        if i == 300:
+                            server.shutdown()
+                            await trio.sleep(0.01)
+                            with pytest.raises(fb.HandshakeError) as late:
+                                await fb.connect(url(server), timeout=5)
+                            assert late.value.code is fb.ErrorCode.SHUTDOWN, late.value
+                        if i % 50 == 0:
+                            await trio.sleep(0)
+                completed = p.statistics().completed
     async with broker(tmp_path) as server:
         assert server.core.queues["d"].count == completed
