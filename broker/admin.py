@@ -254,8 +254,8 @@ class BearerAuth:
                 given = value
                 break
         if not hmac.compare_digest(given, csrf.encode()):
-            return _error_response(403, "csrf", f"a request with the console's cookie needs its "
-                                                f"{console.CSRF_HEADER} header (the value POST /login answered)")
+            return _error_response(403, "csrf", "a request with the console's cookie needs its "
+                                                "X-Flowbroker-CSRF header (the value POST /login answered)")
         if read_only and scope["method"] not in SAFE_METHODS and scope["path"] != "/logout":
             return _read_only_refusal("this console session's user")  # ending its own session changes nothing
         return None

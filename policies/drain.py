@@ -57,11 +57,16 @@ _NS: Final = 1_000_000_000
 _OFF: Final = sys.maxsize
 
 
+MAX_SECONDS: Final = 1e8
+"""The longest time threshold (about three years), as for the configuration's durations: beyond it a
+figure is a typo, and its nanoseconds would overflow."""
+
+
 def _seconds(key: str, value: object) -> float:
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise PolicyConfigError(key, value, "must be a number of seconds >= 0 (0 or None = off)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
+        raise PolicyConfigError(key, value, f"must be a number of seconds in [0, {MAX_SECONDS:g}] (0 or None = off)")
     return float(value)
 
 

@@ -338,6 +338,25 @@ def test_a_monitoring_user_sees_no_change_buttons_and_a_forced_change_is_still_r
                 expect(admin.locator("#stop-all")).to_be_visible()
                 expect(admin.locator("#thresholds-form")).to_be_visible()
                 expect(admin.locator("#read-only")).to_be_hidden()
+
+                # Two tabs of one browser: the second's login replaces the cookie's session (and the
+                # header value in the origin's storage); Log out in the first ends that session on the
+                # broker (it sent the first session's stale value, was refused 403 and left it open).
+                context = browser.new_context()
+                first, second = context.new_page(), context.new_page()
+                _log_in(first, broker, "root", "r00t-pw")
+                second.goto(broker.admin_url + "/login")
+                second.fill("#username", "root")
+                second.fill("#password", "r00t-pw")
+                second.click("#login")
+                expect(second.locator("#logout")).to_be_visible()
+                [cookie] = context.cookies()
+                csrf = second.evaluate("window.localStorage.getItem('flowbroker-csrf')")
+                live = {"Cookie": f"{cookie['name']}={cookie['value']}", "X-Flowbroker-CSRF": csrf}
+                assert first.request.get(broker.admin_url + "/api/broker", headers=live).status == 200
+                first.click("#logout")
+                expect(first.locator("#username")).to_be_visible()
+                assert first.request.get(broker.admin_url + "/api/broker", headers=live).status == 401
             finally:
                 browser.close()
     finally:

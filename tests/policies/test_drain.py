@@ -209,7 +209,7 @@ def test_thresholds_validate_and_default_resume_to_stop() -> None:
     assert Thresholds(flow_stop_age=2, flow_resume_age=1).time.flow_resume_age == 1.0
     assert not Thresholds(max_size=0).flow_control
     for bad in ({"flow_stop_age": -1}, {"flow_stop_drain_time": "1s"}, {"flow_stop_age": math.inf},
-                {"flow_stop_drain_time": True}):
+                {"flow_stop_drain_time": True}, {"flow_stop_age": 1e300}, {"flow_stop_drain_time": math.nan}):
         with pytest.raises(PolicyConfigError) as err:
             Thresholds(**bad)
         assert err.value.key in bad

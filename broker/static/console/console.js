@@ -14,7 +14,6 @@ const THRESHOLDS = ["flow_stop_count", "flow_resume_count", "flow_stop_size", "f
 const TIME_THRESHOLDS = new Set(["flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age", "flow_resume_age"]);
 
 const CSRF_KEY = "flowbroker-csrf";  // where login.js left the session's header value
-let csrf = window.localStorage.getItem(CSRF_KEY);
 let latestQueues = new Map();  // name -> queue view of the last poll
 const history = new Map();     // name -> {t, count, bytes, stopCount, resumeCount, stopSize, resumeSize}
 const charts = new Map();      // name -> {plot, element, unit}
@@ -22,7 +21,9 @@ const charts = new Map();      // name -> {plot, element, unit}
 // -- the API --------------------------------------------------------------------------------------
 
 async function api(method, path, body) {
-  const headers = {"X-Flowbroker-CSRF": csrf};  // every request, reads too (docs/console.md)
+  // Every request, reads too (docs/console.md); read afresh each time: a login in another tab of this
+  // origin replaced the cookie's session, and its value with it.
+  const headers = {"X-Flowbroker-CSRF": window.localStorage.getItem(CSRF_KEY) || ""};
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const response = await fetch(path, {
     method, headers, credentials: "same-origin",
@@ -344,7 +345,7 @@ async function poll() {
 }
 
 async function start() {
-  if (csrf === null) {                     // the cookie alone opens nothing: log in again
+  if (window.localStorage.getItem(CSRF_KEY) === null) {  // the cookie alone opens nothing: log in again
     window.location.assign("/login");
     return;
   }
