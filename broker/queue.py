@@ -30,7 +30,7 @@ from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.message import Message, release_all
 from flowbroker.broker.store import MemoryStore, QueueStore
 from flowbroker.broker.subscription import Subscription
-from flowbroker.policies.drain import DrainEstimator, drain_limits, drain_reason, evaluate
+from flowbroker.policies.drain import STALL_SECONDS, DrainEstimator, drain_limits, drain_reason, evaluate
 from flowbroker.policies.overflow import (
     Admission,
     OverflowPolicy,
@@ -49,6 +49,7 @@ __all__ = ["Queue", "QueueFull", "QueueCounters", "QueueStatistics"]
 
 _size = attrgetter("size")
 _offset = attrgetter("offset")
+STALL_NS = int(STALL_SECONDS * 1e9)
 
 
 class QueueFull(Exception):
@@ -177,6 +178,10 @@ class Queue:
         self.age_hold = False
         self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
         self._drain_resume_count = sys.maxsize  # the drain-time resume as a count (maxsize: off)
+        # What stalled subscriptions hold (policies.drain.STALL_SECONDS): left out of the depth drain time
+        # is computed over. `_progress`: per subscription, its settled-or-requeued count and since when.
+        self.stalled_held = 0
+        self._progress: dict[Subscription, tuple[int, int]] = {}
         self.owner: str | None = None  # the identity that declared it: what its user's max_queues counts
 
     def __repr__(self) -> str:
@@ -362,7 +367,7 @@ class Queue:
         elif self.size > t._stop_size or self.count <= self._stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
         else:  # over the drain-time limit (drain_limits): held until under its resume count
-            self.stop_reason = drain_reason(t.time, self.drain, self.count)
+            self.stop_reason = drain_reason(t.time, self.drain, self.count - self.stalled_held)
         self.saturated = True
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
@@ -491,10 +496,30 @@ class Queue:
         """The flow timer (every policies.drain.TICK_SECONDS): update the drain-rate estimate from the
         `dequeued` counter and evaluate the time thresholds; the per-message paths do none of this."""
         head = self._head_offset()
-        self.drain.update(now_ns, self.counters.dequeued, self.count, bool(self.subscriptions),
+        if self.thresholds.time.flow_stop_drain_time:
+            self._find_stalled(now_ns)
+        self.drain.update(now_ns, self.counters.dequeued, self.count - self.stalled_held, bool(self.subscriptions),
                           self.next_offset, head)
         if self.thresholds.time.enabled:
             self._evaluate_time(now_ns, head)
+
+    def _find_stalled(self, now_ns: int) -> None:
+        """`stalled_held`: the unsettled messages of subscriptions that have settled (or requeued) none for
+        STALL_SECONDS while holding some. On the tick only: O(subscriptions), nothing per message (a
+        subscription's settled-or-requeued count is `delivered_total - unsettled`, both kept anyway)."""
+        progress = self._progress
+        held = 0
+        for sub in self.subscriptions:
+            mark = sub.delivered_total - sub.unsettled
+            seen = progress.get(sub)
+            if seen is None or seen[0] != mark or not sub.unsettled:
+                progress[sub] = (mark, now_ns)  # settling, or holding nothing: not stalled
+            elif now_ns - seen[1] >= STALL_NS:
+                held += sub.unsettled
+        if len(progress) > len(self.subscriptions):
+            for sub in [s for s in progress if s not in self.subscriptions]:
+                del progress[sub]
+        self.stalled_held = held
 
     def _evaluate_time(self, now_ns: int, head: int | None = None) -> None:
         """Re-derive the drain-time stop as a count (checked on every enqueue); saturate on a time
@@ -504,7 +529,7 @@ class Queue:
         self._derive_drain_counts()
         if head is None:
             head = self._head_offset()
-        verdict = evaluate(t.time, self.drain, now_ns, self.count, head, bool(self.subscriptions))
+        verdict = evaluate(t.time, self.drain, now_ns, self.count - self.stalled_held, head, bool(self.subscriptions))
         self.age_hold = not verdict.age_under_resume
         if verdict.over_stop and not self.saturated:
             self._saturate(now_ns)
@@ -541,8 +566,10 @@ class Queue:
         when the queue gains its first consumer or loses its last, without waiting for the flow timer: a producer that started within the tick after the first SUBSCRIBE
         was not held at all (3,000 messages in a queue whose 0.5 s bound allowed about 200)."""
         t = self.thresholds
-        stop, self._drain_resume_count = drain_limits(t.time, self.drain, bool(self.subscriptions))
-        self._stop_count = min(t._stop_count, stop)
+        stop, resume = drain_limits(t.time, self.drain, bool(self.subscriptions))
+        stalled = self.stalled_held  # the depth counts them; drain time does not
+        self._stop_count = min(t._stop_count, stop + stalled)
+        self._drain_resume_count = resume + stalled
 
     def _update_pace_limit(self, change: int) -> None:
         """A subscription came (+ its prefetch) or went (-): O(1), as subscribing and cancelling are."""

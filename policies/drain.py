@@ -5,8 +5,9 @@ Count and size watermarks bound memory, not latency: the default 80 MiB stop hol
 for a consumer doing 2,000 msgs/s. A queue may also saturate on *time*:
 
 - ``flow_stop_drain_time`` / ``flow_resume_drain_time``: the queue's depth (ready + delivered but
-  unsettled, what the count watermark compares) divided by the consumers' measured rate (an EWMA of
-  settled messages per second): about how long a message enqueued now waits to be settled;
+  unsettled, what the count watermark compares; less what stalled consumers hold, ``STALL_SECONDS``)
+  divided by the consumers' measured rate (an EWMA of settled messages per second): about how long a
+  message enqueued now waits to be settled;
 - ``flow_stop_age`` / ``flow_resume_age``: how long the oldest ready message has waited already.
 
 The estimate is updated on the broker's flow timer (every ``TICK_SECONDS``), never per message: it reads
@@ -33,6 +34,7 @@ from flowbroker.protocol.names import THRESHOLD_FLOW_STOP_AGE, THRESHOLD_FLOW_ST
 __all__ = [
     "MIN_BACKLOG",
     "RATE_TIME_CONSTANT",
+    "STALL_SECONDS",
     "TICK_SECONDS",
     "DrainEstimator",
     "TimeThresholds",
@@ -49,6 +51,11 @@ RATE_TIME_CONSTANT: Final = 1.0
 """The EWMA's time constant in seconds: after a step change in the consumers' rate the estimate has
 moved 63 % of the way in 1 s, 95 % in 3 s. Shorter follows a jittery consumer's every pause; longer
 keeps producers stopped (or running) too long after the consumers change pace."""
+STALL_SECONDS: Final = RATE_TIME_CONSTANT
+"""A subscription that holds unsettled messages and settles none for this long is *stalled*: what it
+holds leaves the depth drain time is computed over (`Queue.stalled_held`). Slowing the producers cannot
+speed up a consumer that holds messages without settling them, and a consumer that never acks would
+otherwise keep the depth over the limit as the rate decays to 0, stopping the queue for everyone."""
 MIN_BACKLOG: Final = 100
 """Slow start: until the consumers' rate is measured (a new consumer, or one that has not been busy for
 a whole tick yet), drain time is taken as over its stop only past this many messages: a cold estimate
@@ -197,9 +204,10 @@ _MAX_MS: Final = 2**62  # what FLOW_STOPPED carries for an infinite (or absurd) 
 
 
 def _ms(seconds: float) -> int:
-    """Milliseconds for FLOW_STOPPED, clamped: a rate decayed near 0 makes a drain time of 1e300 s."""
+    """Milliseconds for FLOW_STOPPED, rounded up (a value just over its limit must not read as equal to
+    it), clamped: a rate decayed near 0 makes a drain time of 1e300 s."""
     ms = seconds * 1000
-    return int(ms) if ms < _MAX_MS else _MAX_MS
+    return math.ceil(ms) if ms < _MAX_MS else _MAX_MS
 
 
 def drain_limits(t: TimeThresholds, est: DrainEstimator, subscribed: bool) -> tuple[int, int]:

@@ -248,3 +248,36 @@ def test_a_new_consumer_brings_the_slow_start_limit_at_once_not_at_the_next_tick
         h.advance(TICK_SECONDS)
         h.core.tick(h.now)
         assert not h.core.queues["cold"].saturated
+
+
+def test_a_consumer_that_never_settles_does_not_keep_a_drain_time_queue_stopped() -> None:
+    """What a stalled consumer holds leaves the depth drain time is computed over after STALL_SECONDS:
+    slowing the producers cannot drain it, and counting it kept the queue stopped for everyone (a tester:
+    a consumer with prefetch 2,000 that never acked stopped the good producer for as long as it stayed)."""
+    from flowbroker.policies.drain import STALL_SECONDS
+
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
+    r = Rig(h, "q")
+    queue = h.core.queues["q"]
+    for _ in range(10):
+        r.tick(50, 50)  # 500 msgs/s, measured
+    hoarder = h.consumer("hoarder")
+    hoarder.subscribe("q", prefetch=300)  # takes 300 and never settles them
+    while len(hoarder.tags()) < 300:
+        r.tick(60, 50)
+        hoarder.pump()
+    assert r.stops() and queue.saturated  # 300 held: over 0.5 s x 500/s while they count
+    for _ in range(int(STALL_SECONDS / TICK_SECONDS) + 3):
+        r.tick(50, 50)
+        hoarder.pump()
+    assert queue.stalled_held == 300
+    assert not queue.saturated and r.resumes()  # the good consumer's pace is what the producer gets
+    for _ in range(20):
+        r.tick(50, 50)
+        assert not queue.saturated
+    hoarder.close()  # its 300 go back, flagged redelivered, to the good consumer
+    while r.c.tags() or queue.count:
+        r.tick(0, 100)
+        assert h.now < 60e9
+    assert sorted(r.c.bodies()) == [b"m%06d" % i for i in range(r.sent)]  # nothing lost, nothing twice
