@@ -118,6 +118,11 @@ def queue_row(q: dict[str, Any]) -> list[Any]:
     ]
 
 
+
+def _secs(value: float) -> str:
+    """A time threshold: its seconds, or off (0)."""
+    return f"{value:g} s" if value else "off"
+
 def queue_text(q: dict[str, Any]) -> str:
     t = q["thresholds"]
     c = q["counters"]
@@ -132,8 +137,8 @@ def queue_text(q: dict[str, Any]) -> str:
         ("depth", f"{q['depth']['count']} messages, {size_text(q['depth']['bytes'])} ({q['depth']['ready']} ready)"),
         ("flow stop", f"count {limit_text(t['flow_stop_count'])}, size {limit_text(t['flow_stop_size'], True)}"),
         ("flow resume", f"count {limit_text(t['flow_resume_count'])}, size {limit_text(t['flow_resume_size'], True)}"),
-        ("flow time", f"stop drain {t['flow_stop_drain_time'] or 'off'}/age {t['flow_stop_age'] or 'off'} s, "
-                      f"resume drain {t['flow_resume_drain_time'] or 'off'}/age {t['flow_resume_age'] or 'off'} s; "
+        ("flow time", f"stop drain {_secs(t['flow_stop_drain_time'])}/age {_secs(t['flow_stop_age'])}, "
+                      f"resume drain {_secs(t['flow_resume_drain_time'])}/age {_secs(t['flow_resume_age'])}; "
                       f"drain rate {q['drain']['rate']:.0f} msgs/s, oldest ready {q['drain']['oldest_ready_age']:.1f} s"),
         ("max", f"count {limit_text(t['max_count'])}, size {limit_text(t['max_size'], True)}, overflow {t['overflow']}"),
         ("saturated", saturated),
