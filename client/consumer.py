@@ -404,6 +404,12 @@ class Consumer:
         already buffered is handed out whatever the deadline, so `receive(0)` polls."""
         if timeout is not None and timeout <= 0 and self._buffered:
             timeout = None  # (a deadline already passed would cancel even the buffered one's checkpoint)
+        if not self._subscribed and self._subscribing is None and not self._closed and not self._ended:
+            # Never entered: the SUBSCRIBE goes out now, whatever the deadline, so that polling with
+            # receive(0) subscribes (a passed deadline would cancel subscribe() before it sent it) and a
+            # later call finds the subscription made.
+            self._conn._check_open()
+            self._subscribing = self._conn._send_subscribe(self)
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
             msg = await self._next()
             if msg is None:

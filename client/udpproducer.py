@@ -473,9 +473,10 @@ class UdpProducer(Producer):
             log.debug("closing UDP publication %s: %s", session_id, exc)
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """Close the publication: CLOSE_PUBLICATION to the broker, then its socket. Messages not yet
-        complete are not waited for (`flush()` first, or leave the `async with` block, which does); the
-        broker forgets the publication at once, so nothing more is sent on it (no end of stream)."""
+        """Close the publication: CLOSE_PUBLICATION to the broker, then its socket, within `timeout`
+        in all (None: the connection's `close_timeout`). Messages not yet complete are not waited for
+        (`flush()` first, or leave the `async with` block, which does, within the same `close_timeout`);
+        the broker forgets the publication at once, so nothing more is sent on it (no end of stream)."""
         if self._closed or self.publication is None:
             self._closed = True
             return
@@ -484,17 +485,20 @@ class UdpProducer(Producer):
         conn = self._conn
         session_id = self.session_id
         assert session_id is not None
-        await self._unregister(session_id, timeout)
+        limit = conn.close_timeout if timeout is None else timeout
+        deadline = trio.current_time() + limit
+        await self._unregister(session_id, limit)  # (None would have been request_timeout: 30 s)
         conn._udp_producers.pop(session_id, None)
         self._scope.cancel()
-        with trio.move_on_after(conn.close_timeout):
+        with trio.move_on_at(deadline):
             await self._done.wait()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        deadline = trio.current_time() + self._conn.close_timeout  # the flush and the close together
         try:
             await super().__aexit__(exc_type, exc, tb)
         finally:
             with trio.CancelScope(shield=True):
-                await self.aclose()
+                await self.aclose(max(0.0, deadline - trio.current_time()))

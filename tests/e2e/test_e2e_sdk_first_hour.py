@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import trio
@@ -99,6 +100,49 @@ async def test_receive_on_a_consumer_never_entered_subscribes_within_its_deadlin
             pass
         with pytest.raises(trio.EndOfChannel):
             await consumer.receive(timeout=1)
+
+
+async def test_polling_a_consumer_never_entered_with_receive_0_subscribes_and_gets_the_messages(
+        start_flowbroker) -> None:
+    """receive(0) polls; on a consumer never entered its passed deadline cancelled subscribe() before the
+    SUBSCRIBE went out, so a poll loop got nothing for ever (a tester: 59 polls, no message)."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=LIMIT) as conn:
+        await _fill(conn, "polled", 3)
+        consumer = conn.consumer("polled")
+        got: list[bytes] = []
+        with trio.fail_after(5):
+            while len(got) < 3:
+                try:
+                    msg = await consumer.receive(0)
+                except fc.ReceiveTimeout:
+                    await trio.sleep(0.02)
+                    continue
+                got.append(msg.body)
+                await msg.ack()
+        assert got == [b"m0", b"m1", b"m2"]
+        await consumer.aclose()
+
+    def poll_blocking() -> list[bytes]:
+        with blocking.connect(broker.url, timeout=LIMIT) as bconn:
+            bconn.declare_queue("polled-blocking")
+            producer = bconn.producer(routing_key="polled-blocking")
+            producer.send(b"a", timeout=LIMIT)
+            producer.send(b"b", timeout=LIMIT)
+            producer.flush(timeout=LIMIT)
+            bconsumer = bconn.consumer("polled-blocking")
+            bodies: list[bytes] = []
+            for _ in range(250):  # 5 s at most
+                for m in bconsumer.receive_many(10, 0):
+                    bodies.append(m.body)
+                    m.ack()
+                if len(bodies) == 2:
+                    break
+                time.sleep(0.02)
+            bconsumer.close()
+            return bodies
+
+    assert await trio.to_thread.run_sync(poll_blocking) == [b"a", b"b"]
 
 
 async def test_first_use_of_a_consumer_of_a_missing_queue_raises_not_found(start_flowbroker) -> None:

@@ -404,3 +404,37 @@ async def test_a_message_with_its_envelope_is_at_most_an_eighth_of_a_term(start_
                 await producer.send(b"l" * (largest + 1))
             await producer.flush(timeout=LIMIT)
     assert [len(m.body) for m in broker.core.queues["q"].store] == [largest]
+
+
+async def test_leaving_a_udp_producer_block_with_the_broker_stopped_takes_close_timeout_not_request_timeout(
+        tmp_path: Any) -> None:
+    """The flush and the CLOSE_PUBLICATION share the block's close_timeout; the close waited the
+    connection's request_timeout on its own (a tester: 31 s with close_timeout 1, request_timeout 30)."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
+
+    port = free_port()
+    proc = subprocess.Popen([FLOWBROKER, "serve", "--port", str(port), "--admin-port", "0", "--udp-endpoint",
+                             "127.0.0.1:0", "--data-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_listening(port, proc)
+        async with await fc.connect(f"flowbroker://127.0.0.1:{port}", timeout=LIMIT, close_timeout=0.5,
+                                    request_timeout=10) as conn:
+            await conn.declare_queue("frozen")
+            with pytest.raises(fc.PublishFailures) as failures:
+                async with conn.producer("", "frozen", transport="udp") as producer:
+                    await producer.send(b"kept", timeout=LIMIT)
+                    await producer.flush(timeout=LIMIT)
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    await producer.send(b"unconfirmed", timeout=LIMIT)
+                    began = trio.current_time()
+            left_after = trio.current_time() - began
+            assert failures.value.unconfirmed == 1
+            assert left_after < 2, left_after  # close_timeout 0.5 (+ slack), not request_timeout 10
+            os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        stop(proc)
