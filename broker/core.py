@@ -87,6 +87,10 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 
 _owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _new_message = object.__new__  # (a Message built field by field on the router's hot path: BrokerCore.route)
+_THRESHOLD_FIELDS = ("max_count", "max_size", "flow_stop_count", "flow_resume_count", "flow_stop_size",
+                     "flow_resume_size", "flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age",
+                     "flow_resume_age")
+"""A queue's thresholds as declared and shown (what a redeclare's ALREADY_EXISTS names when they differ)."""
 _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KEY_BYTES in any encoding
 PACE_MAX_NS = 100_000_000
 """The longest a paced producer's completions wait for its queue to catch up (checked by the flow timer, so
@@ -880,8 +884,13 @@ class BrokerCore:
                                f"queue {name!r} exists durable: declare it durable=True, or with no arguments "
                                "to take it as it is, or delete it first to make it memory-only", name)
         if queue.thresholds != thresholds or queue.overflow is not overflow:
+            differ = [f"{key} {getattr(queue.thresholds, key)!r} (declared {getattr(thresholds, key)!r})"
+                      for key in _THRESHOLD_FIELDS if getattr(queue.thresholds, key) != getattr(thresholds, key)]
+            if queue.overflow is not overflow:
+                differ.append(f"overflow {queue.overflow.value!r} (declared {overflow.value!r})")
             raise RequestError(ErrorCode.ALREADY_EXISTS,
-                               f"queue {name!r} exists with other arguments; change thresholds with a queue set",
+                               f"queue {name!r} exists with other arguments: {', '.join(differ)}; change them with "
+                               "`flowbroker queue set` (or PATCH /api/queues/NAME), or declare it as it is",
                                name)
 
     def charge_owner(self, queue: Queue, owner: str | None) -> None:

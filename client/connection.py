@@ -711,6 +711,8 @@ class Connection:
         still gets its answer (and its `on_ok` runs), which a later call can wait for again."""
         limit = self.request_timeout if timeout is None else timeout
         try:
+            if not limit >= 0:  # (nan too); a kept request's answer is still taken when it comes
+                raise ValueError(f"request timeout must be >= 0 seconds, or None for request_timeout, got {timeout!r}")
             with trio.move_on_after(limit):
                 await pending.event.wait()
         finally:
@@ -719,7 +721,9 @@ class Connection:
         if pending.error is not None:
             raise pending.error
         if pending.result is None:
-            raise RequestTimeout(ErrorCode.INTERNAL_ERROR, f"no answer within {limit:g} s", request_id)
+            raise RequestTimeout(ErrorCode.IDLE_TIMEOUT,
+                                 f"the broker did not answer request {request_id} within {limit:g} s (stopped, "
+                                 "overloaded or far away?); it may still take effect", request_id)
         return pending.result
 
     async def declare_queue(

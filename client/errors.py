@@ -261,7 +261,15 @@ class RequestError(FlowbrokerError):
 
 
 class RequestTimeout(RequestError, TimeoutError):
-    """The broker did not answer a request before the deadline."""
+    """The broker did not answer a request before the deadline. Its `code` is IDLE_TIMEOUT (the broker
+    said nothing about it: no fault of its own is known), and the request may still take effect."""
+
+    def __init__(self, code: ErrorCode, text: str, request_id: int | None = None, destination: str | None = None):
+        super().__init__(code, text, request_id, destination)
+        self.args = (text,)  # str(): the text alone, not a broker error code it never sent
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class ReceiveTimeout(FlowbrokerError, TimeoutError):

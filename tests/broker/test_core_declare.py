@@ -63,3 +63,14 @@ def test_a_redeclare_of_the_same_durability_is_idempotent() -> None:
         assert isinstance(declare(client, name, durable), Ok)
         assert h.core.queues[name].durable is durable
     refused(declare(client, "qTrue", True, flow_stop_count=20))  # other arguments: refused as before
+
+
+def test_a_redeclare_with_other_arguments_names_each_that_differs() -> None:
+    """client.md: ALREADY_EXISTS "saying what differs" (it said only "other arguments")."""
+    h = Harness()
+    client = h.producer()
+    assert isinstance(declare(client, "rq", False, max_count=10, flow_stop_count=8), Ok)
+    text = refused(declare(client, "rq", False, max_count=20, flow_stop_count=8, overflow="drop-head"))
+    assert "max_count 10 (declared 20)" in text and "overflow 'reject' (declared 'drop-head')" in text
+    assert "flow_stop_count" not in text  # the same as declared: not named
+    assert "flowbroker queue set" in text
