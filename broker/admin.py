@@ -65,6 +65,12 @@ HTTP_DRAIN_SECONDS = 2.0
 # hypercorn's own "Running on http://... (CTRL + C to quit)" repeats our "admin API on" line: not logged.
 HTTP_LOGGER.addFilter(lambda record: not str(record.msg).startswith("Running on"))
 MAX_BODY = 64 * 1024
+HTTP_STALL_SECONDS = 10.0
+"""An HTTP client that takes none of an answer's bytes for this long is cut off by the kernel
+(TCP_USER_TIMEOUT, which Linux applies to a zero window too). hypercorn writes with no deadline of its
+own, in a shielded scope: a client that asked for /metrics (no token needed) and never read held the
+whole answer in the broker's memory, and kept the broker from exiting at SIGTERM, for as long as it
+stayed connected."""
 
 PeerOf = Callable[[int], str | None]
 
@@ -543,6 +549,8 @@ def listen(host: str, port: int, section: str) -> tuple[int, int]:
         raise AdminStartError(f"[{section}] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) inherited by every accepted socket
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(HTTP_STALL_SECONDS * 1000))
         sock.bind(address)
         sock.listen(128)  # connections wait in the backlog until hypercorn accepts them
     except OSError as exc:

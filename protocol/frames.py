@@ -20,7 +20,13 @@ from functools import partial
 from typing import Any, Callable, ClassVar, NamedTuple, Union
 
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_HEADERS, MAX_MAP_ITEMS, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.limits import (
+    MAX_ENTRIES_PER_FRAME,
+    MAX_ERROR_TEXT,
+    MAX_HEADERS,
+    MAX_MAP_ITEMS,
+    MAX_RANGES_PER_FRAME,
+)
 
 __all__ = [
     "FrameType",
@@ -372,12 +378,25 @@ class Error:
     destination: str | None = None
     session_id: int | None = None  # the UDP publication (REGISTER_PUBLICATION's session id) it concerns
 
+    def __post_init__(self) -> None:
+        if type(self.text) is str and len(self.text) > MAX_ERROR_TEXT:  # (a decoder checks the type after)
+            object.__setattr__(self, "text", _cut(self.text))
+
 
 @dataclass(frozen=True, slots=True)
 class Close:
     TYPE: ClassVar[FrameType] = FrameType.CLOSE
     code: ErrorCode
     reason: str
+
+    def __post_init__(self) -> None:
+        if type(self.reason) is str and len(self.reason) > MAX_ERROR_TEXT:
+            object.__setattr__(self, "reason", _cut(self.reason))
+
+
+def _cut(text: str) -> str:
+    """An ERROR text or CLOSE reason cut to MAX_ERROR_TEXT characters (protocol/limits.py)."""
+    return text[: MAX_ERROR_TEXT - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)

@@ -491,3 +491,36 @@ async def test_delete_and_purge_a_queue(broker: Any) -> None:
 async def test_a_refusal_naming_an_exchange_names_no_field(broker: Any) -> None:
     status, answer, _ = await api(broker, "DELETE", "/api/exchanges/amq.direct")
     assert status == 400 and "amq.direct" in answer["error"]["message"] and "field" not in answer["error"], answer
+
+
+async def test_a_client_that_never_reads_its_metrics_answer_is_cut_off_and_cannot_hold_the_shutdown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hypercorn writes an answer in a shielded scope with no deadline: a client that asked for /metrics (no
+    token needed) and never read kept the whole answer in memory and the broker from exiting at SIGTERM for
+    as long as it stayed connected (a tester: 97 s). The kernel now cuts it off (TCP_USER_TIMEOUT)."""
+    import socket
+
+    from flowbroker.broker import admin
+    from tests.serving import serving
+
+    monkeypatch.setattr(admin, "HTTP_STALL_SECONDS", 1.0)
+    attacker = socket.socket()
+    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        with trio.fail_after(20):
+            async with serving(admin={"enabled": True, "port": 0}) as server:
+                for i in range(3000):  # an answer of megabytes: more than the sockets' buffers hold
+                    server.core.declare_queue(f"queue-{i:05d}-" + "x" * 40)
+                assert server.admin is not None and server.admin.port is not None
+                attacker.connect(("127.0.0.1", server.admin.port))
+                attacker.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                await trio.sleep(2.5)  # the answer stalls: the kernel cuts it after HTTP_STALL_SECONDS
+                began = trio.current_time()
+            took = trio.current_time() - began
+        assert took < admin.HTTP_DRAIN_SECONDS + 3, took
+        attacker.setblocking(False)
+        with pytest.raises(OSError):  # reset by the broker's side
+            while attacker.recv(1 << 20):
+                pass
+    finally:
+        attacker.close()

@@ -259,3 +259,16 @@ def test_body_bigger_than_its_declared_length_is_malformed() -> None:
 def test_unencodable_frames_raise_local_protocol_error(frame: Frame) -> None:
     with pytest.raises(LocalProtocolError):
         encode_frame(frame)
+
+
+def test_an_error_text_or_close_reason_is_cut_to_max_error_text() -> None:
+    """Texts quote what the peer sent (a 60,000-character bad argument was echoed in full): a client that
+    never reads could have 10,000 such ERRORs pending on its connection, 600 MiB (a tester)."""
+    from flowbroker.protocol.frames import Close, Error
+    from flowbroker.protocol.limits import MAX_ERROR_TEXT
+
+    long = "overflow must be 'reject' or 'drop-head', got " + "x" * 60_000
+    error = Error(ErrorCode.INVALID_ARGUMENT, long, None, 7)
+    assert len(error.text) == MAX_ERROR_TEXT and error.text.endswith("...") and error.text.startswith(long[:100])
+    assert len(Close(ErrorCode.SHUTDOWN, long).reason) == MAX_ERROR_TEXT
+    assert Error(ErrorCode.NOT_FOUND, "short").text == "short"
