@@ -10,6 +10,7 @@ pushes the sizes it returns to the clients.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, KeysView, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
@@ -193,12 +194,32 @@ def dynamic_size(config: CreditPolicyConfig) -> int:
 
 def aggressive_size(config: CreditPolicyConfig, connections: int, pool: int | None = None) -> int:
     """``aggressive``: ``pool`` (by default aggressive_percent of Q) split evenly over ``connections``
-    producers, clamped to [min, max]. Above the pool only when the clamp's floor lifts it; the
-    allocator then gives the share to as many producers as the pool holds, in order (see docs)."""
+    producers, at most ``max_size``. ``min_size`` lifts the share only while the pool holds it for every
+    producer, which an even split already does: below it the split stays even (at least 1 byte), so
+    every producer gets a share and none waits for an earlier one to leave. (Couchbase lifts it above
+    the pool and overcommits; lifting within the pool made the producers past pool / min_size wait, for
+    as long as the first ones stayed connected: with a 64 MiB quota, every producer but the first.)"""
     if connections < 1:
         raise ValueError(f"connections must be >= 1, got {connections}")
     share = (config.aggressive_pool_bytes if pool is None else pool) // connections
-    return clamp(share, config.min_size, config.max_size)
+    if share < config.min_size:
+        # Rounded down to a step of 2^(1/4) (19 %): a change of the share is pushed to every producer,
+        # so an exact split would cost N BUFFER_CONTROLs at each of N registrations (N^2); in steps the
+        # share changes about 40 times from 10 MiB to 10 KB, and at least 84 % of the pool is handed out.
+        return _stepped(share)
+    return min(share, config.max_size)
+
+
+def _stepped(size: int) -> int:
+    """The largest whole 2^(k/4) (k whole) not above `size`, at least 1."""
+    if size < 2:
+        return 1
+    k = int(math.log2(size) * 4)
+    while int(2 ** ((k + 1) / 4)) <= size:  # (float rounding either way)
+        k += 1
+    while int(2 ** (k / 4)) > size:
+        k -= 1
+    return int(2 ** (k / 4))
 
 
 def share_target(config: CreditPolicyConfig, shareable: int, producers: int) -> int:

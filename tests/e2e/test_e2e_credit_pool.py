@@ -112,3 +112,39 @@ async def test_a_connection_the_pool_has_no_byte_for_is_refused_in_the_handshake
             await fb.connect(broker.url, timeout=10)
         assert refused.value.code is fb.ErrorCode.RESOURCE_EXHAUSTED and "credit pool" in str(refused.value)
         assert not any(conn.is_closed for conn in opened)  # nobody else is touched
+
+
+async def test_with_a_small_pool_a_second_producer_gets_a_share_while_the_first_stays_busy(
+        start_flowbroker: Any) -> None:
+    """The defaults with a 64 MiB quota: a pool of 3.2 MiB, under min_size (10 MiB). The first producer
+    took the whole pool and the second waited for as long as the first stayed connected (three testers
+    met it); now the pool is split between them."""
+    broker = await start_flowbroker(server={"memory_quota": 64 * MiB}, admin={"token": TOKEN})
+    async with await fb.connect(broker.url, client_name="first") as first, \
+            await fb.connect(broker.url, client_name="second") as second:
+        await first.declare_queue("busy", max_size=0, flow_stop_size=0, flow_stop_count=0)
+        await first.declare_queue("late")
+        busy = first.producer(routing_key="busy")
+        stop = trio.Event()
+
+        async def keep_busy() -> None:
+            while not stop.is_set():
+                await busy.send(b"b" * 1000, timeout=10)
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_busy)
+            with trio.fail_after(10):
+                while busy.statistics().completed < 500:
+                    await trio.sleep(0.01)
+            late = second.producer(routing_key="late")
+            with trio.fail_after(10):
+                for i in range(200):
+                    await late.send(b"%d" % i, timeout=5)
+                await late.flush(timeout=5)
+            policy = await ok(broker, "GET", "/api/policy")
+            stop.set()
+        sizes = {c["client_name"]: c["buffer_size"] for c in policy["granted"]["connections"]}
+        assert sizes["first"] > 1 and sizes["second"] > 1, sizes  # both hold a share
+        assert policy["granted"]["waiting"] == 0
+        await busy.flush(timeout=10)
