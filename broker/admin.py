@@ -343,6 +343,8 @@ async def _json_body(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[..." 30,000 deep: the decoder's recursion, not a bug of ours
+        raise ApiError(400, "invalid_json", "the body is nested too deeply to be a request") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object")
     return body

@@ -27,6 +27,7 @@ from flowbroker.broker.message import HeldTransfer
 from flowbroker.broker.queue import Queue
 from flowbroker.broker.session import Session
 from flowbroker.broker.subscription import Subscription
+from flowbroker.broker.udp.datapath import REFUSAL_REASONS
 from flowbroker.policies.credit import CreditPolicyConfig
 from flowbroker.protocol.credit import SenderWindow
 from flowbroker.protocol.names import QUEUE_ARGUMENTS, THRESHOLD_ADMIN, THRESHOLD_MEMORY
@@ -425,7 +426,7 @@ def udp_view(core: BrokerCore) -> dict[str, Any] | None:
         "publications": stats.publications,
         "subscriptions": stats.subscriptions,
         "datagrams_received": stats.datagrams_received,
-        "refused": dict(stats.refused),
+        "refused": {**dict.fromkeys(REFUSAL_REASONS, 0), **dict(stats.refused)},  # every reason, 0 too
         "images": stats.images,
         "loss_gaps": stats.loss_gaps,
         "naks_sent": stats.naks_sent,

@@ -193,6 +193,9 @@ async def test_bad_patches_name_the_field(broker: Any) -> None:
         assert answer["error"]["field"] == field and field in answer["error"]["message"]
     status, answer, _ = await api(broker, "PATCH", "/api/queues/q", raw=b"{not json")
     assert status == 400 and answer["error"]["code"] == "invalid_json"
+    for deep in (b"[" * 30_000, b'{"a":' * 5_000):  # the decoder's recursion: a bad body, not a bug (500)
+        status, answer, _ = await api(broker, "PATCH", "/api/queues/q", raw=deep)
+        assert status == 400 and answer["error"]["code"] == "invalid_json", answer
     status, answer, _ = await api(broker, "PATCH", "/api/queues/missing", {"flow_stop_count": 1})
     assert status == 404 and "'missing'" in answer["error"]["message"]
     assert broker.core.queues["q"].thresholds.flow_stop_count == 0  # nothing was applied

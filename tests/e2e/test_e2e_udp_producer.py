@@ -301,7 +301,8 @@ async def test_the_admin_api_shows_the_data_path_and_its_refusals(start_flowbrok
         await wait_until(lambda: datapath.refused["malformed"] == 1)
         view = await ok(broker, "GET", "/api/broker")
         assert view["udp"]["endpoint"] == f"127.0.0.1:{broker.udp_port}"
-        assert view["udp"]["publications"] == 1 and view["udp"]["refused"] == {"malformed": 1}
+        assert view["udp"]["publications"] == 1 and view["udp"]["refused"]["malformed"] == 1
+        assert view["udp"]["refused"]["wrong_source"] == 0  # every reason is there, 0 until it happens
         assert view["udp"]["images"] == 1 and view["udp"]["naks_sent"] == 0 == view["udp"]["retransmits_sent"]
         names = [c["client_name"] for c in (await ok(broker, "GET", "/api/connections"))["connections"]]
         assert f"shown udp:{producer.session_id}" in names  # type: ignore[attr-defined]
