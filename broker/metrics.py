@@ -50,6 +50,9 @@ QUEUE_STEP = 200
 
 _QUEUE = ["queue"]
 _PRODUCER = ["connection", "client_name", "identity"]
+MAX_LABEL_CHARS = 128
+"""A client's own name (up to a control frame long) in a label: cut, so 100 producers with 65,000-character
+names cannot make every scrape 46 MB (a tester), nor Prometheus store them."""
 
 
 def build_version() -> str:
@@ -127,8 +130,10 @@ class Scrape:
                     self.stuck[sub.queue.name] = self.stuck.get(sub.queue.name, 0) + 1
             for sub in session.subscriptions.values():
                 sums = self.consumer_buffers.setdefault(sub.queue.name, [0, 0])
-                sums[0] += sub.sender_window.window
-                sums[1] += sub.sender_window.outstanding
+                sender = sub.sender_window
+                if sender.window:  # a consumer without a byte buffer acknowledges nothing: its count only grows
+                    sums[0] += sender.window
+                    sums[1] += sender.outstanding
             if role not in ("producer", "both"):
                 continue
             if len(self.producers) >= max_producer_series:
@@ -137,7 +142,8 @@ class Scrape:
             window = session.transfers.window
             stops = stopped_destinations(session)
             self.producers.append(_ProducerRow(
-                [str(session.conn_id), session.client_name, session.identity], session.buffer_size,
+                [str(session.conn_id), session.client_name[:MAX_LABEL_CHARS], session.identity[:MAX_LABEL_CHARS]],
+                session.buffer_size,
                 window.position - window.acked_position, _seconds(now, stops[0][1]) if stops else None,
                 session.flow_stops, session.paced_total, window.position, [(stop[0], stop[3]) for stop in stops],
             ))
