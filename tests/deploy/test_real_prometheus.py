@@ -119,10 +119,13 @@ def prometheus(broker: Broker, tmp_path: Path) -> Iterator[Prometheus]:
         assert shipped.count(old) == count, old
         shipped = shipped.replace(old, new)
     (conf / "prometheus.yml").write_text(shipped)
-    # alerts.yml as shipped but every `for:` shortened to 2 s, so that alerts fire within the test
+    # alerts.yml as shipped but every `for:` shortened to 2 s, and the stops' own clocks (5 and 10 minutes)
+    # to 2 s, so that alerts fire within the test
     rules, shortened = re.subn(r"^(\s+for: )\d+[smh]$", r"\g<1>2s", (DEPLOY / "prometheus" / "alerts.yml").read_text(),
                                flags=re.MULTILINE)
-    assert shortened >= 10
+    assert shortened >= 8
+    rules, clocks = re.subn(r"(_(?:flow_stopped|saturated)_seconds) >= \d+$", r"\1 >= 2", rules, flags=re.MULTILINE)
+    assert clocks == 2
     (conf / "alerts.yml").write_text(rules)
 
     port = free_port()
