@@ -265,6 +265,7 @@ class Connection:
         self._acks: dict[int, BufferAck] = {}
         self._noop_replies: collections.deque[int] = collections.deque(maxlen=NOOP_REPLIES_KEPT)
         self._writer_done = trio.Event()
+        self._close_deadline: float | None = None  # the first close's: a later one waits no longer
         self._writer_scope = trio.CancelScope()
         self._writing = False
         self._write_seq = 0
@@ -467,6 +468,12 @@ class Connection:
         await self._close_by(trio.current_time() + self.close_timeout)
 
     async def _close_by(self, deadline: float) -> None:
+        # aclose() and then the block's end: one close_timeout in all, not one each (the writer that did
+        # not finish by the first deadline is not waited for again)
+        if self._close_deadline is None:
+            self._close_deadline = deadline
+        else:
+            deadline = min(deadline, self._close_deadline)
         if self._closed is None:
             self._shutdown(ConnectionClosed(ErrorCode.NORMAL, "closed by the application"), graceful=True)
             self._final_frames.append(Close(ErrorCode.NORMAL, "client closing"))

@@ -219,3 +219,21 @@ async def test_frames_in_the_same_read_as_welcome_are_handled_at_once(start_brok
             while conn.flow_state.destinations != ("*",):
                 await trio.sleep(0.01)
         assert conn.statistics().frames_received == 2
+
+
+async def test_aclose_and_then_the_blocks_end_wait_one_close_timeout_in_all(start_broker) -> None:
+    """With the writer stalled (a broker that reads nothing), aclose() waited close_timeout, and leaving the
+    block waited it again (a tester: 2 x 2 s)."""
+    broker = await start_broker(auto_complete=False)
+    began = 0.0
+    with pytest.raises(fc.PublishFailures):
+        async with await fc.connect(broker.url, timeout=5, close_timeout=1) as conn:
+            fake = await broker.connection()
+            fake.pause_reading()
+            producer = conn.producer(routing_key="q", window=10_000)
+            for _ in range(400):  # 26 MB: more than the kernel buffers of a loopback connection hold
+                await producer.send(b"x" * 65536)
+            began = trio.current_time()
+            await conn.aclose()
+            assert 0.9 <= trio.current_time() - began <= 1.5
+    assert trio.current_time() - began <= 1.6  # not a second close_timeout
