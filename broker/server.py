@@ -102,6 +102,10 @@ READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core 
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
 DRAIN_BYTES = 1024 * 1024  # ...and how much of it
 DESCRIPTOR_RESERVE = 64  # descriptors beyond max_connections: listeners, the admin API, logs
+PIECE_DELIVERS = 4
+"""DELIVER frames encoded at once (each about 512 KiB at most, plus one message): the rest of what was
+collected waits, unencoded, until the piece is written. A consumer that does not read its socket held a
+second, encoded copy of everything delivered to it (a tester: RSS about twice the watermark)."""
 USERS_CHECK_SECONDS = 1.0  # how often the users file is looked at (a stat) for changed permissions
 CONNECTION_SUMMARY_SECONDS = 60.0  # connections open and close at DEBUG; INFO gets a summary this often
 HTTP_METHODS = (b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE", b"PATC", b"OPTI", b"CONN", b"TRAC")
@@ -512,6 +516,7 @@ class ConnectionHandler:
         self._wakeup = trio.Event()
         self._writing = False  # the writer task is inside _write: nobody else may write
         self._unsent = b""  # what a direct write could not send; the writer sends it before anything newer
+        self._rest: list[Frame] = []  # collected, not encoded yet (`_piece`): the writer sends it next
         self._closing: _Closing | None = None
         self._cancel = trio.CancelScope()
         self._reading = trio.CancelScope()  # the reader alone: cancelled by stop_reading() at shutdown
@@ -775,12 +780,16 @@ class ConnectionHandler:
 
     def _flush_now(self) -> None:
         session, io = self.session, self.io
-        if self._writing or self._unsent or session is None or self._closing is not None or not io.direct:
+        if (self._writing or self._unsent or self._rest or session is None or self._closing is not None
+                or not io.direct):
             self._wakeup.set()  # the writer collects what is due (after its current write)
             return
         frames = session.collect(now_ns())
         if not frames:
             return
+        frames = self._piece(frames)
+        if self._rest:
+            self._wakeup.set()
         data = self._encode(frames)
         if data is None:
             return
@@ -910,13 +919,26 @@ class ConnectionHandler:
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
-            frames = session.collect(now_ns())
-            if frames or self._unsent:
-                encoded = self._encode(frames)
+            frames = self._rest + session.collect(now_ns()) if self._rest else session.collect(now_ns())
+            self._rest = []
+            while frames or self._unsent:
+                encoded = self._encode(self._piece(frames))
                 if encoded is None:
                     return
                 data, self._unsent = self._unsent + encoded, b""
                 await self._write(data)
+                frames, self._rest = self._rest, []
+
+    def _piece(self, frames: list[Frame]) -> list[Frame]:
+        """The front of `frames` up to PIECE_DELIVERS DELIVER frames; the rest goes to `_rest`."""
+        delivers = 0
+        for i, frame in enumerate(frames):
+            if type(frame) is Deliver:
+                delivers += 1
+                if delivers > PIECE_DELIVERS:
+                    self._rest = frames[i:]
+                    return frames[:i]
+        return frames
 
     async def _write(self, data: bytes) -> None:
         """send_all that knows how far it got: cancelled (the connection is closing), what the peer
@@ -975,7 +997,8 @@ class ConnectionHandler:
         reason = self._closing or _Closing(ErrorCode.NORMAL, "connection ended", error=False)
         frames: list[Frame] = []
         try:
-            frames = [f for f in session.collect(now_ns()) if not isinstance(f, Deliver)]
+            rest, self._rest = self._rest, []  # collected and never encoded: completions among them
+            frames = [f for f in rest + session.collect(now_ns()) if not isinstance(f, Deliver)]
         except Exception as exc:
             LOGGER.error("connection %d: collecting its last frames failed", session.conn_id, exc_info=exc)
         try:

@@ -509,3 +509,38 @@ async def test_connection_over_max_connections_is_refused_with_a_reason(start_fl
         assert broker.core.errors_sent[ErrorCode.RESOURCE_EXHAUSTED] == 1  # (flowbroker_frames_refused_total)
         await first.declare_queue("still-served")
     assert "still-served" in broker.core.queues
+
+
+async def test_a_consumer_that_never_reads_holds_at_most_a_piece_of_its_deliveries_encoded(start_flowbroker) -> None:
+    """The writer encoded everything it collected at once: a subscriber with prefetch 0 that never read its
+    socket had all of a 200 MiB queue encoded beside the messages (RSS twice the watermark, a tester). Now
+    it encodes PIECE_DELIVERS DELIVER frames at a time and the rest waits unencoded."""
+    from flowbroker.broker.server import PIECE_DELIVERS
+    from flowbroker.protocol import Subscribe
+
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=LIMIT) as conn:
+        await conn.declare_queue("big", max_size=0)
+        producer = conn.producer(routing_key="big")
+        for _ in range(160):  # 40 MiB
+            await producer.send(b"y" * (256 * 1024), timeout=LIMIT)
+        await producer.flush(timeout=LIMIT)
+    reader = await RawClient.connect(broker.port, flow_control=False)
+    try:
+        await reader.send(Subscribe(1, 1, "big", 0, 0))  # no prefetch, no buffer: everything is due
+        handler = None
+        with trio.fail_after(LIMIT):
+            while handler is None or not handler._rest:
+                await trio.sleep(0.05)
+                handler = next((h for h in broker.server.connections.values()
+                                if h.session is not None and h.session.subscriptions), None)
+        await trio.sleep(0.5)
+        encoded = len(handler._unsent)
+        assert encoded <= PIECE_DELIVERS * (512 * 1024 + 256 * 1024 + 4096), encoded
+        assert sum(1 for f in handler._rest if type(f).__name__ == "Deliver") > 20  # the rest: not encoded
+    finally:
+        await reader.stream.aclose()
+    queue = broker.core.queues["big"]
+    with trio.fail_after(LIMIT):  # requeued with the connection: all there, none lost
+        while len(queue.store) != 160:
+            await trio.sleep(0.05)
