@@ -560,6 +560,13 @@ class BrokerCore:
                         session.send(Error(code, text, None, tid, dest))
                     if producer_id is not None:
                         self.producer_sequences.was_refused(producer_id, sequence, tuple(errors))  # type: ignore[arg-type]
+                if len(targets) > 1 and self.memory.over():
+                    # A fan-out multiplies what one entry holds: checked per entry here, not once per frame,
+                    # so one frame of 1,024 messages to 4,000 bound queues cannot hold 33x the watermark
+                    # (a tester). The rest of the frame is refused (no flow control) or held (flow control).
+                    self._memory_alarm()
+                    memory_refusal = not session.flow_control
+                    broker_hold = session.flow_control
                 last = None
                 if held or broker_hold or durable_queue is not None:
                     self._hold(session, tid, size, held, broker_hold, durable_queue)
