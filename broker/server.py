@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -960,6 +961,9 @@ class ConnectionHandler:
         tick = min(idle / 3, 1.0)
         stuck_ns = int(cfg.stuck_timeout * 1e9)
         reported_ns: int | None = None  # when it was last reported stuck
+        # Each connection's ticks at a phase of its own: connections opened together (10,000 at once) would
+        # otherwise all send their NOOPs in the same tick and stall the loop (100-500 ms, a tester).
+        await trio.sleep(tick * random.random())
         while True:
             await trio.sleep(tick)
             now = trio.current_time()
