@@ -407,10 +407,18 @@ class Producer:
         return "window" if self._outstanding >= self.window else "buffer"
 
     def _describe_wait(self) -> str:
-        credit = self._conn.sender_window
+        conn = self._conn
+        credit = conn.sender_window
+        why = ""
+        if conn.reconnecting:
+            why = "; the connection is reconnecting (an idempotent producer's resend comes first)"
+        elif credit.window == 1 and credit.outstanding:
+            # WAIT_GRANT: the broker's credit pool has no share for this connection yet (docs/policies.md)
+            why = ("; the broker has given this connection no share of its credit pool yet: other producers "
+                   "hold it (docs/policies.md, 'Who holds what')")
         return (
             f"{self._outstanding}/{self.window} transfers outstanding, "
-            f"{credit.outstanding}/{credit.window} bytes unacknowledged"
+            f"{credit.outstanding}/{credit.window} bytes unacknowledged{why}"
         )
 
     # -------------------------------------------------------------- called by the connection

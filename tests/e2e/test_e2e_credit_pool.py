@@ -148,3 +148,19 @@ async def test_with_a_small_pool_a_second_producer_gets_a_share_while_the_first_
         assert sizes["first"] > 1 and sizes["second"] > 1, sizes  # both hold a share
         assert policy["granted"]["waiting"] == 0
         await busy.flush(timeout=10)
+
+
+async def test_a_producer_waiting_for_a_share_of_the_pool_is_told_so_by_its_timeout(start_flowbroker: Any) -> None:
+    """Its FlowControlTimeout named no destination and nothing else (a tester): it says now that the
+    broker's pool has no share for it yet."""
+    broker = await start_flowbroker(server={"memory_quota": 12 * MiB},
+                                    credit={"policy": "static", "static_size": 8 * MiB})
+    async with await fb.connect(broker.url) as first, await fb.connect(broker.url) as second:
+        await first.declare_queue("q", max_size=0, flow_stop_size=0)
+        holder = first.producer(routing_key="q")
+        await holder.send(b"x", timeout=5)
+        await holder.flush(timeout=5)  # registered: 8 MiB of the 12 MiB pool; what is left is under one message
+        waiter = second.producer(routing_key="q")
+        await waiter.send(b"first", timeout=5)  # a waiting producer's one message (DCP's overflow rule)
+        with pytest.raises(fb.FlowControlTimeout, match="no share of its credit pool yet"):
+            await waiter.send(b"second", timeout=0.5)

@@ -169,7 +169,7 @@ async def test_send_waits_while_reconnecting_and_flush_goes_through_it(start_flo
                 await trio.sleep(0.01)
         with pytest.raises(fc.FlowControlled):
             await producer.send(b"50", block=False)  # nothing may overtake the messages to send again
-        with pytest.raises(fc.FlowControlTimeout):
+        with pytest.raises(fc.FlowControlTimeout, match="the connection is reconnecting"):
             await producer.send(b"50", timeout=0.2)
         assert not conn.is_closed
         proxy.refusing = False
