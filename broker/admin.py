@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from flowbroker.broker.accept import RateLimitedLog
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.adminusers import AdminUsers, LoginThrottled, basic_credentials
@@ -59,6 +60,9 @@ __all__ = ["AdminServer", "AdminStartError", "BearerAuth", "HttpListener", "crea
            "write_token_file"]
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
+# An address whose failures put its turn past failed_login_max_delay is refused unlooked, as fast as it
+# asks: logged once per 10 s with the count (a flood of wrong passwords wrote 33,000 lines in 15 s).
+_LOG_UNLOOKED = RateLimitedLog(LOGGER, logging.WARNING)
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
 HTTP_DRAIN_SECONDS = 2.0
 """At shutdown, how long the HTTP listeners (admin API, /metrics) answer the requests already in flight."""
@@ -233,7 +237,7 @@ class BearerAuth:
         try:
             checked = await self._users.login(*(pair or ("", "")), client[0] if client else None)
         except LoginThrottled as exc:
-            LOGGER.warning("admin API: HTTP Basic credentials refused unlooked: %s", exc)
+            _LOG_UNLOOKED("admin API: HTTP Basic credentials refused unlooked: %s", exc)
             return _error_response(429, "too_many_failed_logins", str(exc), headers={"Retry-After": "30"})
         if checked is None:
             LOGGER.warning("admin API: refused HTTP Basic credentials for user %s",

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Scope
 
+from flowbroker.broker.accept import RateLimitedLog
 from flowbroker.broker.adminusers import AdminUsers, LoginThrottled
 from flowbroker.broker.logsafe import logsafe
 
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger("flowbroker.broker.console")
+# An address whose failures put its turn past failed_login_max_delay is refused unlooked, as fast as it
+# asks: logged once per 10 s with the count (a flood of wrong passwords wrote 33,000 lines in 15 s).
+_LOG_UNLOOKED = RateLimitedLog(LOGGER, logging.WARNING)
 
 COOKIE = "flowbroker_session"
 """The session cookie's name, followed by `_<admin port>` (cookie_name): a browser keeps one cookie per
@@ -215,7 +219,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
                                             password if isinstance(password, str) else "",
                                             client.host if client is not None else None)
             except LoginThrottled as exc:
-                LOGGER.warning("console: a login refused unlooked: %s", exc)
+                _LOG_UNLOOKED("console: a login refused unlooked: %s", exc)
                 return _error(429, "too_many_failed_logins", str(exc))
             if checked is None:
                 LOGGER.warning("console: a login refused for user %s", logsafe(name))

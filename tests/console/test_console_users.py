@@ -108,7 +108,7 @@ async def _basic_from(broker: Any, source: str, user: str, password: str) -> int
 
 
 async def test_an_address_guessing_admin_passwords_in_parallel_is_throttled_and_nobody_else_is(
-        start_flowbroker: Any, tmp_path: Path) -> None:
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Many wrong passwords sent at once from one address (HTTP Basic, then the console's login) are
     looked at one at a time, the rest refused unlooked (429); an administrator on another address is not
     made to wait. The throttle is the data port's (broker/auth.py LoginThrottle)."""
@@ -130,6 +130,8 @@ async def test_an_address_guessing_admin_passwords_in_parallel_is_throttled_and_
         assert await _basic_from(broker, "127.0.0.2", "root", "r00t") == 200  # during the guessing
     # spaced 0.1, 0.2, 0.4 ... s apart: a few are looked at within the 1 s maximum, the rest refused unlooked
     assert sorted(set(statuses)) == [403, 429] and throttle.refused == statuses.count(429), statuses
+    unlooked = [r for r in caplog.records if "refused unlooked" in r.getMessage()]
+    assert statuses.count(429) > 1 and len(unlooked) == 1  # logged once per 10 s, not once a refusal
     # another address has no failures, so the throttle gives it no wait (admit returns 0 for it)
     assert throttle.failures("127.0.0.2", broker.core.clock_ns()) == 0
     login = await request(broker, "POST", "/login", json.dumps({"username": "root", "password": "no"}).encode(),
