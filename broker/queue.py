@@ -498,6 +498,9 @@ class Queue:
         head = self._head_offset()
         if self.thresholds.time.flow_stop_drain_time:
             self._find_stalled(now_ns)
+        elif self.stalled_held:  # the threshold was taken away: nothing is left out any more
+            self.stalled_held = 0
+            self._progress.clear()
         self.drain.update(now_ns, self.counters.dequeued, self.count - self.stalled_held, bool(self.subscriptions),
                           self.next_offset, head)
         if self.thresholds.time.enabled:
