@@ -480,6 +480,9 @@ class Queue:
         """Apply new watermarks at once: a raised threshold can release producers, a lowered one stops
         the next transfers (Broker-J re-checks in bulkChangeEnd; RabbitMQ #12206 is the bug to avoid)."""
         self.thresholds = thresholds
+        if not thresholds.time.flow_stop_drain_time:  # (the flow timer no longer looks at stalled consumers)
+            self.stalled_held = 0
+            self._progress.clear()
         self._evaluate_time(now_ns)
         if self.saturated:
             self._check_resume()
@@ -498,9 +501,6 @@ class Queue:
         head = self._head_offset()
         if self.thresholds.time.flow_stop_drain_time:
             self._find_stalled(now_ns)
-        elif self.stalled_held:  # the threshold was taken away: nothing is left out any more
-            self.stalled_held = 0
-            self._progress.clear()
         self.drain.update(now_ns, self.counters.dequeued, self.count - self.stalled_held, bool(self.subscriptions),
                           self.next_offset, head)
         if self.thresholds.time.enabled:

@@ -281,3 +281,21 @@ def test_a_consumer_that_never_settles_does_not_keep_a_drain_time_queue_stopped(
         r.tick(0, 100)
         assert h.now < 60e9
     assert sorted(r.c.bodies()) == [b"m%06d" % i for i in range(r.sent)]  # nothing lost, nothing twice
+
+
+def test_taking_the_drain_time_threshold_away_forgets_what_stalled_consumers_held() -> None:
+    from flowbroker.policies.drain import STALL_SECONDS
+    from flowbroker.policies.overflow import Thresholds
+
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
+    r = Rig(h, "q")
+    queue = h.core.queues["q"]
+    hoarder = h.consumer("hoarder")
+    hoarder.subscribe("q", prefetch=50)
+    for _ in range(int(STALL_SECONDS / TICK_SECONDS) + 3):
+        r.tick(20, 10)
+        hoarder.pump()
+    assert queue.stalled_held == 50
+    queue.set_thresholds(Thresholds(), h.now)
+    assert queue.stalled_held == 0
