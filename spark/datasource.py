@@ -27,15 +27,18 @@ NAME = "flowbroker"
 
 
 def _prepare(options: WriteOptions) -> None:
-    """Before any task: reach the broker, and declare the queue of the `queue` option if it is missing
-    (with the broker's defaults; an existing queue is left as it is), as `flowbroker publish` does.
+    """Before any task: reach the broker (with either option: an unreachable one fails `save()` on the
+    driver, not in a task), and declare the queue of the `queue` option if it is missing (with the
+    broker's defaults; an existing queue is left as it is), as `flowbroker publish` does.
 
     Why declare rather than let the tasks fail: a message the broker refuses (no such queue) counts as
-    taken under its producer id and sequence (docs/protocol.md, "Idempotent producers"), so Spark's retry
-    of the failed task would find every row a duplicate and succeed without a single row in any queue."""
-    if options.exchange == "":
-        with blocking.connect(options.url, client_name="flowbroker-spark driver", timeout=options.connect_timeout,
-                              **options.connect_arguments()) as conn:
+    taken under its producer id and sequence (docs/protocol.md, "Idempotent producers"); the broker
+    refuses its resend again while it keeps the refusal, but only the newest 4,096, so a large partition's
+    retry could still find rows that are plain duplicates. An exchange cannot be declared without knowing
+    its kind: a missing one fails the tasks, and their retries, with NotFound."""
+    with blocking.connect(options.url, client_name="flowbroker-spark driver", timeout=options.connect_timeout,
+                          **options.connect_arguments()) as conn:
+        if options.exchange == "":
             conn.declare_queue(options.routing_key)
 
 

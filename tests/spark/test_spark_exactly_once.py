@@ -170,3 +170,26 @@ def test_a_micro_batch_stopped_half_way_and_rewritten_by_stragglers_lands_once(s
     assert sorted(int(m.body) for m in drain(broker.url, queue)) == list(range(4000))
     duplicates = broker.api("/api/broker")["idempotence"]["duplicates"] - before
     assert duplicates >= 500, duplicates  # batch 0 was written again after the stop
+
+
+def test_a_missing_exchange_fails_the_job_and_its_retries_do_not_succeed_without_the_rows(spark, broker):
+    """The rows refused NOT_FOUND are taken under their sequences: the retry's resends were duplicates,
+    and save() succeeded with nothing delivered (a tester, with 2 attempts a task). The broker now
+    refuses them again, so every attempt fails and so does save()."""
+    df = spark.createDataFrame([("1",), ("2",), ("3",)], "value string")
+    with pytest.raises(Exception, match="no exchange named 'nowhere'"):
+        (df.write.format("flowbroker").option("url", broker.url).option("exchange", "nowhere")
+         .option("routingKey", "a").mode("append").save())
+
+
+def test_with_an_exchange_an_unreachable_broker_fails_on_the_driver(spark):
+    """The driver reached the broker only to declare a queue: with the exchange option a task failed
+    instead, after its retries (the docs promise the driver's HandshakeError within connectTimeout)."""
+    from tests.e2e.daemon import free_port
+
+    df = spark.createDataFrame([("1",)], "value string")
+    with pytest.raises(Exception, match="HandshakeError") as failed:
+        (df.write.format("flowbroker").option("url", f"flowbroker://127.0.0.1:{free_port()}")
+         .option("exchange", "amq.direct").option("routingKey", "a").option("connectTimeout", "2")
+         .mode("append").save())
+    assert "PythonException" not in type(failed.value).__name__
