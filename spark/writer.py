@@ -164,8 +164,8 @@ class BatchWriter(DataSourceWriter):
 
     def abort(self, messages: list[Any]) -> None:
         written = [m for m in messages if isinstance(m, PartitionWritten)]
-        log.warning("flowbroker job %s failed; %d partitions were written (%d rows) and stay in the queue; "
-                    "re-submit with option jobId=%s to send only the rest", self.state.job_id, len(written),
+        log.warning("flowbroker job %s failed; %d partitions were written (%d rows) and stay where they were "
+                    "sent; re-submit with option jobId=%s to send only the rest", self.state.job_id, len(written),
                     sum(m.rows for m in written), self.state.job_id)
 
 
