@@ -718,9 +718,9 @@ class Connection:
         still gets its answer (and its `on_ok` runs), which a later call can wait for again."""
         limit = self.request_timeout if timeout is None else timeout
         try:
-            if not limit >= 0:  # (nan too); a kept request's answer is still taken when it comes
-                raise ValueError(f"request timeout must be >= 0 seconds, or None for request_timeout, got {timeout!r}")
-            with trio.move_on_after(limit):
+            if limit != limit:  # a kept request's answer is still taken when it comes
+                raise ValueError("request timeout must be a number of seconds, or None for request_timeout, got nan")
+            with trio.move_on_after(max(limit, 0.0)):  # (a deadline already passed: no wait)
                 await pending.event.wait()
         finally:
             if not keep:

@@ -377,8 +377,9 @@ class Producer:
             self._conn._active_producers.pop(self, None)
 
     async def _wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
-        if not timeout >= 0:  # (nan too)
-            raise ValueError(f"{what} timeout must be >= 0 seconds, or None for the default, got {timeout!r}")
+        if timeout != timeout:
+            raise ValueError(f"{what} timeout must be a number of seconds, or None for the default, got nan")
+        timeout = max(timeout, 0.0)  # a deadline already passed (`deadline - now` < 0): no wait at all
         conn = self._conn
         start = trio.current_time()
         if what == "send":
