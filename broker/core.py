@@ -87,6 +87,9 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 
 _owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _new_message = object.__new__  # (a Message built field by field on the router's hot path: BrokerCore.route)
+SHRINK_ANSWER_NS = 10 * 1_000_000_000
+"""How long a producer may leave a shrink of its buffer unanswered (no BUFFER_LIMIT, no sending that
+drains it) while other producers wait for a share of the pool (`BrokerCore._close_unanswered_shrinks`)."""
 _THRESHOLD_FIELDS = ("max_count", "max_size", "flow_stop_count", "flow_resume_count", "flow_stop_size",
                      "flow_resume_size", "flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age",
                      "flow_resume_age")
@@ -158,6 +161,7 @@ class BrokerCore:
         twice its consumers' combined prefetch (Queue.pace_limit): its completions and credit wait until
         the queue is down to that prefetch (Queue.pace_clear, Queue.paced), or PACE_MAX_NS."""
         self.paced_queues: dict[Queue, None] = {}  # queues with paced producers: what `tick` looks at
+        self.over_grant: dict[Session, int] = {}  # producers whose window is above their grant, since when
         self.recovered_producers: dict[str, int] = {}
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
@@ -230,7 +234,7 @@ class BrokerCore:
             return
         self.connections_closed += 1
         session.detach()
-        session.window_listener = None
+        self._watch_window(session, False)
         if session.paced_on is not None:  # a queue that never catches up must not keep it
             session.paced_on.forget_paced(session)
         if self.udp is not None:  # its UDP publications and subscriptions end with it
@@ -251,23 +255,45 @@ class BrokerCore:
             if s is None:
                 continue
             s.credit_waiting = credit.is_waiting(conn_id)
-            if size != s.buffer_size:
+            drained: dict[int, int] = {}
+            announced = size != s.buffer_size
+            if announced:
                 s.announce_buffer(size)
+                if s.fences_itself and s.transfers.fence(s.transfers.controls, size, s.transfers.window.position):
+                    # A UDP publication: nothing beyond what it sent is promised (its status messages follow
+                    # the new grant); an idle one held its first grant for as long as it stayed registered.
+                    drained = credit.set_window(conn_id, s.transfers.promised)
             # a shrink does not lower the limit (the client may not have seen it yet), so what it may
             # still have unacknowledged stays charged to the pool until acknowledgements overtake it
             # or the client's BUFFER_LIMIT answer lowers the limit (on_buffer_limit).
-            s.window_listener = self._window_moved if s.transfers.promised > size else None
+            over = s.transfers.promised > size
+            self._watch_window(s, over)
+            if over and announced:
+                self.over_grant[s] = self.clock_ns()  # its answer is due from the latest shrink on
+            if drained:
+                self._apply_buffer_sizes(drained)
 
     def _window_moved(self, session: Session) -> None:
         """An acknowledgement went to a producer whose window was above its grant: the promise it
         spent or drained goes back to the pool (and to whoever waits for it)."""
         if not session.open or session.conn_id not in self.credit:
-            session.window_listener = None
+            self._watch_window(session, False)
             return
         window = session.transfers.promised
         if window <= session.buffer_size:
-            session.window_listener = None
+            self._watch_window(session, False)
         self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
+
+    def _watch_window(self, session: Session, over: bool) -> None:
+        """A producer's window is above its grant (a shrink it has not answered yet: acknowledgements
+        then report what drains, `_window_moved`), or no longer. `over_grant` keeps since when, for the
+        flow timer (`tick`): one that leaves it so for SHRINK_ANSWER_NS while producers wait is closed."""
+        if over:
+            session.window_listener = self._window_moved
+            self.over_grant.setdefault(session, self.clock_ns())
+        else:
+            session.window_listener = None
+            self.over_grant.pop(session, None)
 
     def set_credit_policy(self, **settings: Any) -> CreditPolicyConfig:
         """Change the producer credit policy while running; every live grant is recomputed and pushed.
@@ -284,7 +310,7 @@ class BrokerCore:
                 if window > self.credit.window_of(s.conn_id):
                     self._apply_buffer_sizes(self.credit.set_window(s.conn_id, window))
                     if window > s.buffer_size:
-                        s.window_listener = self._window_moved
+                        self._watch_window(s, True)
         for s in self.sessions.values():
             if s.conn_id in self.credit:
                 s.credit_waiting = self.credit.is_waiting(s.conn_id)
@@ -790,7 +816,7 @@ class BrokerCore:
         if lowered:
             window = session.transfers.promised
             if window <= session.buffer_size:
-                session.window_listener = None
+                self._watch_window(session, False)
             self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
 
     def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:
@@ -958,12 +984,30 @@ class BrokerCore:
         PACE_MAX_NS are released. O(those queues) per tick, nothing per message."""
         for queue in self.timed_queues.values():
             queue.tick(now_ns)
+        if self.over_grant and self.credit.waiting():
+            self._close_unanswered_shrinks(now_ns)
         if self.paced_queues:
             before = now_ns - PACE_MAX_NS
             for queue in list(self.paced_queues):
                 queue.release_paced(before)
                 if not queue.paced:
                     del self.paced_queues[queue]
+
+    def _close_unanswered_shrinks(self, now_ns: int) -> None:
+        """Producers wait for a share while a producer's window stays above its shrunk grant: one that has
+        not answered the shrink (BUFFER_LIMIT) nor drained it by sending within SHRINK_ANSWER_NS is closed
+        CREDIT_VIOLATION. A client that ignores shrinks and stays idle held its old window for as long as
+        it stayed connected, and 6 of them held the default pool: every other producer waited (a tester)."""
+        horizon = now_ns - SHRINK_ANSWER_NS
+        for session, since in list(self.over_grant.items()):
+            transfers = session.transfers
+            if since <= horizon and transfers.answered < transfers.controls and session.fault is None:
+                session.fault = SessionFault(
+                    ErrorCode.CREDIT_VIOLATION,
+                    f"BUFFER_CONTROL shrank the buffer to {session.buffer_size} bytes {SHRINK_ANSWER_NS / 1e9:g} s "
+                    f"ago and no BUFFER_LIMIT answered it, while producers wait for the credit it holds "
+                    f"({session.transfers.promised} bytes)")
+                del self.over_grant[session]
 
     def track_time_thresholds(self, queue: Queue, thresholds: Thresholds | None = None) -> None:
         """Keep `timed_queues` to the queues with a time threshold: the flow timer ticks only those, so

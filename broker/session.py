@@ -90,6 +90,9 @@ class Session:
         self.errors_sent: Counter[ErrorCode] | None = None
         # producer half
         self.transfers = TransferReceiver(buffer_size, flow_control)
+        # A UDP publication's session: its producer's window is the broker's own status messages, so a
+        # shrink is in force at once (the core answers it for it: `BrokerCore._apply_buffer_sizes`).
+        self.fences_itself = False
         self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a
         # shrunk window leaves the limit above acknowledged + buffer (the core returns it to the pool)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)

@@ -55,7 +55,7 @@ class TransferReceiver:
     """
 
     __slots__ = ("flow_control", "window", "next_transfer_id", "completed", "credit_waiting",
-                 "newly_completed", "reported_cumulative", "controls", "unfenced")
+                 "newly_completed", "reported_cumulative", "controls", "answered", "unfenced")
 
     def __init__(self, window: int, flow_control: bool = True):
         self.flow_control = flow_control
@@ -67,6 +67,7 @@ class TransferReceiver:
         self.newly_completed: list[int] = []  # ids completed out of order since the last COMPLETE
         self.reported_cumulative = 0  # the cumulative id the last COMPLETE carried
         self.controls = 0  # connection-level BUFFER_CONTROLs announced (`announced()`): what BUFFER_LIMIT names
+        self.answered = 0  # the latest of them a BUFFER_LIMIT answered (`fence`): below `controls`, one is open
         # Turned on mid-stream (size 0 -> n): until the producer's BUFFER_LIMIT answers, what arrives may
         # have been sent under size 0, unlimited, before it saw the grant; the check waits for the answer.
         self.unfenced = False
@@ -238,6 +239,7 @@ class TransferReceiver:
                 f"BUFFER_LIMIT {limit} is below the {window.position} bytes already received",
                 ErrorCode.CREDIT_VIOLATION,
             )
+        self.answered = control
         fenced = max(limit, window.acked_position + window.window)
         if self.unfenced:  # the first answer after size 0 -> n: its limit is the first that holds
             self.unfenced = False

@@ -139,6 +139,7 @@ class Ingress:
         session.peer_host = owner.peer_host
         session.access = owner.access  # the owner's permissions, the same object: changes reach both
         session.errors_sent = None  # its ERRORs reach the owner's wire, counted there (_drain_outbox)
+        session.fences_itself = True  # its window is our status messages' (`_apply_window`), never BUFFER_LIMIT
         core._register_producer(session)
         window = config.max_receiver_window
         mtu = config.publication_mtu(source[0])

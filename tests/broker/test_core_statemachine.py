@@ -504,6 +504,14 @@ class CoreMachine(RuleBasedStateMachine):
         self.h.core.tick(self.h.now)
         for pid, p in enumerate(self.producers):
             if pid not in self.closed_producers:
+                fault = p.session.fault
+                if fault is not None:  # a shrink left unanswered while others wait: the shell closes it
+                    # (one that fences but has not read its BUFFER_CONTROL for 10 s is such a client too)
+                    assert "no BUFFER_LIMIT answered it" in str(fault), fault
+                    self._absorb_producer(pid)
+                    p.close()
+                    self.closed_producers.add(pid)
+                    continue
                 p.session.poll_credit(self.h.now)
 
     @rule(data=st.data())

@@ -439,3 +439,23 @@ async def test_leaving_a_udp_producer_block_with_the_broker_stopped_takes_close_
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         stop(proc)
+
+
+async def test_an_idle_udp_producer_gives_up_the_credit_a_shrink_takes_so_a_later_producer_gets_a_share(
+        start_flowbroker: Start) -> None:
+    """A UDP publication never answers BUFFER_CONTROL (its window is the broker's own status messages),
+    so a shrink left its first grant charged: an idle one held the whole pool and a TCP producer on
+    another connection waited for as long as it stayed registered (a tester). The broker fences it
+    itself now: nothing beyond what it sent stays promised."""
+    broker = await start_flowbroker(server={"memory_quota": 512 * 1024 * 1024})
+    async with await fc.connect(broker.url) as a, await fc.connect(broker.url) as b:
+        await a.declare_queue("sm")
+        idle = a.producer(routing_key="sm", transport="udp")
+        await idle.open()  # registered and idle: the whole (aggressive) pool is its share
+        later = b.producer(routing_key="sm")
+        with trio.fail_after(LIMIT):
+            for i in range(20):
+                await later.send(b"m%d" % i, timeout=5)
+            await later.flush(timeout=5)
+        assert broker.core.credit.waiting() == 0
+        await idle.aclose()

@@ -1,0 +1,66 @@
+"""A producer that leaves a shrink of its buffer unanswered (no BUFFER_LIMIT) and sends nothing to drain
+it keeps its old window charged to the pool: 6 idle raw clients held the default pool and every other
+producer waited for as long as they stayed connected (a tester). While producers wait, one that has left
+a shrink unanswered for SHRINK_ANSWER_NS is closed CREDIT_VIOLATION; a producer that answers (the SDK
+does at once) or whose pool has room for everyone is never bothered."""
+
+from __future__ import annotations
+
+from flowbroker.broker.core import SHRINK_ANSWER_NS
+from flowbroker.policies.drain import TICK_SECONDS
+from flowbroker.protocol.errors import ErrorCode
+
+from tests.broker.coreharness import Harness
+
+MiB = 1 << 20
+
+
+def small_pool() -> Harness:
+    return Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                   credit={"policy": "static", "static_size": 3 * MiB})  # pool 64 MiB: 21 shares
+
+
+def tick_for(h: Harness, seconds: float) -> None:
+    for _ in range(int(seconds / TICK_SECONDS)):
+        h.advance(TICK_SECONDS)
+        h.core.tick(h.now)
+
+
+def test_a_producer_that_ignores_a_shrink_while_others_wait_is_closed_and_they_get_its_share() -> None:
+    h = Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                credit={"policy": "aggressive", "min_size": 64 * 1024})  # pool 3.2 MiB
+    hog = h.producer("hog")  # never answers BUFFER_CONTROL (no `fences`), and goes idle
+    hog.register()
+    assert hog.session.buffer_size > 3 * MiB
+    late = h.producer("late", fences=True)
+    late.register()
+    assert h.core.credit.waiting() == 1  # the hog's old window is still charged: the newcomer waits
+    tick_for(h, SHRINK_ANSWER_NS / 1e9 - 1)
+    assert hog.session.fault is None  # not yet
+    tick_for(h, 2)
+    fault = hog.session.fault
+    assert fault is not None and fault.code is ErrorCode.CREDIT_VIOLATION and "no BUFFER_LIMIT" in str(fault)
+    hog.close()  # as the connection's timer does with the fault
+    late.pump()
+    assert h.core.credit.waiting() == 0 and late.session.buffer_size > 1
+
+
+def test_a_producer_that_answers_its_shrink_or_whose_pool_has_room_is_never_closed() -> None:
+    h = Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                credit={"policy": "aggressive", "min_size": 64 * 1024})
+    polite = h.producer("polite", fences=True)
+    polite.register()
+    late = h.producer("late", fences=True)
+    late.register()
+    polite.pump()
+    late.pump()
+    tick_for(h, 2 * SHRINK_ANSWER_NS / 1e9)
+    assert polite.session.fault is None and late.session.fault is None
+    assert h.core.credit.waiting() == 0
+
+    roomy = small_pool()  # static shares with room for all: a shrink is never made, nobody waits
+    a, b = roomy.producer("a"), roomy.producer("b")
+    a.register()
+    b.register()
+    tick_for(roomy, 2 * SHRINK_ANSWER_NS / 1e9)
+    assert a.session.fault is None and b.session.fault is None
