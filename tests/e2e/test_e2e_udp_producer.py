@@ -451,6 +451,7 @@ async def test_an_idle_udp_producer_gives_up_the_credit_a_shrink_takes_so_a_late
     async with await fc.connect(broker.url) as a, await fc.connect(broker.url) as b:
         await a.declare_queue("sm")
         idle = a.producer(routing_key="sm", transport="udp")
+        assert isinstance(idle, UdpProducer)
         await idle.open()  # registered and idle: the whole (aggressive) pool is its share
         later = b.producer(routing_key="sm")
         with trio.fail_after(LIMIT):
