@@ -415,8 +415,9 @@ class Producer:
             why = "; the connection is reconnecting (an idempotent producer's resend comes first)"
         elif credit.window == 1 and credit.outstanding:
             # WAIT_GRANT: the broker's credit pool has no share for this connection yet (docs/policies.md)
-            why = ("; the broker has given this connection no share of its credit pool yet: other producers "
-                   "hold it (docs/policies.md, 'Who holds what')")
+            why = ("; the broker has granted this connection no buffer yet: its first message makes it a producer "
+                   "and its share follows a round trip later, unless other producers hold the credit pool "
+                   "(docs/policies.md, 'Who holds what')")
         return (
             f"{self._outstanding}/{self.window} transfers outstanding, "
             f"{credit.outstanding}/{credit.window} bytes unacknowledged{why}"
