@@ -959,9 +959,11 @@ class BrokerCore:
                 current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
             new_max = changes.get(f"max_{dim}")
             if (stop_key not in changes and isinstance(new_max, int) and not isinstance(new_max, bool)
-                    and 0 < new_max < current[stop_key]):
-                # a hard limit lowered under the stop it had: both derived from the new limit, as for a
-                # queue declared with only its max (else the change is refused, stop above max)
+                    and (0 < new_max < current[stop_key] or (new_max > 0 == current[stop_key] == current[f"max_{dim}"]))):
+                # a hard limit lowered under the stop it had, or the first one of a queue with no stop and no
+                # limit of that kind: both derived from the new limit, as for a queue declared with only its
+                # max (else the change is refused, stop above max; or a flow-controlled producer was never
+                # stopped by a max_count set later: 2,001 messages in a queue of max_count 5, a tester)
                 current[stop_key] = current[resume_key] = None
         for dim in ("drain_time", "age"):  # seconds: the same ratio kept, unrounded (none when it was off)
             stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"

@@ -606,3 +606,17 @@ def test_a_hard_limit_lowered_under_its_stop_derives_the_thresholds_from_the_new
     assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (100 << 20, 8 << 20, 7 << 20)
     with pytest.raises(Exception, match="flow_stop_size"):  # a stop given with it is taken as given
         h.core.set_queue_thresholds("q", {"max_size": 1000, "flow_stop_size": 2000})
+
+
+def test_a_first_max_count_set_on_a_queue_without_count_thresholds_derives_them() -> None:
+    """`queue set Q --max-count 5` on a queue declared with the defaults left the count stop off, so a
+    flow-controlled producer was never stopped: 2,001 messages in a queue of max_count 5 (a tester). As
+    for a queue declared with max_count=5, the stop and resume are derived (4 and 3)."""
+    h = make()
+    h.queue("q")
+    assert h.core.queues["q"].thresholds.flow_stop_count == 0
+    t = h.core.set_queue_thresholds("q", {"max_count": 5}).thresholds
+    assert (t.max_count, t.flow_stop_count, t.flow_resume_count) == (5, 4, 3)
+    h.queue("off", max_count=10, flow_stop_count=0)  # a stop turned off on purpose stays off
+    t = h.core.set_queue_thresholds("off", {"max_count": 20}).thresholds
+    assert (t.max_count, t.flow_stop_count) == (20, 0)
