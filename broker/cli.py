@@ -329,10 +329,14 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
     outcome = PublishOutcome(requested=len(bodies) * count)
 
     async def run() -> None:
-        async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
+        # The connection within the same deadline (at least 1 s, at most the SDK's 10), and no second wait at
+        # the end: what flush() did not see completed is reported, not waited for again (close_timeout).
+        async with await fb.connect(url, client_name="flowbroker-cli", auth=auth, timeout=min(10.0, max(timeout, 1.0)),
+                                    close_timeout=0.5) as conn:
             if declare and exchange == "":
                 await conn.declare_queue(routing_key)
-            producer = conn.producer(exchange=exchange, routing_key=routing_key)
+            # mandatory: a message the exchange routes to no queue is a refusal (Unroutable), not "published"
+            producer = conn.producer(exchange=exchange, routing_key=routing_key, mandatory=True)
             try:
                 # The bar only on a terminal: piped, it would print just its label among the outcome's lines.
                 bar = (click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr)

@@ -284,10 +284,13 @@ def test_publish_during_stop_all_reports_sent_not_completed_with_exit_3(daemon: 
     """The message is enqueued and later delivered: the outcome says so (exit 3), not an error to retry."""
     _publish(daemon, "warm-up")
     daemon.cli("producers", "stop-all")
+    began = time.monotonic()
     held = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--timeout", "0.5", "-k", "orders", "held"],
                           capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - began
     assert held.returncode == 3, held.stderr
     assert "1 message(s) sent and enqueued, not yet completed after 0.5 s" in held.stderr
+    assert took < 4, took  # --timeout 0.5 (and the CLI's start), not 0.5 + the SDK's close_timeout of 5 s
     assert "* (a broker-wide stop: `flowbroker producers stop-all`, or the broker's memory alarm)" in held.stderr
     assert "would duplicate them" in held.stderr and "Traceback" not in held.stderr
     as_json = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--timeout", "0.5", "-k", "orders", "--json",
@@ -317,6 +320,11 @@ def test_publish_errors_exit_1_and_name_what_was_not_sent(daemon: Daemon) -> Non
     outcome = json.loads(refused.stdout)
     assert outcome["outcome"] == "error" and outcome["error"] and outcome["exit_code"] == 1
     assert refused.stderr.startswith("Error: ")
+    # routed to no queue: refused, not "published" (it was exit 0 with the message in no queue)
+    lost = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--exchange", "amq.topic", "-k",
+                           "no.binding.here", "--json", "m"], capture_output=True, text=True, timeout=30)
+    assert lost.returncode == 1, lost.stdout + lost.stderr
+    assert json.loads(lost.stdout)["failed"] == 1 and "Unroutable" in lost.stdout
 
 
 def test_version_quiet_verbose_url_from_the_environment_and_ranges(daemon: Daemon) -> None:
