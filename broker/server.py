@@ -375,6 +375,7 @@ class BrokerServer:
                     if session.access is not None:
                         user = store.get(session.identity)
                         session.access.update(user)
+                        self.core.revoke_reads(session)  # what it may no longer read stops coming
                         shares[session.identity] = user.credit_share_percent if user is not None else 0
                 for identity, share in shares.items():  # a changed share moves the user's grants at once
                     self.core.set_credit_share(identity, share)

@@ -1318,9 +1318,9 @@ class Connection:
             if producer is not None:
                 producer._on_error(publish_error(frame.code, frame.text, frame.destination, ref))
                 return
-        elif frame.code is ErrorCode.NOT_FOUND and frame.destination is not None:
-            # A subscribed queue was deleted: end its consumers with the reason instead of leaving
-            # them waiting forever for messages that cannot come.
+        elif frame.code in (ErrorCode.NOT_FOUND, ErrorCode.UNAUTHORIZED) and frame.destination is not None:
+            # A subscribed queue was deleted, or the user may no longer read it: end its consumers with
+            # the reason instead of leaving them waiting forever for messages that cannot come.
             for consumer in list(self._consumers.values()):
                 if consumer.queue == frame.destination:
                     consumer._on_queue_deleted(publish_error(frame.code, frame.text, frame.destination))

@@ -154,6 +154,34 @@ async def test_changed_permissions_apply_to_open_connections(start_flowbroker: A
                     break
 
 
+async def test_a_consumer_whose_read_permission_is_revoked_stops_receiving_and_is_told(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    """Only new requests were checked: a subscription made before its user lost read on the queue kept
+    receiving every later message (a tester, for an edited pattern and a deleted user alike)."""
+    broker = await start(start_flowbroker, tmp_path)
+    async with await fc.connect(broker.url, auth=("p", "pw"), timeout=LIMIT) as conn, \
+            await fc.connect(broker.url, timeout=LIMIT) as guest:
+        consumer = conn.consumer("p.q")
+        await consumer.subscribe()
+        feeder = guest.producer(routing_key="p.q")
+        await feeder.send(b"before", timeout=LIMIT)
+        await feeder.flush(timeout=LIMIT)
+        assert (await consumer.receive(timeout=LIMIT)).body == b"before"  # (not acked: it goes back)
+        await trio.sleep(0.05)  # a distinct modification time
+        write(tmp_path / "users.json", read=r"^nothing$")
+        with pytest.raises(fc.PublishError) as ended:
+            with trio.fail_after(LIMIT):
+                while True:
+                    await consumer.receive(timeout=LIMIT)
+        assert ended.value.code is ErrorCode.UNAUTHORIZED and ended.value.destination == "p.q"
+        await feeder.send(b"after", timeout=LIMIT)
+        await feeder.flush(timeout=LIMIT)
+        queue = broker.core.queues["p.q"]
+        with trio.fail_after(LIMIT):  # "before" requeued, "after" kept: both wait for a reader allowed to read
+            while len(queue.store) != 2:
+                await trio.sleep(0.05)
+
+
 async def test_a_users_max_connections_refuses_one_more_and_not_others(start_flowbroker: Any, tmp_path: Path) -> None:
     users = tmp_path / "users.json"
     write_users(users, {"p": User("p", CRED, (), ".*", ".*", ".*", 2), "q": User("q", CRED)})
