@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
+from flowbroker.broker.topic import TopicIndexFull
 from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences, Refusal, Refused, scoped
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
@@ -1092,7 +1093,10 @@ class BrokerCore:
         limit = self.config.server.max_bindings
         if self.routes.bindings >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"too many bindings (max_bindings {limit})", f.exchange)
-        created = exchange.bind(queue, f.binding_key)
+        try:
+            created = exchange.bind(queue, f.binding_key)
+        except TopicIndexFull as exc:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(exc), f.exchange) from None
         if created:
             self._journal_binding(exchange, queue, f.binding_key, True)
         return {"created": created}

@@ -65,13 +65,15 @@ class Exchange:
 
     def bind(self, queue: Queue, key: str) -> bool:
         """Returns False if the binding already existed."""
-        queues = self.bindings.setdefault(key, {})
-        if queue in queues:
+        queues = self.bindings.get(key)
+        if queues is not None and queue in queues:
             return False
+        if self.kind is ExchangeKind.TOPIC:
+            self._topics.add(key)  # first: it may refuse the key (TopicIndexFull), leaving nothing bound
+        if queues is None:
+            queues = self.bindings[key] = {}
         queues[queue] = None
         self._cache.bindings += 1
-        if self.kind is ExchangeKind.TOPIC:
-            self._topics.add(key)
         self._cache.clear()
         return True
 

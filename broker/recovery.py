@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.exchange import Exchange, ExchangeKind
+from flowbroker.broker.topic import TopicIndexFull
 from flowbroker.broker.idempotence import ProducerIdsExhausted
 from flowbroker.broker.journal import Journal, queue_arguments, segment_name
 from flowbroker.broker.journalrecord import (
@@ -247,7 +248,10 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
         ex = core.exchanges.get(exchange)
         bound = by_qid.get(qid)
         if ex is not None and bound is not None:
-            ex.bind(bound, key)
+            try:
+                ex.bind(bound, key)
+            except TopicIndexFull as exc:  # (a journal written before the bound): the rest still recovers
+                LOGGER.error("journal: binding of queue %r to %r left out: %s", bound.name, exchange, exc)
     if rec.queues or rec.exchanges:
         journal.dormant = False
         journal._roll()  # a fresh segment opening with the snapshot of what was just restored

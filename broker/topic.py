@@ -16,11 +16,26 @@ Consecutive '#'s are one '#' (the same language), so one closure step suffices. 
 no word after it, so it is in none of the masks and never shifts into the next key's first state.
 Removed keys leave their bits cleared until the dead bits outnumber the live ones; then the vector is
 rebuilt, so adding and removing bindings costs amortized O(key) each.
+
+A literal word's mask is kept from its lowest bit up (offset, mask): a dense integer per word costs
+bits up to the word's highest state, so N keys of distinct words cost O(N x states) memory (100,000
+two-word keys held 2 GB, a tester). Shifted into place as the match reads the word, it costs the same
+order as the match's own operations. Words spread far apart still make long masks: their bits together
+are bounded (MAX_LITERAL_BITS), and a key beyond is refused (TopicIndexFull), not a broker out of memory.
 """
 
 from __future__ import annotations
 
-__all__ = ["TopicIndex", "compile_words"]
+from typing import Final
+
+__all__ = ["MAX_LITERAL_BITS", "TopicIndex", "TopicIndexFull", "compile_words"]
+
+MAX_LITERAL_BITS: Final = 1 << 28
+"""Bits of one exchange's literal-word masks together (32 MiB): what a BIND may not take the index past."""
+
+
+class TopicIndexFull(Exception):
+    """A binding key would take a topic exchange's index past MAX_LITERAL_BITS."""
 
 
 def compile_words(binding_key: str) -> list[str]:
@@ -36,15 +51,17 @@ def compile_words(binding_key: str) -> list[str]:
 class TopicIndex:
     """The binding keys of one topic exchange; `match(words)` returns those a routing key matches."""
 
-    __slots__ = ("_spans", "_accepting", "_start", "_hash", "_star", "_literal", "_accept", "_bits", "_dead")
+    __slots__ = ("_spans", "_accepting", "_start", "_hash", "_star", "_literal", "_accept", "_bits", "_dead",
+                 "literal_bits")
 
     def __init__(self) -> None:
         self._spans: dict[str, tuple[int, list[str]]] = {}  # binding key -> (first state, its words)
         self._accepting: dict[int, str] = {}  # last state -> binding key
         self._start = self._hash = self._star = self._accept = 0
-        self._literal: dict[str, int] = {}
+        self._literal: dict[str, tuple[int, int]] = {}  # word -> (its lowest state, its states from there)
         self._bits = 0  # states allocated
         self._dead = 0  # states of removed keys, not reused until a rebuild
+        self.literal_bits = 0  # the literal masks' bits together (bounded by MAX_LITERAL_BITS)
 
     def __len__(self) -> int:
         return len(self._spans)
@@ -57,18 +74,31 @@ class TopicIndex:
             return
         words = compile_words(binding_key)
         first = self._bits
+        literal = self._literal
+        grown: dict[str, tuple[int, int]] = {}  # checked against the bound before anything changes
+        added = 0
+        for i, word in enumerate(words):
+            if word == "#" or word == "*":
+                continue
+            offset, mask = grown.get(word) or literal.get(word) or (first + i, 0)
+            new = mask | 1 << (first + i - offset)  # states only grow while adding: offset stays lowest
+            added += new.bit_length() - mask.bit_length()
+            grown[word] = (offset, new)
+        if self.literal_bits + added > MAX_LITERAL_BITS:
+            raise TopicIndexFull(
+                f"binding key {binding_key[:100]!r} would take the topic exchange's index past "
+                f"{MAX_LITERAL_BITS} bits of word masks: unbind keys first")
+        self.literal_bits += added
+        literal.update(grown)
         self._bits += len(words) + 1
         self._spans[binding_key] = (first, words)
         self._start |= 1 << first
-        literal = self._literal
         for i, word in enumerate(words):
             bit = 1 << (first + i)
             if word == "#":
                 self._hash |= bit
             elif word == "*":
                 self._star |= bit
-            else:
-                literal[word] = literal.get(word, 0) | bit
         last = first + len(words)
         self._accept |= 1 << last
         self._accepting[last] = binding_key
@@ -85,9 +115,14 @@ class TopicIndex:
         self._accept &= keep
         literal = self._literal
         for word in set(words) - {"#", "*"}:
-            bits = literal[word] & keep
+            offset, mask = literal[word]
+            self.literal_bits -= mask.bit_length()
+            bits = (mask << offset) & keep
             if bits:
-                literal[word] = bits
+                low = (bits & -bits).bit_length() - 1
+                mask = bits >> low
+                literal[word] = (low, mask)
+                self.literal_bits += mask.bit_length()
             else:
                 del literal[word]
         del self._accepting[first + len(words)]
@@ -107,7 +142,8 @@ class TopicIndex:
         cur = self._start
         cur |= (cur & hash_) << 1
         for word in words:
-            cur = ((cur & (star | literal.get(word, 0))) << 1) | (cur & hash_)
+            lit = literal.get(word)
+            cur = ((cur & (star | (lit[1] << lit[0] if lit is not None else 0))) << 1) | (cur & hash_)
             if not cur:
                 return []
             cur |= (cur & hash_) << 1

@@ -199,9 +199,43 @@ def test_one_index_of_many_bindings_matches_as_each_binding_would(ops: list[tupl
             index.remove(pattern)
             live.discard(pattern)
     assert len(index) == len(live)
+    assert index.literal_bits == sum(mask.bit_length() for _, mask in index._literal.values())
     for key in keys:
         expected = {p for p in live if _reference_match(tuple(p.split(".")), tuple(key.split(".")))}
         assert set(index.match(key.split("."))) == expected
+
+
+def test_keys_of_distinct_words_cost_memory_in_proportion_to_their_number() -> None:
+    """A dense mask per word spanned every state below the word's: 100,000 two-word keys of distinct words
+    held 2 GB (a tester). From its lowest state up, each distinct word's mask is one bit."""
+    index = TopicIndex()
+    for i in range(20_000):
+        index.add(f"w{i}.v{i}")
+    assert index.literal_bits == 40_000
+    assert index.match(["w19999", "v19999"]) == ["w19999.v19999"] and index.match(["w1", "v2"]) == []
+
+
+def test_a_key_beyond_the_index_bound_is_refused_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowbroker.broker.topic as topic
+
+    monkeypatch.setattr(topic, "MAX_LITERAL_BITS", 1000)
+    index = TopicIndex()
+    index.add("a.b")
+    for i in range(200):
+        index.add(f"filler{i}.*.*")  # states between: a second "a" far away makes a long mask
+    with pytest.raises(topic.TopicIndexFull, match="unbind keys first"):
+        index.add("a.x." + ".".join(f"a{j}" for j in range(3)) + ".a")
+    assert len(index) == 201 and index.match(["a", "b"]) == ["a.b"]
+    h = Harness()
+    admin = h.producer("admin")
+    admin.declare_exchange("t", "topic")
+    admin.declare_queue("q")
+    assert isinstance(admin.bind("q", "t", "a.b"), Ok)
+    for i in range(200):
+        admin.bind("q", "t", f"filler{i}.*.*")
+    refused = admin.bind("q", "t", "a.x.a")
+    assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "a.x.a" not in h.core.exchanges["t"].bindings
 
 
 def test_a_thousand_hash_heavy_bindings_in_one_index_match_what_they_should() -> None:
