@@ -80,7 +80,7 @@ class HandshakeError(BrokerConnectionError):
 
 class AuthenticationError(HandshakeError):
     """The broker refused this connection's credentials (ERROR UNAUTHORIZED at the handshake: a wrong
-    password, an unknown user, a mechanism not allowed, or too many failed logins from this address), or
+    password, an unknown user, a mechanism not allowed), or
     could not prove it holds them (SCRAM's server signature). Connecting again with the same credentials
     cannot succeed, so a reconnecting connection stops at the first one and closes with it."""
 
