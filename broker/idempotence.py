@@ -216,10 +216,12 @@ Refusal: TypeAlias = tuple[ErrorCode, str, "str | None"]
 """One ERROR the broker sent about a message: code, text, destination."""
 
 REFUSALS_KEPT: Final = 4096
-"""Refusals of taken sequences the broker keeps (the newest), so that the resend of a refused message is
-refused again rather than completed as a duplicate: the first ERROR may have been lost with the
-connection, and the resend's completion would then say a message the broker never enqueued had landed.
-Each is at most MAX_REFUSAL_TEXT characters of text, so they cost the broker a few MiB at most."""
+"""Refusals of taken sequences the broker keeps per user (the newest), so that the resend of a refused
+message is refused again rather than completed as a duplicate: the first ERROR may have been lost with
+the connection, and the resend's completion would then say a message the broker never enqueued had
+landed. Per user, so that one user's refusals cannot push out another's (a tester's user without write
+permission did, with 5,000 refused messages). Each is at most MAX_REFUSAL_TEXT characters of text, so
+they cost a few MiB per user that has them."""
 
 MAX_REFUSAL_TEXT: Final = 512
 
@@ -271,8 +273,9 @@ class ProducerSequences:
         self.duplicates = 0
         self.gaps = 0
         self.refused = 0
-        # (key, sequence) -> (the id's epoch, the ERRORs its message got), oldest first, REFUSALS_KEPT at most
-        self.refusals: OrderedDict[tuple[str, int], tuple[int, tuple[Refusal, ...]]] = OrderedDict()
+        # per user: (key, sequence) -> (the id's epoch, the ERRORs its message got), oldest first, at most
+        # REFUSALS_KEPT each
+        self.refusals: dict[str, OrderedDict[tuple[str, int], tuple[int, tuple[Refusal, ...]]]] = {}
 
     def was_refused(self, key: str, sequence: int, errors: tuple[Refusal, ...]) -> None:
         """The message `sequence` of `key`, taken, got `errors` (not enqueued, or not everywhere): a
@@ -280,7 +283,9 @@ class ProducerSequences:
         epoch = self.store.epoch(key)
         if epoch is None:
             return
-        refusals = self.refusals
+        refusals = self.refusals.get(_owner(key))
+        if refusals is None:
+            refusals = self.refusals[_owner(key)] = OrderedDict()
         refusals[(key, sequence)] = (epoch, tuple((code, text[:MAX_REFUSAL_TEXT], dest) for code, text, dest in errors))
         refusals.move_to_end((key, sequence))
         if len(refusals) > REFUSALS_KEPT:
@@ -315,7 +320,8 @@ class ProducerSequences:
         if sequence < expected:
             self.duplicates += 1
             if self.refusals:
-                refusal = self.refusals.get((key, sequence))
+                mine = self.refusals.get(_owner(key))
+                refusal = mine.get((key, sequence)) if mine is not None else None
                 if refusal is not None and refusal[0] == store.epoch(key):  # not an earlier life's
                     return Refused(refusal[1])
             return DUPLICATE

@@ -195,3 +195,21 @@ def test_the_deduplication_state_is_sans_io() -> None:
     from tests.transport.test_sans_io import IO_MODULES, imported
 
     assert imported(Path(module.__file__)) & IO_MODULES == set()
+
+
+def test_one_users_refusals_cannot_push_out_anothers() -> None:
+    """Kept broker-wide, another user's 5,000 refused messages pushed out a refusal, and its resend then
+    completed as a plain duplicate (a tester). Each user keeps its own newest REFUSALS_KEPT."""
+    from flowbroker.broker.idempotence import REFUSALS_KEPT, Refused
+
+    rules = ProducerSequences(MemoryProducerStates(10, TTL))
+    alice = scoped("alice", "p")
+    assert rules.check("p", 0, 0, alice) is None
+    rules.was_refused(alice, 0, ((ErrorCode.NOT_FOUND, "no queue named 'x'", "x"),))
+    mallory = scoped("mallory", "m")
+    for seq in range(REFUSALS_KEPT + 100):
+        assert rules.check("m", seq, 1, mallory) is None
+        rules.was_refused(mallory, seq, ((ErrorCode.NOT_FOUND, "no queue named 'y'", "y"),))
+    verdict = rules.check("p", 0, 2, alice)
+    assert isinstance(verdict, Refused) and verdict.errors[0][2] == "x"
+    assert len(rules.refusals["mallory"]) == REFUSALS_KEPT
