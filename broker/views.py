@@ -250,7 +250,8 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
             "buffer_size": stats.window,
             "received_bytes": stats.position,
             "acknowledged_bytes": stats.acked_position,
-            "unacked_bytes": stats.position - stats.acked_position,
+            # (a producer without flow control is acknowledged nothing: its count would only grow)
+            "unacked_bytes": stats.position - stats.acked_position if session.flow_control else 0,
             "completed_bytes": stats.consumed_position,
             "transfers": stats.transfers_received,
             "transfers_held": stats.transfers_held_now,

@@ -328,3 +328,16 @@ def test_held_transfers_per_connection_agree_with_a_walk_over_every_queue(ops: l
             h.core.set_queue_thresholds("a", {"flow_stop_count": 1})
         p.pump()
         assert p.session.transfers_held_now == views.held_by_connection(h.core).get(p.session.conn_id, 0)
+
+
+def test_a_producer_without_flow_control_shows_no_unacked_bytes() -> None:
+    """It is acknowledged nothing, so received minus acknowledged was every byte it ever sent: 2.2 GiB
+    for a broker holding 20 MiB in `flowbroker connections` (a tester)."""
+    h = Harness()
+    h.queue("q")
+    p = h.producer("legacy", flow_control=False)
+    for _ in range(5):
+        p.send("", "q", b"x" * 1000)
+    p.pump()
+    view = views.connection_view(p.session, h.now)
+    assert view["producer"]["received_bytes"] > 5000 and view["producer"]["unacked_bytes"] == 0
