@@ -230,7 +230,8 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
         os_error = _find(exc, OSError)
         if isinstance(os_error, OSError):
             raise click.ClickException(
-                f"cannot listen on {config.server.host}:{config.server.port}: {os_error.strerror or os_error}"
+                f"cannot listen on {config.server.host}:{config.server.port}: {os_error.strerror or os_error} "
+                "(another broker running? --port or [server] port to choose another)"
             ) from None
         raise
 

@@ -148,3 +148,20 @@ def test_sighup_stops_the_broker_cleanly_and_removes_its_port_file(tmp_path: Pat
             broker.communicate()
     assert broker.returncode == 0 and "received SIGHUP: shutting down" in err, err
     assert not port_file.exists()
+
+
+def test_a_broker_port_in_use_is_one_line_that_says_what_to_do(tmp_path: Path) -> None:
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        result = subprocess.run([FLOWBROKER, "serve", "--port", str(port), "--no-admin", "--no-udp", "--data-dir",
+                                 str(tmp_path)], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "HOME": str(tmp_path)})
+    finally:
+        holder.close()
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr, result.stderr
