@@ -188,6 +188,7 @@ class ReceiveChannel:
         #: One entry per datagram: how it was handled ("data", "heartbeat", "setup", "rttm", "duplicate",
         #: "rejected:<reason>", "unknown_session", "other_stream", "out_of_window", "no_image", ...).
         self.dispositions: Counter[str] = Counter()
+        self.rejected = 0  #: datagrams refused as malformed ("rejected:<reason>"), for a caller's own count
 
     def statistics(self) -> ReceiveChannelStatistics:
         """A frozen snapshot of the counters (reads them; nothing is counted for it)."""
@@ -242,6 +243,7 @@ class ReceiveChannel:
         frames, reason = decode_datagram(data)
         if reason is not None:
             self.dispositions[f"rejected:{reason.value}"] += 1
+            self.rejected += 1
             if n >= SETUP_LENGTH and DATA_HEADER.unpack_from(data, 0)[3] == FrameType.SETUP:
                 self._on_invalid_setup(data, reason, source, now_ns)
             return
@@ -270,6 +272,7 @@ class ReceiveChannel:
         reason = check_data_datagram(data, term_length)
         if reason is not None:
             self.dispositions[f"rejected:{reason.value}"] += 1
+            self.rejected += 1
             return
         if image is None:
             self._elicit_setup(session_id, flags, source, now_ns)

@@ -232,7 +232,11 @@ class Ingress:
             problem = self._setup_problem(pub, data)
             if problem is not None:
                 return problem
-        pub.channel.on_datagram(data, source, now_ns)
+        channel = pub.channel
+        rejected = channel.rejected
+        channel.on_datagram(data, source, now_ns)
+        if channel.rejected != rejected:  # the frames did not hold together (a SETUP's mtu past a datagram,
+            return "malformed"  # a DATA frame's length past its datagram): counted as the unregistered are
         pub.woken = True
         return None
 

@@ -632,3 +632,19 @@ def test_a_publication_closed_or_its_owner_gone_while_paced_leaves_no_pace_behin
         assert not rig.core.paced_queues
         consumer.pump()
         assert len(consumer.bodies()) == 10  # what was enqueued is still delivered
+
+
+def test_a_registered_publications_datagrams_that_do_not_hold_together_are_counted_malformed() -> None:
+    """A DATA frame whose length runs past its datagram, from the registered address: the channel dropped
+    it, and udp.refused counted it under no reason (a tester)."""
+    import struct
+
+    rig = Rig()
+    rig.h.queue("q")
+    rig.offer_all([b"a"])
+    data = next(d for d, _ in rig.pub.do_work(rig.h.now + 200 * MS) if len(d) >= 32 and d[6] == 1)
+    broken = bytearray(data)
+    struct.pack_into("<i", broken, 0, len(broken) + 64)  # frame_length past the datagram
+    before = rig.datapath.refused["malformed"]
+    rig.datapath.on_datagram(bytes(broken), SOURCE, rig.h.now)
+    assert rig.datapath.refused["malformed"] == before + 1
