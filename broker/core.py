@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
-from flowbroker.broker.topic import TopicIndexFull
 from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences, Refusal, Refused, scoped
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
@@ -29,6 +28,7 @@ from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.store import StoreFactory, memory_store
 from flowbroker.broker.subscription import Subscription
+from flowbroker.broker.topic import TopicIndexFull
 from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
 from flowbroker.policies.drain import DrainEstimator

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowbroker.broker.exchange import Exchange, ExchangeKind
-from flowbroker.broker.topic import TopicIndexFull
 from flowbroker.broker.idempotence import ProducerIdsExhausted
 from flowbroker.broker.journal import Journal, queue_arguments, segment_name
 from flowbroker.broker.journalrecord import (
@@ -36,6 +35,7 @@ from flowbroker.broker.journalstore import JournalStore
 from flowbroker.protocol.frames import check_delivery_entry
 from flowbroker.broker.message import Message
 from flowbroker.broker.queue import Queue
+from flowbroker.broker.topic import TopicIndexFull
 
 if TYPE_CHECKING:
     from flowbroker.broker.core import BrokerCore
