@@ -998,13 +998,17 @@ class BrokerCore:
 
     def _close_unanswered_shrinks(self, now_ns: int) -> None:
         """Producers wait for a share while a producer's window stays above its shrunk grant: one that has
-        not answered the shrink (BUFFER_LIMIT) nor drained it by sending within SHRINK_ANSWER_NS is closed
-        CREDIT_VIOLATION. A client that ignores shrinks and stays idle held its old window for as long as
-        it stayed connected, and 6 of them held the default pool: every other producer waited (a tester)."""
+        never answered a BUFFER_CONTROL (BUFFER_LIMIT) nor drained the window by sending within
+        SHRINK_ANSWER_NS of the shrink is closed CREDIT_VIOLATION. A client that ignores shrinks and stays
+        idle held its old window for as long as it stayed connected, and 6 of them held the default pool:
+        every other producer waited (a tester). An SDK producer paused for 15 s was closed when this
+        looked at the latest shrink only (another tester): one that has answered before is not."""
         horizon = now_ns - SHRINK_ANSWER_NS
         for session, since in list(self.over_grant.items()):
             transfers = session.transfers
-            if since <= horizon and transfers.answered < transfers.controls and session.fault is None:
+            # Only a client that has never answered a BUFFER_CONTROL: one that has (the SDK answers each at
+            # once) and is silent now is paused (a GC pause, a stopped process), and is left to idle_timeout.
+            if since <= horizon and transfers.answered == 0 and transfers.controls and session.fault is None:
                 session.fault = SessionFault(
                     ErrorCode.CREDIT_VIOLATION,
                     f"BUFFER_CONTROL shrank the buffer to {session.buffer_size} bytes {SHRINK_ANSWER_NS / 1e9:g} s "

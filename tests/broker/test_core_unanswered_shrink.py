@@ -64,3 +64,21 @@ def test_a_producer_that_answers_its_shrink_or_whose_pool_has_room_is_never_clos
     b.register()
     tick_for(roomy, 2 * SHRINK_ANSWER_NS / 1e9)
     assert a.session.fault is None and b.session.fault is None
+
+
+def test_a_producer_that_has_answered_before_and_is_paused_now_is_left_to_its_idle_timeout() -> None:
+    """An SDK producer answers every BUFFER_CONTROL at once; one whose process is stopped (a GC pause, a
+    debugger) for longer than SHRINK_ANSWER_NS leaves the latest shrink unanswered, and was closed."""
+    h = Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                credit={"policy": "aggressive", "min_size": 64 * 1024})
+    paused = h.producer("paused", fences=True)
+    paused.register()
+    paused.pump()  # it answered its grant
+    assert paused.session.transfers.answered > 0
+    late = h.producer("late", fences=True)
+    late.register()  # shrinks the paused one, which reads nothing more
+    tick_for(h, 2 * SHRINK_ANSWER_NS / 1e9)
+    assert paused.session.fault is None
+    paused.pump()  # it resumes and answers: the newcomer gets its share
+    late.pump()
+    assert h.core.credit.waiting() == 0 and late.session.buffer_size > 1
