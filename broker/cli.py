@@ -310,7 +310,8 @@ async def _stop_on_signal(server: BrokerServer) -> None:
 @click.option("--count", "-n", type=click.IntRange(min=1), default=1, show_default=True,
               help="How many copies of each message to send.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds a send may wait for credit, and then the whole batch for its completions.")
+              help="Seconds a send may wait for credit, and then the whole batch for its completions (and "
+                   "connecting: at least 1, at most 10).")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as one JSON document on stdout.")
 @click.argument("messages", nargs=-1)
 def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float, as_json: bool,

@@ -1323,7 +1323,11 @@ class Connection:
             # the reason instead of leaving them waiting forever for messages that cannot come.
             for consumer in list(self._consumers.values()):
                 if consumer.queue == frame.destination:
-                    consumer._on_queue_deleted(publish_error(frame.code, frame.text, frame.destination))
+                    error = publish_error(frame.code, frame.text, frame.destination)
+                    if frame.code is ErrorCode.UNAUTHORIZED:
+                        consumer._on_revoked(error)
+                    else:
+                        consumer._on_queue_deleted(error)
         log.warning(
             "flowbroker connection %s: broker error %s: %s (ref %s, destination %s)",
             self.connection_id,

@@ -517,5 +517,13 @@ class Consumer:
         self._error = error
         self._end()
 
+    def _on_revoked(self, error: PublishError) -> None:
+        """The user may no longer read the queue: the broker ended the subscription and requeued what it had
+        delivered, so what is buffered here is not handed out (another consumer gets it; acking it here
+        would settle nothing), and the next receive raises `error`."""
+        self._buffered.clear()  # (nothing to acknowledge: the broker's subscription and its buffer are gone)
+        self._error = error
+        self._end()
+
     def _on_connection_closed(self) -> None:
         self._end()
