@@ -204,8 +204,10 @@ def main() -> None:
     for layout, rs in results.items():
         rate = statistics.median(r.rate for r in rs)
         cpu = statistics.median(r.broker_us for r in rs)
+        # (a CPU time under the clock's tick, 10 ms, reads 0 for a short run: no ratio then)
+        cpu_ratio = f"{cpu / base_cpu:.2f}x" if base_cpu > 0 else "n/a"
         print(f"| {layout} | {rate:,.0f} | {' / '.join(f'{r.rate:,.0f}' for r in rs)} | {rate / base_rate:.2f}x "
-              f"| {cpu:.2f} | {cpu / base_cpu:.2f}x | {statistics.median(r.producers_us for r in rs):.2f} "
+              f"| {cpu:.2f} | {cpu_ratio} | {statistics.median(r.producers_us for r in rs):.2f} "
               f"| {statistics.median(r.consumer_us for r in rs):.2f} |")
 
 

@@ -21,9 +21,9 @@ def test_layouts_deliver_everything_and_the_table_parses():
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
     assert rows[0][:2] == ["producers (processes x connections)", "msgs/s (median)"] and len(rows[0]) == 8, rows[0]
     assert [r[0] for r in rows[2:]] == ["1x1", "2x3"], rows
-    assert rows[2][3] == "1.00x" and rows[2][5] == "1.00x", rows[2]  # the first layout is the baseline
-    for row in rows[2:]:
-        assert len(row) == 8 and float(row[1].replace(",", "")) > 0 and float(row[4]) > 0, row
+    assert rows[2][3] == "1.00x" and rows[2][5] in ("1.00x", "n/a"), rows[2]  # the first layout is the baseline
+    for row in rows[2:]:  # (2,001 messages may take the broker less than one 10 ms clock tick: CPU 0.00)
+        assert len(row) == 8 and float(row[1].replace(",", "")) > 0 and float(row[4]) >= 0, row
 
 
 def test_a_latency_bounded_queue_delivers_everything_too():
