@@ -22,6 +22,7 @@ import trio
 
 from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.users import User, UserStore
+from flowbroker.protocol.names import LOGIN_THROTTLED
 
 __all__ = ["AdminUsers", "ADMINISTRATOR", "MONITORING", "MAX_REMEMBERED", "LoginThrottled", "basic_credentials"]
 
@@ -60,7 +61,7 @@ class AdminUsers:
         throttle = self.throttle
         wait = throttle.admit(host, self._clock_ns()) if throttle is not None else 0
         if wait is None:
-            raise LoginThrottled(f"too many failed logins from {host}: wait and try again")
+            raise LoginThrottled(f"{LOGIN_THROTTLED} {host}: wait and try again")
         try:
             if wait:
                 await trio.sleep(wait / 1e9)

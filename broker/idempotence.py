@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol, TypeAlias
 
 from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.limits import MAX_ERROR_TEXT
 
 __all__ = [
     "ProducerStateStore",
@@ -220,10 +221,8 @@ REFUSALS_KEPT: Final = 4096
 message is refused again rather than completed as a duplicate: the first ERROR may have been lost with
 the connection, and the resend's completion would then say a message the broker never enqueued had
 landed. Per user, so that one user's refusals cannot push out another's (a tester's user without write
-permission did, with 5,000 refused messages). Each is at most MAX_REFUSAL_TEXT characters of text, so
+permission did, with 5,000 refused messages). Each text is cut as the ERROR's is (MAX_ERROR_TEXT), so
 they cost a few MiB per user that has them."""
-
-MAX_REFUSAL_TEXT: Final = 512
 
 
 class Refused:
@@ -283,10 +282,8 @@ class ProducerSequences:
         epoch = self.store.epoch(key)
         if epoch is None:
             return
-        refusals = self.refusals.get(_owner(key))
-        if refusals is None:
-            refusals = self.refusals[_owner(key)] = OrderedDict()
-        refusals[(key, sequence)] = (epoch, tuple((code, text[:MAX_REFUSAL_TEXT], dest) for code, text, dest in errors))
+        refusals = self.refusals.setdefault(_owner(key), OrderedDict())
+        refusals[(key, sequence)] = (epoch, tuple((code, text[:MAX_ERROR_TEXT], dest) for code, text, dest in errors))
         refusals.move_to_end((key, sequence))
         if len(refusals) > REFUSALS_KEPT:
             refusals.popitem(last=False)

@@ -367,7 +367,7 @@ class Queue:
         elif self.size > t._stop_size or self.count <= self._stop_count:
             self.stop_reason = (THRESHOLD_FLOW_STOP_SIZE, t.flow_stop_size, self.size)
         else:  # over the drain-time limit (drain_limits): held until under its resume count
-            self.stop_reason = drain_reason(t.time, self.drain, self.count - self.stalled_held)
+            self.stop_reason = drain_reason(t.time, self.drain, self._drain_depth)
         self.saturated = True
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
@@ -501,10 +501,15 @@ class Queue:
         head = self._head_offset()
         if self.thresholds.time.flow_stop_drain_time:
             self._find_stalled(now_ns)
-        self.drain.update(now_ns, self.counters.dequeued, self.count - self.stalled_held, bool(self.subscriptions),
+        self.drain.update(now_ns, self.counters.dequeued, self._drain_depth, bool(self.subscriptions),
                           self.next_offset, head)
         if self.thresholds.time.enabled:
             self._evaluate_time(now_ns, head)
+
+    @property
+    def _drain_depth(self) -> int:
+        """The depth drain time is computed over: the queue's messages less what stalled consumers hold."""
+        return self.count - self.stalled_held
 
     def _find_stalled(self, now_ns: int) -> None:
         """`stalled_held`: the unsettled messages of subscriptions that have settled (or requeued) none for
@@ -532,7 +537,7 @@ class Queue:
         self._derive_drain_counts()
         if head is None:
             head = self._head_offset()
-        verdict = evaluate(t.time, self.drain, now_ns, self.count - self.stalled_held, head, bool(self.subscriptions))
+        verdict = evaluate(t.time, self.drain, now_ns, self._drain_depth, head, bool(self.subscriptions))
         self.age_hold = not verdict.age_under_resume
         if verdict.over_stop and not self.saturated:
             self._saturate(now_ns)

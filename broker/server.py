@@ -87,6 +87,7 @@ from flowbroker.protocol.frames import (
     Noop,
     Welcome,
 )
+from flowbroker.protocol.names import LOGIN_THROTTLED
 
 __all__ = ["BrokerServer", "now_ns"]
 
@@ -586,7 +587,7 @@ class ConnectionHandler:
         wait = throttle.admit(host, self.core.clock_ns())
         if wait is None:
             await self._refuse_login(Refused(
-                f"too many failed logins from {host}: try again later", "throttled (too many failed logins "
+                f"{LOGIN_THROTTLED} {host}: try again later", "throttled (too many failed logins "
                 "from this address)", _plain_name(hello.auth)))
             return None
         try:

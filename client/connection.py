@@ -62,6 +62,7 @@ from flowbroker.client.errors import (
     RequestError,
     RequestTimeout,
     block_error_name,
+    check_timeout,
     publish_error,
 )
 from flowbroker.client.flow import FlowEvents, FlowState, FlowTracker
@@ -718,8 +719,7 @@ class Connection:
         still gets its answer (and its `on_ok` runs), which a later call can wait for again."""
         limit = self.request_timeout if timeout is None else timeout
         try:
-            if limit != limit:  # a kept request's answer is still taken when it comes
-                raise ValueError("request timeout must be a number of seconds, or None for request_timeout, got nan")
+            check_timeout("request", limit, "request_timeout")  # (a kept request's answer is still taken)
             with trio.move_on_after(max(limit, 0.0)):  # (a deadline already passed: no wait)
                 await pending.event.wait()
         finally:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout
+from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout, check_timeout
 from flowbroker.protocol import DeliveryEntry, Frame, Headers, Outcome, ReceiverWindow, Subscribe, message_size
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
@@ -402,8 +402,7 @@ class Consumer:
         connection's `request_timeout` bounds the SUBSCRIBE -> `RequestTimeout`). Raises
         `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed. A message
         already buffered is handed out whatever the deadline, so `receive(0)` polls."""
-        if timeout is not None and timeout != timeout:
-            raise ValueError("receive timeout must be a number of seconds, or None for no deadline, got nan")
+        check_timeout("receive", timeout, "no deadline")
         if timeout is not None and timeout <= 0 and self._buffered:
             timeout = None  # (a deadline already passed would cancel even the buffered one's checkpoint)
         if not self._subscribed and self._subscribing is None and not self._closed and not self._ended:

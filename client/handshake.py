@@ -34,11 +34,8 @@ from flowbroker.protocol import (
     Welcome,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
+from flowbroker.protocol.names import LOGIN_THROTTLED
 from flowbroker.protocol.scram import ScramClient, ScramError
-
-THROTTLED = "too many failed logins from"
-"""How the broker's refusal of a throttled login begins (broker/server.py): its address failed too often
-lately, so the credentials were not looked at. A HandshakeError, not an AuthenticationError."""
 
 __all__ = ["connect", "connect_stream", "open_connection"]
 
@@ -216,7 +213,7 @@ async def _await_welcome(
                 if frame.reason and frame.reason not in texts:
                     texts.append(frame.reason)
                 refused = AuthenticationError if code is ErrorCode.UNAUTHORIZED else HandshakeError
-                if code is ErrorCode.UNAUTHORIZED and texts and texts[0].startswith(THROTTLED):
+                if code is ErrorCode.UNAUTHORIZED and texts and texts[0].startswith(LOGIN_THROTTLED):
                     # The address's failed logins (perhaps another client's on it), not these credentials,
                     # which the broker did not look at: worth trying again later, a reconnect does.
                     refused = HandshakeError

@@ -50,6 +50,7 @@ from flowbroker.client.errors import (
     PublishFailures,
     TooManyHeaders,
     block_error_name,
+    check_timeout,
     stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvents, FlowState
@@ -377,8 +378,7 @@ class Producer:
             self._conn._active_producers.pop(self, None)
 
     async def _wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
-        if timeout != timeout:
-            raise ValueError(f"{what} timeout must be a number of seconds, or None for the default, got nan")
+        check_timeout(what, timeout, "the default")
         timeout = max(timeout, 0.0)  # a deadline already passed (`deadline - now` < 0): no wait at all
         conn = self._conn
         start = trio.current_time()

@@ -19,6 +19,7 @@ __all__ = [
     "EXCHANGE_FANOUT",
     "EXCHANGE_KINDS",
     "EXCHANGE_TOPIC",
+    "LOGIN_THROTTLED",
     "OVERFLOW",
     "OVERFLOW_DROP_HEAD",
     "OVERFLOW_POLICIES",
@@ -67,6 +68,11 @@ STOP_THRESHOLDS: Final = (
     THRESHOLD_DISK,
 )
 """Every value of FLOW_STOPPED's ``threshold``."""
+
+LOGIN_THROTTLED: Final = "too many failed logins from"
+"""How an ERROR UNAUTHORIZED refusing a throttled login begins (its address failed too often lately, so the
+credentials were not looked at): the SDK raises a plain HandshakeError for it, which a reconnect retries,
+not the AuthenticationError of refused credentials."""
 
 # -- DECLARE_QUEUE ----------------------------------------------------------------------------------------
 
