@@ -1,4 +1,4 @@
-"""`flowbroker user add/passwd/delete/list`: the users file (broker/users.py), edited on this host.
+"""`flowbroker user add/set/passwd/delete/list`: the users file (broker/users.py), edited on this host.
 
 The commands write the file the broker reads (`[auth] users_file`, found from `--config` or the
 default), not the admin API: creating the first user must work before anyone can log in, and the file's
@@ -9,6 +9,7 @@ which `ps` and shell history show.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -145,11 +146,63 @@ def user_delete(name: str, config_path: Path | None, users_file: Path | None) ->
     click.echo(f"deleted user {name}")
 
 
-@user.command("list")
+@user.command("set")
+@click.argument("name")
+@click.option("--tag", "tags", multiple=True, type=click.Choice(TAGS),
+              help="Admin API tag (repeatable); replaces the user's tags. --no-tags removes them all.")
+@click.option("--no-tags", is_flag=True, help="Remove every admin API tag.")
+@click.option("--configure", default=None, help="Queues and exchanges it may declare and delete (regex).")
+@click.option("--write", default=None, help="Exchanges it may publish to, queues it may bind (regex).")
+@click.option("--read", "read_", default=None, help="Queues it may consume from, exchanges it may bind from (regex).")
+@click.option("--max-connections", type=click.IntRange(0, 1_000_000), default=None,
+              help="Connections open at once as this user (0 = no limit of its own).")
+@click.option("--max-queues", type=click.IntRange(0, 1_000_000), default=None,
+              help="Queues this user declared that exist at once (0 = no limit of its own).")
+@click.option("--credit-share-percent", type=click.FloatRange(0, 100), default=None,
+              help="The most of the producer credit pool its producers hold together, in percent (0 = no cap).")
 @_options
-def user_list(config_path: Path | None, users_file: Path | None) -> None:
-    """The users, their tags and permissions (configure, write, read)."""
+def user_set(name: str, tags: tuple[str, ...], no_tags: bool, configure: str | None, write: str | None,
+             read_: str | None, max_connections: int | None, max_queues: int | None,
+             credit_share_percent: float | None, config_path: Path | None, users_file: Path | None) -> None:
+    """Change user NAME's tags, permissions or limits in place; what is not given stays as it is.
+
+    The broker re-reads the file within a second: open connections get the new permissions and credit
+    share (subscriptions the new read pattern no longer allows end), and the limits count from then on."""
+    if tags and no_tags:
+        raise click.UsageError("--tag and --no-tags contradict each other")
+    path = _path(config_path, users_file)
+    users = _read(path)
+    name = _name(name)
+    old = users.get(name)
+    if old is None:
+        raise click.ClickException(f"no user {name!r} in {path} (add it with `user add`)")
+    given = {"configure": configure, "write": write, "read": read_, "max_connections": max_connections,
+             "max_queues": max_queues, "credit_share_percent": credit_share_percent,
+             "tags": () if no_tags else (tuple(dict.fromkeys(tags)) if tags else None)}
+    changes = {key: value for key, value in given.items() if value is not None}
+    if not changes:
+        raise click.UsageError("nothing to change: give at least one of --tag/--no-tags, --configure, --write, "
+                               "--read, --max-connections, --max-queues, --credit-share-percent")
+    try:
+        users[name] = replace(old, **changes)
+    except UsersError as exc:
+        raise click.ClickException(str(exc)) from None
+    write_users(path, users)
+    click.echo(f"changed {', '.join(sorted(changes))} of {name}")
+
+
+@user.command("list")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: {NAME: {tags, configure, write, read, and the limits}} (no credentials).")
+@_options
+def user_list(as_json: bool, config_path: Path | None, users_file: Path | None) -> None:
+    """The users, their tags, permissions (configure, write, read) and limits other than 0."""
     users = _read(_path(config_path, users_file))
+    if as_json:
+        click.echo(json.dumps({u.name: {"tags": list(u.tags), "configure": u.configure, "write": u.write,
+                                        "read": u.read, **{key: getattr(u, key) for key in LIMITS}}
+                               for u in users.values()}, indent=2))
+        return
     for u in users.values():
         limits = "".join(f"\t{key}={getattr(u, key)}" for key in LIMITS if getattr(u, key))
         click.echo(f"{u.name}\t{','.join(u.tags) or '-'}\tconfigure={u.configure}\twrite={u.write}\tread={u.read}"

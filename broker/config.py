@@ -357,7 +357,7 @@ DEFAULT_USERS_FILE = "~/.flowbroker/users.json"
 @dataclass(frozen=True)
 class AuthConfig:
     """Who may connect (docs/security.md). Users and their SCRAM-SHA-256 credentials live in
-    `users_file` (the CLI's `flowbroker user add/passwd/delete` change it), re-read when it changes. A connection
+    `users_file` (the CLI's `flowbroker user add/set/passwd/delete` change it), re-read when it changes. A connection
     from a loopback address that sends no credentials is `loopback_user` (RabbitMQ's `guest`, which
     cannot log in from elsewhere): the zero-set-up experience on one host; "" turns it off."""
 

@@ -2,7 +2,7 @@
 
 One JSON document, `{"users": {NAME: {"password": "SCRAM-SHA-256$...", "tags": [...], "configure": RE,
 "write": RE, "read": RE, "max_connections": N, "max_queues": N, "credit_share_percent": P}}}` (the
-last three optional, 0 = no limit of the user's own). The CLI's `flowbroker user add/passwd/delete` change it (atomically, mode
+last three optional, 0 = no limit of the user's own). The CLI's `flowbroker user add/set/passwd/delete` change it (atomically, mode
 0600); the broker looks at its modification time on every login and re-reads it when it changed:
 a user added or a password changed takes effect at the next login without a restart. JSON, because the
 standard library writes it; only SCRAM credentials are stored, never a password.

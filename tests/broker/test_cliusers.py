@@ -109,3 +109,42 @@ def test_names_and_passwords_are_saslprepped(tmp_path: Path) -> None:
         assert "user name 'Ⅸ' is not in its SASLprep form 'IX'" in str(exc)
     else:
         raise AssertionError("a name no login could match was accepted")
+
+
+def test_set_changes_only_what_is_given(tmp_path: Path) -> None:
+    """There was no way to change a user's limits or permissions in place but `user delete` and `user add`
+    again, which also asked for the password anew (docs/security.md)."""
+    path = tmp_path / "u.json"
+    f = ["--users-file", str(path)]
+    assert run("user", "add", "alice", "--password-stdin", "--read", "^a\\.", "--max-queues", "3", *f,
+               stdin="pw\n")[0] == 0
+    code, out = run("user", "set", "alice", "--write", "^orders$", "--max-connections", "4", "--tag", "monitoring", *f)
+    assert code == 0, out
+    alice = read_users(path)["alice"]
+    assert (alice.write, alice.read, alice.max_connections, alice.max_queues, alice.tags) == \
+        ("^orders$", "^a\\.", 4, 3, ("monitoring",))
+    assert alice.credential.check_password("pw")
+    assert run("user", "set", "alice", "--no-tags", "--max-queues", "0", *f)[0] == 0
+    alice = read_users(path)["alice"]
+    assert alice.tags == () and alice.max_queues == 0 and alice.max_connections == 4
+    code, out = run("user", "set", "alice", "--read", "(", *f)
+    assert code != 0 and "read pattern" in out and read_users(path)["alice"].read == "^a\\."
+    code, out = run("user", "set", "alice", *f)
+    assert code == 2 and "nothing to change" in out
+    code, out = run("user", "set", "bob", "--max-queues", "1", *f)
+    assert code == 1 and "no user 'bob'" in out
+    code, out = run("user", "set", "alice", "--tag", "monitoring", "--no-tags", *f)
+    assert code == 2 and "contradict" in out
+
+
+def test_list_json_holds_no_credential(tmp_path: Path) -> None:
+    import json
+    path = tmp_path / "u.json"
+    f = ["--users-file", str(path)]
+    assert run("user", "add", "alice", "--password-stdin", "--max-queues", "2", *f, stdin="pw\n")[0] == 0
+    code, out = run("user", "list", "--json", *f)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc == {"alice": {"tags": [], "configure": ".*", "write": ".*", "read": ".*", "max_connections": 0,
+                             "max_queues": 2, "credit_share_percent": 0}}
+    assert "SCRAM" not in out
