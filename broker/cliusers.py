@@ -176,10 +176,10 @@ def user_set(name: str, tags: tuple[str, ...], no_tags: bool, configure: str | N
     old = users.get(name)
     if old is None:
         raise click.ClickException(f"no user {name!r} in {path} (add it with `user add`)")
-    given = {"configure": configure, "write": write, "read": read_, "max_connections": max_connections,
+    given: dict[str, Any] = {"configure": configure, "write": write, "read": read_, "max_connections": max_connections,
              "max_queues": max_queues, "credit_share_percent": credit_share_percent,
              "tags": () if no_tags else (tuple(dict.fromkeys(tags)) if tags else None)}
-    changes = {key: value for key, value in given.items() if value is not None}
+    changes: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
     if not changes:
         raise click.UsageError("nothing to change: give at least one of --tag/--no-tags, --configure, --write, "
                                "--read, --max-connections, --max-queues, --credit-share-percent")
