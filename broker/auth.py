@@ -101,13 +101,14 @@ failure with the default 1 s delay, 5 minutes once the spacing is at the 30 s ca
 
 
 class _Source:
-    __slots__ = ("failures", "last_failure_ns", "next_slot_ns", "inflight")
+    __slots__ = ("failures", "last_failure_ns", "next_slot_ns", "inflight", "last_slot_ns")
 
     def __init__(self) -> None:
         self.failures = 0
         self.last_failure_ns = 0
         self.next_slot_ns = 0  # the earliest an attempt from there may be looked at
         self.inflight = 0  # attempts admitted and not settled yet
+        self.last_slot_ns = -1  # the slot `admit` gave last, which `give_back` may return (-1: none)
 
 
 class LoginThrottle:
@@ -165,6 +166,7 @@ class LoginThrottle:
             self.refused += 1
             return None
         source.next_slot_ns = slot + self.delay_ns(source.failures + source.inflight)
+        source.last_slot_ns = slot
         source.inflight += 1
         if wait:
             self.delayed += 1
@@ -175,6 +177,16 @@ class LoginThrottle:
         source = self._sources.get(host) if host is not None else None
         if source is not None and source.inflight:
             source.inflight -= 1
+
+    def give_back(self, host: str | None, slot_ns: int) -> None:
+        """The attempt given `slot_ns` went away before its turn (its client timed out waiting): when no
+        attempt was given a slot after it, the next one takes that slot. Kept, it pushed the address's
+        next turn one more step away, past `max_delay`: a client whose connect timed out while it waited
+        was refused unlooked when it tried again with a longer timeout (a tester). `settle` it too."""
+        source = self._sources.get(host) if host is not None else None
+        if source is not None and source.last_slot_ns == slot_ns:
+            source.next_slot_ns = slot_ns
+            source.last_slot_ns = -1
 
     def failed(self, host: str | None, now_ns: int) -> None:
         """A login from `host` failed: the next attempts from there are spaced further apart."""

@@ -46,6 +46,7 @@ import contextlib
 import logging
 import math
 import random
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -69,7 +70,7 @@ from flowbroker.broker.metrics import broker_metrics
 from flowbroker.broker.metricshttp import MetricsServer, metrics_route
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.udp.shell import UdpShell, open_data_path
-from flowbroker.broker.streamio import StreamIO, peer_host, peer_name, refuse_now, stream_io
+from flowbroker.broker.streamio import SocketIO, StreamIO, peer_host, peer_name, refuse_now, stream_io
 from flowbroker.policies.drain import TICK_SECONDS
 from flowbroker.protocol.codec import encode_frames
 from flowbroker.transport.udp.tasks import now_ns
@@ -584,7 +585,8 @@ class ConnectionHandler:
         if not hello.auth:
             return await self._login(hello)
         # credentials, which a guesser could be trying: its address may have to wait its turn
-        wait = throttle.admit(host, self.core.clock_ns())
+        admitted_ns = self.core.clock_ns()
+        wait = throttle.admit(host, admitted_ns)
         if wait is None:
             await self._refuse_login(Refused(
                 f"{LOGIN_THROTTLED} {host}: try again later", "throttled (too many failed logins "
@@ -593,10 +595,34 @@ class ConnectionHandler:
         try:
             if wait:
                 self._deadline += wait / 1e9  # the wait is not the client's slowness
-                await trio.sleep(wait / 1e9)
+                if await self._left_while_waiting(wait / 1e9):
+                    throttle.give_back(host, admitted_ns + wait)
+                    LOGGER.info("connection from %s: closed by the client while its login waited its turn",
+                                self.peer)
+                    await self.io.close()
+                    return None
             return await self._login(hello)
         finally:
             throttle.settle(host)
+
+    async def _left_while_waiting(self, seconds: float) -> bool:
+        """Sleep `seconds` (a throttled login's turn); True if the client closed its end meanwhile, so
+        its turn can go to the next attempt. Only a plain TCP socket is watched (a peek, nothing read);
+        bytes sent meanwhile stay for the handshake, and end the watch."""
+        io = self.io
+        if not isinstance(io, SocketIO):
+            await trio.sleep(seconds)
+            return False
+        with trio.move_on_after(seconds):
+            await trio.lowlevel.wait_readable(io.socket)
+            try:
+                peeked = await io.socket.recv(1, socket.MSG_PEEK)
+            except OSError:  # reset: gone too
+                return True
+            if not peeked:
+                return True
+            await trio.sleep_forever()  # it sent more: wait out the turn as before
+        return False
 
     async def _login(self, hello: Hello) -> Accepted | None:
         auth, throttle, host = self.server.authenticator, self.server.authenticator.throttle, self.peer_info.host

@@ -85,3 +85,21 @@ def test_bounded_table_and_every_wait_within_the_cap(steps: list[tuple[str, int,
             if wait is not None and host_no % 2:
                 throttle.settle(host)
         assert len(throttle) <= 8
+
+
+def test_an_attempt_that_left_before_its_turn_gives_the_turn_to_the_next() -> None:
+    """A client whose connect timed out while its login waited kept that turn, and the next turn went one
+    step further, past the cap: its retry with a longer timeout was refused unlooked (a tester)."""
+    throttle = LoginThrottle(1.0, 60.0)
+    for _ in range(4):
+        throttle.failed("a", 0)
+    assert throttle.admit("a", 0) == 1 * S  # turn at 1 s, the next delay(4) = 8 s after
+    assert throttle.admit("a", 0) == 9 * S  # turn at 9 s, the next delay(5) = 16 s after: 25 s
+    assert throttle.admit("a", 20 * S) == 5 * S  # turn at 25 s, the next delay(6) = 32 s after: 57 s
+    throttle.give_back("a", 9 * S)  # not the last turn given: nothing moves
+    throttle.settle("a")
+    assert throttle.admit("a", 21 * S) == 36 * S  # turn at 57 s, the next at 89 s
+    throttle.give_back("a", 57 * S)  # the last turn given went away unused
+    throttle.settle("a")
+    assert throttle.admit("a", 22 * S) == 35 * S  # that turn, not the one after it
+    throttle.give_back("b", 0)  # an address it does not know: harmless

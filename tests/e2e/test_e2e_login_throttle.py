@@ -73,3 +73,23 @@ async def test_a_guesser_on_many_connections_is_throttled_and_nobody_else_is(sta
     assert samples["flowbroker_logins_throttled_total"] == throttle.refused
     assert samples["flowbroker_logins_delayed_total"] == throttle.delayed
     assert samples["flowbroker_login_throttle_sources"] == 1
+
+
+async def test_a_client_that_timed_out_waiting_its_turn_gets_that_turn_when_it_retries(start_flowbroker: Any,
+                                                                                        tmp_path: Path) -> None:
+    """Behind a guesser's address, a client whose connect timed out while its login waited left its turn
+    taken: the address's next turn went one step further, past failed_login_max_delay, and its retry with a
+    longer timeout was refused unlooked (a tester: the SDK's default 10 s against a 30 s turn). The broker
+    now sees the socket close while the login waits and gives the turn to the next attempt."""
+    users = tmp_path / "users.json"
+    write_users(users, {"alice": User("alice", StoredCredential.from_password("right", 4096))})
+    broker = await start_flowbroker(auth={"users_file": str(users), "failed_login_delay": 0.05,
+                                          "failed_login_max_delay": 1.0}, udp={"enabled": False})
+    for i in range(6):  # one guess after another: turns 0.05, 0.1 ... 1 s apart, the next turn 1 s away
+        with pytest.raises(fc.HandshakeError):
+            await fc.connect(broker.url, auth=("alice", f"wrong-{i}"), timeout=LIMIT)
+    with pytest.raises(fc.HandshakeError, match="within 0.4 s"):  # its turn is about 0.95 s away
+        await fc.connect(broker.url, auth=("alice", "right"), timeout=0.4)
+    await trio.sleep(0.1)  # the broker sees the close
+    async with await fc.connect(broker.url, auth=("alice", "right"), timeout=LIMIT) as conn:
+        assert conn.welcome.identity == "alice"  # before: refused, its turn 1.5 s away, over the 1 s cap
