@@ -504,6 +504,9 @@ class Groups:
         self._closing.pop(group.session_id, None)
         self.by_session.pop(group.session_id, None)
         self.datapath.session_ids.give_back(group.session_id)
+        # A group, its subscription and its members refer to each other: without this its log (3 x
+        # term_length) waited for the garbage collector, which a quiet broker runs seldom (egress._forget).
+        del group.publication
         if not any(g.data == group.data for g in self.by_name.values()):
             self.close_socket(group.data)
 
