@@ -299,6 +299,7 @@ async def test_a_closed_udp_subscription_frees_its_log_without_the_garbage_colle
 
     broker = await start_flowbroker()
     datapath = broker.core.udp
+    assert datapath is not None
     async with await fc.connect(broker.url) as conn:
         await fill(conn, "freed", [b"m%d" % i for i in range(30)])
         gc.collect()
