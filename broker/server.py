@@ -467,6 +467,7 @@ class BrokerServer:
         finally:
             if handler is not None:
                 handler.frame_bytes.release()
+                handler.conn.discard_input()  # not left to the garbage collector (FrameDecoder.discard)
 
 
 def _plain_name(auth: dict[str, Any]) -> str | None:

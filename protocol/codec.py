@@ -156,6 +156,14 @@ class FrameDecoder:
             self._pos = 0
         self._buf += data
 
+    def discard(self) -> None:
+        """Drop what the buffer holds: the transport is gone. The buffer still held the last read (up to
+        a whole large frame, decoded or not) for as long as the decoder lived, and a connection's objects
+        can outlive it in reference cycles until a full garbage collection (a tester: 6 MB per connection
+        closed for a protocol error)."""
+        self._buf = bytearray()
+        self._pos = 0
+
     def next_frame(self) -> Frame | None:
         """The next complete frame, or None if more data is needed.
 

@@ -179,6 +179,10 @@ class Connection:
         """Bytes from the transport; b"" means the peer closed its end."""
         self._decoder.feed(data)
 
+    def discard_input(self) -> None:
+        """The transport is gone: drop the bytes received and not decoded (`FrameDecoder.discard`)."""
+        self._decoder.discard()
+
     def next_frame(self) -> Frame | None:
         """The next validated frame from the peer, or None when more data is needed.
 

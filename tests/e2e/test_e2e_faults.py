@@ -544,3 +544,33 @@ async def test_a_consumer_that_never_reads_holds_at_most_a_piece_of_its_deliveri
     with trio.fail_after(LIMIT):  # requeued with the connection: all there, none lost
         while len(queue.store) != 160:
             await trio.sleep(0.05)
+
+
+async def test_a_connection_closed_for_a_large_bad_transfer_leaves_its_bytes_behind_in_no_buffer(
+        start_flowbroker) -> None:
+    """The decoder's buffer kept the last read, a whole large frame, for as long as the connection's
+    objects lived, and they live in reference cycles until a full garbage collection, which the broker
+    process runs seldom (cli.GC_GENERATION0_THRESHOLD): one client opening connections one after another,
+    each closed CREDIT_VIOLATION for a 6 MB TRANSFER, took the broker from 46 MiB to 1.6 GiB (a tester).
+    With the collector off, no decoder of a closed connection holds its frame."""
+    import gc
+
+    from flowbroker.protocol.codec import FrameDecoder
+
+    broker = await start_flowbroker(udp={"enabled": False})
+    body = b"x" * 3_000_000
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            raw = await RawClient.connect(broker.port)
+            assert raw.welcome is not None and raw.welcome.buffer_size == 1  # one message, then a violation
+            await raw.send_raw(raw.proto.send(Transfer(1, [TransferEntry("", "none", body)] * 2)))
+            error, _ = closing_frames(await raw.frames_until_closed())
+            assert error.code is ErrorCode.CREDIT_VIOLATION
+            await raw.aclose()
+        await wait_until(lambda: len(broker.core.sessions) == 0)
+        held = [len(o._buf) for o in gc.get_objects() if isinstance(o, FrameDecoder)]
+        assert max(held, default=0) < 1_000_000, held
+    finally:
+        gc.enable()
