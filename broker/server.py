@@ -176,6 +176,8 @@ class BrokerServer:
         self.core.login_throttle = self.authenticator.throttle
         self.opened = 0  # connections that completed the handshake since the last summary...
         self.closed = 0  # ...and that closed since then
+        self.unshaken = 0  # ...and sockets that ended before completing it (no HELLO, refused, ...)
+        self._log_unshaken: dict[str, RateLimitedLog] = {}  # one per kind of early end: at most 1 line / 10 s
 
     def _begin_udp_pass(self) -> None:
         self.in_chunk = True
@@ -352,10 +354,24 @@ class BrokerServer:
         for each (they are logged at DEBUG): a busy broker's log stays readable."""
         while True:
             await trio.sleep(CONNECTION_SUMMARY_SECONDS)
-            if self.opened or self.closed:
-                LOGGER.info("connections in the last %g s: %d opened, %d closed; %d open now",
-                            CONNECTION_SUMMARY_SECONDS, self.opened, self.closed, len(self.connections))
-                self.opened = self.closed = 0
+            if self.opened or self.closed or self.unshaken:
+                early = (f"; {self.unshaken} socket(s) ended before completing the handshake"
+                         if self.unshaken else "")
+                LOGGER.info("connections in the last %g s: %d opened, %d closed; %d open now%s",
+                            CONNECTION_SUMMARY_SECONDS, self.opened, self.closed, len(self.connections), early)
+                self.opened = self.closed = self.unshaken = 0
+
+    def log_unshaken(self, kind: str, message: str, *args: object) -> None:
+        """A socket that ended before completing its handshake (no HELLO in time, HTTP, a bad first frame):
+        each at DEBUG when that is on; at INFO a line per `kind` at most once per 10 s, with the count left
+        out (10,000 silent sockets are not 10,000 lines). The minute's summary counts them all."""
+        if LOGGER.isEnabledFor(logging.DEBUG):
+            LOGGER.debug(message, *args)
+            return
+        log = self._log_unshaken.get(kind)
+        if log is None:
+            log = self._log_unshaken[kind] = RateLimitedLog(LOGGER, logging.INFO)
+        log(message, *args)
 
     async def _watch_users(self) -> None:
         """Apply a changed users file to the connections open: new permissions (their cached decisions
@@ -465,6 +481,8 @@ class BrokerServer:
             LOGGER.error("connection from %s: unhandled error; closed", peer_name(stream), exc_info=exc)
             await trio.aclose_forcefully(stream)
         finally:
+            if handler is None or handler.session is None:
+                self.unshaken += 1
             if handler is not None:
                 handler.frame_bytes.release()
                 handler.conn.discard_input()  # not left to the garbage collector (FrameDecoder.discard)
@@ -771,19 +789,19 @@ class ConnectionHandler:
                         head += data[: 4 - len(head)]
                     conn.receive_data(data)
         except trio.TooSlowError:
-            LOGGER.info("connection from %s sent no %s within %.1fs", self.peer,
-                        "HELLO" if expect is Hello else "AUTH_RESPONSE", cfg.handshake_timeout)
+            self.server.log_unshaken("timeout", "connection from %s sent no %s within %.1fs", self.peer,
+                                     "HELLO" if expect is Hello else "AUTH_RESPONSE", cfg.handshake_timeout)
             await self.io.close()
         except _FrameTimeout:
-            LOGGER.info("connection from %s: %s", self.peer, self._frame_timeout_text())
+            self.server.log_unshaken("frame", "connection from %s: %s", self.peer, self._frame_timeout_text())
             await self.io.close()
         except RemoteProtocolError as exc:
             if head in HTTP_METHODS and expect is Hello:
-                LOGGER.info("connection from %s: an HTTP request on the broker port; answered 400 naming the "
-                            "admin API", self.peer)
+                self.server.log_unshaken("http", "connection from %s: an HTTP request on the broker port; "
+                                         "answered 400 naming the admin API", self.peer)
                 await _send_and_close(self.io, self.conn, [], self.server.http_answer())
                 return None
-            LOGGER.info("connection from %s: bad handshake: %s", self.peer, logsafe(exc))
+            self.server.log_unshaken("bad", "connection from %s: bad handshake: %s", self.peer, logsafe(exc))
             self.core.errors_sent[exc.code] += 1
             await _send_and_close(  # after a protocol error the state machine still allows ERROR + CLOSE
                 self.io, self.conn, [Error(exc.code, str(exc), exc.frame_seq), Close(exc.code, str(exc))]
