@@ -103,12 +103,24 @@ def _unpack(view: memoryview, seq: int) -> Any:
             raise _limit(f"frame {seq}: a{'n' if kind == 'array' else ''} {kind} of {count} items exceeds {names}",
                          seq) from None
         raise RemoteProtocolError(
-            f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
+            f"frame {seq} is not valid msgpack: {_why(exc)}", ErrorCode.MALFORMED_FRAME, seq
         ) from None
     except Exception as exc:  # msgpack raises many types: ExtraData, FormatError, StackError, ...
         raise RemoteProtocolError(
-            f"frame {seq} is not valid msgpack: {type(exc).__name__}: {exc}", ErrorCode.MALFORMED_FRAME, seq
+            f"frame {seq} is not valid msgpack: {_why(exc)}", ErrorCode.MALFORMED_FRAME, seq
         ) from None
+
+
+_MSGPACK_SILENT = {
+    "FormatError": "a byte that starts no msgpack object (0xc1, or a reserved type)",
+    "StackError": "containers nested deeper than the decoder allows",
+}
+"""msgpack's exceptions that come without a text: the ERROR said "FormatError: " and nothing more."""
+
+
+def _why(exc: Exception) -> str:
+    name = type(exc).__name__
+    return f"{name}: {str(exc) or _MSGPACK_SILENT.get(name, 'no reason given')}"
 
 
 _MSGPACK_LIMIT = re.compile(r"(\d+) exceeds max_(array|map)_len")

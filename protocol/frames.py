@@ -381,6 +381,11 @@ class Error:
     def __post_init__(self) -> None:
         if type(self.text) is str and len(self.text) > MAX_ERROR_TEXT:  # (a decoder checks the type after)
             object.__setattr__(self, "text", _cut(self.text))
+        # The destination quotes a name the peer sent (a TRANSFER's exchange has no length of its own to
+        # keep): cut as the text is, or 10,000 pending ERRORs naming a 60,000-character exchange held
+        # 600 MiB for a client that never reads (a tester).
+        if type(self.destination) is str and len(self.destination) > MAX_ERROR_TEXT:
+            object.__setattr__(self, "destination", _cut(self.destination))
 
 
 @dataclass(frozen=True, slots=True)

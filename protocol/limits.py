@@ -46,7 +46,7 @@ MAX_MAP_ITEMS = 256
 """Items, at every depth together, in a map argument (DECLARE_QUEUE arguments, HELLO auth, OK result)."""
 
 MAX_ERROR_TEXT = 1024
-"""Characters of an ERROR's text (and a CLOSE's reason): a longer one is cut, ending with "...". Texts
+"""Characters of an ERROR's text and destination (and a CLOSE's reason): a longer one is cut, ending with "...". Texts
 quote what the peer sent (a bad argument's value, a name), so without it a client that never reads
 could have its connection hold 10,000 pending ERRORs of 64 KiB each."""
 

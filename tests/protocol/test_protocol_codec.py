@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import msgpack
 import pytest
 from hypothesis import given
@@ -272,3 +274,25 @@ def test_an_error_text_or_close_reason_is_cut_to_max_error_text() -> None:
     assert len(error.text) == MAX_ERROR_TEXT and error.text.endswith("...") and error.text.startswith(long[:100])
     assert len(Close(ErrorCode.SHUTDOWN, long).reason) == MAX_ERROR_TEXT
     assert Error(ErrorCode.NOT_FOUND, "short").text == "short"
+
+
+def test_an_error_destination_is_cut_as_its_text_is() -> None:
+    """A TRANSFER to a 60,000-character exchange was answered NOT_FOUND with the text cut and the
+    destination whole: 10,000 pending such ERRORs held 600 MiB for a client that never reads (a tester)."""
+    from flowbroker.protocol.frames import Error
+    from flowbroker.protocol.limits import MAX_ERROR_TEXT
+
+    name = "e" * 60_000
+    error = Error(ErrorCode.NOT_FOUND, f"no exchange named {name!r}", 3, 1, name)
+    assert error.destination is not None and len(error.destination) == MAX_ERROR_TEXT
+    assert error.destination.endswith("...") and error.destination.startswith("e" * 100)
+    assert Error(ErrorCode.NOT_FOUND, "t", destination="orders").destination == "orders"
+
+
+@pytest.mark.parametrize(("body", "reason"), [(b"\xc1", "starts no msgpack object"), (b"\x91" * 2000, "nested deeper")])
+def test_a_malformed_frame_whose_msgpack_error_has_no_text_still_says_why(body: bytes, reason: str) -> None:
+    """msgpack's FormatError and StackError come without a text: the ERROR ended "FormatError: " (a tester)."""
+    decoder = FrameDecoder()
+    decoder.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError, match=reason):
+        decoder.next_frame()
