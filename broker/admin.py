@@ -213,7 +213,8 @@ class BearerAuth:
         if not header and self._sessions is not None:
             sid = console.session_id(scope)
             if sid is not None:
-                return self._session_refusal(scope, self._sessions.csrf(sid), self._sessions.read_only(sid))
+                live = self._sessions.get(sid)  # asks the users file: a deleted user's session ends here
+                return self._session_refusal(scope, *(live or (None, False)))
         scheme, _, credential = header.partition(b" ")
         if scheme.lower() == b"basic" and self._users is not None:
             return await self._basic_refusal(scope, credential)
@@ -252,7 +253,8 @@ class BearerAuth:
     @staticmethod
     def _session_refusal(scope: Scope, csrf: str | None, read_only: bool = False) -> Response | None:
         if csrf is None:
-            return _error_response(401, "unauthorized", "the console session has ended (logged out or expired): log in at /")
+            return _error_response(401, "unauthorized", "the console session has ended (logged out, expired, or "
+                                                        "its user deleted or without an admin tag): log in at /")
         if scope["method"] == "GET" and scope["path"].startswith(console.STATIC):
             return None  # the page's own files, which the browser loads without the header: nothing of the broker's
         # The header on every request, reads too: a browser sends the cookie to every port of its host,
@@ -533,8 +535,8 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
     if metrics is not None:
         routes.append(metrics)
         open_paths = frozenset() if metrics_need_token else frozenset({metrics.path})
-    sessions = console.SessionStore()
     admin_users = AdminUsers(users, failed_delay, throttle, core.clock_ns) if users is not None else None
+    sessions = console.SessionStore(users=admin_users)
     routes += console.console_routes(token, sessions, admin_users)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
     return BearerAuth(app, token, sessions, open_paths, admin_users)

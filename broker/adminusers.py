@@ -75,6 +75,15 @@ class AdminUsers:
             if throttle is not None:
                 throttle.settle(host)
 
+    def rights(self, name: str) -> bool | None:
+        """What user `name` may do now, by the users file as it is: read_only (True: monitoring only), or
+        None when it is gone or has no admin tag. A console session asks this on every request."""
+        self.store.refresh()
+        user = self.store.get(name)
+        if user is None or not ({ADMINISTRATOR, MONITORING} & set(user.tags)):
+            return None
+        return ADMINISTRATOR not in user.tags
+
     def check(self, name: str, password: str) -> tuple[User, bool] | None:
         """(user, read_only) for a user with an admin tag and this password; None otherwise."""
         self.store.refresh()

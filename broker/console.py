@@ -92,27 +92,34 @@ SECURITY_HEADERS = {
 class _Session:
     csrf: str
     expires: float
-    read_only: bool = False  # logged in by a user with the monitoring tag only
-    who: str = ""  # the user, or "" for the admin token: whose sessions a full store ends first
+    read_only: bool = False  # at login; a user's session asks its user's tags again on every request
+    who: str = ""  # the user, or "" for the admin token: whose rights, and whose sessions a full store ends first
 
 
 class SessionStore:
     """Browser sessions: random id -> CSRF value and expiry, at most `limit`. When full, a login ends the
     oldest session of whoever holds the most (its own, if that is the one logging in over and over): a
-    monitoring user cannot log every administrator out by logging in 64 times."""
+    monitoring user cannot log every administrator out by logging in 64 times.
+
+    A user's session holds the user's name, not its rights: every look-up asks `users` (the users file,
+    re-read when it changed) what the user may do now. A session fixed at login kept an administrator's
+    rights after `flowbroker user delete` or a demotion to monitoring, while HTTP Basic lost them at once
+    (a tester); the users file promises the open connections its new permissions within a second."""
 
     def __init__(self, limit: int = MAX_SESSIONS, lifetime: float = SESSION_SECONDS,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, users: AdminUsers | None = None):
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._limit = limit
         self._lifetime = lifetime
         self._clock = clock
+        self._users = users
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def create(self, read_only: bool = False, who: str = "") -> tuple[str, str]:
-        """A new session for `who`: (id for the cookie, CSRF value for the page)."""
+        """A new session for `who` (a user's name; "" for the admin token): (id for the cookie, CSRF value
+        for the page)."""
         now = self._clock()
         for sid in [sid for sid, s in self._sessions.items() if s.expires <= now]:
             del self._sessions[sid]
@@ -126,21 +133,33 @@ class SessionStore:
         self._sessions[sid] = _Session(csrf, now + self._lifetime, read_only, who)
         return sid, csrf
 
-    def read_only(self, sid: str | None) -> bool:
+    def get(self, sid: str | None) -> tuple[str, bool] | None:
+        """(CSRF value, read_only) of a live session, read_only as its user's tags are now; or None: no
+        such session, or it expired, or its user was deleted or lost its admin tags (then it is ended)."""
         session = self._sessions.get(sid) if sid else None
-        return session is not None and session.read_only
-
-    def csrf(self, sid: str | None) -> str | None:
-        """The CSRF value of a live session, or None (unknown or expired: then forgotten)."""
-        if not sid:
-            return None
-        session = self._sessions.get(sid)
-        if session is None:
+        if sid is None or session is None:
             return None
         if session.expires <= self._clock():
             del self._sessions[sid]
             return None
-        return session.csrf
+        if not session.who or self._users is None:  # the admin token's session: the token does not change
+            return session.csrf, session.read_only
+        read_only = self._users.rights(session.who)
+        if read_only is None:
+            del self._sessions[sid]
+            LOGGER.warning("console: a session of user %s ended: the user was deleted or lost its admin tag",
+                           logsafe(session.who))
+            return None
+        return session.csrf, read_only
+
+    def read_only(self, sid: str | None) -> bool:
+        live = self.get(sid)
+        return live is not None and live[1]
+
+    def csrf(self, sid: str | None) -> str | None:
+        """The CSRF value of a live session, or None (unknown, expired or its user gone: then forgotten)."""
+        live = self.get(sid)
+        return live[0] if live is not None else None
 
     def end(self, sid: str | None) -> None:
         if sid:
@@ -240,12 +259,11 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
         return response
 
     async def session(request: Request) -> Response:
-        sid = session_id(request.scope)
-        csrf = sessions.csrf(sid)
-        if csrf is None:  # reached with the bearer token: a script has no browser session
+        live = sessions.get(session_id(request.scope))
+        if live is None:  # reached with the bearer token: a script has no browser session
             return _error(404, "not_found", "no browser session: log in at /")
         # read_only: a monitoring user's session; the page hides what the API would refuse it (403 read_only)
-        return JSONResponse({"csrf": csrf, "read_only": sessions.read_only(sid)}, headers=SECURITY_HEADERS)
+        return JSONResponse({"csrf": live[0], "read_only": live[1]}, headers=SECURITY_HEADERS)
 
     async def logout(request: Request) -> Response:
         sessions.end(session_id(request.scope))
