@@ -107,6 +107,35 @@ class ServerConfig:
     max_producer_ids_per_user: int = 5_000  # of them, held by one authenticated user at once
     producer_id_ttl: float = 3600.0  # seconds an idle producer id is kept at least after its last message
 
+    def _pair(self, key: str) -> str:
+        """`[server] max_frame_size = N, key = M`, saying which of the two is the default: an error of a
+        pair names both, as the one the user set may be either (a tester set max_frame_size alone and was
+        told max_message_size, which he never set, was out of range)."""
+        def shown(name: str) -> str:
+            value = getattr(self, name)
+            return f"{name} = {value}" + (" (its default)" if value == getattr(ServerConfig, name) else "")
+        return f"[server] {shown('max_frame_size')}, {shown(key)}"
+
+    def _sizes_fit(self) -> None:
+        """max_message_size <= max_frame_size / 2, so a DELIVER of the largest message fits in a frame."""
+        half = self.max_frame_size // 2
+        if self.max_message_size > half:
+            raise ConfigError(
+                "server", "max_message_size", self.max_message_size,
+                f"max_message_size must be <= max_frame_size / 2 = {half} (a DELIVER of the largest message must "
+                f"fit in one frame): set max_message_size to {half} or less, or max_frame_size to "
+                f"{2 * self.max_message_size} or more", where=self._pair("max_message_size"))
+
+    def _partial_fits(self) -> None:
+        """max_partial_frame_bytes >= max_frame_size, or a frame of max_frame_size could never complete."""
+        if self.max_partial_frame_bytes < self.max_frame_size:
+            raise ConfigError(
+                "server", "max_partial_frame_bytes", self.max_partial_frame_bytes,
+                f"max_partial_frame_bytes must be >= max_frame_size (one whole frame must fit, or a frame of "
+                f"max_frame_size could never complete): set max_partial_frame_bytes to {self.max_frame_size} or "
+                f"more, or max_frame_size to {self.max_partial_frame_bytes} or less",
+                where=self._pair("max_partial_frame_bytes"))
+
     def validate(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
             raise ConfigError("server", "host", self.host, "must be a non-empty host name or address")
@@ -114,12 +143,13 @@ class ServerConfig:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError("server", "name", self.name, "must be a non-empty string")
         _int_range("server", "max_frame_size", self.max_frame_size, 4096, 1 << 30)
-        _int_range("server", "max_message_size", self.max_message_size, 1, self.max_frame_size // 2)
+        _int_range("server", "max_message_size", self.max_message_size, 1, 1 << 29)
+        self._sizes_fit()
         _seconds("server", "idle_timeout", self.idle_timeout)
         _seconds("server", "handshake_timeout", self.handshake_timeout)
         _seconds("server", "frame_timeout", self.frame_timeout)
-        # At least one whole frame must fit, or a frame of max_frame_size could never complete.
-        _int_range("server", "max_partial_frame_bytes", self.max_partial_frame_bytes, self.max_frame_size, 1 << 40)
+        _int_range("server", "max_partial_frame_bytes", self.max_partial_frame_bytes, 4096, 1 << 40)
+        self._partial_fits()
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
         _int_range("server", "max_subscriptions", self.max_subscriptions, 1, 1_000_000)
         _int_range("server", "max_queues", self.max_queues, 1, 10_000_000)

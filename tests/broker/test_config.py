@@ -164,7 +164,8 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
     [
         ("server", {"port": 65536}, "[server] port = 65536: must be an integer in [0, 65535]"),
         ("server", {"port": True}, "[server] port = True: must be an integer in [0, 65535]"),
-        ("server", {"max_message_size": 5 * MiB}, "[server] max_message_size = 5242880: must be an integer in [1, 4194304]"),
+        ("server", {"max_message_size": 5 * MiB}, "[server] max_frame_size = 8388608 (its default), "
+         "max_message_size = 5242880: max_message_size must be <= max_frame_size / 2 = 4194304"),
         ("server", {"idle_timeout": -1.0}, "[server] idle_timeout = -1.0: must be a number of seconds in [0.001, 100000000]"),
         ("server", {"memory_quota": MiB - 1}, "[server] memory_quota = 1048575: must be an integer in [1048576, "),
         ("server", {"memory_resume_percent": 0}, "[server] memory_resume_percent = 0: must be an integer in [1, 100]"),

@@ -24,7 +24,8 @@ def test_defaults_are_the_documented_ones() -> None:
         ({"producer_id_ttl": 1e20}, "[server] producer_id_ttl = 1e+20: must be a number of seconds in"),
         ({"handshake_timeout": 0.0001}, "[server] handshake_timeout = 0.0001: must be a number of seconds in"),
         ({"max_partial_frame_bytes": 4 * MiB},
-         "[server] max_partial_frame_bytes = 4194304: must be an integer in [8388608, "),
+         "[server] max_frame_size = 8388608 (its default), max_partial_frame_bytes = 4194304: "
+         "max_partial_frame_bytes must be >= max_frame_size"),
         ({"max_frame_size": 16 * MiB, "max_partial_frame_bytes": 8 * MiB}, "max_partial_frame_bytes = 8388608"),
     ],
 )
