@@ -213,3 +213,19 @@ def test_one_users_refusals_cannot_push_out_anothers() -> None:
     verdict = rules.check("p", 0, 2, alice)
     assert isinstance(verdict, Refused) and verdict.errors[0][2] == "x"
     assert len(rules.refusals["mallory"]) == REFUSALS_KEPT
+
+
+def test_a_refusal_keeps_one_error_however_many_queues_refused_it() -> None:
+    """Every ERROR of a refusal was kept, one per queue: 600 messages to a fanout over 2,000 full queues held
+    232 MiB for one user (a tester). The first is kept, saying how many more there were."""
+    from flowbroker.broker.idempotence import Refused
+
+    rules = ProducerSequences(MemoryProducerStates(10, TTL))
+    alice = scoped("alice", "p")
+    assert rules.check("p", 0, 0, alice) is None
+    errors = tuple((ErrorCode.QUEUE_FULL, f"queue 'q{i}' is full", f"q{i}") for i in range(2000))
+    rules.was_refused(alice, 0, errors)
+    verdict = rules.check("p", 0, 1, alice)
+    assert isinstance(verdict, Refused)
+    assert verdict.errors == ((ErrorCode.QUEUE_FULL, "queue 'q0' is full (and 1999 more ERROR(s) about this message)",
+                               "q0"),)
