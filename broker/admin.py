@@ -239,7 +239,7 @@ class BearerAuth:
             checked = await self._users.login(*(pair or ("", "")), client[0] if client else None)
         except LoginThrottled as exc:
             _LOG_UNLOOKED("admin API: HTTP Basic credentials refused unlooked: %s", exc)
-            return _error_response(429, "too_many_failed_logins", str(exc), headers={"Retry-After": "30"})
+            return _error_response(429, "too_many_failed_logins", str(exc), headers={"Retry-After": str(exc.retry_after)})
         if checked is None:
             LOGGER.warning("admin API: refused HTTP Basic credentials for user %s",
                            logsafe(pair[0]) if pair is not None else "(malformed)")

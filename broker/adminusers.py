@@ -41,7 +41,13 @@ def basic_credentials(value: bytes) -> tuple[str, str] | None:
 
 
 class LoginThrottled(Exception):
-    """Refused unlooked: the address has failed so often lately that its turn is over the maximum delay."""
+    """Refused unlooked: the address has failed so often lately that its turn is over the maximum delay.
+    `retry_after` is the 429's Retry-After (seconds, [auth] failed_login_max_delay rounded up): HTTP
+    Basic and the console's login both answer it, so a client of either knows when to come back."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class AdminUsers:
@@ -60,8 +66,8 @@ class AdminUsers:
         `failed_delay` before answering."""
         throttle = self.throttle
         wait = throttle.admit(host, self._clock_ns()) if throttle is not None else 0
-        if wait is None:
-            raise LoginThrottled(f"{LOGIN_THROTTLED} {host}: wait and try again")
+        if wait is None and throttle is not None:
+            raise LoginThrottled(f"{LOGIN_THROTTLED} {host}: wait and try again", -(-throttle.max_ns // 1_000_000_000))
         try:
             if wait:
                 await trio.sleep(wait / 1e9)

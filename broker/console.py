@@ -191,8 +191,9 @@ def _static(name: str) -> Response:
     return Response(data, media_type=STATIC_FILES[name], headers=SECURITY_HEADERS)
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=SECURITY_HEADERS)
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
+                        headers={**SECURITY_HEADERS, **(headers or {})})
 
 
 LOGIN_BODY = 'log in with a JSON body {"token": "..."} or {"username": "...", "password": "..."}'
@@ -239,7 +240,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
                                             client.host if client is not None else None)
             except LoginThrottled as exc:
                 _LOG_UNLOOKED("console: a login refused unlooked: %s", exc)
-                return _error(429, "too_many_failed_logins", str(exc))
+                return _error(429, "too_many_failed_logins", str(exc), {"Retry-After": str(exc.retry_after)})
             if checked is None:
                 LOGGER.warning("console: a login refused for user %s", logsafe(name))
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")

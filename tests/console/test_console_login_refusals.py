@@ -1,0 +1,42 @@
+"""What the admin port answers, and logs, when a user's login is refused: the console's login and HTTP
+Basic alike (docs/security.md)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowbroker.broker.users import User, write_users
+from flowbroker.protocol.scram import StoredCredential
+from tests.console.test_console_auth import TOKEN, request
+
+
+@pytest.fixture
+async def broker(start_flowbroker: Any, tmp_path: Path) -> Any:
+    write_users(tmp_path / "users.json", {"root": User("root", StoredCredential.from_password("r00t", 4096),
+                                                       ("administrator",))})
+    return await start_flowbroker(admin={"token": TOKEN}, auth={
+        "users_file": str(tmp_path / "users.json"), "failed_login_delay": 5.0, "failed_login_max_delay": 10.0})
+
+
+def _throttle_loopback(broker: Any) -> None:
+    """127.0.0.1 failed once and has two attempts waiting: its next turn is 20 s away, past the 10 s maximum."""
+    throttle, now = broker.core.login_throttle, broker.core.clock_ns()
+    throttle.failed("127.0.0.1", now)
+    assert throttle.admit("127.0.0.1", now) is not None and throttle.admit("127.0.0.1", now) is not None
+
+
+async def test_a_login_refused_unlooked_says_when_to_come_back_on_the_console_as_with_basic(broker: Any) -> None:
+    """The console's 429 had no Retry-After, HTTP Basic's had one (a tester)."""
+    _throttle_loopback(broker)
+    console = await request(broker, "POST", "/login", json.dumps({"username": "root", "password": "r00t"}).encode(),
+                            {"Content-Type": "application/json"})
+    basic = await request(broker, "GET", "/api/queues",
+                          headers={"Authorization": "Basic " + base64.b64encode(b"root:r00t").decode()})
+    for answer in (console, basic):
+        assert answer.status == 429 and answer.json()["error"]["code"] == "too_many_failed_logins", answer.text
+        assert answer.headers["retry-after"] == "10"  # [auth] failed_login_max_delay
