@@ -340,9 +340,10 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
             # mandatory: a message the exchange routes to no queue is a refusal (Unroutable), not "published"
             producer = conn.producer(exchange=exchange, routing_key=routing_key, mandatory=True)
             try:
-                # The bar only on a terminal: piped, it would print just its label among the outcome's lines.
+                # The bar only on a terminal: piped, it would print just its label among the outcome's lines;
+                # with --json the JSON is all that is printed.
                 bar = (click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr)
-                       if sys.stderr.isatty() else None)
+                       if sys.stderr.isatty() and not as_json else None)
                 with bar if bar is not None else contextlib.nullcontext():
                     for _ in range(count):
                         for body in bodies:
@@ -363,14 +364,14 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
         # Closing may report the transfers a flow stop still holds: the outcome already says so.
         if outcome.timeout is None or isinstance(exc, fb.PublishError):
             outcome.error = f"{type(exc).__name__}: {exc}"
-    if as_json:
+    if as_json:  # the JSON alone (it has the outcome, the counts and the error): no text beside it on stderr
         click.echo(outcome.as_json())
-    if outcome.exit_code == EXIT_COMPLETED:
-        if not as_json:
-            click.echo(outcome.text(), err=True)
-        return
-    click.echo(("Error: " if outcome.exit_code == EXIT_ERROR else "Not completed: ") + outcome.text(), err=True)
-    sys.exit(outcome.exit_code)
+    elif outcome.exit_code == EXIT_COMPLETED:
+        click.echo(outcome.text(), err=True)
+    else:
+        click.echo(("Error: " if outcome.exit_code == EXIT_ERROR else "Not completed: ") + outcome.text(), err=True)
+    if outcome.exit_code != EXIT_COMPLETED:
+        sys.exit(outcome.exit_code)
 
 
 @main.command()
@@ -612,7 +613,9 @@ def exchange() -> None:
 @click.argument("name")
 @click.option("--kind", type=click.Choice(EXCHANGE_KINDS), default=EXCHANGE_DIRECT, show_default=True)
 @_url_option
-def exchange_declare(name: str, kind: str, url: str) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help='Print the broker\'s answer as one JSON document on stdout: {"exchange": NAME, "kind": KIND}.')
+def exchange_declare(name: str, kind: str, url: str, as_json: bool) -> None:
     """Declare exchange NAME of KIND (over the broker protocol, as the SDK does); an existing one of the
     same kind is kept."""
     import trio
@@ -620,16 +623,20 @@ def exchange_declare(name: str, kind: str, url: str) -> None:
     import flowbroker.client as fb
 
     auth = _broker_auth()
+    answer: dict[str, Any] = {}
 
     async def run() -> None:
         async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
-            await conn.declare_exchange(name, kind)
+            answer.update(await conn.declare_exchange(name, kind))
 
     try:
         trio.run(run)
     except Exception as exc:  # every SDK error is a FlowbrokerError; show it without a traceback
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    click.echo(f"exchange {printable(name)} ({kind}) declared")
+    if as_json:
+        print_json(answer or {"exchange": name, "kind": kind})
+    else:
+        click.echo(f"exchange {printable(name)} ({kind}) declared")
 
 
 @exchange.command("delete")

@@ -319,12 +319,43 @@ def test_publish_errors_exit_1_and_name_what_was_not_sent(daemon: Daemon) -> Non
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     outcome = json.loads(refused.stdout)
     assert outcome["outcome"] == "error" and outcome["error"] and outcome["exit_code"] == 1
-    assert refused.stderr.startswith("Error: ")
+    assert refused.stderr == ""  # --json: the JSON alone, which has the error
     # routed to no queue: refused, not "published" (it was exit 0 with the message in no queue)
     lost = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--exchange", "amq.topic", "-k",
                            "no.binding.here", "--json", "m"], capture_output=True, text=True, timeout=30)
     assert lost.returncode == 1, lost.stdout + lost.stderr
     assert json.loads(lost.stdout)["failed"] == 1 and "Unroutable" in lost.stdout
+
+
+def test_publish_json_prints_the_json_alone_whatever_the_outcome(daemon: Daemon) -> None:
+    """--json: one JSON document on stdout and nothing on stderr, exit status as without it (a tester: a
+    publish not completed during stop-all wrote the text outcome to stderr beside the JSON)."""
+    daemon.cli("producers", "stop-all")
+    held = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--timeout", "0.5", "-k", "pj", "--json", "one"],
+                          capture_output=True, text=True, timeout=30)
+    assert held.returncode == 3 and json.loads(held.stdout)["outcome"] == "not_completed"
+    assert held.stderr == ""
+    daemon.cli("producers", "start-all")
+    refused = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "--no-declare", "--exchange", "nope",
+                              "-k", "x", "--json", "m"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and json.loads(refused.stdout)["exit_code"] == 1
+    assert refused.stderr == ""
+    unreachable = subprocess.run([FLOWBROKER, "publish", "--url", f"flowbroker://127.0.0.1:{free_port()}",
+                                  "--timeout", "1", "-k", "x", "--json", "m"], capture_output=True, text=True, timeout=30)
+    assert unreachable.returncode == 1 and json.loads(unreachable.stdout)["error"]
+    assert unreachable.stderr == ""
+
+
+def test_exchange_declare_takes_json(daemon: Daemon) -> None:
+    """management.md: every management command takes --json; `exchange declare` said "No such option"."""
+    declared = subprocess.run([FLOWBROKER, "exchange", "declare", "jx", "--kind", "topic", "--url", daemon.url,
+                               "--json"], capture_output=True, text=True, timeout=30)
+    assert declared.returncode == 0, declared.stderr
+    assert json.loads(declared.stdout) == {"exchange": "jx", "kind": "topic"} and declared.stderr == ""
+    assert [e["kind"] for e in daemon.json("exchanges")["exchanges"] if e["name"] == "jx"] == ["topic"]
+    clash = subprocess.run([FLOWBROKER, "exchange", "declare", "jx", "--kind", "fanout", "--url", daemon.url,
+                            "--json"], capture_output=True, text=True, timeout=30)
+    assert clash.returncode == 1 and clash.stdout == "" and "exists as" in clash.stderr
 
 
 def test_version_quiet_verbose_url_from_the_environment_and_ranges(daemon: Daemon) -> None:
