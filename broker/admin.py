@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from flowbroker.broker.accept import RateLimitedLog
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
-from flowbroker.broker.adminusers import AdminUsers, LoginThrottled, basic_credentials
+from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottled, basic_credentials, peer_address
 from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.config import AdminConfig, valid_token
 from flowbroker.broker.users import UserStore
@@ -236,16 +236,16 @@ class BearerAuth:
         pair = basic_credentials(credential)
         client = scope.get("client")
         try:
-            checked = await self._users.login(*(pair or ("", "")), client[0] if client else None)
+            user, read_only = await self._users.login(*(pair or ("", "")), client[0] if client else None)
         except LoginThrottled as exc:
             _LOG_UNLOOKED("admin API: HTTP Basic credentials refused unlooked: %s", exc)
             return _error_response(429, "too_many_failed_logins", str(exc), headers={"Retry-After": str(exc.retry_after)})
-        if checked is None:
-            LOGGER.warning("admin API: refused HTTP Basic credentials for user %s",
-                           logsafe(pair[0]) if pair is not None else "(malformed)")
+        except LoginRefused as exc:  # the address and the reason, as the data port logs a refused login
+            LOGGER.warning("admin API: HTTP Basic from %s refused for user %s: %s", peer_address(client),
+                           logsafe(pair[0]) if pair is not None else "(malformed)",
+                           exc.reason if pair is not None else "malformed credentials")
             return _error_response(403, "forbidden", "wrong user or password, or the user has no admin tag "
                                                      "(administrator or monitoring)")
-        user, read_only = checked
         if read_only and scope["method"] not in SAFE_METHODS:
             return _read_only_refusal(user.name)
         return None

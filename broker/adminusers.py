@@ -24,7 +24,8 @@ from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.names import LOGIN_THROTTLED
 
-__all__ = ["AdminUsers", "ADMINISTRATOR", "MONITORING", "MAX_REMEMBERED", "LoginThrottled", "basic_credentials"]
+__all__ = ["AdminUsers", "ADMINISTRATOR", "MONITORING", "MAX_REMEMBERED", "LoginRefused", "LoginThrottled",
+           "basic_credentials", "peer_address"]
 
 ADMINISTRATOR = "administrator"
 MONITORING = "monitoring"
@@ -38,6 +39,20 @@ def basic_credentials(value: bytes) -> tuple[str, str] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return (user, password) if sep and user else None
+
+
+def peer_address(client: tuple[str, int] | None) -> str:
+    """host:port of an HTTP request's peer (the ASGI scope's `client`), as the data port's log lines say it."""
+    return f"{client[0]}:{client[1]}" if client else "an unknown address"
+
+
+class LoginRefused(Exception):
+    """Wrong user or password, or the user has no admin tag: `reason` says which, for the log only (the
+    answer never says whether the user exists)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class LoginThrottled(Exception):
@@ -60,10 +75,10 @@ class AdminUsers:
         self._pepper = secrets.token_bytes(16)
         self._verified: dict[tuple[str, bytes], int] = {}  # (user, keyed password hash) -> store generation
 
-    async def login(self, name: str, password: str, host: str | None) -> tuple[User, bool] | None:
+    async def login(self, name: str, password: str, host: str | None) -> tuple[User, bool]:
         """`check`, throttled per source address: waits for `host`'s turn when it has failed lately (raises
         LoginThrottled when that turn is too far away), and after a refusal counts the failure and waits
-        `failed_delay` before answering."""
+        `failed_delay` before raising LoginRefused."""
         throttle = self.throttle
         wait = throttle.admit(host, self._clock_ns()) if throttle is not None else 0
         if wait is None and throttle is not None:
@@ -71,12 +86,13 @@ class AdminUsers:
         try:
             if wait:
                 await trio.sleep(wait / 1e9)
-            checked = self.check(name, password)
-            if checked is None:
+            try:
+                return self.check(name, password)
+            except LoginRefused:
                 if throttle is not None:
                     throttle.failed(host, self._clock_ns())
                 await trio.sleep(self.failed_delay)
-            return checked
+                raise
         finally:
             if throttle is not None:
                 throttle.settle(host)
@@ -90,16 +106,18 @@ class AdminUsers:
             return None
         return ADMINISTRATOR not in user.tags
 
-    def check(self, name: str, password: str) -> tuple[User, bool] | None:
-        """(user, read_only) for a user with an admin tag and this password; None otherwise."""
+    def check(self, name: str, password: str) -> tuple[User, bool]:
+        """(user, read_only) for a user with an admin tag and this password; else LoginRefused."""
         self.store.refresh()
         user = self.store.get(name)
-        if user is None or not ({ADMINISTRATOR, MONITORING} & set(user.tags)):
-            return None
+        if user is None:
+            raise LoginRefused("unknown user")
+        if not ({ADMINISTRATOR, MONITORING} & set(user.tags)):
+            raise LoginRefused("the user has no admin tag (administrator or monitoring)")
         key = (name, hmac.digest(self._pepper, password.encode("utf-8"), "sha256"))
         if self._verified.get(key) != self.store.generation:
             if not user.credential.check_password(password):
-                return None
+                raise LoginRefused("wrong password")
             if len(self._verified) >= MAX_REMEMBERED:
                 self._verified.clear()
             self._verified[key] = self.store.generation

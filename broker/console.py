@@ -35,7 +35,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Scope
 
 from flowbroker.broker.accept import RateLimitedLog
-from flowbroker.broker.adminusers import AdminUsers, LoginThrottled
+from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottled, peer_address
 from flowbroker.broker.logsafe import logsafe
 
 __all__ = [
@@ -230,24 +230,25 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
         except (ValueError, KeyError, TypeError, AttributeError):
             return _error(400, "invalid_json", LOGIN_BODY)
         read_only, user_name = False, ""
+        peer = peer_address(request.scope.get("client"))  # for the log, as the data port says it
         if given is None:  # an admin user (broker/adminusers.py)
             if users is None:
                 return _error(403, "forbidden", "this broker has no admin users: log in with the admin token")
             client = request.client
             try:  # waits its address's turn after failures; a refusal waits [auth] failed_login_delay
-                checked = await users.login(name if isinstance(name, str) else "",
-                                            password if isinstance(password, str) else "",
-                                            client.host if client is not None else None)
+                user, read_only = await users.login(name if isinstance(name, str) else "",
+                                                    password if isinstance(password, str) else "",
+                                                    client.host if client is not None else None)
             except LoginThrottled as exc:
                 _LOG_UNLOOKED("console: a login refused unlooked: %s", exc)
                 return _error(429, "too_many_failed_logins", str(exc), {"Retry-After": str(exc.retry_after)})
-            if checked is None:
-                LOGGER.warning("console: a login refused for user %s", logsafe(name))
+            except LoginRefused as exc:
+                LOGGER.warning("console: login from %s refused for user %s: %s", peer, logsafe(name), exc.reason)
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")
-            read_only, user_name = checked[1], checked[0].name
-            who = f"user {checked[0].name}" + (" (monitoring: read only)" if read_only else "")
+            user_name = user.name
+            who = f"user {user.name}" + (" (monitoring: read only)" if read_only else "")
         elif not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), expected):
-            LOGGER.warning("console: a login with a wrong admin token")
+            LOGGER.warning("console: login from %s refused: wrong admin token", peer)
             return _error(403, "forbidden", "the admin token is wrong")
         else:
             who = "the admin token"

@@ -40,3 +40,31 @@ async def test_a_login_refused_unlooked_says_when_to_come_back_on_the_console_as
     for answer in (console, basic):
         assert answer.status == 429 and answer.json()["error"]["code"] == "too_many_failed_logins", answer.text
         assert answer.headers["retry-after"] == "10"  # [auth] failed_login_max_delay
+
+
+
+@pytest.mark.parametrize("user, password, reason", [
+    ("root", "wrong", "wrong password"), ("nobody", "x", "unknown user"), ("app", "app", "no admin tag")])
+async def test_a_refused_login_is_logged_with_the_peer_address_and_the_reason(
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        user: str, password: str, reason: str) -> None:
+    """Each line says where the attempt came from and why it failed, as the data port's lines do (a
+    tester: the admin port's said only the user); the answer still does not say which."""
+    write_users(tmp_path / "users.json", {
+        "root": User("root", StoredCredential.from_password("r00t", 4096), ("administrator",)),
+        "app": User("app", StoredCredential.from_password("app", 4096))})
+    broker = await start_flowbroker(admin={"token": TOKEN}, auth={
+        "users_file": str(tmp_path / "users.json"), "failed_login_delay": 0.01, "failed_login_max_delay": 0.01})
+    console = await request(broker, "POST", "/login", json.dumps({"username": user, "password": password}).encode(),
+                            {"Content-Type": "application/json"})
+    basic = await request(broker, "GET", "/api/queues",
+                          headers={"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()})
+    token = await request(broker, "POST", "/login", json.dumps({"token": "not-the-token"}).encode(),
+                          {"Content-Type": "application/json"})
+    assert console.status == basic.status == token.status == 403
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("flowbroker.broker.") and "refused" in r.getMessage()]
+    assert any(line.startswith("console: login from 127.0.0.1:") and f"for user {user}: " in line and reason in line
+               for line in lines), lines
+    assert any(line.startswith("admin API: HTTP Basic from 127.0.0.1:") and f"for user {user}: " in line
+               and reason in line for line in lines), lines
+    assert any(line.startswith("console: login from 127.0.0.1:") and "wrong admin token" in line for line in lines), lines
