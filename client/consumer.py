@@ -519,8 +519,15 @@ class Consumer:
     def _on_revoked(self, error: PublishError) -> None:
         """The user may no longer read the queue: the broker ended the subscription and requeued what it had
         delivered, so what is buffered here is not handed out (another consumer gets it; acking it here
-        would settle nothing), and the next receive raises `error`."""
-        self._buffered.clear()  # (nothing to acknowledge: the broker's subscription and its buffer are gone)
+        would settle nothing), and the next receive raises `error`. Their bytes count as processed on the
+        connection's positions, as `Connection._drop_deliveries` counts a late delivery's: the broker counted
+        them in the connection's buffer, and left unacknowledged they stalled its other consumers for good.
+        (Not on the subscription's: it is gone.)"""
+        dropped = [msg for msg in self._buffered if msg._unprocessed]
+        for msg in dropped:
+            msg._unprocessed = False
+        self._buffered.clear()
+        self._conn._processed(sum(msg._size for msg in dropped), None)
         self._error = error
         self._end()
 

@@ -121,6 +121,29 @@ async def test_close_requeues_what_was_never_handed_out(start_broker) -> None:
             await consumer.receive(timeout=1)
 
 
+async def test_a_revoked_consumer_gives_its_dropped_bytes_back_to_the_connection_buffer(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.set_buffer_size(10 * SIZE)
+        fake = await broker.connection()
+        consumer = conn.consumer("q", prefetch=10)
+        await consumer.subscribe()
+        sub_id = fake.frames(Subscribe)[0].subscription_id
+        await fake.send(Deliver(sub_id, entries(1, 10)))
+        in_hand = await consumer.receive(timeout=5)
+        await wait_until(lambda: consumer.buffered == 9)
+        await fake.send(Error(ErrorCode.UNAUTHORIZED, "may no longer read queue 'q'", destination="q"))
+        await wait_until(lambda: consumer.buffered == 0)
+        with pytest.raises(fc.PublishError):
+            await consumer.receive(timeout=5)
+        await in_hand.ack()
+        # The nine dropped, never handed out, count as processed on the connection's positions, as the
+        # one in hand does once settled: a tester's connection buffer leaked them, and its other
+        # consumers stalled for good.
+        assert conn.statistics().consumer_consumed_position == 10 * SIZE
+        await fake.wait_for(lambda: any(a.opaque == 0 and a.acked_position >= 9 * SIZE for a in fake.frames(BufferAck)))
+
+
 async def test_what_was_buffered_is_handed_out_after_the_connection_closes(start_broker) -> None:
     broker = await start_broker()
     with trio.fail_after(10):
