@@ -11,14 +11,21 @@ HELLO's `auth` map (docs/protocol.md):
 - `{"mechanism": "SCRAM-SHA-256", "data": client-first}`: RFC 7677, one AUTH_CHALLENGE round;
 - `{"mechanism": "PLAIN", "username": u, "password": p}`: only where `[auth] plain` allows it (by default
   over TLS or from loopback, where the password is not on an untrusted wire).
+
+The only file it touches besides the users file is the salt secret beside it (`salt_secret`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import secrets
+import stat
+import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 from flowbroker.broker.config import AuthConfig
@@ -27,7 +34,9 @@ from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
 
 __all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "LoginThrottle", "PLAIN", "SCRAM",
-           "is_local", "THROTTLE_SOURCES"]
+           "is_local", "salt_secret", "salt_secret_path", "THROTTLE_SOURCES"]
+
+LOGGER = logging.getLogger("flowbroker.broker.auth")
 
 PLAIN = "PLAIN"
 
@@ -208,13 +217,65 @@ class LoginThrottle:
         return source.failures if source is not None else 0
 
 
+SECRET_BYTES = 32
+
+
+def salt_secret_path(users_file: Path) -> Path:
+    """`<users file>.salt-secret`: the secret lives and goes with the users whose absence it hides."""
+    return users_file.with_name(users_file.name + ".salt-secret")
+
+
+def _reusable_secret(path: Path) -> bytes | None:
+    """The secret in `path` if it may be used: a regular file of ours that no one else can read (mode 0600
+    or stricter), holding SECRET_BYTES in hex; else None (as admin.reusable_token judges a token file)."""
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            return None
+        secret = bytes.fromhex(path.read_text().strip())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return secret if len(secret) == SECRET_BYTES else None
+
+
+def salt_secret(path: Path) -> bytes:
+    """The key of the made-up SCRAM salts of unknown users (protocol/scram.py), kept in `path` across
+    restarts. A real user's salt is in the users file and never changes with a restart; a made-up one
+    drawn anew per process did, so comparing the salts a name got before and after a restart told which
+    names exist (a tester). Created on first use, 0600 (its folder 0700 when created), written atomically
+    as the admin token file is; one that is not ours or that others may read is replaced. When it cannot
+    be written the secret is this process's alone, said once at WARNING."""
+    existing = _reusable_secret(path)
+    if existing is not None:
+        return existing
+    secret = secrets.token_bytes(SECRET_BYTES)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".salt-secret.", dir=path.parent)  # mkstemp creates it 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secret.hex() + "\n")
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except OSError as exc:
+        LOGGER.warning("cannot write the SCRAM salt secret %s: %s; unknown users' made-up salts will change "
+                       "when the broker restarts, which tells which user names exist", path, exc.strerror or exc)
+    return secret
+
+
 class Authenticator:
     """One per broker: the config, the users file, and the failures counted (for metrics and views)."""
 
     def __init__(self, config: AuthConfig, store: UserStore | None = None):
         self.config = config
         self.store = store if store is not None else UserStore(config.users_path())
-        self._secret = secrets.token_bytes(32)  # made-up salts of unknown users (protocol/scram.py)
+        self._secret: bytes | None = None  # of made-up salts of unknown users: salt_secret, on first SCRAM
         self.failures = 0
         self.successes = 0
         # failed logins per source address: attempts from an address that keeps failing wait their turn
@@ -250,6 +311,8 @@ class Authenticator:
             data = auth.get("data")
             if type(data) is not bytes:
                 return self.failed("SCRAM-SHA-256 without binary data (client-first)", None)
+            if self._secret is None:
+                self._secret = salt_secret(salt_secret_path(self.store.path))
             scram = ScramServer(self._lookup, self._secret)
             try:
                 first = scram.first(data)
