@@ -35,6 +35,7 @@ from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
 from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
+from flowbroker.client.interruptible import CANCEL_WAIT, run_interruptible
 from flowbroker.client.producer import Producer, ProducerStatistics
 from flowbroker.client.url import DEFAULT_URL
 from flowbroker.protocol import Error, ErrorCode, Headers, Welcome
@@ -80,11 +81,21 @@ class BlockingConnection:
         self._thread_error: BaseException | None = None
         """What ended the connection's thread unexpectedly after connecting (a bug): logged, and named by
         the ConnectionClosed every later call raises."""
+        self._abandoned = False
+        """`connect()` gave up (Ctrl-C, or the thread did not start in time): the thread is to stop."""
+        self._early_token: trio.lowlevel.TrioToken | None = None
+        self._connect_scope: trio.CancelScope | None = None
+        timeout = float(options.get("timeout", 10.0))
         self._thread = threading.Thread(target=self._thread_main, name=f"flowbroker {url}", daemon=True)
         self._thread.start()
-        timeout = float(options.get("timeout", 10.0))
-        if not self._ready.wait(timeout + 5.0):
-            raise HandshakeError(f"the connection thread did not start within {timeout + 5.0} s")
+        try:
+            started = self._ready.wait(timeout + 5.0)
+        except BaseException:  # Ctrl-C: no connection may be left behind, nor its thread
+            self._abandon()
+            raise
+        if not started:
+            self._abandon()
+            raise HandshakeError(f"the connection thread did not start within {timeout + 5.0:g} s")
         if self._startup_error is not None:
             self._thread.join()
             raise self._startup_error
@@ -101,17 +112,47 @@ class BlockingConnection:
         finally:
             self._ready.set()
 
+    def _abandon(self) -> None:
+        """Tell the thread to stop (cancel the connect, or close the connection it made) and wait for it,
+        at most CANCEL_WAIT. (The thread reads `_abandoned` after publishing its token, and this reads the
+        token after setting `_abandoned`: one of the two sees the other.)"""
+        self._abandoned = True
+        token = self._early_token
+        if token is not None:
+            try:
+                token.run_sync_soon(self._stop_soon)
+            except trio.RunFinishedError:
+                return
+        self._thread.join(CANCEL_WAIT)
+
+    def _stop_soon(self) -> None:
+        """In the thread: end the connect, or the connection, that nobody will use."""
+        if self._connect_scope is not None:
+            self._connect_scope.cancel()
+        if self._stop is not None:
+            self._stop.set()
+
     async def _main(self) -> None:
-        try:
-            conn = await trio_connect(self._url, **self._options)
-        except BaseException as exc:
-            self._startup_error = exc
+        self._early_token = trio.lowlevel.current_trio_token()
+        if self._abandoned:
+            return
+        conn: Connection | None = None
+        with trio.CancelScope() as self._connect_scope:
+            try:
+                conn = await trio_connect(self._url, **self._options)
+            except Exception as exc:
+                self._startup_error = exc
+                return
+        self._connect_scope = None
+        if conn is None:  # cancelled by `_abandon`
             return
         try:
             async with conn:
                 self._conn = conn
                 self._token = trio.lowlevel.current_trio_token()
                 self._stop = trio.Event()
+                if self._abandoned:
+                    self._stop.set()
                 self._ready.set()
                 await self._stop.wait()
                 if self._block_error is not None:
@@ -124,10 +165,15 @@ class BlockingConnection:
     # -------------------------------------------------------------- calling into the trio thread
 
     def _run(self, afn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._call(functools.partial(afn, *args, **kwargs))
+
+    def _call(self, call: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None) -> T:
+        """Run `call` in the connection's thread; an exception in this thread (Ctrl-C) cancels it there
+        (client/interruptible.py), and `undo` takes back what it returned too late to be cancelled."""
         if self._token is None:
             raise ConnectionClosed(ErrorCode.NORMAL, "not connected")
         try:
-            return trio.from_thread.run(functools.partial(afn, *args, **kwargs), trio_token=self._token)
+            return run_interruptible(self._token, call, undo)
         except trio.RunFinishedError:
             raise self._gone() from None
 
@@ -488,8 +534,11 @@ class BlockingConsumer:
     def receive(self, timeout: float | None = None) -> BlockingMessage:
         """The next message; raises ReceiveTimeout after `timeout` seconds (None: no deadline),
         `trio.EndOfChannel` once the consumer is closed, the connection's error if it failed. Subscribes
-        first if the consumer was never entered, within the same deadline."""
-        return BlockingMessage(self._conn, self._conn._run(self._consumer.receive, timeout))
+        first if the consumer was never entered, within the same deadline. Interrupted (Ctrl-C), it takes
+        no message: one it took too late to be cancelled goes back to the front of the buffer."""
+        consumer = self._consumer
+        msg = self._conn._call(functools.partial(consumer.receive, timeout), lambda m: consumer._give_back([m]))
+        return BlockingMessage(self._conn, msg)
 
     def receive_many(self, limit: int, timeout: float) -> list[BlockingMessage]:
         """Up to `limit` messages in one thread hop: waits at most `timeout` seconds for the first (0: only
@@ -504,13 +553,14 @@ class BlockingConsumer:
                 return taken
             try:
                 taken.append(BlockingMessage(conn, await consumer.receive(timeout)))  # a buffered one: at once
-                while len(taken) < limit and consumer.buffered:
-                    taken.append(BlockingMessage(conn, await consumer.receive(None)))  # buffered: no wait
             except (ReceiveTimeout, trio.EndOfChannel):
-                pass
+                return taken
+            with trio.CancelScope(shield=True):  # buffered: no wait, and none lost to a cancel midway
+                while len(taken) < limit and consumer.buffered:
+                    taken.append(BlockingMessage(conn, await consumer.receive(None)))
             return taken
 
-        return self._conn._run(take)
+        return self._conn._call(take, lambda taken: consumer._give_back([m._message for m in taken]))
 
     def ack_many(self, messages: Iterable[BlockingMessage]) -> None:
         """Acknowledge several messages in one thread hop (settled together, in SETTLE ranges)."""

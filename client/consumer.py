@@ -450,6 +450,16 @@ class Consumer:
         self._current = msg
         return msg
 
+    def _give_back(self, messages: list[Message]) -> None:
+        """Messages a blocking call took for a caller that stopped waiting (Ctrl-C; client/interruptible.py):
+        first in line again, unless the consumer was closed meanwhile (the broker's cancel requeues them)."""
+        if self._closed:
+            return
+        if self._current is not None and any(m is self._current for m in messages):
+            self._current = None
+        self._buffered.extendleft(reversed(messages))
+        self._readable.unpark_all()
+
     def _mark_current_processed(self) -> None:
         if self._current is not None:
             self._current._mark_processed()

@@ -1,0 +1,149 @@
+"""Ctrl-C during a blocking call: the call ends in the connection's thread too, so it happened in full
+or not at all. Plain (not trio) tests: the blocking calls run in the main thread, where a signal handler
+raises, as Ctrl-C's does; the fake broker runs in a thread of its own."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from flowbroker.client import blocking
+from flowbroker.client.interruptible import run_interruptible
+from flowbroker.protocol import Deliver, DeliveryEntry
+from tests.client.fakebroker import FakeBroker
+
+
+class Interrupt(BaseException):
+    """What the test's SIGINT handler raises (KeyboardInterrupt's stand-in, so a stray one fails only
+    the test)."""
+
+
+@contextmanager
+def interrupted_after(seconds: float) -> Iterator[None]:
+    """The block must end by the Interrupt that SIGINT raises in this thread after `seconds`."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(Interrupt):
+            yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def broker_thread(**options: Any) -> Iterator[tuple[FakeBroker, Callable[..., Any]]]:
+    """A FakeBroker in a trio run of its own thread, and a function to run its coroutines there."""
+    started = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            box["broker"] = FakeBroker(**options)
+            await nursery.start(box["broker"].serve)
+            box["token"], box["stop"] = trio.lowlevel.current_trio_token(), trio.Event()
+            started.set()
+            await box["stop"].wait()
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert started.wait(5)
+
+    def in_broker(afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        return trio.from_thread.run(afn, *args, trio_token=box["token"])
+
+    try:
+        yield box["broker"], in_broker
+    finally:
+        trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
+        thread.join(5)
+
+
+def test_an_interrupted_receive_takes_no_message() -> None:
+    with broker_thread() as (broker, in_broker):
+        with blocking.connect(broker.url, timeout=5) as conn:
+            fake = in_broker(broker.connection)
+            with conn.consumer("q", prefetch=1) as consumer:
+                with interrupted_after(0.3):
+                    consumer.receive()
+                sub_id = consumer._consumer.subscription_id
+                in_broker(fake.send, Deliver(sub_id, [DeliveryEntry(1, "", "q", b"next", None, False)]))
+                # A tester's interrupted receive went on in the connection's thread and took this one,
+                # handed to nobody: with prefetch 1 the consumer stalled for good.
+                assert consumer.receive(timeout=5).body == b"next"
+
+
+def test_an_interrupted_send_is_not_sent() -> None:
+    with broker_thread(auto_complete=False) as (broker, in_broker):
+        with blocking.connect(broker.url, timeout=5, close_timeout=1) as conn:
+            fake = in_broker(broker.connection)
+            producer = conn.producer(routing_key="q", window=1)
+            producer.send(b"first", timeout=5)
+            with interrupted_after(0.3):
+                producer.send(b"second", timeout=30)  # waits for the window
+            in_broker(fake.complete)
+            producer.flush(timeout=5)
+            time.sleep(0.2)
+            # A tester's interrupted send sent its message once credit came: the application believed
+            # it unsent, and its retry duplicated it.
+            assert [entry.body for entry, _ in fake.transfers.values()] == [b"first"]
+            assert producer.statistics().sent == 1
+
+
+def test_an_interrupted_connect_leaves_no_connection_nor_thread() -> None:
+    with socket.socket() as silent:  # accepts the TCP connection, never answers HELLO
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        url = "flowbroker://127.0.0.1:%d" % silent.getsockname()[1]
+        with interrupted_after(0.3):
+            blocking.connect(url, timeout=10)
+        # The connect is cancelled and its thread ends: a tester's went on for the process's life.
+        assert [t for t in threading.enumerate() if t.name == f"flowbroker {url}"] == []
+        accepted, _ = silent.accept()
+        with accepted:
+            accepted.settimeout(2)
+            while accepted.recv(4096):  # the HELLO, then the end of the stream
+                pass
+
+
+def test_a_call_that_returns_after_the_interrupt_is_undone() -> None:
+    undone: list[str] = []
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        box["token"], box["stop"] = trio.lowlevel.current_trio_token(), trio.Event()
+        ready.set()
+        await box["stop"].wait()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(5)
+
+    async def uncancellable() -> str:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.5)
+        return "taken"
+
+    try:
+        with interrupted_after(0.1):
+            run_interruptible(box["token"], uncancellable, undone.append)
+        assert undone == ["taken"]  # it ended within the wait, and was handed back
+    finally:
+        trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
+        thread.join(5)
