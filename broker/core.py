@@ -1124,6 +1124,7 @@ class BrokerCore:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the built-in exchange {name!r} cannot be deleted", name)
         exchange = self._exchange(name)
         del self.exchanges[name]
+        exchange.release()
         if self.journal is not None:
             self.journal.exchange_deleted(name)
         bindings = sum(len(queues) for queues in exchange.bindings.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from flowbroker.broker.topic import TopicIndex
+from flowbroker.broker.topic import TopicBudget, TopicIndex
 from flowbroker.protocol.names import EXCHANGE_DIRECT, EXCHANGE_FANOUT, EXCHANGE_TOPIC
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class RouteCache:
     def __init__(self) -> None:
         self.entries: dict[tuple[str, str], list[Queue]] = {}
         self.bindings = 0
+        self.topic_budget = TopicBudget()  # the topic exchanges' word masks, bounded together
 
     def clear(self) -> None:
         self.entries.clear()
@@ -60,8 +61,9 @@ class Exchange:
         self.name = name
         self.kind = kind
         self.bindings: dict[str, dict[Queue, None]] = {}  # binding key -> queues (ordered set)
-        self._topics = TopicIndex()  # topic exchanges: every binding key in one matcher (broker/topic.py)
         self._cache = cache if cache is not None else RouteCache()
+        # topic exchanges: every binding key in one matcher (broker/topic.py)
+        self._topics = TopicIndex(self._cache.topic_budget)
 
     def bind(self, queue: Queue, key: str) -> bool:
         """Returns False if the binding already existed."""
@@ -88,6 +90,10 @@ class Exchange:
             self._topics.remove(key)
         self._cache.clear()
         return True
+
+    def release(self) -> None:
+        """The exchange is deleted: its topic matcher's word masks leave the broker's budget."""
+        self._topics.release()
 
     def unbind_queue(self, queue: Queue) -> None:
         for key in [k for k, qs in self.bindings.items() if queue in qs]:
