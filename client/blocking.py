@@ -33,7 +33,9 @@ import trio
 from flowbroker.client.connection import Connection, ConnectionStatistics
 from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
-from flowbroker.client.errors import BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout
+from flowbroker.client.errors import (
+    BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout, check_timeout,
+)
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
 from flowbroker.client.interruptible import CANCEL_WAIT, run_interruptible
 from flowbroker.client.producer import Producer, ProducerStatistics
@@ -86,6 +88,9 @@ class BlockingConnection:
         self._early_token: trio.lowlevel.TrioToken | None = None
         self._connect_scope: trio.CancelScope | None = None
         timeout = float(options.get("timeout", 10.0))
+        check_timeout("connect", timeout)
+        timeout = max(timeout, 0.0)
+        self._options["timeout"] = timeout
         self._thread = threading.Thread(target=self._thread_main, name=f"flowbroker {url}", daemon=True)
         self._thread.start()
         try:
@@ -251,12 +256,13 @@ class BlockingConnection:
         `close_timeout`), and end the thread. Raises `PublishFailures` for what was refused and not yet
         reported, or not completed in time; `BrokerConnectionError` if the thread has not ended within
         `timeout` (None: `close_timeout` + 5 s); `ConnectionClosed` (INTERNAL_ERROR) if the thread failed."""
+        check_timeout("close", timeout, "close_timeout + 5 s")  # before the close begins
         if self._thread.is_alive() and self._token is not None and self._stop is not None:
             try:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
             except trio.RunFinishedError:
                 pass
-        limit = float(self._options.get("close_timeout", 5.0)) + 5.0 if timeout is None else timeout
+        limit = float(self._options.get("close_timeout", 5.0)) + 5.0 if timeout is None else max(timeout, 0.0)
         self._thread.join(limit)
         if self._thread.is_alive():
             raise BrokerConnectionError(f"the connection thread did not end within {limit:g} s")
@@ -390,6 +396,7 @@ class BlockingProducer:
         on an error, the messages before it were sent (see `statistics().sent`)."""
         items = list(bodies)
         producer = self._producer
+        check_timeout("send", timeout, "send_timeout")  # (NaN made a deadline no wait could reach: 0 s)
         limit = producer.send_timeout if timeout is None else timeout
 
         async def send_all() -> int:
@@ -456,10 +463,12 @@ class BlockingFlowEvents:
         return self._events.dropped
 
     def get(self, timeout: float | None = None) -> FlowEvent | None:
+        """The next event, waiting at most `timeout` seconds (None: no deadline; negative: as 0)."""
+        check_timeout("flow events get", timeout, "no deadline")
         events = self._events
 
         async def get() -> FlowEvent | None:
-            with trio.move_on_after(float("inf") if timeout is None else timeout):
+            with trio.move_on_after(float("inf") if timeout is None else max(timeout, 0.0)):
                 return await events.get()
             return None
 

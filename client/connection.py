@@ -729,7 +729,7 @@ class Connection:
             raise pending.error
         if pending.result is None:
             raise RequestTimeout(ErrorCode.IDLE_TIMEOUT,
-                                 f"the broker did not answer request {request_id} within {limit:g} s (stopped, "
+                                 f"the broker did not answer request {request_id} within {max(limit, 0.0):g} s (stopped, "
                                  "overloaded or far away?); it may still take effect", request_id)
         return pending.result
 

@@ -337,6 +337,7 @@ class Consumer:
         """Cancel the subscription. Messages received but never handed to the application are requeued
         first; messages handed out and not settled are left to the broker's cancel (it requeues them).
         Waits at most `timeout` (None: the connection's `close_timeout`) for the broker's answers."""
+        check_timeout("consumer close", timeout, "close_timeout")  # (the cancel's errors are not raised)
         if self._closed:
             return
         self._closed = True
@@ -403,8 +404,9 @@ class Consumer:
         `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed. A message
         already buffered is handed out whatever the deadline, so `receive(0)` polls."""
         check_timeout("receive", timeout, "no deadline")
-        if timeout is not None and timeout <= 0 and self._buffered:
-            timeout = None  # (a deadline already passed would cancel even the buffered one's checkpoint)
+        if timeout is not None and timeout <= 0:
+            # A deadline already passed is 0; it would cancel even a buffered message's checkpoint.
+            timeout = None if self._buffered else 0.0
         if not self._subscribed and self._subscribing is None and not self._closed and not self._ended:
             # Never entered: the SUBSCRIBE goes out now, whatever the deadline, so that polling with
             # receive(0) subscribes (a passed deadline would cancel subscribe() before it sent it) and a
@@ -416,7 +418,7 @@ class Consumer:
             if msg is None:
                 raise trio.EndOfChannel
             return msg
-        raise ReceiveTimeout(f"no message from {self.queue!r} within {timeout} s")
+        raise ReceiveTimeout(f"no message from {self.queue!r} within {timeout:g} s")
 
     async def _next(self) -> Message | None:
         # Asking for the next message means the previous one was handled: count it as processed.

@@ -287,11 +287,12 @@ def block_error_name(exc: BaseException) -> str:
     return name if isinstance(name, str) else type(exc).__name__
 
 
-def check_timeout(what: str, timeout: float | None, default: str) -> None:
+def check_timeout(what: str, timeout: float | None, default: str = "") -> None:
     """A timeout the SDK takes: seconds (a negative one is a deadline already passed, as 0), None for
-    `default`; NaN, which no comparison can place, is a ValueError naming the wait."""
+    `default` (if the wait has one); NaN, which no comparison can place, is a ValueError naming the wait."""
     if timeout is not None and timeout != timeout:
-        raise ValueError(f"{what} timeout must be a number of seconds, or None for {default}, got nan")
+        alternative = f", or None for {default}" if default else ""
+        raise ValueError(f"{what} timeout must be a number of seconds{alternative}, got nan")
 
 
 def stopped_suffix(destinations: Sequence[str]) -> str:

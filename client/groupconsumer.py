@@ -20,6 +20,7 @@ import ipaddress
 import random
 from typing import TYPE_CHECKING, Any
 
+from flowbroker.client.errors import check_timeout
 from flowbroker.client.udpconsumer import UdpConsumer
 from flowbroker.protocol import Frame
 from flowbroker.protocol.frames import JoinGroup
@@ -104,6 +105,7 @@ class GroupConsumer(UdpConsumer):
         members that stay, or the queue for the next), and one last status message says how far it got
         before the broker hears CANCEL, which it reads first (else what it processed would be offered to
         the others again or, if it was the last, requeued)."""
+        check_timeout("consumer close", timeout, "close_timeout")  # before anything is closed
         if not self._closed:
             self._mark_current_processed()
             self._buffered.clear()  # never handed out: not processed (Consumer.aclose would count them)

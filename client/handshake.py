@@ -17,7 +17,7 @@ import trio
 
 from flowbroker.client.connection import RECEIVE_SIZE, Connection
 from flowbroker.client.credentials import AuthArg, hello_auth
-from flowbroker.client.errors import AuthenticationError, HandshakeError
+from flowbroker.client.errors import AuthenticationError, HandshakeError, check_timeout
 from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
     CAPABILITY_DELIVER_BATCH,
@@ -142,6 +142,7 @@ async def handshake(
     HELLO auth map already built) is turned into HELLO's auth here, on every call: a reconnect logs in with
     a SCRAM exchange of its own (a new client nonce), continued when the broker sends AUTH_CHALLENGE; a
     `hello` that carries an auth map already is sent as it is."""
+    check_timeout("connect", timeout)
     scram: ScramClient | None = None
     if auth is not None:
         auth_map, scram = hello_auth(auth)
@@ -149,7 +150,7 @@ async def handshake(
     stream: trio.abc.Stream | None = None
     proto = ProtocolConnection(Role.CLIENT)
     try:
-        with trio.fail_after(timeout):
+        with trio.fail_after(max(timeout, 0.0)):  # a negative one: a deadline already passed
             stream = await open_stream()
             await stream.send_all(proto.send(hello))
             welcome = await _await_welcome(stream, proto, address, scram)

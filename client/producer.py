@@ -321,6 +321,7 @@ class Producer:
         last flush, if any, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), and forget the refusals
         (`statistics().failed` counts them all). Raises `FlowControlTimeout` naming the flow-stopped queues if
         completions do not arrive in time: a saturated queue holds them."""
+        check_timeout("flush", timeout, "send_timeout")  # (NaN too when nothing is outstanding)
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._outstanding:
             self._conn._check_open()

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from flowbroker.client.errors import check_timeout
 from flowbroker.client.consumer import RELEASE_NEVER, Consumer, ConsumerStatistics
 from flowbroker.protocol import Frame
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, message_size
@@ -283,6 +284,7 @@ class UdpConsumer(Consumer):
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Cancel the subscription (as `Consumer.aclose`), then stop reading the image."""
+        check_timeout("consumer close", timeout, "close_timeout")  # before anything is closed
         try:
             await super().aclose(timeout)
         finally:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, stopped_suffix
+from flowbroker.client.errors import ConnectionClosed, FlowControlled, FlowControlTimeout, check_timeout, stopped_suffix
 from flowbroker.client.producer import _SHORT_KEY, Producer, check_message
 from flowbroker.client.url import check_udp_endpoint
 from flowbroker.protocol import ErrorCode, Headers
@@ -356,6 +356,7 @@ class UdpProducer(Producer):
         """Offer `payload` until it is taken: while back-pressured, wait for the broker's window (at most
         `timeout`) or, with `block=False`, raise FlowControlled at once."""
         conn = self._conn
+        check_timeout("send", timeout, "send_timeout")
         timeout = self.send_timeout if timeout is None else timeout
         deadline = trio.current_time() + timeout if timeout != math.inf else math.inf
         waited_since: float | None = None
@@ -477,6 +478,7 @@ class UdpProducer(Producer):
         in all (None: the connection's `close_timeout`). Messages not yet complete are not waited for
         (`flush()` first, or leave the `async with` block, which does, within the same `close_timeout`);
         the broker forgets the publication at once, so nothing more is sent on it (no end of stream)."""
+        check_timeout("producer close", timeout, "close_timeout")  # before anything is closed
         if self._closed or self.publication is None:
             self._closed = True
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 
@@ -100,3 +102,44 @@ async def test_blocking_connect_failure_and_use_after_close(start_broker) -> Non
     await trio.to_thread.run_sync(conn.close)
     with pytest.raises(fc.ConnectionClosed):
         await trio.to_thread.run_sync(lambda: conn.declare_queue("q"))
+
+
+async def test_blocking_negative_timeouts_are_0_and_nan_is_a_value_error_naming_the_wait(start_broker) -> None:
+    broker = await start_broker()
+    with pytest.raises(fc.HandshakeError):
+        await fc.connect(broker.url, timeout=-1)
+    with pytest.raises(ValueError, match="connect timeout"):
+        await fc.connect(broker.url, timeout=math.nan)
+
+    def work() -> None:
+        # A tester's negative timeouts raised trio's ValueError ("`seconds` must be non-negative").
+        with pytest.raises(fc.HandshakeError):
+            blocking.connect(broker.url, timeout=-1)
+        # NaN: blocking.connect raised HandshakeError ("did not start within nan s"), send_many waited 0 s,
+        # close started closing and then raised from Thread.join, flow_events.get named no wait, a
+        # consumer's close and a flush with nothing to wait for took it.
+        with pytest.raises(ValueError, match="connect timeout"):
+            blocking.connect(broker.url, timeout=math.nan)
+        conn = blocking.connect(broker.url, timeout=5)
+        with pytest.raises(ValueError, match="close timeout"):
+            conn.close(math.nan)
+        assert not conn.is_closed
+        with conn:
+            with conn.consumer("q") as consumer:
+                with pytest.raises(fc.ReceiveTimeout):
+                    consumer.receive(-1)
+                assert consumer.receive_many(5, -1) == []
+                with pytest.raises(ValueError, match="consumer close timeout"):
+                    consumer.close(math.nan)  # (the cancel's errors are not raised: NaN was taken silently)
+            producer = conn.producer(routing_key="q")
+            with pytest.raises(ValueError, match="send timeout"):
+                producer.send_many([b"x"], timeout=math.nan)
+            assert producer.statistics().sent == 0
+            with pytest.raises(ValueError, match="flush timeout"):
+                producer.flush(math.nan)  # (nothing outstanding: NaN was taken silently)
+            with producer.flow_events() as events:
+                assert events.get(-1) is None
+                with pytest.raises(ValueError, match="flow events get timeout"):
+                    events.get(math.nan)
+
+    await trio.to_thread.run_sync(work)

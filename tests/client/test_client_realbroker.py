@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 
@@ -72,3 +74,30 @@ async def test_blocking_api_round_trip_with_real_broker(start_flowbroker) -> Non
             return bodies
 
     assert await trio.to_thread.run_sync(work) == [b"b%d" % i for i in range(50)]
+
+
+async def test_a_udp_send_that_must_wait_names_its_wait_for_a_nan_timeout(start_flowbroker) -> None:
+    broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.declare_queue("full", flow_stop_count=50, flow_resume_count=10)
+        producer = conn.producer("", "full", transport="udp")
+        with trio.fail_after(10):
+            while True:  # until the broker's window closes
+                try:
+                    await producer.send(b"x" * 100, block=False)
+                except fc.FlowControlled:
+                    break
+                await trio.sleep(0)
+        # A tester's said only trio's "deadline must not be NaN".
+        with pytest.raises(ValueError, match="send timeout must be a number of seconds"):
+            await producer.send(b"x", timeout=math.nan)
+        async with conn.consumer("full", prefetch=1000) as consumer:  # drained, so that the close waits for nothing
+
+            async def drain() -> None:
+                async for msg in consumer:
+                    await msg.ack()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain)
+                await producer.flush(timeout=10)
+                nursery.cancel_scope.cancel()
