@@ -255,11 +255,14 @@ class BrokerCore:
             s = self.sessions.get(conn_id)
             if s is None:
                 continue
+            was_waiting = s.credit_waiting
             s.credit_waiting = credit.is_waiting(conn_id)
             drained: dict[int, int] = {}
             announced = size != s.buffer_size
             if announced:
                 s.announce_buffer(size)
+            if was_waiting and not s.credit_waiting:
+                s.release_withheld(self.clock_ns())
                 if s.fences_itself and s.transfers.fence(s.transfers.controls, size, s.transfers.window.position):
                     # A UDP publication: nothing beyond what it sent is promised (its status messages follow
                     # the new grant); an idle one held its first grant for as long as it stayed registered.

@@ -204,6 +204,12 @@ class Session:
         if ack is not None:
             self.send(self._granted(ack))
 
+    def release_withheld(self, now_ns: int) -> None:
+        """It no longer waits for a pool share: acknowledge at once what its waiting held back."""
+        ack = self.transfers.release_withheld(now_ns)
+        if ack is not None:
+            self.send(self._granted(ack))
+
     def _granted(self, ack: BufferAck) -> BufferAck:
         if self.window_listener is not None:
             self.window_listener(self)

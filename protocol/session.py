@@ -185,6 +185,15 @@ class TransferReceiver:
         ack = window.flush(now_ns)  # None when flow control is off
         return None if ack is None else self._granted(ack)
 
+    def release_withheld(self, now_ns: int) -> BufferAck | None:
+        """The producer stopped waiting for a pool share: what was consumed while its acknowledgements
+        were withheld is acknowledged now, not at the next timer tick (or never, for one whose bytes stay
+        under the threshold and whose timer ticked while it still waited: a state machine found it)."""
+        if self.credit_waiting:
+            return None
+        ack = self.window.flush(now_ns)
+        return None if ack is None else self._granted(ack)
+
     def poll(self, now_ns: int) -> BufferAck | None:
         """Timer: after the interval, acknowledge what is pending and re-advertise the absolute position
         (even unchanged), so a lost grant costs a producer at most one interval."""

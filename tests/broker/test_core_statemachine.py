@@ -508,6 +508,7 @@ class CoreMachine(RuleBasedStateMachine):
                 if fault is not None:  # a shrink left unanswered while others wait: the shell closes it
                     # (one that fences but has not read its BUFFER_CONTROL for 10 s is such a client too)
                     assert "no BUFFER_LIMIT answered it" in str(fault), fault
+                    p.fences = False  # its answers now would meet the fault: the shell is closing it
                     self._absorb_producer(pid)
                     p.close()
                     self.closed_producers.add(pid)
