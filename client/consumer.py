@@ -172,6 +172,10 @@ class Message:
             raise AlreadySettled(f"delivery {self.delivery_tag} was already settled ({self.settled.name})")
         consumer = self._consumer
         if consumer._settles_over_tcp:
+            if consumer._requeued_by is not None:
+                raise AlreadySettled(f"delivery {self.delivery_tag} cannot be settled: its consumer of {consumer.queue!r} "
+                                     f"{consumer._requeued_by}, and the broker requeued it (it may be delivered again, to "
+                                     "any consumer): settle a message before its consumer closes")
             connection = consumer._conn
             tag = self.delivery_tag
             if tag == connection._run_next and outcome is connection._run_outcome:  # `_settle_tag`'s common case
@@ -268,6 +272,10 @@ class Consumer:
         """The SUBSCRIBE sent and not yet answered: its request id and pending answer."""
         self._closed = False
         self._error: PublishError | None = None  # the queue was deleted
+        self._requeued_by: str | None = None
+        """Why the broker's subscription ended and it requeued what was handed out and not settled ("is
+        closed"): settling one of those now would settle nothing, so it raises `AlreadySettled`. (Only a
+        warning from the broker said so; the application believed it acked a message another consumer got.)"""
         self._release_at = RELEASE_NEVER
         """The subscription's processed position (`consumed_position`) at which `_on_processed` is due:
         client/udpconsumer.py sets it to the end of the oldest payload its image holds, so a processed
@@ -350,6 +358,8 @@ class Consumer:
                 msg.settle_nowait(Outcome.REQUEUE)
             else:
                 msg._mark_processed()
+        if requeue:  # (on a closed connection, settling raises ConnectionClosed)
+            self._requeued_by = "is closed"
         self._end()
         # A SUBSCRIBE still unanswered is left to the reader: its OK cancels the subscription at once
         # (`_on_subscribed`), its ERROR forgets the consumer (`_on_subscribe_refused`).
@@ -540,6 +550,7 @@ class Consumer:
             msg._unprocessed = False
         self._buffered.clear()
         self._conn._processed(sum(msg._size for msg in dropped), None)
+        self._requeued_by = "may no longer read the queue"
         self._error = error
         self._end()
 

@@ -24,7 +24,8 @@ attributes a program can match on, not only text.
     ├── RequestError                   a declare/bind/... request failed; `request_id`
     │   └── RequestTimeout             no answer before the deadline (also a TimeoutError)
     ├── ReceiveTimeout                 no message before the deadline (also a TimeoutError)
-    └── AlreadySettled                 a message was acked/rejected/requeued twice
+    └── AlreadySettled                 a message was acked/rejected/requeued twice, or after its consumer
+                                       closed (the broker requeued it)
 """
 
 from __future__ import annotations
@@ -277,7 +278,9 @@ class ReceiveTimeout(FlowbrokerError, TimeoutError):
 
 
 class AlreadySettled(FlowbrokerError):
-    """A message can be acked, rejected or requeued once."""
+    """A message can be acked, rejected or requeued once, and only while its consumer is open: closing it
+    (or the broker ending it, a revoked read permission) has the broker requeue what was handed out and
+    not settled, so a later ack would settle nothing while another consumer gets the message again."""
 
 
 def block_error_name(exc: BaseException) -> str:

@@ -136,12 +136,34 @@ async def test_a_revoked_consumer_gives_its_dropped_bytes_back_to_the_connection
         await wait_until(lambda: consumer.buffered == 0)
         with pytest.raises(fc.PublishError):
             await consumer.receive(timeout=5)
-        await in_hand.ack()
+        with pytest.raises(fc.AlreadySettled, match="may no longer read the queue"):
+            await in_hand.ack()  # the broker requeued it: the ack would settle nothing
         # The nine dropped, never handed out, count as processed on the connection's positions, as the
-        # one in hand does once settled: a tester's connection buffer leaked them, and its other
-        # consumers stalled for good.
+        # one in hand does: a tester's connection buffer leaked them, and its other consumers stalled
+        # for good.
         assert conn.statistics().consumer_consumed_position == 10 * SIZE
         await fake.wait_for(lambda: any(a.opaque == 0 and a.acked_position >= 9 * SIZE for a in fake.frames(BufferAck)))
+
+
+async def test_settling_after_the_consumer_closed_raises_already_settled(start_broker) -> None:
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        consumer = conn.consumer("q", prefetch=10)
+        await consumer.subscribe()
+        sub_id = fake.frames(Subscribe)[0].subscription_id
+        await fake.send(Deliver(sub_id, entries(1, 2)))
+        in_hand = await consumer.receive(timeout=5)
+        await consumer.aclose()
+        # The broker's cancel requeues it for another consumer: a tester's ack returned as if it had
+        # settled it, and only the broker's warning said otherwise.
+        with pytest.raises(fc.AlreadySettled, match="'q' is closed, and the broker requeued it"):
+            await in_hand.ack()
+        with pytest.raises(fc.AlreadySettled):
+            in_hand.settle_nowait(Outcome.REJECT)
+        assert in_hand.settled is None
+        await conn.declare_queue("other")  # (a round trip: whatever the writer had is sent)
+        assert [(s.outcome, s.ranges) for s in fake.frames(Settle)] == [(Outcome.REQUEUE, [(2, 2)])]
 
 
 async def test_what_was_buffered_is_handed_out_after_the_connection_closes(start_broker) -> None:
