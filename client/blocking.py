@@ -35,6 +35,7 @@ from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
 from flowbroker.client.errors import (
     BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout, check_timeout,
+    stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
 from flowbroker.client.interruptible import CANCEL_WAIT, run_interruptible
@@ -255,7 +256,9 @@ class BlockingConnection:
         outstanding transfers and write what is queued, then CLOSE (all within the connection's
         `close_timeout`), and end the thread. Raises `PublishFailures` for what was refused and not yet
         reported, or not completed in time; `BrokerConnectionError` if the thread has not ended within
-        `timeout` (None: `close_timeout` + 5 s); `ConnectionClosed` (INTERNAL_ERROR) if the thread failed."""
+        `timeout` (None: `close_timeout` + 5 s), saying what the close still waits for (a `timeout` under
+        `close_timeout` ends only this wait: the close goes on, and the next `close()` waits for it and raises
+        its `PublishFailures`); `ConnectionClosed` (INTERNAL_ERROR) if the thread failed."""
         check_timeout("close", timeout, "close_timeout + 5 s")  # before the close begins
         if self._thread.is_alive() and self._token is not None and self._stop is not None:
             try:
@@ -265,7 +268,9 @@ class BlockingConnection:
         limit = float(self._options.get("close_timeout", 5.0)) + 5.0 if timeout is None else max(timeout, 0.0)
         self._thread.join(limit)
         if self._thread.is_alive():
-            raise BrokerConnectionError(f"the connection thread did not end within {limit:g} s")
+            waiting = self._still_closing()
+            if self._thread.is_alive():
+                raise BrokerConnectionError(f"the connection thread did not end within {limit:g} s{waiting}")
         failures, self._close_failures = self._close_failures, None
         if failures is not None:
             raise failures
@@ -273,6 +278,21 @@ class BlockingConnection:
             error = self._gone()
             self._thread_error = None
             raise error
+
+    def _still_closing(self) -> str:
+        """What a close that has not ended waits for, for its error's text: a tester's close(timeout=0) said
+        only that the thread had not ended, and the messages not completed came out of a second close."""
+        try:
+            in_flight, stopped = self._run_sync(
+                lambda: (self.connection.statistics().transfers_in_flight, self.connection.flow_state.destinations))
+        except ConnectionClosed:  # it has just ended
+            return ""
+        close_timeout = float(self._options.get("close_timeout", 5.0))
+        if not in_flight:
+            return f": it is still closing (the final write, at most close_timeout {close_timeout:g} s); close() again waits for it"
+        return (f": it is still closing, waiting at most close_timeout {close_timeout:g} s for {in_flight} "
+                f"message{'s' * (in_flight != 1)} sent and not completed{stopped_suffix(stopped)}; close() again "
+                "waits for it and raises PublishFailures for those not completed then")
 
     def __enter__(self) -> BlockingConnection:
         return self

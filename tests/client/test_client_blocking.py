@@ -143,3 +143,22 @@ async def test_blocking_negative_timeouts_are_0_and_nan_is_a_value_error_naming_
                     events.get(math.nan)
 
     await trio.to_thread.run_sync(work)
+
+
+async def test_a_close_that_stops_waiting_says_what_the_close_still_waits_for(start_broker) -> None:
+    broker = await start_broker(auto_complete=False)
+
+    def work() -> None:
+        conn = blocking.connect(broker.url, timeout=5, close_timeout=1)
+        producer = conn.producer(routing_key="q")
+        for body in (b"a", b"b", b"c"):
+            producer.send(body, timeout=5)
+        # A tester's close(timeout=0) said only "the connection thread did not end within 0 s"; the
+        # messages not completed came out of a second close, which nothing said to call.
+        with pytest.raises(fc.BrokerConnectionError, match="3 messages sent and not completed.*close\\(\\) again"):
+            conn.close(timeout=0)
+        with pytest.raises(fc.PublishFailures) as failures:
+            conn.close()
+        assert failures.value.unconfirmed == 3
+
+    await trio.to_thread.run_sync(work)
