@@ -21,9 +21,11 @@ The methods must not be called from inside the connection's own trio thread.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -58,6 +60,22 @@ class _BlockRaised(Exception):
     def __init__(self, original: BaseException) -> None:
         super().__init__(repr(original))
         self.block_error_name = type(original).__name__
+
+
+_open: weakref.WeakSet[BlockingConnection] = weakref.WeakSet()
+"""Connections whose thread has not ended (their thread holds them: weak only so as to add no cycle)."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close, as `close()` does, what the application left open when the interpreter exits. The connection's
+    thread is a daemon (it must not keep a process alive), so a process that ended without `close()` lost
+    what was queued and not yet written, without a word (a tester's). Failures are logged, not raised."""
+    for conn in list(_open):
+        try:
+            conn.close()
+        except Exception as exc:
+            log.warning("flowbroker blocking connection %s, closed at exit: %s", conn._url, exc)
 
 
 def connect(url: str = DEFAULT_URL, **options: Any) -> BlockingConnection:
@@ -105,6 +123,7 @@ class BlockingConnection:
         if self._startup_error is not None:
             self._thread.join()
             raise self._startup_error
+        _open.add(self)
 
     def _thread_main(self) -> None:
         try:
@@ -271,6 +290,7 @@ class BlockingConnection:
             waiting = self._still_closing()
             if self._thread.is_alive():
                 raise BrokerConnectionError(f"the connection thread did not end within {limit:g} s{waiting}")
+        _open.discard(self)
         failures, self._close_failures = self._close_failures, None
         if failures is not None:
             raise failures

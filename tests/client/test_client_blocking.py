@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import trio
@@ -162,3 +163,18 @@ async def test_a_close_that_stops_waiting_says_what_the_close_still_waits_for(st
         assert failures.value.unconfirmed == 3
 
     await trio.to_thread.run_sync(work)
+
+
+async def test_a_process_that_exits_without_close_closes_its_connections(start_broker) -> None:
+    broker = await start_broker(auto_complete=False)
+    code = (
+        "import sys; from flowbroker.client import blocking\n"
+        "conn = blocking.connect(sys.argv[1], timeout=5, close_timeout=0.5)\n"
+        "conn.producer(routing_key='q').send_many([b'm%d' % i for i in range(50)], timeout=5)\n"
+    )  # and no close(): a tester's process lost what was queued, without a word
+    with trio.fail_after(30):
+        done = await trio.run_process([sys.executable, "-c", code, broker.url], capture_stderr=True, check=False)
+    fake = await broker.connection()
+    await fake.wait_for(lambda: fake.closed)
+    assert len(fake.transfers) == 50 and fake.frames(Close) != []  # written, then closed as close() does
+    assert b"50 messages sent and not completed" in done.stderr  # what close() raises, logged
