@@ -261,12 +261,12 @@ class BrokerCore:
             announced = size != s.buffer_size
             if announced:
                 s.announce_buffer(size)
-            if was_waiting and not s.credit_waiting:
-                s.release_withheld(self.clock_ns())
                 if s.fences_itself and s.transfers.fence(s.transfers.controls, size, s.transfers.window.position):
                     # A UDP publication: nothing beyond what it sent is promised (its status messages follow
                     # the new grant); an idle one held its first grant for as long as it stayed registered.
                     drained = credit.set_window(conn_id, s.transfers.promised)
+            if was_waiting and not s.credit_waiting:
+                s.release_withheld(self.clock_ns())
             # a shrink does not lower the limit (the client may not have seen it yet), so what it may
             # still have unacknowledged stays charged to the pool until acknowledgements overtake it
             # or the client's BUFFER_LIMIT answer lowers the limit (on_buffer_limit).
