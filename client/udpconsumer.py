@@ -95,6 +95,9 @@ class UdpConsumer(Consumer):
         self._started = False
         self.malformed = 0
         """Payloads that were not delivery envelopes (dropped; their bytes released)."""
+        self.foreign = 0
+        """Datagrams dropped because they came from elsewhere than the image's source (the broker's
+        publication, from the SETUP that made the image): forged, or stray."""
         self._on_processed = self._release
         self._release_at = RELEASE_NEVER
 
@@ -247,6 +250,12 @@ class UdpConsumer(Consumer):
                 batch = await endpoint.receive_batch(DEFAULT_BATCH)
             now = now_ns()
             for datagram, source in batch:
+                image = self._image
+                if image is not None and source != image.source:
+                    # Only the broker's publication feeds the image: one forged DATA datagram at the
+                    # next position was handed out as a delivery, and the real one then lost (a tester).
+                    self.foreign += 1
+                    continue
                 channel.on_datagram(datagram, source, now)
             self._send(channel.do_work(now))  # the rebuild moves here
             polled = self._polled

@@ -318,3 +318,45 @@ async def test_a_closed_udp_subscription_frees_its_log_without_the_garbage_colle
             assert broker_side == []
         finally:
             gc.enable()
+
+
+async def test_data_forged_from_another_address_is_not_taken(start_flowbroker: Start) -> None:
+    """The SDK took DATA from any source: one datagram from another port of the host, at the position the
+    broker's next data would take, was handed out as a delivery (its ack an UNKNOWN_DELIVERY), and the
+    consumer received nothing more (a tester: 30 of 300). The image takes only its SETUP's source now."""
+    import socket
+
+    from flowbroker.protocol.envelope import encode_delivery_of
+    from flowbroker.transport.frames import write_data_header
+    from flowbroker.transport.positions import compute_term_id_from_position, compute_term_offset_from_position
+
+    broker = await start_flowbroker()
+    count = 120
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "forged", [b"%04d" % i + b"q" * 500 for i in range(count)])
+        async with conn.consumer("forged", transport="udp", buffer_size=16384, prefetch=100_000) as consumer:
+            assert isinstance(consumer, UdpConsumer)
+            first = await consumer.receive(timeout=LIMIT)  # the window is full: the broker waits for an SM
+            await trio.sleep(0.2)
+            image = consumer._image
+            assert image is not None
+            position = image.hwm_position
+            bits = image.term_length.bit_length() - 1
+            payload = encode_delivery_of(10**6, "", "forged", b"EVIL", None, False)
+            frame = bytearray((32 + len(payload) + 31) & ~31)
+            write_data_header(frame, 0, 32 + len(payload), 0xC0, compute_term_offset_from_position(position, bits),
+                              consumer.session_id or 0, consumer.stream_id,
+                              compute_term_id_from_position(position, bits, image.initial_term_id))
+            frame[32:32 + len(payload)] = payload
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+                attacker.bind(("127.0.0.1", 0))
+                attacker.sendto(bytes(frame), ("127.0.0.1", consumer._endpoint.local_address[1]))
+            await trio.sleep(0.2)
+            got = [first.body[:4]]
+            await first.ack()
+            while len(got) < count:
+                message = await consumer.receive(timeout=LIMIT)
+                got.append(message.body[:4])
+                await message.ack()
+            assert got == [b"%04d" % i for i in range(count)]
+            assert consumer.foreign == 1
