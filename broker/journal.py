@@ -10,7 +10,7 @@ producer's credit comes back only then, so a slow disk paces producers through t
 that already exists, with nothing new on the wire.
 
 Segments are files `<number>.seg`, number padded to 20 digits, in `<data_dir>/journal`. A segment
-receives appends until it holds `segment_size` bytes; the next one opens with a *snapshot* of the
+receives appends until it holds `segment_size` bytes beyond its snapshot; the next one opens with a *snapshot* of the
 durable topology (queues with their next offset, exchanges, bindings, the producers' sequences), so
 no segment depends on an older one for declarations. Compaction deletes the oldest segments while
 every message in them is settled (their settlements were in the same or an earlier batch), oldest
@@ -104,7 +104,7 @@ class Journal:
         self.dormant = True
         self.active_seg = 0  # the segment appends go to (0: none yet)
         self.oldest_seg = 1  # the oldest segment that may still exist
-        self.seg_bytes = 0  # bytes of the active segment, written or buffered
+        self.seg_bytes = 0  # bytes of the active segment after its snapshot, written or buffered
         self.sizes: dict[int, int] = {}  # segment -> bytes, written or buffered
         self.live: dict[int, int] = {}  # segment -> its messages not yet settled
         self._chunks: list[tuple[int, bytearray]] = []
@@ -140,7 +140,6 @@ class Journal:
 
     def _roll(self) -> None:
         self.active_seg = max(self.active_seg, max(self.sizes, default=0)) + 1
-        self.seg_bytes = 0
         self.sizes[self.active_seg] = 0
         self.live[self.active_seg] = 0
         for record in self.topology():
@@ -149,6 +148,10 @@ class Journal:
         # that a queue or exchange it does not list was deleted (a cut in an older segment may have taken
         # the deletion's record).
         self._append(encode([PRODUCERS, dict(self.producers)]))
+        # The segment's size counts the records after its snapshot: a snapshot over segment_size (many
+        # durable queues with long names) made each new segment full as it opened, and every record
+        # then opened another with another whole snapshot (a tester: 855 MB written for 2,000 messages).
+        self.seg_bytes = 0
 
     def _append(self, data: bytes) -> None:
         seg = self.active_seg
