@@ -310,7 +310,14 @@ class Consumer:
     # -------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> Consumer:
-        await self.subscribe()
+        try:
+            await self.subscribe()
+        except BaseException:
+            # The block never starts, so its exit never closes the consumer: a refused UDP consumer kept
+            # its socket open (a ResourceWarning in the tests).
+            with trio.CancelScope(shield=True):
+                await self.aclose()
+            raise
         return self
 
     async def __aexit__(

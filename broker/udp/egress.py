@@ -238,6 +238,12 @@ class Egress:
         if len(self.subscriptions) >= config.max_subscriptions:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"too many UDP subscriptions ([udp] max_subscriptions {config.max_subscriptions})")
+        if 0 < buffer_size < config.mtu:
+            # The consumer's image refuses a SETUP whose mtu is over its window (Aeron's rule): it then
+            # received nothing, and nothing said why (a tester's buffer_size 4096 against mtu 8192).
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"buffer_size {buffer_size} is below the UDP mtu ([udp] mtu {config.mtu}): a UDP "
+                               f"consumer's window must hold one datagram; give buffer_size {config.mtu} or more")
         the_queue, in_force = core.check_subscribe(owner, subscription_id, queue, prefetch)
         session_id = datapath.session_ids.take()
         # A loopback consumer gets loopback_mtu's datagrams, at most an eighth of the window it asked for

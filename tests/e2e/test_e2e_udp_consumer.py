@@ -360,3 +360,17 @@ async def test_data_forged_from_another_address_is_not_taken(start_flowbroker: S
                 await message.ack()
             assert got == [b"%04d" % i for i in range(count)]
             assert consumer.foreign == 1
+
+
+async def test_a_window_below_the_mtu_is_refused_at_subscribe(start_flowbroker: Start) -> None:
+    """A unicast UDP consumer with buffer_size under [udp] mtu was subscribed, and its image then refused
+    the broker's SETUP (mtu over the window): every receive timed out and nothing said why (a tester, 6 of
+    6). The broker refuses it at SUBSCRIBE_UDP now, as it does a multicast member's."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("small")
+        with pytest.raises(fc.RequestError, match=r"buffer_size 4096 is below the UDP mtu \(\[udp\] mtu 8192\)"):
+            async with conn.consumer("small", transport="udp", buffer_size=4096):
+                pass
+        async with conn.consumer("small", transport="udp", buffer_size=8192):
+            pass  # one datagram's worth is enough
