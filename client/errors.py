@@ -303,10 +303,19 @@ def stopped_suffix(destinations: Sequence[str]) -> str:
     return f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""
 
 
+STOPPED_NAMED = 10
+"""Flow-stopped destinations an error's text names; the rest are counted (the exception's
+`destinations` holds them all). With 200 stopped queues a FlowControlTimeout's text ran to 9,000
+characters (a tester)."""
+
+
 def describe_stopped(destinations: Iterable[str]) -> str:
     """Flow-stopped destinations for a message, "*" explained: it is not a queue but every producer,
-    stopped by an operator's stop-all or by the broker's memory alarm."""
-    return ", ".join(
+    stopped by an operator's stop-all or by the broker's memory alarm. At most STOPPED_NAMED named."""
+    shown = list(destinations)
+    text = ", ".join(
         "* (all producers: an operator's stop-all or the broker's memory alarm)" if d == ALL_DESTINATIONS else d
-        for d in destinations
+        for d in shown[:STOPPED_NAMED]
     )
+    more = len(shown) - STOPPED_NAMED
+    return f"{text} and {more} more" if more > 0 else text

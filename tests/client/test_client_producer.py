@@ -449,3 +449,15 @@ async def test_a_producer_block_that_reported_its_unconfirmed_transfers_does_not
         began = trio.current_time()
     assert trio.current_time() - began < 2  # not a second close_timeout for the same transfers
     assert producer.statistics().outstanding == 5  # (still not completed: said once)
+
+
+def test_an_error_names_at_most_ten_stopped_destinations_and_counts_the_rest() -> None:
+    """With 200 flow-stopped queues a FlowControlTimeout's text was about 9,000 characters (a tester)."""
+    from flowbroker.client.errors import FlowControlTimeout, stopped_suffix
+
+    names = [f"queue-{i}" for i in range(200)]
+    text = stopped_suffix(names)
+    assert text.startswith("; flow-stopped: queue-0, queue-1,") and text.endswith("queue-9 and 190 more")
+    error = FlowControlTimeout(f"send timed out after 1 s (x{text})", names, "buffer", 1.0)
+    assert error.destinations == tuple(names) and len(str(error)) < 300
+    assert stopped_suffix(["a", "b"]) == "; flow-stopped: a, b"
