@@ -123,13 +123,27 @@ def _secs(value: float) -> str:
     """A time threshold: its seconds, or off (0)."""
     return f"{value:g} s" if value else "off"
 
+_UNMEASURED_MS = 2**62
+"""A time threshold's value when the consumers' rate is unmeasured or nil: an infinite drain time."""
+
+
+def _reason_value(threshold: str, value: int) -> str:
+    """A stop reason's value as a person reads it: a time threshold's in ms (or infinite), others as is.
+    A slow-acking consumer's queue read 'flow_stop_drain_time: 4611686018427387904 > 500' (a tester)."""
+    if threshold in ("flow_stop_drain_time", "flow_stop_age"):
+        return "infinite (no consumption measured)" if value >= _UNMEASURED_MS else f"{value} ms"
+    return str(value)
+
+
 def queue_text(q: dict[str, Any]) -> str:
     t = q["thresholds"]
     c = q["counters"]
     if q["saturated"]:
         reason = q["stop_reason"]
+        timed = reason["threshold"] in ("flow_stop_drain_time", "flow_stop_age")
         saturated = (f"yes, for {seconds_text(q['saturated_for_seconds'])} "
-                     f"({reason['threshold']}: {reason['value']} > {reason['limit']})")
+                     f"({reason['threshold']}: {_reason_value(reason['threshold'], reason['value'])} > "
+                     f"{reason['limit']}{' ms' if timed else ''})")
     else:
         saturated = "no"
     lines = [
