@@ -142,7 +142,46 @@ def _owner(r: list[Any]) -> str | None:
     return str(r[5]) if len(r) > 5 and r[5] is not None else None
 
 
+def _int(value: Any, what: str) -> int:
+    """`value` if it is a non-negative int (a queue id, an offset): else ValueError, so the record is
+    skipped. An intact record with a string there stopped the broker at start with a TypeError (a
+    tester); storage.md promises it never refuses to start over a bad record."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what} {value!r} is not a non-negative integer")
+    return value
+
+
+def _name(value: Any, what: str) -> str:
+    if type(value) is not str or not value:
+        raise ValueError(f"{what} {value!r} is not a non-empty string")
+    return value
+
+
+def _check(r: list[Any]) -> None:
+    """The field types `_replay` and `restore` rely on, per kind (ValueError: skip the record)."""
+    kind = r[0]
+    if kind in (MESSAGE, SETTLED, DELIVERED):
+        _int(r[1], "queue id"), _int(r[2], "offset")
+    elif kind == QUEUE:
+        _int(r[1], "queue id"), _name(r[2], "queue name"), _int(r[4], "next offset")
+        if type(r[3]) is not dict:
+            raise ValueError(f"queue arguments {r[3]!r} are not a map")
+    elif kind == QUEUE_DELETED:
+        _int(r[1], "queue id")
+    elif kind == EXCHANGE:
+        _name(r[1], "exchange name")
+        ExchangeKind(r[2])  # ValueError names an unknown kind
+    elif kind in (BIND, UNBIND):
+        _name(r[1], "exchange name"), _int(r[2], "queue id")
+        if type(r[3]) is not str:
+            raise ValueError(f"binding key {r[3]!r} is not a string")
+    elif kind == PRODUCERS:
+        if type(r[1]) is not dict or not all(type(k) is str and type(v) is int for k, v in r[1].items()):
+            raise ValueError("producers record is not a map of producer id to sequence")
+
+
 def _replay(out: Recovered, r: list[Any], seg: int) -> None:
+    _check(r)
     kind = r[0]
     queues = out.queues
     if kind == MESSAGE:

@@ -464,3 +464,30 @@ async def test_a_graceful_shutdown_tells_a_udp_producer_what_it_journalled(tmp_p
     assert completed > 0
     async with broker(tmp_path) as server:
         assert server.core.queues["d"].count == completed
+
+
+@pytest.mark.parametrize("bad", [
+    [3, "exX", "nonsense-kind"],  # EXCHANGE of a kind no broker makes
+    [1, "qidstr", "weird", {}, 0, None],  # QUEUE whose id is a string
+    [MESSAGE, 1, "off", "", "q", b"body", None, 516, None, None],  # MESSAGE whose offset is a string
+])
+async def test_an_intact_record_with_wrong_field_types_is_skipped_not_a_refusal_to_start(
+        tmp_path: Path, bad: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Three such records stopped the broker at start with a traceback (ValueError from ExchangeKind,
+    TypeError from `qid + 1` and from sorting offsets; a tester); storage.md says it never refuses to start
+    over a bad record. Each is skipped and logged, and what is around it recovered."""
+    from flowbroker.broker.journalrecord import EXCHANGE
+
+    assert EXCHANGE == 3 and QUEUE == 1
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / segment_name(1)).write_bytes(
+        encode([QUEUE, 1, "q", {}, 0]) + encode(bad)
+        + encode([MESSAGE, 1, 0, "", "q", b"kept", None, 516, None, None]))
+    with caplog.at_level(logging.ERROR):
+        async with broker(tmp_path) as server:
+            assert server.core.queues["q"].count == 1 and "weird" not in server.core.queues
+            assert "exX" not in server.core.exchanges
+            async with await fb.connect(url(server)) as conn:
+                assert await drain(conn, "q", 1) == [(b"kept", False)]
+    assert "skipped a malformed record" in caplog.text
