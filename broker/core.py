@@ -29,7 +29,8 @@ from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.store import StoreFactory, memory_store
 from flowbroker.broker.subscription import Subscription
 from flowbroker.broker.topic import TopicIndexFull
-from flowbroker.policies.credit import CreditAllocator, CreditPolicyConfig, PolicyConfigError, PoolExhaustedError
+from flowbroker.policies.credit import (CreditAllocator, CreditPolicy, CreditPolicyConfig, PolicyConfigError,
+                                        PoolExhaustedError)
 from flowbroker.policies.overflow import OverflowPolicy, Thresholds
 from flowbroker.policies.drain import DrainEstimator
 from flowbroker.protocol.capabilities import CAPABILITY_DELIVER_BATCH, CAPABILITY_MANDATORY
@@ -141,6 +142,7 @@ class BrokerCore:
         server = config.server
         watermark = server.memory_watermark or server.memory_quota
         self.memory = MemoryMeter(watermark, watermark * server.memory_resume_percent // 100, self._memory_cleared)
+        self._set_held_room()
         self._next_conn_id = 1
         self.unroutable = 0
         # Counted where a connection starts, ends or breaks a rule, never per message (broker/metrics.py):
@@ -204,6 +206,7 @@ class BrokerCore:
         )
         self.sessions[conn_id] = session
         self.connections_opened += 1
+        self._set_held_room()
         session.errors_sent = self.errors_sent
         session.report_unroutable = CAPABILITY_MANDATORY in capabilities
         session.deliver_batches = CAPABILITY_DELIVER_BATCH in capabilities
@@ -230,10 +233,20 @@ class BrokerCore:
         self._apply_buffer_sizes(self.credit.register_producer(session.conn_id))
         session.credit_waiting = self.credit.is_waiting(session.conn_id)
 
+    def _set_held_room(self) -> None:
+        """`MemoryMeter.held_room`: the credit pool plus one maximum message per live connection (each
+        may start one message below its limit), what live producers can have in flight at most; no
+        bound under the `none` policy, where credit bounds nothing."""
+        if self.credit.config.policy is CreditPolicy.NONE:
+            self.memory.held_room = 1 << 62
+        else:
+            self.memory.held_room = self.credit.pool + len(self.sessions) * self.credit.floor
+
     def close_session(self, session: Session) -> None:
         if self.sessions.pop(session.conn_id, None) is None:
             return
         self.connections_closed += 1
+        self._set_held_room()
         session.detach()
         self._watch_window(session, False)
         if session.paced_on is not None:  # a queue that never catches up must not keep it
@@ -305,6 +318,7 @@ class BrokerCore:
         merged = {"quota": self.config.server.memory_quota, **self.config.credit, **settings}
         policy = CreditPolicyConfig.from_mapping(merged)
         changed = self.credit.reconfigure(policy)
+        self._set_held_room()
         self.config = replace(self.config, credit={**self.config.credit, **settings})
         self._apply_buffer_sizes(changed)
         # Windows granted before a switch to `none` are not known to the allocator: report them.
@@ -399,7 +413,12 @@ class BrokerCore:
         # exchange (a name of at most 255 characters) and key: at most 4 UTF-8 bytes a character.
         fast_body = max_message - 4 * (_SHORT_KEY + 255)
         broker_hold = session.flow_control and bool(self._broker_stops)
-        memory_refusal = self.memory.alarm and not session.flow_control
+        memory = self.memory
+        memory_refusal = memory.alarm and not session.flow_control
+        # Past the alarm by more than live producers can have in flight: what producers that sent and left
+        # added (each new connection's grant, or its one message over its first byte). Refused, or the
+        # alarm bounded nothing against a client reconnecting (a tester: 600 MiB over a 256 MiB quota).
+        past_room = broker_hold and memory.alarm and memory.held > memory.watermark + memory.held_room
         queues_by_name = self.queues
         # Permissions (broker/permissions.py): one dict lookup per message, the decision cached per exchange.
         may_write = session.access.write_cache if session.access is not None else None
@@ -415,7 +434,7 @@ class BrokerCore:
         # queue's hard limit, whose drop-head releases other transfers, is for the others): such
         # messages completed as routed are told to the receiver as runs of consecutive ids
         # (complete_run), and a run is told before anything else in the frame may complete a transfer.
-        fast = session.flow_control
+        fast = session.flow_control and not past_room
         run_first = run_end = -1
         run_size = 0
         try:
@@ -533,6 +552,13 @@ class BrokerCore:
                         continue
                 if (may_write is not None and not may_write.get(exchange)
                         and self._publish_denied(session, tid, size, exchange, producer_id, sequence)):
+                    tid += 1
+                    continue
+                if past_room:
+                    self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
+                                 f"the broker is over its memory watermark ({memory.held} of {memory.watermark} "
+                                 f"bytes held) by more than its producers' credit ({memory.held_room} bytes): "
+                                 "retry when the alarm clears", ALL_DESTINATIONS, producer_id, sequence)
                     tid += 1
                     continue
                 if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow

@@ -21,10 +21,15 @@ __all__ = ["MemoryMeter"]
 class MemoryMeter:
     """Bytes held (`held`, in message_size bytes) against `watermark`; queues update `held` inline."""
 
-    __slots__ = ("held", "watermark", "resume", "alarm", "alarms_total", "_on_clear")
+    __slots__ = ("held", "watermark", "resume", "alarm", "alarms_total", "_on_clear", "held_room")
 
     def __init__(self, watermark: int, resume: int, on_clear: Callable[[], None] | None = None):
         self.held = 0
+        self.held_room = 1 << 62
+        """What the live flow-controlled producers can have in flight at most: the credit pool plus one
+        message over per connection (the core keeps it). Held messages past a stop by more than this are
+        those of producers that sent and left: refused, or queues and the alarm would grow with every
+        reconnect (Queue.add's HeldPastCredit, BrokerCore.route under a broker-wide stop)."""
         self.watermark = watermark
         self.resume = resume
         self.alarm = False

@@ -63,6 +63,20 @@ class QueueFull(Exception):
         self.admission = admission
 
 
+class HeldPastCredit(QueueFull):
+    """A flow-controlled producer's message to a saturated queue that already holds, beyond what it held
+    when it saturated, more than the live producers' credit could have sent (`MemoryMeter.held_room`):
+    what connections that sent and left added. Refused (QUEUE_FULL) rather than held: a producer that
+    reconnects gets a fresh grant each time, and each grant's messages stayed held after it left, so a
+    queue with max_count 10 reached 2,400 messages, 200 more a round (a tester)."""
+
+    def __init__(self, queue: str, size: int, room: int):
+        Exception.__init__(self, f"queue {queue!r} is full: it holds {size} bytes, more than its stop plus the "
+                                 f"credit its live producers could have in flight ({room} bytes): messages of "
+                                 "producers that sent past its stop and left; retry when it drains")
+        self.queue = queue
+
+
 class QueueCounters:
     """Counters for management and metrics: transitions and totals, not just sampled booleans. The
     messages ever enqueued are not counted here: the queue's offsets count them (`Queue.enqueued`)."""
@@ -154,6 +168,7 @@ class Queue:
         # was last empty (offsets only grow, so later ones are above it; one taken out early keeps it low,
         # which is only cautious). `settle_many` keeps its one-step path for settlements below it.
         self._held_floor = 0
+        self._saturated_size = 0  # its bytes when it saturated: what it holds beyond is bounded (HeldPastCredit)
         self.stopped_producers: dict[Session, None] = {}
         self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
         self._prefetch_total = 0
@@ -257,6 +272,9 @@ class Queue:
         ) and (producer is None or not producer.flow_control or not t.flow_control):
             self.dispatch()
             self._apply_overflow(msg)
+        elif (self.saturated and producer is not None
+              and self.size + msg.size > self._saturated_size + self.meter.held_room):  # past all live credit
+            raise HeldPastCredit(self.name, self.size, self._saturated_size + self.meter.held_room)
         offset = self.next_offset
         msg.offset = offset
         self.next_offset = offset + 1
@@ -300,7 +318,8 @@ class Queue:
         """True when a run of messages of a flow-controlled producer may be added with `add_held_run`:
         the queue is saturated already, so `add` would hold every one of them and nothing else (the hard
         limit is not for flow-controlled producers), and its store is the memory store."""
-        return self.saturated and type(self.store) is MemoryStore
+        return (self.saturated and type(self.store) is MemoryStore
+                and self.size <= self._saturated_size + self.meter.held_room)
 
     def add_held_run(self, msgs: list[Message], size: int, producer: Session) -> None:
         """`add` for a run that `takes_held_run` allowed, offsets set as for `add_run`: each message is
@@ -369,6 +388,7 @@ class Queue:
         else:  # over the drain-time limit (drain_limits): held until under its resume count
             self.stop_reason = drain_reason(t.time, self.drain, self._drain_depth)
         self.saturated = True
+        self._saturated_size = self.size
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
 
