@@ -987,8 +987,14 @@ class BrokerCore:
             stop_key, resume_key = f"flow_stop_{dim}", f"flow_resume_{dim}"
             if stop_key in changes and resume_key not in changes:
                 current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
-            new_max = changes.get(f"max_{dim}")
+            new_max, old_max = changes.get(f"max_{dim}"), current[f"max_{dim}"]
             if (stop_key not in changes and isinstance(new_max, int) and not isinstance(new_max, bool)
+                    and new_max != old_max and old_max > 0 and self._derived_from(dim, old_max, current)):
+                # stop and resume were derived from the old limit: they follow the new one (or, with the
+                # limit removed, go back to the defaults); they stayed, and a tester's `--max-count 0` after
+                # `--max-count 5` left the queue stopping at 4 messages
+                current[stop_key] = current[resume_key] = None
+            elif (stop_key not in changes and isinstance(new_max, int) and not isinstance(new_max, bool)
                     and (0 < new_max < current[stop_key] or (new_max > 0 == current[stop_key] == current[f"max_{dim}"]))):
                 # a hard limit lowered under the stop it had, or the first one of a queue with no stop and no
                 # limit of that kind: both derived from the new limit, as for a queue declared with only its
@@ -1009,6 +1015,12 @@ class BrokerCore:
         queue.set_thresholds(thresholds, self.clock_ns())
         self._journal_queue(queue)
         return queue
+
+    def _derived_from(self, dim: str, limit: int, current: dict[str, Any]) -> bool:
+        """Whether `current`'s stop and resume of `dim` are what a queue declared with only that limit gets."""
+        derived, _ = self.queue_thresholds({f"max_{dim}": limit})
+        return bool(getattr(derived, f"flow_stop_{dim}") == current[f"flow_stop_{dim}"]
+                    and getattr(derived, f"flow_resume_{dim}") == current[f"flow_resume_{dim}"])
 
     def tick(self, now_ns: int) -> None:
         """The broker's flow timer (the server calls it every policies.drain.TICK_SECONDS): each queue with

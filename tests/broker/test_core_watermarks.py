@@ -602,8 +602,8 @@ def test_a_hard_limit_lowered_under_its_stop_derives_the_thresholds_from_the_new
     assert before.flow_stop_size > 10 << 20
     t = h.core.set_queue_thresholds("q", {"max_size": 10 << 20}).thresholds
     assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (10 << 20, 8 << 20, 7 << 20)
-    t = h.core.set_queue_thresholds("q", {"max_size": 100 << 20}).thresholds  # raised: the stop stays
-    assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (100 << 20, 8 << 20, 7 << 20)
+    t = h.core.set_queue_thresholds("q", {"max_size": 100 << 20}).thresholds  # raised: the derived stop follows
+    assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (100 << 20, 80 << 20, 70 << 20)
     with pytest.raises(Exception, match="flow_stop_size"):  # a stop given with it is taken as given
         h.core.set_queue_thresholds("q", {"max_size": 1000, "flow_stop_size": 2000})
 
@@ -620,3 +620,22 @@ def test_a_first_max_count_set_on_a_queue_without_count_thresholds_derives_them(
     h.queue("off", max_count=10, flow_stop_count=0)  # a stop turned off on purpose stays off
     t = h.core.set_queue_thresholds("off", {"max_count": 20}).thresholds
     assert (t.max_count, t.flow_stop_count) == (20, 0)
+
+
+def test_a_stop_derived_from_a_limit_follows_the_limit_when_it_changes() -> None:
+    """`queue set --max-count 5` derives stop 4 / resume 3; `--max-count 0` then left the queue stopping at 4
+    messages with no limit, and `--max-count 50` kept stop 4 (a tester). A derived pair follows the limit; a
+    stop set explicitly stays."""
+    from tests.broker.coreharness import Harness
+
+    h = Harness()
+    h.consumer("admin").declare_queue("a")
+    queue = h.core.queues["a"]
+    pairs = []
+    for limit in (5, 0, 50, 5):
+        h.core.set_queue_thresholds("a", {"max_count": limit})
+        pairs.append((queue.thresholds.flow_stop_count, queue.thresholds.flow_resume_count))
+    assert pairs == [(4, 3), (0, 0), (40, 35), (4, 3)]
+    h.core.set_queue_thresholds("a", {"flow_stop_count": 3, "flow_resume_count": 1})
+    h.core.set_queue_thresholds("a", {"max_count": 100})
+    assert (queue.thresholds.flow_stop_count, queue.thresholds.flow_resume_count) == (3, 1)
