@@ -612,10 +612,15 @@ class BrokerCore:
                     if journal is not None and queue.durable:
                         durable_queue = queue
                 if errors:
-                    for code, text, dest in errors:
-                        session.send(Error(code, text, None, tid, dest))
-                    if producer_id is not None:
-                        self.producer_sequences.was_refused(producer_id, sequence, tuple(errors))  # type: ignore[arg-type]
+                    # One ERROR a message, the first queue's, counting the others: one per refusing queue
+                    # was 204,800 ERRORs for a frame of 1,024 messages to a fanout over 200 full queues, and
+                    # a client reading them as fast as it could was closed as not reading (a tester).
+                    code, text, dest = errors[0]
+                    if len(errors) > 1:
+                        text = f"{text} (and {len(errors) - 1} more queue(s) refused it, the next {errors[1][2]!r})"
+                    session.send(Error(code, text, None, tid, dest))
+                    if producer_id is not None:  # the resend is told the same
+                        self.producer_sequences.was_refused(producer_id, sequence, ((code, text, dest),))  # type: ignore[arg-type]
                 if len(targets) > 1 and self.memory.over():
                     # A fan-out multiplies what one entry holds: checked per entry here, not once per frame,
                     # so one frame of 1,024 messages to 4,000 bound queues cannot hold 33x the watermark

@@ -280,3 +280,21 @@ def test_the_index_bound_is_over_every_topic_exchange_together(monkeypatch: pyte
     for name in ("t2", "t3", "t4"):
         h.core.delete_exchange(name)
     assert budget.used == 0
+
+
+def test_a_message_refused_by_several_queues_gets_one_error_counting_the_others() -> None:
+    """One ERROR per refusing queue: a frame of 1,024 messages to a fanout over 200 full queues was 204,800
+    ERRORs, and a producer reading them as fast as it could was closed as not reading (a tester)."""
+    h = Harness()
+    admin = h.producer("admin")
+    admin.declare_exchange("fan", "fanout")
+    for i in range(5):
+        admin.declare_queue(f"full{i}", max_count=1, overflow="reject", flow_stop_count=0, flow_resume_count=0)
+        admin.bind(f"full{i}", "fan")
+    legacy = h.producer("legacy", flow_control=False)
+    legacy.send("fan", "", b"first")
+    legacy.send("fan", "", b"second")
+    legacy.pump()
+    errors = [f for f in legacy.frames if isinstance(f, Error)]
+    assert len(errors) == 1 and errors[0].code is ErrorCode.QUEUE_FULL and errors[0].destination == "full0"
+    assert errors[0].text.endswith("(and 4 more queue(s) refused it, the next 'full1')")
