@@ -89,6 +89,11 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 
 _owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _new_message = object.__new__  # (a Message built field by field on the router's hot path: BrokerCore.route)
+SHRINK_HEARD_GRACE_NS = 2 * 1_000_000_000
+"""How long after it is first heard from past SHRINK_ANSWER_NS a producer that answered shrinks before
+still has to answer this one: a process woken from a pause answers within milliseconds, but may send a
+frame first (`_close_unanswered_shrinks`)."""
+
 SHRINK_ANSWER_NS = 10 * 1_000_000_000
 """How long a producer may leave a shrink of its buffer unanswered (no BUFFER_LIMIT, no sending that
 drains it) while other producers wait for a share of the pool (`BrokerCore._close_unanswered_shrinks`)."""
@@ -165,6 +170,7 @@ class BrokerCore:
         the queue is down to that prefetch (Queue.pace_clear, Queue.paced), or PACE_MAX_NS."""
         self.paced_queues: dict[Queue, None] = {}  # queues with paced producers: what `tick` looks at
         self.over_grant: dict[Session, int] = {}  # producers whose window is above their grant, since when
+        self._heard_past_answer: dict[Session, int] = {}  # of those, heard from after SHRINK_ANSWER_NS: since when
         self.recovered_producers: dict[str, int] = {}
         # The UDP data path (broker/udp/), when the server runs one: REGISTER_PUBLICATION, CLOSE_PUBLICATION
         # and SUBSCRIBE_UDP go to it; without one they are refused.
@@ -1050,17 +1056,31 @@ class BrokerCore:
         every other producer waited (a tester). An SDK producer paused for 15 s was closed when this
         looked at the latest shrink only (another tester): one that has answered before is not."""
         horizon = now_ns - SHRINK_ANSWER_NS
+        heard_past = self._heard_past_answer
+        for gone in [s for s in heard_past if s not in self.over_grant]:
+            del heard_past[gone]
         for session, since in list(self.over_grant.items()):
             transfers = session.transfers
-            # Only a client that has never answered a BUFFER_CONTROL: one that has (the SDK answers each at
-            # once) and is silent now is paused (a GC pause, a stopped process), and is left to idle_timeout.
-            if since <= horizon and transfers.answered == 0 and transfers.controls and session.fault is None:
-                session.fault = SessionFault(
-                    ErrorCode.CREDIT_VIOLATION,
-                    f"BUFFER_CONTROL shrank the buffer to {session.buffer_size} bytes {SHRINK_ANSWER_NS / 1e9:g} s "
-                    f"ago and no BUFFER_LIMIT answered it, while producers wait for the credit it holds "
-                    f"({session.transfers.promised} bytes)")
-                del self.over_grant[session]
+            if since > horizon or not transfers.controls or session.fault is not None:
+                continue
+            # A client that has never answered a BUFFER_CONTROL: closed. One that has (the SDK answers each
+            # at once) and is silent now is paused (a GC pause, a stopped process), and is left to
+            # idle_timeout; but one that keeps talking (answering NOOPs) past SHRINK_ANSWER_NS and still
+            # leaves the shrink unanswered SHRINK_HEARD_GRACE_NS after is ignoring it: a raw client that
+            # answered its first grant and no shrink after held its window while four SDK producers sent one
+            # message each in 20 s (a tester).
+            if transfers.answered:
+                if session.heard_ns - since <= SHRINK_ANSWER_NS:
+                    continue
+                if now_ns - heard_past.setdefault(session, session.heard_ns) < SHRINK_HEARD_GRACE_NS:
+                    continue
+            session.fault = SessionFault(
+                ErrorCode.CREDIT_VIOLATION,
+                f"BUFFER_CONTROL shrank the buffer to {session.buffer_size} bytes {(now_ns - since) / 1e9:.0f} s "
+                f"ago and no BUFFER_LIMIT answered it, while producers wait for the credit it holds "
+                f"({session.transfers.promised} bytes)")
+            del self.over_grant[session]
+            heard_past.pop(session, None)
 
     def track_time_thresholds(self, queue: Queue, thresholds: Thresholds | None = None) -> None:
         """Keep `timed_queues` to the queues with a time threshold: the flow timer ticks only those, so

@@ -913,6 +913,7 @@ class ConnectionHandler:
         connection must end. Flushes what the frames made due at every yield and at the end."""
         conn, core, server = self.conn, self.core, self.server
         frames_before = conn.frames_received
+        session.heard_ns = core.clock_ns()
         while True:
             turn_ends = time.perf_counter() + READER_TURN_SECONDS
             more = False

@@ -93,6 +93,7 @@ class Session:
         # A UDP publication's session: its producer's window is the broker's own status messages, so a
         # shrink is in force at once (the core answers it for it: `BrokerCore._apply_buffer_sizes`).
         self.fences_itself = False
+        self.heard_ns = 0  # when the shell last handed the core frames from it (BrokerCore._close_unanswered_shrinks)
         self.window_listener: Callable[[Session], None] | None = None  # told of each grant while a
         # shrunk window leaves the limit above acknowledged + buffer (the core returns it to the pool)
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)

@@ -82,3 +82,34 @@ def test_a_producer_that_has_answered_before_and_is_paused_now_is_left_to_its_id
     paused.pump()  # it resumes and answers: the newcomer gets its share
     late.pump()
     assert h.core.credit.waiting() == 0 and late.session.buffer_size > 1
+
+
+def test_a_producer_that_answered_once_and_keeps_talking_without_answering_the_shrink_is_closed() -> None:
+    """A raw client that answered its first grant, then ignored the shrinks and answered only NOOPs, held
+    its old window for as long as it stayed connected: four SDK producers sent one message each in 20 s
+    (a tester). Heard from past SHRINK_ANSWER_NS and still not answering SHRINK_HEARD_GRACE_NS after, it
+    is ignoring the shrink, not paused; a paused one that wakes and answers is not closed."""
+    from flowbroker.broker.core import SHRINK_HEARD_GRACE_NS
+
+    h = Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                credit={"policy": "aggressive", "min_size": 64 * 1024})
+    liar = h.producer("liar", fences=True)
+    liar.register()
+    liar.pump()  # it answered its grant...
+    assert liar.session.transfers.answered > 0
+    liar.fences = False  # ...and answers nothing from now on
+    woken = h.producer("woken", fences=True)
+    woken.register()
+    woken.pump()
+    late = h.producer("late", fences=True)
+    late.register()  # shrinks both; the liar reads its frames and ignores the shrink
+    liar.pump()
+    tick_for(h, SHRINK_ANSWER_NS / 1e9 + 1)
+    assert liar.session.fault is None  # silent so far: taken to be paused
+    liar.session.heard_ns = woken.session.heard_ns = h.now  # both heard from (a NOOP, a heartbeat)
+    tick_for(h, SHRINK_HEARD_GRACE_NS / 1e9 / 2)
+    woken.pump()  # the woken one answers within the grace
+    tick_for(h, SHRINK_HEARD_GRACE_NS / 1e9)
+    fault = liar.session.fault
+    assert fault is not None and fault.code is ErrorCode.CREDIT_VIOLATION and "no BUFFER_LIMIT" in str(fault)
+    assert woken.session.fault is None
