@@ -47,6 +47,12 @@ class TransferReceiverStatistics:
     credit_waiting: bool
 
 
+UNFENCED_IN_FLIGHT = 64 * 1024 * 1024
+"""The most a producer's first BUFFER_LIMIT after its buffer went from 0 (no flow control) to a size may
+claim beyond what the broker received and the new buffer: bytes it sent that are still in the sockets'
+buffers between the two (a few MiB on Linux, whatever the client), with room to spare."""
+
+
 class TransferReceiver:
     """Receives one connection's TRANSFER frames: contiguity, credit, completions, BUFFER_ACKs.
 
@@ -252,6 +258,15 @@ class TransferReceiver:
         fenced = max(limit, window.acked_position + window.window)
         if self.unfenced:  # the first answer after size 0 -> n: its limit is the first that holds
             self.unfenced = False
+            # What it sent under no limit and the broker has not read yet is in the sockets between
+            # them: at most UNFENCED_IN_FLIGHT beyond what arrived. A limit of 2**50 was charged to the
+            # pool whole, and every other producer waited while that client stayed (a tester).
+            if limit > window.position + window.window + UNFENCED_IN_FLIGHT:
+                raise RemoteProtocolError(
+                    f"BUFFER_LIMIT {limit} is more than {UNFENCED_IN_FLIGHT} bytes beyond the {window.position} "
+                    f"bytes received plus the {window.window}-byte buffer: no client can have that much in flight",
+                    ErrorCode.CREDIT_VIOLATION,
+                )
         else:
             fenced = min(window.limit, fenced)
         if fenced == window.limit:

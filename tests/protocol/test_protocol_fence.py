@@ -248,3 +248,23 @@ def test_flow_control_turned_off_is_not_answered() -> None:
     assert not ledger.on_buffer_control(BufferControl(3, 100))  # a subscription's: not ours
     assert ledger.buffer_limit() is None
     assert ledger.controls == 1
+
+
+def test_the_first_answer_after_flow_control_came_on_cannot_claim_more_than_the_sockets_hold() -> None:
+    """After `none` -> a paced policy, the first BUFFER_LIMIT's limit is taken even above the grant (what
+    the client sent unlimited is still arriving); a raw client's 2**50 was charged to the pool whole and
+    every other producer waited while it stayed (a tester). Beyond what arrived, the new buffer and
+    UNFENCED_IN_FLIGHT, it is a credit violation; within, it is taken."""
+    from flowbroker.protocol.session import UNFENCED_IN_FLIGHT
+
+    receiver = TransferReceiver(0)
+    receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])  # 600 bytes received under no limit
+    receiver.announced(500)
+    with pytest.raises(RemoteProtocolError, match="no client can have that much in flight") as raised:
+        receiver.fence(1, 500, 2**50)
+    assert raised.value.code is ErrorCode.CREDIT_VIOLATION
+    again = TransferReceiver(0)
+    again.receive(1, [TransferEntry("", "q", b"x" * 88)])
+    again.announced(500)
+    assert again.fence(1, 500, 600 + 500 + UNFENCED_IN_FLIGHT)
+    assert again.window.limit == 600 + 500 + UNFENCED_IN_FLIGHT
