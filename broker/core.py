@@ -246,7 +246,10 @@ class BrokerCore:
         if self.credit.config.policy is CreditPolicy.NONE:
             self.memory.held_room = 1 << 62
         else:
-            self.memory.held_room = self.credit.pool + len(self.sessions) * self.credit.floor
+            # the pool, or what was promised under a larger one until it drains (a quota lowered while the
+            # alarm was on refused connected producers' transfers, a tester)
+            committed = max(self.credit.pool, self.credit.total_committed())
+            self.memory.held_room = committed + len(self.sessions) * self.credit.floor
 
     def close_session(self, session: Session) -> None:
         if self.sessions.pop(session.conn_id, None) is None:
@@ -324,7 +327,6 @@ class BrokerCore:
         merged = {"quota": self.config.server.memory_quota, **self.config.credit, **settings}
         policy = CreditPolicyConfig.from_mapping(merged)
         changed = self.credit.reconfigure(policy)
-        self._set_held_room()
         self.config = replace(self.config, credit={**self.config.credit, **settings})
         self._apply_buffer_sizes(changed)
         # Windows granted before a switch to `none` are not known to the allocator: report them.
@@ -338,6 +340,7 @@ class BrokerCore:
         for s in self.sessions.values():
             if s.conn_id in self.credit:
                 s.credit_waiting = self.credit.is_waiting(s.conn_id)
+        self._set_held_room()  # after the old windows are charged: they may still arrive
         return policy
 
     # -- frames ------------------------------------------------------------------------------

@@ -54,3 +54,19 @@ def test_the_memory_alarm_does_not_grow_with_every_connection_that_sends_its_one
         p.close()
         assert memory.held <= memory.watermark + h.core.credit.pool + 2 * h.core.credit.floor + 4512
     assert memory.alarm and refused > 0
+
+
+def test_a_quota_lowered_under_the_alarm_leaves_room_for_what_was_promised_under_the_old_one() -> None:
+    """`policy set --quota 1MiB` while the alarm was on: connected producers' transfers admitted under
+    their old grants were refused RESOURCE_EXHAUSTED, the room counted from the new, smaller pool (a
+    tester, 3 of 3). The room is the larger of the pool and what is still promised."""
+    h = Harness(server={**SERVER, "memory_watermark": 32 * 1024}, credit=CREDIT)
+    h.consumer("admin").declare_queue("open", max_size=0, flow_stop_size=0, flow_resume_size=0)
+    producers = [h.producer(f"p{i}") for i in range(3)]
+    for p in producers:
+        p.register()
+    windows = sum(p.session.transfers.promised for p in producers)  # 3 x 8192, granted under the 64 KiB pool
+    h.core.set_credit_policy(quota=8192)
+    sessions = len(h.core.sessions)
+    assert h.core.credit.pool == 8192 < windows
+    assert h.core.memory.held_room == windows + sessions * h.core.credit.floor  # not 8192 + ...
