@@ -417,8 +417,9 @@ class Producer:
         elif credit.window == 1 and credit.outstanding:
             # WAIT_GRANT: the broker's credit pool has no share for this connection yet (docs/policies.md)
             why = ("; the broker has granted this connection no buffer yet: its first message makes it a producer "
-                   "and its share follows a round trip later, unless other producers hold the credit pool "
-                   "(docs/policies.md, 'Who holds what')")
+                   "and its share follows a round trip later, unless other producers hold the credit pool or "
+                   "its user's credit_share_percent cap is spent or below one maximum message "
+                   "(docs/policies.md, 'Who holds what'; docs/security.md)")
         return (
             f"{self._outstanding}/{self.window} transfers outstanding, "
             f"{credit.outstanding}/{credit.window} bytes unacknowledged{why}"
