@@ -447,6 +447,16 @@ class AdminApi:
         after, limit = _page(request, int)
         return views.connections_page(self.core, self.now(), self.peer_of, after, limit)
 
+    async def close_connection(self, request: Request) -> Any:
+        """End a connection (ERROR + CLOSE CONNECTION_FORCED within a second): the operator's remedy for a
+        client that holds what others wait for. `?reason=` is said to the client and logged."""
+        conn_id = request.path_params["conn_id"]
+        reason = request.query_params.get("reason") or "DELETE /api/connections"
+        session = self.core.force_close(conn_id, reason[:256])
+        LOGGER.warning("admin: connection %d (%s) closed by an operator: %s", conn_id,
+                       logsafe(session.client_name or "-"), logsafe(reason[:256]))
+        return {"connection": conn_id, "closed": True}
+
     async def list_exchanges(self, request: Request) -> Any:
         after, limit = _page(request, str)
         return views.exchanges_page(self.core, after, limit)
@@ -519,6 +529,7 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
         Route("/api/queues/{name:name}", j(api.patch_queue), methods=["PATCH"]),
         Route("/api/queues/{name:name}", j(api.delete_queue), methods=["DELETE"]),
         Route("/api/connections", j(api.list_connections), methods=["GET"]),
+        Route("/api/connections/{conn_id:int}", j(api.close_connection), methods=["DELETE"]),
         Route("/api/exchanges", j(api.list_exchanges), methods=["GET"]),
         Route("/api/exchanges/{name:name}", j(api.delete_exchange), methods=["DELETE"]),
         Route("/api/producers/stop-all", j(api.stop_all), methods=["POST"]),

@@ -571,6 +571,29 @@ def connections(limit: int, after: str | None, **options: Any) -> None:
         stream_table(CONNECTION_HEADERS, pages, connection_row, "no connections")
 
 
+@main.group()
+def connection() -> None:
+    """One connection: close it."""
+
+
+@connection.command("close")
+@click.argument("conn_id", metavar="ID", type=click.IntRange(min=1))
+@click.option("--reason", default="", help="Said to the client in its ERROR and CLOSE, and logged.")
+@_admin_options
+def connection_close(conn_id: int, reason: str, **options: Any) -> None:
+    """Close connection ID (as `connections` lists it): the client gets ERROR + CLOSE CONNECTION_FORCED
+    within a second; its unsettled deliveries are requeued and its credit goes back to the pool."""
+    from urllib.parse import quote
+
+    client, as_json = _client(options)
+    query = f"?reason={quote(reason)}" if reason else ""
+    answer = client.request("DELETE", f"/api/connections/{conn_id}{query}")
+    if as_json:
+        print_json(answer)
+    else:
+        click.echo(f"connection {answer['connection']} closed")
+
+
 @main.command()
 @_list_options
 @_admin_options

@@ -199,6 +199,7 @@ class BrokerCore:
         the producers of that identity hold of the credit pool together (policies/credit.py)."""
         conn_id = self._next_conn_id
         self._next_conn_id += 1
+        self.memory.newest_conn = conn_id
         session = Session(
             conn_id,
             client_name,
@@ -238,6 +239,20 @@ class BrokerCore:
         (or waits for a share: then its BUFFER_ACKs are withheld, see Session.credit_waiting)."""
         self._apply_buffer_sizes(self.credit.register_producer(session.conn_id))
         session.credit_waiting = self.credit.is_waiting(session.conn_id)
+
+    def force_close(self, conn_id: int, reason: str) -> Session:
+        """An operator ends connection `conn_id` (DELETE /api/connections/ID): its shell sees the fault at
+        its next timer tick (within a second) and sends ERROR + CLOSE CONNECTION_FORCED. The remedy for a
+        client that holds what others need (credit it will not give back, a queue it stalls)."""
+        session = self.sessions.get(conn_id)
+        if session is None or not session.open:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no connection {conn_id}")
+        if session.fences_itself:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"connection {conn_id} is a UDP publication: close the TCP connection that registered it")
+        if session.fault is None:
+            session.fault = SessionFault(ErrorCode.CONNECTION_FORCED, f"closed by an operator: {reason}")
+        return session
 
     def _set_held_room(self) -> None:
         """`MemoryMeter.held_room`: the credit pool plus one maximum message per live connection (each
@@ -427,7 +442,8 @@ class BrokerCore:
         # Past the alarm by more than live producers can have in flight: what producers that sent and left
         # added (each new connection's grant, or its one message over its first byte). Refused, or the
         # alarm bounded nothing against a client reconnecting (a tester: 600 MiB over a 256 MiB quota).
-        past_room = broker_hold and memory.alarm and memory.held > memory.watermark + memory.held_room
+        past_room = (broker_hold and memory.alarm and session.conn_id > memory.alarm_newest_conn
+                     and memory.held > memory.watermark + memory.held_room)
         queues_by_name = self.queues
         # Permissions (broker/permissions.py): one dict lookup per message, the decision cached per exchange.
         may_write = session.access.write_cache if session.access is not None else None
@@ -566,8 +582,9 @@ class BrokerCore:
                 if past_room:
                     self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
                                  f"the broker is over its memory watermark ({memory.held} of {memory.watermark} "
-                                 f"bytes held) by more than its producers' credit ({memory.held_room} bytes): "
-                                 "retry when the alarm clears", ALL_DESTINATIONS, producer_id, sequence)
+                                 f"bytes held) by more than its producers' credit ({memory.held_room} bytes), and "
+                                 "this connection opened after the alarm came on: retry when it clears",
+                                 ALL_DESTINATIONS, producer_id, sequence)
                     tid += 1
                     continue
                 if memory_refusal:  # nothing paces a producer without flow control: refuse, never grow
@@ -758,6 +775,7 @@ class BrokerCore:
     def _memory_alarm(self) -> None:
         memory = self.memory
         memory.alarm = True
+        memory.alarm_newest_conn = memory.newest_conn
         memory.alarms_total += 1
         LOGGER.warning("memory alarm: %d bytes of messages held, watermark %d: producers are flow-stopped "
                        "until under %d", memory.held, memory.watermark, memory.resume)

@@ -21,7 +21,8 @@ __all__ = ["MemoryMeter"]
 class MemoryMeter:
     """Bytes held (`held`, in message_size bytes) against `watermark`; queues update `held` inline."""
 
-    __slots__ = ("held", "watermark", "resume", "alarm", "alarms_total", "_on_clear", "held_room")
+    __slots__ = ("held", "watermark", "resume", "alarm", "alarms_total", "_on_clear", "held_room", "newest_conn",
+                 "alarm_newest_conn")
 
     def __init__(self, watermark: int, resume: int, on_clear: Callable[[], None] | None = None):
         self.held = 0
@@ -29,7 +30,12 @@ class MemoryMeter:
         """What the live flow-controlled producers can have in flight at most: the credit pool plus one
         message over per connection (the core keeps it). Held messages past a stop by more than this are
         those of producers that sent and left: refused, or queues and the alarm would grow with every
-        reconnect (Queue.add's HeldPastCredit, BrokerCore.route under a broker-wide stop)."""
+        reconnect (Queue.add's HeldPastCredit, BrokerCore.route under a broker-wide stop). Only connections
+        opened after the queue saturated (or the alarm came on) meet it: producers connected before are
+        never refused by it, whoever else comes and goes (a tester's live producer was refused while short
+        jobs came and went beside it), and their fan-out copies are theirs to hold."""
+        self.newest_conn = 0  # the newest connection id (the core keeps it): connections are numbered in order
+        self.alarm_newest_conn = 0  # the newest when the alarm came on: newer ones meet the room check
         self.watermark = watermark
         self.resume = resume
         self.alarm = False

@@ -72,8 +72,9 @@ class HeldPastCredit(QueueFull):
 
     def __init__(self, queue: str, size: int, room: int):
         Exception.__init__(self, f"queue {queue!r} is full: it holds {size} bytes, more than its stop plus the "
-                                 f"credit its live producers could have in flight ({room} bytes): messages of "
-                                 "producers that sent past its stop and left; retry when it drains")
+                                 f"credit its live producers could have in flight ({room} bytes), and this "
+                                 "connection opened after it saturated: messages of producers that sent past its "
+                                 "stop and left; retry when it drains")
         self.queue = queue
 
 
@@ -169,6 +170,7 @@ class Queue:
         # which is only cautious). `settle_many` keeps its one-step path for settlements below it.
         self._held_floor = 0
         self._saturated_size = 0  # its bytes when it saturated: what it holds beyond is bounded (HeldPastCredit)
+        self._saturated_newest = 0  # the newest connection then: only newer ones meet that bound
         self.stopped_producers: dict[Session, None] = {}
         self.subscriptions: dict[Subscription, None] = {}  # every live subscription, in subscribe order
         self._prefetch_total = 0
@@ -272,7 +274,7 @@ class Queue:
         ) and (producer is None or not producer.flow_control or not t.flow_control):
             self.dispatch()
             self._apply_overflow(msg)
-        elif (self.saturated and producer is not None
+        elif (self.saturated and producer is not None and producer.conn_id > self._saturated_newest
               and self.size + msg.size > self._saturated_size + self.meter.held_room):  # past all live credit
             raise HeldPastCredit(self.name, self.size, self._saturated_size + self.meter.held_room)
         offset = self.next_offset
@@ -389,6 +391,7 @@ class Queue:
             self.stop_reason = drain_reason(t.time, self.drain, self._drain_depth)
         self.saturated = True
         self._saturated_size = self.size
+        self._saturated_newest = self.meter.newest_conn
         self.counters.flow_stopped_count += 1
         self.counters.saturated_since_ns = now_ns
 

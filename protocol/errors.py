@@ -44,6 +44,7 @@ class ErrorCode(enum.IntEnum):
     LIMIT_EXCEEDED = 19  # a frame over a per-frame limit of protocol/limits.py (entries, ranges, headers)
     UNROUTABLE = 20  # a transfer reached no queue, on a connection whose HELLO asked for it (CAPABILITY_MANDATORY)
     SEQUENCE_GAP = 21  # an idempotent producer's sequence above the next one the broker expects from its producer id
+    CONNECTION_FORCED = 22  # an operator closed the connection (DELETE /api/connections/ID)
 
 
 class ProtocolError(Exception):

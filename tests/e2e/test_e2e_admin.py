@@ -527,3 +527,23 @@ async def test_a_client_that_never_reads_its_metrics_answer_is_cut_off_and_canno
                 pass
     finally:
         attacker.close()
+
+
+async def test_an_operator_closes_a_connection_and_its_client_is_told_why(broker: Any) -> None:
+    """A client holding what others wait for (a credit window it will not give back, a queue it stalls)
+    could be ended by nothing but its idle timeout, which a client answering NOOPs never reaches (a
+    tester): DELETE /api/connections/ID ends it with ERROR + CLOSE CONNECTION_FORCED within a second."""
+    async with await fb.connect(broker.url, client_name="hog") as hog, await fb.connect(broker.url) as calm:
+        await calm.declare_queue("q")
+        async with calm.producer(routing_key="q") as producer:
+            await producer.send(b"before")
+        conn_id = hog.welcome.connection_id
+        assert (await ok(broker, "DELETE", f"/api/connections/{conn_id}?reason=holds%20the%20pool")) == {
+            "connection": conn_id, "closed": True}
+        await wait_until(lambda: hog.is_closed, 3.0)
+        assert isinstance(hog.close_error, fb.ConnectionClosed) and hog.close_error.code is ErrorCode.CONNECTION_FORCED
+        assert "closed by an operator: holds the pool" in str(hog.close_error)
+        status, answer, _ = await api(broker, "DELETE", f"/api/connections/{conn_id}")
+        assert status == 404 and answer["error"]["message"] == f"no connection {conn_id}"
+        async with calm.consumer("q") as consumer:  # the others carry on
+            assert (await consumer.receive(timeout=5)).body == b"before"

@@ -199,7 +199,8 @@ def test_every_management_command_has_help() -> None:
     for command in (["queues"], ["queue"], ["queue", "show"], ["queue", "set"], ["queue", "purge"],
                     ["queue", "delete"], ["connections"], ["producers"],
                     ["producers", "stop-all"], ["producers", "start-all"], ["policy"], ["policy", "show"],
-                    ["policy", "set"], ["exchanges"], ["exchange"], ["exchange", "delete"]):
+                    ["policy", "set"], ["exchanges"], ["exchange"], ["exchange", "delete"], ["connection"],
+                    ["connection", "close"]):
         result = runner.invoke(main, [*command, "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output, command
         if command in (["queues"], ["queue", "set"], ["policy", "set"], ["exchange", "delete"]):
@@ -457,3 +458,15 @@ def test_queue_set_takes_time_thresholds_as_durations(daemon: Daemon) -> None:
     bad = daemon.cli("queue", "set", "orders", "--flow-stop-age", "soon", ok=False)
     assert bad.returncode == 2 and "not a duration" in bad.stderr
     assert daemon.json("queue", "set", "orders", "--flow-stop-age", "0")["saturated"] is False
+
+
+def test_connection_close_ends_a_client_with_connection_forced(daemon: Daemon) -> None:
+    """The operator's remedy for a client holding what others wait for (a tester found none)."""
+    with blocking.connect(daemon.url, timeout=10, client_name="hog") as conn:
+        conn_id = conn.welcome.connection_id
+        out = daemon.cli("connection", "close", str(conn_id), "--reason", "holds the pool").stdout
+        assert out.strip() == f"connection {conn_id} closed"
+        daemon.wait_for(lambda: conn.is_closed, 5)
+        assert conn.close_error is not None and "closed by an operator: holds the pool" in str(conn.close_error)
+    again = daemon.cli("connection", "close", str(conn_id), ok=False)
+    assert again.returncode == 1 and f"HTTP 404: no connection {conn_id}" in again.stderr
