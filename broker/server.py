@@ -486,6 +486,11 @@ class BrokerServer:
             if handler is not None:
                 handler.frame_bytes.release()
                 handler.conn.discard_input()  # not left to the garbage collector (FrameDecoder.discard)
+                # Nor what its writer had encoded and not sent (a consumer that never read: up to four
+                # DELIVER frames of large messages, 8 MB each): the handler lives on in reference cycles
+                # until a full collection, and 100 such connections one after another held 900 MiB (a tester).
+                handler._unsent = b""
+                handler._rest = []
 
 
 def _plain_name(auth: dict[str, Any]) -> str | None:

@@ -212,6 +212,10 @@ class Ingress:
                 pub.owner.send(FlowResumed(destination))
         pub.subscription.close(now_ns)
         self._retire_image(pub)
+        # The publication, its session and the callbacks refer to each other: the image (its 3 x
+        # term_length log) waited in the channel for a full garbage collection, which a quiet broker runs
+        # seldom: 100 UDP producers opened and closed held 650 MiB (a tester). Dropped here, it is freed.
+        pub.channel.images.clear()
         pub.pending.clear()
         self.datapath.core.close_session(pub.session)
         self.datapath.session_ids.give_back(pub.session_id)

@@ -460,3 +460,33 @@ async def test_an_idle_udp_producer_gives_up_the_credit_a_shrink_takes_so_a_late
             await later.flush(timeout=5)
         assert broker.core.credit.waiting() == 0
         await idle.aclose()
+
+
+async def test_a_closed_udp_publication_frees_its_image_without_the_garbage_collector(start_flowbroker: Any) -> None:
+    """A closed publication's image (its 3 x term_length log) stayed in its channel, in a reference cycle,
+    until a full garbage collection, which the broker process runs seldom: one connection opening and
+    closing a UDP producer 100 times held 650 MiB (a tester). With the collector off, none is left."""
+    import gc
+
+    from flowbroker.transport.image import Image
+
+    broker = await start_flowbroker()
+    datapath = broker.core.udp
+    assert datapath is not None
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("freed")
+        gc.collect()
+        gc.disable()
+        try:
+            for round in range(5):
+                async with conn.producer(routing_key="freed", transport="udp") as producer:
+                    for i in range(3):
+                        await producer.send(b"%d-%d" % (round, i), timeout=LIMIT)
+                    await producer.flush(timeout=LIMIT)
+            with trio.fail_after(LIMIT):
+                while datapath.ingress.publications:
+                    await trio.sleep(0.05)
+            assert [o for o in gc.get_objects() if isinstance(o, Image)] == []  # (the SDK's producer has none)
+        finally:
+            gc.enable()
+        assert broker.core.queues["freed"].count == 15
