@@ -289,9 +289,12 @@ class Session:
         buf = deliveries.window
         tags = deliveries.tags
         oldest = tags[0] if tags else 0
+        # A subscription's own byte buffer counts as its prefetch does: full, with the oldest delivery
+        # not moving (a consumer with buffer_size=4096 that never processed was never reported, a tester).
         if (buf.window and not buf.may_send() and buf.acked_position == self._stall_acked) or (
             oldest and oldest == self._stall_oldest
-            and any(sub.unsettled >= sub.prefetch for sub in self.subscriptions.values())
+            and any(sub.unsettled >= sub.prefetch or (sub.sender_window.window and not sub.sender_window.may_send())
+                    for sub in self.subscriptions.values())
         ):
             if self.stalled_since_ns is None:
                 self.stalled_since_ns = now_ns

@@ -252,6 +252,29 @@ def test_a_consumer_at_its_prefetch_that_settles_nothing_is_stuck_too() -> None:
     assert session.consumer_stalled(h.now) is None
 
 
+def test_a_consumer_whose_subscription_buffer_stays_full_is_stuck_too() -> None:
+    """The recommended per-subscription buffer (docs/client.md) was never looked at: a consumer with
+    buffer_size=4096 that never processed was never reported, nor disconnected with disconnect_when_stuck
+    (a tester). Full, with the oldest delivery not moving, it is stalled as a connection buffer is."""
+    h = make(server={"stuck_timeout": 10.0})
+    h.queue("q")
+    p = h.producer("feeder")
+    c = h.consumer("slow")
+    c.subscribe("q", buffer_size=2 * message_size(b"x"))
+    for _ in range(4):
+        p.send("", "q")
+    c.pump()
+    session = c.session
+    assert session.consumer_stalled(h.now) is None  # the first look
+    h.advance(11)
+    assert session.consumer_stalled(h.now) == h.now
+    h.advance(11)
+    session.consumer_stalled(h.now)
+    assert value(scrape(h), "flowbroker_queue_stuck_consumers", queue="q") == 1
+    c.ack(c.tags()[:1])
+    assert session.consumer_stalled(h.now) is None
+
+
 def test_label_values_are_escaped_and_each_broker_has_its_own_registry() -> None:
     a, b = make(), make()
     odd = 'a "quoted" \\ queue\nwith a newline'
