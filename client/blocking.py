@@ -36,7 +36,7 @@ from flowbroker.client.connection import Connection, ConnectionStatistics
 from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
 from flowbroker.client.errors import (
-    BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout, check_timeout,
+    AlreadySettled, BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout, check_timeout,
     stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
@@ -612,12 +612,21 @@ class BlockingConsumer:
         return self._conn._call(take, lambda taken: consumer._give_back([m._message for m in taken]))
 
     def ack_many(self, messages: Iterable[BlockingMessage]) -> None:
-        """Acknowledge several messages in one thread hop (settled together, in SETTLE ranges)."""
+        """Acknowledge several messages in one thread hop (settled together, in SETTLE ranges). Every one
+        that can be is acked; then the first AlreadySettled, if any was settled already, is raised, naming
+        how many of them: it stopped at the first, leaving the rest unsettled and not saying which (a tester)."""
         targets = [m._message for m in messages]
 
         async def ack_all() -> None:
+            refused: list[AlreadySettled] = []
             for message in targets:
-                await message.ack()
+                try:
+                    await message.ack()
+                except AlreadySettled as exc:
+                    refused.append(exc)
+            if refused:
+                raise AlreadySettled(f"{refused[0]} ({len(refused)} of the {len(targets)} messages were settled "
+                                     "already or their consumer closed; the others are acked)")
 
         self._conn._run(ack_all)
 

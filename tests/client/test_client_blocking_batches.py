@@ -92,3 +92,31 @@ async def test_the_blocking_connection_shows_what_the_trio_one_does(start_flowbr
                 assert events.dropped == 0
 
     await trio.to_thread.run_sync(run)
+
+
+async def test_ack_many_acks_every_message_it_can_and_says_how_many_it_could_not(start_flowbroker) -> None:
+    """One message of five acked alone before: ack_many raised at it, having acked the two before and not
+    the two after, and said nothing of which (a tester). Now the four others are acked, then AlreadySettled."""
+    import pytest
+
+    from flowbroker.client.errors import AlreadySettled
+
+    broker = await start_flowbroker()
+
+    def run() -> None:
+        with blocking.connect(broker.url, timeout=5) as conn:
+            conn.declare_queue("m")
+            with conn.producer(routing_key="m") as producer:
+                for i in range(5):
+                    producer.send(b"%d" % i)
+            with conn.consumer("m", prefetch=10) as consumer:
+                got: list[blocking.BlockingMessage] = []
+                while len(got) < 5:
+                    got += consumer.receive_many(5, 5)
+                got[2].ack()
+                with pytest.raises(AlreadySettled, match="1 of the 5 messages were settled already"):
+                    consumer.ack_many(got)
+                assert consumer.statistics().unsettled == 0
+
+    await trio.to_thread.run_sync(run)
+    assert broker.core.queues["m"].statistics().messages == 0
