@@ -379,7 +379,7 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
 @click.option("--count", "-n", type=click.IntRange(min=0), default=0,
               help="Stop after this many messages (0: until interrupted).")
 @click.option("--prefetch", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Unsettled deliveries allowed.")
+              help="Unsettled deliveries allowed (at most --count when it is given).")
 @click.option("--timeout", type=click.FloatRange(min=0), default=0.0,
               help="Stop after this many idle seconds (0: wait forever).")
 @click.option("--json", "as_json", is_flag=True,
@@ -397,7 +397,9 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
     async def run() -> None:
         received = 0
         async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
-            async with conn.consumer(queue, prefetch=prefetch) as consumer:
+            # -n N takes no more than N: the rest, delivered and given back at the close, came back flagged
+            # redelivered though nothing had seen them (a tester)
+            async with conn.consumer(queue, prefetch=min(prefetch, count) if count else prefetch) as consumer:
                 while not count or received < count:
                     try:
                         msg = await consumer.receive(timeout=timeout or None)
