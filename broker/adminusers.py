@@ -97,12 +97,16 @@ class AdminUsers:
             if throttle is not None:
                 throttle.settle(host)
 
-    def rights(self, name: str) -> bool | None:
+    def rights(self, name: str, credential: str | None = None) -> bool | None:
         """What user `name` may do now, by the users file as it is: read_only (True: monitoring only), or
-        None when it is gone or has no admin tag. A console session asks this on every request."""
+        None when it is gone, has no admin tag, or (given the `credential` it logged in with, encoded) has
+        another one now: a password changed, or the user deleted and added again. A console session asks
+        this on every request; it survived `user passwd` and a delete-and-add (a tester)."""
         self.store.refresh()
         user = self.store.get(name)
         if user is None or not ({ADMINISTRATOR, MONITORING} & set(user.tags)):
+            return None
+        if credential is not None and user.credential.encode() != credential:
             return None
         return ADMINISTRATOR not in user.tags
 

@@ -94,6 +94,7 @@ class _Session:
     expires: float
     read_only: bool = False  # at login; a user's session asks its user's tags again on every request
     who: str = ""  # the user, or "" for the admin token: whose rights, and whose sessions a full store ends first
+    credential: str = ""  # the user's stored credential at login: a changed password (or a new user of that name) ends it
 
 
 class SessionStore:
@@ -117,7 +118,7 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, read_only: bool = False, who: str = "") -> tuple[str, str]:
+    def create(self, read_only: bool = False, who: str = "", credential: str = "") -> tuple[str, str]:
         """A new session for `who` (a user's name; "" for the admin token): (id for the cookie, CSRF value
         for the page)."""
         now = self._clock()
@@ -130,7 +131,7 @@ class SessionStore:
             victim = next(sid for sid, s in self._sessions.items() if held[s.who] == most)
             del self._sessions[victim]
         sid, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-        self._sessions[sid] = _Session(csrf, now + self._lifetime, read_only, who)
+        self._sessions[sid] = _Session(csrf, now + self._lifetime, read_only, who, credential)
         return sid, csrf
 
     def get(self, sid: str | None) -> tuple[str, bool] | None:
@@ -144,11 +145,11 @@ class SessionStore:
             return None
         if not session.who or self._users is None:  # the admin token's session: the token does not change
             return session.csrf, session.read_only
-        read_only = self._users.rights(session.who)
+        read_only = self._users.rights(session.who, session.credential or None)
         if read_only is None:
             del self._sessions[sid]
-            LOGGER.warning("console: a session of user %s ended: the user was deleted or lost its admin tag",
-                           logsafe(session.who))
+            LOGGER.warning("console: a session of user %s ended: the user was deleted, lost its admin tag or "
+                           "had its password changed", logsafe(session.who))
             return None
         return session.csrf, read_only
 
@@ -229,7 +230,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
                 name, password = doc["username"], doc["password"]
         except (ValueError, KeyError, TypeError, AttributeError):
             return _error(400, "invalid_json", LOGIN_BODY)
-        read_only, user_name = False, ""
+        read_only, user_name, credential = False, "", ""
         peer = peer_address(request.scope.get("client"))  # for the log, as the data port says it
         if given is None:  # an admin user (broker/adminusers.py)
             if users is None:
@@ -245,14 +246,14 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
             except LoginRefused as exc:
                 LOGGER.warning("console: login from %s refused for user %s: %s", peer, logsafe(name), exc.reason)
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")
-            user_name = user.name
+            user_name, credential = user.name, user.credential.encode()
             who = f"user {user.name}" + (" (monitoring: read only)" if read_only else "")
         elif not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), expected):
             LOGGER.warning("console: login from %s refused: wrong admin token", peer)
             return _error(403, "forbidden", "the admin token is wrong")
         else:
             who = "the admin token"
-        sid, csrf = sessions.create(read_only, user_name)
+        sid, csrf = sessions.create(read_only, user_name, credential)
         LOGGER.info("console: logged in with %s (%d session(s) open)", who, len(sessions))
         response = JSONResponse({"csrf": csrf, "expires_in_seconds": SESSION_SECONDS, "read_only": read_only},
                                 headers=SECURITY_HEADERS)

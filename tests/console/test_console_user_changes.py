@@ -59,3 +59,18 @@ async def test_a_session_of_a_deleted_user_ends(broker: Any, tmp_path: Path, use
     write_users(tmp_path / "users.json", eve("administrator"))  # the name back: the session stays ended
     assert (await request(broker, "GET", "/api/queues", headers=headers)).status == 401
     assert (await request(broker, "GET", "/session", headers=headers)).status == 401
+
+
+@pytest.mark.parametrize("change", ["passwd", "delete and add again"])
+async def test_a_session_ends_when_its_users_password_changes(broker: Any, tmp_path: Path, change: str) -> None:
+    """A session survived `flowbroker user passwd eve`, and `user delete eve` + `user add eve` with no
+    request between: an administrator changing a leaked password did not end the attacker's console
+    session (a tester). The session is tied to the credential it logged in with."""
+    headers = await _session(broker)
+    assert (await request(broker, "POST", "/api/producers/start-all", headers=headers)).status == 200
+    if change == "delete and add again":
+        write_users(tmp_path / "users.json", {})
+    new = StoredCredential.from_password("n3w", 4096)
+    write_users(tmp_path / "users.json", {"eve": User("eve", new, ("administrator",))})
+    refused = await request(broker, "POST", "/api/producers/start-all", headers=headers)
+    assert refused.status == 401 and refused.json()["error"]["code"] == "unauthorized", refused.text
