@@ -108,10 +108,18 @@ async def _basic_from(broker: Any, source: str, user: str, password: str) -> int
 
 
 async def test_an_address_guessing_admin_passwords_in_parallel_is_throttled_and_nobody_else_is(
-        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Many wrong passwords sent at once from one address (HTTP Basic, then the console's login) are
     looked at one at a time, the rest refused unlooked (429); an administrator on another address is not
     made to wait. The throttle is the data port's (broker/auth.py LoginThrottle)."""
+    import logging
+
+    from flowbroker.broker import admin
+    from flowbroker.broker.accept import RateLimitedLog
+
+    # the log's once-per-10-s is the process's: another test's refusal a moment before would hide this one's
+    monkeypatch.setattr(admin, "_LOG_UNLOOKED", RateLimitedLog(admin.LOGGER, logging.WARNING))
     users = tmp_path / "users.json"
     write_users(users, {"root": User("root", StoredCredential.from_password("r00t", 4096), ("administrator",))})
     broker = await start_flowbroker(admin={"token": TOKEN}, auth={
