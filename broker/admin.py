@@ -24,8 +24,6 @@ import os
 import re
 import secrets
 import socket
-import stat
-import tempfile
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -43,6 +41,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowbroker.broker.accept import RateLimitedLog
+from flowbroker.broker.privatefile import read_private, write_private
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottled, basic_credentials, peer_address
@@ -118,33 +117,15 @@ def _error_response(status: int, code: str, message: str, field: str | None = No
 def write_token_file(path: Path, token: str) -> None:
     """Write `token` to `path` with mode 0600 (its folder 0700 when created), atomically: a CLI that
     reads the file while the broker starts sees the old token or the new one, never half of it."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".admin-token.", dir=path.parent)  # mkstemp creates it 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_private(path, token + "\n")
 
 
 def reusable_token(path: Path) -> str | None:
     """The token in `path` if a broker may reuse it: a regular file of ours that no one else can read
     (mode 0600 or stricter), holding a valid token. Anything else (missing, unreadable, someone
     else's, loosened permissions, garbage) is not reused: a fresh token replaces it."""
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            return None
-        token = path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return token if valid_token(token) else None
+    token = read_private(path)
+    return token if token is not None and valid_token(token) else None
 
 
 def resolve_token(config: AdminConfig, port: int) -> tuple[str, bool]:

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import secrets
-import stat
-import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 from flowbroker.broker.config import AuthConfig
+from flowbroker.broker.privatefile import read_private, write_private
 from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
@@ -226,14 +224,12 @@ def salt_secret_path(users_file: Path) -> Path:
 
 
 def _reusable_secret(path: Path) -> bytes | None:
-    """The secret in `path` if it may be used: a regular file of ours that no one else can read (mode 0600
-    or stricter), holding SECRET_BYTES in hex; else None (as admin.reusable_token judges a token file)."""
+    """The secret in `path` if it may be used: a private file of ours (broker/privatefile.py) holding
+    SECRET_BYTES in hex; else None."""
+    text = read_private(path)
     try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            return None
-        secret = bytes.fromhex(path.read_text().strip())
-    except (OSError, UnicodeDecodeError, ValueError):
+        secret = bytes.fromhex(text) if text is not None else b""
+    except ValueError:
         return None
     return secret if len(secret) == SECRET_BYTES else None
 
@@ -250,19 +246,7 @@ def salt_secret(path: Path) -> bytes:
         return existing
     secret = secrets.token_bytes(SECRET_BYTES)
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".salt-secret.", dir=path.parent)  # mkstemp creates it 0600
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(secret.hex() + "\n")
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_private(path, secret.hex() + "\n")
     except OSError as exc:
         LOGGER.warning("cannot write the SCRAM salt secret %s: %s; unknown users' made-up salts will change "
                        "when the broker restarts, which tells which user names exist", path, exc.strerror or exc)

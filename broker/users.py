@@ -11,13 +11,12 @@ standard library writes it; only SCRAM credentials are stored, never a password.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowbroker.broker.privatefile import write_private
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import StoredCredential
 
@@ -128,25 +127,8 @@ def read_users(path: Path) -> dict[str, User]:
 
 def write_users(path: Path, users: dict[str, User]) -> None:
     """Replace `path` atomically (a reader sees the old file or the new one), mode 0600, folder 0700."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     doc = {"users": {name: user.to_json() for name, user in sorted(users.items())}}
-    fd, tmp = tempfile.mkstemp(prefix=".users-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        with_suppressed_unlink(tmp)
-        raise
-
-
-def with_suppressed_unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+    write_private(path, json.dumps(doc, indent=2) + "\n")
 
 
 class UserStore:
