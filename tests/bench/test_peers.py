@@ -49,7 +49,9 @@ def test_flowbroker_row_parses_and_missing_peers_are_named(tmp_path):
         assert number(row["MB/s"]) > 0
         assert 0 <= number(row["p50"]) <= number(row["p99"])  # (a quiet machine may round a p50 to 0.0 ms)
         parts = [number(row[k]) for k in ("CPU us/msg: server", "producer", "consumer")]
-        assert all(p > 0 for p in parts)
+        # 3,000 messages take a process about one 10 ms clock tick, which psutil reads as 0 or 10 ms: a
+        # part may be 0.0 (a fresh-clone CI run saw it), not all of them
+        assert all(p >= 0 for p in parts) and sum(parts) > 0
         assert abs(sum(parts) - number(row["all three"])) <= 0.15  # each rounded to 0.1
 
 
