@@ -148,13 +148,17 @@ class Bystander:
         self.received: list[bytes] = []
         self.redelivered = 0
         self.stop = trio.Event()
+        self.stopped = trio.Event()  # the producing loop has ended: `sent` is final
 
     async def produce(self) -> None:
-        while not self.stop.is_set():
-            await self.producer.send(b"calm-%d" % self.sent, timeout=LIMIT)
-            self.sent += 1
-            if self.sent % 10 == 0:
-                await trio.sleep(0.001)
+        try:
+            while not self.stop.is_set():
+                await self.producer.send(b"calm-%d" % self.sent, timeout=LIMIT)
+                self.sent += 1
+                if self.sent % 10 == 0:
+                    await trio.sleep(0.001)
+        finally:
+            self.stopped.set()
 
     async def consume(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self.conn.consumer("calm", prefetch=20) as consumer:
@@ -182,6 +186,8 @@ async def bystander(broker: Any, *, window: int = 50) -> AsyncIterator[Bystander
             yield b
             await b.progress()  # still flowing after the fault
             b.stop.set()
+            with trio.fail_after(LIMIT):  # a send in progress when it was told to stop still goes (and counts)
+                await b.stopped.wait()
             await b.producer.flush(timeout=LIMIT)
             await wait_until(lambda: len(b.received) >= b.sent)
             nursery.cancel_scope.cancel()
