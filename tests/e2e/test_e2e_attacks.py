@@ -48,12 +48,16 @@ class Watched:
         self.received: list[bytes] = []
         self.worst_gap = 0.0
         self.stop = trio.Event()
+        self.stopped = trio.Event()  # the producing loop has ended: `sent` is final
 
     async def produce(self) -> None:
-        while not self.stop.is_set():
-            await self.producer.send(b"calm-%d" % self.sent, timeout=LIMIT)
-            self.sent += 1
-            await trio.sleep(0.001)
+        try:
+            while not self.stop.is_set():
+                await self.producer.send(b"calm-%d" % self.sent, timeout=LIMIT)
+                self.sent += 1
+                await trio.sleep(0.001)
+        finally:
+            self.stopped.set()
 
     async def consume(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self.conn.consumer("calm", prefetch=20) as consumer:
@@ -81,6 +85,8 @@ async def watched(broker: Any, *, stall: float | None = STALL) -> AsyncIterator[
             target = len(w.received) + 20
             await wait_until(lambda: len(w.received) >= target)  # still flowing after the attack
             w.stop.set()
+            with trio.fail_after(LIMIT):  # a send in progress when it was told to stop still goes (and counts)
+                await w.stopped.wait()
             await w.producer.flush(timeout=LIMIT)
             await wait_until(lambda: len(w.received) >= w.sent)
             nursery.cancel_scope.cancel()
