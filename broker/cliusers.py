@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -67,6 +68,30 @@ def _password(from_stdin: bool) -> str:
     return password
 
 
+def _grant_options(adding: bool) -> Callable[[Any], Any]:
+    """A user's permissions and limits, the same options for `user add` (with their defaults: every
+    name, no limit) and `user set` (None: left as it is)."""
+    options = [
+        ("--configure", "configure", str, ".*", "Queues and exchanges it may declare and delete (regex)."),
+        ("--write", "write", str, ".*", "Exchanges it may publish to, queues it may bind (regex)."),
+        ("--read", "read_", str, ".*", "Queues it may consume from, exchanges it may bind from (regex)."),
+        ("--max-connections", "max_connections", click.IntRange(0, 1_000_000), 0,
+         "Connections open at once as this user (0 = no limit of its own)."),
+        ("--max-queues", "max_queues", click.IntRange(0, 1_000_000), 0,
+         "Queues this user declared that exist at once (0 = no limit of its own)."),
+        ("--credit-share-percent", "credit_share_percent", click.FloatRange(0, 100), 0,
+         "The most of the producer credit pool its producers hold together, in percent (0 = no cap)."),
+    ]
+
+    def decorate(func: Any) -> Any:
+        for flag, dest, kind, default, help_ in reversed(options):
+            func = click.option(flag, dest, type=kind, default=default if adding else None, show_default=adding,
+                                help=help_)(func)
+        return func
+
+    return decorate
+
+
 @click.group()
 def user() -> None:
     """Users who may connect and use the admin API (docs/security.md)."""
@@ -76,15 +101,7 @@ def user() -> None:
 @click.argument("name")
 @click.option("--password-stdin", is_flag=True, help="Read the password from the first line of stdin.")
 @click.option("--tag", "tags", multiple=True, type=click.Choice(TAGS), help="Admin API tag (repeatable).")
-@click.option("--configure", default=".*", show_default=True, help="Queues and exchanges it may declare and delete (regex).")
-@click.option("--write", default=".*", show_default=True, help="Exchanges it may publish to, queues it may bind (regex).")
-@click.option("--read", "read_", default=".*", show_default=True, help="Queues it may consume from, exchanges it may bind from (regex).")
-@click.option("--max-connections", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
-              help="Connections open at once as this user (0 = no limit of its own).")
-@click.option("--max-queues", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
-              help="Queues this user declared that exist at once (0 = no limit of its own).")
-@click.option("--credit-share-percent", type=click.FloatRange(0, 100), default=0, show_default=True,
-              help="The most of the producer credit pool its producers hold together, in percent (0 = no cap).")
+@_grant_options(adding=True)
 @click.option("--iterations", type=click.IntRange(4096, 10_000_000), default=DEFAULT_ITERATIONS, show_default=True,
               help="PBKDF2 iterations of the stored credential.")
 @_options
@@ -151,15 +168,7 @@ def user_delete(name: str, config_path: Path | None, users_file: Path | None) ->
 @click.option("--tag", "tags", multiple=True, type=click.Choice(TAGS),
               help="Admin API tag (repeatable); replaces the user's tags. --no-tags removes them all.")
 @click.option("--no-tags", is_flag=True, help="Remove every admin API tag.")
-@click.option("--configure", default=None, help="Queues and exchanges it may declare and delete (regex).")
-@click.option("--write", default=None, help="Exchanges it may publish to, queues it may bind (regex).")
-@click.option("--read", "read_", default=None, help="Queues it may consume from, exchanges it may bind from (regex).")
-@click.option("--max-connections", type=click.IntRange(0, 1_000_000), default=None,
-              help="Connections open at once as this user (0 = no limit of its own).")
-@click.option("--max-queues", type=click.IntRange(0, 1_000_000), default=None,
-              help="Queues this user declared that exist at once (0 = no limit of its own).")
-@click.option("--credit-share-percent", type=click.FloatRange(0, 100), default=None,
-              help="The most of the producer credit pool its producers hold together, in percent (0 = no cap).")
+@_grant_options(adding=False)
 @_options
 def user_set(name: str, tags: tuple[str, ...], no_tags: bool, configure: str | None, write: str | None,
              read_: str | None, max_connections: int | None, max_queues: int | None,

@@ -89,14 +89,14 @@ BUILTIN_EXCHANGES = frozenset(name for name, _ in _BUILTIN)
 
 _owner, _item = itemgetter(0), itemgetter(1)  # of a settled delivery (subscription, message)
 _new_message = object.__new__  # (a Message built field by field on the router's hot path: BrokerCore.route)
+SHRINK_ANSWER_NS = 10 * 1_000_000_000
+"""How long a producer may leave a shrink of its buffer unanswered (no BUFFER_LIMIT, no sending that
+drains it) while other producers wait for a share of the pool (`BrokerCore._close_unanswered_shrinks`)."""
+
 SHRINK_HEARD_GRACE_NS = 2 * 1_000_000_000
 """How long after it is first heard from past SHRINK_ANSWER_NS a producer that answered shrinks before
 still has to answer this one: a process woken from a pause answers within milliseconds, but may send a
 frame first (`_close_unanswered_shrinks`)."""
-
-SHRINK_ANSWER_NS = 10 * 1_000_000_000
-"""How long a producer may leave a shrink of its buffer unanswered (no BUFFER_LIMIT, no sending that
-drains it) while other producers wait for a share of the pool (`BrokerCore._close_unanswered_shrinks`)."""
 _THRESHOLD_FIELDS = ("max_count", "max_size", "flow_stop_count", "flow_resume_count", "flow_stop_size",
                      "flow_resume_size", "flow_stop_drain_time", "flow_resume_drain_time", "flow_stop_age",
                      "flow_resume_age")
@@ -311,6 +311,7 @@ class BrokerCore:
             self._watch_window(s, over)
             if over and announced:
                 self.over_grant[s] = self.clock_ns()  # its answer is due from the latest shrink on
+                self._heard_past_answer.pop(s, None)  # (heard past an earlier one's: that counts no more)
             if drained:
                 self._apply_buffer_sizes(drained)
 
@@ -335,6 +336,7 @@ class BrokerCore:
         else:
             session.window_listener = None
             self.over_grant.pop(session, None)
+            self._heard_past_answer.pop(session, None)
 
     def set_credit_policy(self, **settings: Any) -> CreditPolicyConfig:
         """Change the producer credit policy while running; every live grant is recomputed and pushed.
@@ -1078,8 +1080,6 @@ class BrokerCore:
         looked at the latest shrink only (another tester): one that has answered before is not."""
         horizon = now_ns - SHRINK_ANSWER_NS
         heard_past = self._heard_past_answer
-        for gone in [s for s in heard_past if s not in self.over_grant]:
-            del heard_past[gone]
         for session, since in list(self.over_grant.items()):
             transfers = session.transfers
             if since > horizon or not transfers.controls or session.fault is not None:

@@ -48,7 +48,7 @@ class TopicBudget:
 
 
 class TopicIndexFull(Exception):
-    """A binding key would take a topic exchange's index past MAX_LITERAL_BITS."""
+    """A binding key would take the topic exchanges' word masks together past their budget (MAX_LITERAL_BITS)."""
 
 
 def compile_words(binding_key: str) -> list[str]:
