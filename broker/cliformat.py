@@ -195,6 +195,8 @@ def connection_row(c: dict[str, Any]) -> list[Any]:
         broker_wide = [name for name, on in (("stop-all", flow["admin_stopped"]),
                                              ("memory alarm", flow.get("memory_stopped"))) if on]
         blocking = ", ".join(flow["blocking_queues"] + ([f"* ({' + '.join(broker_wide)})"] if broker_wide else []))
+    elif p.get("credit_state") == "waiting":  # (absent from brokers before it was shown)
+        state, blocking = "waiting for credit", "-"
     else:
         state, blocking = ("running" if c["flow_control"] else "not paced"), "-"
     buffer = size_text(p["buffer_size"]) if c["flow_control"] else "-"
@@ -220,6 +222,11 @@ def policy_text(answer: dict[str, Any]) -> str:
                              f"{granted['provisional']} provisional"))
     pairs.append(("committed", f"{size_text(answer['committed'])} (grants and older, larger windows)"))
     pairs.append(("promised", f"{size_text(answer['promised_outstanding'])} producers may still send"))
+    for user in answer.get("users", []):
+        if user["cap"] is not None:
+            pairs.append((f"user {user['user']}", f"{size_text(user['used'])} of its cap {size_text(user['cap'])} "
+                                                  f"({user['credit_share_percent']:g} % of the shareable pool), "
+                                                  f"{user['connections']} connection(s)"))
     width = max(len(k) for k, _ in pairs)
     lines = [f"{k.ljust(width)}  {printable(v)}" for k, v in pairs]
     if granted["connections"]:

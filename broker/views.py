@@ -236,8 +236,10 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
     }
 
 
-def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -> dict[str, Any]:
-    """One connection; `peer` is its address."""
+def connection_view(session: Session, now_ns: int, *, peer: str | None = None,
+                    credit_state: str | None = None) -> dict[str, Any]:
+    """One connection; `peer` is its address, `credit_state` its grant's state in the credit pool
+    (`_grant_state`; None when the pool does not hold it: no flow control)."""
     stats = session.statistics()
     return {
         "id": stats.conn_id,
@@ -257,6 +259,7 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None) -
             "transfers_held": stats.transfers_held_now,
             "transfers_held_total": stats.transfers_held_total,
             "transfers_duplicate": stats.transfers_duplicate,
+            "credit_state": credit_state,
             "paced_on": session.paced_on.name if session.paced_on is not None else None,
             "paced_total": session.paced_total,
         },
@@ -274,7 +277,10 @@ def connections_page(core: BrokerCore, now_ns: int, peer_of: PeerOf | None = Non
                      limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
     """`{"connections": [...], "next": id or None}`: the connections with an id above `after`, by id."""
     sessions, cursor = core.sessions.page(after, limit)
-    views = [connection_view(s, now_ns, peer=peer_of(s.conn_id) if peer_of else None) for s in sessions]
+    credit = core.credit
+    views = [connection_view(s, now_ns, peer=peer_of(s.conn_id) if peer_of else None,
+                             credit_state=_grant_state(core, s.conn_id) if s.conn_id in credit else None)
+             for s in sessions]
     return {"connections": views, "next": cursor}
 
 
@@ -355,6 +361,10 @@ def policy_view(core: BrokerCore, sessions: Iterable[Session] | None = None) -> 
         },
         "committed": allocator.total_committed(),
         "promised_outstanding": promised,
+        "users": [
+            {"user": owner, "credit_share_percent": share, "cap": cap, "used": used, "connections": conns}
+            for owner, share, cap, used, conns in allocator.owners()
+        ],
     }
 
 

@@ -401,6 +401,12 @@ class CreditAllocator(Generic[K]):
         record = self._owners.get(owner)
         return record.cap if record is not None and record.share is not None else None
 
+    def owners(self) -> list[tuple[Hashable, float | None, int | None, int, int]]:
+        """Every owner with a live connection: (owner, share percent or None, cap or None, used, connections),
+        in the order they first connected (at most one per connection: bounded as the connections are)."""
+        return [(o.key, None if o.share is None else float(o.share), None if o.share is None else o.cap,
+                 o.used, o.conns) for o in self._owners.values()]
+
     def register_producer(self, conn_id: K) -> dict[K, int]:
         """The connection sent its first TRANSFER: it now shares the pool (or waits for a share).
         Connections that only consume never get here, so they never dilute the producers' shares."""

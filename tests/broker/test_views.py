@@ -138,13 +138,14 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
     p.send("", "q", b"b")  # count 2 > 1: saturated, held, flow-stopped at t = 11 s
     h.advance(4)
     size = message_size(b"a")
-    view = roundtrip(views.connection_view(p.session, h.now, peer="127.0.0.1:4242"))
+    page = views.connections_page(h.core, h.now, lambda _conn_id: "127.0.0.1:4242")["connections"]
+    view = roundtrip(next(c for c in page if c["id"] == p.session.conn_id))
     assert view["id"] == p.session.conn_id and view["client_name"] == "feeder" and view["peer"] == "127.0.0.1:4242"
     assert view["identity"] == "anonymous" and view["role"] == "producer" and view["flow_control"] is True
     assert view["producer"] == {
         "buffer_size": MiB, "received_bytes": 2 * size, "acknowledged_bytes": 0, "unacked_bytes": 2 * size,
         "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1,
-        "transfers_duplicate": 0, "paced_on": None, "paced_total": 0,
+        "transfers_duplicate": 0, "credit_state": "producer", "paced_on": None, "paced_total": 0,
     }
     assert view["flow"] == {
         "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False, "memory_stopped": False,

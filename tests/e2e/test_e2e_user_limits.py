@@ -14,6 +14,7 @@ import pytest
 import trio
 
 import flowbroker.client as fc
+from flowbroker.broker import cliformat, views
 from flowbroker.broker.server import BrokerServer
 from flowbroker.broker.users import User, write_users
 from flowbroker.protocol import ErrorCode
@@ -109,6 +110,22 @@ async def test_a_users_credit_share_caps_its_producers_together_and_leaves_the_r
             assert held <= cap and held == core.credit.owner_share_used("hog")
             assert sum(core.credit.size_of(c) == mib for c in hog_ids) == cap // (mib - 1)
             assert core.credit.size_of(calm_id) == mib  # not starved by hog's many connections
+            # the admin views show the cap, what of it is used, and which of hog's producers wait
+            users_view = {u["user"]: u for u in views.policy_view(core)["users"]}
+            assert users_view["hog"] == {"user": "hog", "credit_share_percent": 25.0, "cap": cap, "used": held,
+                                         "connections": 8}
+            assert users_view["calm"]["cap"] is None and users_view["calm"]["credit_share_percent"] is None
+            states = {c["id"]: c["producer"]["credit_state"]
+                      for c in views.connections_page(core, 0)["connections"]}
+            assert sorted(states[c] for c in hog_ids) == ["producer"] * 4 + ["waiting"] * 4
+            assert states[calm_id] == "producer"
+            # and so do `flowbroker connections` (FLOW) and `flowbroker policy show`
+            flows = [cliformat.connection_row(c)[7] for c in views.connections_page(core, 0)["connections"]]
+            assert flows.count("waiting for credit") == 4
+            lines = cliformat.policy_text(views.policy_view(core)).splitlines()
+            hog_line = next(line for line in lines if line.startswith("user hog "))
+            assert f"{cliformat.size_text(held)} of its cap {cliformat.size_text(cap)} (25 % of" in hog_line
+            assert not any(line.startswith("user calm") for line in lines)  # no cap, no line
             producer = calm.producer(routing_key="sink")
             for _ in range(100):  # more than its 1 MiB grant
                 await producer.send(b"y" * 1000, timeout=LIMIT)
