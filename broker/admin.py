@@ -62,6 +62,8 @@ LOGGER = logging.getLogger("flowbroker.broker.admin")
 # An address whose failures put its turn past failed_login_max_delay is refused unlooked, as fast as it
 # asks: logged once per 10 s with the count (a flood of wrong passwords wrote 33,000 lines in 15 s).
 _LOG_UNLOOKED = RateLimitedLog(LOGGER, logging.WARNING)
+# A wrong bearer token is someone guessing or a stale token file: worth a line, not one per request.
+_LOG_WRONG_TOKEN = RateLimitedLog(LOGGER, logging.WARNING)
 HTTP_LOGGER = logging.getLogger("flowbroker.broker.admin.http")
 HTTP_DRAIN_SECONDS = 2.0
 """At shutdown, how long the HTTP listeners (admin API, /metrics) answer the requests already in flight."""
@@ -206,6 +208,8 @@ class BearerAuth:
                 headers={"WWW-Authenticate": 'Bearer realm="flowbroker"'},
             )
         if not hmac.compare_digest(credential.strip(), self._token):
+            _LOG_WRONG_TOKEN("admin API: %s %s from %s refused: wrong admin token", scope["method"],
+                             logsafe(scope["path"]), peer_address(scope.get("client")))
             return _error_response(403, "forbidden", "the admin token is wrong")
         return None
 

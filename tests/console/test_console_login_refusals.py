@@ -68,3 +68,22 @@ async def test_a_refused_login_is_logged_with_the_peer_address_and_the_reason(
     assert any(line.startswith("admin API: HTTP Basic from 127.0.0.1:") and f"for user {user}: " in line
                and reason in line for line in lines), lines
     assert any(line.startswith("console: login from 127.0.0.1:") and "wrong admin token" in line for line in lines), lines
+
+
+async def test_a_wrong_bearer_token_is_logged_once_per_interval_with_the_peer_and_the_path(
+        broker: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong token on /api/* was answered 403 and logged nowhere (session 33's note): someone guessing
+    went unseen. A flood of them writes one line per 10 s, which counts the rest."""
+    import logging
+
+    from flowbroker.broker import admin
+    from flowbroker.broker.accept import RateLimitedLog
+
+    monkeypatch.setattr(admin, "_LOG_WRONG_TOKEN", RateLimitedLog(admin.LOGGER, logging.WARNING))  # fresh
+    for _ in range(5):
+        answer = await request(broker, "DELETE", "/api/queues/orders",
+                               headers={"Authorization": "Bearer not-the-token-at-all"})
+        assert answer.status == 403 and answer.json()["error"]["message"] == "the admin token is wrong"
+    lines = [r.getMessage() for r in caplog.records if "wrong admin token" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("admin API: DELETE /api/queues/orders from 127.0.0.1:"), lines
