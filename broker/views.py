@@ -72,8 +72,10 @@ def _seconds(now_ns: int, since_ns: int) -> float:
 
 
 def _buffer(log: SenderWindow) -> dict[str, int]:
-    """A byte buffer the broker sends into (a consumer's): size 0 = no flow control."""
-    return {"size": log.window, "unacked": log.outstanding}
+    """A byte buffer the broker sends into (a consumer's): size 0 = no flow control, and then unacked 0
+    too, as the metric counts it: a consumer without a byte buffer acknowledges nothing, so the bytes
+    the window counts (kept for a buffer turned on later) would only grow."""
+    return {"size": log.window, "unacked": log.outstanding if log.window else 0}
 
 
 # -- queues ------------------------------------------------------------------------------------

@@ -342,3 +342,19 @@ def test_a_producer_without_flow_control_shows_no_unacked_bytes() -> None:
     p.pump()
     view = views.connection_view(p.session, h.now)
     assert view["producer"]["received_bytes"] > 5000 and view["producer"]["unacked_bytes"] == 0
+
+
+def test_a_subscription_without_a_byte_buffer_shows_no_unacked_bytes_as_its_metric() -> None:
+    """It acknowledges nothing, so the bytes delivered to it only grew in the view (buffer size 0,
+    unacked in megabytes) while flowbroker_queue_consumer_unacknowledged_bytes counted 0 (session 33's note)."""
+    h = Harness()
+    h.queue("q")
+    p = h.producer("p")
+    for _ in range(5):
+        p.send("", "q", b"x" * 1000)
+    c = h.consumer("c")
+    c.subscribe("q", prefetch=0, buffer_size=0)
+    c.pump()
+    (sub,) = views.queue_view(h.core.queues["q"], h.now)["subscriptions"]
+    assert sub["delivered"] == 5 and sub["buffer"] == {"size": 0, "unacked": 0}
+    assert views.connection_view(c.session, h.now)["consumer"]["subscriptions"][0]["buffer"]["unacked"] == 0
