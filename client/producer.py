@@ -263,6 +263,8 @@ class Producer:
         await _checkpoint_if_cancelled()
         if conn._closed is not None or conn._nursery is None:
             conn._check_open()
+        if timeout is not None and timeout != timeout:  # NaN: refused whether or not the send would wait
+            check_timeout("send", timeout, "send_timeout")
         key = self.routing_key if routing_key is None else routing_key
         exchange = self.exchange
         # One comparison for the common message (bytes, no headers, a short key): the exact checks otherwise.

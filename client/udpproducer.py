@@ -228,6 +228,8 @@ class UdpProducer(Producer):
         await trio.lowlevel.checkpoint_if_cancelled()
         if conn._closed is not None:
             conn._check_open()
+        if timeout is not None and timeout != timeout:  # NaN: refused whether or not the send would wait
+            check_timeout("send", timeout, "send_timeout")
         pub = self.publication
         if pub is None:
             await self.open()

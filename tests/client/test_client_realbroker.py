@@ -101,3 +101,19 @@ async def test_a_udp_send_that_must_wait_names_its_wait_for_a_nan_timeout(start_
                 nursery.start_soon(drain)
                 await producer.flush(timeout=10)
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_send_with_credit_free_refuses_a_nan_timeout_as_one_that_waits(start_flowbroker) -> None:
+    """NaN was a ValueError only when the send had to wait, so it went unnoticed until the first wait
+    (session 33's note); TCP and UDP producers refuse it before anything is sent."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.declare_queue("q")
+        for producer in (conn.producer(routing_key="q"), conn.producer("", "q", transport="udp")):
+            with pytest.raises(ValueError, match="send timeout must be a number of seconds"):
+                await producer.send(b"x", timeout=math.nan)
+            assert producer.statistics().sent == 0
+            await producer.send(b"y", timeout=5)
+            await producer.flush(timeout=5)
+        async with conn.consumer("q") as consumer:
+            assert [(await consumer.receive(timeout=5)).body for _ in range(2)] == [b"y", b"y"]
