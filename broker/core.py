@@ -1077,7 +1077,9 @@ class BrokerCore:
         SHRINK_ANSWER_NS of the shrink is closed CREDIT_VIOLATION. A client that ignores shrinks and stays
         idle held its old window for as long as it stayed connected, and 6 of them held the default pool:
         every other producer waited (a tester). An SDK producer paused for 15 s was closed when this
-        looked at the latest shrink only (another tester): one that has answered before is not."""
+        looked at the latest shrink only (another tester): one that has answered before is not. Nor is one
+        that answered the latest and sent all it promised, whose window stays above the grant only by the
+        bytes a saturated queue holds (a third)."""
         horizon = now_ns - SHRINK_ANSWER_NS
         heard_past = self._heard_past_answer
         for session, since in list(self.over_grant.items()):
@@ -1090,6 +1092,13 @@ class BrokerCore:
             # leaves the shrink unanswered SHRINK_HEARD_GRACE_NS after is ignoring it: a raw client that
             # answered its first grant and no shrink after held its window while four SDK producers sent one
             # message each in 20 s (a tester).
+            window = transfers.window
+            if (transfers.answered == transfers.controls
+                    and window.limit <= max(window.position, window.acked_position + window.window)):
+                # It answered the latest shrink and has sent all it promised: what stays above its grant
+                # is bytes received, held by a saturated queue, that complete as the queue drains. An SDK
+                # producer waiting so, answering NOOPs, was closed 20 s after the shrink (a tester).
+                continue
             if transfers.answered:
                 if session.heard_ns - since <= SHRINK_ANSWER_NS:
                     continue

@@ -113,3 +113,58 @@ def test_a_producer_that_answered_once_and_keeps_talking_without_answering_the_s
     fault = liar.session.fault
     assert fault is not None and fault.code is ErrorCode.CREDIT_VIOLATION and "no BUFFER_LIMIT" in str(fault)
     assert woken.session.fault is None
+
+
+def test_a_producer_that_answered_the_shrink_is_not_closed_while_its_sent_bytes_wait_in_a_saturated_queue() -> None:
+    """The SDK producer answers the shrink at once, but its bytes already sent are held by a saturated queue
+    (no consumer): its window stays above the new grant until they complete, and it keeps answering NOOPs.
+    It was closed CREDIT_VIOLATION "no BUFFER_LIMIT answered it" 20 s later (a tester, trio and blocking
+    SDK alike, and a process paused with SIGSTOP once it resumed): the rule looked at whether it had ever
+    answered, not at whether its promise above the grant is more than what it has sent."""
+    h = Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                credit={"policy": "aggressive", "min_size": 64 * 1024})
+    h.queue("q", flow_stop_count=1, flow_resume_count=1)
+    filler = h.producer("filler", fences=True)
+    filler.register()
+    while filler.can_send():  # its whole grant into the saturated queue: held, nothing completes
+        filler.send("", "q", b"x" * 60_000)
+    filler.pump()
+    late = h.producer("late", fences=True)
+    late.register()  # shrinks the filler's grant
+    filler.pump()  # which answers at once
+    transfers = filler.session.transfers
+    assert transfers.controls and transfers.answered == transfers.controls
+    assert filler.session in h.core.over_grant and h.core.credit.waiting() == 1  # the rule's case
+    for _ in range(3):  # heard from throughout (NOOPs answered), well past SHRINK_ANSWER_NS
+        filler.session.heard_ns = h.now
+        tick_for(h, SHRINK_ANSWER_NS / 1e9)
+    assert filler.session.fault is None
+    h.core.delete_queue("q")  # its messages go: the window drains and the newcomer gets its share
+    filler.pump()
+    late.pump()
+    assert h.core.credit.waiting() == 0
+
+
+def test_a_producer_that_answers_with_a_limit_beyond_what_it_sends_and_keeps_talking_is_closed() -> None:
+    """The exemption above is for bytes sent: a client that answers the shrink with the old limit (it claims
+    bytes in flight) and never sends them holds its old window as one that never answers did."""
+    from flowbroker.broker.core import SHRINK_HEARD_GRACE_NS
+    from flowbroker.protocol import BufferLimit
+
+    h = Harness(server={"memory_quota": 64 * MiB, "max_message_size": 65536},
+                credit={"policy": "aggressive", "min_size": 64 * 1024})
+    claimer = h.producer("claimer", fences=True)
+    claimer.register()
+    claimer.pump()
+    claimer.fences = False  # answers by hand below
+    late = h.producer("late", fences=True)
+    late.register()
+    claimer.pump()
+    transfers = claimer.session.transfers
+    claimer.handle(BufferLimit(transfers.controls, claimer.session.buffer_size, transfers.window.limit))
+    assert transfers.answered == transfers.controls and claimer.session in h.core.over_grant
+    tick_for(h, SHRINK_ANSWER_NS / 1e9 + 1)
+    claimer.session.heard_ns = h.now
+    tick_for(h, SHRINK_HEARD_GRACE_NS / 1e9 + 1)
+    fault = claimer.session.fault
+    assert fault is not None and fault.code is ErrorCode.CREDIT_VIOLATION
