@@ -63,6 +63,7 @@ from flowbroker.client.errors import (
     RequestTimeout,
     block_error_name,
     check_timeout,
+    check_timeout_option,
     publish_error,
 )
 from flowbroker.client.flow import FlowEvents, FlowState, FlowTracker
@@ -222,7 +223,7 @@ class Connection:
         proto.build_deliveries = False  # DELIVER entries as decoded lists: `Consumer._on_deliver` only unpacks them
         self.welcome = welcome
         self.request_timeout = request_timeout
-        self.close_timeout = close_timeout
+        self.close_timeout = max(0.0, close_timeout)  # (negative: a deadline already passed; trio refuses it)
         self._ledger: ProducerLedger[Producer] = ProducerLedger(welcome.buffer_size)
         """Transfer ids, producer byte credit and the transfers in flight, per run of one producer's transfers."""
         self.sender_window = self._ledger.window
@@ -828,6 +829,7 @@ class Connection:
         random one), the broker takes each sequence once (docs/protocol.md, "Idempotent producers"), and
         if the connection is lost it reconnects and sends again, in order, what was not completed
         (docs/client.md, "Idempotent producers"). At most one live producer per producer id on a connection."""
+        check_timeout_option("send_timeout", send_timeout)  # NaN: refused here, not at the first send that waits
         if transport == "udp":
             if idempotent or producer_id is not None:
                 raise ValueError("idempotent producers are TCP producers: the UDP data path does not carry sequences")

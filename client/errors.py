@@ -298,6 +298,13 @@ def check_timeout(what: str, timeout: float | None, default: str = "") -> None:
         raise ValueError(f"{what} timeout must be a number of seconds{alternative}, got nan")
 
 
+def check_timeout_option(name: str, value: float) -> None:
+    """A default timeout given as an option (`close_timeout`, `send_timeout`, ...): NaN is a ValueError
+    naming the option, when it is given, not at the first wait that uses it."""
+    if value != value:
+        raise ValueError(f"{name} must be a number of seconds, got nan")
+
+
 def stopped_suffix(destinations: Sequence[str]) -> str:
     """"; flow-stopped: ..." for a flow-control error's text, or "" when nothing is flow-stopped."""
     return f"; flow-stopped: {describe_stopped(destinations)}" if destinations else ""

@@ -17,7 +17,7 @@ import trio
 
 from flowbroker.client.connection import RECEIVE_SIZE, Connection
 from flowbroker.client.credentials import AuthArg, hello_auth
-from flowbroker.client.errors import AuthenticationError, HandshakeError, check_timeout
+from flowbroker.client.errors import AuthenticationError, HandshakeError, check_timeout, check_timeout_option
 from flowbroker.client.url import DEFAULT_URL, parse_url
 from flowbroker.protocol import (
     CAPABILITY_DELIVER_BATCH,
@@ -64,6 +64,7 @@ async def connect(
     """
     address = parse_url(url)
     hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY, CAPABILITY_DELIVER_BATCH])
+    check_connection_timeouts(request_timeout, close_timeout, reconnect_timeout)
 
     if ssl_context is not None and not address.tls:
         raise ValueError(f"{url!r}: ssl_context is for flowbroker+tls:// URLs")
@@ -108,11 +109,20 @@ async def connect_stream(
     test): the HELLO/WELCOME handshake within `timeout`, then a Connection that owns the stream (it
     closes it; so does a failed handshake). Raises HandshakeError as `connect` does."""
     hello = Hello(PROTOCOL_VERSION, client_name, flow_control, [CAPABILITY_MANDATORY, CAPABILITY_DELIVER_BATCH])
+    check_connection_timeouts(request_timeout, close_timeout)
 
     async def given() -> trio.abc.Stream:
         return stream
 
     return await open_connection(given, hello, "the broker", timeout, request_timeout, close_timeout, auth)
+
+
+def check_connection_timeouts(request: float, close: float, reconnect: float = 30.0) -> None:
+    """The connection's own timeouts, checked before anything is opened: NaN is a ValueError naming the
+    option (it was taken, and failed only at the close, in trio's words, a tester); a negative one is a
+    deadline already passed, as everywhere in the SDK (the Connection takes a negative close_timeout as 0)."""
+    for name, value in (("request_timeout", request), ("close_timeout", close), ("reconnect_timeout", reconnect)):
+        check_timeout_option(name, value)
 
 
 async def open_connection(

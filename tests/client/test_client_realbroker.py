@@ -117,3 +117,31 @@ async def test_a_send_with_credit_free_refuses_a_nan_timeout_as_one_that_waits(s
             await producer.flush(timeout=5)
         async with conn.consumer("q") as consumer:
             assert [(await consumer.receive(timeout=5)).body for _ in range(2)] == [b"y", b"y"]
+
+
+async def test_the_connections_own_timeouts_refuse_nan_when_given_and_take_a_negative_one_as_0(start_flowbroker) -> None:
+    """close_timeout=-1 failed the close with trio's "seconds must be non-negative" (the blocking close with
+    ConnectionClosed INTERNAL_ERROR and a traceback); close_timeout, request_timeout, reconnect_timeout and
+    a producer's send_timeout of NaN were taken, and failed later in trio's words if at all (a tester)."""
+    from flowbroker.client import blocking
+
+    broker = await start_flowbroker()
+    for option in ("request_timeout", "close_timeout", "reconnect_timeout"):
+        with pytest.raises(ValueError, match=f"{option} must be a number of seconds, got nan"):
+            await fc.connect(broker.url, timeout=5, **{option: math.nan})
+    async with await fc.connect(broker.url, timeout=5, close_timeout=-1) as conn:
+        await conn.declare_queue("q")
+        with pytest.raises(ValueError, match="send_timeout must be a number of seconds, got nan"):
+            conn.producer(routing_key="q", send_timeout=math.nan)
+        with pytest.raises(ValueError, match="send_timeout must be a number of seconds, got nan"):
+            conn.producer("", "q", transport="udp", send_timeout=math.nan)
+    assert conn.is_closed and "closed by the application" in str(conn.close_error)  # as any other close
+
+    def work() -> None:
+        with blocking.connect(broker.url, timeout=5, close_timeout=-1) as bconn:
+            bconn.declare_queue("q")
+        assert bconn.is_closed
+        with pytest.raises(ValueError, match="close_timeout must be a number of seconds, got nan"):
+            blocking.connect(broker.url, timeout=5, close_timeout=math.nan)
+
+    await trio.to_thread.run_sync(work)
