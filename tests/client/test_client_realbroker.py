@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import trio
@@ -128,7 +129,8 @@ async def test_the_connections_own_timeouts_refuse_nan_when_given_and_take_a_neg
     broker = await start_flowbroker()
     for option in ("request_timeout", "close_timeout", "reconnect_timeout"):
         with pytest.raises(ValueError, match=f"{option} must be a number of seconds, got nan"):
-            await fc.connect(broker.url, timeout=5, **{option: math.nan})
+            options: dict[str, Any] = {option: math.nan}
+            await fc.connect(broker.url, timeout=5, **options)
     async with await fc.connect(broker.url, timeout=5, close_timeout=-1) as conn:
         await conn.declare_queue("q")
         with pytest.raises(ValueError, match="send_timeout must be a number of seconds, got nan"):
