@@ -22,7 +22,7 @@ from flowbroker.broker.exchange import Exchange, ExchangeKind, RouteCache
 from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, ProducerSequences, Refusal, Refused, scoped
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
-from flowbroker.broker.message import HeldTransfer, Message
+from flowbroker.broker.message import HeldTransfer, Message, SequenceKey
 from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
@@ -169,6 +169,9 @@ class BrokerCore:
         twice its consumers' combined prefetch (Queue.pace_limit): its completions and credit wait until
         the queue is down to that prefetch (Queue.pace_clear, Queue.paced), or PACE_MAX_NS."""
         self.paced_queues: dict[Queue, None] = {}  # queues with paced producers: what `tick` looks at
+        self._orphans: dict[SequenceKey, HeldTransfer] = {}
+        """Idempotent producers' messages held by saturated queues whose connection has closed (at most one
+        entry per held transfer: bounded as they are), by (producer key, sequence): `_adopt_orphan`."""
         self.over_grant: dict[Session, int] = {}  # producers whose window is above their grant, since when
         self._heard_past_answer: dict[Session, int] = {}  # of those, heard from after SHRINK_ANSWER_NS: since when
         self.recovered_producers: dict[str, int] = {}
@@ -271,6 +274,12 @@ class BrokerCore:
             return
         self.connections_closed += 1
         self._set_held_room()
+        if session.held_sequences:  # its idempotent messages still held: its next connection's resends adopt them
+            orphans = self._orphans
+            for key, transfer in session.held_sequences.items():
+                transfer.registry = orphans
+                orphans[key] = transfer
+            session.held_sequences = {}
         session.detach()
         self._watch_window(session, False)
         if session.paced_on is not None:  # a queue that never catches up must not keep it
@@ -658,7 +667,8 @@ class BrokerCore:
                     broker_hold = session.flow_control
                 last = None
                 if held or broker_hold or durable_queue is not None:
-                    self._hold(session, tid, size, held, broker_hold, durable_queue)
+                    self._hold(session, tid, size, held, broker_hold, durable_queue,
+                               None if producer_id is None else (producer_id, sequence))  # type: ignore[arg-type]
                 else:
                     receiver.complete(tid, size)
                 tid += 1
@@ -680,11 +690,16 @@ class BrokerCore:
             self._memory_alarm()
 
     def _hold(self, session: Session, tid: int, size: int, held: list[Message], broker_hold: bool,
-              durable: Queue | None) -> None:
+              durable: Queue | None, sequence_key: SequenceKey | None = None) -> None:
         """Transfer `tid` completes later: when the saturated queues that hold `held` release them, a
         broker-wide stop ends (`broker_hold`) and the journal commits it (`durable`, a queue's name for
-        the disk alarm), whichever comes last."""
+        the disk alarm), whichever comes last. An idempotent producer's (`sequence_key`) is kept where
+        its resend on a later connection finds it (`_adopt_orphan`)."""
         transfer = HeldTransfer(session, tid, size, len(held) + broker_hold + (durable is not None))
+        if sequence_key is not None:
+            transfer.sequence_key = sequence_key
+            transfer.registry = session.held_sequences
+            session.held_sequences[sequence_key] = transfer
         for msg in held:
             msg.held = transfer
         if broker_hold:
@@ -701,6 +716,12 @@ class BrokerCore:
         verdict = self.producer_sequences.check(entry[4], entry[5], now, key)  # type: ignore[arg-type]
         if verdict is None:
             return True
+        if verdict is DUPLICATE and self._orphans:
+            orphan = self._orphans.pop((key, entry[5]), None)  # type: ignore[arg-type]
+            if orphan is not None:
+                session.duplicates += 1
+                self._adopt_orphan(orphan, session, tid, size)
+                return False
         if verdict is DUPLICATE or isinstance(verdict, Refused):
             session.duplicates += 1
             if isinstance(verdict, Refused):  # its original was refused: so is it, the same way
@@ -715,6 +736,23 @@ class BrokerCore:
             code, text = verdict  # type: ignore[misc]
             self._refuse(session, tid, size, code, text, None)
         return False
+
+    @staticmethod
+    def _adopt_orphan(orphan: HeldTransfer, session: Session, tid: int, size: int) -> None:
+        """An idempotent producer resends, on a new connection, a message its closed connection left held
+        by a saturated queue: the resend's transfer completes when that message leaves the queue, as the
+        original would have, instead of at once. Completed at once, it gave the producer its credit back
+        for messages still held, the producer sent as much again, and a reconnect held two windows: past
+        what live producers' credit bounds, the queue refused most of the rest QUEUE_FULL (366 of 600
+        messages, a tester)."""
+        orphan.session.transfers_held_now -= 1
+        orphan.session, orphan.transfer_id, orphan.size = session, tid, size
+        session.transfers_held_now += 1
+        session.transfers_held_total += 1
+        key = orphan.sequence_key
+        assert key is not None
+        orphan.registry = session.held_sequences
+        session.held_sequences[key] = orphan
 
     @staticmethod
     def _check_entry(entry: TransferEntry, max_message: int) -> tuple[ErrorCode, str, str | None] | None:

@@ -19,24 +19,37 @@ from flowbroker.protocol.frames import Headers
 if TYPE_CHECKING:
     from flowbroker.broker.session import Session
 
-__all__ = ["Message", "HeldTransfer", "release_all"]
+__all__ = ["Message", "HeldTransfer", "SequenceKey", "release_all"]
+
+
+SequenceKey = tuple[str, int]
+"""An idempotent producer's message: (its producer id as the broker keys it, its sequence)."""
 
 
 class HeldTransfer:
-    """A transfer whose completion waits for `pending` holders (saturated queues, an admin stop)."""
+    """A transfer whose completion waits for `pending` holders (saturated queues, an admin stop).
 
-    __slots__ = ("session", "transfer_id", "size", "pending")
+    An idempotent producer's held transfer is also found by its `sequence_key` in `registry` while it is
+    pending: its session's `held_sequences`, or, once that connection has closed, the core's orphans, from
+    which the resend of the same message on the producer's next connection adopts it (BrokerCore.
+    _sequence_taken): the new connection's transfer completes when the original leaves the queue."""
+
+    __slots__ = ("session", "transfer_id", "size", "pending", "sequence_key", "registry")
 
     def __init__(self, session: Session, transfer_id: int, size: int, pending: int):
         self.session = session
         self.transfer_id = transfer_id
         self.size = size
         self.pending = pending
+        self.sequence_key: SequenceKey | None = None
+        self.registry: dict[SequenceKey, HeldTransfer] | None = None
         session.transfers_held_now += 1
 
     def release(self) -> None:
         self.pending -= 1
         if self.pending == 0:
+            if self.registry is not None:
+                self.registry.pop(self.sequence_key, None)  # type: ignore[arg-type]
             self.session.transfers_held_now -= 1
             self.session.complete_transfer(self.transfer_id, self.size)
 
@@ -101,6 +114,8 @@ def release_all(msgs: Iterable[Message]) -> None:
         transfer.pending -= 1
         if transfer.pending:
             continue
+        if transfer.registry is not None:
+            transfer.registry.pop(transfer.sequence_key, None)  # type: ignore[arg-type]
         owner = transfer.session
         owner.transfers_held_now -= 1
         tid = transfer.transfer_id

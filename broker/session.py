@@ -27,7 +27,7 @@ from flowbroker.protocol.ranges import IdSet
 from flowbroker.protocol.session import TransferReceiver
 
 if TYPE_CHECKING:
-    from flowbroker.broker.message import Message
+    from flowbroker.broker.message import HeldTransfer, Message, SequenceKey
     from flowbroker.broker.permissions import Access
     from flowbroker.broker.queue import Queue
     from flowbroker.broker.subscription import Subscription
@@ -106,6 +106,9 @@ class Session:
         self.paced_on: Queue | None = None
         self.paced_total = 0  # times it was paced (views, metrics)
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
+        # its idempotent messages held now, by (producer key, sequence): the core's orphans when it closes,
+        # for the producer's resend on its next connection to adopt (broker/message.py HeldTransfer)
+        self.held_sequences: dict[SequenceKey, HeldTransfer] = {}
         self.report_unroutable = False  # HELLO asked for CAPABILITY_MANDATORY: ERROR UNROUTABLE per transfer
         # that reached no queue (protocol/capabilities.py)
         self.deliver_batches = False  # HELLO asked for CAPABILITY_DELIVER_BATCH: its UDP consumers take batches

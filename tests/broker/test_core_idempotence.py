@@ -308,3 +308,42 @@ def test_a_refusal_is_not_repeated_to_a_later_life_of_its_producer_id() -> None:
     (dup,) = send(p, "writer", [0])
     p.pump()
     assert p.errors_for(dup) == [] and queued(h) == [b"0", b"0"]
+
+
+def test_the_resend_of_a_message_its_closed_connection_left_held_completes_when_the_original_leaves() -> None:
+    """Completed at once, the resends gave the reconnected producer its credit back for messages the
+    saturated queue still held: it sent as much again, and past what live producers' credit bounds the
+    queue refused most of the rest QUEUE_FULL (366 of 600, a tester). The resend takes over the held
+    completion instead: the new connection is paced by it, and nothing is refused."""
+    h = make()
+    h.queue("q", flow_stop_count=2, flow_resume_count=1)
+    old = producer(h, "old")
+    held = send(old, "writer", [0, 1, 2, 3])
+    old.pump()
+    assert not old.is_complete(held[3]) and not old.is_complete(held[2])  # held by the saturated queue
+    old.close()  # lost with the held completions
+    new = producer(h, "new")
+    again = send(new, "writer", [0, 1, 2, 3])
+    new.pump()
+    assert [new.is_complete(t) for t in again] == [True, True, False, False]  # 0 and 1 had completed
+    assert new.errors == [] and new.session.transfers_held_now == 2 and not old.session.transfers_held_now
+    assert len(h.core.queues["q"].store) == 4  # nothing enqueued twice
+    c = h.consumer()
+    c.subscribe("q")
+    c.pump()
+    c.ack()
+    new.pump()
+    assert all(new.is_complete(t) for t in again) and new.session.transfers_held_now == 0
+    assert c.bodies() == [b"0", b"1", b"2", b"3"]
+    assert not h.core._orphans and not new.session.held_sequences  # nothing kept once released
+
+
+def test_orphans_nobody_resends_leave_no_trace_once_the_queue_lets_them_go() -> None:
+    h = make()
+    h.queue("q", flow_stop_count=1, flow_resume_count=1)
+    old = producer(h, "old")
+    send(old, "writer", [0, 1, 2])
+    old.close()
+    assert len(h.core._orphans) == 2
+    h.core.delete_queue("q")
+    assert not h.core._orphans
