@@ -70,8 +70,9 @@ class HeldPastCredit(QueueFull):
     reconnects gets a fresh grant each time, and each grant's messages stayed held after it left, so a
     queue with max_count 10 reached 2,400 messages, 200 more a round (a tester)."""
 
-    def __init__(self, queue: str, size: int, room: int):
-        Exception.__init__(self, f"queue {queue!r} is full: it holds {size} bytes, more than its stop plus the "
+    def __init__(self, queue: str, size: int, message: int, room: int):
+        Exception.__init__(self, f"queue {queue!r} is full: it holds {size} bytes, and this message's {message} "
+                                 "would take it past its stop plus the "
                                  f"credit its live producers could have in flight ({room} bytes), and this "
                                  "connection opened after it saturated: messages of producers that sent past its "
                                  "stop and left; retry when it drains")
@@ -276,7 +277,7 @@ class Queue:
             self._apply_overflow(msg)
         elif (self.saturated and producer is not None and producer.conn_id > self._saturated_newest
               and self.size + msg.size > self._saturated_size + self.meter.held_room):  # past all live credit
-            raise HeldPastCredit(self.name, self.size, self._saturated_size + self.meter.held_room)
+            raise HeldPastCredit(self.name, self.size, msg.size, self._saturated_size + self.meter.held_room)
         offset = self.next_offset
         msg.offset = offset
         self.next_offset = offset + 1
