@@ -268,12 +268,42 @@ def _read_only_refusal(who: str) -> Response:
 Handler = Callable[[Request], Awaitable[Any]]
 
 
-def _json_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """Turn a handler's result into JSON and its errors into the error object."""
+COMMIT_WAIT_SECONDS = 10.0
+"""How long a change to something durable waits for the journal's commit before its answer says it is
+not on disk yet (503): a disk alarm or a failing disk keeps the journal retrying."""
+
+
+class _Committed:
+    """A `CommitWaiter` (broker/journal.py) that sets an event."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def release(self) -> None:
+        self.event.set()
+
+
+def _json_endpoint(handler: Handler, core: BrokerCore | None = None) -> Callable[[Request], Awaitable[Response]]:
+    """Turn a handler's result into JSON and its errors into the error object. A request that journalled
+    something (a durable queue deleted, purged, declared, a binding of one) is answered once it is on
+    disk, as the broker protocol's requests are: answered at once, a kill -9 right after could undo it."""
 
     async def endpoint(request: Request) -> Response:
+        journal = core.journal if core is not None and request.method not in SAFE_METHODS else None
+        journalled = journal.records_buffered if journal is not None else 0
         try:
             result = await handler(request)
+            if journal is not None and journal.records_buffered != journalled:
+                committed = _Committed()
+                journal.after_commit(committed)
+                with trio.move_on_after(COMMIT_WAIT_SECONDS):
+                    await committed.event.wait()
+                if not committed.event.is_set():
+                    raise ApiError(503, "not_on_disk_yet", f"the change is made but the journal has not written it "
+                                                          f"within {COMMIT_WAIT_SECONDS:g} s (a disk alarm? see GET "
+                                                          "/api/broker journal); a crash before it is written undoes it")
         except ApiError as exc:
             return _error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)
         except RequestError as exc:
@@ -503,7 +533,9 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
     `metrics` is the `GET /metrics` route when the metrics are served here (broker/metricshttp.py), open
     unless `metrics_need_token`."""
     api = AdminApi(core, peer_of, ports)
-    j = _json_endpoint
+
+    def j(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        return _json_endpoint(handler, core)
     routes: list[BaseRoute] = [
         Route("/api/broker", j(api.broker), methods=["GET"]),
         Route("/api/queues", j(api.list_queues), methods=["GET"]),

@@ -116,6 +116,20 @@ class RequestError(Exception):
         self.destination = destination
 
 
+class AnswerAfterCommit:
+    """A request's answer that waits for the journal's next commit (a `CommitWaiter`)."""
+
+    __slots__ = ("session", "answer")
+
+    def __init__(self, session: Session, answer: Frame):
+        self.session = session
+        self.answer = answer
+
+    def release(self) -> None:
+        if self.session.open:
+            self.session.send(self.answer)
+
+
 class BrokerCore:
     def __init__(self, config: BrokerConfig, clock_ns: Callable[[], int]):
         self.config = config
@@ -405,6 +419,8 @@ class BrokerCore:
         if session.access is not None and (denied := session.access.check_request(frame)) is not None:
             session.send(Error(ErrorCode.UNAUTHORIZED, denied.text, None, request_id, denied.resource))
             return
+        journal = self.journal
+        journalled = journal.records_buffered if journal is not None else 0
         try:
             result = handler(self, session, frame)
         except RequestError as exc:
@@ -412,7 +428,14 @@ class BrokerCore:
         except PolicyConfigError as exc:
             session.send(Error(ErrorCode.INVALID_ARGUMENT, str(exc), None, request_id, None))
         else:
-            session.send(Ok(request_id, result))
+            if journal is not None and journal.records_buffered != journalled:
+                # It changed something durable (a durable queue declared, deleted or purged, a binding of
+                # one): OK once that is on disk, as a transfer to a durable queue completes. Answered at
+                # once, a kill -9 right after undid it: deleted queues came back with their messages,
+                # declared ones were gone (a tester).
+                journal.after_commit(AnswerAfterCommit(session, Ok(request_id, result)))
+            else:
+                session.send(Ok(request_id, result))
 
     # -- producing ---------------------------------------------------------------------------
 

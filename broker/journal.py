@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flowbroker.broker.journalrecord import (
     BIND,
@@ -51,7 +51,13 @@ if TYPE_CHECKING:
     from flowbroker.broker.queue import Queue
     from flowbroker.broker.session import Session
 
-__all__ = ["Journal", "Batch", "segment_name", "queue_arguments", "MAX_PRODUCER_IDS"]
+__all__ = ["Journal", "Batch", "CommitWaiter", "segment_name", "queue_arguments", "MAX_PRODUCER_IDS"]
+
+
+class CommitWaiter(Protocol):
+    """What waits for the next commit: a held transfer (completed), a request's answer (sent)."""
+
+    def release(self) -> None: ...
 
 LOGGER = logging.getLogger("flowbroker.journal")
 
@@ -82,7 +88,7 @@ class Batch:
     producer was told was not completed), and the retry writes them all again."""
 
     chunks: list[tuple[int, bytearray]]
-    waiters: list[HeldTransfer]
+    waiters: list[CommitWaiter]
     deletable: list[int]
     records: int
     waiting_on: dict[Session, str] = field(default_factory=dict)  # each waiter's session: a durable queue
@@ -109,7 +115,7 @@ class Journal:
         self.live: dict[int, int] = {}  # segment -> its messages not yet settled
         self._chunks: list[tuple[int, bytearray]] = []
         self._records = 0
-        self._waiters: list[HeldTransfer] = []
+        self._waiters: list[CommitWaiter] = []
         self._waiting_on: dict[Session, str] = {}  # a durable queue each session's waiters were routed to
         self.in_flight = False  # a batch taken and not yet committed (being written, or retried)
         self.next_qid = 1
@@ -243,7 +249,13 @@ class Journal:
             self._disk_held.append(transfer)
             self._stop(session, queue, stop)
 
-    def after_commit(self, transfer: HeldTransfer) -> None:
+    @property
+    def records_buffered(self) -> int:
+        """Records appended since the last batch was taken: a request that moved it journalled something,
+        and its answer waits for the commit (BrokerCore.handle, the admin API)."""
+        return self._records
+
+    def after_commit(self, transfer: CommitWaiter) -> None:
         """Complete `transfer` with the next commit, whatever it writes: an idempotent producer's
         duplicate, whose original may be in the commit running now."""
         self._waiters.append(transfer)

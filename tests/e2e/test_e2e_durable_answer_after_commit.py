@@ -1,0 +1,76 @@
+"""A request that changes something durable is answered once the journal has it on disk, as a transfer to a
+durable queue completes: answered at once, a kill -9 just after undid what the client was told was done
+(deleted durable queues came back with their messages, declared ones were gone, purged messages
+returned: a tester, in 3-6 runs of 10). Here the journal's writes are held back by a gate, and the answers
+(the SDK's requests and the admin API's) are seen to wait for it; a memory-only queue's are not."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import flowbroker.client as fb
+from flowbroker.broker.journal import Journal
+
+from tests.e2e.test_e2e_admin import TOKEN, api
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """While clear, the journal's commits wait (write_batch runs in a worker thread)."""
+    opened = threading.Event()
+    write_batch = Journal.write_batch
+
+    def gated(self: Journal, batch: Any) -> None:
+        opened.wait(30)
+        write_batch(self, batch)
+
+    monkeypatch.setattr(Journal, "write_batch", gated)
+    return opened
+
+
+async def held_until_the_gate_opens(nursery: trio.Nursery, gate: threading.Event,
+                                    request: Callable[[], Awaitable[Any]]) -> Any:
+    """Start `request` with the gate shut: it is not answered within 0.5 s; open the gate: it is."""
+    gate.clear()
+    answered = trio.Event()
+    results: list[Any] = []
+
+    async def run() -> None:
+        results.append(await request())
+        answered.set()
+
+    nursery.start_soon(run)
+    with trio.move_on_after(0.5):
+        await answered.wait()
+    assert not answered.is_set(), "answered before its change was on disk"
+    gate.set()
+    with trio.fail_after(10):
+        await answered.wait()
+    return results[0]
+
+
+async def test_durable_requests_are_answered_once_on_disk_and_memory_ones_at_once(
+        start_flowbroker: Any, tmp_path: Path, gate: threading.Event) -> None:
+    broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")}, admin={"token": TOKEN})
+    async with await fb.connect(broker.url, timeout=10) as conn, trio.open_nursery() as nursery:
+        await held_until_the_gate_opens(nursery, gate, lambda: conn.declare_queue("kept", durable=True))
+        async with conn.producer(routing_key="kept") as producer:
+            for i in range(5):
+                await producer.send(b"%d" % i)
+        await held_until_the_gate_opens(nursery, gate, lambda: conn.purge_queue("kept"))
+        await held_until_the_gate_opens(nursery, gate, lambda: conn.delete_queue("kept"))
+        await held_until_the_gate_opens(nursery, gate, lambda: conn.declare_queue("kept2", durable=True))
+        status, _, _ = await held_until_the_gate_opens(nursery, gate, lambda: api(broker, "DELETE", "/api/queues/kept2"))
+        assert status == 200
+        gate.clear()  # a memory-only queue's requests journal nothing: answered with the journal held up
+        with trio.fail_after(5):
+            await conn.declare_queue("memory")
+            await conn.purge_queue("memory")
+            await conn.delete_queue("memory")
+        gate.set()
