@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -76,6 +77,13 @@ HTTP_STALL_SECONDS = 10.0
 own, in a shielded scope: a client that asked for /metrics (no token needed) and never read held the
 whole answer in the broker's memory, and kept the broker from exiting at SIGTERM, for as long as it
 stayed connected."""
+HTTP_READ_SECONDS = 10.0
+"""An HTTP connection that sends nothing for this long, past the longest the broker itself makes an answer
+wait (AdminServer.read_timeout), is closed (hypercorn's `read_timeout`, which bounds every read of the
+connection, HTTP/1.1 and HTTP/2 alike; hypercorn's own default is none). Without it, a connection that sent
+POST /login's headers with a Content-Length and no body, or an HTTP/2 preface and nothing more (hypercorn
+never starts its keep-alive timer on an HTTP/2 connection that opened no stream), was held for good: 1,500
+of them used up the broker's descriptors, and new SDK connections failed with EMFILE (a tester)."""
 
 PeerOf = Callable[[int], str | None]
 
@@ -596,13 +604,16 @@ def listen(host: str, port: int, section: str) -> tuple[int, int]:
     return sock.detach(), bound  # hypercorn takes the socket over by its descriptor
 
 
-async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event) -> None:
-    """Serve `app` with hypercorn's trio worker on the listening descriptor `fd` until `shutdown`."""
+async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event, read_timeout: float | None = None) -> None:
+    """Serve `app` with hypercorn's trio worker on the listening descriptor `fd` until `shutdown`. A
+    connection that sends nothing for `read_timeout` seconds (default HTTP_READ_SECONDS; whole seconds,
+    rounded up, as hypercorn takes them) is closed, whatever state it is in."""
     cfg = HypercornConfig()
     cfg.bind = [f"fd://{fd}"]
     cfg.accesslog = None
     cfg.errorlog = HTTP_LOGGER
     cfg.graceful_timeout = HTTP_DRAIN_SECONDS
+    cfg.read_timeout = math.ceil(HTTP_READ_SECONDS if read_timeout is None else read_timeout)
     await hypercorn_serve(app, cfg, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
 
 
@@ -651,6 +662,12 @@ class HttpListener:
     def shutdown(self) -> None:
         self._shutdown.set()
 
+    def read_timeout(self) -> float:
+        """How long a connection may send nothing before it is closed: HTTP_READ_SECONDS past the longest
+        the app itself may take to answer (a client waiting for its answer sends nothing either, and
+        hypercorn's read_timeout does not tell it from one that stalls). /metrics answers within seconds."""
+        return HTTP_READ_SECONDS
+
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         if self._fd is None:
             self.bind()
@@ -659,7 +676,7 @@ class HttpListener:
         self.logger.info("%s", self._serving_line())
         task_status.started(self.port)
         try:
-            await serve_http(self.app, fd, self._shutdown)
+            await serve_http(self.app, fd, self._shutdown, self.read_timeout())
         finally:
             self.stopped.set()
 
@@ -677,8 +694,14 @@ class AdminServer(HttpListener):
         self.token, self._token_unwritten = resolve_token(config, config.port)
         self._token_origin = "generated at start" if self._token_unwritten else "reused"
         self._broker_port = broker_port or (lambda: None)
+        # a login waits at most its address's turn (failed_login_max_delay) and then failed_login_delay
+        self._longest_login = failed_delay + (throttle.max_ns / 1e9 if throttle is not None else 0.0)
         self.app = create_app(core, self.token, peer_of, lambda: (self._broker_port(), self.port), metrics,
                               metrics_need_token, users, failed_delay, throttle)
+
+    def read_timeout(self) -> float:
+        # the answers that wait: a change to something durable (COMMIT_WAIT_SECONDS, then 503), a login
+        return HTTP_READ_SECONDS + max(COMMIT_WAIT_SECONDS, self._longest_login)
 
     def _bound(self, port: int) -> None:
         if self._token_unwritten:  # only now: a broker that could not bind must not touch the file
