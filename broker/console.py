@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Scope
@@ -220,7 +220,10 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
         # browser into this broker under the attacker's credential either.
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return _error(415, "unsupported_media_type", LOGIN_BODY)
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # the peer hung up mid-body: nobody to answer, and not a bug to log
+            return _error(400, "invalid_json", "the client closed the connection before the end of its body")
         if len(body) > 4096:
             return _error(413, "too_large", "request body over 4096 bytes")
         try:
