@@ -924,7 +924,15 @@ class ConnectionHandler:
             more = False
             server.in_chunk = True
             try:
-                while (frame := conn.next_frame()) is not None:
+                while True:
+                    if session.routing_rest is not None:  # a fan-out's rest: routed before the next frame
+                        core.route_rest(session)
+                        if time.perf_counter() >= turn_ends:
+                            more = True
+                            break
+                        continue
+                    if (frame := conn.next_frame()) is None:
+                        break
                     if isinstance(frame, Close):
                         self.close(_Closing(ErrorCode.NORMAL, "closed by client", error=False))
                         return False

@@ -27,6 +27,7 @@ from flowbroker.protocol.ranges import IdSet
 from flowbroker.protocol.session import TransferReceiver
 
 if TYPE_CHECKING:
+    from flowbroker.broker.core import RoutingRest
     from flowbroker.broker.message import HeldTransfer, Message, SequenceKey
     from flowbroker.broker.permissions import Access
     from flowbroker.broker.queue import Queue
@@ -106,6 +107,8 @@ class Session:
         self.paced_on: Queue | None = None
         self.paced_total = 0  # times it was paced (views, metrics)
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
+        # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
+        self.routing_rest: RoutingRest | None = None
         # its idempotent messages held now, by (producer key, sequence): the core's orphans when it closes,
         # for the producer's resend on its next connection to adopt (broker/message.py HeldTransfer)
         self.held_sequences: dict[SequenceKey, HeldTransfer] = {}

@@ -109,7 +109,10 @@ class Client:
     # -- frames --------------------------------------------------------------------------------
 
     def handle(self, frame: Frame) -> None:
+        """As the shell does: a TRANSFER whose fan-out the core routes in slices is routed to its end."""
         self.core.handle(self.session, frame)
+        while self.session.routing_rest is not None:
+            self.core.route_rest(self.session)
 
     def pump(self) -> list[Frame]:
         """Collect what the broker has for this client now and act on it, as the client would."""
