@@ -26,7 +26,6 @@ import re
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,7 +35,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -336,32 +335,13 @@ def _field_in(message: str) -> str | None:
     return found.group(1) if found else None
 
 
-def _too_large() -> ApiError:
-    # The rest of the body is never read, so the connection cannot carry another request: close it.
-    return ApiError(413, "too_large", f"request body over {MAX_BODY} bytes", headers={"Connection": "close"})
-
-
 async def _read_body(request: Request) -> bytes:
-    """The body, never holding more than MAX_BODY bytes of it: refused by Content-Length before
-    reading, and cut off as soon as a body without one (chunked) goes over."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not (length.isascii() and length.isdigit()):
-            raise ApiError(400, "invalid_argument", f"Content-Length {length[:32]!r} is not a byte count")
-        if int(length) > MAX_BODY:
-            raise _too_large()
-    chunks: list[bytes] = []
-    total = 0
+    """The body, never holding more than MAX_BODY bytes of it (console.read_body): refused by Content-Length
+    before reading, and cut off as soon as a body without one (chunked) goes over."""
     try:
-        async with aclosing(request.stream()) as stream:  # closed at once when we stop early
-            async for chunk in stream:
-                total += len(chunk)
-                if total > MAX_BODY:
-                    raise _too_large()
-                chunks.append(chunk)
-    except ClientDisconnect:  # nobody to answer; not a bug to log with a traceback
-        raise ApiError(400, "invalid_json", "the client closed the connection before the end of its body") from None
-    return b"".join(chunks)
+        return await console.read_body(request, MAX_BODY)
+    except console.BodyRefused as exc:
+        raise ApiError(exc.status, exc.code, exc.message, headers=exc.headers) from None
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

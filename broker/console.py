@@ -26,6 +26,7 @@ import time
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from importlib import resources
 
@@ -39,12 +40,14 @@ from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottle
 from flowbroker.broker.logsafe import logsafe
 
 __all__ = [
+    "BodyRefused",
     "COOKIE",
     "CSRF_HEADER",
     "PUBLIC_PATHS",
     "SessionStore",
     "console_routes",
     "cookie_name",
+    "read_body",
     "session_id",
 ]
 
@@ -59,6 +62,8 @@ name and host whatever the port, so two brokers on one host would otherwise log 
 CSRF_HEADER = "x-flowbroker-csrf"
 MAX_SESSIONS = 64
 """Browser sessions kept at once; a 65th login ends the oldest."""
+MAX_LOGIN_BODY = 4096
+"""POST /login's body, in bytes: a token or a user's name and password."""
 SESSION_SECONDS = 8 * 3600
 """A session ends this long after login, used or not: log in again after a working day."""
 
@@ -167,6 +172,47 @@ class SessionStore:
             self._sessions.pop(sid, None)
 
 
+class BodyRefused(Exception):
+    """A request body refused by `read_body`: the answer's status, code and message (413s carry
+    `Connection: close`: the rest of the body is never read, so the connection cannot carry another request)."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, never holding more than `limit` bytes of it: refused 413 by its Content-Length before any
+    of it is read, and as soon as a body without one (chunked) goes over. The admin API's bodies
+    (broker/admin.py) and POST /login's. Raises BodyRefused."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not (length.isascii() and length.isdigit()):
+            raise BodyRefused(400, "invalid_argument", f"Content-Length {length[:32]!r} is not a byte count")
+        digits = length.lstrip("0")  # (a figure of thousands of digits is not given to int(): Python refuses it)
+        if len(digits) > len(str(limit)) or int(digits or "0") > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        async with aclosing(request.stream()) as stream:  # closed at once when we stop early
+            async for chunk in stream:
+                total += len(chunk)
+                if total > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer; not a bug to log with a traceback
+        raise BodyRefused(400, "invalid_json", "the client closed the connection before the end of its body") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> BodyRefused:
+    return BodyRefused(413, "too_large", f"request body over {limit} bytes", {"Connection": "close"})
+
+
 def cookie_name(scope: Scope) -> str:
     """`flowbroker_session_<port>`, the port the admin server listens on (the same behind a proxy)."""
     server = scope.get("server")
@@ -220,12 +266,10 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
         # browser into this broker under the attacker's credential either.
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return _error(415, "unsupported_media_type", LOGIN_BODY)
-        try:
-            body = await request.body()
-        except ClientDisconnect:  # the peer hung up mid-body: nobody to answer, and not a bug to log
-            return _error(400, "invalid_json", "the client closed the connection before the end of its body")
-        if len(body) > 4096:
-            return _error(413, "too_large", "request body over 4096 bytes")
+        try:  # read no further than the limit: refused by its Content-Length at once, or once past it
+            body = await read_body(request, MAX_LOGIN_BODY)
+        except BodyRefused as exc:  # (a peer that hung up mid-body gets an answer no one reads, and no log line)
+            return _error(exc.status, exc.code, exc.message, exc.headers)
         try:
             doc = json.loads(body)
             given = doc.get("token") if doc.get("username") is None else None

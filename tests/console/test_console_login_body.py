@@ -32,3 +32,44 @@ async def test_a_peer_hanging_up_mid_body_logs_no_traceback(broker: Any, caplog:
     assert "Traceback" not in caplog.text and "Error in ASGI" not in caplog.text, caplog.text[:2000]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     await login(broker)  # and the console still logs in
+
+
+async def _answer(stream: trio.SocketStream) -> tuple[int, dict[str, str], bytes, bool]:
+    from tests.e2e.test_e2e_admin import _http_response
+
+    return await _http_response(stream)
+
+
+async def test_a_login_body_announced_over_the_limit_is_refused_at_once(broker: Any) -> None:
+    """A 300 MiB body was read whole before the 4,096-byte check (RSS 46 -> 588 MiB), and a Content-Length of
+    70,000 with no body got no answer at all (a tester)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all(LOGIN_HEAD + b"Content-Length: %d\r\n\r\n" % (10 << 20))  # and none of it
+    with trio.fail_after(5):
+        status, headers, body, closed = await _answer(stream)
+    assert status == 413 and b'"too_large"' in body and b"4096 bytes" in body
+    assert headers["connection"] == "close" and closed
+    await stream.aclose()
+
+
+async def test_a_chunked_login_body_is_read_no_further_than_the_limit(broker: Any) -> None:
+    got: list[int] = []  # the body bytes the console's app was handed
+    auth = broker.server.admin.app  # BearerAuth around the Starlette app
+    inner = auth.app
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        async def counted() -> Any:
+            message = await receive()
+            got.append(len(message.get("body", b"")))
+            return message
+        await inner(scope, counted, send)
+
+    auth.app = counting
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all(LOGIN_HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+    await stream.send_all((b"400\r\n" + b" " * 1024 + b"\r\n") * 8)  # 8 KiB in 1 KiB chunks, never the last
+    with trio.fail_after(5):
+        status, headers, body, closed = await _answer(stream)
+    assert status == 413 and closed
+    assert 4096 < sum(got) <= 4096 + 1024, got  # read up to the limit's first step past it, and no further
+    await stream.aclose()
