@@ -318,7 +318,7 @@ def _json_endpoint(handler: Handler, core: BrokerCore | None = None) -> Callable
             code = "not_found" if status == 404 else "invalid_argument"
             return _error_response(status, code, str(exc), None if status == 404 else _field_in(str(exc)))
         except PolicyConfigError as exc:
-            return _error_response(400, "invalid_argument", f"{exc.key}: {exc.reason} (got {exc.value!r})", exc.key)
+            return _error_response(400, "invalid_argument", f"{exc.key}: {exc.reason} (got {exc.shown})", exc.key)
         except Exception as exc:  # a bug here must not take the broker down; say so and log it
             # the path is the client's: escaped so it cannot forge log lines
             LOGGER.exception("admin: %s %s failed", request.method, logsafe(request.url.path))

@@ -19,6 +19,7 @@ from typing import Final, Generic, TypeVar
 
 __all__ = [
     "MAX_BUFFER_SIZE",
+    "MAX_QUOTA",
     "MiB",
     "WAIT_GRANT",
     "CreditAllocator",
@@ -44,6 +45,10 @@ MiB: Final = 1024 * 1024
 #: overflowed the wire field and caused disconnects (MB-72330). A single producer with more than 4 GiB
 #: in flight is a misconfiguration anyway, so every size is validated and clamped against this.
 MAX_BUFFER_SIZE: Final = 2**32 - 1
+#: The largest quota: what `[server] memory_quota` allows (1 PiB). Past it a figure is a typo, and the
+#: metrics (floats) cannot carry it: PUT /api/policy {"quota": 2**1030} was taken, then every /metrics
+#: scrape answered 500 (OverflowError) until the quota was put back (a tester).
+MAX_QUOTA: Final = 2**50
 
 
 class PolicyError(Exception):
@@ -57,7 +62,13 @@ class PolicyConfigError(PolicyError, ValueError):
         self.key = key
         self.value = value
         self.reason = reason
-        super().__init__(f"{key}={value!r}: {reason}")
+        super().__init__(f"{key}={self.shown}: {reason}")
+
+    @property
+    def shown(self) -> str:
+        """The value as an error message shows it: a figure of thousands of digits is cut short."""
+        text = repr(self.value)
+        return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 class UnknownConnectionError(PolicyError, LookupError):
@@ -131,8 +142,8 @@ class CreditPolicyConfig:
     pool_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.quota, int) or isinstance(self.quota, bool) or self.quota <= 0:
-            raise PolicyConfigError("quota", self.quota, "must be an integer number of bytes > 0")
+        if not isinstance(self.quota, int) or isinstance(self.quota, bool) or not 0 < self.quota <= MAX_QUOTA:
+            raise PolicyConfigError("quota", self.quota, f"must be an integer number of bytes in [1, 2^50 = {MAX_QUOTA}]")
         try:
             object.__setattr__(self, "policy", CreditPolicy(self.policy))
         except ValueError:

@@ -86,6 +86,17 @@ def test_config_validation_names_key_and_value(key: str, value: object) -> None:
     assert isinstance(info.value, ValueError) and isinstance(info.value, PolicyError)
 
 
+@pytest.mark.parametrize("quota", [2**50 + 1, 2**1030])
+def test_a_quota_past_2_to_the_50_is_refused_and_shown_short(quota: int) -> None:
+    """PUT /api/policy {"quota": 2**1030} was taken and every /metrics scrape then failed converting it to a
+    float (a tester); and its error message printed every digit."""
+    with pytest.raises(PolicyConfigError) as info:
+        CreditPolicyConfig.from_mapping({"quota": quota})
+    assert info.value.key == "quota" and "2^50" in str(info.value)
+    assert len(str(info.value)) < 200
+    assert CreditPolicyConfig.from_mapping({"quota": 2**50}).quota == 2**50
+
+
 def test_min_above_max_is_rejected_naming_min() -> None:
     with pytest.raises(PolicyConfigError) as info:
         CreditPolicyConfig(quota=Q10, min_size=60 * MiB, max_size=50 * MiB)
