@@ -439,6 +439,14 @@ class BrokerCore:
             return
         journal = self.journal
         journalled = journal.records_buffered if journal is not None else 0
+        if journal is not None and journal.alarm is not None and (name := self._journalling(frame)) is not None:
+            # Its record could not be written, so its OK would wait for the alarm to clear, and the client
+            # saw only a request timeout suggesting the broker was down (a tester): refused, nothing done.
+            session.send(Error(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"the disk alarm is on ({journal.alarm.reason}): a change to what the journal keeps "
+                               "(durable queues, their bindings, exchanges) cannot be written now; nothing was "
+                               "changed: retry when it clears", None, request_id, name))
+            return
         try:
             result = handler(self, session, frame)
         except RequestError as exc:
@@ -1254,6 +1262,21 @@ class BrokerCore:
         for sub in queue.delete():
             sub.queue_deleted(name)  # a multicast group's closes its group
         return count
+
+    def _journalling(self, frame: Any) -> str | None:
+        """The queue or exchange a request would change in the journal (so its answer waits for a commit),
+        or None. Asked only while the disk alarm is on."""
+        queues, kind = self.queues, type(frame)
+        if kind is DeclareQueue:
+            return frame.queue if frame.durable and frame.queue not in queues else None
+        if kind in (DeleteQueue, PurgeQueue, Bind, Unbind):
+            queue = queues.get(frame.queue)
+            return frame.queue if queue is not None and queue.durable else None
+        if kind is DeclareExchange:
+            return frame.exchange if frame.exchange not in self.exchanges else None
+        if kind is DeleteExchange:
+            return frame.exchange if frame.exchange in self.exchanges else None
+        return None
 
     def _req_declare_queue(self, session: Session, f: DeclareQueue) -> dict[str, Any]:
         access = session.access  # None: the loopback user, who has no limits and owns nothing

@@ -74,3 +74,31 @@ async def test_durable_requests_are_answered_once_on_disk_and_memory_ones_at_onc
             await conn.purge_queue("memory")
             await conn.delete_queue("memory")
         gate.set()
+
+
+async def test_under_the_disk_alarm_a_durable_change_is_refused_at_once_and_nothing_changes(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    """Its answer would wait for the alarm to clear: the client saw a request timeout suggesting the broker
+    was down (a tester, with a data directory it could not write). Refused at once, naming the alarm."""
+    from flowbroker.protocol import ErrorCode
+    from flowbroker.protocol.frames import FlowStopped
+    from flowbroker.protocol.names import THRESHOLD_DISK
+
+    broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
+    async with await fb.connect(broker.url, timeout=10) as conn:
+        await conn.declare_queue("kept", durable=True)
+        journal = broker.server.core.journal
+        assert journal is not None
+        journal.set_alarm(FlowStopped("*", THRESHOLD_DISK, 1000, 10, "10 bytes free under the data directory"))
+        for request in (lambda: conn.declare_queue("new", durable=True), lambda: conn.delete_queue("kept"),
+                        lambda: conn.purge_queue("kept"), lambda: conn.declare_exchange("ex", "fanout")):
+            with trio.fail_after(5), pytest.raises(fb.RequestError) as refused:
+                await request()
+            assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "disk alarm" in str(refused.value)
+            assert "10 bytes free" in str(refused.value) and "nothing was changed" in str(refused.value)
+        assert "new" not in broker.server.core.queues and "kept" in broker.server.core.queues
+        with trio.fail_after(5):  # what the journal does not keep goes on
+            await conn.declare_queue("memory")
+            await conn.delete_queue("memory")
+        journal.set_alarm(None)
+        await conn.delete_queue("kept")
