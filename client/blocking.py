@@ -244,6 +244,14 @@ class BlockingConnection:
         return self.connection.connection_id
 
     @property
+    def server_name(self) -> str:
+        return self.connection.server_name
+
+    @property
+    def max_message_size(self) -> int:
+        return self.connection.max_message_size
+
+    @property
     def reconnecting(self) -> bool:
         """True while a lost connection is being reconnected (see `Connection.reconnecting`)."""
         return self.connection.reconnecting

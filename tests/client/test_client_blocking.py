@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Any
 
 import pytest
 import trio
@@ -178,3 +179,18 @@ async def test_a_process_that_exits_without_close_closes_its_connections(start_b
     await fake.wait_for(lambda: fake.closed)
     assert len(fake.transfers) == 50 and fake.frames(Close) != []  # written, then closed as close() does
     assert b"50 messages sent and not completed" in done.stderr  # what close() raises, logged
+
+
+async def test_the_blocking_connection_has_the_welcome_shortcuts_docs_name(start_broker) -> None:
+    """client.md names conn.connection_id, conn.server_name and conn.max_message_size as shortcuts, and says
+    the blocking API has the trio API's semantics: the blocking connection lacked the last two (a tester)."""
+    broker = await start_broker()
+
+    def work() -> tuple[int, str, int, Any]:
+        with blocking.connect(broker.url, timeout=5) as conn:
+            return conn.connection_id, conn.server_name, conn.max_message_size, conn.welcome
+
+    connection_id, server_name, max_message_size, welcome = await trio.to_thread.run_sync(work)
+    assert (connection_id, server_name, max_message_size) == (
+        welcome.connection_id, welcome.server_name, welcome.max_message_size)
+    assert max_message_size > 0 and server_name
