@@ -90,8 +90,10 @@ async def test_under_the_disk_alarm_a_durable_change_is_refused_at_once_and_noth
         journal = broker.server.core.journal
         assert journal is not None
         journal.set_alarm(FlowStopped("*", THRESHOLD_DISK, 1000, 10, "10 bytes free under the data directory"))
-        for request in (lambda: conn.declare_queue("new", durable=True), lambda: conn.delete_queue("kept"),
-                        lambda: conn.purge_queue("kept"), lambda: conn.declare_exchange("ex", "fanout")):
+        requests: list[Callable[[], Awaitable[Any]]] = [
+            lambda: conn.declare_queue("new", durable=True), lambda: conn.delete_queue("kept"),
+            lambda: conn.purge_queue("kept"), lambda: conn.declare_exchange("ex", "fanout")]
+        for request in requests:
             with trio.fail_after(5), pytest.raises(fb.RequestError) as refused:
                 await request()
             assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "disk alarm" in str(refused.value)
