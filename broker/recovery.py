@@ -194,6 +194,8 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
         q = queues.get(r[1])
         if q is not None:
             q.messages[r[2]] = (r, seg, False)
+            if r[2] >= q.next_offset:  # (settled since, it still took its offset: never reused)
+                q.next_offset = r[2] + 1
         if r[8] is not None and r[9] is not None:
             out.producers[r[8]] = r[9]
     elif kind == SETTLED:
