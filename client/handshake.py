@@ -166,7 +166,12 @@ async def handshake(
             welcome = await _await_welcome(stream, proto, address, scram)
     except trio.TooSlowError:
         await _close_quietly(stream)
-        raise HandshakeError(f"no WELCOME from {address} within {timeout} s") from None
+        # With credentials, the likeliest cause is the login throttle, not a broker that is down: a few
+        # mistyped passwords and the CLI said only this (a tester).
+        hint = ("; the broker delays the logins of an address that failed some recently (up to [auth] "
+                "failed_login_max_delay, 30 s by default; docs/security.md): a longer timeout waits for the turn"
+                if auth is not None and stream is not None else "")
+        raise HandshakeError(f"no WELCOME from {address} within {timeout} s{hint}") from None
     except OSError as exc:
         await _close_quietly(stream)
         raise HandshakeError(f"cannot connect to {address}: {exc} (is the broker running there? `flowbroker serve` "

@@ -93,3 +93,20 @@ async def test_a_client_that_timed_out_waiting_its_turn_gets_that_turn_when_it_r
     await trio.sleep(0.1)  # the broker sees the close
     async with await fc.connect(broker.url, auth=("alice", "right"), timeout=LIMIT) as conn:
         assert conn.welcome.identity == "alice"  # before: refused, its turn 1.5 s away, over the 1 s cap
+
+
+async def test_a_login_that_times_out_waiting_for_its_turn_says_the_broker_may_be_delaying_it(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    """After a few mistyped passwords the CLI said only "no WELCOME ... within 10.0 s", as for a broker that
+    is down (a tester): with credentials sent, the timeout names the login throttle."""
+    users = tmp_path / "users.json"
+    write_users(users, {"alice": User("alice", StoredCredential.from_password("right", 4096))})
+    broker = await start_flowbroker(auth={"users_file": str(users), "failed_login_delay": 5.0,
+                                          "failed_login_max_delay": 10.0}, udp={"enabled": False})
+    broker.core.login_throttle.failed("127.0.0.1", broker.core.clock_ns())  # its next login waits its turn
+    with pytest.raises(fc.HandshakeError) as info:
+        await fc.connect(broker.url, auth=("alice", "right"), timeout=0.5)
+    assert "no WELCOME" in str(info.value) and "delays the logins of an address that failed" in str(info.value)
+    with pytest.raises(fc.HandshakeError) as plain:  # without credentials there is nothing to throttle
+        await fc.connect("flowbroker://127.0.0.1:9", timeout=0.5)
+    assert "delays the logins" not in str(plain.value)
