@@ -421,7 +421,9 @@ class Producer:
             why = ("; the broker has granted this connection no buffer yet: its first message makes it a producer "
                    "and its share follows a round trip later, unless other producers hold the credit pool or "
                    "its user's credit_share_percent cap is spent or below one maximum message "
-                   "(docs/policies.md, 'Who holds what'; docs/security.md)")
+                   "(docs/policies.md, 'Who holds what'; docs/security.md), or its first message is larger than "
+                   "64 KiB and the broker has not read it yet: other connections' partial large frames hold its "
+                   "[server] max_partial_frame_bytes budget (docs/configuration.md)")
         return (
             f"{self._outstanding}/{self.window} transfers outstanding, "
             f"{credit.outstanding}/{credit.window} bytes unacknowledged{why}"
