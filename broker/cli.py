@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -301,6 +301,31 @@ async def _stop_on_signal(server: BrokerServer) -> None:
             return
 
 
+async def _stdin_lines() -> AsyncIterator[bytes]:
+    """Standard input's lines without their newline, read as they come (a worker thread reads what is
+    there, up to 64 KiB at a time, so neither a pipe's bulk nor a terminal's one line waits for more)."""
+    import trio
+
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None or not hasattr(raw, "read1"):  # a text stream without bytes below it (a test's)
+        for line in sys.stdin:
+            yield line.rstrip("\n").encode()
+        return
+    pending = bytearray()  # the line being read (appended to: a long line is not copied at every read)
+    while True:
+        chunk = await trio.to_thread.run_sync(raw.read1, 65536, abandon_on_cancel=True)
+        if not chunk:
+            break
+        pending += chunk
+        if b"\n" in chunk:
+            *lines, tail = bytes(pending).split(b"\n")
+            pending = bytearray(tail)
+            for line in lines:
+                yield line
+    if pending:
+        yield bytes(pending)
+
+
 @main.command()
 @_url_option
 @click.option("--exchange", default="", show_default=True, help="Exchange ('' routes to the queue named by the key).")
@@ -327,7 +352,13 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
     import flowbroker.client as fb
 
     auth = _broker_auth()
-    bodies = [m.encode() for m in messages] or [line.rstrip("\n").encode() for line in sys.stdin]
+    # Lines from stdin are sent as they are read, when each is sent once: `yes | flowbroker publish` held
+    # every line in memory before sending any (a tester). Copies (-n) of a stream are sent after it is read.
+    streaming = not messages and count == 1
+    if not messages and sys.stdin.isatty() and not as_json:
+        click.echo("reading messages from standard input, one per line; end with Ctrl-D", err=True)
+    bodies = ([m.encode() for m in messages] if messages else
+              [] if streaming else [line.rstrip("\n").encode() for line in sys.stdin])
     outcome = PublishOutcome(requested=len(bodies) * count)
 
     async def run() -> None:
@@ -343,13 +374,17 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
                 # The bar only on a terminal: piped, it would print just its label among the outcome's lines;
                 # with --json the JSON is all that is printed.
                 bar = (click.progressbar(length=outcome.requested, label="publishing", file=sys.stderr)
-                       if sys.stderr.isatty() and not as_json else None)
+                       if sys.stderr.isatty() and not as_json and not streaming else None)
                 with bar if bar is not None else contextlib.nullcontext():
                     for _ in range(count):
                         for body in bodies:
                             await producer.send(body, timeout=timeout)
                             if bar is not None:
                                 bar.update(1)
+                if streaming:
+                    async for body in _stdin_lines():
+                        outcome.requested += 1
+                        await producer.send(body, timeout=timeout)
                 await producer.flush(timeout=timeout)
             except fb.FlowControlTimeout as exc:
                 outcome.timeout, outcome.flow_stopped = exc.timeout, list(exc.destinations)

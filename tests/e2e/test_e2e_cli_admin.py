@@ -470,3 +470,30 @@ def test_connection_close_ends_a_client_with_connection_forced(daemon: Daemon) -
         assert conn.close_error is not None and "closed by an operator: holds the pool" in str(conn.close_error)
     again = daemon.cli("connection", "close", str(conn_id), ok=False)
     assert again.returncode == 1 and f"HTTP 404: no connection {conn_id}" in again.stderr
+
+
+def test_publish_sends_standard_inputs_lines_as_they_come(daemon: Daemon) -> None:
+    """`yes | flowbroker publish` read every line into memory before sending any (a tester): lines are sent
+    as they are read, so those written so far are in the queue while standard input is still open; -n
+    copies of a stream, and a last line without its newline, still work."""
+    pub = subprocess.Popen([FLOWBROKER, "publish", "--url", daemon.url, "-k", "stream", "--json"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert pub.stdin is not None
+    try:
+        pub.stdin.write(b"one\ntwo\n\nthree\n")
+        pub.stdin.flush()
+        daemon.wait_for(lambda: "stream" in [q["name"] for q in daemon.json("queues")["queues"]]
+                        and daemon.json("queue", "show", "stream")["depth"]["count"] == 4)
+        out, err = pub.communicate(b"four", timeout=30)  # no newline before the end (communicate closes stdin)
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+    assert pub.returncode == 0, err
+    assert json.loads(out)["requested"] == 5 and json.loads(out)["completed"] == 5
+    copies = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "stream", "-n", "2", "--json"],
+                            input=b"a\nb\n", capture_output=True, timeout=30)
+    assert copies.returncode == 0 and json.loads(copies.stdout)["completed"] == 4
+    got = subprocess.run([FLOWBROKER, "consume", "--url", daemon.url, "-n", "9", "--json", "stream"],
+                         capture_output=True, text=True, timeout=30)
+    assert [json.loads(line)["body"] for line in got.stdout.splitlines()] == [
+        "one", "two", "", "three", "four", "a", "b", "a", "b"]
