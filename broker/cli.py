@@ -11,6 +11,7 @@ answers are printed broker/cliformat.py, and publish's outcomes and exit codes b
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -229,9 +230,13 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
             raise click.ClickException(f"configuration error: {config_error}") from None
         os_error = _find(exc, OSError)
         if isinstance(os_error, OSError):
+            # The hint follows the cause: "another broker running?" for an address this host does not have
+            # sent a user after the wrong fix (a tester).
+            hint = {errno.EADDRNOTAVAIL: f"is {config.server.host} an address of this host? --host or [server] host",
+                    errno.EACCES: "a port below 1024 needs privileges: --port or [server] port to choose another"
+                    }.get(os_error.errno or 0, "another broker running? --port or [server] port to choose another")
             raise click.ClickException(
-                f"cannot listen on {config.server.host}:{config.server.port}: {os_error.strerror or os_error} "
-                "(another broker running? --port or [server] port to choose another)"
+                f"cannot listen on {config.server.host}:{config.server.port}: {os_error.strerror or os_error} ({hint})"
             ) from None
         raise
 

@@ -176,3 +176,13 @@ def test_a_broker_port_in_use_is_one_line_that_says_what_to_do(tmp_path: Path) -
         holder.close()
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr, result.stderr
+
+
+def test_serve_on_an_address_this_host_does_not_have_says_so(tmp_path: Path) -> None:
+    """It said "another broker running?", the hint for a port in use (a tester). 192.0.2.1 is TEST-NET-1:
+    documentation only, never an address of a real host."""
+    out = subprocess.run([FLOWBROKER, "serve", "--host", "192.0.2.1", "--port", "0", "--no-admin", "--no-udp",
+                          "--no-metrics", "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "is 192.0.2.1 an address of this host?" in out.stderr and "another broker" not in out.stderr, out.stderr
