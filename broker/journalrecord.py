@@ -31,6 +31,9 @@ __all__ = [
     "SETTLED",
     "PRODUCERS",
     "encode",
+    "encode_payload",
+    "pack",
+    "pack_array_header",
     "Scan",
     "scan",
 ]
@@ -54,7 +57,8 @@ SETTLED = 9  # [kind, qid, offset]: gone for good (acked, rejected, dropped, pur
 PRODUCERS = 10  # [kind, {producer id: highest sequence}]: the idempotent-producer seam
 
 
-_packb = msgpack.Packer(use_bin_type=True).pack
+_packer = msgpack.Packer(use_bin_type=True)
+_packb = _packer.pack
 _pack_header = HEADER.pack
 _crc32 = zlib.crc32
 
@@ -63,6 +67,24 @@ def encode(record: list[Any]) -> bytes:
     """One record's bytes: header, then the msgpack payload."""
     payload: bytes = _packb(record)
     return _pack_header(len(payload), _crc32(payload)) + payload
+
+
+def encode_payload(payload: bytes) -> bytes:
+    """A record's bytes from its payload packed already (`pack_array_header` and `pack` of each item, in
+    order: the bytes `encode` packs for the list)."""
+    return _pack_header(len(payload), _crc32(payload)) + payload
+
+
+def pack(item: Any) -> bytes:
+    """One item of a record's payload, packed as `encode` packs it."""
+    data: bytes = _packb(item)
+    return data
+
+
+def pack_array_header(n: int) -> bytes:
+    """The start of a payload of `n` items."""
+    data: bytes = _packer.pack_array_header(n)
+    return data
 
 
 @dataclass(frozen=True, slots=True)

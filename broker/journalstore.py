@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flowbroker.broker.journal import Journal
-from flowbroker.broker.journalrecord import QUEUE_DELETED
 from flowbroker.broker.message import Message
 from flowbroker.broker.store import MemoryStore
 
@@ -63,4 +62,4 @@ class JournalStore(MemoryStore):
         super().delete()
         self.journal.forget(list(self.segs.values()))
         self.segs.clear()
-        self.journal.record([QUEUE_DELETED, self.qid])
+        self.journal.queue_deleted(self.qid)
