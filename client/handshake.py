@@ -207,8 +207,18 @@ async def _await_welcome(
                     f"{address} answered in HTTP: this is an HTTP port (the broker's admin API?), not the broker "
                     f"port; the broker port is 5680 unless [server] port says otherwise (flowbroker://HOST:5680)"
                 )
-        proto.receive_data(bytes(data))
-        while (frame := proto.next_frame()) is not None:
+        try:
+            proto.receive_data(bytes(data))
+            frame = proto.next_frame()
+        except RemoteProtocolError as exc:
+            if proto.frames_received:
+                raise
+            # Its first bytes are no frame: another protocol's server (an SSH banner read as a frame of
+            # 1.4 GB "exceeds max_frame_size", a tester), not a broker with a bad frame.
+            raise HandshakeError(f"{address} does not speak the flowbroker protocol: its first bytes {head!r} "
+                                 f"are no frame ({exc}); is this the broker port (5680 unless [server] port "
+                                 "says otherwise)?") from None
+        while frame is not None:
             if isinstance(frame, Welcome):
                 if scram is not None:
                     _verify_broker(scram, frame, address)
@@ -234,6 +244,7 @@ async def _await_welcome(
                     # which the broker did not look at: worth trying again later, a reconnect does.
                     refused = HandshakeError
                 raise refused(f"broker refused the connection: {'; '.join(texts)}", code)
+            frame = proto.next_frame()
         if not data:
             hint = "" if head else (": it sent nothing back (a TLS port? It needs a flowbroker+tls:// URL)")
             raise HandshakeError(f"the broker closed the connection during the handshake{hint}",

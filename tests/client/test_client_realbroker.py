@@ -147,3 +147,20 @@ async def test_the_connections_own_timeouts_refuse_nan_when_given_and_take_a_neg
             blocking.connect(broker.url, timeout=5, close_timeout=math.nan)
 
     await trio.to_thread.run_sync(work)
+
+
+async def test_connecting_to_another_protocols_server_says_it_is_not_a_flowbroker_broker() -> None:
+    """An SSH server's banner read as a frame: "frame of 1397966893 bytes exceeds max_frame_size" (a tester)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def ssh_like(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"SSH-2.0-OpenSSH_9.2p1\r\n")
+        await trio.sleep(5)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, ssh_like, listeners)
+        with pytest.raises(fc.HandshakeError) as info:
+            await fc.connect(f"flowbroker://127.0.0.1:{port}", timeout=5)
+        assert "does not speak the flowbroker protocol" in str(info.value) and "b'SSH-'" in str(info.value)
+        nursery.cancel_scope.cancel()
