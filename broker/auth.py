@@ -244,6 +244,9 @@ def salt_secret(path: Path) -> bytes:
     existing = _reusable_secret(path)
     if existing is not None:
         return existing
+    if path.exists():  # one there, unusable: its replacement changes the made-up salts, so say so (a tester)
+        LOGGER.warning("the SCRAM salt secret %s is not a private file of %d hex-encoded bytes: replaced; "
+                       "unknown users' made-up salts change with it", path, SECRET_BYTES)
     secret = secrets.token_bytes(SECRET_BYTES)
     try:
         write_private(path, secret.hex() + "\n")

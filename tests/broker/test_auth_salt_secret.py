@@ -53,3 +53,13 @@ def test_a_secret_that_cannot_be_written_still_gives_made_up_salts(
     users = tmp_path / "file" / "users.json"  # its folder is a file: nothing can be written there
     assert len(_salt(users, "ghost")) > 0
     assert "cannot write the SCRAM salt secret" in caplog.text and "will change when the broker restarts" in caplog.text
+
+
+def test_a_corrupt_secret_is_replaced_and_said_at_warning(users: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A non-hex secret (mode 0600) was rewritten silently, so the made-up salts changed without trace (a tester)."""
+    before = _salt(users, "nobody")
+    secret = _secret_file(users)
+    secret.write_text("not hex at all\n")
+    os.chmod(secret, 0o600)
+    assert _salt(users, "nobody") != before
+    assert any("salt secret" in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
