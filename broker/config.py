@@ -298,6 +298,12 @@ class UdpConfig:
         _int_range("udp", "loopback_mtu", self.loopback_mtu, 64, 65504)
         if self.loopback_mtu % 32:
             raise ConfigError("udp", "loopback_mtu", self.loopback_mtu, "must be a multiple of 32")
+        if (isinstance(self.max_receiver_window, int) and not isinstance(self.max_receiver_window, bool)
+                and self.mtu <= tl // 2 < self.max_receiver_window):
+            # (a term_length lowered alone named this key, which the user never set, a tester)
+            raise ConfigError("udp", "max_receiver_window", self.max_receiver_window,
+                              f"must be at most term_length / 2 ({tl // 2} with term_length = {tl}): lower "
+                              "max_receiver_window together with term_length")
         _int_range("udp", "max_receiver_window", self.max_receiver_window, self.mtu, tl // 2)
         _int_range("udp", "min_receiver_window", self.min_receiver_window, self.mtu, self.max_receiver_window)
         if self.congestion_control not in CONGESTION_CONTROLS:

@@ -294,3 +294,14 @@ def test_a_quota_of_two_segments_or_none_is_accepted() -> None:
     """The smallest quota the disk alarm can always clear under (docs/storage.md, "The disk as flow control")."""
     assert load_config(None, {"storage": {"quota": 2 * 64 * MiB}}).storage.quota == 128 * MiB
     assert load_config(None, {"storage": {"quota": 0, "segment_size": 1 << 40}}).storage.quota == 0
+
+
+def test_a_term_length_lowered_alone_says_max_receiver_window_must_follow_it() -> None:
+    """`term_length = 262144` alone was refused as "max_receiver_window = 1048576: must be an integer in
+    [8192, 131072]", a key the user never set, without saying why (a tester)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"udp": {"term_length": 262144}})
+    text = str(info.value)
+    assert "max_receiver_window" in text and "term_length / 2 (131072 with term_length = 262144)" in text
+    assert "together with term_length" in text
+    load_config(None, {"udp": {"term_length": 262144, "max_receiver_window": 131072}})  # as configuration.md says
