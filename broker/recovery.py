@@ -85,6 +85,13 @@ def read_journal(journal: Journal) -> Recovered:
                 f.truncate(result.good_length)
                 f.flush()
                 os.fsync(f.fileno())
+        elif not data:
+            # No record to cut at: the file was emptied (truncated to 0 bytes, or created and never
+            # written). What it held, its snapshot and any messages, cannot be counted.
+            text = (f"{path.name}: the segment is empty (0 bytes): its snapshot and its messages, if it had any, "
+                    "are lost")
+            LOGGER.error("journal: %s", text)
+            out.cut.append(text)
         out.segments[number] = result.good_length
         snapshot: Snapshot | None = Snapshot()  # until the segment's opening snapshot has been read
         for record in result.records:

@@ -1,0 +1,39 @@
+"""A segment file truncated to 0 bytes (the newest one, say) lost its snapshot and its messages, and
+recovery logged only "recovered ... N message(s)": no ERROR, while every other damage is logged at ERROR
+with where it was cut (docs/storage.md, "Recovery": every cut is logged). A tester's kill -9 loop."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flowbroker.broker.journal import segment_name
+
+from tests.broker.journalharness import Broker
+
+
+def test_an_empty_newest_segment_is_logged_at_error_and_the_rest_recovers(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    broker = Broker(tmp_path / "journal")
+    queue = broker.core.declare_queue("kept", None, True)
+    broker.send(queue, 5)
+    broker.commit()
+    broker.journal._roll()  # the newest segment: its snapshot and 7 more messages
+    broker.send(queue, 7)
+    broker.commit()
+    broker.journal.close()
+    shutil.copytree(tmp_path / "journal", tmp_path / "copy")
+    newest = tmp_path / "copy" / segment_name(broker.journal.active_seg)
+    newest.write_bytes(b"")
+    again = Broker(tmp_path / "copy")
+    with caplog.at_level(logging.INFO, logger="flowbroker.journal"):
+        again.restore()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"journal: {newest.name}: the segment is empty (0 bytes): its snapshot and its messages, "
+                      "if it had any, are lost"]
+    assert again.core.queues["kept"].count == 5  # the older segment's messages
+    summary = [r.getMessage() for r in caplog.records if "recovered" in r.getMessage()]
+    assert summary and summary[0].endswith("; 1 cut"), summary
