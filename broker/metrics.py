@@ -13,10 +13,11 @@ by connection id, and `flowbroker_flow_stop_info` lists at most `views.NESTED_LI
 each. Label values are escaped by prometheus-client.
 
 A scrape's CPU still grows with the queues (~130 us each: `benchmarks/metrics_scrape_cost.py`), and the
-broker has one thread. So a scrape is a `Scrape` in two halves: reading the core, in steps of QUEUE_STEP
-queues between which the HTTP shell lets every connection run, and building the families and the text
-from that copy, which touches nothing live and runs in a worker thread (the interpreter switches threads
-every 5 ms). A big scrape then delays messages by milliseconds, not by seconds.
+broker has one thread. So a scrape is a `Scrape` read in steps: the HTTP shell (broker/metricshttp.py)
+reads a few queues at a time (`next_queues`), builds and renders their families at once, and lets every
+connection run between steps, all on the broker's thread (a worker thread rendering held the interpreter's
+lock and the broker's thread waited for it). A big scrape then delays messages by milliseconds, not by
+seconds. `families()` builds every family in one go (the collector's `collect`, for `generate_latest`).
 
 Each broker has its own `CollectorRegistry` (`broker_metrics`), with the process collector in it: tests
 run several brokers in one process, and the global default registry would mix them up. Nothing here
@@ -49,6 +50,7 @@ QUEUE_STEP = 200
 """Queues a scrape reads per step: ~2-3 ms of the event loop on a 2-core machine, like a reader's turn."""
 
 _QUEUE = ["queue"]
+_Family = GaugeMetricFamily | CounterMetricFamily
 _PRODUCER = ["connection", "client_name", "identity"]
 MAX_LABEL_CHARS = 128
 """A client's own name (up to a control frame long) in a label: cut, so 100 producers with 65,000-character
@@ -159,6 +161,15 @@ class Scrape:
             self._done = self._after is None
         return self._done
 
+    def next_queues(self, limit: int = QUEUE_STEP) -> list[QueueStatistics] | None:
+        """The next `limit` queues' statistics, not kept (`read_queues` keeps them); None once every queue
+        is read. The HTTP shell renders each page at once, so a scrape never holds a copy of every queue's."""
+        if self._done:
+            return None
+        page, self._after = self.core.queues.page(self._after, limit)
+        self._done = self._after is None
+        return [queue.statistics() for queue in page]
+
     def read_all(self) -> Scrape:
         while not self.read_queues():
             pass
@@ -166,7 +177,22 @@ class Scrape:
 
     def families(self) -> list[Metric]:
         """Every `flowbroker_*` family, built from the copy alone (safe in another thread)."""
-        return [*self._broker(), *self._queues(), *self._connections(), *self._udp()]
+        return [*self.head_families(), *self.queue_families(self.queues), *self.tail_families()]
+
+    def head_families(self) -> list[Metric]:
+        """The broker-wide families, which `families()` gives first."""
+        return list(self._broker())
+
+    def queue_families(self, queues: list[QueueStatistics]) -> list[_Family]:
+        """The per-queue families, in their order in `families()`, holding the series of `queues` alone:
+        the HTTP shell reads, builds and renders them a few queues at a time (broker/metricshttp.py)."""
+        families = self._queue_families()
+        self._add_queues(families, queues)
+        return families
+
+    def tail_families(self) -> list[Metric]:
+        """The connections' and the UDP data path's families, which `families()` gives last."""
+        return [*self._connections(), *self._udp()]
 
     # -- broker-wide -----------------------------------------------------------------------------
 
@@ -223,8 +249,9 @@ class Scrape:
 
     # -- queues ----------------------------------------------------------------------------------
 
-    def _queues(self) -> Iterator[Metric]:
-        g, c, now = _gauge, _counter, self.now
+    def _queue_families(self) -> list[_Family]:
+        """The per-queue families, empty, in the order they are served (`_add_queues` fills them)."""
+        g, c = _gauge, _counter
         messages = g("flowbroker_queue_messages", "Depth the watermarks compare: ready + unsettled.", _QUEUE)
         ready = g("flowbroker_queue_ready_messages", "Messages waiting for a consumer.", _QUEUE)
         unsettled = g("flowbroker_queue_unsettled_messages", "Messages delivered, waiting for ack/reject.", _QUEUE)
@@ -267,8 +294,21 @@ class Scrape:
                    "(0: not flow-controlled), summed.", _QUEUE)
         buffer_unacked = g("flowbroker_queue_consumer_unacknowledged_bytes", "Bytes delivered to its consumers "
                            "and not yet acknowledged (BUFFER_ACK), summed.", _QUEUE)
-        stuck_by_queue, buffers = self.stuck, self.consumer_buffers
-        for st in self.queues:
+        return [messages, ready, unsettled, size, stop_count, resume_count, stop_size, resume_size, max_count,
+                max_size, stop_drain, resume_drain, stop_age, resume_age, drain_rate, oldest_age, saturated,
+                saturated_for, saturations, held, held_total, stopped, consumers, stuck,
+                buffer, buffer_unacked,
+                enqueued, dequeued, rejected, dropped, refused]
+
+    def _add_queues(self, families: list[_Family], queues: list[QueueStatistics]) -> None:
+        """Each of `queues`' series, to the families of `_queue_families`."""
+        (messages, ready, unsettled, size, stop_count, resume_count, stop_size, resume_size, max_count,
+         max_size, stop_drain, resume_drain, stop_age, resume_age, drain_rate, oldest_age, saturated,
+         saturated_for, saturations, held, held_total, stopped, consumers, stuck,
+         buffer, buffer_unacked,
+         enqueued, dequeued, rejected, dropped, refused) = families
+        stuck_by_queue, buffers, now = self.stuck, self.consumer_buffers, self.now
+        for st in queues:
             t = st.thresholds
             label = [st.name]
             messages.add_metric(label, st.messages)
@@ -303,11 +343,6 @@ class Scrape:
             rejected.add_metric(label, st.consumer_rejected)
             dropped.add_metric([st.name, "overflow"], st.dropped)
             refused.add_metric(label, st.rejected)
-        yield from (messages, ready, unsettled, size, stop_count, resume_count, stop_size, resume_size, max_count,
-                    max_size, stop_drain, resume_drain, stop_age, resume_age, drain_rate, oldest_age, saturated,
-                    saturated_for, saturations, held, held_total, stopped, consumers, stuck,
-                    buffer, buffer_unacked,
-                    enqueued, dequeued, rejected, dropped, refused)
 
     # -- connections and producers -----------------------------------------------------------------
 
