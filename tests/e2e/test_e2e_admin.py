@@ -547,3 +547,22 @@ async def test_an_operator_closes_a_connection_and_its_client_is_told_why(broker
         assert status == 404 and answer["error"]["message"] == f"no connection {conn_id}"
         async with calm.consumer("q") as consumer:  # the others carry on
             assert (await consumer.receive(timeout=5)).body == b"before"
+
+
+async def test_numbers_of_thousands_of_digits_are_a_400_or_404_in_plain_words(broker: Any) -> None:
+    """Over 4,300 digits Python's int() raises: ?limit= and ?after= were 500 internal_error, DELETE
+    /api/connections/<5000 digits> a text/plain 500 with a traceback, and a PATCH body's number a 400
+    advising sys.set_int_max_str_digits() (a tester)."""
+    huge = "9" * 5000
+    for path, field in ((f"/api/queues?limit={huge}", "limit"), (f"/api/connections?limit={huge}", "limit"),
+                        (f"/api/connections?after={huge}", "after")):
+        status, answer, _ = await api(broker, "GET", path)
+        assert status == 400 and answer["error"]["field"] == field, (path, status, answer)
+    status, answer, _ = await api(broker, "DELETE", f"/api/connections/{huge}")
+    assert status == 404 and answer["error"]["code"] == "not_found" and len(answer["error"]["message"]) < 200
+    status, answer, _ = await api(broker, "DELETE", "/api/connections/abc")
+    assert status == 404 and answer["error"]["code"] == "not_found"
+    broker.server.core.declare_queue("q")
+    status, answer, _ = await api(broker, "PATCH", "/api/queues/q", raw=b'{"flow_stop_count": ' + huge.encode() + b"}")
+    assert status == 400 and "4,300 digits" in answer["error"]["message"]
+    assert "set_int_max_str_digits" not in answer["error"]["message"]
