@@ -428,9 +428,13 @@ class Journal:
         stop = self.alarm
         if stop is None:
             return
-        for session, queue in batch.waiting_on.items():
-            if session.flow_control:
-                self._stop(session, queue, stop)
+        # and those whose transfers arrived while the failing write ran: they wait in the next batch, which
+        # is not taken while this one is retried, and `hold` told nobody (the alarm was not on yet): a
+        # producer's flush timed out naming no queue, its flow_state empty 20 s later (a tester)
+        for waiting_on in (batch.waiting_on, self._waiting_on):
+            for session, queue in waiting_on.items():
+                if session.flow_control:
+                    self._stop(session, queue, stop)
 
     def _stop(self, session: Session, queue: str, stop: FlowStopped) -> None:
         """Tell `session` FLOW_STOPPED on `queue` by the disk alarm, once until the alarm clears."""
