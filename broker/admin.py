@@ -502,8 +502,12 @@ class AdminApi:
         if not body:
             raise ApiError(400, "invalid_argument", "give the policy and/or any [credit] key")
         for key, value in body.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ApiError(400, "invalid_argument", f"{key} must be a number (the policy: a string)", key)
+            if key == "policy":
+                if not isinstance(value, str):  # (it said "policy must be a number", a tester)
+                    raise ApiError(400, "invalid_argument", "policy must be a string: none, static, dynamic or "
+                                                            "aggressive", key)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ApiError(400, "invalid_argument", f"{key} must be a number (bytes, or a percent)", key)
         self.core.set_credit_policy(**body)
         LOGGER.info("admin: credit policy changed: %s", body)
         return views.policy_view(self.core)

@@ -566,3 +566,14 @@ async def test_numbers_of_thousands_of_digits_are_a_400_or_404_in_plain_words(br
     status, answer, _ = await api(broker, "PATCH", "/api/queues/q", raw=b'{"flow_stop_count": ' + huge.encode() + b"}")
     assert status == 400 and "4,300 digits" in answer["error"]["message"]
     assert "set_int_max_str_digits" not in answer["error"]["message"]
+
+
+async def test_put_policy_type_errors_name_the_type_each_key_takes(broker: Any) -> None:
+    """{"policy": ["x"]} and {"quota": true} were both told "must be a number (the policy: a string)" (a tester)."""
+    status, answer, _ = await api(broker, "PUT", "/api/policy", {"policy": ["x"]})
+    assert status == 400 and answer["error"]["field"] == "policy"
+    assert answer["error"]["message"].startswith("policy must be a string: none, static, dynamic or aggressive")
+    for value in (True, "64MiB", [1]):
+        status, answer, _ = await api(broker, "PUT", "/api/policy", {"quota": value})
+        assert status == 400 and answer["error"]["field"] == "quota"
+        assert "quota must be a number" in answer["error"]["message"], answer
