@@ -209,9 +209,10 @@ class BearerAuth:
         if scheme.lower() == b"basic" and self._users is not None:
             return await self._basic_refusal(scope, credential)
         if not header or scheme.lower() != b"bearer" or not credential.strip():
+            basic = ", or an admin user's HTTP Basic credentials" if self._users is not None else ""
             return _error_response(
                 401, "unauthorized",
-                "the admin API needs 'Authorization: Bearer <token>' ([admin] token, or the token file)",
+                f"this needs 'Authorization: Bearer <token>' (the admin token: [admin] token, or the token file){basic}",
                 headers={"WWW-Authenticate": 'Bearer realm="flowbroker"'},
             )
         if not hmac.compare_digest(credential.strip(), self._token):

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from flowbroker.broker.admin import BearerAuth, HttpListener
+from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.config import MetricsConfig
 from flowbroker.broker.metrics import BrokerMetrics, Families, Scrape
 
@@ -152,11 +153,14 @@ class MetricsServer(HttpListener):
 
     logger = LOGGER
 
-    def __init__(self, config: MetricsConfig, metrics: BrokerMetrics, token: str | None = None):
+    def __init__(self, config: MetricsConfig, metrics: BrokerMetrics, token: str | None = None,
+                 users: AdminUsers | None = None):
+        """`users`: admin users, whose HTTP Basic credentials a scrape may give instead of the token, as on
+        the admin port (a monitoring user's scrape was 200 there and 401 here, a tester)."""
         super().__init__(*config.address(), "metrics")
         self.config = config
         app: ASGIApp = Starlette(routes=[metrics_route(metrics)])
-        self.app = BearerAuth(app, token) if token is not None else app
+        self.app = BearerAuth(app, token, users=users) if token is not None else app
 
     def _serving_line(self) -> str:
         return (f"metrics on http://{self.host}:{self.port}{METRICS_PATH} "

@@ -57,6 +57,7 @@ import trio
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token
+from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, Peer, Refused
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
@@ -248,7 +249,10 @@ class BrokerServer:
                 token = None
                 if metrics.require_token:
                     token = self.admin.token if self.admin is not None else self._scrape_token()
-                self.metrics = MetricsServer(metrics, served, token)
+                users = (AdminUsers(self.authenticator.store, self.config.auth.failed_login_delay,
+                                    self.authenticator.throttle, self.core.clock_ns)
+                         if token is not None and self.authenticator.store is not None else None)
+                self.metrics = MetricsServer(metrics, served, token, users)
                 self.metrics_port = self.metrics.bind()
         except BaseException:
             for listener in listeners:

@@ -284,3 +284,36 @@ async def test_a_long_client_name_is_cut_in_labels_and_a_consumer_without_a_buff
             m = await scrape(broker)
         assert one(m, "flowbroker_producer_granted_bytes", client_name="n" * 128) > 0
         assert one(m, "flowbroker_queue_consumer_unacknowledged_bytes", queue="plain") == 0
+
+
+async def test_a_monitoring_user_scrapes_a_metrics_port_of_its_own_as_the_admin_port(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    """With require_token, a monitoring user's HTTP Basic scrape was 200 on the admin port and 401 on a
+    [metrics] endpoint of its own, whose 401 said "the admin API needs ..." (a tester)."""
+    import base64
+
+    from flowbroker.broker.users import User, write_users
+    from flowbroker.protocol.scram import StoredCredential
+
+    users = tmp_path / "users.json"
+    write_users(users, {"watch": User("watch", StoredCredential.from_password("w4tch", 4096), ("monitoring",))})
+    broker = await start_flowbroker(admin={"token": TOKEN}, metrics={"endpoint": "127.0.0.1:0", "require_token": True},
+                                    auth={"users_file": str(users), "failed_login_delay": 0.01})
+
+    def basic(url: str, password: str) -> tuple[int, str]:
+        credential = base64.b64encode(f"watch:{password}".encode()).decode()
+        try:
+            request = urllib.request.Request(url, headers={"Authorization": f"Basic {credential}"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode()
+
+    assert broker.metrics_url is not None
+    status, body = await trio.to_thread.run_sync(basic, broker.metrics_url, "w4tch")
+    assert status == 200 and "flowbroker_queues" in body
+    status, _ = await trio.to_thread.run_sync(basic, broker.metrics_url, "wrong")
+    assert status == 403
+    status, body, _ = await get(broker.metrics_url)
+    assert status == 401 and "admin API" not in body and "HTTP Basic" in body
