@@ -478,8 +478,22 @@ class Queue:
     def purge(self) -> int:
         """Drop every ready message (unsettled deliveries stay); releases what they held."""
         purged = self.store.purge()
-        for msg in purged:
-            self._remove(msg)
+        # `_remove` for all of them at once: the sums in one pass each, the holds only where there are some
+        # (400,000 messages: 73 ms one by one, every connection waiting)
+        total = sum(map(_size, purged))
+        self.count -= len(purged)
+        self.size -= total
+        meter = self.meter
+        meter.held -= total
+        self.counters.dequeued += len(purged)
+        if self.held:
+            held = self.held
+            for msg in purged:
+                if msg.held is not None:
+                    held.pop(msg, None)
+                    msg.release()
+        if meter.alarm:
+            meter.released()
         self._check_resume()
         self._check_pace()
         return len(purged)
