@@ -439,13 +439,16 @@ class BrokerCore:
             return
         journal = self.journal
         journalled = journal.records_buffered if journal is not None else 0
-        if journal is not None and journal.alarm is not None and (name := self._journalling(frame)) is not None:
-            # Its record could not be written, so its OK would wait for the alarm to clear, and the client
-            # saw only a request timeout suggesting the broker was down (a tester): refused, nothing done.
+        if journal is not None and journal.write_failing and (name := self._journalling(frame)) is not None:
+            # Its record cannot be written, so its OK would wait until the disk takes writes again, and the
+            # client saw only a request timeout suggesting the broker was down (a tester): refused, nothing
+            # done. Only while writes fail: under the quota or free-space alarms the journal still writes,
+            # and a purge or delete is what frees the space (refused then, the alarm never cleared).
+            reason = journal.alarm.reason if journal.alarm is not None else "its last write failed"
             session.send(Error(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"the disk alarm is on ({journal.alarm.reason}): a change to what the journal keeps "
-                               "(durable queues, their bindings, exchanges) cannot be written now; nothing was "
-                               "changed: retry when it clears", None, request_id, name))
+                               f"the journal cannot write ({reason}): a change to what it keeps (durable queues, "
+                               "their bindings, exchanges) cannot be made durable now; nothing was changed: retry "
+                               "when the disk takes writes again", None, request_id, name))
             return
         try:
             result = handler(self, session, frame)
@@ -1265,7 +1268,7 @@ class BrokerCore:
 
     def _journalling(self, frame: Any) -> str | None:
         """The queue or exchange a request would change in the journal (so its answer waits for a commit),
-        or None. Asked only while the disk alarm is on."""
+        or None. Asked only while the journal's writes fail."""
         queues, kind = self.queues, type(frame)
         if kind is DeclareQueue:
             return frame.queue if frame.durable and frame.queue not in queues else None

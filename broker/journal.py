@@ -226,6 +226,7 @@ class Journal:
         self._waiters: list[CommitWaiter] = []
         self._waiting_on: dict[Session, str] = {}  # a durable queue each session's waiters were routed to
         self.in_flight = False  # a batch taken and not yet committed (being written, or retried)
+        self.write_failing = False  # the last write failed (the committer retries): nothing new gets on disk
         self.next_qid = 1
         self.producers: dict[str, int] = {}  # producer id -> highest sequence journalled
         # the durable topology, read once when the first segment opens (the shell's: the core's queues,
@@ -485,6 +486,7 @@ class Journal:
     def committed(self, batch: Batch) -> None:
         """The batch is on disk: complete what it covered (trio thread)."""
         self.in_flight = False
+        self.write_failing = False
         self.commits += 1
         self.records_written += batch.records
         self.segments_deleted += len(batch.deletable)

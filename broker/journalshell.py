@@ -79,6 +79,7 @@ async def run_committer(journal: Journal) -> None:
             try:
                 await trio.to_thread.run_sync(journal.write_batch, batch)
             except OSError as exc:
+                journal.write_failing = True
                 journal.set_alarm(FlowStopped(
                     "*", THRESHOLD_DISK, 0, 0,
                     f"the journal cannot write under {journal.dir}: {exc.strerror or exc}; transfers to durable "

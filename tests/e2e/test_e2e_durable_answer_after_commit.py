@@ -76,10 +76,12 @@ async def test_durable_requests_are_answered_once_on_disk_and_memory_ones_at_onc
         gate.set()
 
 
-async def test_under_the_disk_alarm_a_durable_change_is_refused_at_once_and_nothing_changes(
+async def test_while_the_journal_cannot_write_a_durable_change_is_refused_at_once_and_nothing_changes(
         start_flowbroker: Any, tmp_path: Path) -> None:
-    """Its answer would wait for the alarm to clear: the client saw a request timeout suggesting the broker
-    was down (a tester, with a data directory it could not write). Refused at once, naming the alarm."""
+    """Its answer would wait until the disk takes writes again: the client saw a request timeout suggesting
+    the broker was down (a tester, with a data directory it could not write). Refused at once, naming why.
+    Under the quota or free-space alarms the journal still writes: there a purge or delete, which frees the
+    space, must go through (refused, the alarm never cleared: a second tester)."""
     from flowbroker.protocol import ErrorCode
     from flowbroker.protocol.frames import FlowStopped
     from flowbroker.protocol.names import THRESHOLD_DISK
@@ -87,20 +89,28 @@ async def test_under_the_disk_alarm_a_durable_change_is_refused_at_once_and_noth
     broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
     async with await fb.connect(broker.url, timeout=10) as conn:
         await conn.declare_queue("kept", durable=True)
+        await conn.declare_queue("other", durable=True)
         journal = broker.server.core.journal
         assert journal is not None
-        journal.set_alarm(FlowStopped("*", THRESHOLD_DISK, 1000, 10, "10 bytes free under the data directory"))
+        journal.set_alarm(FlowStopped("*", THRESHOLD_DISK, 0, 0, "the journal cannot write: No space left on device"))
+        journal.write_failing = True  # as the committer marks it when a write fails
         requests: list[Callable[[], Awaitable[Any]]] = [
             lambda: conn.declare_queue("new", durable=True), lambda: conn.delete_queue("kept"),
             lambda: conn.purge_queue("kept"), lambda: conn.declare_exchange("ex", "fanout")]
         for request in requests:
             with trio.fail_after(5), pytest.raises(fb.RequestError) as refused:
                 await request()
-            assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "disk alarm" in str(refused.value)
-            assert "10 bytes free" in str(refused.value) and "nothing was changed" in str(refused.value)
+            assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "cannot write" in str(refused.value)
+            assert "No space left" in str(refused.value) and "nothing was changed" in str(refused.value)
         assert "new" not in broker.server.core.queues and "kept" in broker.server.core.queues
         with trio.fail_after(5):  # what the journal does not keep goes on
             await conn.declare_queue("memory")
             await conn.delete_queue("memory")
+        journal.write_failing = False
+        # the quota alarm: the journal writes, so the purge and delete that free the space go through
+        journal.set_alarm(FlowStopped("*", THRESHOLD_DISK, 1000, 5000, "the journal holds 5000 bytes, over its quota 1000"))
+        with trio.fail_after(10):
+            await conn.purge_queue("kept")
+            await conn.delete_queue("other")
         journal.set_alarm(None)
         await conn.delete_queue("kept")
