@@ -397,6 +397,10 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
                     async for body in _stdin_lines():
                         outcome.requested += 1
                         await producer.send(body, timeout=timeout)
+                        if producer.statistics().failed:  # refused (a queue deleted, say): stop reading, say so
+                            # (it read on: `yes | publish` to a missing queue ran for ever, every line
+                            # refused and dropped, nothing printed; a tester)
+                            break
                 await producer.flush(timeout=timeout)
             except fb.FlowControlTimeout as exc:
                 outcome.timeout, outcome.flow_stopped = exc.timeout, list(exc.destinations)

@@ -497,3 +497,29 @@ def test_publish_sends_standard_inputs_lines_as_they_come(daemon: Daemon) -> Non
                          capture_output=True, text=True, timeout=30)
     assert [json.loads(line)["body"] for line in got.stdout.splitlines()] == [
         "one", "two", "", "three", "four", "a", "b", "a", "b"]
+
+
+def test_publish_stops_reading_standard_input_at_the_first_refusal(daemon: Daemon) -> None:
+    """Streaming to a queue that does not exist, every line was refused and dropped and publish read on for
+    ever (`yes | flowbroker publish --no-declare`, killed after 10 minutes; a tester): it stops and says so."""
+    pub = subprocess.Popen([FLOWBROKER, "publish", "--url", daemon.url, "-k", "no-such-queue", "--no-declare",
+                            "--json"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert pub.stdin is not None
+    try:
+        deadline = time.monotonic() + 30
+        while pub.poll() is None and time.monotonic() < deadline:
+            try:
+                pub.stdin.write(b"line\n" * 100)
+                pub.stdin.flush()
+            except BrokenPipeError:
+                break
+            time.sleep(0.05)
+        ended = pub.wait(timeout=30)  # by itself, its input still open
+        out, _ = pub.communicate(timeout=30)
+        assert ended == 1
+        outcome = json.loads(out)
+        assert outcome["outcome"] == "error" and outcome["failed"] >= 1 and "NotFound" in outcome["error"]
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.communicate(timeout=30)
