@@ -1222,11 +1222,15 @@ class BrokerCore:
                     continue
                 if now_ns - heard_past.setdefault(session, session.heard_ns) < SHRINK_HEARD_GRACE_NS:
                     continue
+            if transfers.answered == transfers.controls:  # answered, with a limit beyond what it sent (a tester)
+                why = (f"its BUFFER_LIMIT answer kept a limit {window.limit - window.position} bytes beyond the "
+                       f"{window.position} bytes it has sent, which it has not sent since")
+            else:
+                why = "no BUFFER_LIMIT answered it"
             session.fault = SessionFault(
                 ErrorCode.CREDIT_VIOLATION,
                 f"BUFFER_CONTROL shrank the buffer to {session.buffer_size} bytes {(now_ns - since) / 1e9:.0f} s "
-                f"ago and no BUFFER_LIMIT answered it, while producers wait for the credit it holds "
-                f"({session.transfers.promised} bytes)")
+                f"ago and {why}, while producers wait for the credit it holds ({session.transfers.promised} bytes)")
             del self.over_grant[session]
             heard_past.pop(session, None)
 

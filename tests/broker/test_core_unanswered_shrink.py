@@ -168,3 +168,4 @@ def test_a_producer_that_answers_with_a_limit_beyond_what_it_sends_and_keeps_tal
     tick_for(h, SHRINK_HEARD_GRACE_NS / 1e9 + 1)
     fault = claimer.session.fault
     assert fault is not None and fault.code is ErrorCode.CREDIT_VIOLATION
+    assert "its BUFFER_LIMIT answer kept a limit" in str(fault) and "no BUFFER_LIMIT" not in str(fault)
