@@ -930,6 +930,8 @@ class ConnectionHandler:
             try:
                 while True:
                     if session.routing_rest is not None:  # a fan-out's rest: routed before the next frame
+                        # (its socket is not read meanwhile: what it sends waits there, so it is not idle)
+                        self.last_received = trio.current_time()
                         core.route_rest(session)
                         if time.perf_counter() >= turn_ends:
                             more = True

@@ -98,3 +98,29 @@ async def test_over_real_sockets_another_connection_is_served_while_a_wide_frame
             assert session.routing_rest is not None
             await producer.flush(timeout=30)
             assert [len(server.core.queues[f"q{i}"].store) for i in range(200)] == [1000] * 200
+
+
+async def test_a_connection_whose_frame_is_being_routed_in_slices_is_not_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its socket is not read while its frame's slices are routed, so its NOOP answers wait there: the timer
+    took it for silent, and a frame routed for longer than idle_timeout would have closed its own
+    connection IDLE_TIMEOUT (a tester, from reading the code)."""
+    import trio
+
+    import flowbroker.client as fb
+    from tests.serving import serving, url
+
+    monkeypatch.setattr(core_module, "FANOUT_BUDGET", 1)
+    async with serving(server={"idle_timeout": 0.3}) as server:
+        async with await fb.connect(url(server), timeout=10) as conn:
+            await conn.declare_exchange("wide", "fanout")
+            for i in range(300):
+                await conn.declare_queue(f"q{i}")
+                await conn.bind(f"q{i}", "wide")
+            producer = conn.producer("wide", window=4000)
+            began = trio.current_time()
+            for n in range(3000):  # 900,000 copies, one message a slice: longer than idle_timeout
+                await producer.send(b"%d" % n)
+            await producer.flush(timeout=120)
+            assert trio.current_time() - began > 0.3  # (else this proves nothing)
+            assert not conn.is_closed
+            assert [len(server.core.queues[f"q{i}"].store) for i in (0, 299)] == [3000, 3000]
