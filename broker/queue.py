@@ -451,12 +451,15 @@ class Queue:
             return
         # No message here holds a transfer (all are below `held`'s floor), so `_remove` has nothing to
         # release. A saturated queue holds its newest messages while its consumers settle its oldest.
-        size = sum(map(_size, msgs))
-        self.count -= len(msgs)
+        self._count_out(len(msgs), sum(map(_size, msgs)))
+
+    def _count_out(self, count: int, size: int) -> None:
+        """`_remove`'s accounting for `count` messages of `size` bytes together, their holds aside."""
+        self.count -= count
         self.size -= size
         meter = self.meter
         meter.held -= size
-        self.counters.dequeued += len(msgs)
+        self.counters.dequeued += count
         if meter.alarm:
             meter.released()
 
@@ -478,22 +481,15 @@ class Queue:
     def purge(self) -> int:
         """Drop every ready message (unsettled deliveries stay); releases what they held."""
         purged = self.store.purge()
-        # `_remove` for all of them at once: the sums in one pass each, the holds only where there are some
+        # `_remove` for all of them at once: one sum, the holds released only where there are some
         # (400,000 messages: 73 ms one by one, every connection waiting)
-        total = sum(map(_size, purged))
-        self.count -= len(purged)
-        self.size -= total
-        meter = self.meter
-        meter.held -= total
-        self.counters.dequeued += len(purged)
         if self.held:
             held = self.held
             for msg in purged:
                 if msg.held is not None:
                     held.pop(msg, None)
                     msg.release()
-        if meter.alarm:
-            meter.released()
+        self._count_out(len(purged), sum(map(_size, purged)))
         self._check_resume()
         self._check_pace()
         return len(purged)
