@@ -63,6 +63,7 @@ class Recovered:
     segments: dict[int, int] = field(default_factory=dict)  # segment -> bytes
     cut: list[str] = field(default_factory=list)  # what was cut off, for the log and the tests
     records: int = 0
+    max_qid: int = 0  # the highest queue id in any record read, deleted queues' too: ids are not reused
 
 
 def read_journal(journal: Journal) -> Recovered:
@@ -215,6 +216,7 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
             rec, mseg, _ = q.messages[r[2]]
             q.messages[r[2]] = (rec, mseg, True)
     elif kind == QUEUE:
+        out.max_qid = max(out.max_qid, int(r[1]))
         existing = queues.get(r[1])
         if existing is None:
             queues[r[1]] = RecoveredQueue(str(r[2]), dict(r[3]), int(r[4]), owner=_owner(r))
@@ -223,6 +225,7 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
             existing.owner = _owner(r)
             existing.next_offset = max(existing.next_offset, int(r[4]))
     elif kind == QUEUE_DELETED:
+        out.max_qid = max(out.max_qid, int(r[1]))
         queues.pop(r[1], None)
         for key in [k for k in out.bindings if k[1] == r[1]]:
             del out.bindings[key]
@@ -268,6 +271,9 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
             core.exchanges[name] = Exchange(name, ExchangeKind(kind), core.routes)
     by_qid: dict[int, Queue] = {}
     messages = 0
+    # past every id on disk, a deleted queue's too: the highest was handed out again after a restart when
+    # it had been deleted, and the journal held QUEUE records of two queues under one id (a tester)
+    journal.next_qid = max(journal.next_qid, rec.max_qid + 1)
     for qid, rq in rec.queues.items():
         journal.next_qid = max(journal.next_qid, qid + 1)
         recovered: list[tuple[Message, int]] = []
