@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.broker.journalharness import Broker
 
 
@@ -25,3 +27,28 @@ def test_a_deleted_queues_id_is_not_reused_after_a_restart(tmp_path: Path) -> No
     assert "B" not in restarted.core.queues and "A" in restarted.core.queues
     restarted.core.declare_queue("C", None, True)
     assert qid(restarted, "C") > deleted
+
+
+def test_a_deletion_when_the_segment_is_full_is_not_taken_for_a_cut_at_recovery(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The record rolled the segment after the kept snapshot had dropped the queue: the new segment opened
+    without it and then said QUEUE_DELETED, and recovery warned "its deletion record was cut away" at every
+    restart, though nothing was cut (a tester). The segment now rolls first."""
+    b = Broker(tmp_path / "journal", segment_size=64 * 1024)
+    for name in ("keep", "victim", "other"):
+        b.core.declare_queue(name, None, True)
+    b.exchange("ex", "fanout")
+    pin = b.h.producer("pin", fences=True)  # an unsettled message keeps the first segment from compaction
+    pin.register()
+    pin.pump()
+    pin.send("", "keep", b"pinned")
+    b.commit()
+    for delete in (lambda: b.core.delete_queue("victim"), lambda: b.core.delete_exchange("ex")):
+        b.journal.seg_bytes = b.journal.segment_size  # the active segment is full: the next record rolls
+        delete()
+        b.commit()
+    restarted = Broker(tmp_path / "journal")
+    restarted.restore()
+    assert "victim" not in restarted.core.queues and "ex" not in restarted.core.exchanges
+    assert set(restarted.core.queues) >= {"keep", "other"}
+    assert not [r for r in caplog.records if "cut away" in r.getMessage()], [r.getMessage() for r in caplog.records]
