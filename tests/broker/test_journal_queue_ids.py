@@ -43,9 +43,12 @@ def test_a_deletion_when_the_segment_is_full_is_not_taken_for_a_cut_at_recovery(
     pin.pump()
     pin.send("", "keep", b"pinned")
     b.commit()
-    for delete in (lambda: b.core.delete_queue("victim"), lambda: b.core.delete_exchange("ex")):
+    for kind, name in (("queue", "victim"), ("exchange", "ex")):
         b.journal.seg_bytes = b.journal.segment_size  # the active segment is full: the next record rolls
-        delete()
+        if kind == "queue":
+            b.core.delete_queue(name)
+        else:
+            b.core.delete_exchange(name)
         b.commit()
     restarted = Broker(tmp_path / "journal")
     restarted.restore()
