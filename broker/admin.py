@@ -300,10 +300,10 @@ def _json_endpoint(handler: Handler, core: BrokerCore | None = None) -> Callable
 
     async def endpoint(request: Request) -> Response:
         journal = core.journal if core is not None and request.method not in SAFE_METHODS else None
-        journalled = journal.records_buffered if journal is not None else 0
+        journalled = journal.records_appended if journal is not None else 0
         try:
             result = await handler(request)
-            if journal is not None and journal.records_buffered != journalled:
+            if journal is not None and journal.records_appended != journalled:
                 committed = _Committed()
                 journal.after_commit(committed)
                 with trio.move_on_after(COMMIT_WAIT_SECONDS):

@@ -438,7 +438,7 @@ class BrokerCore:
             session.send(Error(ErrorCode.UNAUTHORIZED, denied.text, None, request_id, denied.resource))
             return
         journal = self.journal
-        journalled = journal.records_buffered if journal is not None else 0
+        journalled = journal.records_appended if journal is not None else 0
         if journal is not None and journal.write_failing and (name := self._journalling(frame)) is not None:
             # Its record cannot be written, so its OK would wait until the disk takes writes again, and the
             # client saw only a request timeout suggesting the broker was down (a tester): refused, nothing
@@ -457,7 +457,7 @@ class BrokerCore:
         except PolicyConfigError as exc:
             session.send(Error(ErrorCode.INVALID_ARGUMENT, str(exc), None, request_id, None))
         else:
-            if journal is not None and journal.records_buffered != journalled:
+            if journal is not None and journal.records_appended != journalled:
                 # It changed something durable (a durable queue declared, deleted or purged, a binding of
                 # one): OK once that is on disk, as a transfer to a durable queue completes. Answered at
                 # once, a kill -9 right after undid it: deleted queues came back with their messages,

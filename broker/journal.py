@@ -223,6 +223,7 @@ class Journal:
         self.live: dict[int, int] = {}  # segment -> its messages not yet settled
         self._chunks: list[tuple[int, bytearray]] = []
         self._records = 0
+        self._appended = 0
         self._waiters: list[CommitWaiter] = []
         self._waiting_on: dict[Session, str] = {}  # a durable queue each session's waiters were routed to
         self.in_flight = False  # a batch taken and not yet committed (being written, or retried)
@@ -291,6 +292,7 @@ class Journal:
             if len(chunks) == 1:
                 self.wake()
         self._records += 1
+        self._appended += 1
         n = len(data)
         self.seg_bytes += n
         self.sizes[seg] += n
@@ -402,10 +404,11 @@ class Journal:
             self._stop(session, queue, stop)
 
     @property
-    def records_buffered(self) -> int:
-        """Records appended since the last batch was taken: a request that moved it journalled something,
-        and its answer waits for the commit (BrokerCore.handle, the admin API)."""
-        return self._records
+    def records_appended(self) -> int:
+        """Records appended since the journal opened (never goes back): a request that moved it journalled
+        something, and its answer waits for the commit (BrokerCore.handle, the admin API). Not the count
+        since the last batch: a batch taken meanwhile resets that, and the admin API's request awaits."""
+        return self._appended
 
     def after_commit(self, transfer: CommitWaiter) -> None:
         """Complete `transfer` with the next commit, whatever it writes: an idempotent producer's
