@@ -87,12 +87,16 @@ def read_journal(journal: Journal) -> Recovered:
                 f.flush()
                 os.fsync(f.fileno())
         elif not data:
-            # No record to cut at: the file was emptied (truncated to 0 bytes, or created and never
-            # written). What it held, its snapshot and any messages, cannot be counted.
-            text = (f"{path.name}: the segment is empty (0 bytes): its snapshot and its messages, if it had any, "
-                    "are lost")
+            # No record to cut at: the file was emptied (truncated to 0 bytes), or created by a roll and
+            # never written (a crash right after the roll: nothing completed was in it). Which one cannot be
+            # told, so it is said once, and the empty file removed: it was said at every restart until
+            # compaction reached it, for a kill -9 that lost nothing (a tester).
+            text = (f"{path.name}: the segment is empty (0 bytes): if the broker stopped right after creating it, "
+                    "nothing was in it; if it was emptied, its snapshot and its messages are lost; removed")
             LOGGER.error("journal: %s", text)
             out.cut.append(text)
+            path.unlink(missing_ok=True)
+            continue
         out.segments[number] = result.good_length
         snapshot: Snapshot | None = Snapshot()  # until the segment's opening snapshot has been read
         for record in result.records:
