@@ -508,7 +508,8 @@ class AdminApi:
                     raise ApiError(400, "invalid_argument", "policy must be a string: none, static, dynamic or "
                                                             "aggressive", key)
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ApiError(400, "invalid_argument", f"{key} must be a number (bytes, or a percent)", key)
+                what = "a number, a percent" if key.endswith("_percent") else "an integer number of bytes"
+                raise ApiError(400, "invalid_argument", f"{key} must be {what}", key)
         self.core.set_credit_policy(**body)
         LOGGER.info("admin: credit policy changed: %s", body)
         return views.policy_view(self.core)

@@ -205,7 +205,10 @@ async def read_body(request: Request, limit: int) -> bytes:
                     raise _too_large(limit)
                 chunks.append(chunk)
     except ClientDisconnect:  # nobody to answer; not a bug to log with a traceback
-        raise BodyRefused(400, "invalid_json", "the client closed the connection before the end of its body") from None
+        # (either way: the client closed it, or the server's read timeout closed a body that stopped coming,
+        # which this text blamed on the client, a tester)
+        raise BodyRefused(400, "invalid_json", "the connection ended before the end of the body: the client closed "
+                                               "it, or sent nothing more for longer than the read timeout") from None
     return b"".join(chunks)
 
 

@@ -576,4 +576,6 @@ async def test_put_policy_type_errors_name_the_type_each_key_takes(broker: Any) 
     for value in (True, "64MiB", [1]):
         status, answer, _ = await api(broker, "PUT", "/api/policy", {"quota": value})
         assert status == 400 and answer["error"]["field"] == "quota"
-        assert "quota must be a number" in answer["error"]["message"], answer
+        assert "quota must be an integer number of bytes" in answer["error"]["message"], answer
+    status, answer, _ = await api(broker, "PUT", "/api/policy", {"dynamic_percent": "10"})
+    assert status == 400 and answer["error"]["message"] == "dynamic_percent must be a number, a percent"

@@ -186,3 +186,12 @@ def test_serve_on_an_address_this_host_does_not_have_says_so(tmp_path: Path) -> 
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "is 192.0.2.1 an address of this host?" in out.stderr and "another broker" not in out.stderr, out.stderr
+
+
+def test_serve_on_a_host_name_that_does_not_resolve_says_so(tmp_path: Path) -> None:
+    """It said "another broker running?" for a name resolution failure too (a tester). .invalid never resolves."""
+    out = subprocess.run([FLOWBROKER, "serve", "--host", "nosuch.invalid", "--port", "0", "--no-admin", "--no-udp",
+                          "--no-metrics", "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "is nosuch.invalid a name this host can resolve?" in out.stderr and "another broker" not in out.stderr, out.stderr

@@ -523,3 +523,40 @@ def test_publish_stops_reading_standard_input_at_the_first_refusal(daemon: Daemo
         if pub.poll() is None:
             pub.kill()
             pub.communicate(timeout=30)
+
+
+def test_publish_with_standard_streams_closed_or_interrupted_says_how_it_ended(daemon: Daemon) -> None:
+    """A closed stdin or stderr (a cron job's `<&-`, `2>&-`) failed with an AttributeError traceback, or with
+    nothing published; Ctrl-C mid-stream printed only "Aborted!" (and sometimes aborted the interpreter: a
+    worker thread blocked in the buffered stdin's read1 held its lock at shutdown). A tester, all three."""
+    import signal
+
+    def closed(fd: int) -> Callable[[], None]:
+        return lambda: os.close(fd)
+
+    no_stdin = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "closed", "--json"],
+                              capture_output=False, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=closed(0), timeout=30)
+    assert no_stdin.returncode == 0 and b"Traceback" not in no_stdin.stderr, no_stdin.stderr
+    assert json.loads(no_stdin.stdout)["requested"] == 0
+    no_stderr = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "closed", "--json", "hello"],
+                               stdout=subprocess.PIPE, preexec_fn=closed(2), timeout=30)
+    assert no_stderr.returncode == 0 and json.loads(no_stderr.stdout)["completed"] == 1
+    pub = subprocess.Popen([FLOWBROKER, "publish", "--url", daemon.url, "-k", "interrupted", "--json"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert pub.stdin is not None
+    try:
+        pub.stdin.write(b"line\n" * 50)
+        pub.stdin.flush()
+        daemon.wait_for(lambda: "interrupted" in [q["name"] for q in daemon.json("queues")["queues"]]
+                        and daemon.json("queue", "show", "interrupted")["depth"]["count"] == 50)
+        pub.send_signal(signal.SIGINT)  # stdin still open: it was waiting for more lines
+        out, err = pub.communicate(timeout=30)
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.communicate(timeout=30)
+    assert pub.returncode == 1, err
+    outcome = json.loads(out)
+    assert outcome["sent"] == 50 and outcome["completed"] == 50 and "interrupted (Ctrl-C)" in outcome["error"]
