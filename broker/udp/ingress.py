@@ -35,6 +35,7 @@ from functools import partial
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flowbroker.broker import core as core_module
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
 from flowbroker.protocol.envelope import PUBLISH, PUBLISH_BATCH, EnvelopeError, decode_publish, decode_publish_batch
@@ -89,6 +90,9 @@ class UdpPublication:
     woken: bool = True  # the publication session's outbox or completions changed: drain it
     caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
     more_to_route: bool = False  # the last poll stopped at a bound (the cycle's messages, the grant)
+    routing_rest: tuple[int, list[TransferEntry], list[int]] | None = None
+    """Messages polled and received, not yet routed: what a poll's fan-out left past FANOUT_BUDGET copies
+    (transfer id of the first, entries, charged sizes), routed first in the next cycles, as a TCP frame's."""
     messages: int = 0
     bad_envelopes: int = 0
 
@@ -300,6 +304,12 @@ class Ingress:
         saturated queue) takes the per-message path, whose holds are released in transfer-id order."""
         image = pub.image
         assert image is not None
+        if pub.routing_rest is not None:  # a fan-out's rest before anything new (its holds are set up)
+            first, rest, rest_sizes = pub.routing_rest
+            pub.routing_rest = None
+            self._route(pub, first, rest, rest_sizes)
+            self._drain_outbox(pub, now_ns)
+            return True
         sub_id = pub.subscription.subscription_id
         window = pub.session.transfers.window
         room = max(image.window_cap or 0, pub.mtu) - (window.position - window.consumed_position)
@@ -350,7 +360,7 @@ class Ingress:
         transfers = session.transfers
         tid, sizes = transfers.receive_unchecked(entries)
         pub.messages += len(entries)
-        self.datapath.core.route(session, tid, entries, sizes)
+        self._route(pub, tid, entries, sizes)
         pending = pub.pending
         if pending or session.paced_on is not None or transfers.completed.cumulative < tid + len(entries) - 1:
             # Not all complete (or older ones still held, or the producer paced): hold every one, release
@@ -425,9 +435,20 @@ class Ingress:
                 next_tid += count
                 pending.append((next_tid - 1, space))
         if entries:
-            self.datapath.core.route(session, tid, entries, sizes)
+            self._route(pub, tid, entries, sizes)
         self._drain_outbox(pub, now_ns)
         return True
+
+    def _route(self, pub: UdpPublication, tid: int, entries: list[TransferEntry], sizes: list[int]) -> None:
+        """Route received messages up to FANOUT_BUDGET copies of fan-out; keep the rest for the next cycle
+        (`pub.routing_rest`, `more_to_route`: the shell yields between cycles). A poll of 55 messages to a
+        fanout of 10,000 queues was half a second in one step, as a TCP frame's was (a68e646)."""
+        core = self.datapath.core
+        done = core.route(pub.session, tid, entries, sizes, core_module.FANOUT_BUDGET)
+        if done < len(sizes):
+            pub.routing_rest = (tid + done, entries[done:], sizes[done:])
+            pub.more_to_route = True
+            self.datapath.wake()
 
     def _drain_outbox(self, pub: UdpPublication, now_ns: int) -> bool:
         """Relay the publication session's frames, release completed holds, set the window; True if the
