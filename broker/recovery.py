@@ -64,6 +64,13 @@ class Recovered:
     cut: list[str] = field(default_factory=list)  # what was cut off, for the log and the tests
     records: int = 0
     max_qid: int = 0  # the highest queue id in any record read, deleted queues' too: ids are not reused
+    # When each binding was last bound, and each queue and exchange deleted (record numbers): a deletion's
+    # bindings are dropped once, at the end (`_drop_deleted_bindings`), not by a walk over every binding at
+    # each deletion record: 5,000 deleted durable queues beside 5,000 bound ones took 0.9 s to recover,
+    # growing with the square (20,000: over 10 s).
+    bound_at: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    queue_deleted_at: dict[int, int] = field(default_factory=dict)
+    exchange_deleted_at: dict[str, int] = field(default_factory=dict)
 
 
 def read_journal(journal: Journal) -> Recovered:
@@ -107,7 +114,20 @@ def read_journal(journal: Journal) -> Recovered:
             except (IndexError, TypeError, ValueError, KeyError) as exc:  # intact but not ours: skip it
                 LOGGER.error("journal: %s: skipped a malformed record (%s)", path.name, exc)
             out.records += 1
+    _drop_deleted_bindings(out)
     return out
+
+
+def _drop_deleted_bindings(out: Recovered) -> None:
+    """The bindings of queues and exchanges deleted after they were bound (a binding made later, to an id
+    or name used again, stays)."""
+    queue_at, exchange_at, bound_at = out.queue_deleted_at, out.exchange_deleted_at, out.bound_at
+    if not queue_at and not exchange_at:
+        return
+    for key in list(out.bindings):
+        at = bound_at.get(key, -1)
+        if queue_at.get(key[1], -2) > at or exchange_at.get(key[0], -2) > at:
+            del out.bindings[key]
 
 
 @dataclass
@@ -231,16 +251,16 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
     elif kind == QUEUE_DELETED:
         out.max_qid = max(out.max_qid, int(r[1]))
         queues.pop(r[1], None)
-        for key in [k for k in out.bindings if k[1] == r[1]]:
-            del out.bindings[key]
+        out.queue_deleted_at[int(r[1])] = out.records
     elif kind == EXCHANGE:
         out.exchanges[str(r[1])] = str(r[2])
     elif kind == EXCHANGE_DELETED:
         out.exchanges.pop(r[1], None)
-        for key in [k for k in out.bindings if k[0] == r[1]]:
-            del out.bindings[key]
+        out.exchange_deleted_at[str(r[1])] = out.records
     elif kind == BIND:
-        out.bindings[(str(r[1]), int(r[2]), str(r[3]))] = None
+        key = (str(r[1]), int(r[2]), str(r[3]))
+        out.bindings[key] = None
+        out.bound_at[key] = out.records
     elif kind == UNBIND:
         out.bindings.pop((r[1], r[2], r[3]), None)
     elif kind == PRODUCERS:

@@ -55,3 +55,27 @@ def test_a_deletion_when_the_segment_is_full_is_not_taken_for_a_cut_at_recovery(
     assert "victim" not in restarted.core.queues and "ex" not in restarted.core.exchanges
     assert set(restarted.core.queues) >= {"keep", "other"}
     assert not [r for r in caplog.records if "cut away" in r.getMessage()], [r.getMessage() for r in caplog.records]
+
+
+def test_recovery_drops_the_bindings_of_deleted_queues_and_exchanges_and_keeps_later_ones(tmp_path: Path) -> None:
+    """Recovery drops a deletion's bindings once, at the end, by record order (a walk over every binding at
+    each deletion record made 5,000 deletions beside 5,000 bound queues 0.9 s, growing with the square):
+    what was bound after a deletion, to an exchange declared again, stays."""
+    b = Broker(tmp_path / "journal")
+    for name in ("a", "b", "c"):
+        b.core.declare_queue(name, None, True)
+    b.exchange("ex", "direct")
+    b.bind("a", "ex", "k")
+    b.bind("b", "ex", "k")
+    b.bind("c", "amq.topic", "t.#")
+    b.core.delete_queue("a")  # its binding goes with it
+    b.core.delete_exchange("ex")  # and b's with the exchange...
+    b.exchange("ex", "direct")
+    b.bind("b", "ex", "k2")  # ...but not the one made after it was declared again
+    b.commit()
+    restarted = Broker(tmp_path / "journal")
+    restarted.restore()
+    ex = restarted.core.exchanges["ex"]
+    assert {k: sorted(q.name for q in qs) for k, qs in ex.bindings.items()} == {"k2": ["b"]}
+    assert [q.name for q in restarted.core.exchanges["amq.topic"].bindings["t.#"]] == ["c"]
+    assert "a" not in restarted.core.queues
