@@ -524,6 +524,10 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     if exc.status_code == 405:
         return _error_response(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
     if exc.status_code == 404:
+        if request.url.path == "/metrics":  # (a scraper pointed here after the metrics moved, a tester)
+            return _error_response(404, "not_found", "GET /metrics is not served on this port: [metrics] endpoint "
+                                                     "serves it on a port of its own (logged at start and written "
+                                                     "to --port-file as metrics_port), or [metrics] enabled = false")
         return _error_response(404, "not_found", f"no endpoint {request.url.path}")
     return _error_response(exc.status_code, "http_error", str(exc.detail))
 

@@ -124,6 +124,8 @@ async def test_metrics_on_a_port_of_their_own(start_flowbroker: Any) -> None:
     assert status in (401, 404)
     status, _, _ = await get(f"http://127.0.0.1:{port}/api/queues", TOKEN)  # and nothing else on its own
     assert status == 404
+    status, body, _ = await get(f"{broker.admin_url}/metrics", TOKEN)  # the admin port says where it went
+    assert status == 404 and "a port of its own" in body and "metrics_port" in body
 
     # without the admin API at all, and with a token required: the admin token guards it still
     alone = await start_flowbroker(metrics={"endpoint": "127.0.0.1:0", "require_token": True},
