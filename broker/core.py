@@ -134,16 +134,31 @@ class RoutingRest(NamedTuple):
     violation: RemoteProtocolError | None
 
 
+MAX_ANSWERS_WAITING_PER_CONNECTION = 100
+MAX_ANSWERS_WAITING = 10_000
+"""Requests' answers waiting for the journal's commit, per connection and in all: past either, a request
+that would journal something is refused RESOURCE_EXHAUSTED (nothing changed). Unbounded, clients that
+pipelined durable BIND/UNBIND pairs without reading took the broker to 725 MiB while a slow disk's commit
+took 3 s (a tester): each waiting answer and its record is some 800 bytes, so these bound them at about
+8 MiB."""
+
+
 class AnswerAfterCommit:
-    """A request's answer that waits for the journal's next commit (a `CommitWaiter`)."""
+    """A request's answer that waits for the journal's next commit (a `CommitWaiter`), counted while it
+    waits (`BrokerCore.answers_waiting`, `Session.answers_waiting`)."""
 
-    __slots__ = ("session", "answer")
+    __slots__ = ("core", "session", "answer")
 
-    def __init__(self, session: Session, answer: Frame):
+    def __init__(self, core: BrokerCore, session: Session, answer: Frame):
+        self.core = core
         self.session = session
         self.answer = answer
+        core.answers_waiting += 1
+        session.answers_waiting += 1
 
     def release(self) -> None:
+        self.core.answers_waiting -= 1
+        self.session.answers_waiting -= 1
         if self.session.open:
             self.session.send(self.answer)
 
@@ -186,6 +201,7 @@ class BrokerCore:
         self.connections_opened = 0  # sessions opened (a UDP publication's included)...
         self.connections_closed = 0  # ...and closed
         self.credit_violations = 0  # connections ended for sending past their credit
+        self.answers_waiting = 0  # requests' answers waiting for the journal's commit (AnswerAfterCommit)
         self.errors_sent: Counter[ErrorCode] = Counter()  # ERROR frames sent, by code (Session.send, the shell)
         # Where each declared queue keeps its messages (broker/store.py): in memory, unless the server
         # keeps a journal (broker/journalshell.py sets a factory giving durable queues a JournalStore).
@@ -439,6 +455,14 @@ class BrokerCore:
             return
         journal = self.journal
         journalled = journal.records_appended if journal is not None else 0
+        if (journal is not None and (session.answers_waiting >= MAX_ANSWERS_WAITING_PER_CONNECTION
+                                     or self.answers_waiting >= MAX_ANSWERS_WAITING)
+                and (name := self._journalling(frame)) is not None):
+            session.send(Error(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"{session.answers_waiting} requests of this connection ({self.answers_waiting} in "
+                               "all) wait for the journal to write what they changed (a slow disk?): nothing was "
+                               "changed; retry when they are answered", None, request_id, name))
+            return
         if journal is not None and journal.write_failing and (name := self._journalling(frame)) is not None:
             # Its record cannot be written, so its OK would wait until the disk takes writes again, and the
             # client saw only a request timeout suggesting the broker was down (a tester): refused, nothing
@@ -462,7 +486,7 @@ class BrokerCore:
                 # one): OK once that is on disk, as a transfer to a durable queue completes. Answered at
                 # once, a kill -9 right after undid it: deleted queues came back with their messages,
                 # declared ones were gone (a tester).
-                journal.after_commit(AnswerAfterCommit(session, Ok(request_id, result)))
+                journal.after_commit(AnswerAfterCommit(self, session, Ok(request_id, result)))
             else:
                 session.send(Ok(request_id, result))
 

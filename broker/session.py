@@ -109,6 +109,7 @@ class Session:
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
         self.routing_rest: RoutingRest | None = None
+        self.answers_waiting = 0  # its requests' answers waiting for the journal's commit (AnswerAfterCommit)
         # its idempotent messages held now, by (producer key, sequence): the core's orphans when it closes,
         # for the producer's resend on its next connection to adopt (broker/message.py HeldTransfer)
         self.held_sequences: dict[SequenceKey, HeldTransfer] = {}

@@ -114,3 +114,41 @@ async def test_while_the_journal_cannot_write_a_durable_change_is_refused_at_onc
             await conn.delete_queue("other")
         journal.set_alarm(None)
         await conn.delete_queue("kept")
+
+
+async def test_answers_waiting_for_a_commit_are_bounded_per_connection(
+        start_flowbroker: Any, tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unbounded, clients pipelining durable BIND/UNBIND pairs without reading took the broker to 725 MiB
+    while a slow disk's commit took 3 s (a tester). Past the bound a request that would journal something
+    is refused at once, nothing changed; the waiting ones are answered when the commit returns."""
+    from flowbroker.broker import core as core_module
+    from flowbroker.protocol import ErrorCode
+
+    monkeypatch.setattr(core_module, "MAX_ANSWERS_WAITING_PER_CONNECTION", 3)
+    broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
+    async with await fb.connect(broker.url, timeout=10) as conn, trio.open_nursery() as nursery:
+        gate.set()
+        await conn.declare_queue("kept", durable=True)
+        gate.clear()
+        answered: list[Any] = []
+
+        async def bind(key: str) -> None:
+            answered.append(await conn.bind("kept", "amq.topic", key, timeout=30))
+
+        for i in range(3):
+            nursery.start_soon(bind, f"k{i}")
+        with trio.fail_after(10):
+            while broker.core.answers_waiting < 3:
+                await trio.sleep(0.01)
+        with trio.fail_after(5), pytest.raises(fb.RequestError) as refused:
+            await conn.bind("kept", "amq.topic", "k3")
+        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "nothing was changed" in str(refused.value)
+        assert "k3" not in broker.core.exchanges["amq.topic"].bindings
+        with trio.fail_after(5):  # what does not journal is not held back
+            await conn.declare_queue("memory")
+        gate.set()
+        with trio.fail_after(10):
+            while len(answered) < 3:
+                await trio.sleep(0.01)
+        assert broker.core.answers_waiting == 0
+        await conn.bind("kept", "amq.topic", "k3")
