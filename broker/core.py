@@ -468,11 +468,12 @@ class BrokerCore:
             # client saw only a request timeout suggesting the broker was down (a tester): refused, nothing
             # done. Only while writes fail: under the quota or free-space alarms the journal still writes,
             # and a purge or delete is what frees the space (refused then, the alarm never cleared).
-            reason = journal.alarm.reason if journal.alarm is not None else "its last write failed"
+            # (the alarm's reason says "the journal cannot write under ...: why"; said once, a tester)
+            reason = journal.alarm.reason if journal.alarm is not None else "the journal's last write failed"
             session.send(Error(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"the journal cannot write ({reason}): a change to what it keeps (durable queues, "
-                               "their bindings, exchanges) cannot be made durable now; nothing was changed: retry "
-                               "when the disk takes writes again", None, request_id, name))
+                               f"{reason}. A change to what the journal keeps (durable queues, their bindings, "
+                               "exchanges) cannot be made durable now: nothing was changed; retry when the disk "
+                               "takes writes again", None, request_id, name))
             return
         try:
             result = handler(self, session, frame)

@@ -548,7 +548,15 @@ class Journal:
         recovery then replays it, or cuts a torn tail)."""
         for seg, start in reversed(batch.written):
             try:
-                if seg == self._fd_seg and self._fd >= 0:
+                if start == 0:
+                    # The batch made this file: remove it rather than leave it empty, which recovery reads
+                    # as a segment emptied, its messages lost (one ERROR per file after a disk-full, a
+                    # tester). The retry makes it again.
+                    if seg == self._fd_seg and self._fd >= 0:
+                        os.close(self._fd)
+                        self._fd = -1
+                    os.unlink(self.dir / segment_name(seg))
+                elif seg == self._fd_seg and self._fd >= 0:
                     os.ftruncate(self._fd, start)
                 else:
                     os.truncate(self.dir / segment_name(seg), start)
