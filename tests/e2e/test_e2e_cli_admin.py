@@ -560,3 +560,13 @@ def test_publish_with_standard_streams_closed_or_interrupted_says_how_it_ended(d
     assert pub.returncode == 1, err
     outcome = json.loads(out)
     assert outcome["sent"] == 50 and outcome["completed"] == 50 and "interrupted (Ctrl-C)" in outcome["error"]
+
+
+def test_publish_reads_crlf_lines_without_their_cr(daemon: Daemon) -> None:
+    """Lines of a Windows file kept their CR once stdin was read in bytes (a tester); text mode dropped it."""
+    pub = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "crlf", "--json"],
+                         input=b"a\r\nb\r\nc", capture_output=True, timeout=30)
+    assert pub.returncode == 0, pub.stderr
+    got = subprocess.run([FLOWBROKER, "consume", "--url", daemon.url, "-n", "3", "--json", "crlf"],
+                         capture_output=True, text=True, timeout=30)
+    assert [json.loads(line)["body"] for line in got.stdout.splitlines()] == ["a", "b", "c"]
