@@ -300,8 +300,10 @@ def _json_endpoint(handler: Handler, core: BrokerCore | None = None) -> Callable
 
     async def endpoint(request: Request) -> Response:
         journal = core.journal if core is not None and request.method not in SAFE_METHODS else None
-        journalled = journal.records_appended if journal is not None else 0
         try:
+            if journal is not None:  # the body read first: durable traffic meanwhile is not this request's
+                request.state.body = await _read_body(request)
+            journalled = journal.records_appended if journal is not None else 0
             result = await handler(request)
             if journal is not None and journal.records_appended != journalled:
                 committed = _Committed()
@@ -338,7 +340,11 @@ def _field_in(message: str) -> str | None:
 
 async def _read_body(request: Request) -> bytes:
     """The body, never holding more than MAX_BODY bytes of it (console.read_body): refused by Content-Length
-    before reading, and cut off as soon as a body without one (chunked) goes over."""
+    before reading, and cut off as soon as a body without one (chunked) goes over. Read once: `_json_endpoint`
+    may have read it already (`request.state.body`)."""
+    body: bytes | None = getattr(request.state, "body", None)
+    if body is not None:
+        return body
     try:
         return await console.read_body(request, MAX_BODY)
     except console.BodyRefused as exc:
@@ -366,6 +372,12 @@ async def _json_body(request: Request) -> dict[str, Any]:
 K = TypeVar("K", str, int)
 
 
+def _is_count(text: str) -> bool:
+    """Digits, and few enough for int(): over 4,300 of them int() raises (a 500, a tester); no count or id
+    the API takes has more than 20."""
+    return text.isascii() and text.isdigit() and len(text) <= 20
+
+
 def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     """`?after=` (a name, or a connection id) and `?limit=` (1..MAX_LIMIT, default DEFAULT_LIMIT)
     of a list endpoint; any other parameter is a 400 naming it, so a typo is not silently ignored."""
@@ -376,14 +388,13 @@ def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     text = params.get("limit")
     limit = views.DEFAULT_LIMIT
     if text is not None:
-        # (length first: int() of over 4,300 digits raises, a 500, a tester)
-        if not (text.isascii() and text.isdigit()) or len(text) > 20 or not 1 <= int(text) <= views.MAX_LIMIT:
+        if not _is_count(text) or not 1 <= int(text) <= views.MAX_LIMIT:
             raise ApiError(400, "invalid_argument", f"limit must be an integer from 1 to {views.MAX_LIMIT}", "limit")
         limit = int(text)
     after = params.get("after")
     if after is None:
         return None, limit
-    if key is int and not (after.isascii() and after.isdigit() and len(after) <= 20):
+    if key is int and not _is_count(after):
         raise ApiError(400, "invalid_argument", "after must be a connection id (an integer >= 0)", "after")
     return key(after), limit
 
@@ -461,7 +472,7 @@ class AdminApi:
         text = request.path_params["conn_id"]
         # Checked here, not by the route's int converter: 5,000 digits made that raise while routing, a
         # text/plain 500 and a traceback (a tester).
-        if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        if not _is_count(text):
             raise ApiError(404, "not_found", f"no connection {logsafe(text, 40)}: a connection id is an integer "
                                              "(GET /api/connections)")
         conn_id = int(text)

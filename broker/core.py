@@ -506,7 +506,13 @@ class BrokerCore:
             raise SessionFault(exc.code, str(exc)) from None
         if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
-        self._route_slice(session, RoutingRest(tid, frame.entries, sizes, violation))
+        self.route_in_slices(session, tid, frame.entries, sizes, violation)
+
+    def route_in_slices(self, session: Session, tid: int, entries: list[TransferEntry], sizes: list[int],
+                        violation: RemoteProtocolError | None = None) -> None:
+        """`route` of at most FANOUT_BUDGET copies of fan-out; what is left waits in `session.routing_rest`
+        for `route_rest` (a TCP frame's, and a UDP publication's poll: broker/udp/ingress.py)."""
+        self._route_slice(session, RoutingRest(tid, entries, sizes, violation))
 
     def route_rest(self, session: Session) -> None:
         """Route the next slice of a TRANSFER whose fan-out `on_transfer` left unfinished

@@ -124,11 +124,16 @@ class Snapshot:
     def exchange_deleted(self, name: str) -> None:
         if self.exchanges.pop(name, None) is not None:
             self.blocks[0] = None
-        bindings = self.by_exchange.pop(name, None)
+        self._forget_bindings(self.by_exchange.pop(name, None), self.by_queue, 1)
+
+    def _forget_bindings(self, bindings: dict[tuple[str, int, str], None] | None,
+                         other: dict[Any, dict[tuple[str, int, str], None]], at: int) -> None:
+        """A deleted queue's or exchange's `bindings` (taken out of its index), dropped here and from the
+        `other` index, keyed by the binding's item `at` (1: its queue, 0: its exchange)."""
         if bindings:
             for key in bindings:
                 del self.bindings[key]
-                self.by_queue[key[1]].pop(key, None)
+                other[key[at]].pop(key, None)
             self.blocks[2] = None
 
     def queue(self, record: list[Any]) -> bytes:
@@ -145,12 +150,7 @@ class Snapshot:
         if self.queues.pop(qid, None) is not None:
             del self.queue_parts[qid]
             self.blocks[1] = None
-        bindings = self.by_queue.pop(qid, None)
-        if bindings:
-            for key in bindings:
-                del self.bindings[key]
-                self.by_exchange[key[0]].pop(key, None)
-            self.blocks[2] = None
+        self._forget_bindings(self.by_queue.pop(qid, None), self.by_exchange, 0)
 
     def bind(self, exchange: str, qid: int, key: str, bound: bool) -> None:
         binding = (exchange, qid, key)

@@ -35,7 +35,6 @@ from functools import partial
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flowbroker.broker import core as core_module
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
 from flowbroker.protocol.envelope import PUBLISH, PUBLISH_BATCH, EnvelopeError, decode_publish, decode_publish_batch
@@ -90,9 +89,6 @@ class UdpPublication:
     woken: bool = True  # the publication session's outbox or completions changed: drain it
     caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
     more_to_route: bool = False  # the last poll stopped at a bound (the cycle's messages, the grant)
-    routing_rest: tuple[int, list[TransferEntry], list[int]] | None = None
-    """Messages polled and received, not yet routed: what a poll's fan-out left past FANOUT_BUDGET copies
-    (transfer id of the first, entries, charged sizes), routed first in the next cycles, as a TCP frame's."""
     messages: int = 0
     bad_envelopes: int = 0
 
@@ -304,10 +300,9 @@ class Ingress:
         saturated queue) takes the per-message path, whose holds are released in transfer-id order."""
         image = pub.image
         assert image is not None
-        if pub.routing_rest is not None:  # a fan-out's rest before anything new (its holds are set up)
-            first, rest, rest_sizes = pub.routing_rest
-            pub.routing_rest = None
-            self._route(pub, first, rest, rest_sizes)
+        if pub.session.routing_rest is not None:  # a fan-out's rest before anything new (its holds are set up)
+            self.datapath.core.route_rest(pub.session)
+            self._more_to_route(pub)
             self._drain_outbox(pub, now_ns)
             return True
         sub_id = pub.subscription.subscription_id
@@ -440,13 +435,15 @@ class Ingress:
         return True
 
     def _route(self, pub: UdpPublication, tid: int, entries: list[TransferEntry], sizes: list[int]) -> None:
-        """Route received messages up to FANOUT_BUDGET copies of fan-out; keep the rest for the next cycle
-        (`pub.routing_rest`, `more_to_route`: the shell yields between cycles). A poll of 55 messages to a
-        fanout of 10,000 queues was half a second in one step, as a TCP frame's was (a68e646)."""
-        core = self.datapath.core
-        done = core.route(pub.session, tid, entries, sizes, core_module.FANOUT_BUDGET)
-        if done < len(sizes):
-            pub.routing_rest = (tid + done, entries[done:], sizes[done:])
+        """Route received messages as a TCP frame's are, in slices of fan-out (`BrokerCore.route_in_slices`):
+        what is left is routed first in the next cycles (the shell yields between them). A poll of 55
+        messages to a fanout of 10,000 queues was half a second in one step."""
+        self.datapath.core.route_in_slices(pub.session, tid, entries, sizes)
+        self._more_to_route(pub)
+
+    def _more_to_route(self, pub: UdpPublication) -> None:
+        """The publication session has a fan-out's rest to route: the next cycle comes at once."""
+        if pub.session.routing_rest is not None:
             pub.more_to_route = True
             self.datapath.wake()
 

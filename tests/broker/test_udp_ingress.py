@@ -680,8 +680,8 @@ def test_a_poll_whose_fan_out_passes_the_budget_routes_the_rest_in_later_cycles(
     rests = 0
     for _ in range(100):
         rig.cycle(rounds=1)
-        rests += publication.routing_rest is not None
-        if all(len(rig.core.queues[f"w{i}"].store) == 30 for i in range(40)) and publication.routing_rest is None:
+        rests += publication.session.routing_rest is not None
+        if all(len(rig.core.queues[f"w{i}"].store) == 30 for i in range(40)) and publication.session.routing_rest is None:
             break
     assert rests >= 5  # 30 messages x 40 queues, at most 100 copies (3 messages) a cycle
     for i in (0, 39):
