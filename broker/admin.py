@@ -44,6 +44,7 @@ from flowbroker.broker.accept import RateLimitedLog
 from flowbroker.broker.privatefile import read_private, write_private
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
+from flowbroker.broker.listen_hints import listen_hint
 from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottled, basic_credentials, peer_address
 from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.config import AdminConfig, valid_token
@@ -592,16 +593,28 @@ def create_app(core: BrokerCore, token: str, peer_of: PeerOf | None = None,
 # -- listening ---------------------------------------------------------------------------------
 
 
+_ADDRESS_OPTIONS = {  # where each HTTP listener's address is set, for the hint of an error
+    "admin": ("--admin-host or [admin] host", "--admin-port or [admin] port"),
+    "metrics": ("--metrics-endpoint or [metrics] endpoint", "--metrics-endpoint or [metrics] endpoint"),
+}
+
+
 def listen(host: str, port: int, section: str) -> tuple[int, int]:
     """Bind and listen on host:port before any nursery, so an address in use is a plain AdminStartError
-    naming `[section]` and not an exception group; returns (descriptor, port) for `serve_http`."""
+    naming `[section]` and what to do, not an exception group; returns (descriptor, port) for `serve_http`."""
+    host_option, port_option = _ADDRESS_OPTIONS.get(section, (f"[{section}] host", f"[{section}] port"))
+
+    def start_error(exc: OSError) -> AdminStartError:
+        hint = listen_hint(exc, host, host_option, port_option)
+        return AdminStartError(f"[{section}] cannot listen on {host}:{port}: {exc.strerror or exc} ({hint})")
+
     try:
         family, type_, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, type_, proto)
     except OSError as exc:
-        raise AdminStartError(f"[{section}] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise start_error(exc) from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) inherited by every accepted socket
@@ -610,7 +623,7 @@ def listen(host: str, port: int, section: str) -> tuple[int, int]:
         sock.listen(128)  # connections wait in the backlog until hypercorn accepts them
     except OSError as exc:
         sock.close()
-        raise AdminStartError(f"[{section}] cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise start_error(exc) from None
     bound = int(sock.getsockname()[1])
     return sock.detach(), bound  # hypercorn takes the socket over by its descriptor
 

@@ -223,6 +223,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
     import trio
 
     from flowbroker.broker.admin import AdminStartError
+    from flowbroker.broker.listen_hints import listen_hint
     from flowbroker.broker.server import TlsStartError, UdpStartError
 
     _tune_garbage_collector()
@@ -238,13 +239,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
             raise click.ClickException(f"configuration error: {config_error}") from None
         os_error = _find(exc, OSError)
         if isinstance(os_error, OSError):
-            # The hint follows the cause: "another broker running?" for an address this host does not have
-            # sent a user after the wrong fix (a tester).
-            hint = {errno.EADDRNOTAVAIL: f"is {config.server.host} an address of this host? --host or [server] host",
-                    errno.EACCES: "a port below 1024 needs privileges: --port or [server] port to choose another"
-                    }.get(os_error.errno or 0, "another broker running? --port or [server] port to choose another")
-            if isinstance(os_error, socket.gaierror):  # a host name that does not resolve
-                hint = f"is {config.server.host} a name this host can resolve? --host or [server] host"
+            hint = listen_hint(os_error, config.server.host, "--host or [server] host", "--port or [server] port")
             raise click.ClickException(
                 f"cannot listen on {config.server.host}:{config.server.port}: {os_error.strerror or os_error} ({hint})"
             ) from None

@@ -58,6 +58,7 @@ import trio
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
 from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token
 from flowbroker.broker.adminusers import AdminUsers
+from flowbroker.broker.listen_hints import listen_hint
 from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, Peer, Refused
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
@@ -217,8 +218,9 @@ class BrokerServer:
                 for listener in listeners:
                     await trio.aclose_forcefully(listener)
                 if isinstance(exc, OSError):
+                    hint = listen_hint(exc, cfg.host, "--host or [server] host", "[tls] port")
                     raise TlsStartError(f"[tls] cannot listen on {cfg.host}:{self.config.tls.port}: "
-                                        f"{exc.strerror or exc} ([tls] port to choose another)") from None
+                                        f"{exc.strerror or exc} ({hint})") from None
                 raise
             self.tls_port = tls_listeners[0].socket.getsockname()[1]
             listeners = listeners + tls_listeners
@@ -228,9 +230,10 @@ class BrokerServer:
             except OSError as exc:
                 for listener in listeners:
                     await trio.aclose_forcefully(listener)
+                option = "--udp-endpoint HOST:PORT or [udp] endpoint"
+                hint = listen_hint(exc, self.config.udp.address()[0], option, option)
                 raise UdpStartError(f"[udp] cannot bind the UDP endpoint {self.config.udp.endpoint}: "
-                                    f"{exc.strerror or exc} (--udp-endpoint HOST:PORT to choose another, "
-                                    "--no-udp to run without it)") from None
+                                    f"{exc.strerror or exc} ({hint}; --no-udp to run without it)") from None
             self.udp_port = self.udp.port
             self.udp.begin_pass, self.udp.end_pass = self._begin_udp_pass, self._end_udp_pass
         metrics = self.config.metrics

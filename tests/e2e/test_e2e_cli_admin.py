@@ -218,6 +218,29 @@ def test_admin_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
                                 env={**os.environ, "HOME": str(tmp_path)})
     assert result.returncode != 0
     assert f"[admin] cannot listen on 127.0.0.1:{admin_port}" in result.stderr and "Traceback" not in result.stderr
+    assert "another broker running? --admin-port or [admin] port to choose another" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    # 192.0.2.1 (TEST-NET-1) is no address of this host: binding it is EADDRNOTAVAIL, not "in use"
+    (["--admin-host", "192.0.2.1"], "[admin] cannot listen on 192.0.2.1:0: Cannot assign requested address "
+                                    "(is 192.0.2.1 an address of this host? --admin-host or [admin] host)"),
+    (["--no-admin", "--metrics-endpoint", "192.0.2.1:0"],
+     "[metrics] cannot listen on 192.0.2.1:0: Cannot assign requested address (is 192.0.2.1 an address of this "
+     "host? --metrics-endpoint or [metrics] endpoint)"),
+    (["--no-admin", "--udp-endpoint", "192.0.2.1:0"],
+     "[udp] cannot bind the UDP endpoint 192.0.2.1:0: Cannot assign requested address (is 192.0.2.1 an address "
+     "of this host? --udp-endpoint HOST:PORT or [udp] endpoint; --no-udp to run without it)"),
+])
+def test_each_listeners_error_says_what_to_change(tmp_path: Path, args: list[str], says: str) -> None:
+    """Every listener names its own options in the hint that follows the cause (a tester: the admin and
+    metrics ports said nothing, the UDP endpoint "choose another" for an address the host does not have)."""
+    extra = ["--admin-port", "0"] if "--no-admin" not in args else []
+    extra += ["--no-udp"] if "--udp-endpoint" not in args else []
+    result = subprocess.run([FLOWBROKER, "serve", "--port", "0", *extra, *args],
+                            capture_output=True, text=True, timeout=30, env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode != 0
+    assert says in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 # -- issue 8: listings stream page by page, names are escaped, exchanges are deleted -----------
