@@ -263,9 +263,11 @@ class _Owner:
     share: Fraction | None
     cap: int = 0  # floor(S * share / 100), recomputed when S changes
     used: int = 0  # sum over its producers of (grant - 1): what of S they hold
+    promised: int = 0  # sum over its producers of (window - 1): what of S they may have in flight
     conns: int = 0
     short: bool = False  # one of its producers holds less than the target because of the cap
-    room: int = 0  # scratch of _share
+    room: int = 0  # scratch of _share: what the cap leaves for grants
+    promise_room: int = 0  # scratch of _share: what the cap leaves for windows beyond the current ones
 
 
 @dataclass(slots=True)
@@ -298,14 +300,16 @@ class CreditAllocator(Generic[K]):
     acknowledgements overtake it; the broker reports either with :meth:`set_window`.
 
     Owners (users): a connection may name its owner and the owner's share of S in percent. The shares
-    its producers hold of S together (each grant minus its reserve byte) never exceed floor(S * share /
-    100): one user's many connections take at most its share, and the rest of S stays for the others.
+    its producers hold of S together (each grant minus its reserve byte) never exceed the cap, floor(S *
+    share / 100), and neither do their windows (each window minus its byte): a shrunk producer's old
+    window stays charged to its owner as to the pool, or an owner whose producers' transfers a stopped
+    queue holds got new grants beside windows that could not drain (a tester: 2.08x its cap with
+    churn). One user's many connections take at most its share, and the rest of S stays for the others.
     A producer an owner's cap leaves without a share waits until one of the owner's frees bytes.
 
     Invariants (tests/policies/test_credit_pool.py): the sum of grants never exceeds P, nor an owner's
-    shares its cap; the sum of
-    windows never exceeds P except while promises made under a larger pool drain after
-    :meth:`reconfigure`; every live connection has a grant >= 1 (0 under ``none``); and no producer
+    shares its cap; the sum of windows never exceeds P, nor an owner's its cap, except while promises made
+    under a larger pool or cap drain after :meth:`reconfigure` or :meth:`set_owner_share`; every live connection has a grant >= 1 (0 under ``none``); and no producer
     waits while the pool could give it a share.
 
     Every mutating method returns ``{conn_id: new_size}`` for exactly the connections whose grant
@@ -431,6 +435,7 @@ class CreditAllocator(Generic[K]):
         self._producer_windows += grant.window
         if grant.owner is not None:
             grant.owner.used += grant.size - 1
+            grant.owner.promised += grant.window - 1
         if len(self._producers) > 1 and self.target() == target:
             # Nobody else's grant moves: a full pass would repeat the last one for everyone before
             # the newcomer, which comes last. O(1) once the aggressive share is clamped.
@@ -455,6 +460,7 @@ class CreditAllocator(Generic[K]):
         self._producer_windows -= grant.window
         if owner is not None:
             owner.used -= grant.size - 1
+            owner.promised -= grant.window - 1
         if not self._short and self.target() == target and (owner is None or not owner.short):
             return {}  # everyone already has the (unchanged) target: the freed bytes are not wanted
         return self._share()
@@ -471,7 +477,8 @@ class CreditAllocator(Generic[K]):
             return {}
         grown = window > grant.window
         self._resize(grant, grant.size, window=window)
-        return {} if grown or not self._short else self._share()
+        owner_short = grant.owner is not None and grant.owner.short
+        return {} if grown or not (self._short or owner_short) else self._share()
 
     def reconfigure(self, config: CreditPolicyConfig) -> dict[K, int]:
         """A new policy, quota or bound while connections are live: every grant is recomputed. Promises
@@ -576,6 +583,7 @@ class CreditAllocator(Generic[K]):
             self._producer_windows += new_window - grant.window
             if grant.owner is not None:
                 grant.owner.used += size - grant.size
+                grant.owner.promised += new_window - grant.window
         grant.size, grant.window = size, new_window
 
     def _fit(self, grant: _Grant, target: int, need: int, grant_room: int, promise_room: int) -> int:
@@ -598,7 +606,7 @@ class CreditAllocator(Generic[K]):
         owner = grant.owner
         if owner is not None and owner.share is not None:
             capped = self._fit(grant, target, need, min(grant_room, owner.cap - (owner.used - (grant.size - 1))),
-                               promise_room)
+                               min(promise_room, owner.cap - owner.promised))
             if capped < size:  # the owner's cap, not the pool, holds it back
                 size = capped
                 owner.short = True
@@ -630,7 +638,7 @@ class CreditAllocator(Generic[K]):
         promise_room = self._shareable - (self._producer_windows - len(self._producers))
         short = False
         for record in self._owners.values():
-            record.room, record.short = record.cap, False
+            record.room, record.promise_room, record.short = record.cap, record.cap - record.promised, False
         # _fit inlined: this pass runs on every producer's departure while some are short, so with 1,000
         # producers (970 waiting under the default policy) it is what a disconnect costs. Once grant_room
         # cannot hold `need`, everyone after waits: those already waiting are left as they are (a user's
@@ -655,13 +663,16 @@ class CreditAllocator(Generic[K]):
                     size = WAIT_GRANT
                 owner = grant.owner
                 if owner is not None and owner.share is not None:
-                    capped = self._fit(grant, target, need, min(grant_room, owner.room), promise_room)
+                    capped = self._fit(grant, target, need, min(grant_room, owner.room),
+                                       min(promise_room, owner.promise_room))
                     if capped < size:  # the owner's cap, not the pool, holds it back
                         size = capped
                         owner.short = True
                     else:
                         short = short or size < target
                     owner.room -= size - 1
+                    if size > window:
+                        owner.promise_room -= size - window
                 else:
                     short = short or size < target
                 if size > window:

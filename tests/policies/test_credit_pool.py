@@ -94,6 +94,38 @@ def test_a_shrink_keeps_the_old_window_charged_until_it_drains() -> None:
     assert alloc.total_committed() == alloc.total_granted() == 2 * share + 0 <= config.pool_bytes
 
 
+def test_an_owners_windows_stay_within_its_cap_while_a_shrink_drains() -> None:
+    """A capped owner's first producer takes its whole cap; newcomers of other users shrink it, but its
+    window cannot drain (a stopped queue holds its transfers). The owner's second producer gets only what
+    that old window leaves of the cap, and the rest when it drains: with the cap counted on grants alone
+    the owner held 1.34x its cap in windows, 2.08x with churn (a tester)."""
+    config = CreditPolicyConfig(quota=100 * MiB, min_size=1024, max_size=4 * MiB)  # pool 5 MiB
+    alloc = CreditAllocator[str](config, floor=1024, slots=100)
+    cap = int(alloc.shareable * 20 // 100)
+
+    def others_answer() -> None:  # the other users' producers answer their shrinks at once (idle)
+        for conn in ("b", "c", "d", "e", "f"):
+            if conn in alloc and alloc.window_of(conn) != alloc.size_of(conn):
+                alloc.set_window(conn, alloc.size_of(conn))
+
+    alloc.connect("a0", "alice", 20)
+    assert alloc.register_producer("a0") == {"a0": cap + 1}
+    for conn in ("b", "c", "d", "e", "f"):
+        alloc.connect(conn)
+        alloc.register_producer(conn)
+        others_answer()
+    assert alloc.size_of("a0") < cap + 1 == alloc.window_of("a0")  # shrunk; the old promise stays charged
+    alloc.connect("a1", "alice", 20)
+    alloc.register_producer("a1")
+    others_answer()
+    assert alloc.is_waiting("a1")  # the cap's grants have room, its promises none
+    assert sum(alloc.window_of(c) - 1 for c in ("a0", "a1")) <= cap
+    drained = alloc.set_window("a0", alloc.size_of("a0"))  # a0's queue drains: its window falls to its grant
+    assert not alloc.is_waiting("a1") and drained["a1"] == alloc.size_of("a1") >= alloc.need()
+    assert sum(alloc.window_of(c) - 1 for c in ("a0", "a1")) <= cap
+    assert alloc.waiting() == 0
+
+
 def test_waiting_producers_get_the_share_freed_by_a_leaver_in_order() -> None:
     config = CreditPolicyConfig(quota=1000, policy=CreditPolicy.STATIC, static_size=300)
     alloc = CreditAllocator[int](config, floor=250, slots=10)  # reserve 10, S 990: three shares of 300
@@ -180,6 +212,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.committed = 0
         self.owner_of: dict[int, str | None] = {}
         self.shares: dict[str, float] = {}
+        self.owner_promised: dict[str, int] = {}
 
     def _caps(self) -> dict[str, int]:
         """Each capped owner with a live connection: floor(S * share / 100)."""
@@ -196,6 +229,15 @@ class PoolMachine(RuleBasedStateMachine):
         if cap is None:
             return None
         return cap - sum(self.alloc.size_of(c) - 1 for c in self.producers if self.owner_of[c] == owner)
+
+    def _owner_promise_free(self, conn: int) -> int | None:
+        """What the connection's owner's cap leaves of S beyond its producers' windows, None when uncapped."""
+        assert self.alloc is not None
+        owner = self.owner_of[conn]
+        cap = self._caps().get(owner) if owner is not None else None
+        if cap is None:
+            return None
+        return cap - sum(self.alloc.window_of(c) - 1 for c in self.producers if self.owner_of[c] == owner)
 
     @rule(config=configs, floor=st.integers(1, 20_000), slots=st.integers(1, 40))
     @precondition(lambda self: self.alloc is None)
@@ -344,12 +386,23 @@ class PoolMachine(RuleBasedStateMachine):
                 owner_free = self._owner_free(conn)
                 if owner_free is not None:
                     could = min(could, owner_free + 1)
+                owner_promise_free = self._owner_promise_free(conn)
+                if owner_promise_free is not None:
+                    could = min(could, alloc.window_of(conn) + max(0, owner_promise_free))
                 assert could < need, (conn, could, need)
         # no owner's producers hold more of S together than the owner's share of it
         for owner, cap in self._caps().items():
             used = sum(self.shadow[c] - 1 for c in self.producers if self.owner_of[c] == owner)
             assert used <= cap, (owner, used, cap)
             assert alloc.owner_cap(owner) == cap and alloc.owner_share_used(owner) == used
+        # nor their windows, except while what was promised under a larger cap (a share changed, the pool
+        # reconfigured, the owner's first connection after a gap) drains: then they only fall
+        owners = {o for o in self.owner_of.values() if o is not None}
+        promised_now = {o: sum(alloc.window_of(c) - 1 for c in self.producers if self.owner_of[c] == o)
+                        for o in owners}
+        for owner, cap in self._caps().items():
+            assert promised_now[owner] <= max(cap, self.owner_promised.get(owner, 0)), (owner, promised_now[owner], cap)
+        self.owner_promised = promised_now
 
 
 PoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
