@@ -30,6 +30,7 @@ import collections
 import logging
 import math
 import random
+import socket
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,11 @@ class UdpProducer(Producer):
         self.publication: Publication | None = None
         self._endpoint: UdpEndpoint | None = None
         self._broker: tuple[str, int] | None = None
+        """The broker's UDP endpoint, numeric: the only source of status messages this producer takes."""
+        self.foreign = 0
+        """Datagrams that reached this producer's socket from another address than the broker's endpoint,
+        dropped: a forged status message moved the completion point past messages never routed, and
+        `flush()` reported them complete (a tester)."""
         self._ends: collections.deque[int] = collections.deque()
         """The end position of each message sent and not yet complete, in order."""
         self._batch: list[Any] = []
@@ -170,6 +176,11 @@ class UdpProducer(Producer):
                 host, broker_port = _host_port(self.udp_endpoint or conn.udp_endpoint or str(answer["endpoint"]))
                 if host in ("0.0.0.0", "::", ""):
                     host = conn._peer_host() or host
+                # The numeric address, once: status messages are taken from it alone (below), and sendto
+                # does not resolve a name again for every datagram.
+                infos = await trio.socket.getaddrinfo(host, broker_port, family=endpoint.family,
+                                                      type=socket.SOCK_DGRAM)
+                broker = (str(infos[0][4][0]), int(infos[0][4][1]))
                 config = PublicationConfig(
                     session_id=int(answer["session_id"]), stream_id=self.stream_id,
                     term_length=int(answer["term_length"]), mtu=int(answer["mtu"]),
@@ -177,7 +188,7 @@ class UdpProducer(Producer):
                     publication_window=min(PUBLICATION_WINDOW, int(answer["term_length"]) // 2),
                     max_messages_per_send=1024, linger_ns=_LINGER_NS,
                 )
-                publication = Publication(config, now_ns(), destination=(host, broker_port))
+                publication = Publication(config, now_ns(), destination=broker)
             except BaseException:
                 # Registered, but unusable: give the registration back, or each send would leave one
                 # more behind (they are bounded per connection).
@@ -188,7 +199,7 @@ class UdpProducer(Producer):
             self.session_id = config.session_id
             self._publish_batch = answer.get("publish_batch") is True
             self._endpoint = endpoint
-            self._broker = (host, broker_port)
+            self._broker = broker
             self.publication = publication
             conn._udp_producers[self.session_id] = self
             assert conn._nursery is not None
@@ -448,7 +459,11 @@ class UdpProducer(Producer):
                 now = now_ns()
                 if batch:
                     self._commit(pub)  # before a status message may move the limit the claims used
+                broker_host, broker_port = self._broker or ("", 0)
                 for datagram, source in batch:
+                    if source[1] != broker_port or source[0] != broker_host:
+                        self.foreign += 1
+                        continue
                     pub.on_datagram(datagram, source, now)
                 self._send_now()
                 if batch:

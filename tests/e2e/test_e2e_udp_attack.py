@@ -19,10 +19,12 @@ import random
 import struct
 from collections import Counter
 
+import pytest
 import trio
 
 import flowbroker.client as fb
 from flowbroker.client.udpconsumer import UdpConsumer
+from flowbroker.client.udpproducer import UdpProducer
 from flowbroker.transport import frames as f
 from flowbroker.transport.udp import open_udp
 from tests.conftest import RunningBroker
@@ -210,3 +212,61 @@ async def test_forged_status_messages_from_another_port_of_a_udp_consumers_host_
                     got.append(msg.body[:5])
                     await msg.ack()
     assert got == [b"f%04d" % i for i in range(count)]
+
+
+async def test_forged_status_messages_to_a_udp_producer_complete_nothing(start_flowbroker) -> None:
+    """A UDP producer whose queue is saturated has messages sent and not complete. Status messages forged
+    with everything a sniffer of loopback learns (the broker image's receiver id, the session, stream and
+    initial term id), claiming all of it consumed with a wide window, sent to the producer's socket from
+    another port, must be dropped (`producer.foreign`): taken, they moved its completion point, and
+    `flush()` reported complete 16,928 messages the broker never routed (a tester). The broker's own
+    status messages still complete them once a consumer drains the queue: each delivered once."""
+    broker: RunningBroker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
+    with trio.fail_after(60):
+        async with await fb.connect(broker.url) as conn:
+            await conn.declare_queue(QUEUE, flow_stop_count=50, flow_resume_count=10)
+            async with conn.producer("", QUEUE, transport="udp") as producer:
+                sent = 0
+                while True:  # until the broker's window closes and the publication's term fills
+                    try:
+                        await producer.send(b"m%05d" % sent, block=False)
+                    except fb.FlowControlled:
+                        break
+                    sent += 1
+                    if sent % 64 == 0:
+                        await trio.sleep(0.001)
+                assert isinstance(producer, UdpProducer)
+                pub = producer.publication
+                assert pub is not None and producer._endpoint is not None and producer.session_id is not None
+                (receiver_id,) = list(pub._receivers)
+                port = producer._endpoint.local_address[1]
+                attacker = open_udp(("127.0.0.1", 0))
+                try:
+                    for _ in range(50):
+                        position = pub.position
+                        term_id = pub.initial_term_id + (position >> pub.position_bits_to_shift)
+                        sm = f.StatusMessage(producer.session_id, producer.stream_id, term_id,
+                                             position & (pub.term_length - 1), 1 << 20, receiver_id)
+                        attacker.send(f.encode_status_message(sm), ("127.0.0.1", port))
+                        await trio.sleep(0.002)
+                    err = f.ErrorFrame(producer.session_id, producer.stream_id, receiver_id, 1, "go away")
+                    attacker.send(f.encode_error(err), ("127.0.0.1", port))
+                    await trio.sleep(0.3)
+                finally:
+                    attacker.close()
+                assert producer.foreign == 51
+                with pytest.raises(fb.FlowControlTimeout):
+                    await producer.flush(timeout=0.5)  # nothing forged completed anything
+                got: list[bytes] = []
+                async with conn.consumer(QUEUE, prefetch=100) as consumer:
+
+                    async def drain() -> None:
+                        while len(got) < sent:
+                            msg = await consumer.receive()
+                            got.append(msg.body)
+                            await msg.ack()
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(drain)
+                        await producer.flush()
+    assert got == [b"m%05d" % i for i in range(sent)]
