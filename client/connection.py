@@ -129,6 +129,12 @@ WRITE_CHUNK = 1024 * 1024
 slowly (each chunk goes through) from one that reads nothing (see `_timer`)."""
 REQUEST_ID_BASE = 2**62
 NOOP_REPLIES_KEPT = 16
+REQUESTS_IN_FLIGHT = 64
+"""Requests one connection has waiting for their answers at most (declare, bind, purge, ...); more wait
+for one to be answered, within their timeout. The broker answers a request that journals something only
+once it is on disk, and refuses one past 100 such answers waiting on a connection (docs/storage.md):
+150 concurrent `bind()`s of a durable exchange on a fast disk had 50 refused (a tester). 64 leaves room
+for the requests made without waiting (subscriptions, CLOSE_PUBLICATION)."""
 ENTRY_OVERHEAD = 24
 """Estimated msgpack bytes per transfer entry beyond body, names and headers (for the frame-size budget)."""
 
@@ -285,6 +291,7 @@ class Connection:
         # requests and consumers
         self._next_request_id = REQUEST_ID_BASE
         self._requests: dict[int, _PendingRequest] = {}
+        self._request_slots = trio.Semaphore(REQUESTS_IN_FLIGHT)
         self._consumers: dict[int, Consumer] = {}
         self._next_subscription_id = 1
         self._udp_producers: dict[int, UdpProducer] = {}  # by the session id of their UDP publication
@@ -684,8 +691,29 @@ class Connection:
     # ------------------------------------------------------------------ requests
 
     async def _request(self, make: Callable[[int], Frame], timeout: float | None) -> dict[str, Any]:
-        request_id, pending = self._send_request(make)
-        return await self._await_answer(request_id, pending, timeout)
+        """Send a request and wait for its answer, in `timeout` (None: `request_timeout`) in all: the wait
+        for one of the REQUESTS_IN_FLIGHT slots included."""
+        limit = self.request_timeout if timeout is None else timeout
+        check_timeout("request", limit, "request_timeout")
+        self._check_open()
+        deadline = trio.current_time() + max(limit, 0.0)
+        try:
+            self._request_slots.acquire_nowait()
+        except trio.WouldBlock:
+            acquired = False
+            with trio.move_on_at(deadline):
+                await self._request_slots.acquire()
+                acquired = True
+            if not acquired:
+                raise RequestTimeout(
+                    ErrorCode.IDLE_TIMEOUT,
+                    f"{REQUESTS_IN_FLIGHT} requests of this connection were waiting for the broker's answers "
+                    f"for {max(limit, 0.0):g} s (stopped, overloaded or far away?); this one was not sent") from None
+        try:
+            request_id, pending = self._send_request(make)
+            return await self._await_answer(request_id, pending, max(0.0, deadline - trio.current_time()))
+        finally:
+            self._request_slots.release()
 
     def _send_request(
         self,

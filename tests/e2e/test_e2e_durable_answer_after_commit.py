@@ -152,3 +152,37 @@ async def test_answers_waiting_for_a_commit_are_bounded_per_connection(
                 await trio.sleep(0.01)
         assert broker.core.answers_waiting == 0
         await conn.bind("kept", "amq.topic", "k3")
+
+
+async def test_an_sdk_connections_concurrent_durable_requests_wait_for_a_slot_not_a_refusal(
+        start_flowbroker: Any, tmp_path: Path, gate: threading.Event) -> None:
+    """150 concurrent `bind()`s of a durable queue on one connection had 50 refused RESOURCE_EXHAUSTED on
+    a fast disk: the broker bounds the answers waiting for the journal at 100 a connection (a tester). The
+    SDK keeps at most REQUESTS_IN_FLIGHT of a connection's requests unanswered; the rest wait for a slot,
+    within their timeout, and every one is answered OK once the journal commits."""
+    from flowbroker.client.connection import REQUESTS_IN_FLIGHT
+
+    broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
+    async with await fb.connect(broker.url, timeout=10) as conn:
+        gate.set()
+        await conn.declare_queue("kept", durable=True)
+        gate.clear()
+        answered: list[Any] = []
+
+        async def bind(key: str) -> None:
+            answered.append(await conn.bind("kept", "amq.topic", key, timeout=30))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(150):
+                nursery.start_soon(bind, f"k{i}")
+            with trio.fail_after(10):
+                while broker.core.answers_waiting < REQUESTS_IN_FLIGHT:
+                    await trio.sleep(0.01)
+            await trio.sleep(0.3)
+            assert broker.core.answers_waiting == REQUESTS_IN_FLIGHT < 100 and not answered
+            with pytest.raises(fb.RequestTimeout, match="this one was not sent"):  # its timeout holds
+                await conn.bind("kept", "amq.topic", "late", timeout=0.2)
+            gate.set()
+        assert len(answered) == 150
+        assert set(broker.core.exchanges["amq.topic"].bindings) >= {f"k{i}" for i in range(150)}
+        assert "late" not in broker.core.exchanges["amq.topic"].bindings
