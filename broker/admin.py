@@ -386,6 +386,8 @@ def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     for name in params:
         if name not in ("after", "limit"):
             raise ApiError(400, "invalid_argument", f"unknown parameter {name!r}; known: after, limit", name)
+        if len(params.getlist(name)) > 1:  # one of them silently used: a script's bug hidden (a tester)
+            raise ApiError(400, "invalid_argument", f"parameter {name!r} given more than once", name)
     text = params.get("limit")
     limit = views.DEFAULT_LIMIT
     if text is not None:
@@ -396,7 +398,8 @@ def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     if after is None:
         return None, limit
     if key is int and not _is_count(after):
-        raise ApiError(400, "invalid_argument", "after must be a connection id (an integer >= 0)", "after")
+        raise ApiError(400, "invalid_argument", "after must be a connection id (an integer >= 0 of at most 20 "
+                                                "digits)", "after")
     return key(after), limit
 
 
@@ -474,8 +477,9 @@ class AdminApi:
         # Checked here, not by the route's int converter: 5,000 digits made that raise while routing, a
         # text/plain 500 and a traceback (a tester).
         if not _is_count(text):
-            raise ApiError(404, "not_found", f"no connection {logsafe(text, 40)}: a connection id is an integer "
-                                             "(GET /api/connections)")
+            why = "no connection id has more than 20 digits" if text.isascii() and text.isdigit() else \
+                "a connection id is an integer"
+            raise ApiError(404, "not_found", f"no connection {logsafe(text, 40)}: {why} (GET /api/connections)")
         conn_id = int(text)
         reason = request.query_params.get("reason") or "DELETE /api/connections"
         session = self.core.force_close(conn_id, reason[:256])

@@ -552,7 +552,8 @@ async def test_an_operator_closes_a_connection_and_its_client_is_told_why(broker
 async def test_numbers_of_thousands_of_digits_are_a_400_or_404_in_plain_words(broker: Any) -> None:
     """Over 4,300 digits Python's int() raises: ?limit= and ?after= were 500 internal_error, DELETE
     /api/connections/<5000 digits> a text/plain 500 with a traceback, and a PATCH body's number a 400
-    advising sys.set_int_max_str_digits() (a tester)."""
+    advising sys.set_int_max_str_digits() (a tester); then told a number of digits was not an integer, and a
+    parameter given twice was used once, silently (another)."""
     huge = "9" * 5000
     for path, field in ((f"/api/queues?limit={huge}", "limit"), (f"/api/connections?limit={huge}", "limit"),
                         (f"/api/connections?after={huge}", "after")):
@@ -560,6 +561,12 @@ async def test_numbers_of_thousands_of_digits_are_a_400_or_404_in_plain_words(br
         assert status == 400 and answer["error"]["field"] == field, (path, status, answer)
     status, answer, _ = await api(broker, "DELETE", f"/api/connections/{huge}")
     assert status == 404 and answer["error"]["code"] == "not_found" and len(answer["error"]["message"]) < 200
+    assert "no connection id has more than 20 digits" in answer["error"]["message"]  # not "is an integer"
+    status, answer, _ = await api(broker, "GET", f"/api/connections?after={huge}")
+    assert "at most 20 digits" in answer["error"]["message"]
+    for path in ("/api/connections?limit=10&limit=20", "/api/queues?after=a&after=b"):  # one was used silently
+        status, answer, _ = await api(broker, "GET", path)
+        assert status == 400 and "given more than once" in answer["error"]["message"], (path, answer)
     status, answer, _ = await api(broker, "DELETE", "/api/connections/abc")
     assert status == 404 and answer["error"]["code"] == "not_found"
     broker.server.core.declare_queue("q")
