@@ -1447,10 +1447,7 @@ class BrokerCore:
             if access.allowed("read", name):
                 continue
             del session.subscriptions[sub_id]
-            sub.queue.remove_subscription(sub)
-            msgs = session.deliveries.cancel(sub) if sub.unsettled else []
-            sub.unsettled = 0
-            sub.queue.requeue_many(msgs)
+            self._end_subscription(session, sub)
             session.send(Error(ErrorCode.UNAUTHORIZED,
                                f"access refused: user {session.identity!r} may no longer read queue {name!r}: "
                                f"subscription {sub_id} is cancelled", None, None, name))
@@ -1464,13 +1461,21 @@ class BrokerCore:
             return {"requeued": 0}  # a multicast group's member left it
         if sub is None:
             raise RequestError(ErrorCode.NOT_FOUND, f"no subscription {f.subscription_id}")
+        return {"requeued": self._end_subscription(session, sub)}
+
+    def _end_subscription(self, session: Session, sub: Subscription) -> int:
+        """A subscription ends while its connection stays: the deliveries the consumer never settled go
+        back to the queue, in order, as when its connection closes (a cancelled subscription must not pin
+        messages until disconnect); those its outbox still held are dropped, never sent, and go back
+        flagged as they were: the consumer never saw them (`flowbroker consume -n 1` left the message its
+        last acknowledgement let through flagged redelivered, a tester). Returns how many went back."""
         sub.queue.remove_subscription(sub)
-        # Deliveries the consumer never settled go back to the queue, in order, as when its
-        # connection closes: a cancelled subscription must not pin messages until disconnect.
-        msgs = session.deliveries.cancel(sub) if sub.unsettled else []
+        pairs = session.deliveries.cancel_tagged(sub) if sub.unsettled else []
+        unsent = session.outbox.drop_subscription(sub.sub_id)  # (a UDP subscription's are in its term)
         sub.unsettled = 0
-        sub.queue.requeue_many(msgs)
-        return {"requeued": len(msgs)}
+        flags = [unsent.get(tag, True) for tag, _ in pairs] if unsent else None
+        sub.queue.requeue_many([msg for _, msg in pairs], flags)
+        return len(pairs)
 
     def _data_path(self, session: Session) -> tuple[DataPath, str]:
         """The UDP data path and the client's host, or the RequestError that says why there is none."""

@@ -9,8 +9,15 @@ A client that lets control frames pile up without reading is cut off: past `max_
 keeps a `SessionFault` instead of growing, and the core raises it when that connection next sends a
 frame (or the timer closes it). It never raises from `send()` itself, because frames for one
 connection are often sent while *another* connection's frame is handled (a consumer's settle resumes
-producers), and that connection must not pay for this one. Deliveries need no such bound: credit
-(prefetch and byte buffers) already limits them.
+producers), and that connection must not pay for this one.
+
+Deliveries are limited by credit (prefetch and byte buffers), but credit comes back without the client
+reading: a CANCEL or a SETTLE(REQUEUE) of tags the client may never have received returns the messages to
+their queue, which delivers them again while the first entries still wait here. A connection that never
+read churned SUBSCRIBE/CANCEL pairs and took the broker from 60 to 1,240 MiB (a tester); requeues did the
+same. So at most MAX_DELIVERIES_WAITING entries wait here: past them a subscription has no credit
+(`Subscription.has_credit`) and `full` is set, and the writer's next collect, which takes them, dispatches
+the connection's subscriptions again (`Session.collect`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from collections.abc import Callable, Iterable
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame
 
-__all__ = ["Outbox", "SessionFault"]
+__all__ = ["MAX_DELIVERIES_WAITING", "Outbox", "SessionFault"]
+
+MAX_DELIVERIES_WAITING = 16_384
+"""DELIVER entries one connection's outbox holds for its writer at most (a little over the 10,000 of one
+subscription's largest prefetch): about 2.5 MiB of entries, the messages themselves being the queues'."""
 
 
 class SessionFault(Exception):
@@ -35,7 +46,7 @@ class Outbox:
     """Control frames in order, and DELIVER frames sealed by size."""
 
     __slots__ = ("control", "open_frames", "_open_bytes", "sealed", "max_frames", "max_delivery_frame_bytes",
-                 "fault", "_wake", "woken", "closed")
+                 "fault", "_wake", "woken", "closed", "deliveries_waiting", "full")
 
     def __init__(self, wake: Callable[[], None], max_frames: int, max_delivery_frame_bytes: int):
         self.control: list[Frame] = []
@@ -48,6 +59,8 @@ class Outbox:
         self._wake = wake
         self.woken = False
         self.closed = False
+        self.deliveries_waiting = 0  # DELIVER entries in `sealed` and `open_frames`
+        self.full = False  # deliveries_waiting reached MAX_DELIVERIES_WAITING since the last take
 
     def wake(self) -> None:
         """Tell the writer task there is something to collect (once until it collects)."""
@@ -73,6 +86,9 @@ class Outbox:
             entries = self.open_frames[sub_id] = []
             self._open_bytes[sub_id] = 0
         entries.append(entry)
+        self.deliveries_waiting += 1
+        if self.deliveries_waiting >= MAX_DELIVERIES_WAITING:
+            self.full = True
         size += self._open_bytes[sub_id]
         if size >= self.max_delivery_frame_bytes:
             # Seal the frame so none exceeds the frame size or the entries the client accepts (the
@@ -89,6 +105,9 @@ class Outbox:
         sealing frames at the same entries as `deliver` would; wakes the writer once."""
         if not entries:
             return  # (an open frame must never be empty: DELIVER carries at least one entry)
+        self.deliveries_waiting += len(entries)
+        if self.deliveries_waiting >= MAX_DELIVERIES_WAITING:
+            self.full = True
         open_frames, open_bytes = self.open_frames, self._open_bytes
         frame = open_frames.get(sub_id)
         used = open_bytes.get(sub_id, 0)
@@ -118,6 +137,27 @@ class Outbox:
                 open_bytes.pop(sub_id, None)
         self.wake()
 
+    def drop_subscription(self, sub_id: int) -> dict[int, bool]:
+        """A cancelled subscription's DELIVER frames not yet taken by the writer are dropped (their
+        messages go back to the queue): none follows the CANCEL's OK, whose tags the client could no
+        longer settle (a tester). Returns the dropped entries' tags and their redelivered flags. O(frames
+        waiting): CANCEL is a request, not a per-message frame."""
+        dropped: dict[int, bool] = {}
+        if self.sealed:
+            kept: list[Frame] = []
+            for frame in self.sealed:
+                if isinstance(frame, Deliver) and frame.subscription_id == sub_id:
+                    dropped.update((entry[0], entry[5]) for entry in frame.entries)
+                else:
+                    kept.append(frame)
+            self.sealed = kept
+        entries = self.open_frames.pop(sub_id, None)
+        self._open_bytes.pop(sub_id, None)
+        if entries:
+            dropped.update((entry[0], entry[5]) for entry in entries)
+        self.deliveries_waiting -= len(dropped)
+        return dropped
+
     def take_control(self) -> list[Frame]:
         """The control frames queued, in order; the writer is no longer woken for them."""
         self.woken = False
@@ -125,7 +165,9 @@ class Outbox:
         return frames
 
     def take_deliveries(self, frames: list[Frame]) -> None:
-        """Append every DELIVER frame due, sealed ones first, to `frames`."""
+        """Append every DELIVER frame due, sealed ones first, to `frames`. (`full` stays set for the
+        caller, which dispatches the subscriptions it held back.)"""
+        self.deliveries_waiting = 0
         if self.sealed:
             frames.extend(self.sealed)
             self.sealed = []

@@ -468,13 +468,18 @@ class Queue:
         self._check_resume()
         self.dispatch()
 
-    def requeue_many(self, msgs: list[Message]) -> None:
+    def requeue_many(self, msgs: list[Message], redelivered: list[bool] | None = None) -> None:
         """Give back deliveries (requeue, or a consumer went away): each returns to its original place
-        in the queue's order (its offset), ahead of every message never delivered, flagged redelivered."""
+        in the queue's order (its offset), ahead of every message never delivered, flagged redelivered
+        (or as `redelivered` says, message by message: those never sent keep the flag they had)."""
         if self.deleted or not msgs:
             return
-        for msg in msgs:
-            msg.redelivered = True
+        if redelivered is None:
+            for msg in msgs:
+                msg.redelivered = True
+        else:
+            for msg, flag in zip(msgs, redelivered):
+                msg.redelivered = flag
         self.store.requeue(msgs)
         self.dispatch()
 

@@ -204,7 +204,21 @@ class Session:
                     frames.append(self._granted(ack))
         if outbox.sealed or outbox.open_frames:
             outbox.take_deliveries(frames)
+            if outbox.full:  # subscriptions went without credit while it was full: they may deliver again
+                outbox.full = False
+                self._resume_deliveries()
         return frames
+
+    def _resume_deliveries(self) -> None:
+        """The writer took the deliveries of a full outbox (Outbox's MAX_DELIVERIES_WAITING): every
+        subscription rejoins its queue's rotation, and each queue dispatches. Into the outbox just
+        emptied: the writer is woken for them and collects them next."""
+        queues: dict[Queue, None] = {}
+        for sub in list(self.subscriptions.values()):
+            sub.queue.resume_subscription(sub)
+            queues[sub.queue] = None
+        for queue in queues:
+            queue.dispatch()
 
     def poll_credit(self, now_ns: int) -> None:
         """Timer: re-advertise the position after the interval (see TransferReceiver.poll)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from flowbroker.broker.outbox import MAX_DELIVERIES_WAITING
 from flowbroker.protocol.credit import SenderWindow
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error
@@ -58,6 +59,7 @@ class Subscription:
             self.unsettled < self.prefetch
             and self.sender_window.may_send()
             and self.connection_window.may_send()
+            and self.session.outbox.deliveries_waiting < MAX_DELIVERIES_WAITING
         )
 
     def deliver(self, msg: Message) -> None:
@@ -79,7 +81,8 @@ class Subscription:
         for the run, and one DELIVER entry tuple per message (callgrind: about a quarter of a
         delivery's instructions were method calls). A subclass that paces otherwise overrides it (a UDP
         subscription: broker/udp/egress.py) or sets `takes_runs` False (a multicast group's)."""
-        room = self.prefetch - self.unsettled
+        session = self.session
+        room = min(self.prefetch - self.unsettled, MAX_DELIVERIES_WAITING - session.outbox.deliveries_waiting)
         sw, cw = self.sender_window, self.connection_window
         # may_send() of both windows: position below acked + window, or the window off (0): a limit
         # nothing reaches. Both positions grow by the same bytes, so one count against the nearer limit.
@@ -87,7 +90,6 @@ class Subscription:
                      cw.acked_position + cw.window - cw.position if cw.window else _UNLIMITED)
         if room <= 0 or budget <= 0 or not store:
             return
-        session = self.session
         ledger = session.deliveries
         take = store.take
         tag = ledger.next_tag

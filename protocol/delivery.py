@@ -101,13 +101,17 @@ class DeliveryLedger(Generic[OwnerT, ItemT]):
     def cancel(self, owner: OwnerT) -> list[ItemT]:
         """Forget every unsettled delivery of `owner` (a cancelled subscription, compared by identity);
         returns them in tag order. Walks the outstanding deliveries: a CANCEL is a request, not a per-message frame."""
+        return [item for _, item in self.cancel_tagged(owner)]
+
+    def cancel_tagged(self, owner: OwnerT) -> list[tuple[int, ItemT]]:
+        """`cancel`, each delivery with its tag."""
         unsettled = self.unsettled
         tags = [tag for tag, (holder, _) in unsettled.items() if holder is owner]
         if not tags:
             return []
-        items = [unsettled.pop(tag)[1] for tag in tags]
+        pairs = [(tag, unsettled.pop(tag)[1]) for tag in tags]
         self.tags = [tag for tag in self.tags if tag in unsettled]
-        return items
+        return pairs
 
     def close(self) -> list[tuple[OwnerT, ItemT]]:
         """The connection ended: every unsettled delivery, in tag order; the ledger is left empty."""

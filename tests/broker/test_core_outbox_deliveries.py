@@ -1,0 +1,116 @@
+"""DELIVER entries waiting for a connection's writer are bounded (Outbox's MAX_DELIVERIES_WAITING).
+
+Credit comes back without the client reading: a CANCEL, or a SETTLE(REQUEUE) of tags it may never have
+received, returns the messages to their queue, which delivered them again while the first entries still
+waited in the outbox. A connection that never read took the broker from 60 to 1,240 MiB with
+SUBSCRIBE/CANCEL pairs (a tester), and requeues the same way (455 MiB). Here the client never collects
+until the end; then it reads and acknowledges, and every message is delivered exactly once more.
+"""
+
+from __future__ import annotations
+
+from tests.broker.coreharness import REQUEST_ID_BASE, Consumer, Harness
+
+from flowbroker.broker.outbox import MAX_DELIVERIES_WAITING
+from flowbroker.protocol.frames import Cancel, Deliver, Outcome, Settle, Subscribe
+
+MESSAGES = 30_000
+
+
+def _filled(h: Harness) -> None:
+    h.queue("q")
+    p = h.producer("p", flow_control=False)
+    for start in range(0, MESSAGES, 1000):
+        p.send_many([("", "q", b"%06d" % i, None) for i in range(start, start + 1000)])
+
+
+def _drain(c: Consumer, h: Harness) -> list[bytes]:
+    """Read and acknowledge until the queue is empty; the bodies of the deliveries whose ack settled them."""
+    q = h.core.queues["q"]
+    acked: list[bytes] = []
+    for _ in range(1000):
+        c.pump()
+        outstanding = c.session.deliveries.unsettled
+        live = [tag for tag in c.tags() if tag in outstanding]  # the rest were requeued before they were read
+        acked += [c.unsettled[tag][1].body for tag in live]
+        c.ack(live)
+        c.unsettled.clear()
+        if not q.count and not outstanding:
+            return acked
+    raise AssertionError("the queue did not drain")
+
+
+def test_subscribe_cancel_churn_of_a_client_that_never_reads_is_bounded() -> None:
+    h = Harness()
+    _filled(h)
+    c = h.consumer()
+    outbox = c.session.outbox
+    rid = REQUEST_ID_BASE
+    for sub_id in range(1, 201):
+        c.handle(Subscribe(rid, sub_id, "q", 0, 0))  # prefetch 0: the broker's max_prefetch, 10,000
+        c.handle(Cancel(rid + 1, sub_id))
+        rid += 2
+        assert outbox.deliveries_waiting <= MAX_DELIVERIES_WAITING
+    assert outbox.deliveries_waiting == 0  # a cancelled subscription's deliveries are dropped with it
+    c.handle(Subscribe(rid, 1000, "q", 0, 0))
+    assert outbox.deliveries_waiting == 10_000
+    assert not [f for f in c.pump() if isinstance(f, Deliver) and f.subscription_id != 1000]
+    assert sorted(_drain(c, h)) == [b"%06d" % i for i in range(MESSAGES)]
+
+
+def test_requeue_churn_of_a_client_that_never_reads_is_bounded() -> None:
+    h = Harness()
+    _filled(h)
+    c = h.consumer()
+    outbox = c.session.outbox
+    c.handle(Subscribe(REQUEST_ID_BASE, 1, "q", 0, 0))
+    for _ in range(50):
+        c.handle(Settle(Outcome.REQUEUE, [(1, 2**40)]))  # tags it never received, guessed
+        assert outbox.deliveries_waiting <= MAX_DELIVERIES_WAITING < 2 * 10_000  # (10,000 more each, unbounded)
+    assert outbox.full
+    assert sorted(_drain(c, h)) == [b"%06d" % i for i in range(MESSAGES)]
+
+
+def test_subscriptions_held_back_by_a_full_outbox_deliver_again_once_the_writer_takes_it() -> None:
+    """Three subscriptions of prefetch 10,000 on one connection (30,000 > the bound): each gets its
+    messages, in order, once the writer (`collect`) has taken what waited."""
+    h = Harness()
+    for name in ("a", "b", "c"):
+        h.queue(name)
+    p = h.producer("p", flow_control=False)
+    for name in ("a", "b", "c"):
+        for start in range(0, 12_000, 1000):
+            p.send_many([("", name, b"%s%06d" % (name.encode(), i), None) for i in range(start, start + 1000)])
+    c = h.consumer()
+    subs = {name: c.subscribe(name, prefetch=10_000) for name in ("a", "b", "c")}
+    assert c.session.outbox.deliveries_waiting <= MAX_DELIVERIES_WAITING
+    for _ in range(100):
+        c.pump()
+        c.ack()
+        if all(not h.core.queues[name].count for name in subs) and not c.session.deliveries.unsettled:
+            break
+    for name, sub_id in subs.items():
+        assert c.bodies(sub_id) == [b"%s%06d" % (name.encode(), i) for i in range(12_000)]
+
+
+def test_a_cancel_requeues_deliveries_never_sent_with_the_flag_they_had() -> None:
+    """`flowbroker consume -n 1`: its acknowledgement let the broker deliver the next message, which its
+    CANCEL then gave back flagged redelivered though the consumer never saw it (a tester). Dropped from the
+    outbox unsent, it keeps its flag; one that was sent comes back flagged."""
+    h = Harness()
+    h.queue("q")
+    p = h.producer("p", flow_control=False)
+    p.send_many([("", "q", b"%d" % i, None) for i in range(3)])
+    c = h.consumer()
+    sub = c.subscribe("q", prefetch=1)
+    c.ack()  # the first, read: the second is delivered into the outbox, not yet written
+    c.ack()  # (nothing more read: the first only)
+    assert c.ok(lambda rid: Cancel(rid, sub)) == {"requeued": 1}
+    assert not [f for f in c.frames if isinstance(f, Deliver) and any(e[3] == b"1" for e in f.entries)]
+    c2 = h.consumer("second")
+    c2.subscribe("q", prefetch=10)
+    c2.pump()
+    assert [(e.body, e.redelivered) for _, e in c2.deliveries] == [(b"1", False), (b"2", False)]
+    c2.requeue(c2.tags())  # read, then given back: flagged
+    c2.pump()
+    assert [(e.body, e.redelivered) for _, e in c2.deliveries[2:]] == [(b"1", True), (b"2", True)]
