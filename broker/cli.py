@@ -458,22 +458,41 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
 
     async def run() -> None:
         received = 0
+        window = min(prefetch, count) if count else prefetch
+        # -n N takes no more than N: each acknowledgement lets the broker deliver one more, so the last
+        # `window` messages are acknowledged together once the N-th is printed (or at any earlier exit).
+        # Acknowledged one by one, up to `window` more were delivered and given back at the close, and
+        # came back flagged redelivered though nothing had seen them (a tester: 50 with -n 50).
+        ack_from = count - window if count else None
+        printed: list[Any] = []  # printed, acknowledged at the end
         async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
-            # -n N takes no more than N: the rest, delivered and given back at the close, came back flagged
-            # redelivered though nothing had seen them (a tester)
-            async with conn.consumer(queue, prefetch=min(prefetch, count) if count else prefetch) as consumer:
-                while not count or received < count:
-                    try:
-                        msg = await consumer.receive(timeout=timeout or None)
-                    except fb.ReceiveTimeout:
-                        return
-                    if as_json:
-                        click.echo(message_json(msg.body, msg.headers, msg.exchange, msg.routing_key, msg.redelivered))
-                    else:
-                        # escaped as the tables are: a body cannot drive the terminal or forge a line
-                        click.echo(printable(msg.body.decode(errors="replace"), backslash=False))
-                    await msg.ack()
-                    received += 1
+            async with conn.consumer(queue, prefetch=window) as consumer:
+                try:
+                    while not count or received < count:
+                        try:
+                            msg = await consumer.receive(timeout=timeout or None)
+                        except fb.ReceiveTimeout:
+                            return
+                        if as_json:
+                            click.echo(message_json(msg.body, msg.headers, msg.exchange, msg.routing_key,
+                                                    msg.redelivered))
+                        else:
+                            # escaped as the tables are: a body cannot drive the terminal or forge a line
+                            click.echo(printable(msg.body.decode(errors="replace"), backslash=False))
+                        received += 1
+                        if ack_from is not None and received > ack_from:
+                            printed.append(msg)
+                        else:
+                            await msg.ack()
+                finally:
+                    # Ctrl-C too: what was printed is acknowledged. Without yielding, so the SETTLE goes out
+                    # with the CANCEL that leaving the consumer sends: a message the acknowledgement lets the
+                    # broker deliver meanwhile is dropped unsent by the CANCEL, and not flagged redelivered.
+                    for msg in printed:
+                        try:
+                            msg.settle_nowait(fb.Outcome.ACK)
+                        except fb.FlowbrokerError:  # the connection is gone: the error that ended it is told
+                            break
 
     try:
         trio.run(run)

@@ -40,17 +40,19 @@ def test_serve_publish_consume_and_sigterm(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=30)
         assert con.returncode == 0 and "\x1b" not in con.stdout and "\x07" not in con.stdout  # no raw control bytes
         assert con.stdout.splitlines() == [r"two\nlines \x1b]0;title\x07\x1b[31mred"]  # one line, escaped
-        # -n takes no more than it prints (its prefetch): all the rest came back flagged redelivered (a
-        # tester); now at most the one the broker delivered as the last ack freed a place
-        pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "greetings", "a", "b", "c"],
+        # -n takes no more than it prints: all the rest came back flagged redelivered (a tester); then as
+        # many as it acknowledged one by one, the broker refilling the prefetch (another: 50 with -n 50)
+        bodies = [f"m{i:02d}" for i in range(40)]
+        pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "greetings", *bodies],
                              capture_output=True, text=True, timeout=30)
         assert pub.returncode == 0, pub.stderr
-        first = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "--json", "greetings"],
-                               capture_output=True, text=True, timeout=30)
-        rest = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "2", "--json", "greetings"],
-                              capture_output=True, text=True, timeout=30)
-        got = [(m["body"], m["redelivered"]) for m in map(json.loads, (first.stdout + rest.stdout).splitlines())]
-        assert [body for body, _ in got] == ["a", "b", "c"] and got[0][1] is False and got[2][1] is False
+        got = []
+        for n in (1, 2, 10, 27):
+            con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", str(n), "--json", "greetings"],
+                                 capture_output=True, text=True, timeout=30)
+            assert con.returncode == 0, con.stderr
+            got += [(m["body"], m["redelivered"]) for m in map(json.loads, con.stdout.splitlines())]
+        assert got == [(body, False) for body in bodies]
         missing = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "nope"],
                                  capture_output=True, text=True, timeout=30)
         assert missing.returncode != 0 and "no queue named 'nope'" in missing.stderr
