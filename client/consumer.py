@@ -173,6 +173,9 @@ class Message:
         consumer = self._consumer
         if consumer._settles_over_tcp:
             if consumer._requeued_by is not None:
+                # On a closed connection ConnectionClosed, whichever closed first, as the blocking API
+                # says (it raised AlreadySettled here when the consumer had closed before it, a tester).
+                consumer._conn._check_open()
                 raise AlreadySettled(f"delivery {self.delivery_tag} cannot be settled: its consumer of {consumer.queue!r} "
                                      f"{consumer._requeued_by}, and the broker requeued it (it may be delivered again, to "
                                      "any consumer): settle a message before its consumer closes")

@@ -164,6 +164,10 @@ async def test_settling_after_the_consumer_closed_raises_already_settled(start_b
         assert in_hand.settled is None
         await conn.declare_queue("other")  # (a round trip: whatever the writer had is sent)
         assert [(s.outcome, s.ranges) for s in fake.frames(Settle)] == [(Outcome.REQUEUE, [(2, 2)])]
+    # The connection closed too: ConnectionClosed, as the blocking API said (the trio one said
+    # AlreadySettled when the consumer had closed first, a tester)
+    with pytest.raises(fc.ConnectionClosed):
+        await in_hand.ack()
 
 
 async def test_what_was_buffered_is_handed_out_after_the_connection_closes(start_broker) -> None:
