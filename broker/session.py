@@ -204,9 +204,11 @@ class Session:
                     frames.append(self._granted(ack))
         if outbox.sealed or outbox.open_frames:
             outbox.take_deliveries(frames)
-            if outbox.full:  # subscriptions went without credit while it was full: they may deliver again
-                outbox.full = False
-                self._resume_deliveries()
+        if outbox.full:  # subscriptions went without credit while it was full: they may deliver again
+            # (checked whether or not deliveries were taken: a CANCEL may have emptied it, and its OK
+            # brings the writer here with nothing else to take)
+            outbox.full = False
+            self._resume_deliveries()
         return frames
 
     def _resume_deliveries(self) -> None:

@@ -114,3 +114,29 @@ def test_a_cancel_requeues_deliveries_never_sent_with_the_flag_they_had() -> Non
     c2.requeue(c2.tags())  # read, then given back: flagged
     c2.pump()
     assert [(e.body, e.redelivered) for _, e in c2.deliveries[2:]] == [(b"1", True), (b"2", True)]
+
+
+def test_a_cancel_that_empties_a_full_outbox_resumes_the_other_subscriptions() -> None:
+    """The outbox filled (subscription 1's 10,000 and subscription 2's 6,384) before subscription 3 got
+    any; CANCELs of 1 and 2 drop their unsent deliveries, leaving it empty: the writer's next collect,
+    with only the OKs to take, must let 3 deliver, or it waited for a settle that could never come."""
+    h = Harness()
+    p = h.producer("p", flow_control=False)
+    for name in ("a", "b", "c"):
+        h.queue(name)
+        for start in range(0, 12_000, 1000):
+            p.send_many([("", name, b"%06d" % i, None) for i in range(start, start + 1000)])
+    c = h.consumer()
+    for sub_id, name in ((1, "a"), (2, "b"), (3, "c")):
+        c.handle(Subscribe(REQUEST_ID_BASE + sub_id, sub_id, name, 10_000, 0))
+    assert c.session.outbox.full and c.session.outbox.deliveries_waiting == MAX_DELIVERIES_WAITING
+    c.handle(Cancel(REQUEST_ID_BASE + 11, 1))
+    c.handle(Cancel(REQUEST_ID_BASE + 12, 2))
+    assert c.session.outbox.deliveries_waiting == 0
+    for _ in range(20):
+        c.pump()
+        c.ack([tag for tag in c.tags(3) if tag in c.session.deliveries.unsettled])
+        c.unsettled.clear()
+        if not h.core.queues["c"].count and not c.session.deliveries.unsettled:
+            break
+    assert c.bodies(3) == [b"%06d" % i for i in range(12_000)]
