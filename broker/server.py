@@ -1075,7 +1075,11 @@ class ConnectionHandler:
         frames: list[Frame] = []
         try:
             rest, self._rest = self._rest, []  # collected and never encoded: completions among them
-            frames = [f for f in rest + session.collect(now_ns()) if not isinstance(f, Deliver)]
+            session.outbox.full = False  # (no subscription of a closing connection is to deliver again)
+            collected = rest + session.collect(now_ns())
+            frames = [f for f in collected if not isinstance(f, Deliver)]
+            # Deliveries never sent go back as they were, not flagged redelivered: no one saw them.
+            session.unsent = {entry[0]: entry[5] for f in collected if isinstance(f, Deliver) for entry in f.entries}
         except Exception as exc:
             LOGGER.error("connection %d: collecting its last frames failed", session.conn_id, exc_info=exc)
         try:

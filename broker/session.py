@@ -109,6 +109,9 @@ class Session:
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
         self.routing_rest: RoutingRest | None = None
+        self.unsent: dict[int, bool] = {}
+        """Set by the shell as the connection closes: the tags of deliveries it never wrote, with their
+        redelivered flags (detach gives them back as they were: the client never saw them)."""
         self.answers_waiting = 0  # its requests' answers waiting for the journal's commit (AnswerAfterCommit)
         # its idempotent messages held now, by (producer key, sequence): the core's orphans when it closes,
         # for the producer's resend on its next connection to adopt (broker/message.py HeldTransfer)
@@ -333,14 +336,18 @@ class Session:
         """The connection ended: give back unsettled deliveries in order, leave every queue."""
         self.open = False
         self.outbox.closed = True
-        by_queue: dict[Queue, list[Message]] = {}
-        for sub, msg in self.deliveries.close():
-            by_queue.setdefault(sub.queue, []).append(msg)
+        by_queue: dict[Queue, tuple[list[Message], list[bool]]] = {}
+        unsent = self.unsent
+        for tag, (sub, msg) in self.deliveries.close_tagged():
+            msgs, flags = by_queue.setdefault(sub.queue, ([], []))
+            msgs.append(msg)
+            flags.append(unsent.get(tag, True))
         for sub in self.subscriptions.values():
             sub.queue.remove_subscription(sub)
         self.subscriptions.clear()
-        for queue, msgs in by_queue.items():
-            queue.requeue_many(msgs)
+        for queue, (msgs, flags) in by_queue.items():
+            queue.requeue_many(msgs, flags if unsent else None)
+        self.unsent = {}
         for stopped_queue, _ in self.flow_stopped_on.values():
             if stopped_queue is not None:
                 stopped_queue.stopped_producers.pop(self, None)

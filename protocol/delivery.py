@@ -115,7 +115,11 @@ class DeliveryLedger(Generic[OwnerT, ItemT]):
 
     def close(self) -> list[tuple[OwnerT, ItemT]]:
         """The connection ended: every unsettled delivery, in tag order; the ledger is left empty."""
-        returned = list(self.unsettled.values())
+        return [pair for _, pair in self.close_tagged()]
+
+    def close_tagged(self) -> list[tuple[int, tuple[OwnerT, ItemT]]]:
+        """`close`, each delivery with its tag."""
+        returned = list(self.unsettled.items())
         self.unsettled.clear()
         self.tags.clear()
         return returned

@@ -1,0 +1,45 @@
+"""Deliveries the broker never wrote to a consumer's socket come back unflagged when that connection closes:
+only what the client may have read is marked redelivered. A consumer that never reads, prefetch 10,000 of
+2 KB messages: what the sockets hold was written (flagged), the rest waited in the broker (not flagged).
+Before, all 10,000 came back flagged, and `flowbroker consume -n N` left messages flagged though nothing
+had seen them (a tester)."""
+
+from __future__ import annotations
+
+import trio
+
+import flowbroker.client as fc
+from flowbroker.protocol import Subscribe
+
+from tests.e2e.test_e2e_faults import RawClient
+
+BODY = b"." * 2000
+
+
+async def test_deliveries_never_written_to_a_closed_connection_come_back_unflagged(start_flowbroker) -> None:
+    broker = await start_flowbroker()
+    total, prefetch = 20_000, 10_000
+    with trio.fail_after(60):
+        async with await fc.connect(broker.url) as conn:
+            await conn.declare_queue("q")
+            async with conn.producer("", "q") as producer:
+                for i in range(total):
+                    await producer.send(b"%06d" % i + BODY)
+            queue = broker.core.queues["q"]
+            raw = await RawClient.connect(broker.port, flow_control=False)
+            await raw.send(Subscribe(1, 1, "q", prefetch, 0))
+            while len(queue.store) > total - prefetch:  # ready: the rest are delivered, unsettled
+                await trio.sleep(0.01)
+            await trio.sleep(0.3)  # its writer has written what the sockets take
+            await raw.stream.aclose()
+            while len(queue.store) < total:  # all ready again
+                await trio.sleep(0.01)
+            got: list[tuple[bytes, bool]] = []
+            async with conn.consumer("q", prefetch=1000) as consumer:
+                while len(got) < total:
+                    msg = await consumer.receive(timeout=10)
+                    got.append((msg.body[:6], msg.redelivered))
+                    await msg.ack()
+    assert sorted(body for body, _ in got) == [b"%06d" % i for i in range(total)]
+    flagged = sum(1 for _, redelivered in got if redelivered)
+    assert 0 < flagged < prefetch, flagged  # (all 10,000 before)
