@@ -1321,7 +1321,7 @@ class BrokerCore:
         limit = access.user.max_queues if access is not None and access.user is not None else 0
         owner = session.identity if access is not None else None
         queue = self.declare_queue(f.queue, f.arguments, f.durable, owner, limit)
-        return {"queue": queue.name, "count": queue.count, "size": queue.size}
+        return {"queue": queue.name, "count": queue.count, "size": queue.size, "durable": queue.durable}
 
     def _req_declare_exchange(self, session: Session, f: DeclareExchange) -> dict[str, Any]:
         try:

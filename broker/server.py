@@ -46,6 +46,7 @@ import contextlib
 import logging
 import math
 import random
+import secrets
 import socket
 import ssl
 import time
@@ -171,6 +172,9 @@ class BrokerServer:
         self.peak_sockets = 0
         self.refused = 0  # sockets refused at accept: open_sockets at max_connections, or the shutdown begun
         self.frame_budget = PartialFrameBudget(config.server.max_partial_frame_bytes, RECEIVE_SIZE)
+        self.run_id = secrets.token_hex(8)
+        """This process's run, in every WELCOME: a client that reconnects to a broker with another one knows it
+        restarted, and that its memory-only queues lost what they held (the Spark writer fails the job)."""
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
         self.authenticator = Authenticator(config.auth)  # who may connect (broker/auth.py)
@@ -739,6 +743,7 @@ class ConnectionHandler:
                 session.buffer_size,
                 session.identity,
                 accepted.server_final,
+                self.server.run_id,
             )
             self.server.opened += 1
             LOGGER.debug("connection %d from %s (%s) as %s (%s), flow control %s, buffer %d bytes",

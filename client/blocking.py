@@ -248,6 +248,11 @@ class BlockingConnection:
         return self.connection.server_name
 
     @property
+    def broker_run(self) -> str | None:
+        """`Connection.broker_run`: the broker process's run id, another after a restart."""
+        return self.connection.broker_run
+
+    @property
     def max_message_size(self) -> int:
         return self.connection.max_message_size
 

@@ -333,6 +333,12 @@ class Connection:
         return self.welcome.server_name
 
     @property
+    def broker_run(self) -> str | None:
+        """The broker process's run id (WELCOME's `run_id`): another after a reconnect means the broker
+        restarted, and its memory-only queues lost what they held. None from a broker that sends none."""
+        return self.welcome.run_id
+
+    @property
     def max_message_size(self) -> int:
         return self.welcome.max_message_size
 

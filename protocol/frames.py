@@ -172,6 +172,7 @@ class Welcome:
     buffer_size: int
     identity: str
     auth_data: bytes | None = None  # SCRAM's server-final message (the broker's proof), else None
+    run_id: str | None = None  # the broker process's run: another after a restart (a job can tell it lost memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,11 +534,12 @@ _I64_MIN = -(2**63)
 def frame_to_wire(frame: Frame) -> list[Any]:
     """The msgpack array for `frame`. Slots dataclasses have no __dict__, so read fields in order.
 
-    A WELCOME without `auth_data` is sent with its eight fields of old, so that SDKs from before
-    authentication, which refuse a ninth field, still connect to a broker that lets them in."""
+    A WELCOME without `auth_data` and `run_id` is sent with its eight fields of old, so that SDKs from
+    before authentication, which refuse a ninth field, still connect to a broker that lets them in."""
     wire = [frame.TYPE, *(getattr(frame, name) for name in _FIELD_NAMES[frame.TYPE])]
-    if frame.TYPE is FrameType.WELCOME and wire[-1] is None:
-        wire.pop()
+    if frame.TYPE is FrameType.WELCOME:
+        while len(wire) > 9 and wire[-1] is None:  # (the type and the eight required fields stay)
+            wire.pop()
     return wire
 
 
@@ -828,7 +830,7 @@ def _register(cls: type[Any], *checkers: Checker) -> None:
 
 
 _register(Hello, _uint, _str, _bool, _str_list, _opt(_map))
-_register(Welcome, _uint, _uint, _str, _uint, _uint, _uint, _uint, _str, _opt(_auth_data))
+_register(Welcome, _uint, _uint, _str, _uint, _uint, _uint, _uint, _str, _opt(_auth_data), _opt(_str))
 _register(DeclareQueue, _uint, _name, _bool, _opt(_map))
 _register(DeclareExchange, _uint, _name, _name)
 # Binding keys are bounded in bytes by the broker (KEY_TOO_LONG, MAX_KEY_BYTES), not here.

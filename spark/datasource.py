@@ -10,6 +10,7 @@ if missing; the batch job's id (the base of its producer ids) is made here too, 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourceStreamWriter, DataSourceWriter
@@ -17,7 +18,7 @@ from pyspark.sql.types import StructType
 
 from flowbroker.client import blocking
 from flowbroker.spark.messages import Layout
-from flowbroker.spark.options import ReadOptions, WriteOptions
+from flowbroker.spark.options import OptionError, ReadOptions, WriteOptions
 from flowbroker.spark.source import SOURCE_SCHEMA, QueueStreamReader
 from flowbroker.spark.writer import BatchArrowWriter, BatchWriter, StreamArrowWriter, StreamWriter, writer_state
 
@@ -61,7 +62,17 @@ class FlowbrokerDataSource(DataSource):
         ReadOptions.parse(self.options)
         return SOURCE_SCHEMA
 
+    def reader(self, schema: StructType) -> Any:
+        """A batch read (`spark.read`): refused with what to do instead (PySpark's own error was a bare
+        traceback, a tester). A queue is consumed, not scanned: its messages go once, settled."""
+        raise OptionError('format("flowbroker") reads only as a stream: spark.readStream.format("flowbroker")'
+                          '.option("queue", ...).load(); for a one-off read of what is there, '
+                          '.trigger(availableNow=True) (docs/spark.md)')
+
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        if overwrite:
+            raise OptionError('mode("overwrite") is not supported: messages are appended to a queue, never '
+                              'replaced; use mode("append") (a tester: it was accepted, and appended)')
         options = WriteOptions.parse(self.options)
         layout = _layout(schema, options)
         _prepare(options)
@@ -69,6 +80,9 @@ class FlowbrokerDataSource(DataSource):
         return BatchArrowWriter(state) if options.arrow else BatchWriter(state)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        if overwrite:
+            raise OptionError('outputMode("complete") is not supported: messages are appended to a queue, '
+                              'never replaced; use outputMode("append")')
         options = WriteOptions.parse(self.options)
         layout = _layout(schema, options)
         _prepare(options)
