@@ -15,23 +15,31 @@ Deliveries are limited by credit (prefetch and byte buffers), but credit comes b
 reading: a CANCEL or a SETTLE(REQUEUE) of tags the client may never have received returns the messages to
 their queue, which delivers them again while the first entries still wait here. A connection that never
 read churned SUBSCRIBE/CANCEL pairs and took the broker from 60 to 1,240 MiB (a tester); requeues did the
-same. So at most MAX_DELIVERIES_WAITING entries wait here: past them a subscription has no credit
-(`Subscription.has_credit`) and `full` is set, and the writer's next collect, which takes them, dispatches
-the connection's subscriptions again (`Session.collect`).
+same. And a SETTLE(ACK or REJECT) of tags never read dequeues messages whose entries still wait here:
+the queue and the memory alarm let go of them while the entries keep their bodies (a tester: 3 GiB with
+256 KiB bodies, the alarm never on). So at most MAX_DELIVERIES_WAITING entries and
+MAX_DELIVERY_BYTES_WAITING of their bytes wait here: past either, `full` is set and the connection's
+subscriptions have no credit (`Subscription.has_credit`), until the writer's next collect, which takes
+them, dispatches them again (`Session.collect`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame
 
-__all__ = ["MAX_DELIVERIES_WAITING", "Outbox", "SessionFault"]
+__all__ = ["MAX_DELIVERIES_WAITING", "MAX_DELIVERY_BYTES_WAITING", "Outbox", "SessionFault"]
 
 MAX_DELIVERIES_WAITING = 16_384
 """DELIVER entries one connection's outbox holds for its writer at most (a little over the 10,000 of one
-subscription's largest prefetch): about 2.5 MiB of entries, the messages themselves being the queues'."""
+subscription's largest prefetch): about 2 MiB of entries."""
+
+MAX_DELIVERY_BYTES_WAITING = 8 * 1024 * 1024
+"""Their messages' bytes (message_size) at most, past one message: what one connection can pin once its
+client settles what it never read, twice with what its writer took (docs/architecture.md's bound)."""
 
 
 class SessionFault(Exception):
@@ -46,7 +54,7 @@ class Outbox:
     """Control frames in order, and DELIVER frames sealed by size."""
 
     __slots__ = ("control", "open_frames", "_open_bytes", "sealed", "max_frames", "max_delivery_frame_bytes",
-                 "fault", "_wake", "woken", "closed", "deliveries_waiting", "full")
+                 "fault", "_wake", "woken", "closed", "deliveries_waiting", "delivery_bytes_waiting", "full")
 
     def __init__(self, wake: Callable[[], None], max_frames: int, max_delivery_frame_bytes: int):
         self.control: list[Frame] = []
@@ -60,7 +68,8 @@ class Outbox:
         self.woken = False
         self.closed = False
         self.deliveries_waiting = 0  # DELIVER entries in `sealed` and `open_frames`
-        self.full = False  # deliveries_waiting reached MAX_DELIVERIES_WAITING since the last take
+        self.delivery_bytes_waiting = 0  # their messages' bytes
+        self.full = False  # either reached its bound since the last take: no subscription delivers
 
     def wake(self) -> None:
         """Tell the writer task there is something to collect (once until it collects)."""
@@ -87,7 +96,9 @@ class Outbox:
             self._open_bytes[sub_id] = 0
         entries.append(entry)
         self.deliveries_waiting += 1
-        if self.deliveries_waiting >= MAX_DELIVERIES_WAITING:
+        self.delivery_bytes_waiting += size
+        if (self.deliveries_waiting >= MAX_DELIVERIES_WAITING
+                or self.delivery_bytes_waiting >= MAX_DELIVERY_BYTES_WAITING):
             self.full = True
         size += self._open_bytes[sub_id]
         if size >= self.max_delivery_frame_bytes:
@@ -106,7 +117,9 @@ class Outbox:
         if not entries:
             return  # (an open frame must never be empty: DELIVER carries at least one entry)
         self.deliveries_waiting += len(entries)
-        if self.deliveries_waiting >= MAX_DELIVERIES_WAITING:
+        self.delivery_bytes_waiting += total
+        if (self.deliveries_waiting >= MAX_DELIVERIES_WAITING
+                or self.delivery_bytes_waiting >= MAX_DELIVERY_BYTES_WAITING):
             self.full = True
         open_frames, open_bytes = self.open_frames, self._open_bytes
         frame = open_frames.get(sub_id)
@@ -156,6 +169,10 @@ class Outbox:
         if entries:
             dropped.update((entry[0], entry[5]) for entry in entries)
         self.deliveries_waiting -= len(dropped)
+        # the bytes of what stays, recounted (a CANCEL is a request): the entries carry no charged size
+        staying = [entry for frame in self.sealed if isinstance(frame, Deliver) for entry in frame.entries]
+        staying += [entry for entries in self.open_frames.values() for entry in entries]
+        self.delivery_bytes_waiting = sum(message_size(entry[3], entry[4]) for entry in staying)
         return dropped
 
     def take_control(self) -> list[Frame]:
@@ -168,6 +185,7 @@ class Outbox:
         """Append every DELIVER frame due, sealed ones first, to `frames`. (`full` stays set for the
         caller, which dispatches the subscriptions it held back.)"""
         self.deliveries_waiting = 0
+        self.delivery_bytes_waiting = 0
         if self.sealed:
             frames.extend(self.sealed)
             self.sealed = []

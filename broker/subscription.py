@@ -16,7 +16,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from flowbroker.broker.outbox import MAX_DELIVERIES_WAITING
+from flowbroker.broker.outbox import MAX_DELIVERIES_WAITING, MAX_DELIVERY_BYTES_WAITING
 from flowbroker.protocol.credit import SenderWindow
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error
@@ -59,7 +59,7 @@ class Subscription:
             self.unsettled < self.prefetch
             and self.sender_window.may_send()
             and self.connection_window.may_send()
-            and self.session.outbox.deliveries_waiting < MAX_DELIVERIES_WAITING
+            and not self.session.outbox.full
         )
 
     def deliver(self, msg: Message) -> None:
@@ -82,12 +82,17 @@ class Subscription:
         delivery's instructions were method calls). A subclass that paces otherwise overrides it (a UDP
         subscription: broker/udp/egress.py) or sets `takes_runs` False (a multicast group's)."""
         session = self.session
-        room = min(self.prefetch - self.unsettled, MAX_DELIVERIES_WAITING - session.outbox.deliveries_waiting)
+        outbox = session.outbox
+        if outbox.full:
+            return
+        room = min(self.prefetch - self.unsettled, MAX_DELIVERIES_WAITING - outbox.deliveries_waiting)
         sw, cw = self.sender_window, self.connection_window
         # may_send() of both windows: position below acked + window, or the window off (0): a limit
-        # nothing reaches. Both positions grow by the same bytes, so one count against the nearer limit.
+        # nothing reaches. Both positions grow by the same bytes, so one count against the nearer limit;
+        # and the outbox's bytes (Outbox: MAX_DELIVERY_BYTES_WAITING), passed by one message at most.
         budget = min(sw.acked_position + sw.window - sw.position if sw.window else _UNLIMITED,
-                     cw.acked_position + cw.window - cw.position if cw.window else _UNLIMITED)
+                     cw.acked_position + cw.window - cw.position if cw.window else _UNLIMITED,
+                     MAX_DELIVERY_BYTES_WAITING - outbox.delivery_bytes_waiting)
         if room <= 0 or budget <= 0 or not store:
             return
         ledger = session.deliveries

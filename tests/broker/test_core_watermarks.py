@@ -163,6 +163,8 @@ def test_qpid_defaults_without_arguments() -> None:
     assert list(p.outstanding) == [eightieth]
     c = h.consumer()
     c.subscribe("q", prefetch=11)
+    c.pump()  # (the outbox passes the writer 8 MiB of deliveries at a time: MAX_DELIVERY_BYTES_WAITING)
+    assert len(c.tags()) == 11
     c.ack(c.tags()[:10])  # 70 messages: 70 MiB + 70 x the overhead, not under 70 % = 73400320
     p.pump()
     assert list(p.outstanding) == [eightieth]
