@@ -379,15 +379,22 @@ def _is_count(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 20
 
 
+def _query(request: Request, known: tuple[str, ...]) -> Any:
+    """The request's query parameters: another than `known`, or one given twice, is a 400 naming it (a
+    typo silently ignored, or one of two values silently used, hides a script's bug: testers)."""
+    params = request.query_params
+    for name in params:
+        if name not in known:
+            raise ApiError(400, "invalid_argument", f"unknown parameter {name!r}; known: {', '.join(known)}", name)
+        if len(params.getlist(name)) > 1:
+            raise ApiError(400, "invalid_argument", f"parameter {name!r} given more than once", name)
+    return params
+
+
 def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
     """`?after=` (a name, or a connection id) and `?limit=` (1..MAX_LIMIT, default DEFAULT_LIMIT)
     of a list endpoint; any other parameter is a 400 naming it, so a typo is not silently ignored."""
-    params = request.query_params
-    for name in params:
-        if name not in ("after", "limit"):
-            raise ApiError(400, "invalid_argument", f"unknown parameter {name!r}; known: after, limit", name)
-        if len(params.getlist(name)) > 1:  # one of them silently used: a script's bug hidden (a tester)
-            raise ApiError(400, "invalid_argument", f"parameter {name!r} given more than once", name)
+    params = _query(request, ("after", "limit"))
     text = params.get("limit")
     limit = views.DEFAULT_LIMIT
     if text is not None:
@@ -481,7 +488,7 @@ class AdminApi:
                 "a connection id is an integer"
             raise ApiError(404, "not_found", f"no connection {logsafe(text, 40)}: {why} (GET /api/connections)")
         conn_id = int(text)
-        reason = request.query_params.get("reason") or "DELETE /api/connections"
+        reason = _query(request, ("reason",)).get("reason") or "DELETE /api/connections"
         session = self.core.force_close(conn_id, reason[:256])
         LOGGER.warning("admin: connection %d (%s) closed by an operator: %s", conn_id,
                        logsafe(session.client_name or "-"), logsafe(reason[:256]))

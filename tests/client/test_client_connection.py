@@ -66,6 +66,35 @@ async def test_request_timeout(start_broker, io_clock) -> None:
         assert trio.current_time() - start == pytest.approx(3, abs=0.1)
 
 
+async def test_requests_past_the_slots_wait_within_their_timeout_and_name_it(start_broker, io_clock) -> None:
+    """At most REQUESTS_IN_FLIGHT unanswered; the rest wait for a slot within their own timeout. One that
+    gets its slot only as its deadline passes is not sent, and the errors name the timeout the caller gave,
+    not what was left of it ("within 0 s", a tester)."""
+    from flowbroker.client.connection import REQUESTS_IN_FLIGHT
+
+    broker = await start_broker(answer_requests=False)
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        errors: list[str] = []
+
+        async def declare(name: str, timeout: float) -> None:
+            try:
+                await conn.declare_queue(name, timeout=timeout)
+            except fc.RequestTimeout as exc:
+                errors.append(str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(REQUESTS_IN_FLIGHT):
+                nursery.start_soon(declare, f"q{i}", 3)
+            await trio.sleep(0.1)
+            nursery.start_soon(declare, "late", 3)  # a slot at 3.0, 0.1 s before its deadline: sent
+            nursery.start_soon(declare, "never", 1)  # none within its second: not sent
+        assert len(errors) == REQUESTS_IN_FLIGHT + 2
+        assert sum("within 3 s" in e for e in errors) == REQUESTS_IN_FLIGHT + 1  # ("within 0.1 s", before)
+        assert sum("this one was not sent" in e for e in errors) == 1
+        assert len(fake.frames(DeclareQueue)) == REQUESTS_IN_FLIGHT + 1
+
+
 async def test_connect_refused_port_raises_handshake_error() -> None:
     # Bind a port and close it again: nothing listens there.
     sock = trio.socket.socket()

@@ -567,6 +567,10 @@ async def test_numbers_of_thousands_of_digits_are_a_400_or_404_in_plain_words(br
     for path in ("/api/connections?limit=10&limit=20", "/api/queues?after=a&after=b"):  # one was used silently
         status, answer, _ = await api(broker, "GET", path)
         assert status == 400 and "given more than once" in answer["error"]["message"], (path, answer)
+    for path, says in (("/api/connections/1?reason=a&reason=b", "given more than once"),
+                       ("/api/connections/1?bogus=1", "unknown parameter 'bogus'")):
+        status, answer, _ = await api(broker, "DELETE", path)
+        assert status == 400 and says in answer["error"]["message"], (path, answer)
     status, answer, _ = await api(broker, "DELETE", "/api/connections/abc")
     assert status == 404 and answer["error"]["code"] == "not_found"
     broker.server.core.declare_queue("q")
