@@ -218,6 +218,7 @@ class BrokerCore:
         the queue is down to that prefetch (Queue.pace_clear, Queue.paced), or PACE_MAX_NS."""
         self.paced_queues: dict[Queue, None] = {}  # queues with paced producers: what `tick` looks at
         self._orphans: dict[SequenceKey, HeldTransfer] = {}
+        self._cap_warned: set[str] = set()  # users told their credit share caps them below one message
         """Idempotent producers' messages held by saturated queues whose connection has closed (at most one
         entry per held transfer: bounded as they are), by (producer key, sequence): `_adopt_orphan`."""
         self.over_grant: dict[Session, int] = {}  # producers whose window is above their grant, since when
@@ -280,6 +281,8 @@ class BrokerCore:
                 session.fault = SessionFault(ErrorCode.RESOURCE_EXHAUSTED, str(exc))
                 return session
             session.resize_buffer(size, self.clock_ns())
+            if credit_share_percent:
+                self._warn_cap_below_floor(identity)
             if self._broker_stops:
                 session.now_ns = self.clock_ns()
                 session.broker_stopped(self._broker_stop(), tuple(self._broker_stops))
@@ -340,6 +343,21 @@ class BrokerCore:
     def set_credit_share(self, identity: str, share_percent: float) -> None:
         """The users file gave `identity` another credit share: its live producers' grants follow."""
         self._apply_buffer_sizes(self.credit.set_owner_share(identity, share_percent))
+        self._cap_warned.discard(identity)
+        self._warn_cap_below_floor(identity)
+
+    def _warn_cap_below_floor(self, identity: str) -> None:
+        """A user whose credit_share_percent caps it below one maximum message: every producer of its waits
+        for ever (documented, but nothing said so: a tester's waited with a consumer on an empty queue).
+        Logged once per user and share, when its connection or the new share comes."""
+        cap = self.credit.owner_cap(identity)
+        if cap is None or cap >= self.credit.floor or identity in self._cap_warned:
+            return
+        self._cap_warned.add(identity)  # (bounded by the users file's users)
+        LOGGER.warning("user %r: its credit_share_percent caps its producers at %d bytes of the credit pool, "
+                       "below one maximum message (%d bytes: [server] max_message_size + 512): every producer "
+                       "of it waits for credit for good; raise its share (flowbroker user set "
+                       "--credit-share-percent) or the memory quota", identity, cap, self.credit.floor)
 
     def _apply_buffer_sizes(self, sizes: dict[int, int]) -> None:
         """Push changed producer grants to live connections (BUFFER_CONTROL), start or stop withholding

@@ -113,3 +113,24 @@ def test_a_connection_beyond_the_pools_reserve_is_refused_alone() -> None:
         p.pump()
         assert p.errors == []
     check_pool(h)
+
+
+def test_a_user_capped_below_one_maximum_message_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A user whose credit_share_percent caps it below one maximum message has every producer wait for good:
+    documented, but the broker said nothing (a tester's producer waited beside a consumer on an empty
+    queue). Logged once per user and share, at its connection or at the new share."""
+    import logging
+
+    h = Harness(server={"memory_quota": 1 << 30})  # S about 53 MB: 1 % is below 4 MiB + 512, 100 % is not
+    floor = h.core.credit.floor
+    with caplog.at_level(logging.WARNING, logger="flowbroker.broker"):
+        for _ in range(2):
+            h.core.open_session("mallory-app", "mallory", True, lambda: None, credit_share_percent=1)
+        h.core.open_session("alice-app", "alice", True, lambda: None, credit_share_percent=100)
+    warned = [r.getMessage() for r in caplog.records if "below one maximum message" in r.getMessage()]
+    assert len(warned) == 1 and "user 'mallory'" in warned[0] and f"({floor} bytes" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flowbroker.broker"):
+        h.core.set_credit_share("mallory", 2)  # still below: said again, for the new share
+        h.core.set_credit_share("mallory", 100)  # above: nothing
+    assert sum("below one maximum message" in r.getMessage() for r in caplog.records) == 1
