@@ -61,7 +61,7 @@ LEAVE_LINGER_NS = 200_000_000
 """How long the group waits, after its last member left with messages in flight, for that member's last
 status message (sent just before its CANCEL, on another socket: it can arrive after it) before what is
 unconfirmed goes back to the queue."""
-_MAX_CLOSING = 64
+_MAX_CLOSING = 8  # closed group publications lingering with their logs (configuration.md counts them)
 
 
 @dataclass(eq=False, slots=True)
