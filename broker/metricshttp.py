@@ -11,6 +11,7 @@ host already exposes to whoever can reach it (docs/metrics.md says where to keep
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import logging
@@ -23,7 +24,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
@@ -71,13 +72,32 @@ def metrics_route(metrics: BrokerMetrics) -> Route:
                 steps = _scrape_in_steps(metrics)
                 while _slice(steps, pieces):
                     await trio.lowlevel.checkpoint()
-                body = b"".join(pieces)
         except Exception as exc:  # a bug in a collector must not take the broker down: say so and log it
             LOGGER.exception("GET /metrics failed")
             return PlainTextResponse(f"internal error: {type(exc).__name__}: {exc}\n", status_code=500)
-        return Response(body, media_type=CONTENT_TYPE)
+        # Sent piece by piece, each let go once written, not joined into a second copy of the whole text:
+        # 20,000 queues of 255-character names are 190 MB of text, and the scrape took RSS up by 474 MiB
+        # (a tester). Chunked, as Prometheus takes it.
+        return StreamingResponse(_Pieces(pieces), media_type=CONTENT_TYPE)
 
     return Route(METRICS_PATH, endpoint, methods=["GET"])
+
+
+class _Pieces:
+    """The scrape's pieces, each let go as it is sent. An iterator object, not an async generator: one that
+    a client never reads to the end is dropped with no finaliser to run."""
+
+    def __init__(self, pieces: list[bytes]):
+        self._waiting = collections.deque(pieces)
+        pieces.clear()
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._waiting:
+            raise StopAsyncIteration
+        return self._waiting.popleft()
 
 
 def _slice(steps: Iterator[bytes], pieces: list[bytes]) -> bool:
