@@ -7,7 +7,7 @@ machine checks the ledger against a dict.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -161,3 +161,34 @@ class DeliveryLedgerMachine(RuleBasedStateMachine):
 
 TestDeliveryLedgerMachine = DeliveryLedgerMachine.TestCase
 TestDeliveryLedgerMachine.settings = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@given(st.lists(st.integers(1, 400), min_size=0, max_size=200, unique=True),
+       st.lists(st.tuples(st.integers(1, 450), st.integers(0, 5)), min_size=0, max_size=40),
+       st.booleans())
+def test_ranges_settle_as_one_at_a_time_would(delivered: list[int], picks: list[tuple[int, int]], ordered: bool) -> None:
+    """Ascending, disjoint ranges cut the outstanding tags once per frame (a tester: 1,024 ranges over
+    1,000,000 tags were 1,024 shifts, 100 ms); any ranges settle exactly what one range at a time would."""
+    ledger: DeliveryLedger[str, int] = DeliveryLedger()
+    for tag in range(1, 401):
+        ledger.deliver("a", tag, 1)
+    ledger.settle([(tag, tag) for tag in range(1, 401) if tag not in set(delivered)])  # what stays: `delivered`
+    ranges = sorted({(lo, lo + width) for lo, width in picks})
+    if ordered:  # ascending and disjoint
+        kept, last = [], 0
+        for lo, hi in ranges:
+            if lo > last:
+                kept.append((lo, hi))
+                last = hi
+        ranges = kept
+    expected_unsettled = set(delivered)
+    expected: list[int] = []
+    unknown = 0
+    for lo, hi in ranges:
+        hit = sorted(t for t in expected_unsettled if lo <= t <= hi)
+        expected += hit
+        expected_unsettled -= set(hit)
+        unknown += hi - lo + 1 - len(hit)
+    settled, got_unknown = ledger.settle(ranges)
+    assert [item for _, item in settled] == expected and got_unknown == unknown
+    assert ledger.tags == sorted(expected_unsettled) == list(ledger.unsettled)
