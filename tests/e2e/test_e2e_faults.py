@@ -241,7 +241,7 @@ async def test_garbage_after_hello_is_malformed_frame_then_close(start_flowbroke
         assert raw.welcome is not None
         conn_id = raw.welcome.connection_id
         await raw.send(DeclareQueue(1, "rawq"))  # frame 2
-        assert await raw.next_frame() == Ok(1, {"queue": "rawq", "count": 0, "size": 0})
+        assert await raw.next_frame() == Ok(1, {"queue": "rawq", "count": 0, "size": 0, "durable": False})
         await raw.send(Noop(7, False))  # frame 3
         assert await raw.next_frame() == Noop(7, True)
         await raw.send_raw(raw_frame(body))  # frame 4

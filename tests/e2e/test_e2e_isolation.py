@@ -256,7 +256,7 @@ async def test_a_frame_sent_with_hello_is_handled_without_more_bytes(start_flowb
     with trio.fail_after(LIMIT):
         welcome = await raw.next_frame()
         assert isinstance(welcome, Welcome)
-        assert await raw.next_frame() == Ok(1, {"queue": "early", "count": 0, "size": 0})
+        assert await raw.next_frame() == Ok(1, {"queue": "early", "count": 0, "size": 0, "durable": False})
     await raw.aclose()
 
 
