@@ -13,11 +13,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import psutil
@@ -74,6 +76,40 @@ def stop_broker(broker: Broker) -> None:
         stop(broker.proc)
     elif broker.proc.stderr is not None:  # it was killed: its pipe is still ours to close
         broker.proc.stderr.close()
+
+
+class CrashAndRestart:
+    """Beside a job (its `save()` stays on the session's own thread): once `queue` holds `count` messages
+    (the job's task flow-stopped there), kill -9 the broker (a crash: no CLOSE, so idempotent connections
+    reconnect) and start another on its port. `wait()` gives the new broker; leaving stops it."""
+
+    def __init__(self, broker: Broker, tmp: Path, queue: str = "held", count: int = 500):
+        self.broker, self.tmp, self.queue, self.count = broker, tmp, queue, count
+        self.restarted: list[Broker] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 60
+        while self.broker.api(f"/api/queues/{self.queue}")["depth"]["count"] < self.count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.broker.proc.kill()
+        self.broker.proc.wait()
+        stop_broker(self.broker)  # closes its stderr
+        self.restarted.append(start_broker(self.tmp, port=self.broker.port))
+
+    def __enter__(self) -> CrashAndRestart:
+        self._thread.start()
+        return self
+
+    def wait(self) -> Broker:
+        self._thread.join(60)
+        assert self.restarted, "the broker was not restarted"
+        return self.restarted[0]
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._thread.join(60)
+        for running in self.restarted:
+            stop_broker(running)
 
 
 def spark_session(master: str = "local[2]") -> Any:

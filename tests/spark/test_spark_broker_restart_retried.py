@@ -6,26 +6,13 @@ and the job fails on the driver's commit when they differ (docs/spark.md)."""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator
-
 import pytest
 
 from flowbroker.client import blocking
 from flowbroker.spark.writer import FlowbrokerWriteError, PartitionWritten, check_one_broker_run
-from tests.spark.harness import Broker, start_broker, stop_broker
+from tests.spark.harness import CrashAndRestart
 
 SPARK_MASTER = "local[2,4]"
-
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    running = start_broker(tmp_path_factory.mktemp("broker"))
-    try:
-        yield running
-    finally:
-        stop_broker(running)
 
 
 def test_partitions_on_two_broker_runs_fail_the_job_unless_the_queue_is_durable() -> None:
@@ -57,31 +44,14 @@ def test_a_job_whose_broker_restarts_while_spark_retries_fails(spark, broker, tm
 
     df = spark.createDataFrame(spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(rows_of),
                                "value string")
-    restarted: list[Broker] = []
-
-    def crash_and_restart() -> None:  # beside the job: save() stays on the session's own thread
-        deadline = time.monotonic() + 60
-        while broker.api("/api/queues/held")["depth"]["count"] < 500 and time.monotonic() < deadline:
-            time.sleep(0.2)  # until the second task is flow-stopped (the first is done)
-        broker.proc.kill()  # a crash: no CLOSE, so the task's idempotent connection reconnects
-        broker.proc.wait()
-        stop_broker(broker)  # closes its stderr
-        restarted.append(start_broker(tmp_path, port=broker.port))
-
-    thread = threading.Thread(target=crash_and_restart, daemon=True)
-    thread.start()
-    try:
+    with CrashAndRestart(broker, tmp_path) as crash:  # once the second task is flow-stopped at 500
         with pytest.raises(Exception) as failure:
             (df.write.format("flowbroker").option("url", broker.url).option("queue", "held")
              .option("reconnectTimeout", "20").mode("append").save())
-        thread.join(60)
-        assert restarted, "the broker was not restarted"
+        restarted = crash.wait()
         text = str(failure.value)
         assert "the broker restarted during the job" in text, text[:3000]
-        with blocking.connect(broker.url, timeout=10) as conn:
+        with blocking.connect(restarted.url, timeout=10) as conn:
             assert conn.broker_run not in (None, first_run)
             # the retried partition's rows are in; the first partition's 100 went with the old broker
             assert conn.declare_queue("held")["count"] == 2500
-    finally:
-        for running in restarted:
-            stop_broker(running)
