@@ -61,13 +61,19 @@ def metrics_route(metrics: BrokerMetrics) -> Route:
     trio thread, with a checkpoint every SLICE_SECONDS of work, so the broker's connections run between
     the slices. Not in a worker thread: the render held the interpreter's lock, and the trio thread
     waited for it at every wake-up; scrapes of 11,000 queues (1.8-3.2 s each) stalled a tester's data
-    connections by 134-765 ms. One scrape at a time: a second waits for the first, so slow scrapes never
-    pile up copies of the broker's figures."""
+    connections by 134-765 ms. One scrape built at a time: a second waits for the first; and at most
+    SCRAPES_HELD built texts held while their clients take them (503 past that): clients that asked and
+    never read kept a whole text each, twelve of them 220 MiB over a 128 MiB quota (a tester)."""
     one_at_a_time = trio.Lock()
+    held = _Held()
 
     async def endpoint(request: Request) -> Response:
+        if held.count >= SCRAPES_HELD:
+            return _busy()
         try:
             async with one_at_a_time:
+                if held.count >= SCRAPES_HELD:  # (taken while it waited its turn)
+                    return _busy()
                 pieces: list[bytes] = []
                 steps = _scrape_in_steps(metrics)
                 while _slice(steps, pieces):
@@ -78,26 +84,56 @@ def metrics_route(metrics: BrokerMetrics) -> Route:
         # Sent piece by piece, each let go once written, not joined into a second copy of the whole text:
         # 20,000 queues of 255-character names are 190 MB of text, and the scrape took RSS up by 474 MiB
         # (a tester). Chunked, as Prometheus takes it.
-        return StreamingResponse(_Pieces(pieces), media_type=CONTENT_TYPE)
+        return StreamingResponse(_Pieces(pieces, held), media_type=CONTENT_TYPE)
 
     return Route(METRICS_PATH, endpoint, methods=["GET"])
 
 
-class _Pieces:
-    """The scrape's pieces, each let go as it is sent. An iterator object, not an async generator: one that
-    a client never reads to the end is dropped with no finaliser to run."""
+SCRAPES_HELD = 4
+"""Scrapes whose text is built and not yet all taken by their clients, at most (GET /metrics)."""
 
-    def __init__(self, pieces: list[bytes]):
+
+def _busy() -> Response:
+    return PlainTextResponse(f"{SCRAPES_HELD} scrapes' answers are still being taken by their clients: retry "
+                             "shortly (a client that asks for /metrics should read the answer)\n",
+                             status_code=503, headers={"Retry-After": "1"})
+
+
+class _Held:
+    """How many built scrapes are still being sent."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class _Pieces:
+    """The scrape's pieces, each let go as it is sent; counted in `held` until the last is taken or the
+    response is dropped (its client cut off: the writes' TCP_USER_TIMEOUT ends one that never reads). An
+    iterator object, not an async generator: one that a client never reads to the end is dropped with no
+    finaliser to run but this one's count."""
+
+    def __init__(self, pieces: list[bytes], held: _Held):
         self._waiting = collections.deque(pieces)
         pieces.clear()
+        self._held: _Held | None = held
+        held.count += 1
 
     def __aiter__(self) -> _Pieces:
         return self
 
     async def __anext__(self) -> bytes:
         if not self._waiting:
+            self._done()
             raise StopAsyncIteration
         return self._waiting.popleft()
+
+    def _done(self) -> None:
+        if self._held is not None:
+            self._held.count -= 1
+            self._held = None
+
+    def __del__(self) -> None:
+        self._done()
 
 
 def _slice(steps: Iterator[bytes], pieces: list[bytes]) -> bool:

@@ -65,3 +65,24 @@ async def test_a_scrape_checkpoints_between_steps_and_uses_no_thread(monkeypatch
     assert checkpoints >= 457 // metricshttp.QUEUE_TEXT_STEP  # at least one per step of queues
     # streamed piece by piece, not joined into a second copy of the text (a tester: +474 MiB a scrape)
     assert answer.status_code == 200 and b"".join([piece async for piece in answer.body_iterator]) == expected
+
+
+async def test_scrapes_held_for_clients_that_do_not_read_are_bounded() -> None:
+    """Each built scrape's text is held until its client takes it: clients that asked and never read kept a
+    whole text each (a tester: twelve took a 128 MiB-quota broker to 298 MiB). At most SCRAPES_HELD; past
+    that 503 Retry-After; a text taken to its end, or dropped with its cut-off client, frees its place."""
+    import gc
+
+    m = _metrics(50, 5)
+    endpoint = metricshttp.metrics_route(m).endpoint
+    kept = [await endpoint(None) for _ in range(metricshttp.SCRAPES_HELD)]
+    assert all(answer.status_code == 200 for answer in kept)
+    refused = await endpoint(None)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert b"".join([piece async for piece in kept[0].body_iterator])  # taken to its end: its place is free
+    assert (await endpoint(None)).status_code == 200  # (dropped at once: its place is free again)
+    gc.collect()
+    assert (await endpoint(None)).status_code == 200
+    del kept[1]  # a client cut off: the response is dropped
+    kept.append(await endpoint(None))
+    assert kept[-1].status_code == 200
