@@ -156,23 +156,27 @@ class Outbox:
         longer settle (a tester). Returns the dropped entries' tags and their redelivered flags. O(frames
         waiting): CANCEL is a request, not a per-message frame."""
         dropped: dict[int, bool] = {}
+        gone: list[DeliveryEntry] = []
         if self.sealed:
             kept: list[Frame] = []
             for frame in self.sealed:
                 if isinstance(frame, Deliver) and frame.subscription_id == sub_id:
-                    dropped.update((entry[0], entry[5]) for entry in frame.entries)
+                    gone += frame.entries
                 else:
                     kept.append(frame)
             self.sealed = kept
         entries = self.open_frames.pop(sub_id, None)
         self._open_bytes.pop(sub_id, None)
         if entries:
-            dropped.update((entry[0], entry[5]) for entry in entries)
-        self.deliveries_waiting -= len(dropped)
-        # the bytes of what stays, recounted (a CANCEL is a request): the entries carry no charged size
-        staying = [entry for frame in self.sealed if isinstance(frame, Deliver) for entry in frame.entries]
-        staying += [entry for entries in self.open_frames.values() for entry in entries]
-        self.delivery_bytes_waiting = sum(message_size(entry[3], entry[4]) for entry in staying)
+            gone += entries
+        dropped.update((entry[0], entry[5]) for entry in gone)
+        if self.sealed or self.open_frames:
+            # what the dropped entries were charged (they carry no size: recounted, in proportion to them,
+            # never to what stays: a CANCEL's cost must not grow with another subscription's backlog)
+            self.deliveries_waiting -= len(gone)
+            self.delivery_bytes_waiting -= sum(message_size(entry[3], entry[4]) for entry in gone)
+        else:
+            self.deliveries_waiting = self.delivery_bytes_waiting = 0
         return dropped
 
     def take_control(self) -> list[Frame]:

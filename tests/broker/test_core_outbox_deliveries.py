@@ -12,6 +12,7 @@ from __future__ import annotations
 from tests.broker.coreharness import REQUEST_ID_BASE, Consumer, Harness
 
 from flowbroker.broker.outbox import MAX_DELIVERIES_WAITING, MAX_DELIVERY_BYTES_WAITING
+from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.frames import Cancel, Deliver, Outcome, Settle, Subscribe
 
 MESSAGES = 30_000
@@ -131,8 +132,13 @@ def test_a_cancel_that_empties_a_full_outbox_resumes_the_other_subscriptions() -
         c.handle(Subscribe(REQUEST_ID_BASE + sub_id, sub_id, name, 10_000, 0))
     assert c.session.outbox.full and c.session.outbox.deliveries_waiting <= MAX_DELIVERIES_WAITING
     c.handle(Cancel(REQUEST_ID_BASE + 11, 1))
+    outbox = c.session.outbox
+    staying = [e for f in outbox.sealed if isinstance(f, Deliver) for e in f.entries]
+    staying += [e for entries in outbox.open_frames.values() for e in entries]
+    assert staying and outbox.deliveries_waiting == len(staying)  # what stays, counted without walking it
+    assert outbox.delivery_bytes_waiting == sum(message_size(e[3], e[4]) for e in staying)
     c.handle(Cancel(REQUEST_ID_BASE + 12, 2))
-    assert c.session.outbox.deliveries_waiting == 0
+    assert c.session.outbox.deliveries_waiting == 0 == c.session.outbox.delivery_bytes_waiting
     for _ in range(20):
         c.pump()
         c.ack([tag for tag in c.tags(3) if tag in c.session.deliveries.unsettled])
