@@ -218,9 +218,9 @@ class BrokerCore:
         the queue is down to that prefetch (Queue.pace_clear, Queue.paced), or PACE_MAX_NS."""
         self.paced_queues: dict[Queue, None] = {}  # queues with paced producers: what `tick` looks at
         self._orphans: dict[SequenceKey, HeldTransfer] = {}
-        self._cap_warned: set[str] = set()  # users told their credit share caps them below one message
         """Idempotent producers' messages held by saturated queues whose connection has closed (at most one
         entry per held transfer: bounded as they are), by (producer key, sequence): `_adopt_orphan`."""
+        self._cap_warned: set[str] = set()  # users told their credit share caps them below one message
         self.over_grant: dict[Session, int] = {}  # producers whose window is above their grant, since when
         self._heard_past_answer: dict[Session, int] = {}  # of those, heard from after SHRINK_ANSWER_NS: since when
         self.recovered_producers: dict[str, int] = {}

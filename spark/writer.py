@@ -72,7 +72,8 @@ def check_one_broker_run(job_id: str, messages: list[Any]) -> None:
         raise FlowbrokerWriteError(
             f"flowbroker job {job_id}: the broker restarted during the job ({len(runs)} broker runs seen); the "
             "queue is not durable, so what the old broker held is lost, rows of partitions written before "
-            f"included. Re-run the job (a new jobId), or write to a durable queue to survive a restart")
+            f"included. Re-submit it with option jobId={job_id}: the rows the new broker has are taken as "
+            "duplicates and the lost ones sent again (or write to a durable queue to survive a restart)")
 
 
 class FlowbrokerWriteError(RuntimeError):

@@ -47,11 +47,16 @@ def test_a_job_whose_broker_restarts_while_spark_retries_fails(spark, broker, tm
     with CrashAndRestart(broker, tmp_path) as crash:  # once the second task is flow-stopped at 500
         with pytest.raises(Exception) as failure:
             (df.write.format("flowbroker").option("url", broker.url).option("queue", "held")
-             .option("reconnectTimeout", "20").mode("append").save())
+             .option("jobId", "restarted-job").option("reconnectTimeout", "20").mode("append").save())
         restarted = crash.wait()
         text = str(failure.value)
-        assert "the broker restarted during the job" in text, text[:3000]
+        assert "the broker restarted during the job" in text and "jobId=restarted-job" in text, text[:3000]
         with blocking.connect(restarted.url, timeout=10) as conn:
             assert conn.broker_run not in (None, first_run)
             # the retried partition's rows are in; the first partition's 100 went with the old broker
             assert conn.declare_queue("held")["count"] == 2500
+        # re-submitted with its jobId, as the error says: the lost rows again, the others as duplicates
+        (df.write.format("flowbroker").option("url", restarted.url).option("queue", "held")
+         .option("jobId", "restarted-job").mode("append").save())
+        with blocking.connect(restarted.url, timeout=10) as conn:
+            assert conn.declare_queue("held")["count"] == 2600
