@@ -320,7 +320,9 @@ class BrokerCore:
             committed = max(self.credit.pool, self.credit.total_committed())
             self.memory.held_room = committed + len(self.sessions) * self.credit.floor
 
-    def close_session(self, session: Session) -> None:
+    def close_session(self, session: Session, unsent: dict[int, bool] | None = None) -> None:
+        """The connection ended. `unsent`: the tags of its deliveries the shell never wrote, with their
+        redelivered flags (they go back as they were: the client never saw them)."""
         if self.sessions.pop(session.conn_id, None) is None:
             return
         self.connections_closed += 1
@@ -331,7 +333,7 @@ class BrokerCore:
                 transfer.registry = orphans
                 orphans[key] = transfer
             session.held_sequences = {}
-        session.detach()
+        session.detach(unsent or {})
         self._watch_window(session, False)
         if session.paced_on is not None:  # a queue that never catches up must not keep it
             session.paced_on.forget_paced(session)

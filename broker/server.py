@@ -1078,17 +1078,18 @@ class ConnectionHandler:
         does not stop the socket from closing or the connection from being forgotten."""
         reason = self._closing or _Closing(ErrorCode.NORMAL, "connection ended", error=False)
         frames: list[Frame] = []
+        unsent: dict[int, bool] = {}
         try:
             rest, self._rest = self._rest, []  # collected and never encoded: completions among them
             session.outbox.full = False  # (no subscription of a closing connection is to deliver again)
             collected = rest + session.collect(now_ns())
             frames = [f for f in collected if not isinstance(f, Deliver)]
             # Deliveries never sent go back as they were, not flagged redelivered: no one saw them.
-            session.unsent = {entry[0]: entry[5] for f in collected if isinstance(f, Deliver) for entry in f.entries}
+            unsent = {entry[0]: entry[5] for f in collected if isinstance(f, Deliver) for entry in f.entries}
         except Exception as exc:
             LOGGER.error("connection %d: collecting its last frames failed", session.conn_id, exc_info=exc)
         try:
-            self.core.close_session(session)
+            self.core.close_session(session, unsent)
         except Exception as exc:
             LOGGER.error("connection %d: closing its session failed", session.conn_id, exc_info=exc)
         self.server.connections.pop(session.conn_id, None)

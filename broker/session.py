@@ -109,9 +109,6 @@ class Session:
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
         # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
         self.routing_rest: RoutingRest | None = None
-        self.unsent: dict[int, bool] = {}
-        """Set by the shell as the connection closes: the tags of deliveries it never wrote, with their
-        redelivered flags (detach gives them back as they were: the client never saw them)."""
         self.answers_waiting = 0  # its requests' answers waiting for the journal's commit (AnswerAfterCommit)
         # its idempotent messages held now, by (producer key, sequence): the core's orphans when it closes,
         # for the producer's resend on its next connection to adopt (broker/message.py HeldTransfer)
@@ -332,12 +329,13 @@ class Session:
 
     # -- end ---------------------------------------------------------------------------------
 
-    def detach(self) -> None:
-        """The connection ended: give back unsettled deliveries in order, leave every queue."""
+    def detach(self, unsent: dict[int, bool]) -> None:
+        """The connection ended: give back unsettled deliveries in order, leave every queue. `unsent`: the
+        tags of those never written to the client, with their flags, which they keep (the client never saw
+        them); the rest go back flagged redelivered."""
         self.open = False
         self.outbox.closed = True
         by_queue: dict[Queue, tuple[list[Message], list[bool]]] = {}
-        unsent = self.unsent
         for tag, (sub, msg) in self.deliveries.close_tagged():
             msgs, flags = by_queue.setdefault(sub.queue, ([], []))
             msgs.append(msg)
@@ -347,7 +345,6 @@ class Session:
         self.subscriptions.clear()
         for queue, (msgs, flags) in by_queue.items():
             queue.requeue_many(msgs, flags if unsent else None)
-        self.unsent = {}
         for stopped_queue, _ in self.flow_stopped_on.values():
             if stopped_queue is not None:
                 stopped_queue.stopped_producers.pop(self, None)

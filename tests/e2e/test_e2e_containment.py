@@ -168,10 +168,10 @@ async def test_a_fault_while_closing_the_session_still_closes_and_forgets_the_co
         raw, handler = await victim(broker)
         doomed = handler.session
 
-        def close_session(core: BrokerCore, session: Session) -> None:
+        def close_session(core: BrokerCore, session: Session, unsent: dict[int, bool] | None = None) -> None:
             if session is doomed:
                 boom()
-            real_close(core, session)
+            real_close(core, session, unsent)
 
         monkeypatch.setattr(BrokerCore, "close_session", close_session)
         await raw.send(Close(ErrorCode.NORMAL, "bye"))

@@ -116,6 +116,20 @@ async def test_while_the_journal_cannot_write_a_durable_change_is_refused_at_onc
         await conn.delete_queue("kept")
 
 
+async def _kept_and_binder(conn: Any, gate: threading.Event) -> tuple[list[Any], Callable[[str], Awaitable[None]]]:
+    """Declare the durable queue "kept" (its record committed), shut the gate, and give a `bind(key)` that
+    binds it to amq.topic, its answer (once the journal commits) appended to the list returned with it."""
+    gate.set()
+    await conn.declare_queue("kept", durable=True)
+    gate.clear()
+    answered: list[Any] = []
+
+    async def bind(key: str) -> None:
+        answered.append(await conn.bind("kept", "amq.topic", key, timeout=30))
+
+    return answered, bind
+
+
 async def test_answers_waiting_for_a_commit_are_bounded_per_connection(
         start_flowbroker: Any, tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unbounded, clients pipelining durable BIND/UNBIND pairs without reading took the broker to 725 MiB
@@ -127,13 +141,7 @@ async def test_answers_waiting_for_a_commit_are_bounded_per_connection(
     monkeypatch.setattr(core_module, "MAX_ANSWERS_WAITING_PER_CONNECTION", 3)
     broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
     async with await fb.connect(broker.url, timeout=10) as conn, trio.open_nursery() as nursery:
-        gate.set()
-        await conn.declare_queue("kept", durable=True)
-        gate.clear()
-        answered: list[Any] = []
-
-        async def bind(key: str) -> None:
-            answered.append(await conn.bind("kept", "amq.topic", key, timeout=30))
+        answered, bind = await _kept_and_binder(conn, gate)
 
         for i in range(3):
             nursery.start_soon(bind, f"k{i}")
@@ -164,13 +172,7 @@ async def test_an_sdk_connections_concurrent_durable_requests_wait_for_a_slot_no
 
     broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
     async with await fb.connect(broker.url, timeout=10) as conn:
-        gate.set()
-        await conn.declare_queue("kept", durable=True)
-        gate.clear()
-        answered: list[Any] = []
-
-        async def bind(key: str) -> None:
-            answered.append(await conn.bind("kept", "amq.topic", key, timeout=30))
+        answered, bind = await _kept_and_binder(conn, gate)
 
         async with trio.open_nursery() as nursery:
             for i in range(150):

@@ -221,23 +221,16 @@ class PoolMachine(RuleBasedStateMachine):
         return {o: int(self.alloc.shareable * Fraction(str(self.shares[o])) // 100)
                 for o in live if self.shares.get(o)}
 
-    def _owner_free(self, conn: int) -> int | None:
-        """What the connection's owner's cap leaves of S, None when uncapped."""
+    def _owner_free(self, conn: int, windows: bool = False) -> int | None:
+        """What the connection's owner's cap leaves of S beyond its producers' grants (or, `windows`, their
+        windows), None when uncapped."""
         assert self.alloc is not None
         owner = self.owner_of[conn]
         cap = self._caps().get(owner) if owner is not None else None
         if cap is None:
             return None
-        return cap - sum(self.alloc.size_of(c) - 1 for c in self.producers if self.owner_of[c] == owner)
-
-    def _owner_promise_free(self, conn: int) -> int | None:
-        """What the connection's owner's cap leaves of S beyond its producers' windows, None when uncapped."""
-        assert self.alloc is not None
-        owner = self.owner_of[conn]
-        cap = self._caps().get(owner) if owner is not None else None
-        if cap is None:
-            return None
-        return cap - sum(self.alloc.window_of(c) - 1 for c in self.producers if self.owner_of[c] == owner)
+        held = self.alloc.window_of if windows else self.alloc.size_of
+        return cap - sum(held(c) - 1 for c in self.producers if self.owner_of[c] == owner)
 
     @rule(config=configs, floor=st.integers(1, 20_000), slots=st.integers(1, 40))
     @precondition(lambda self: self.alloc is None)
@@ -386,7 +379,7 @@ class PoolMachine(RuleBasedStateMachine):
                 owner_free = self._owner_free(conn)
                 if owner_free is not None:
                     could = min(could, owner_free + 1)
-                owner_promise_free = self._owner_promise_free(conn)
+                owner_promise_free = self._owner_free(conn, windows=True)
                 if owner_promise_free is not None:
                     could = min(could, alloc.window_of(conn) + max(0, owner_promise_free))
                 assert could < need, (conn, could, need)
