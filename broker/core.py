@@ -1490,7 +1490,7 @@ class BrokerCore:
         flagged as they were: the consumer never saw them (`flowbroker consume -n 1` left the message its
         last acknowledgement let through flagged redelivered, a tester). Returns how many went back."""
         sub.queue.remove_subscription(sub)
-        pairs = session.deliveries.cancel_tagged(sub) if sub.unsettled else []
+        pairs = session.deliveries.cancel_tagged(sub, sub.first_tag) if sub.unsettled else []
         unsent = session.outbox.drop_subscription(sub.sub_id)  # (a UDP subscription's are in its term)
         sub.unsettled = 0
         flags = [unsent.get(tag, True) for tag, _ in pairs] if unsent else None

@@ -35,7 +35,7 @@ _UNLIMITED = float("inf")  # the limit of a window that is off
 
 class Subscription:
     __slots__ = ("session", "sub_id", "queue", "prefetch", "sender_window", "connection_window", "unsettled",
-                 "delivered_total", "active", "closed")
+                 "delivered_total", "active", "closed", "first_tag")
 
     takes_runs = True
     """The queue may call `deliver_ready` when this subscription is alone in its rotation (a subclass that
@@ -52,6 +52,9 @@ class Subscription:
         self.delivered_total = 0
         self.active = False  # in its queue's rotation of subscriptions that may have credit
         self.closed = False  # cancelled, or its connection or queue is gone
+        # No delivery of this subscription has an older tag: its CANCEL walks the connection's
+        # outstanding deliveries from here (DeliveryLedger.cancel_tagged), not from the first.
+        self.first_tag = session.deliveries.next_tag
 
     def has_credit(self) -> bool:
         """`prefetch` is always positive here: the broker caps "0 = unbounded" at its own maximum."""

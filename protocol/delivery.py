@@ -121,19 +121,25 @@ class DeliveryLedger(Generic[OwnerT, ItemT]):
             tags[:] = kept
         return settled, unknown
 
-    def cancel(self, owner: OwnerT) -> list[ItemT]:
+    def cancel(self, owner: OwnerT, since: int = 1) -> list[ItemT]:
         """Forget every unsettled delivery of `owner` (a cancelled subscription, compared by identity);
-        returns them in tag order. Walks the outstanding deliveries: a CANCEL is a request, not a per-message frame."""
-        return [item for _, item in self.cancel_tagged(owner)]
+        returns them in tag order. `since`: a tag no delivery of `owner` is older than (the connection's
+        next tag when the subscription began)."""
+        return [item for _, item in self.cancel_tagged(owner, since)]
 
-    def cancel_tagged(self, owner: OwnerT) -> list[tuple[int, ItemT]]:
-        """`cancel`, each delivery with its tag."""
-        unsettled = self.unsettled
-        tags = [tag for tag, (holder, _) in unsettled.items() if holder is owner]
-        if not tags:
+    def cancel_tagged(self, owner: OwnerT, since: int = 1) -> list[tuple[int, ItemT]]:
+        """`cancel`, each delivery with its tag. Walks the outstanding deliveries from `since` on, not all
+        of them: a subscription made and cancelled beside 1,000,000 older outstanding deliveries walked
+        them all, 80 ms for every connection at each CANCEL, and an attacker could repeat it (a tester).
+        The list of tags is rebuilt from the first one cancelled, not from its start."""
+        unsettled, tags = self.unsettled, self.tags
+        start = bisect_left(tags, since) if since > 1 else 0
+        found = [tag for tag in tags[start:] if unsettled[tag][0] is owner]
+        if not found:
             return []
-        pairs = [(tag, unsettled.pop(tag)[1]) for tag in tags]
-        self.tags = [tag for tag in self.tags if tag in unsettled]
+        pairs = [(tag, unsettled.pop(tag)[1]) for tag in found]
+        first = bisect_left(tags, found[0], start)
+        tags[first:] = [tag for tag in tags[first:] if tag in unsettled]
         return pairs
 
     def close(self) -> list[tuple[OwnerT, ItemT]]:

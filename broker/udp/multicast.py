@@ -93,6 +93,7 @@ class GroupSubscription(Subscription):
         self.delivered_total = 0
         self.active = False
         self.closed = False
+        self.first_tag = 1  # (no connection's ledger: a group's deliveries are its members')
 
     def has_credit(self) -> bool:
         return self.unsettled < self.prefetch and self.group.may_send()

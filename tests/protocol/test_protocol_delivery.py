@@ -67,6 +67,20 @@ def test_cancel_gives_back_one_owners_deliveries_in_tag_order() -> None:
     assert list(d.unsettled.values()) == [(B, 1), (B, 3)] and d.tags == [2, 4]
 
 
+def test_cancel_walks_from_the_subscriptions_first_tag() -> None:
+    d = ledger()
+    for i in range(1, 6):
+        d.deliver(A, i, 10)
+    since = d.next_tag  # B subscribes now
+    d.deliver(B, 6, 10)
+    d.deliver(A, 7, 10)
+    d.deliver(B, 8, 10)
+    assert d.cancel(B, since) == [6, 8]
+    assert d.tags == [1, 2, 3, 4, 5, 7] and list(d.unsettled) == d.tags
+    assert d.cancel(A, since) == [7]  # a wrong `since` misses what is older: the caller's promise
+    assert d.cancel(A) == [1, 2, 3, 4, 5] and d.tags == []
+
+
 def test_close_gives_back_everything_in_tag_order() -> None:
     d = ledger()
     for i in range(4):
@@ -103,12 +117,16 @@ class DeliveryLedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.ledger = ledger(window=1000)
         self.model: dict[int, tuple[Owner, int]] = {}
+        # Three subscriptions at a time, each with the connection's next tag when it began (its CANCEL's
+        # `since`); a cancelled one is replaced by a new one, as a client subscribes again.
+        self.owners = {name: (Owner(name), 1) for name in "abc"}
         self.last_tag = 0
         self.sent = 0
         self.items = 0
 
-    @rule(owner=st.sampled_from([A, B, C]), size=st.integers(1, 400))
-    def deliver(self, owner: Owner, size: int) -> None:
+    @rule(name=st.sampled_from("abc"), size=st.integers(1, 400))
+    def deliver(self, name: str, size: int) -> None:
+        owner = self.owners[name][0]
         self.items += 1
         tag = self.ledger.deliver(owner, self.items, size)
         assert tag == self.last_tag + 1
@@ -130,11 +148,13 @@ class DeliveryLedgerMachine(RuleBasedStateMachine):
         assert settled == [pair for _, pair in sorted(expected, key=lambda e: e[0])]  # in tag order
         assert unknown == named - len(expected)
 
-    @rule(owner=st.sampled_from([A, B, C]))
-    def cancel(self, owner: Owner) -> None:
+    @rule(name=st.sampled_from("abc"), walk_all=st.booleans())
+    def cancel(self, name: str, walk_all: bool) -> None:
+        owner, since = self.owners[name]
         expected = [item for tag, (holder, item) in sorted(self.model.items()) if holder is owner]
-        assert self.ledger.cancel(owner) == expected
+        assert self.ledger.cancel(owner, 1 if walk_all else since) == expected
         self.model = {tag: pair for tag, pair in self.model.items() if pair[0] is not owner}
+        self.owners[name] = (Owner(name), self.last_tag + 1)
 
     @precondition(lambda self: self.sent > 0)
     @rule(data=st.data())
@@ -145,6 +165,7 @@ class DeliveryLedgerMachine(RuleBasedStateMachine):
     def close(self) -> None:
         assert self.ledger.close() == [pair for _, pair in sorted(self.model.items())]
         self.model = {}
+        self.owners = {name: (Owner(name), self.last_tag + 1) for name in "abc"}
 
     @invariant()
     def unsettled_matches_the_model_in_tag_order(self) -> None:
