@@ -97,6 +97,8 @@ def message_json(body: bytes, headers: Any, exchange: str, routing_key: str, red
 
 
 def _json_value(value: object) -> object:
+    """A header value JSON has no type for: bytes as `{"base64": ...}` (decoding them as text replaced
+    what was not UTF-8 and made b"1" and "1" alike), anything else as its text."""
     if isinstance(value, bytes):
-        return value.decode(errors="replace")
+        return {"base64": base64.b64encode(value).decode()}
     return str(value)

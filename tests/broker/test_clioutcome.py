@@ -35,7 +35,7 @@ def test_messages_never_sent_refused_or_an_error_are_exit_1() -> None:
 def test_explained_destinations_and_consumed_messages_as_json() -> None:
     assert explain_destinations(["*"]) == BROKER_WIDE and explain_destinations([]) == "none"
     assert "stop-all" in BROKER_WIDE and "memory alarm" in BROKER_WIDE
-    line = json.loads(message_json(b"\xff\x00", {"k": b"v", "n": 1}, "ex", "key", True))
+    line = json.loads(message_json(b"\xff\x00", {"k": b"v\xff", "n": 1, "l": [b"1", "1"]}, "ex", "key", True))
     assert line == {"exchange": "ex", "routing_key": "key", "redelivered": True, "body_base64": "/wA=",
-                    "headers": {"k": "v", "n": 1}}
+                    "headers": {"k": {"base64": "dv8="}, "n": 1, "l": [{"base64": "MQ=="}, "1"]}}
     assert json.loads(message_json(b"text", None, "", "q", False))["body"] == "text"
