@@ -1491,7 +1491,10 @@ class BrokerCore:
         last acknowledgement let through flagged redelivered, a tester). Returns how many went back."""
         sub.queue.remove_subscription(sub)
         pairs = session.deliveries.cancel_tagged(sub, sub.first_tag) if sub.unsettled else []
-        unsent = session.outbox.drop_subscription(sub.sub_id)  # (a UDP subscription's are in its term)
+        unsent, unsent_bytes = session.outbox.drop_subscription(sub.sub_id)  # (a UDP one's are in its term)
+        # The client never sees those bytes, so it can never acknowledge them: the connection's byte
+        # buffer lets go of them (kept, they filled it for good after a few consumer closes, a tester).
+        session.deliveries.window.position -= unsent_bytes
         sub.unsettled = 0
         flags = [unsent.get(tag, True) for tag, _ in pairs] if unsent else None
         sub.queue.requeue_many([msg for _, msg in pairs], flags)

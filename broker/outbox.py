@@ -150,12 +150,13 @@ class Outbox:
                 open_bytes.pop(sub_id, None)
         self.wake()
 
-    def drop_subscription(self, sub_id: int) -> dict[int, bool]:
+    def drop_subscription(self, sub_id: int) -> tuple[dict[int, bool], int]:
         """A cancelled subscription's DELIVER frames not yet taken by the writer are dropped (their
         messages go back to the queue): none follows the CANCEL's OK, whose tags the client could no
-        longer settle (a tester). Returns the dropped entries' tags and their redelivered flags. O(frames
-        waiting): CANCEL is a request, not a per-message frame."""
-        dropped: dict[int, bool] = {}
+        longer settle (a tester). Returns the dropped entries' tags and their redelivered flags, and
+        their bytes (message_size, as the connection's byte buffer charged them: the caller gives them
+        back to it, since the client never sees them). O(frames waiting) plus the entries dropped:
+        CANCEL is a request, not a per-message frame."""
         gone: list[DeliveryEntry] = []
         if self.sealed:
             kept: list[Frame] = []
@@ -169,15 +170,18 @@ class Outbox:
         self._open_bytes.pop(sub_id, None)
         if entries:
             gone += entries
-        dropped.update((entry[0], entry[5]) for entry in gone)
+        if not gone:
+            return {}, 0
+        dropped = {entry[0]: entry[5] for entry in gone}
+        # what the dropped entries were charged (they carry no size: recounted, in proportion to them,
+        # never to what stays: a CANCEL's cost must not grow with another subscription's backlog)
+        nbytes = sum(message_size(entry[3], entry[4]) for entry in gone)
         if self.sealed or self.open_frames:
-            # what the dropped entries were charged (they carry no size: recounted, in proportion to them,
-            # never to what stays: a CANCEL's cost must not grow with another subscription's backlog)
             self.deliveries_waiting -= len(gone)
-            self.delivery_bytes_waiting -= sum(message_size(entry[3], entry[4]) for entry in gone)
+            self.delivery_bytes_waiting -= nbytes
         else:
             self.deliveries_waiting = self.delivery_bytes_waiting = 0
-        return dropped
+        return dropped, nbytes
 
     def take_control(self) -> list[Frame]:
         """The control frames queued, in order; the writer is no longer woken for them."""

@@ -121,3 +121,37 @@ async def test_messages_over_a_limit_are_refused_by_send_and_the_connection_goes
             assert (msg.body, msg.headers) == (at_limit, headers)
             await msg.ack()
         assert not conn.is_closed
+
+
+async def test_consumers_closed_with_deliveries_unsent_leave_the_connection_buffer_free(start_flowbroker) -> None:
+    # Each consumer's close sends the settlement of what it read together with its CANCEL: the settlement
+    # lets the broker deliver more, the CANCEL drops those deliveries before they are written. Their bytes
+    # were charged to the connection's byte buffer and the client never saw them: kept, they filled the
+    # buffer for good after four or five closes and the connection received nothing more (a tester).
+    broker = await start_flowbroker()
+    total = 3_000
+    async with await fc.connect(broker.url, timeout=5) as pconn:
+        await pconn.declare_queue("backlog")
+        producer = pconn.producer(routing_key="backlog")
+        for i in range(total):
+            await producer.send(b"%05d" % i + b"x" * 1019)
+        await producer.flush(timeout=30)
+    seen: list[bytes] = []
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.set_buffer_size(256 * 1024)
+        for _ in range(30):
+            consumer = conn.consumer("backlog", prefetch=50)
+            for _ in range(10):
+                msg = await consumer.receive(timeout=STALL)  # a leaked buffer is a ReceiveTimeout here
+                seen.append(msg.body[:5])
+                await msg.ack()
+            await consumer.aclose()
+        async with conn.consumer("backlog", prefetch=500) as rest:
+            while len(seen) < total:
+                msg = await rest.receive(timeout=STALL)
+                seen.append(msg.body[:5])
+                await msg.ack()
+        window = broker.core.sessions[conn.connection_id].deliveries.window
+        await wait_until(lambda: window.position == window.acked_position)  # every byte sent acknowledged
+    assert sorted(seen) == [b"%05d" % i for i in range(total)]  # every message once
+    await wait_until(lambda: broker.core.queues["backlog"].count == 0)
