@@ -28,7 +28,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from flowbroker.broker.admin import BearerAuth, HttpListener
+from flowbroker.broker.admin import HTTP_LOGGER, BearerAuth, HttpListener
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.config import MetricsConfig
 from flowbroker.broker.metrics import BrokerMetrics, Families, Scrape
@@ -61,75 +61,134 @@ def metrics_route(metrics: BrokerMetrics) -> Route:
     trio thread, with a checkpoint every SLICE_SECONDS of work, so the broker's connections run between
     the slices. Not in a worker thread: the render held the interpreter's lock, and the trio thread
     waited for it at every wake-up; scrapes of 11,000 queues (1.8-3.2 s each) stalled a tester's data
-    connections by 134-765 ms. One scrape built at a time: a second waits for the first; and at most
-    SCRAPES_HELD built texts held while their clients take them (503 past that): clients that asked and
-    never read kept a whole text each, twelve of them 220 MiB over a 128 MiB quota (a tester)."""
+    connections by 134-765 ms. One scrape built at a time; requests that came while it was built share
+    the next one (each gets a text read after it asked). At most SCRAPES_HELD built texts are held while
+    their clients take them: clients that asked and never read kept a whole text each, twelve of them 220
+    MiB over a 128 MiB quota (a tester). Past that, the oldest is let go and its clients cut off, rather than
+    the new request refused: four slow readers reconnecting kept every scrape at 503 (a tester)."""
     one_at_a_time = trio.Lock()
     held = _Held()
 
     async def endpoint(request: Request) -> Response:
-        if held.count >= SCRAPES_HELD:
-            return _busy()
+        asked = held.started
         try:
             async with one_at_a_time:
-                if held.count >= SCRAPES_HELD:  # (taken while it waited its turn)
-                    return _busy()
-                pieces: list[bytes] = []
-                steps = _scrape_in_steps(metrics)
-                while _slice(steps, pieces):
-                    await trio.lowlevel.checkpoint()
+                text = held.latest
+                if text is None or text.started <= asked or text.gone:
+                    held.started += 1
+                    text = _Text(held.started)
+                    steps = _scrape_in_steps(metrics)
+                    while _slice(steps, text.pieces):
+                        await trio.lowlevel.checkpoint()
+                    held.keep(text)
         except Exception as exc:  # a bug in a collector must not take the broker down: say so and log it
             LOGGER.exception("GET /metrics failed")
             return PlainTextResponse(f"internal error: {type(exc).__name__}: {exc}\n", status_code=500)
-        # Sent piece by piece, each let go once written, not joined into a second copy of the whole text:
-        # 20,000 queues of 255-character names are 190 MB of text, and the scrape took RSS up by 474 MiB
-        # (a tester). Chunked, as Prometheus takes it.
-        return StreamingResponse(_Pieces(pieces, held), media_type=CONTENT_TYPE)
+        # Sent piece by piece, not joined into a second copy of the whole text: 20,000 queues of
+        # 255-character names are 190 MB of text, and the scrape took RSS up by 474 MiB (a tester).
+        # Chunked, as Prometheus takes it.
+        return StreamingResponse(_Pieces(text, held), media_type=CONTENT_TYPE)
 
     return Route(METRICS_PATH, endpoint, methods=["GET"])
 
 
 SCRAPES_HELD = 4
-"""Scrapes whose text is built and not yet all taken by their clients, at most (GET /metrics)."""
+"""Built scrapes whose text is not yet all taken by its clients, at most (GET /metrics)."""
 
 
-def _busy() -> Response:
-    return PlainTextResponse(f"{SCRAPES_HELD} scrapes' answers are still being taken by their clients: retry "
-                             "shortly (a client that asks for /metrics should read the answer)\n",
-                             status_code=503, headers={"Retry-After": "1"})
+class ScrapeLetGo(Exception):
+    """A scrape's text was let go before its client took it all (SCRAPES_HELD newer ones were asked for):
+    the response ends unfinished, so the client sees an error, never a text cut short."""
+
+
+class _LetGoInOneLine(logging.Filter):
+    """hypercorn logs an answer that ended with an exception as an ERROR with its traceback (some 40
+    lines); a scrape let go is expected under load, so it is one WARNING line saying why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ScrapeLetGo):
+            record.msg, record.args, record.exc_info, record.exc_text = str(exc), (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+HTTP_LOGGER.addFilter(_LetGoInOneLine())
+
+
+class _Text:
+    """One built scrape: its pieces, and how many responses are sending them."""
+
+    def __init__(self, started: int):
+        self.started = started  # scrapes started so far, this one included: a request that saw fewer asked
+        # before it began
+        self.pieces: list[bytes] = []
+        self.readers = 0
+        self.gone = False  # let go: its readers took it all, or it was the oldest past SCRAPES_HELD
+
+    def let_go(self) -> None:
+        self.gone = True
+        self.pieces = []
 
 
 class _Held:
-    """How many built scrapes are still being sent."""
+    """The built scrapes being sent, oldest first, and the latest one built (requests that waited while
+    it was built share it)."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.started = 0
+        self.latest: _Text | None = None
+        self.texts: collections.OrderedDict[int, _Text] = collections.OrderedDict()
+
+    @property
+    def count(self) -> int:
+        return len(self.texts)
+
+    def keep(self, text: _Text) -> None:
+        """A text was built: held until its readers are done; the oldest is let go past SCRAPES_HELD."""
+        while len(self.texts) >= SCRAPES_HELD:
+            _, oldest = self.texts.popitem(last=False)
+            oldest.let_go()
+        self.texts[text.started] = text
+        self.latest = text
+
+    def release(self, text: _Text) -> None:
+        """A response is done with `text` (taken to its end, or dropped with its client)."""
+        text.readers -= 1
+        if not text.readers and self.texts.pop(text.started, None) is not None:
+            text.let_go()
 
 
 class _Pieces:
-    """The scrape's pieces, each let go as it is sent; counted in `held` until the last is taken or the
-    response is dropped (its client cut off: the writes' TCP_USER_TIMEOUT ends one that never reads). An
-    iterator object, not an async generator: one that a client never reads to the end is dropped with no
-    finaliser to run but this one's count."""
+    """A response's pieces of its scrape's text; counted as a reader of the text until the last is taken
+    or the response is dropped (its client cut off: the writes' TCP_USER_TIMEOUT ends one that never
+    reads). An iterator object, not an async generator: one that a client never reads to the end is
+    dropped with no finaliser to run but this one's count."""
 
-    def __init__(self, pieces: list[bytes], held: _Held):
-        self._waiting = collections.deque(pieces)
-        pieces.clear()
+    def __init__(self, text: _Text, held: _Held):
+        self._text = text
+        self._next = 0
         self._held: _Held | None = held
-        held.count += 1
+        text.readers += 1
 
     def __aiter__(self) -> _Pieces:
         return self
 
     async def __anext__(self) -> bytes:
-        if not self._waiting:
+        text = self._text
+        if text.gone:
+            self._done()
+            raise ScrapeLetGo(f"GET /metrics: the answer was let go before its client took it all ({SCRAPES_HELD} "
+                              "newer scrapes were asked for meanwhile)")
+        if self._next >= len(text.pieces):
             self._done()
             raise StopAsyncIteration
-        return self._waiting.popleft()
+        self._next += 1
+        return text.pieces[self._next - 1]
 
     def _done(self) -> None:
         if self._held is not None:
-            self._held.count -= 1
+            self._held.release(self._text)
             self._held = None
 
     def __del__(self) -> None:

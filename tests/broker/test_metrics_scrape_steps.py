@@ -68,21 +68,60 @@ async def test_a_scrape_checkpoints_between_steps_and_uses_no_thread(monkeypatch
 
 
 async def test_scrapes_held_for_clients_that_do_not_read_are_bounded() -> None:
-    """Each built scrape's text is held until its client takes it: clients that asked and never read kept a
+    """Each built scrape's text is held until its clients take it: clients that asked and never read kept a
     whole text each (a tester: twelve took a 128 MiB-quota broker to 298 MiB). At most SCRAPES_HELD; past
-    that 503 Retry-After; a text taken to its end, or dropped with its cut-off client, frees its place."""
+    that the oldest is let go and its client's answer ends unfinished, never a text cut short; the new
+    request is answered (a 503 there let four slow readers keep every scrape from a well-behaved one, a
+    tester). A text taken to its end, or dropped with its cut-off client, frees its place."""
     import gc
 
     m = _metrics(50, 5)
-    endpoint = metricshttp.metrics_route(m).endpoint
+    route = metricshttp.metrics_route(m)
+    endpoint = route.endpoint
+    whole = b"".join([piece async for piece in (await endpoint(None)).body_iterator])
     kept = [await endpoint(None) for _ in range(metricshttp.SCRAPES_HELD)]
     assert all(answer.status_code == 200 for answer in kept)
-    refused = await endpoint(None)
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    assert b"".join([piece async for piece in kept[0].body_iterator])  # taken to its end: its place is free
-    assert (await endpoint(None)).status_code == 200  # (dropped at once: its place is free again)
+    first = kept[0].body_iterator
+    assert await first.__anext__()  # its client took a piece, and reads no more
+    fifth = await endpoint(None)
+    assert fifth.status_code == 200
+    with pytest.raises(metricshttp.ScrapeLetGo, match="let go before its client took it all"):
+        while True:
+            await first.__anext__()  # the oldest was let go: its answer ends unfinished
+    assert b"".join([piece async for piece in fifth.body_iterator]) == whole  # the new one whole
+    assert b"".join([piece async for piece in kept[1].body_iterator]) == whole  # the others untouched
+    del kept[2]  # a client cut off: the response is dropped, its text with it
     gc.collect()
-    assert (await endpoint(None)).status_code == 200
-    del kept[1]  # a client cut off: the response is dropped
-    kept.append(await endpoint(None))
-    assert kept[-1].status_code == 200
+    assert [piece async for piece in kept[-1].body_iterator]
+
+
+async def test_requests_that_wait_for_a_scrape_share_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests that came while a scrape was built wait for it, then share one scrape begun after they
+    asked (each sees what happened before it asked; an attacker's parallel requests cost one build)."""
+    m = _metrics(50, 5)
+    endpoint = metricshttp.metrics_route(m).endpoint
+    answers: list[Any] = []
+    builds = 0
+    steps = metricshttp._scrape_in_steps
+
+    def counted(metrics: BrokerMetrics) -> Any:
+        nonlocal builds
+        builds += 1
+        return steps(metrics)
+
+    monkeypatch.setattr(metricshttp, "_scrape_in_steps", counted)
+    monkeypatch.setattr(metricshttp, "SLICE_SECONDS", 0.0)  # a checkpoint after every step: the others ask meanwhile
+
+    async def scrape() -> None:
+        answers.append(await endpoint(None))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scrape)
+        for _ in range(3):
+            await trio.sleep(0)  # the first scrape is being built
+        assert builds == 1
+        for _ in range(5):
+            nursery.start_soon(scrape)
+    texts = [b"".join([piece async for piece in answer.body_iterator]) for answer in answers]
+    assert len(set(texts)) == 1 and texts[0]
+    assert builds == 2  # the first request's, and one for the five that asked while it was built

@@ -319,3 +319,38 @@ async def test_a_monitoring_user_scrapes_a_metrics_port_of_its_own_as_the_admin_
     assert status == 403
     status, body, _ = await get(broker.metrics_url)
     assert status == 401 and "admin API" not in body and "HTTP Basic" in body
+
+
+async def test_clients_that_ask_and_never_read_do_not_keep_a_scraper_out(start_flowbroker: Any) -> None:
+    """docs/metrics.md: at most four built scrapes are held while their clients take them; past that the
+    oldest is let go (its client's answer ends unfinished) and the new request is answered. Four sockets
+    that asked and read nothing, reconnecting, made every scrape of a well-behaved scraper a 503 (a tester)."""
+    broker = await start_flowbroker(metrics={"endpoint": "127.0.0.1:0"})
+    for i in range(2000):
+        broker.core.declare_queue(f"queue-with-a-rather-long-name-{i:05d}")  # some 150 KB of text a scrape
+    port = int(broker.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    slow: list[trio.SocketStream] = []
+
+    async def ask_and_never_read() -> None:
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 1024)
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: broker\r\n\r\n")
+        slow.append(stream)
+
+    for _ in range(4):
+        await ask_and_never_read()
+        await trio.sleep(0.2)  # each its own scrape
+    for _ in range(3):
+        samples = await scrape(broker)  # (asserts 200)
+        assert one(samples, "flowbroker_queues") == 2000
+        await ask_and_never_read()
+    # The first slow ones' answers were let go: they end unfinished, never cut short and complete-looking.
+    with trio.fail_after(LIMIT):
+        got = b""
+        while chunk := await slow[0].receive_some(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n")  # no last chunk
+    for stream in slow:
+        await stream.aclose()
