@@ -8,25 +8,41 @@ connection holds is charged to the shared budget *before* it reads: the reader a
 how much it may read, reads no more, and after decoding `settle()`s its charge down to what is still
 partial. So the bytes held for partial frames never exceed `limit + allowance x connections`, and
 when the budget is spent a connection in the middle of a large frame stops being read (it could not
-process anything behind that frame anyway) until another connection's frame completes or ends, or its
-own frame deadline ([server] frame_timeout) closes it.
+process anything behind that frame anyway) until another connection's frame completes or ends.
+
+And a frame that stalls does not keep the others waiting: ten connections that each sent all but the last
+byte of an 8 MiB frame spent the 64 MiB budget, and a producer beside them whose TRANSFER frames are over
+one read waited for their frame_timeout, 25 s (a tester). A connection that must wait first has the budget
+`reclaim()` the stalled partial frame: one that has not grown by PROGRESS_BYTES for STALL_SECONDS (the
+one stalled longest first; never a connection that is itself waiting for the budget) is cut, its
+connection closed, and its bytes go back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
-__all__ = ["PartialFrameBudget", "FrameBytes"]
+__all__ = ["PartialFrameBudget", "FrameBytes", "STALL_SECONDS", "PROGRESS_BYTES"]
+
+STALL_SECONDS = 1.0
+"""A partial frame that has not grown by PROGRESS_BYTES for this long, while another connection waits for
+the budget, is cut: 256 KiB a second is a 2 Mbit/s link, far below what a client sending 8 MiB frames has."""
+PROGRESS_BYTES = 256 * 1024
 
 
 class PartialFrameBudget:
     """Shared by all connections of a broker. `charged` never exceeds `limit`."""
 
-    def __init__(self, limit: int, allowance: int):
+    def __init__(self, limit: int, allowance: int, clock: Callable[[], float] = trio.current_time):
         self.limit = limit
         self.allowance = allowance
+        self.clock = clock
         self.charged = 0
         self.peak = 0  # the most ever charged at once (for tests and diagnosis)
+        self.cuts = 0  # stalled partial frames cut (reclaim)
+        self.holders: set[FrameBytes] = set()  # the connections charged now
         self._freed: trio.Event | None = None  # exists while some connection waits
 
     def _charge(self, delta: int) -> None:
@@ -44,16 +60,38 @@ class PartialFrameBudget:
             self._freed = trio.Event()
         await self._freed.wait()
 
-    def connection(self) -> FrameBytes:
-        return FrameBytes(self)
+    def reclaim(self, waiter: FrameBytes) -> bool:
+        """`waiter` must wait for the budget: cut the partial frame stalled longest, if one has stalled for
+        STALL_SECONDS (see the module's docstring). True if one was cut (its bytes come back when its
+        connection has closed). O(connections charged), once per STALL_SECONDS a waiter."""
+        now = self.clock()
+        stalled = [held for held in self.holders
+                   if held is not waiter and not held.waiting and held.cut is not None
+                   and now - held.progressed >= STALL_SECONDS]
+        if not stalled:
+            return False
+        frame = min(stalled, key=lambda held: held.progressed)
+        cut, frame.cut = frame.cut, None
+        assert cut is not None
+        self.cuts += 1
+        cut(now - frame.progressed)
+        return True
+
+    def connection(self, cut: Callable[[float], None] | None = None) -> FrameBytes:
+        """A connection's share; `cut(seconds stalled)` closes that connection (None: never cut)."""
+        return FrameBytes(self, cut)
 
 
 class FrameBytes:
     """One connection's share: what it has charged to the budget for the frame it is receiving."""
 
-    def __init__(self, budget: PartialFrameBudget):
+    def __init__(self, budget: PartialFrameBudget, cut: Callable[[float], None] | None = None):
         self.budget = budget
         self.charged = 0
+        self.cut = cut
+        self.waiting = False  # waiting for the budget (never cut then: it is not the one at fault)
+        self.progressed = 0.0  # when what it holds last grew by PROGRESS_BYTES, or began to be charged
+        self._progress_mark = 0  # what it held then
 
     def grant_read(self, held: int, want: int) -> int:
         """How many bytes (at most `want`) the connection holding `held` undecoded bytes may read now;
@@ -65,16 +103,30 @@ class FrameBytes:
         size = min(want, may_hold - held)
         if size <= 0:
             return 0
-        self.settle(held + size)
+        self._charge_to(held + size)
         return size
 
     def settle(self, held: int) -> None:
-        """Charge exactly what `held` undecoded bytes take beyond the allowance (after a read was decoded)."""
-        charge = max(0, held - self.budget.allowance)
+        """Charge exactly what `held` undecoded bytes take beyond the allowance (after a read was decoded,
+        or before the reader waits for the peer: bytes really received, so progress counts here alone;
+        a grant read of nothing is no progress)."""
+        self._charge_to(held)
+        if self.charged and (held >= self._progress_mark + PROGRESS_BYTES or held < self._progress_mark):
+            self.progressed, self._progress_mark = self.budget.clock(), held
+
+    def _charge_to(self, held: int) -> None:
+        budget = self.budget
+        charge = max(0, held - budget.allowance)
         if charge != self.charged:
-            self.budget._charge(charge - self.charged)
+            if not self.charged:  # a frame begins to be charged
+                budget.holders.add(self)
+                self.progressed, self._progress_mark = budget.clock(), held
+            elif not charge:
+                budget.holders.discard(self)
+            budget._charge(charge - self.charged)
             self.charged = charge
 
     def release(self) -> None:
         """The connection is gone: give everything back."""
         self.settle(0)
+        self.cut = None

@@ -65,7 +65,7 @@ from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
-from flowbroker.broker.framebudget import PartialFrameBudget
+from flowbroker.broker.framebudget import STALL_SECONDS, PartialFrameBudget
 from flowbroker.broker.journal import Journal
 from flowbroker.broker.journalshell import FINAL_COMMIT_SECONDS, open_journal, run_committer
 from flowbroker.broker.logsafe import logsafe
@@ -560,7 +560,7 @@ class ConnectionHandler:
         self._cancel = trio.CancelScope()
         self._reading = trio.CancelScope()  # the reader alone: cancelled by stop_reading() at shutdown
         self.last_received = trio.current_time()
-        self.frame_bytes = server.frame_budget.connection()  # this connection's share of the partial-frame budget
+        self.frame_bytes = server.frame_budget.connection(self._cut_stalled_frame)  # its share of the partial-frame budget
         self.frame_started: float | None = None  # when the first byte of the partial frame in hand arrived
         self._eof = False  # the peer ended its byte stream
         self._noop_nonce = 0
@@ -879,7 +879,7 @@ class ConnectionHandler:
                     want = min(frame_size - conn.buffered, LARGE_READ)  # the rest of a large frame
                 size = frame_bytes.grant_read(conn.buffered, want)
                 if not size:  # in the middle of a large frame, and the budget is spent
-                    await frame_bytes.budget.wait_freed()
+                    await self._wait_for_frame_budget()
                     continue
                 data = await io.receive(size, self._hold_no_grant)
                 if data is None:  # it waited for the peer: ask the budget again
@@ -887,6 +887,33 @@ class ConnectionHandler:
                 self.last_received = trio.current_time()
                 return data
         raise _FrameTimeout
+
+    async def _wait_for_frame_budget(self) -> None:
+        """Until some connection gives partial-frame bytes back; meanwhile a frame stalled for
+        STALL_SECONDS is cut (PartialFrameBudget.reclaim), looked for again every STALL_SECONDS."""
+        frame_bytes = self.frame_bytes
+        budget = frame_bytes.budget
+        frame_bytes.waiting = True
+        try:
+            budget.reclaim(frame_bytes)
+            with trio.move_on_after(STALL_SECONDS):
+                await budget.wait_freed()
+        finally:
+            frame_bytes.waiting = False
+
+    def _cut_stalled_frame(self, stalled: float) -> None:
+        """The partial-frame budget cut this connection's frame: it had not grown for `stalled` seconds
+        while another connection waited for the budget."""
+        conn = self.conn
+        size = conn.next_frame_size
+        got = f"{conn.buffered} of its {size} bytes" if size is not None else f"{conn.buffered} bytes"
+        LOGGER.info("connection %s from %s: closed: its frame %d stalled %.1fs (%s received) while other "
+                    "connections waited for the partial-frame budget", self.session and self.session.conn_id,
+                    self.peer, conn.frames_received + 1, stalled, got)
+        self.close(_Closing(ErrorCode.IDLE_TIMEOUT,
+                            f"frame {conn.frames_received + 1} stalled: {got} received, under 256 KiB more in "
+                            f"{stalled:.1f}s while other connections waited for the partial-frame budget ([server] "
+                            "max_partial_frame_bytes)", conn.frames_received + 1))
 
     def _hold_no_grant(self) -> None:
         """Before waiting for the peer: give back what the budget granted for a read that found nothing."""

@@ -6,14 +6,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowbroker.broker.framebudget import PartialFrameBudget
+from flowbroker.broker.framebudget import PROGRESS_BYTES, STALL_SECONDS, PartialFrameBudget
 
 LIMIT = 1000
 ALLOWANCE = 100
 
 
 def test_a_connection_within_its_allowance_reads_even_when_the_budget_is_spent() -> None:
-    budget = PartialFrameBudget(LIMIT, ALLOWANCE)
+    budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
     hog, small = budget.connection(), budget.connection()
     assert hog.grant_read(0, 10_000) == LIMIT + ALLOWANCE  # it may hold the budget and its allowance
     assert budget.charged == LIMIT
@@ -31,7 +31,7 @@ def test_a_connection_within_its_allowance_reads_even_when_the_budget_is_spent()
 
 @given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 3000), st.integers(0, 100)), max_size=200))
 def test_charges_add_up_and_never_exceed_the_budget(steps: list[tuple[int, bool, int, int]]) -> None:
-    budget = PartialFrameBudget(LIMIT, ALLOWANCE)
+    budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
     conns = [budget.connection() for _ in range(5)]
     held = [0] * 5
     for index, read, want, percent in steps:
@@ -46,3 +46,36 @@ def test_charges_add_up_and_never_exceed_the_budget(steps: list[tuple[int, bool,
     for conn in conns:
         conn.release()
     assert budget.charged == 0
+
+
+def test_a_waiter_has_the_partial_frame_stalled_longest_cut_and_never_one_that_progresses() -> None:
+    """Ten connections that each sent all but the last byte of an 8 MiB frame spent the budget, and a
+    producer beside them waited for their frame_timeout, 25 s (a tester). A connection that must wait has
+    the frame stalled longest (not grown by PROGRESS_BYTES in STALL_SECONDS) cut; never one that grows,
+    one that is itself waiting, or the waiter."""
+    now = [0.0]
+    budget = PartialFrameBudget(4 * PROGRESS_BYTES, ALLOWANCE, clock=lambda: now[0])
+    cut: list[tuple[str, float]] = []
+    stalled = budget.connection(lambda s: cut.append(("stalled", s)))
+    slow = budget.connection(lambda s: cut.append(("slow", s)))
+    waiting = budget.connection(lambda s: cut.append(("waiting", s)))
+    victim = budget.connection(lambda s: cut.append(("victim", s)))
+    held = {stalled: 0, slow: 0, waiting: 0}
+    for conn in held:
+        granted = conn.grant_read(0, PROGRESS_BYTES)
+        held[conn] = granted
+        conn.settle(granted)  # received: each holds a partial frame of PROGRESS_BYTES
+    now[0] = 0.5
+    slow.settle(held[slow] + 1)  # a byte more: no progress
+    waiting.waiting = True
+    assert victim.grant_read(0, 2 * PROGRESS_BYTES) < 2 * PROGRESS_BYTES
+    assert not budget.reclaim(victim)  # nothing stalled for STALL_SECONDS yet
+    now[0] = 0.5 + STALL_SECONDS
+    slow.settle(held[slow] + PROGRESS_BYTES)  # it grows: progress
+    assert budget.reclaim(victim) and cut == [("stalled", 0.5 + STALL_SECONDS)]
+    assert not budget.reclaim(victim)  # the slow one progressed, the waiting one waits, the stalled one is cut
+    stalled.release()
+    assert budget.cuts == 1 and stalled not in budget.holders
+    now[0] = 0.5 + 2 * STALL_SECONDS + 0.1
+    assert budget.reclaim(victim) and cut[-1][0] == "slow"  # stalled since its progress
+    assert all(name != "waiting" for name, _ in cut)
