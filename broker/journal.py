@@ -42,6 +42,7 @@ from flowbroker.broker.journalrecord import (
     QUEUE,
     QUEUE_DELETED,
     SETTLED,
+    SETTLED_MANY,
     UNBIND,
     encode,
     encode_payload,
@@ -66,6 +67,8 @@ class CommitWaiter(Protocol):
 
 LOGGER = logging.getLogger("flowbroker.journal")
 
+SETTLED_PER_RECORD = 65_536
+"""Offsets in one SETTLED_MANY record at most (about 320 KiB of record)."""
 MAX_PRODUCER_IDS = 100_000
 """Producer ids whose highest journalled sequence is kept (the idempotent-producer seam): bounded, the
 oldest forgotten first."""
@@ -331,6 +334,18 @@ class Journal:
         if self.seg_bytes >= self.segment_size:
             self._roll()
         self._append(encode([SETTLED, qid, offset]))
+
+    def settled_many(self, qid: int, offsets: list[int], segs: list[int]) -> None:
+        """`settled` for many messages of one queue (`offsets`, each in `segs`) in SETTLED_MANY records of at
+        most SETTLED_PER_RECORD offsets: a purge of 300,000 messages wrote a record each on the trio
+        thread, 0.3-0.5 s every connection waited (a tester)."""
+        live = self.live
+        for seg in segs:
+            live[seg] -= 1
+        for start in range(0, len(offsets), SETTLED_PER_RECORD):
+            if self.seg_bytes >= self.segment_size:
+                self._roll()
+            self._append(encode([SETTLED_MANY, qid, offsets[start:start + SETTLED_PER_RECORD]]))
 
     def forget(self, segs: list[int]) -> None:
         """A deleted queue's messages, by segment: they no longer keep their segments."""

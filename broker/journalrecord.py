@@ -29,6 +29,7 @@ __all__ = [
     "MESSAGE",
     "DELIVERED",
     "SETTLED",
+    "SETTLED_MANY",
     "PRODUCERS",
     "encode",
     "encode_payload",
@@ -55,6 +56,7 @@ MESSAGE = 7  # [kind, qid, offset, exchange, routing key, body, headers, size, p
 DELIVERED = 8  # [kind, qid, offset]: handed to a consumer at least once (comes back redelivered)
 SETTLED = 9  # [kind, qid, offset]: gone for good (acked, rejected, dropped, purged)
 PRODUCERS = 10  # [kind, {producer id: highest sequence}]: the idempotent-producer seam
+SETTLED_MANY = 11  # [kind, qid, [offset, ...]]: SETTLED for each (a purge's ready messages, in one record)
 
 
 _packer = msgpack.Packer(use_bin_type=True)

@@ -53,9 +53,18 @@ class JournalStore(MemoryStore):
             self.journal.settled(self.qid, msg.offset, seg)
 
     def purge(self) -> list[Message]:
+        """The ready messages, gone: their settlements in SETTLED_MANY records, not a record each."""
         msgs = super().purge()
+        pop = self.segs.pop
+        offsets: list[int] = []
+        segs: list[int] = []
         for msg in msgs:
-            self.settle(msg)
+            seg = pop(msg.offset, None)
+            if seg is not None:
+                offsets.append(msg.offset)
+                segs.append(seg)
+        if offsets:
+            self.journal.settled_many(self.qid, offsets, segs)
         return msgs
 
     def delete(self) -> None:

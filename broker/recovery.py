@@ -28,6 +28,7 @@ from flowbroker.broker.journalrecord import (
     QUEUE,
     QUEUE_DELETED,
     SETTLED,
+    SETTLED_MANY,
     UNBIND,
     scan,
 )
@@ -207,6 +208,10 @@ def _check(r: list[Any]) -> None:
         _name(r[1], "exchange name"), _int(r[2], "queue id")
         if type(r[3]) is not str:
             raise ValueError(f"binding key {r[3]!r} is not a string")
+    elif kind == SETTLED_MANY:
+        _int(r[1], "queue id")
+        if type(r[2]) is not list or not all(type(offset) is int and offset >= 0 for offset in r[2]):
+            raise ValueError("settled offsets are not a list of non-negative integers")
     elif kind == PRODUCERS:
         if type(r[1]) is not dict or not all(type(k) is str and type(v) is int for k, v in r[1].items()):
             raise ValueError("producers record is not a map of producer id to sequence")
@@ -234,6 +239,12 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
         q = queues.get(r[1])
         if q is not None:
             q.messages.pop(r[2], None)
+    elif kind == SETTLED_MANY:
+        q = queues.get(r[1])
+        if q is not None:
+            pop = q.messages.pop
+            for offset in r[2]:
+                pop(offset, None)
     elif kind == DELIVERED:
         q = queues.get(r[1])
         if q is not None and r[2] in q.messages:

@@ -14,6 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from flowbroker.broker import journal as journal_module
 from flowbroker.broker.journal import Journal
 from flowbroker.broker.journalrecord import QUEUE
 from flowbroker.broker.journalstore import JournalStore
@@ -29,6 +30,8 @@ class JournalMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="journal-sm-"))
         self.journal = Journal(self.dir / "journal", 64 * 1024, False, 0, 0)
         self.journal.segment_size = 2048  # tiny segments: rolls and compaction on every few messages
+        self._per_record = journal_module.SETTLED_PER_RECORD
+        journal_module.SETTLED_PER_RECORD = 3  # a purge's settlements over several SETTLED_MANY records
         self.stores = {qid: JournalStore(self.journal, qid) for qid in QIDS}
         self.next_offset = {qid: 0 for qid in QIDS}
         self.journal.topology = self._topology
@@ -43,6 +46,7 @@ class JournalMachine(RuleBasedStateMachine):
         return [[QUEUE, qid, f"q{qid}", {}, self.next_offset[qid]] for qid in QIDS]
 
     def teardown(self) -> None:
+        journal_module.SETTLED_PER_RECORD = self._per_record
         self.journal.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
