@@ -121,7 +121,8 @@ FANOUT_BUDGET = 1024
 of the TRANSFER to the shell (`Session.routing_rest`), which lets other connections run before it goes on:
 about 2 ms. One frame of 50 messages to a fanout of 10,000 queues was 0.5 s of routing in one step, and
 every other connection waited (a tester); a frame of 1,024 would have been 10 s. One message's own
-fan-out is not split: its copies are made together."""
+fan-out is not split: its copies are made together. A topic match not cached counts its cost as copies
+too (`Exchange.route_cost`)."""
 
 
 class RoutingRest(NamedTuple):
@@ -747,6 +748,9 @@ class BrokerCore:
                         tid += 1
                         continue
                     targets = ex.route(routing_key)
+                    if ex.route_cost:  # a topic match not cached: its cost counts as fan-out (Exchange.route)
+                        fanned += ex.route_cost
+                        ex.route_cost = 0
                     if not targets:
                         self.unroutable += 1
                         if session.report_unroutable:  # the client asked to hear of it (AMQP's mandatory)
@@ -754,6 +758,8 @@ class BrokerCore:
                                          f"exchange {exchange!r} routed key {routing_key!r} to no queue", exchange,
                                          producer_id, sequence)
                             tid += 1
+                            if fanned >= budget:
+                                break
                             continue
                 held: list[Message] = []
                 durable_queue: Queue | None = None  # a durable queue took it: completion waits for the journal

@@ -64,6 +64,7 @@ class Exchange:
         self._cache = cache if cache is not None else RouteCache()
         # topic exchanges: every binding key in one matcher (broker/topic.py)
         self._topics = TopicIndex(self._cache.topic_budget)
+        self.route_cost = 0  # topic matches' cost since the core last took it (BrokerCore.route)
 
     def bind(self, queue: Queue, key: str) -> bool:
         """Returns False if the binding already existed."""
@@ -96,8 +97,19 @@ class Exchange:
         self._topics.release()
 
     def unbind_queue(self, queue: Queue) -> None:
+        """Every binding of `queue` (it is deleted): the topic keys left with no queue leave the matcher
+        together (TopicIndex.remove_many), not one by one."""
+        emptied: list[str] = []
         for key in [k for k, qs in self.bindings.items() if queue in qs]:
-            self.unbind(queue, key)
+            queues = self.bindings[key]
+            del queues[queue]
+            self._cache.bindings -= 1
+            if not queues:
+                del self.bindings[key]
+                emptied.append(key)
+        if emptied and self.kind is ExchangeKind.TOPIC:
+            self._topics.remove_many(emptied)
+        self._cache.clear()
 
     def route(self, routing_key: str) -> list[Queue]:
         kind = self.kind
@@ -113,7 +125,13 @@ class Exchange:
             result = list({q: None for qs in self.bindings.values() for q in qs})
         else:
             bindings = self.bindings
-            result = list({q: None for key in self._topics.match(routing_key.split(".")) for q in bindings[key]})
+            words = routing_key.split(".")
+            result = list({q: None for key in self._topics.match(words) for q in bindings[key]})
+            # What the match cost, in the copies of fan-out the core counts against a frame's slice
+            # (core.FANOUT_BUDGET, about 2 us a copy): its operations are over every binding's states,
+            # about 1.2 ms for a 127-word key at 99,000 bindings, and a frame of 1,024 such keys was routed
+            # in one step, 1.1 s during which every connection waited (a tester).
+            self.route_cost += len(words) * self._topics.states() // 65536
         if len(cache) >= RouteCache.MAX_ENTRIES:
             cache.clear()
         cache[key] = result

@@ -205,6 +205,32 @@ def test_one_index_of_many_bindings_matches_as_each_binding_would(ops: list[tupl
         assert set(index.match(key.split("."))) == expected
 
 
+@given(
+    patterns=st.lists(st.lists(st.one_of(_word, st.sampled_from(["*", "#"])), min_size=1, max_size=6).map(".".join),
+                      min_size=1, max_size=12),
+    removed=st.one_of(st.sets(st.integers(0, 199)),  # (few: one by one)
+                      st.integers(2, 5).map(lambda k: {i for i in range(200) if i % k})),  # many: one rebuild
+    keys=st.lists(st.lists(_word, min_size=1, max_size=7).map(".".join), min_size=1, max_size=5),
+)
+def test_keys_removed_together_leave_an_index_that_matches_as_each_binding_would(
+        patterns: list[str], removed: set[int], keys: list[str]) -> None:
+    """A deleted queue's bindings leave together (`remove_many`: one rebuild past 64 keys), and the rebuild
+    makes each vector from its list of bits: what is left matches exactly as before, and the word masks'
+    bits are counted in the budget as they are held."""
+    index = TopicIndex()
+    bound = [f"{pattern}.n{i}" if i % 3 else pattern for i, pattern in enumerate(patterns * 17)][:200]
+    for key in bound:
+        index.add(key)
+    gone = [bound[i] for i in sorted(removed) if i < len(bound)]
+    index.remove_many(gone)
+    live = set(bound) - set(gone)
+    assert len(index) == len(live)
+    assert index.literal_bits == sum(mask.bit_length() for _, mask in index._literal.values()) == index.budget.used
+    for key in keys + [f"{k}.n{i}" for i, k in enumerate(keys, 1)]:
+        expected = {p for p in live if _reference_match(tuple(p.split(".")), tuple(key.split(".")))}
+        assert set(index.match(key.split("."))) == expected
+
+
 def test_keys_of_distinct_words_cost_memory_in_proportion_to_their_number() -> None:
     """A dense mask per word spanned every state below the word's: 100,000 two-word keys of distinct words
     held 2 GB (a tester). From its lowest state up, each distinct word's mask is one bit."""
