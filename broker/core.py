@@ -1371,6 +1371,9 @@ class BrokerCore:
     def _exchange(self, name: str) -> Exchange:
         ex = self.exchanges.get(name)
         if ex is None:
+            if name == "":  # (it exists, and routes by queue name: binding to it means nothing)
+                raise RequestError(ErrorCode.NOT_FOUND, "the default exchange '' takes no bindings: it routes each "
+                                   "message to the queue its routing key names; bind to a named exchange", name)
             raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {name!r}", name)
         return ex
 
@@ -1518,6 +1521,10 @@ class BrokerCore:
 
     def _req_register_publication(self, session: Session, f: RegisterPublication) -> dict[str, Any]:
         udp, host = self._data_path(session)
+        key_bytes = utf8_len(f.routing_key)
+        if key_bytes > MAX_KEY_BYTES:  # (every message on it would be refused KEY_TOO_LONG: say so now)
+            raise RequestError(ErrorCode.KEY_TOO_LONG,
+                               f"routing key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes")
         if f.exchange != "" and f.exchange not in self.exchanges:
             raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {f.exchange!r}", f.exchange)
         return udp.ingress.register(session, f.exchange, f.routing_key, f.stream_id, (host, f.source_port),

@@ -121,6 +121,8 @@ def test_declare_and_bind_errors() -> None:
     assert isinstance(same, Ok)
     no_exchange = p.bind("q", "nope", "k")
     assert isinstance(no_exchange, Error) and (no_exchange.code, no_exchange.destination) == (ErrorCode.NOT_FOUND, "nope")
+    default = p.bind("q", "", "k")  # it exists, and takes no bindings: the error says so (a tester)
+    assert isinstance(default, Error) and default.code is ErrorCode.NOT_FOUND and "takes no bindings" in default.text
     no_queue = p.bind("missing", "e", "k")
     assert isinstance(no_queue, Error) and no_queue.destination == "missing"
     bad_arg = p.declare_queue("r", flow_stop_cont=3)

@@ -15,6 +15,7 @@ from flowbroker.broker.udp.datapath import DataPath
 from flowbroker.broker.udp.ingress import MAX_MESSAGES_PER_CYCLE
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.envelope import encode_publish, encode_publish_batch
+from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import ClosePublication, Error, FlowResumed, FlowStopped, RegisterPublication
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
@@ -266,6 +267,13 @@ def test_registrations_are_bounded() -> None:
     rig = Rig(udp={"max_publications_per_connection": 1})
     answer = rig.owner.request(lambda rid: RegisterPublication(rid, "", "q", 1002, SOURCE[1] + 1))
     assert isinstance(answer, Error) and "max_publications_per_connection 1" in answer.text
+
+
+def test_a_registration_whose_routing_key_is_too_long_is_refused_at_once() -> None:
+    """Every message on it would have been refused KEY_TOO_LONG; the registration was accepted (a tester)."""
+    rig = Rig()
+    answer = rig.owner.request(lambda rid: RegisterPublication(rid, "", "k" * 257, 1002, SOURCE[1] + 1))
+    assert isinstance(answer, Error) and answer.code is ErrorCode.KEY_TOO_LONG and "257 bytes" in answer.text
 
 
 @settings(max_examples=25, deadline=None)
