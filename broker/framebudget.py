@@ -7,8 +7,10 @@ connection sending small frames ever holds, so such connections never wait here.
 connection holds is charged to the shared budget *before* it reads: the reader asks `grant_read()`
 how much it may read, reads no more, and after decoding `settle()`s its charge down to what is still
 partial. So the bytes held for partial frames never exceed `limit + allowance x connections`, and
-when the budget is spent a connection in the middle of a large frame stops being read (it could not
-process anything behind that frame anyway) until another connection's frame completes or ends.
+when the budget is spent a connection starting a large frame is not read past its allowance (it could
+not process anything behind that frame anyway) until another connection's frame completes or ends. A
+large frame is charged whole before its bytes past the allowance are read, never piecemeal: partial
+grants let connections that each held part of a frame all wait for the rest (`grant_read`).
 
 And a frame that stalls does not keep the others waiting: ten connections that each sent all but the last
 byte of an 8 MiB frame spent the 64 MiB budget, and a producer beside them whose TRANSFER frames are over
@@ -93,31 +95,48 @@ class FrameBytes:
         self.progressed = 0.0  # when what it holds last grew by PROGRESS_BYTES, or began to be charged
         self._progress_mark = 0  # what it held then
 
-    def grant_read(self, held: int, want: int) -> int:
+    def grant_read(self, held: int, want: int, frame_end: int | None = None) -> int:
         """How many bytes (at most `want`) the connection holding `held` undecoded bytes may read now;
-        0 when it must wait for the budget. What it may hold after that read is charged at once."""
+        0 when it must wait for the budget. `frame_end`: the size of the frame being received (its
+        length prefix included; None before the prefix is in). A frame larger than the allowance is
+        charged whole before its bytes past the allowance are read, or not at all: granted piecemeal, ten
+        connections sending complete 8 MiB frames into a 16 MiB budget each got part of theirs, all
+        waited for more, and none completed until frame_timeout (every such frame a deadlock). So a
+        connection either holds its whole frame's charge, and waits only for its peer, or waits for the
+        budget holding nothing beyond its allowance."""
         budget = self.budget
-        if held + want <= budget.allowance and not self.charged:  # the common case: small frames
+        allowance = budget.allowance
+        frame_need = frame_end - allowance if frame_end is not None and frame_end > held else 0
+        if held + want <= allowance and frame_need <= 0 and not self.charged:  # the common case: small frames
             return want
-        may_hold = budget.allowance + self.charged + (budget.limit - budget.charged)
-        size = min(want, may_hold - held)
+        if frame_need > self.charged:
+            if frame_need - self.charged > budget.limit - budget.charged:
+                return max(0, min(want, allowance + self.charged - held))  # only within what it has
+            self._set_charge(frame_need, held)
+        # The frame is charged (or its size is not in yet): the read, charging what passes the charge.
+        size = min(want, allowance + self.charged + (budget.limit - budget.charged) - held)
         if size <= 0:
             return 0
-        self._charge_to(held + size)
+        if held + size - allowance > self.charged:
+            self._set_charge(held + size - allowance, held)
         return size
 
-    def settle(self, held: int) -> None:
-        """Charge exactly what `held` undecoded bytes take beyond the allowance (after a read was decoded,
-        or before the reader waits for the peer: bytes really received, so progress counts here alone;
-        a grant read of nothing is no progress)."""
-        self._charge_to(held)
+    def settle(self, held: int, frame_end: int | None = None) -> None:
+        """Charge what `held` undecoded bytes take beyond the allowance, keeping the whole frame's charge
+        while the frame being received (`frame_end`, as in `grant_read`) is not complete; after a read
+        was decoded, or before the reader waits for the peer. Never more than is charged already but
+        for `held` itself. Bytes really received, so progress counts here alone."""
+        allowance = self.budget.allowance
+        charge = held - allowance if held > allowance else 0
+        if frame_end is not None and frame_end > held:
+            charge = max(charge, min(self.charged, frame_end - allowance))
+        self._set_charge(charge, held)
         if self.charged and (held >= self._progress_mark + PROGRESS_BYTES or held < self._progress_mark):
             self.progressed, self._progress_mark = self.budget.clock(), held
 
-    def _charge_to(self, held: int) -> None:
-        budget = self.budget
-        charge = max(0, held - budget.allowance)
+    def _set_charge(self, charge: int, held: int) -> None:
         if charge != self.charged:
+            budget = self.budget
             if not self.charged:  # a frame begins to be charged
                 budget.holders.add(self)
                 self.progressed, self._progress_mark = budget.clock(), held

@@ -877,7 +877,7 @@ class ConnectionHandler:
                 frame_size = conn.next_frame_size  # (None before a length prefix is in)
                 if frame_size is not None and frame_size - conn.buffered > RECEIVE_SIZE:
                     want = min(frame_size - conn.buffered, LARGE_READ)  # the rest of a large frame
-                size = frame_bytes.grant_read(conn.buffered, want)
+                size = frame_bytes.grant_read(conn.buffered, want, frame_size)
                 if not size:  # in the middle of a large frame, and the budget is spent
                     await self._wait_for_frame_budget()
                     continue
@@ -917,12 +917,12 @@ class ConnectionHandler:
 
     def _hold_no_grant(self) -> None:
         """Before waiting for the peer: give back what the budget granted for a read that found nothing."""
-        self.frame_bytes.settle(self.conn.buffered)
+        self.frame_bytes.settle(self.conn.buffered, self.conn.next_frame_size)
 
     def _held(self, frames_before: int) -> None:
         """After decoding: charge what is left (part of a frame) to the budget and note since when."""
         conn = self.conn
-        self.frame_bytes.settle(conn.buffered)
+        self.frame_bytes.settle(conn.buffered, conn.next_frame_size)
         if not conn.buffered:
             self.frame_started = None
         elif self.frame_started is None or conn.frames_received != frames_before:

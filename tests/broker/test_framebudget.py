@@ -79,3 +79,54 @@ def test_a_waiter_has_the_partial_frame_stalled_longest_cut_and_never_one_that_p
     now[0] = 0.5 + 2 * STALL_SECONDS + 0.1
     assert budget.reclaim(victim) and cut[-1][0] == "slow"  # stalled since its progress
     assert all(name != "waiting" for name, _ in cut)
+
+
+@given(st.lists(st.integers(ALLOWANCE // 2, LIMIT + ALLOWANCE), min_size=2, max_size=8),
+       st.lists(st.tuples(st.integers(0, 7), st.integers(1, 400)), max_size=300))
+def test_connections_receiving_whole_frames_never_all_wait(frames: list[int], steps: list[tuple[int, int]]) -> None:
+    """Each connection's peer sends its frame whole (of `frames`, each at most what the budget can hold);
+    the reader reads what `grant_read` allows, in steps of the sizes given. Piecemeal grants let every
+    connection hold part of its frame and wait for the rest, none able to complete (ten 8 MiB frames into
+    a 16 MiB budget waited for frame_timeout). Now while any frame is incomplete, some connection may read."""
+    budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
+    conns = [budget.connection() for _ in frames]
+    held = [0] * len(frames)
+    done = [0] * len(frames)
+
+    def grant(i: int, want: int) -> int:
+        rest = frames[i] - held[i]
+        return conns[i].grant_read(held[i], min(want, rest), frames[i]) if rest else 0
+
+    for index, want in steps:
+        i = index % len(frames)
+        got = grant(i, want)
+        held[i] += got
+        if held[i] == frames[i]:  # complete: decoded, and the peer starts the same frame again
+            held[i] = 0
+            done[i] += 1
+        conns[i].settle(held[i], frames[i])
+        assert budget.charged == sum(c.charged for c in conns) <= LIMIT
+        assert all(h <= ALLOWANCE + c.charged for h, c in zip(held, conns))
+        # deadlock freedom: some connection can always read more of its frame
+        assert any(grant(k, 1) for k in range(len(frames)) if held[k] < frames[k])
+
+
+def test_three_frames_read_in_turns_all_complete() -> None:
+    """The smallest deadlock of piecemeal grants: three 700-byte frames read 300 bytes at a time in turns
+    into a budget of 1,000 left each with part of its frame and no room for the rest."""
+    budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
+    conns = [budget.connection() for _ in range(3)]
+    held = [0, 0, 0]
+    completed: set[int] = set()
+    for turn in range(30):
+        i = turn % 3
+        if i in completed:
+            continue
+        got = conns[i].grant_read(held[i], min(300, 700 - held[i]), 700)
+        held[i] += got
+        if held[i] == 700:  # complete: decoded
+            completed.add(i)
+            held[i] = 0
+        conns[i].settle(held[i], 700 if held[i] else None)
+    assert completed == {0, 1, 2}, (held, [c.charged for c in conns], budget.charged)
+    assert budget.charged == 0

@@ -251,6 +251,35 @@ async def test_stalled_partial_frames_that_spent_the_budget_are_cut_for_a_produc
     assert broker.core.queues["q"].count == 2000
 
 
+async def test_complete_large_frames_from_many_connections_are_all_read(start_flowbroker) -> None:
+    """Twelve connections each sent a whole 8 MiB frame into a 16 MiB partial-frame budget: read piecemeal,
+    each got part of its frame, all waited for the rest, and none was read to its end until frame_timeout
+    closed them (20 s here). A large frame is now charged whole before its bytes past the allowance are read,
+    so those charged complete and the others follow."""
+    frame_size = 8 * MiB
+    broker = await start_flowbroker(server={"max_partial_frame_bytes": 2 * frame_size, "frame_timeout": 60.0})
+    answers: list[Frame] = []
+
+    async def send_a_whole_frame() -> None:
+        raw = await RawClient.connect(broker.port)
+        head, tail = b"\x93\x0a\x01\x91\x96\xa0\xa1q\xc6", b"\xc0\xc0\xc0"
+        body = frame_size - len(head) - 4 - len(tail) - 100  # one message: over max_message_size
+        payload = head + struct.pack(">I", body) + bytes(body) + tail
+        await raw.send_raw(struct.pack(">I", len(payload)) + payload)
+        while not isinstance(frame := await raw.next_frame(), Error):  # (credit frames first) within LIMIT
+            assert frame is not None, "closed"
+        answers.append(frame)
+        await raw.aclose()
+
+    with trio.fail_after(2 * LIMIT):
+        async with trio.open_nursery() as nursery:
+            for _ in range(12):
+                nursery.start_soon(send_a_whole_frame)
+    assert len(answers) == 12
+    assert all(isinstance(f, Error) and f.code is ErrorCode.MESSAGE_TOO_LARGE for f in answers), answers
+    await wait_until(lambda: broker.server.frame_budget.charged == 0)
+
+
 # -- 4. every socket counts toward max_connections -------------------------------------------------------
 
 
