@@ -280,6 +280,37 @@ async def test_complete_large_frames_from_many_connections_are_all_read(start_fl
     await wait_until(lambda: broker.server.frame_budget.charged == 0)
 
 
+async def test_large_frames_before_the_handshake_are_refused_and_charge_no_budget(start_flowbroker) -> None:
+    """A frame typed TRANSFER may be as large as max_frame_size, but not before WELCOME: nine sockets that
+    never logged in each sent 8 MiB of one and held the 64 MiB budget, and a logged-in producer waited for
+    their handshake_timeout, 10 s, again and again (a tester). Refused now from its length prefix."""
+    broker = await start_flowbroker()
+    frame_size = 8 * MiB
+    endings: list[list[Frame]] = []
+
+    async def attack() -> None:
+        raw = await RawClient.connect(broker.port, hello=False)
+        try:
+            await raw.send_raw(struct.pack(">I", frame_size) + b"\x96\x0a" + bytes(frame_size - 2))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # closed while still sending
+        endings.append(await raw.frames_until_closed())
+        await raw.aclose()
+
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        await conn.declare_queue("q")
+        producer = conn.producer(routing_key="q")
+        async with trio.open_nursery() as nursery:
+            for _ in range(9):
+                nursery.start_soon(attack)
+            for i in range(500):
+                await producer.send(b"%04d" % i + b"x" * 4092)
+            await producer.flush(timeout=LIMIT)
+    assert len(endings) == 9  # closed (their ERROR is usually lost to the reset: they were still sending)
+    assert broker.core.errors_sent[ErrorCode.UNEXPECTED_FRAME] == 9
+    assert broker.server.frame_budget.peak < frame_size  # none of theirs was ever charged
+
+
 # -- 4. every socket counts toward max_connections -------------------------------------------------------
 
 
