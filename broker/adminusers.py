@@ -82,6 +82,9 @@ class AdminUsers:
         throttle = self.throttle
         wait = throttle.admit(host, self._clock_ns()) if throttle is not None else 0
         if wait is None and throttle is not None:
+            # refused without a look, after the same delay as any refused login (security.md; the data
+            # port's throttled logins waited, the admin API's 429 came at once, a tester)
+            await trio.sleep(self.failed_delay)
             raise LoginThrottled(f"{LOGIN_THROTTLED} {host}: wait and try again", -(-throttle.max_ns // 1_000_000_000))
         try:
             if wait:
