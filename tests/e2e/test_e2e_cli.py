@@ -76,6 +76,10 @@ def test_publish_and_consume_log_in_with_the_environments_user(tmp_path: Path) -
     add = subprocess.run([FLOWBROKER, "user", "add", "cli", "--password-stdin", "--users-file", str(users)],
                          input="s3cret\n", capture_output=True, text=True, timeout=30)
     assert add.returncode == 0, add.stderr
+    add = subprocess.run([FLOWBROKER, "user", "add", "writer", "--password-stdin", "--users-file", str(users),
+                          "--configure", "^$", "--write", ".*", "--read", "^$"],
+                         input="wr1ter\n", capture_output=True, text=True, timeout=30)
+    assert add.returncode == 0, add.stderr
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[server]\nport = {port}\n\n[admin]\nenabled = false\n\n[udp]\nenabled = false\n\n'
                       f'[auth]\nloopback_user = ""\nusers_file = "{users}"\nfailed_login_delay = 0.1\n')
@@ -98,9 +102,21 @@ def test_publish_and_consume_log_in_with_the_environments_user(tmp_path: Path) -
         con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "q"], capture_output=True,
                              text=True, timeout=30, env=env)
         assert con.returncode == 0 and con.stdout.splitlines() == ["hello"], con.stderr
+        # A user who may write the queue but not configure it: publish declares nothing and sends (it failed
+        # on its own declare, a tester); to a queue that does not exist, the message is refused.
+        writer = {**os.environ, "FLOWBROKER_USER": "writer", "FLOWBROKER_PASSWORD": "wr1ter"}
+        pub = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "q", "from the writer"], capture_output=True,
+                             text=True, timeout=30, env=writer)
+        assert pub.returncode == 0, pub.stderr
+        missing = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "nope", "x"], capture_output=True,
+                                 text=True, timeout=30, env=writer)
+        assert missing.returncode == 1 and "no queue named 'nope'" in missing.stdout + missing.stderr
+        con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "q"], capture_output=True,
+                             text=True, timeout=30, env=env)
+        assert con.returncode == 0 and con.stdout.splitlines() == ["from the writer"], con.stderr
     finally:
         err = stop(broker)
-    assert "1 user(s) in" in err and "login refused" in err
+    assert "2 user(s) in" in err and "login refused" in err
 
 
 def test_every_command_has_help() -> None:
