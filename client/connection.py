@@ -415,6 +415,7 @@ class Connection:
         self._nursery.start_soon(self._run_stream)
         return self
 
+    @trio.lowlevel.enable_ki_protection
     async def _run_stream(self) -> None:
         """The tasks of one stream: reader, writer, timer. They run in a scope of their own, so that a
         reconnect can end them (`_lost`) and start the next stream's, in the connection's nursery."""
@@ -666,6 +667,7 @@ class Connection:
             self._reconnecting = False
             self._credit_lot.unpark_all()
 
+    @trio.lowlevel.enable_ki_protection
     async def _contained(self, task: Callable[[], Awaitable[None]], what: str) -> None:
         """Run one of the connection's tasks so that a bug in it closes this connection with a typed
         error instead of escaping into the nursery, where it would cancel the application's block and
@@ -1165,6 +1167,7 @@ class Connection:
         finally:
             del transfers[:taken], costs[:taken]
 
+    @trio.lowlevel.enable_ki_protection
     async def _writer(self) -> None:
         """Waits only for work (`_wake`) and for the broker to take our bytes (`_write`), which the timer
         bounds by the idle timeout: a write stalled for that long ends the connection and this task.

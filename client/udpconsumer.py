@@ -274,6 +274,7 @@ class UdpConsumer(Consumer):
                 self._unheld = False
                 self._send(channel.do_work(now))
 
+    @trio.lowlevel.enable_ki_protection
     async def _status(self) -> None:
         """Processing released bytes: the status message that reports it goes out without waiting for a datagram.
 

@@ -470,6 +470,7 @@ class UdpProducer(Producer):
                     self._on_progress()
             nursery.cancel_scope.cancel()
 
+    @trio.lowlevel.enable_ki_protection
     async def _sender(self) -> None:
         """Sends what `send` left for later (less than a datagram), once the sending task yields."""
         while True:
