@@ -466,6 +466,17 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
     import flowbroker.client as fb
 
     auth = _broker_auth()
+    stdout = sys.stdout
+
+    @trio.lowlevel.enable_ki_protection
+    def show(line: str, msg: Any, shown: list[Any]) -> None:
+        """Print one message's line and note it printed, with Ctrl-C held off (trio raises it at the next
+        await instead): raised inside the write, the line could be in the output buffer, printed at exit,
+        and its message never acknowledged, so it came back redelivered (`consume | slow-reader` stopped by
+        Ctrl-C, a tester); between the write and the note, the same."""
+        stdout.write(line + "\n")
+        stdout.flush()
+        shown[0] = msg
 
     async def run() -> None:
         received = 0
@@ -478,6 +489,7 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
         # came (another tester).
         window = min(prefetch, count, N_WINDOW) if count else prefetch
         printed: list[Any] = []  # printed, acknowledged at the end
+        shown: list[Any] = [None]  # the message whose line was written last, until it is acknowledged
         async with await fb.connect(url, client_name="flowbroker-cli", auth=auth) as conn:
             async with conn.consumer(queue, prefetch=window) as consumer:
                 await consumer.subscribe()
@@ -491,22 +503,24 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
                             msg = await consumer.receive(timeout=timeout or None)
                         except fb.ReceiveTimeout:
                             return
-                        if as_json:
-                            click.echo(message_json(msg.body, msg.headers, msg.exchange, msg.routing_key,
-                                                    msg.redelivered))
-                        else:
-                            # escaped as the tables are: a body cannot drive the terminal or forge a line
-                            click.echo(printable(msg.body.decode(errors="replace"), backslash=False))
+                        # escaped as the tables are: a body cannot drive the terminal or forge a line
+                        line = (message_json(msg.body, msg.headers, msg.exchange, msg.routing_key, msg.redelivered)
+                                if as_json else printable(msg.body.decode(errors="replace"), backslash=False))
+                        show(line, msg, shown)
                         received += 1
                         if ack_from is not None and received > ack_from:
                             printed.append(msg)
                         else:
                             await msg.ack()
+                        shown[0] = None
                 finally:
                     # Ctrl-C too: what was printed is acknowledged. Without yielding, so the SETTLE goes out
                     # with the CANCEL that leaving the consumer sends: a message the acknowledgement lets the
                     # broker deliver meanwhile is dropped unsent by the CANCEL, and not flagged redelivered.
-                    for msg in printed:
+                    last = shown[0]
+                    for msg in printed if last is None or last in printed else [*printed, last]:
+                        if msg.settled is not None:
+                            continue
                         try:
                             msg.settle_nowait(fb.Outcome.ACK)
                         except fb.FlowbrokerError:  # the connection is gone: the error that ended it is told
