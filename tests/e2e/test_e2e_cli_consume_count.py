@@ -35,4 +35,3 @@ async def test_consume_n_takes_exactly_n_under_a_lower_max_prefetch(start_flowbr
     got = [(m["body"], m["redelivered"]) for m in first + rest]
     assert got == [("m%05d" % i, False) for i in range(total)]
     assert len(broker.core.queues["q"].store) == 0
-
