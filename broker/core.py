@@ -1475,13 +1475,20 @@ class BrokerCore:
             name = sub.queue.name
             if access.allowed("read", name):
                 continue
-            del session.subscriptions[sub_id]
-            self._end_subscription(session, sub)
-            session.send(Error(ErrorCode.UNAUTHORIZED,
-                               f"access refused: user {session.identity!r} may no longer read queue {name!r}: "
-                               f"subscription {sub_id} is cancelled", None, None, name))
+            self.end_subscription(session, sub, Error(
+                ErrorCode.UNAUTHORIZED, f"access refused: user {session.identity!r} may no longer read queue "
+                f"{name!r}: subscription {sub_id} is cancelled", None, None, name))
             ended += 1
         return ended
+
+    def end_subscription(self, session: Session, sub: Subscription, error: Error) -> None:
+        """The broker ends a subscription as a CANCEL would (its unsettled deliveries requeued, in order) and
+        tells the client `error` (destination: the queue). Not from inside a dispatch of its queue."""
+        if session.subscriptions.get(sub.sub_id) is not sub:
+            return
+        del session.subscriptions[sub.sub_id]
+        self._end_subscription(session, sub)
+        session.send(error)
 
     def _req_cancel(self, session: Session, f: Cancel) -> dict[str, Any]:
         sub = session.subscriptions.pop(f.subscription_id, None)

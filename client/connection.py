@@ -1376,6 +1376,13 @@ class Connection:
                         consumer._on_revoked(error)
                     else:
                         consumer._on_queue_deleted(error)
+        elif frame.code is ErrorCode.MESSAGE_TOO_LARGE and frame.destination is not None:
+            # A message in a queue is over what the UDP data path carries: the broker ended the UDP
+            # subscriptions to it, requeued what they had, and kept the message (consume it over TCP).
+            for consumer in list(self._consumers.values()):
+                if consumer.queue == frame.destination and consumer.transport == "udp" and consumer._settles_over_tcp:
+                    consumer._on_revoked(publish_error(frame.code, frame.text, frame.destination),
+                                         "could not carry a message of the queue over UDP")
         log.warning(
             "flowbroker connection %s: broker error %s: %s (ref %s, destination %s)",
             self.connection_id,

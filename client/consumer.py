@@ -239,6 +239,8 @@ class Consumer:
 
     _settles_over_tcp = True
     """False for a multicast group's member: its processing is its settlement (client/groupconsumer.py)."""
+    transport = "tcp"
+    """How its deliveries come: "tcp", or "udp" for a UdpConsumer (a multicast member's are "udp" too)."""
 
     def __init__(self, conn: Connection, queue: str, subscription_id: int, *, prefetch: int = 1000, buffer_size: int = 0) -> None:
         if prefetch < 0 or buffer_size < 0:
@@ -548,7 +550,7 @@ class Consumer:
         self._error = error
         self._end()
 
-    def _on_revoked(self, error: PublishError) -> None:
+    def _on_revoked(self, error: PublishError, why: str = "may no longer read the queue") -> None:
         """The user may no longer read the queue: the broker ended the subscription and requeued what it had
         delivered, so what is buffered here is not handed out (another consumer gets it; acking it here
         would settle nothing), and the next receive raises `error`. Their bytes count as processed on the
@@ -560,7 +562,7 @@ class Consumer:
             msg._unprocessed = False
         self._buffered.clear()
         self._conn._processed(sum(msg._size for msg in dropped), None)
-        self._requeued_by = "may no longer read the queue"
+        self._requeued_by = why
         self._error = error
         self._end()
 

@@ -68,6 +68,8 @@ _POLL_FRAGMENTS = 256
 class UdpConsumer(Consumer):
     """A `Consumer` fed over the UDP data path. Create it with `conn.consumer(queue, transport="udp")`."""
 
+    transport = "udp"
+
     def __init__(self, conn: Connection, queue: str, subscription_id: int, *, prefetch: int = 1000,
                  buffer_size: int = 0, stream_id: int = DEFAULT_SUBSCRIPTION_STREAM) -> None:
         super().__init__(conn, queue, subscription_id, prefetch=prefetch, buffer_size=0)

@@ -38,6 +38,7 @@ from flowbroker.protocol.envelope import (
     pack_delivery_entries,
 )
 from flowbroker.protocol.errors import ErrorCode
+from flowbroker.protocol.frames import Error
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 __all__ = ["Egress", "UdpSubscription", "MAX_CLOSING"]
 
 MAX_CLOSING = 16
+EXACT_CHECK_SLACK = 2048
+"""A message whose message_size is this far below the publication's maximum message length fits it whatever
+its exchange and routing key (UdpSubscription._too_large): the exact envelope is measured only above."""
 """Closed publications kept until their end of stream went out and they lingered (0.2 s); beyond, dropped at
 once. Each holds its log (3 x term_length) meanwhile: 256 of them let consumers that churned hold 1.5 GiB of
 logs outside what configuration.md counted (a tester); 16 are 96 MiB at the defaults, counted there."""
@@ -75,17 +79,35 @@ class _Stream:
 class UdpSubscription(Subscription):
     """A subscription whose deliveries travel over UDP (see the module docstring)."""
 
-    __slots__ = ("stream", "egress")
+    __slots__ = ("stream", "egress", "oversized")
 
     stream: _Stream
     egress: Egress
+    oversized: int  # the size of a message too large for this subscription's publication (0: none yet)
 
     def has_credit(self) -> bool:
         stream = self.stream
         pub = stream.publication
         # Asked before every delivery: the cheap comparisons first, the flow-control strategy's last.
         return (self.unsettled < self.prefetch and stream.slot is None and pub.position < pub.sender_limit
-                and pub.is_connected)
+                and pub.is_connected and not ((store := self.queue.store) and self._too_large(store[0])))
+
+    def _too_large(self, msg: Message) -> bool:
+        """`msg`'s DELIVER envelope is over what the publication carries (Aeron's maximum message length,
+        term_length / 8): offered, it raised and took the broker down (a tester). Then the subscription takes
+        nothing more; the egress ends it at its next cycle, telling the client, and the message stays in the
+        queue. One comparison for a message within EXACT_CHECK_SLACK of the limit (message_size counts its
+        body and headers generously; the exchange and routing key are at most 1,276 bytes more)."""
+        limit = self.stream.publication.max_message_length
+        if msg.size + EXACT_CHECK_SLACK <= limit:
+            return False
+        size = len(delivery_head(0xFFFFFFFF, msg.exchange, msg.routing_key, msg.headers, msg.redelivered)) + len(msg.body)
+        if size <= limit:
+            return False
+        if not self.oversized:
+            self.oversized = size
+            self.egress.datapath.wake()
+        return True
 
     def deliver(self, msg: Message) -> None:
         """The next tag of the connection, then the publication's term (not the outbox). Charged 0 bytes to
@@ -121,6 +143,8 @@ class UdpSubscription(Subscription):
         tag = ledger.next_tag
         msgs: list[Message] = []
         while True:
+            if self._too_large(store[0]):
+                break  # it stays ready; the egress ends this subscription (_too_large)
             msg = take()
             msgs.append(msg)
             head = delivery_head(tag, msg.exchange, msg.routing_key, msg.headers, msg.redelivered)
@@ -159,6 +183,8 @@ class UdpSubscription(Subscription):
         space = min(batch_room, sender_limit - pub.position - DATA_HEADER_LENGTH)
         while True:
             msg = store[0]
+            if self._too_large(msg):
+                break  # it stays ready; the egress ends this subscription (_too_large)
             body, exchange, routing_key, headers = msg.body, msg.exchange, msg.routing_key, msg.headers
             need = delivery_entry_bound(body, exchange, routing_key, headers)
             if batch and (need > space or len(batch) == MAX_ENTRIES_PER_FRAME):  # full: out it goes
@@ -262,6 +288,7 @@ class Egress:
                          batch_room=mtu - DATA_HEADER_LENGTH - BATCH_HEAD_BOUND if owner.deliver_batches else 0)
         sub.stream = stream
         sub.egress = self
+        sub.oversized = 0
         self.subscriptions[session_id] = stream
         owner.subscriptions[subscription_id] = sub
         the_queue.add_subscription(sub)
@@ -321,11 +348,21 @@ class Egress:
     def do_work(self, now_ns: int) -> Outgoing:
         out: Outgoing = []
         closed: list[_Stream] = []
+        oversized: list[UdpSubscription] = []
         for stream in self.subscriptions.values():
             if stream.subscription.closed:  # cancelled, or its queue deleted
                 closed.append(stream)
                 continue
+            if stream.subscription.oversized:
+                oversized.append(stream.subscription)
             out += stream.publication.do_work(now_ns)
+        for sub in oversized:  # (outside any dispatch: ending a subscription changes its queue's rotation)
+            self.datapath.core.end_subscription(sub.session, sub, Error(
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"a message of {sub.oversized} bytes with its envelope in queue {sub.queue.name!r} is over what "
+                f"the UDP data path carries (term_length / 8: {sub.stream.publication.max_message_length} bytes): "
+                f"UDP subscription {sub.sub_id} is cancelled and the message stays in the queue; consume it over "
+                "TCP, or raise [udp] term_length", None, None, sub.queue.name))
         for stream in closed:
             self._close(stream, now_ns)
         done: list[int] = []

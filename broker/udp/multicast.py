@@ -147,6 +147,7 @@ class Group:
         self.next_tag = 1
         self.settled_position = self.publication.start_position
         self.settled_total = 0
+        self.oversized_dropped = 0  # messages over the publication's maximum length, dropped (_drop_oversized)
         self.closed = False
         self.leaving: Member | None = None  # the last member, gone, whose last status message may still come
         self.leaving_until = 0
@@ -171,9 +172,25 @@ class Group:
         self.next_tag = tag + 1
         payload = encode_delivery(DeliveryEntry(tag, msg.exchange, msg.routing_key, msg.body, msg.headers,
                                                 msg.redelivered))
+        if len(payload) > self.publication.max_message_length:
+            self._drop_oversized(msg, len(payload))
+            return
         if not self._offer(payload, msg):
             self.slot = (payload, msg)
         self.groups.datapath.wake()
+
+    def _drop_oversized(self, msg: Message, size: int) -> None:
+        """A message over what multicast carries (term_length / 8 with its envelope): offered, it raised and
+        took the broker down (a tester). The group's queue is the group's alone, so no other consumer could
+        take it: it leaves the queue, counted (`oversized_dropped`), and every member is told."""
+        self.queue.settle(msg)
+        self.subscription.unsettled -= 1
+        self.oversized_dropped += 1
+        text = (f"a message of {size} bytes with its envelope, routed to multicast group {self.name!r} of exchange "
+                f"{self.exchange!r}, is over what the UDP data path carries (term_length / 8: "
+                f"{self.publication.max_message_length} bytes): dropped for the group; raise [udp] term_length")
+        for member in self.members.values():
+            member.session.send(Error(ErrorCode.MESSAGE_TOO_LARGE, text, None, None, self.exchange))
 
     def _offer(self, payload: bytes, msg: Message) -> bool:
         pub = self.publication

@@ -498,3 +498,26 @@ def test_a_members_connection_shows_as_a_consumer_while_it_is_in_a_group() -> No
     assert connection_role(a.conn.session) == "idle" and connection_role(b.conn.session) == "consumer"
     rig.group.queue_deleted("g")
     assert connection_role(b.conn.session) == "idle"
+
+
+def test_a_message_too_large_for_multicast_is_dropped_for_the_group_and_its_members_told() -> None:
+    """A message over what the group's publication carries (term_length / 8 with its envelope) was offered
+    and raised: the broker died (a tester). The group's queue is the group's alone: the message leaves it,
+    counted, every member is told MESSAGE_TOO_LARGE, and the group goes on with the next messages."""
+    rig = Rig()
+    fast, slow = rig.join(), rig.join()
+    rig.cycle(3)
+    bodies = [b"before", b"B" * 300_000, b"after"]
+    rig.publish(bodies)
+    for _ in range(200):
+        rig.cycle()
+        fast.process(len(fast.held))
+        slow.process(len(slow.held))
+        if rig.group.settled_total == 2:
+            break
+    assert fast.bodies == slow.bodies == [b"before", b"after"]
+    assert rig.group.oversized_dropped == 1 and rig.queue.count == 0
+    for member in (fast, slow):
+        member.conn.pump()
+        told = [e for e in member.conn.errors if e.code is ErrorCode.MESSAGE_TOO_LARGE]
+        assert len(told) == 1 and "dropped for the group" in told[0].text and told[0].destination == "fan"

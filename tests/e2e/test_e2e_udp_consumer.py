@@ -374,3 +374,36 @@ async def test_a_window_below_the_mtu_is_refused_at_subscribe(start_flowbroker: 
                 pass
         async with conn.consumer("small", transport="udp", buffer_size=8192):
             pass  # one datagram's worth is enough
+
+
+@pytest.mark.parametrize("batches", [True, False])
+async def test_a_message_too_large_for_udp_ends_the_udp_consumer_and_stays_in_the_queue(
+        start_flowbroker: Start, batches: bool) -> None:
+    """A queued message over what the UDP data path carries (term_length / 8 with its envelope: 262,144
+    bytes by default) was offered to a UDP consumer's publication, which raised, and the broker died (a
+    tester: a 262,143-byte body from a UDP producer, or any TCP one from about 262,110 bytes up). Now the UDP
+    subscription ends with MESSAGE_TOO_LARGE, what it had comes back, the message stays in the queue for a TCP
+    consumer, and everything else goes on."""
+    broker = await start_flowbroker()
+    big = b"B" * 300_000
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "mixed", [b"small-1", b"small-2", big, b"small-3"])
+        if not batches:  # one DELIVER a message, as for a client that does not ask for DELIVER_BATCH
+            for session in broker.core.sessions.values():
+                session.deliver_batches = False
+        with trio.fail_after(LIMIT):
+            got: list[bytes] = []
+            async with conn.consumer("mixed", transport="udp", prefetch=10) as consumer:
+                with pytest.raises(fc.MessageTooLarge, match="over what the UDP data path carries"):
+                    while True:  # (what it had not handed out when the error came went back to the queue)
+                        msg = await consumer.receive()
+                        got.append(msg.body)
+                        await msg.ack()
+            assert got == [b"small-1", b"small-2"][:len(got)]
+            async with conn.consumer("mixed", prefetch=10) as tcp:  # over TCP: the rest, in order
+                while len(got) < 4:
+                    msg = await tcp.receive()
+                    got.append(msg.body)
+                    await msg.ack()
+        assert got == [b"small-1", b"small-2", big, b"small-3"]  # each once
+        await conn.declare_queue("after")  # the broker is alive and serving

@@ -490,3 +490,20 @@ async def test_a_closed_udp_publication_frees_its_image_without_the_garbage_coll
         finally:
             gc.enable()
         assert broker.core.queues["freed"].count == 15
+
+
+async def test_a_registration_key_over_the_limit_is_refused_and_the_connection_kept(start_flowbroker: Start) -> None:
+    """The broker answers KEY_TOO_LONG for a UDP producer's key over 256 bytes; the SDK sent any key, and one
+    over 64 KiB was over the control frames' limit: the broker closed the connection (a tester). The SDK now
+    refuses it before the request, as the broker would, whatever its length."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("k")
+        for length in (257, 70_000):
+            producer = conn.producer(routing_key="k" * length, transport="udp")
+            with pytest.raises(fc.RequestError, match="KEY_TOO_LONG") as refused:
+                await producer.send(b"x")
+            assert refused.value.code is fc.ErrorCode.KEY_TOO_LONG and f"{length} bytes" in str(refused.value)
+        async with conn.producer(routing_key="k", transport="udp") as fine:  # the connection goes on
+            await fine.send(b"x")
+            await fine.flush(timeout=10)
