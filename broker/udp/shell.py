@@ -11,6 +11,7 @@ recover, and is counted on the endpoint).
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -47,6 +48,8 @@ class UdpShell:
         self._woke_in_pass = False
         self._backlog: deque[tuple[bytes, tuple[str, int]]] = deque()  # data read ahead (`_take`)
         self._paused = False  # shutdown: no more datagrams taken from the endpoint
+        self.faults = 0  # internal errors the data path survived (_fault)
+        self._fault_logged = -math.inf
         self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
         core.udp = self.datapath
         # A multicast group's socket: bound to its control group (where members' SMs and NAKs go), sending
@@ -141,11 +144,18 @@ class UdpShell:
         datapath = self.datapath
         self.begin_pass()
         datapath.in_cycle = True
+        out: Outgoing = []
         try:
             now = now_ns()
             for datagram, source in batch:
-                datapath.on_datagram(datagram, source, now)
-            out = datapath.do_work(now)
+                try:
+                    datapath.on_datagram(datagram, source, now)
+                except Exception as exc:  # a bug: this datagram is lost, not the broker (see _fault)
+                    self._fault(exc, "a datagram")
+            try:
+                out = datapath.do_work(now)
+            except Exception as exc:
+                self._fault(exc, "the data path's duty cycle")
         finally:
             datapath.in_cycle = False
             if self._woke_in_pass:
@@ -154,6 +164,18 @@ class UdpShell:
                     self._woken.set()
             self.end_pass()
         self._send(out)
+
+    def _fault(self, exc: Exception, what: str) -> None:
+        """A fault in the data path while handling `what` is logged with its traceback (the first, then at
+        most one a minute, with how many there were) and counted, and the data path goes on: an exception
+        out of this task ended the broker's nursery, and every TCP connection with it (a tester's message
+        too large for a UDP consumer's publication, since refused before the offer)."""
+        self.faults += 1
+        now = trio.current_time()
+        if now - self._fault_logged >= 60.0:
+            self._fault_logged = now
+            LOGGER.error("UDP data path: internal error handling %s (%d so far); going on", what, self.faults,
+                         exc_info=exc)
 
     async def _group_receiver(self, endpoint: UdpEndpoint, scope: trio.CancelScope) -> None:
         try:
