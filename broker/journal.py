@@ -443,6 +443,7 @@ class Journal:
             held, self._disk_held = self._disk_held, []
             stopped, self._stopped = self._stopped, {}
             for session, queue in stopped.items():
+                session.disk_stop = None
                 if session.flow_stopped_on.pop(queue, None) is not None:
                     session.send(FlowResumed(queue))
             for transfer in held:
@@ -473,7 +474,8 @@ class Journal:
             self._stopped[session] = queue
             session.flow_stops += 1
             session.flow_stopped_on[queue] = (None, session.now_ns)
-            session.send(FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason))
+            session.disk_stop = FlowStopped(queue, THRESHOLD_DISK, stop.limit, stop.value, stop.reason)
+            session.send(session.disk_stop)
 
     def check_disk(self) -> FlowStopped | None:
         """What the disk alarm should be now: free space under the limit, or the journal over its quota."""

@@ -118,6 +118,7 @@ class Session:
         self.deliver_batches = False  # HELLO asked for CAPABILITY_DELIVER_BATCH: its UDP consumers take batches
         self.broker_stops: tuple[str, ...] = ()  # broker-wide stops holding this producer: "admin", "memory"
         self.broker_stop: FlowStopped | None = None  # the FLOW_STOPPED "*" that announced them
+        self.disk_stop: FlowStopped | None = None  # the disk alarm's FLOW_STOPPED to it (broker/journal.py)
         # consumer half
         self.deliveries: DeliveryLedger[Subscription, Message] = DeliveryLedger()
         self.subscriptions: dict[int, Subscription] = {}

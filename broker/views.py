@@ -203,13 +203,17 @@ def _role(produced: bool, consumes: bool) -> str:
 def stopped_destinations(session: Session, limit: int = NESTED_LIMIT) -> list[tuple[str, int, str, str, int, int]]:
     """The first `limit` destinations that hold `session` flow-stopped, earliest first, each as
     (destination, since_ns, reason, threshold, limit, value): reason "queue" for a queue (its stop
-    reason), else the broker-wide stop's ("admin" for stop-all, "memory" for the memory alarm). The
+    reason), "disk" for a durable queue held by the disk alarm, else the broker-wide stop's ("admin" for
+    stop-all, "memory" for the memory alarm). The
     connection views and the metrics (broker/metrics.py) both read them here."""
     out: list[tuple[str, int, str, str, int, int]] = []
     for name, (queue, since_ns) in islice(session.flow_stopped_on.items(), limit):
         if queue is not None:
             threshold, stop_limit, value = queue.stop_reason
             out.append((name, since_ns, "queue", threshold, stop_limit, value))
+        elif session.disk_stop is not None and session.disk_stop.destination == name:  # the disk alarm
+            disk = session.disk_stop  # (it showed as "admin", a stop-all nobody had made, a tester)
+            out.append((name, since_ns, disk.threshold, disk.threshold, disk.limit, disk.value))
         elif session.broker_stop is not None:  # stop-all ("admin") or the memory alarm ("memory")
             stop = session.broker_stop
             out.append((name, since_ns, stop.threshold, stop.threshold, stop.limit, stop.value))

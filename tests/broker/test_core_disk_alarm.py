@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flowbroker.broker import views
 from flowbroker.broker.journal import Journal
 from flowbroker.broker.journalstore import JournalStore
 from flowbroker.broker.recovery import topology_records
@@ -58,6 +59,14 @@ def test_a_flow_controlled_producer_is_held_not_refused(h: Harness) -> None:
     assert not p.errors and tid not in p.completions
     assert p.stopped["d"].threshold == "disk"
     assert h.core.queues["d"].count == 1
+    # the views (GET /api/connections, flowbroker_flow_stop_info) say the disk alarm holds it, with its
+    # figures; they said "admin", a stop-all nobody had made (a tester)
+    assert views.stopped_destinations(p.session) == [("d", p.session.flow_stopped_on["d"][1], "disk", "disk", 1000, 2000)]
+    flow = views.connection_view(p.session, h.now)["flow"]
+    assert not flow["admin_stopped"] and flow["destinations"][0]["threshold"] == "disk"
+    assert h.core.journal is not None
+    h.core.journal.set_alarm(None)
+    assert p.session.disk_stop is None and views.stopped_destinations(p.session) == []
 
 
 def test_once_the_alarm_clears_an_unpaced_producer_is_taken_again(h: Harness) -> None:
