@@ -1116,6 +1116,9 @@ class BrokerCore:
         (its user's max_queues, 0: none) refuses one more over it."""
         if not name:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "queue name must not be empty")
+        if durable and not self.config.storage.enabled:
+            durable = False  # ([storage] enabled = false: ignored, as configuration.md says; the OK said durable
+            # true of a queue a restart empties, a tester)
         thresholds, overflow = self.queue_thresholds(arguments or {})
         existing = self.queues.get(name)
         if existing is not None:

@@ -214,6 +214,9 @@ class BrokerServer:
         tls_context = server_context(self.config.tls) if self.config.tls.enabled else None
         if self.config.storage.enabled and self.core.journal is None:  # durable queues come back first
             self.journal = await open_journal(self.config.storage, self.core)
+        elif not self.config.storage.enabled:
+            LOGGER.info("storage off ([storage] enabled = false): every queue is in memory, a declare's "
+                        "durable=True is ignored (its answer says durable false)")
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         tls_listeners: list[trio.SocketListener] = []
         if tls_context is not None:

@@ -74,3 +74,15 @@ def test_a_redeclare_with_other_arguments_names_each_that_differs() -> None:
     assert "max_count 10 (declared 20)" in text and "overflow 'reject' (declared 'drop-head')" in text
     assert "flow_stop_count" not in text  # the same as declared: not named
     assert "flowbroker queue set" in text
+
+
+def test_with_storage_off_a_durable_declare_is_a_memory_only_queue_and_says_so() -> None:
+    """configuration.md: `[storage] enabled = false` keeps every queue in memory, durable=True ignored. The OK
+    said "durable": true of a queue a restart empties (a tester); it says false now, and so does the queue."""
+    h = Harness(storage={"enabled": False})
+    client = h.producer()
+    answer = declare(client, "dd", True)
+    assert isinstance(answer, Ok) and answer.result["durable"] is False
+    assert not h.core.queues["dd"].durable
+    again = declare(client, "dd", True, flow_stop_count=10)  # ignored on a redeclare too, not refused
+    assert isinstance(again, Error) and "flow_stop_count" in again.text  # (only the arguments differ)
