@@ -265,7 +265,9 @@ class Egress:
         config, core = datapath.config, datapath.core
         if len(self.subscriptions) >= config.max_subscriptions:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"too many UDP subscriptions ([udp] max_subscriptions {config.max_subscriptions})")
+                               f"too many UDP subscriptions ([udp] max_subscriptions {config.max_subscriptions}, broker-wide, "
+                               "all in use): close UDP consumers you no longer need, consume over TCP, or ask the "
+                               "operator to raise it")
         if 0 < buffer_size < config.mtu:
             # The consumer's image refuses a SETUP whose mtu is over its window (Aeron's rule): it then
             # received nothing, and nothing said why (a tester's buffer_size 4096 against mtu 8192).

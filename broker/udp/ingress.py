@@ -117,7 +117,9 @@ class Ingress:
         config, core = datapath.config, datapath.core
         if len(self.publications) >= config.max_publications:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"too many UDP publications ([udp] max_publications {config.max_publications})")
+                               f"too many UDP publications ([udp] max_publications {config.max_publications}, broker-wide, "
+                               "all in use): close UDP producers you no longer need, publish over TCP, or ask "
+                               "the operator to raise it")
         mine = sum(1 for p in self.publications.values() if p.owner is owner)
         if mine >= config.max_publications_per_connection:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
