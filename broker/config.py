@@ -581,6 +581,13 @@ def _parse_sizes(data: dict[str, Any]) -> None:
                     raise ConfigError(section, key, value, "is not a size (examples: 1048576, 512KiB, 10MiB, 2GiB)") from None
 
 
+_SECTIONS: dict[str, Any] = {
+    "server": ServerConfig, "queues": QueueDefaults, "admin": AdminConfig, "udp": UdpConfig,
+    "metrics": MetricsConfig, "auth": AuthConfig, "tls": TlsConfig, "storage": StorageConfig,
+}
+"""The sections `_section` builds (all but [credit], checked by its policy)."""
+
+
 def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> BrokerConfig:
     """Embedded defaults, then the TOML file if given, then overrides (from the command line)."""
     data: dict[str, Any] = {}
@@ -603,6 +610,15 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
                                                   "server, storage, tls, udp", where=f"[{section}]")
         if not isinstance(data[section], dict):
             raise ConfigError(section, "*", data[section], "must be a table")
+    # A key of the file a flag overrides is still checked, section by section: an out-of-range value in
+    # the file stops the broker whatever flags are given (`port = 70000` beside --port started it, a tester).
+    replaced = {section for section, values in (overrides or {}).items()
+                if section in _SECTIONS and any(v is not None and k in data.get(section, {}) for k, v in values.items())}
+    if replaced:
+        as_filed = {section: dict(data[section]) for section in replaced}
+        _parse_sizes(as_filed)
+        for section in replaced:
+            _section(_SECTIONS[section], section, as_filed[section]).validate()
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     _parse_sizes(data)

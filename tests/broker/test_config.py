@@ -305,3 +305,17 @@ def test_a_term_length_lowered_alone_says_max_receiver_window_must_follow_it() -
     assert "max_receiver_window" in text and "term_length / 2 (131072 with term_length = 262144)" in text
     assert "together with term_length" in text
     load_config(None, {"udp": {"term_length": 262144, "max_receiver_window": 131072}})  # as configuration.md says
+
+
+def test_an_out_of_range_value_in_the_file_stops_the_broker_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
+    """configuration.md: out-of-range values stop the broker. `port = 70000` beside --port, or
+    `idle_timeout = -1` beside --idle-timeout, started it (a tester)."""
+    config = tmp_path / "flowbroker.toml"
+    config.write_text("[server]\nport = 70000\n")
+    with pytest.raises(ConfigError, match=r"\[server\] port = 70000: must be an integer in \[0, 65535\]"):
+        load_config(config, {"server": {"port": 6140}})
+    config.write_text("[server]\nidle_timeout = -1\n")
+    with pytest.raises(ConfigError, match="idle_timeout"):
+        load_config(config, {"server": {"idle_timeout": 5.0}})
+    config.write_text("[server]\nport = 6000\n")
+    assert load_config(config, {"server": {"port": 6140}}).server.port == 6140  # a good value: the flag wins
