@@ -55,7 +55,7 @@ from flowbroker.policies.credit import PolicyConfigError
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT, TIME_QUEUE_ARGUMENTS
 
-__all__ = ["AdminServer", "AdminStartError", "BearerAuth", "HttpListener", "create_app", "listen", "publish_token", "resolve_token",
+__all__ = ["AdminServer", "AdminStartError", "BearerAuth", "HttpListener", "create_app", "listen", "publish_token", "resolve_token", "url_host",
            "reusable_token", "serve_http",
            "write_token_file"]
 
@@ -639,6 +639,11 @@ def listen(host: str, port: int, section: str) -> tuple[int, int]:
     return sock.detach(), bound  # hypercorn takes the socket over by its descriptor
 
 
+def url_host(host: str) -> str:
+    """`host` as a URL's authority takes it: an IPv6 address in brackets (`http://::1:8080` is no URL)."""
+    return f"[{host}]" if ":" in host else host
+
+
 async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event, read_timeout: float | None = None) -> None:
     """Serve `app` with hypercorn's trio worker on the listening descriptor `fd` until `shutdown`. A
     connection that sends nothing for `read_timeout` seconds (default HTTP_READ_SECONDS; whole seconds,
@@ -749,4 +754,4 @@ class AdminServer(HttpListener):
         assert self.port is not None
         token = ("[admin] token (configured)" if self.config.token
                  else f"{self.config.token_path(self.port)} ({self._token_origin}, mode 0600)")
-        return f"admin API on http://{self.config.host}:{self.port}, token in {token}"
+        return f"admin API on http://{url_host(self.config.host)}:{self.port}, token in {token}"

@@ -63,8 +63,13 @@ class AdminClient:
         try:
             self.token = path.read_text().strip()
         except OSError as exc:
-            self._no_token = (f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker "
-                              f"wrote its generated token ({printable(path)}: {exc.strerror or exc})")
+            if token_file:  # the file given cannot be read: say that, not to give one (a tester)
+                self._no_token = (f"no admin token: the token file given (--token-file or "
+                                  f"FLOWBROKER_ADMIN_TOKEN_FILE) cannot be read: {printable(path)}: "
+                                  f"{exc.strerror or exc}")
+            else:
+                self._no_token = (f"no admin token: set {TOKEN_ENV} or pass --token-file, or run where the broker "
+                                  f"wrote its generated token ({printable(path)}: {exc.strerror or exc})")
             return
         if not self.token:
             self.token, self._no_token = None, f"no admin token: {printable(path)} is empty"

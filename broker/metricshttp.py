@@ -28,7 +28,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from flowbroker.broker.admin import HTTP_LOGGER, BearerAuth, HttpListener
+from flowbroker.broker.admin import HTTP_LOGGER, BearerAuth, HttpListener, url_host
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.config import MetricsConfig
 from flowbroker.broker.metrics import BrokerMetrics, Families, Scrape
@@ -278,5 +278,5 @@ class MetricsServer(HttpListener):
         self.app = BearerAuth(app, token, users=users) if token is not None else app
 
     def _serving_line(self) -> str:
-        return (f"metrics on http://{self.host}:{self.port}{METRICS_PATH} "
+        return (f"metrics on http://{url_host(self.host)}:{self.port}{METRICS_PATH} "
                 f"({'admin token required' if self.config.require_token else 'no token required'})")

@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 import trio
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descriptor_limit
-from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token
+from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token, url_host
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.listen_hints import listen_hint
 from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, Peer, Refused
@@ -426,7 +426,7 @@ class BrokerServer:
     def http_answer(self) -> bytes:
         """What an HTTP client that reached the broker port is told (a 400 naming the admin API)."""
         admin = self.config.admin
-        where = (f"The admin (HTTP) API is at http://{admin.host}:{self.admin_port}/api/"
+        where = (f"The admin (HTTP) API is at http://{url_host(admin.host)}:{self.admin_port}/api/"
                  if self.admin_port is not None else "The admin (HTTP) API is off on this broker.")
         body = (f"This is the flowbroker broker port ({self.config.server.host}:{self.port}): it speaks the "
                 f"flowbroker protocol (URL flowbroker://...), not HTTP. {where}\n").encode()
