@@ -496,6 +496,16 @@ class Connection:
         if self._nursery is not None:
             with trio.move_on_at(deadline):
                 await self._writer_done.wait()
+        elif not self._entered and self._final_frames:  # never entered: no writer to send CLOSE, so here
+            # (it marked the connection closed and sent nothing: the socket stayed open, a tester)
+            final, self._final_frames = self._final_frames, []
+            with trio.move_on_at(deadline):
+                try:
+                    await self._stream.send_all(b"".join([self._proto.send(frame) for frame in final]))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, LocalProtocolError):
+                    pass  # the broker went away first: nothing to tell it
+            with trio.move_on_at(deadline, shield=True):
+                await self._stream.aclose()
         await trio.lowlevel.checkpoint()
 
     def _shutdown(self, error: BrokerConnectionError | ProtocolViolation, *, graceful: bool = False) -> None:

@@ -164,3 +164,21 @@ async def test_connecting_to_another_protocols_server_says_it_is_not_a_flowbroke
             await fc.connect(f"flowbroker://127.0.0.1:{port}", timeout=5)
         assert "does not speak the flowbroker protocol" in str(info.value) and "b'SSH-'" in str(info.value)
         nursery.cancel_scope.cancel()
+
+
+async def test_aclose_of_a_connection_never_entered_closes_it(start_flowbroker) -> None:
+    """client.md: `await conn.aclose()` closes at once. On a connection from `await fc.connect()` never
+    entered with `async with`, it marked the connection closed and sent nothing: the socket stayed open (a
+    tester). It sends CLOSE and closes the socket now."""
+    broker = await start_flowbroker()
+    conn = await fc.connect(broker.url)
+    with trio.fail_after(5):
+        while not broker.core.sessions:
+            await trio.sleep(0.01)
+    await conn.aclose()
+    await conn.aclose()  # (again: nothing more)
+    with trio.fail_after(5):
+        while broker.core.sessions:  # the broker saw it close
+            await trio.sleep(0.01)
+    with pytest.raises(fc.ConnectionClosed):
+        await conn.declare_queue("after")
