@@ -91,7 +91,6 @@ from flowbroker.protocol.frames import (
     Noop,
     Welcome,
 )
-from flowbroker.protocol.limits import MAX_CONTROL_FRAME
 from flowbroker.protocol.names import LOGIN_THROTTLED
 
 __all__ = ["BrokerServer", "now_ns"]
@@ -804,15 +803,6 @@ class ConnectionHandler:
                     if conn.state is State.CLOSED:
                         await self.io.close()
                         return None
-                    size = conn.next_frame_size
-                    if size is not None and size > 4 + MAX_CONTROL_FRAME:
-                        # HELLO and AUTH_RESPONSE are control frames: a larger one is neither, and reading it
-                        # would charge the partial-frame budget before any login: nine sockets that never
-                        # logged in held 64 MiB and a logged-in producer waited 10 s each time (a tester).
-                        raise RemoteProtocolError(
-                            f"frame {conn.frames_received + 1} of {size - 4} bytes before the handshake is over: "
-                            f"only HELLO and AUTH_RESPONSE (at most {MAX_CONTROL_FRAME} bytes) come before WELCOME",
-                            ErrorCode.UNEXPECTED_FRAME, conn.frames_received + 1)
                     self._held(frames_before)
                     data = await self._receive()
                     if len(head) < 4:

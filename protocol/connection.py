@@ -29,6 +29,7 @@ import enum
 from flowbroker.protocol.codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
 from flowbroker.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from flowbroker.protocol.frames import PROTOCOL_VERSION, Frame, FrameType, check_frame
+from flowbroker.protocol.limits import MAX_CONTROL_FRAME
 
 __all__ = ["Role", "State", "Connection"]
 
@@ -192,6 +193,8 @@ class Connection:
         if self.state is State.ERROR:
             raise LocalProtocolError("connection is in ERROR state; close the transport")
         try:
+            if self.state is State.AWAIT_HELLO or self.state is State.AWAIT_WELCOME:
+                self._check_handshake_frame_size()
             frame = self._decoder.next_frame()
             if frame is None:
                 if self._decoder._eof and not self.closed_by_peer:
@@ -204,6 +207,18 @@ class Connection:
             self.state = State.ERROR
             raise
         return frame
+
+    def _check_handshake_frame_size(self) -> None:
+        """Before WELCOME only HELLO, AUTH_CHALLENGE / AUTH_RESPONSE and WELCOME come, control frames: a larger
+        frame is refused from its length prefix, so an end that never logs in holds no more than one read
+        (nine sockets that never logged in sent 8 MiB TRANSFER-typed frames, read into the broker's shared
+        partial-frame budget, and a logged-in producer waited 10 s at a time, a tester)."""
+        size = self._decoder.next_frame_size
+        if size is not None and size > 4 + MAX_CONTROL_FRAME:
+            seq = self._decoder.frames_decoded + 1
+            raise RemoteProtocolError(
+                f"frame {seq} of {size - 4} bytes before the handshake is over: only HELLO and AUTH_RESPONSE "
+                f"(at most {MAX_CONTROL_FRAME} bytes) come before WELCOME", ErrorCode.UNEXPECTED_FRAME, seq)
 
     def send(self, frame: Frame, *, fields_checked: bool = False) -> bytes:
         """Bytes for `frame`, checked against our role, the state and the protocol's field types and

@@ -309,6 +309,13 @@ async def test_large_frames_before_the_handshake_are_refused_and_charge_no_budge
     assert len(endings) == 9  # closed (their ERROR is usually lost to the reset: they were still sending)
     assert broker.core.errors_sent[ErrorCode.UNEXPECTED_FRAME] == 9
     assert broker.server.frame_budget.peak < frame_size  # none of theirs was ever charged
+    # One that sends the prefix alone and reads is told why (the ERROR was refused by the state machine
+    # and the socket just closed, a tester)
+    raw = await RawClient.connect(broker.port, hello=False)
+    await raw.send_raw(struct.pack(">I", frame_size) + b"\x96\x0a")
+    error, _ = closing_frames(await raw.frames_until_closed())
+    assert error.code is ErrorCode.UNEXPECTED_FRAME and "before the handshake is over" in error.text
+    await raw.aclose()
 
 
 # -- 4. every socket counts toward max_connections -------------------------------------------------------

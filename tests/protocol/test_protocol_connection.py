@@ -378,3 +378,22 @@ def test_negotiated_max_frame_size_applies_to_received_frames() -> None:
     assert pair.client.state is State.ERROR
     with pytest.raises(ValueError):
         Connection(Role.CLIENT).set_max_frame_size(10)
+
+
+def test_a_frame_over_the_control_limit_before_welcome_is_refused_from_its_prefix() -> None:
+    """Only control frames come before WELCOME: a larger one is UNEXPECTED_FRAME from its 4-byte length
+    prefix, and the broker may then say so (ERROR, CLOSE): raised in the shell instead, the state machine
+    refused the ERROR and the socket just closed (a tester)."""
+    import struct
+
+    pair = ConnectionPair()
+    pair.inject(Role.CLIENT, struct.pack(">I", 64 * 1024 + 1) + b"\x93\x0a\x01")
+    expect_remote(pair, Role.CLIENT, ErrorCode.UNEXPECTED_FRAME, 1)
+    assert pair.broker.state is State.ERROR
+    pair.broker.send(Error(ErrorCode.UNEXPECTED_FRAME, "refused", 1))  # allowed after the error
+    pair.broker.send(Close(ErrorCode.UNEXPECTED_FRAME, "refused"))
+    # after HELLO, before WELCOME: the same
+    pair = ConnectionPair()
+    pair.exchange(Role.CLIENT, Hello(PROTOCOL_VERSION, "c", True, []))
+    pair.inject(Role.CLIENT, struct.pack(">I", 8 * 1024 * 1024) + b"\x96\x0a")
+    expect_remote(pair, Role.CLIENT, ErrorCode.UNEXPECTED_FRAME, 2)
