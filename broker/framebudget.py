@@ -22,6 +22,7 @@ connection closed, and its bytes go back.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import trio
@@ -45,16 +46,47 @@ class PartialFrameBudget:
         self.peak = 0  # the most ever charged at once (for tests and diagnosis)
         self.cuts = 0  # stalled partial frames cut (reclaim)
         self.holders: set[FrameBytes] = set()  # the connections charged now
+        # Connections waiting to charge a frame, first come first served: woken together, whichever read
+        # first took the freed bytes, and attackers reconnecting took them again and again ahead of an
+        # honest producer until its frame_timeout (a tester, 150-200 of them). Those that have completed a
+        # large frame before go first: an attacker that starts frames and never ends them, reconnecting
+        # after each cut, never has, so an honest producer waits behind at most one of them, not each.
+        self._proven: collections.OrderedDict[FrameBytes, None] = collections.OrderedDict()
+        self._fresh: collections.OrderedDict[FrameBytes, None] = collections.OrderedDict()
         self._freed: trio.Event | None = None  # exists while some connection waits
 
     def _charge(self, delta: int) -> None:
         self.charged += delta
         if delta < 0:
-            if self._freed is not None:
-                self._freed.set()
-                self._freed = None
+            self._wake()
         elif self.charged > self.peak:
             self.peak = self.charged
+
+    @property
+    def queue(self) -> list[FrameBytes]:
+        """The connections waiting to charge a frame, in the order they are served."""
+        return [*self._proven, *self._fresh]
+
+    def _first(self) -> FrameBytes | None:
+        if self._proven:
+            return next(iter(self._proven))
+        return next(iter(self._fresh)) if self._fresh else None
+
+    def _enqueue(self, frame_bytes: FrameBytes) -> None:
+        if frame_bytes not in self._proven and frame_bytes not in self._fresh:
+            (self._proven if frame_bytes.frames_done else self._fresh)[frame_bytes] = None
+
+    def _dequeue(self, frame_bytes: FrameBytes) -> bool:
+        """Out of the queue; True if it was in it (the next may go now: it is woken)."""
+        if self._proven.pop(frame_bytes, False) is not False or self._fresh.pop(frame_bytes, False) is not False:
+            self._wake()
+            return True
+        return False
+
+    def _wake(self) -> None:
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
 
     async def wait_freed(self) -> None:
         """Until some connection gives bytes back."""
@@ -93,6 +125,7 @@ class FrameBytes:
         self.cut = cut
         self.waiting = False  # waiting for the budget (never cut then: it is not the one at fault)
         self.progressed = 0.0  # when what it holds last grew by PROGRESS_BYTES, or began to be charged
+        self.frames_done = 0  # frames charged to the budget that it completed (the queue serves these first)
         self._progress_mark = 0  # what it held then
 
     def grant_read(self, held: int, want: int, frame_end: int | None = None) -> int:
@@ -110,8 +143,12 @@ class FrameBytes:
         if held + want <= allowance and frame_need <= 0 and not self.charged:  # the common case: small frames
             return want
         if frame_need > self.charged:
-            if frame_need - self.charged > budget.limit - budget.charged:
+            first = budget._first()
+            if (first is not None and first is not self) or frame_need - self.charged > budget.limit - budget.charged:
+                budget._enqueue(self)  # (in its place if it is there already)
                 return max(0, min(want, allowance + self.charged - held))  # only within what it has
+            if first is not None:
+                budget._dequeue(self)  # it was first: the next may go now, if there is room for it
             self._set_charge(frame_need, held)
         # The frame is charged (or its size is not in yet): the read, charging what passes the charge.
         size = min(want, allowance + self.charged + (budget.limit - budget.charged) - held)
@@ -142,10 +179,13 @@ class FrameBytes:
                 self.progressed, self._progress_mark = budget.clock(), held
             elif not charge:
                 budget.holders.discard(self)
+                if held < self._progress_mark or held == 0:  # its frame ended (decoded): it completed one
+                    self.frames_done += 1
             budget._charge(charge - self.charged)
             self.charged = charge
 
     def release(self) -> None:
-        """The connection is gone: give everything back."""
+        """The connection is gone: give everything back, and its place in the queue."""
         self.settle(0)
         self.cut = None
+        self.budget._dequeue(self)

@@ -874,7 +874,7 @@ class ConnectionHandler:
         started = self.frame_started
         deadline = math.inf if started is None else started + self.server.config.server.frame_timeout
         await trio.lowlevel.checkpoint_if_cancelled()
-        with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE:
+        with trio.move_on_at(deadline) if started is not None else _NO_DEADLINE as scope:
             while True:
                 want = RECEIVE_SIZE
                 frame_size = conn.next_frame_size  # (None before a length prefix is in)
@@ -882,7 +882,15 @@ class ConnectionHandler:
                     want = min(frame_size - conn.buffered, LARGE_READ)  # the rest of a large frame
                 size = frame_bytes.grant_read(conn.buffered, want, frame_size)
                 if not size:  # in the middle of a large frame, and the budget is spent
+                    waited = trio.current_time()
                     await self._wait_for_frame_budget()
+                    if scope is not None:  # the broker's wait, not the peer's: off its frame_timeout
+                        # (an honest producer queued behind attackers was closed for a frame the broker
+                        # had not read, a tester)
+                        waited = trio.current_time() - waited
+                        scope.deadline += waited
+                        if self.frame_started is not None:
+                            self.frame_started += waited
                     continue
                 data = await io.receive(size, self._hold_no_grant)
                 if data is None:  # it waited for the peer: ask the budget again

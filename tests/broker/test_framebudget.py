@@ -130,3 +130,44 @@ def test_three_frames_read_in_turns_all_complete() -> None:
         conns[i].settle(held[i], 700 if held[i] else None)
     assert completed == {0, 1, 2}, (held, [c.charged for c in conns], budget.charged)
     assert budget.charged == 0
+
+
+def test_connections_waiting_for_the_budget_are_served_first_come_first_served() -> None:
+    """Waiters were all woken and whichever read first took the freed bytes: attackers reconnecting took
+    them ahead of an honest producer until its frame_timeout (a tester). A connection that must wait joins a
+    queue; one arriving later waits behind it even when the bytes would fit; a connection that leaves
+    gives its place up."""
+    budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
+    holder, honest, newcomer, leaver = (budget.connection() for _ in range(4))
+    assert holder.grant_read(0, 600, 900) == 600  # its frame of 900 charged whole (800)
+    assert honest.grant_read(0, 600, 700) == ALLOWANCE  # 600 more do not fit: it waits, within its allowance
+    assert list(budget.queue) == [honest]
+    assert leaver.grant_read(0, 300, 300) == ALLOWANCE and list(budget.queue) == [honest, leaver]
+    holder.settle(0)  # its frame is done: 1,000 free
+    assert newcomer.grant_read(0, 150, 150) == ALLOWANCE  # it would fit, but two wait before it
+    assert list(budget.queue) == [honest, leaver, newcomer]
+    leaver.release()
+    assert list(budget.queue) == [honest, newcomer]
+    assert newcomer.grant_read(ALLOWANCE, 50, 150) == 0  # still behind the honest one
+    assert honest.grant_read(ALLOWANCE, 600, 700) == 600  # first in line: charged whole
+    assert list(budget.queue) == [newcomer] and honest.charged == 600
+    assert newcomer.grant_read(ALLOWANCE, 50, 150) == 50  # its turn, and it fits
+    assert not budget.queue
+
+
+def test_a_connection_that_has_completed_a_frame_before_goes_ahead_of_those_that_never_have() -> None:
+    """Attackers that start frames, stall and reconnect once cut are always fresh connections: an honest
+    producer that has completed a large frame before waits behind at most the one holding the budget, not
+    behind every attacker queued before it (15 of them held it 30 s a message, a tester)."""
+    budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
+    honest, holder, attacker = (budget.connection() for _ in range(3))
+    assert honest.grant_read(0, 500, 500) == 500  # a frame of 500: charged, read, complete
+    honest.settle(0)
+    assert honest.frames_done == 1
+    assert holder.grant_read(0, 900, 1000) == 900  # the budget's whole (1,000 - 100 allowance) is its
+    assert attacker.grant_read(0, 900, 1000) == ALLOWANCE  # queued first
+    assert honest.grant_read(0, 500, 500) == ALLOWANCE  # queued later, but it has completed a frame
+    assert budget.queue == [honest, attacker]
+    holder.release()  # (cut)
+    assert attacker.grant_read(ALLOWANCE, 800, 1000) == 0
+    assert honest.grant_read(ALLOWANCE, 400, 500) == 400 and budget.queue == [attacker]
