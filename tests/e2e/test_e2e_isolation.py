@@ -166,7 +166,14 @@ async def test_a_burst_of_expensive_frames_does_not_hold_the_event_loop(
 # -- 3. slowloris: partial frames are bounded in bytes and in time ------------------------------------------
 
 
-async def test_slowloris_partial_frames_stay_within_the_budget_and_are_cut_off(start_flowbroker) -> None:
+async def test_slowloris_partial_frames_stay_within_the_budget_and_are_cut_off(
+        start_flowbroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Those waiting for the budget are served in turn (their frame_timeout paused meanwhile: the broker is
+    # not reading them), and each is cut by its frame_timeout or as stalled once it holds the budget: two at
+    # a time here, about a second each, so the last ones end some seconds after the first.
+    from tests.e2e import test_e2e_faults
+
+    monkeypatch.setattr(test_e2e_faults, "LIMIT", 30.0)
     frame_size, budget, frame_timeout, attackers = MiB, 2 * MiB, 1.0, 12
     broker = await start_flowbroker(server={
         "max_frame_size": frame_size, "max_message_size": frame_size // 2,
