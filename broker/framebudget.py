@@ -145,8 +145,11 @@ class FrameBytes:
         if frame_need > self.charged:
             first = budget._first()
             if (first is not None and first is not self) or frame_need - self.charged > budget.limit - budget.charged:
-                budget._enqueue(self)  # (in its place if it is there already)
-                return max(0, min(want, allowance + self.charged - held))  # only within what it has
+                size = max(0, min(want, allowance + self.charged - held))  # only within what it has
+                if not size:  # it must wait: in turn (queued only then, so the queue's first always waits
+                    # for the budget, never for its peer, which could hold up everyone behind it)
+                    budget._enqueue(self)
+                return size
             if first is not None:
                 budget._dequeue(self)  # it was first: the next may go now, if there is room for it
             self._set_charge(frame_need, held)

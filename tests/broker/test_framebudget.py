@@ -140,11 +140,12 @@ def test_connections_waiting_for_the_budget_are_served_first_come_first_served()
     budget = PartialFrameBudget(LIMIT, ALLOWANCE, clock=lambda: 0.0)
     holder, honest, newcomer, leaver = (budget.connection() for _ in range(4))
     assert holder.grant_read(0, 600, 900) == 600  # its frame of 900 charged whole (800)
-    assert honest.grant_read(0, 600, 700) == ALLOWANCE  # 600 more do not fit: it waits, within its allowance
-    assert list(budget.queue) == [honest]
-    assert leaver.grant_read(0, 300, 300) == ALLOWANCE and list(budget.queue) == [honest, leaver]
+    assert honest.grant_read(0, 600, 700) == ALLOWANCE  # 600 more do not fit: its allowance only
+    assert not budget.queue  # (reading within it: not waiting yet)
+    assert honest.grant_read(ALLOWANCE, 600, 700) == 0 and list(budget.queue) == [honest]  # now it waits
+    assert leaver.grant_read(ALLOWANCE, 200, 300) == 0 and list(budget.queue) == [honest, leaver]
     holder.settle(0)  # its frame is done: 1,000 free
-    assert newcomer.grant_read(0, 150, 150) == ALLOWANCE  # it would fit, but two wait before it
+    assert newcomer.grant_read(ALLOWANCE, 50, 150) == 0  # it would fit, but two wait before it
     assert list(budget.queue) == [honest, leaver, newcomer]
     leaver.release()
     assert list(budget.queue) == [honest, newcomer]
@@ -165,8 +166,8 @@ def test_a_connection_that_has_completed_a_frame_before_goes_ahead_of_those_that
     honest.settle(0)
     assert honest.frames_done == 1
     assert holder.grant_read(0, 900, 1000) == 900  # the budget's whole (1,000 - 100 allowance) is its
-    assert attacker.grant_read(0, 900, 1000) == ALLOWANCE  # queued first
-    assert honest.grant_read(0, 500, 500) == ALLOWANCE  # queued later, but it has completed a frame
+    assert attacker.grant_read(ALLOWANCE, 800, 1000) == 0  # queued first
+    assert honest.grant_read(ALLOWANCE, 400, 500) == 0  # queued later, but it has completed a frame
     assert budget.queue == [honest, attacker]
     holder.release()  # (cut)
     assert attacker.grant_read(ALLOWANCE, 800, 1000) == 0

@@ -114,6 +114,16 @@ class Rig:
                 for datagram, _ in m.channel.do_work(now):
                     self.datapath.on_datagram(datagram, m.address, now)
 
+    def run_until_settled(self, total: int, members: list[Member], rounds: int) -> None:
+        """Cycle, each of `members` processing all it holds, until the group has settled `total` (or
+        `rounds` cycles have passed)."""
+        for _ in range(rounds):
+            self.cycle()
+            for member in members:
+                member.process(len(member.held))
+            if self.group.settled_total == total:
+                break
+
     @property
     def group(self) -> Any:
         return self.datapath.groups.by_name["g"]
@@ -390,12 +400,7 @@ def test_a_member_gets_every_message_the_group_sends_after_it_joined() -> None:
     late_member = rig.join()  # joins mid-stream: nothing new is offered until it reports
     late = [b"l%03d" % i for i in range(100)]
     rig.publish(late)
-    for _ in range(300):
-        rig.cycle()
-        first.process(len(first.held))
-        late_member.process(len(late_member.held))
-        if rig.group.settled_total == 200:
-            break
+    rig.run_until_settled(200, [first, late_member], 300)
     assert first.bodies == early + late
     got = late_member.bodies
     assert got == (early + late)[-len(got):] and got[-100:] == late  # a suffix, with all sent after it joined
@@ -509,12 +514,7 @@ def test_a_message_too_large_for_multicast_is_dropped_for_the_group_and_its_memb
     rig.cycle(3)
     bodies = [b"before", b"B" * 300_000, b"after"]
     rig.publish(bodies)
-    for _ in range(200):
-        rig.cycle()
-        fast.process(len(fast.held))
-        slow.process(len(slow.held))
-        if rig.group.settled_total == 2:
-            break
+    rig.run_until_settled(2, [fast, slow], 200)
     assert fast.bodies == slow.bodies == [b"before", b"after"]
     assert rig.group.oversized_dropped == 1 and rig.queue.count == 0
     for member in (fast, slow):
