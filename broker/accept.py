@@ -63,7 +63,7 @@ class RateLimitedLog:
         self.suppressed = 0
         self._last = -float("inf")
 
-    def __call__(self, message: str, *args: object) -> None:
+    def __call__(self, message: str, *args: object, exc_info: BaseException | None = None) -> None:
         now = self.clock()
         if now - self._last < self.interval:
             self.suppressed += 1
@@ -71,7 +71,7 @@ class RateLimitedLog:
         if self.suppressed:
             message += " (and %d more like it in the last %.0f s)"
             args = (*args, self.suppressed, now - self._last)
-        self.logger.log(self.level, message, *args)
+        self.logger.log(self.level, message, *args, exc_info=exc_info)
         self._last = now
         self.suppressed = 0
 

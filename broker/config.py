@@ -602,7 +602,7 @@ def load_config(path: Path | None = None, overrides: dict[str, dict[str, Any]] |
         except OSError as exc:
             raise ConfigError("file", str(path), None, f"cannot be read: {exc.strerror}", where=str(path)) from None
     for section in data:
-        if section not in ("server", "queues", "credit", "admin", "udp", "metrics", "auth", "tls", "storage"):
+        if section not in _SECTIONS and section != "credit":
             if not isinstance(data[section], dict):  # `port = 5680` above every [section]
                 raise ConfigError(section, "*", None, "a key outside any section: every key belongs under a "
                                   "[section] (docs/configuration.md)", where=f"{section} = {data[section]!r}")

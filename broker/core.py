@@ -1381,14 +1381,14 @@ class BrokerCore:
         return ex
 
     @staticmethod
-    def _check_binding_key(key: str) -> None:
+    def _check_key(key: str, what: str = "binding key") -> None:
         key_bytes = utf8_len(key)
         if key_bytes > MAX_KEY_BYTES:
             raise RequestError(ErrorCode.KEY_TOO_LONG,
-                               f"binding key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes")
+                               f"{what} of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes")
 
     def _req_bind(self, session: Session, f: Bind) -> dict[str, Any]:
-        self._check_binding_key(f.binding_key)
+        self._check_key(f.binding_key)
         exchange, queue = self._exchange(f.exchange), self.get_queue(f.queue)
         limit = self.config.server.max_bindings
         if self.routes.bindings >= limit:
@@ -1402,7 +1402,7 @@ class BrokerCore:
         return {"created": created}
 
     def _req_unbind(self, session: Session, f: Unbind) -> dict[str, Any]:
-        self._check_binding_key(f.binding_key)  # (no binding has such a key: said as for BIND, not "removed")
+        self._check_key(f.binding_key)  # (no binding has such a key: said as for BIND, not "removed")
         exchange, queue = self._exchange(f.exchange), self.get_queue(f.queue)
         removed = exchange.unbind(queue, f.binding_key)
         if removed:
@@ -1531,10 +1531,7 @@ class BrokerCore:
 
     def _req_register_publication(self, session: Session, f: RegisterPublication) -> dict[str, Any]:
         udp, host = self._data_path(session)
-        key_bytes = utf8_len(f.routing_key)
-        if key_bytes > MAX_KEY_BYTES:  # (every message on it would be refused KEY_TOO_LONG: say so now)
-            raise RequestError(ErrorCode.KEY_TOO_LONG,
-                               f"routing key of {key_bytes} bytes exceeds the limit of {MAX_KEY_BYTES} bytes")
+        self._check_key(f.routing_key, "routing key")  # (every message on it would be refused KEY_TOO_LONG)
         if f.exchange != "" and f.exchange not in self.exchanges:
             raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {f.exchange!r}", f.exchange)
         return udp.ingress.register(session, f.exchange, f.routing_key, f.stream_id, (host, f.source_port),

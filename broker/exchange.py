@@ -84,12 +84,19 @@ class Exchange:
         queues = self.bindings.get(key)
         if not queues or queue not in queues:
             return False
-        del queues[queue]
-        self._cache.bindings -= 1
-        if not queues:
-            del self.bindings[key]
+        if self._forget(queue, key):
             self._topics.remove(key)
         self._cache.clear()
+        return True
+
+    def _forget(self, queue: Queue, key: str) -> bool:
+        """Remove the binding (it exists); True if `key` has no queue left (its topic key must go too)."""
+        queues = self.bindings[key]
+        del queues[queue]
+        self._cache.bindings -= 1
+        if queues:
+            return False
+        del self.bindings[key]
         return True
 
     def release(self) -> None:
@@ -99,14 +106,7 @@ class Exchange:
     def unbind_queue(self, queue: Queue) -> None:
         """Every binding of `queue` (it is deleted): the topic keys left with no queue leave the matcher
         together (TopicIndex.remove_many), not one by one."""
-        emptied: list[str] = []
-        for key in [k for k, qs in self.bindings.items() if queue in qs]:
-            queues = self.bindings[key]
-            del queues[queue]
-            self._cache.bindings -= 1
-            if not queues:
-                del self.bindings[key]
-                emptied.append(key)
+        emptied = [key for key in [k for k, qs in self.bindings.items() if queue in qs] if self._forget(queue, key)]
         if emptied and self.kind is ExchangeKind.TOPIC:
             self._topics.remove_many(emptied)
         self._cache.clear()

@@ -76,12 +76,10 @@ class PartialFrameBudget:
         if frame_bytes not in self._proven and frame_bytes not in self._fresh:
             (self._proven if frame_bytes.frames_done else self._fresh)[frame_bytes] = None
 
-    def _dequeue(self, frame_bytes: FrameBytes) -> bool:
-        """Out of the queue; True if it was in it (the next may go now: it is woken)."""
+    def _dequeue(self, frame_bytes: FrameBytes) -> None:
+        """Out of the queue, if it is in it (then the next may go now: it is woken)."""
         if self._proven.pop(frame_bytes, False) is not False or self._fresh.pop(frame_bytes, False) is not False:
             self._wake()
-            return True
-        return False
 
     def _wake(self) -> None:
         if self._freed is not None:
@@ -100,8 +98,8 @@ class PartialFrameBudget:
         connection has closed). O(connections charged), once per STALL_SECONDS a waiter."""
         now = self.clock()
         stalled = [held for held in self.holders
-                   if held is not waiter and not held.waiting and held.cut is not None
-                   and now - held.progressed >= STALL_SECONDS]
+                   if held is not waiter and held.cut is not None and now - held.progressed >= STALL_SECONDS
+                   and held not in self._proven and held not in self._fresh]  # (a queued one waits: not at fault)
         if not stalled:
             return False
         frame = min(stalled, key=lambda held: held.progressed)
@@ -123,9 +121,9 @@ class FrameBytes:
         self.budget = budget
         self.charged = 0
         self.cut = cut
-        self.waiting = False  # waiting for the budget (never cut then: it is not the one at fault)
         self.progressed = 0.0  # when what it holds last grew by PROGRESS_BYTES, or began to be charged
-        self.frames_done = 0  # frames charged to the budget that it completed (the queue serves these first)
+        self.frames_done = 0  # large frames charged whole that it completed (the queue serves these first)
+        self._whole = False  # its charge is a large frame's, charged whole (grant_read)
         self._progress_mark = 0  # what it held then
 
     def grant_read(self, held: int, want: int, frame_end: int | None = None) -> int:
@@ -150,9 +148,10 @@ class FrameBytes:
                     # for the budget, never for its peer, which could hold up everyone behind it)
                     budget._enqueue(self)
                 return size
-            if first is not None:
+            if first is self:
                 budget._dequeue(self)  # it was first: the next may go now, if there is room for it
             self._set_charge(frame_need, held)
+            self._whole = True
         # The frame is charged (or its size is not in yet): the read, charging what passes the charge.
         size = min(want, allowance + self.charged + (budget.limit - budget.charged) - held)
         if size <= 0:
@@ -182,7 +181,8 @@ class FrameBytes:
                 self.progressed, self._progress_mark = budget.clock(), held
             elif not charge:
                 budget.holders.discard(self)
-                if held < self._progress_mark or held == 0:  # its frame ended (decoded): it completed one
+                if self._whole:  # a large frame charged whole was decoded (or its connection is gone)
+                    self._whole = False
                     self.frames_done += 1
             budget._charge(charge - self.charged)
             self.charged = charge

@@ -140,10 +140,6 @@ class _Held:
         self.latest: _Text | None = None
         self.texts: collections.OrderedDict[int, _Text] = collections.OrderedDict()
 
-    @property
-    def count(self) -> int:
-        return len(self.texts)
-
     def keep(self, text: _Text) -> None:
         """A text was built: held until its readers are done; the oldest is let go past SCRAPES_HELD."""
         while len(self.texts) >= SCRAPES_HELD:

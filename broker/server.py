@@ -882,12 +882,12 @@ class ConnectionHandler:
                     want = min(frame_size - conn.buffered, LARGE_READ)  # the rest of a large frame
                 size = frame_bytes.grant_read(conn.buffered, want, frame_size)
                 if not size:  # in the middle of a large frame, and the budget is spent
-                    waited = trio.current_time()
+                    wait_began = trio.current_time()
                     await self._wait_for_frame_budget()
                     if scope is not None:  # the broker's wait, not the peer's: off its frame_timeout
                         # (an honest producer queued behind attackers was closed for a frame the broker
                         # had not read, a tester)
-                        waited = trio.current_time() - waited
+                        waited = trio.current_time() - wait_began
                         scope.deadline += waited
                         if self.frame_started is not None:
                             self.frame_started += waited
@@ -902,15 +902,10 @@ class ConnectionHandler:
     async def _wait_for_frame_budget(self) -> None:
         """Until some connection gives partial-frame bytes back; meanwhile a frame stalled for
         STALL_SECONDS is cut (PartialFrameBudget.reclaim), looked for again every STALL_SECONDS."""
-        frame_bytes = self.frame_bytes
-        budget = frame_bytes.budget
-        frame_bytes.waiting = True
-        try:
-            budget.reclaim(frame_bytes)
-            with trio.move_on_after(STALL_SECONDS):
-                await budget.wait_freed()
-        finally:
-            frame_bytes.waiting = False
+        budget = self.frame_bytes.budget
+        budget.reclaim(self.frame_bytes)
+        with trio.move_on_after(STALL_SECONDS):
+            await budget.wait_freed()
 
     def _cut_stalled_frame(self, stalled: float) -> None:
         """The partial-frame budget cut this connection's frame: it had not grown for `stalled` seconds

@@ -62,6 +62,7 @@ from flowbroker.client.errors import (
     RequestError,
     RequestTimeout,
     block_error_name,
+    check_key,
     check_timeout,
     check_timeout_option,
     publish_error,
@@ -101,7 +102,7 @@ from flowbroker.protocol import (
     SenderWindow,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
-from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
 from flowbroker.protocol.names import EXCHANGE_KINDS, OVERFLOW_POLICIES
 from flowbroker.protocol.frames import Range, check_frame
 from flowbroker.protocol.producer import ProducerLedger
@@ -836,13 +837,13 @@ class Connection:
     async def bind(self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None) -> dict[str, Any]:
         """Bind `queue` to `exchange`. A binding key over MAX_KEY_BYTES (UTF-8) raises RequestError
         (KEY_TOO_LONG) before anything is sent, as the broker would refuse it."""
-        _check_binding_key(binding_key)
+        check_key(binding_key)
         return await self._request(lambda rid: Bind(rid, queue, exchange, binding_key), timeout)
 
     async def unbind(
         self, queue: str, exchange: str, binding_key: str = "", *, timeout: float | None = None
     ) -> dict[str, Any]:
-        _check_binding_key(binding_key)
+        check_key(binding_key)
         return await self._request(lambda rid: Unbind(rid, queue, exchange, binding_key), timeout)
 
     async def delete_queue(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
@@ -1465,11 +1466,3 @@ def merge_ranges(runs: list[Range]) -> list[Range]:
         else:
             out.append((first, last))
     return out
-
-
-def _check_binding_key(key: str) -> None:
-    size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
-    if size > MAX_KEY_BYTES:
-        raise RequestError(
-            ErrorCode.KEY_TOO_LONG, f"binding key of {size} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)"
-        )

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from flowbroker.protocol import ErrorCode
+from flowbroker.protocol.limits import MAX_KEY_BYTES, utf8_len
 from flowbroker.protocol.names import ALL_DESTINATIONS
 
 __all__ = [
@@ -288,6 +289,15 @@ def block_error_name(exc: BaseException) -> str:
     the name of the exception its `with` block raised)."""
     name = getattr(exc, "block_error_name", None)
     return name if isinstance(name, str) else type(exc).__name__
+
+
+def check_key(key: str, what: str = "binding key") -> None:
+    """A key the broker would refuse KEY_TOO_LONG, refused here as it would be, before anything is sent."""
+    size = utf8_len(key)
+    if size > MAX_KEY_BYTES:
+        raise RequestError(
+            ErrorCode.KEY_TOO_LONG, f"{what} of {size} bytes exceeds the limit of {MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)"
+        )
 
 
 def check_timeout(what: str, timeout: float | None, default: str = "") -> None:

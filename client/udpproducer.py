@@ -40,7 +40,7 @@ from flowbroker.client.errors import (
     ConnectionClosed,
     FlowControlled,
     FlowControlTimeout,
-    RequestError,
+    check_key,
     check_timeout,
     stopped_suffix,
 )
@@ -55,7 +55,7 @@ from flowbroker.protocol.envelope import (
     pack_publish_bodies,
 )
 from flowbroker.protocol.frames import ClosePublication, RegisterPublication
-from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_KEY_BYTES
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
 from flowbroker.transport.drivers import OfferVerdict, offer_verdict
 from flowbroker.transport.frames import DATA_HEADER_LENGTH
 from flowbroker.transport.publication import Publication, PublicationConfig
@@ -164,12 +164,9 @@ class UdpProducer(Producer):
                 return
             conn = self._conn
             conn._check_open()
-            key = self.routing_key
-            size = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
-            if size > MAX_KEY_BYTES:  # as the broker would answer, but before the request: one over 64 KiB
-                # was over the control frames' limit, and the broker closed the connection (a tester)
-                raise RequestError(ErrorCode.KEY_TOO_LONG, f"routing key of {size} bytes exceeds the limit of "
-                                   f"{MAX_KEY_BYTES} bytes (MAX_KEY_BYTES)")
+            # as the broker would answer, but before the request: one over 64 KiB was over the control
+            # frames' limit, and the broker closed the connection (a tester)
+            check_key(self.routing_key, "routing key")
             local_host = conn._local_host()
             endpoint = open_udp((local_host, 0), so_rcvbuf=1 << 20, so_sndbuf=1 << 20)
             try:

@@ -113,12 +113,12 @@ class DeliveryLedger(Generic[OwnerT, ItemT]):
                 cuts.append((i, j))
         if len(cuts) == 1:
             del tags[cuts[0][0]:cuts[0][1]]
-        elif cuts:
-            kept: list[int] = tags[:cuts[0][0]]
+        elif cuts:  # rebuilt from the first cut on, as cancel_tagged does, not copied from the start
+            kept: list[int] = []
             for (_, j), (i, _) in zip(cuts, cuts[1:]):
                 kept += tags[j:i]
             kept += tags[cuts[-1][1]:]
-            tags[:] = kept
+            tags[cuts[0][0]:] = kept
         return settled, unknown
 
     def cancel(self, owner: OwnerT, since: int = 1) -> list[ItemT]:

@@ -79,28 +79,29 @@ class _Stream:
 class UdpSubscription(Subscription):
     """A subscription whose deliveries travel over UDP (see the module docstring)."""
 
-    __slots__ = ("stream", "egress", "oversized")
+    __slots__ = ("stream", "egress", "oversized", "sure_fit")
 
     stream: _Stream
     egress: Egress
     oversized: int  # the size of a message too large for this subscription's publication (0: none yet)
+    sure_fit: int  # a message of at most this message_size fits the publication, whatever its envelope
 
     def has_credit(self) -> bool:
         stream = self.stream
         pub = stream.publication
         # Asked before every delivery: the cheap comparisons first, the flow-control strategy's last.
         return (self.unsettled < self.prefetch and stream.slot is None and pub.position < pub.sender_limit
-                and pub.is_connected and not ((store := self.queue.store) and self._too_large(store[0])))
+                and pub.is_connected
+                and not ((store := self.queue.store) and store[0].size > self.sure_fit and self._too_large(store[0])))
 
     def _too_large(self, msg: Message) -> bool:
         """`msg`'s DELIVER envelope is over what the publication carries (Aeron's maximum message length,
         term_length / 8): offered, it raised and took the broker down (a tester). Then the subscription takes
         nothing more; the egress ends it at its next cycle, telling the client, and the message stays in the
-        queue. One comparison for a message within EXACT_CHECK_SLACK of the limit (message_size counts its
-        body and headers generously; the exchange and routing key are at most 1,276 bytes more)."""
+        queue. Called only for a message whose message_size is above `sure_fit` (within EXACT_CHECK_SLACK of
+        the limit: message_size counts body and headers generously; the exchange and routing key are at
+        most 1,276 bytes more), so the common message costs one comparison, no call."""
         limit = self.stream.publication.max_message_length
-        if msg.size + EXACT_CHECK_SLACK <= limit:
-            return False
         size = len(delivery_head(0xFFFFFFFF, msg.exchange, msg.routing_key, msg.headers, msg.redelivered)) + len(msg.body)
         if size <= limit:
             return False
@@ -140,10 +141,11 @@ class UdpSubscription(Subscription):
         ledger = self.session.deliveries
         take = store.take
         offer = pub.offer_parts
+        sure_fit = self.sure_fit
         tag = ledger.next_tag
         msgs: list[Message] = []
         while True:
-            if self._too_large(store[0]):
+            if store[0].size > sure_fit and self._too_large(store[0]):
                 break  # it stays ready; the egress ends this subscription (_too_large)
             msg = take()
             msgs.append(msg)
@@ -177,13 +179,14 @@ class UdpSubscription(Subscription):
         batch_room = stream.batch_room
         ledger = self.session.deliveries
         take = store.take
+        sure_fit = self.sure_fit
         tag = ledger.next_tag
         msgs: list[Message] = []
         batch: list[Any] = []
         space = min(batch_room, sender_limit - pub.position - DATA_HEADER_LENGTH)
         while True:
             msg = store[0]
-            if self._too_large(msg):
+            if msg.size > sure_fit and self._too_large(msg):
                 break  # it stays ready; the egress ends this subscription (_too_large)
             body, exchange, routing_key, headers = msg.body, msg.exchange, msg.routing_key, msg.headers
             need = delivery_entry_bound(body, exchange, routing_key, headers)
@@ -291,6 +294,7 @@ class Egress:
         sub.stream = stream
         sub.egress = self
         sub.oversized = 0
+        sub.sure_fit = publication.max_message_length - EXACT_CHECK_SLACK
         self.subscriptions[session_id] = stream
         owner.subscriptions[subscription_id] = sub
         the_queue.add_subscription(sub)

@@ -11,12 +11,12 @@ recover, and is counted on the endpoint).
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from collections.abc import Callable
 
 import trio
 
+from flowbroker.broker.accept import RateLimitedLog
 from flowbroker.broker.config import UdpConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.udp.datapath import DataPath, Outgoing, is_data_frame
@@ -49,7 +49,7 @@ class UdpShell:
         self._backlog: deque[tuple[bytes, tuple[str, int]]] = deque()  # data read ahead (`_take`)
         self._paused = False  # shutdown: no more datagrams taken from the endpoint
         self.faults = 0  # internal errors the data path survived (_fault)
-        self._fault_logged = -math.inf
+        self._log_fault = RateLimitedLog(LOGGER, logging.ERROR, 60.0)
         self.datapath = DataPath(config, core, endpoint.local_address, self.wake)
         core.udp = self.datapath
         # A multicast group's socket: bound to its control group (where members' SMs and NAKs go), sending
@@ -171,11 +171,8 @@ class UdpShell:
         out of this task ended the broker's nursery, and every TCP connection with it (a tester's message
         too large for a UDP consumer's publication, since refused before the offer)."""
         self.faults += 1
-        now = trio.current_time()
-        if now - self._fault_logged >= 60.0:
-            self._fault_logged = now
-            LOGGER.error("UDP data path: internal error handling %s (%d so far); going on", what, self.faults,
-                         exc_info=exc)
+        self._log_fault("UDP data path: internal error handling %s (%d so far); going on", what, self.faults,
+                        exc_info=exc)
 
     async def _group_receiver(self, endpoint: UdpEndpoint, scope: trio.CancelScope) -> None:
         try:

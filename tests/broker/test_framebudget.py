@@ -67,7 +67,7 @@ def test_a_waiter_has_the_partial_frame_stalled_longest_cut_and_never_one_that_p
         conn.settle(granted)  # received: each holds a partial frame of PROGRESS_BYTES
     now[0] = 0.5
     slow.settle(held[slow] + 1)  # a byte more: no progress
-    waiting.waiting = True
+    assert waiting.grant_read(held[waiting], PROGRESS_BYTES, held[waiting] + 3 * PROGRESS_BYTES) == 0  # it waits
     assert victim.grant_read(0, 2 * PROGRESS_BYTES) < 2 * PROGRESS_BYTES
     assert not budget.reclaim(victim)  # nothing stalled for STALL_SECONDS yet
     now[0] = 0.5 + STALL_SECONDS
