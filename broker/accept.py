@@ -5,24 +5,19 @@ descriptors printed EMFILE ten times a second while new clients waited. Here the
 soft descriptor limit to the hard limit at start (and says what it got), backs off exponentially
 (10 ms to 1 s) while accept() fails, and logs such failures at most once per LOG_INTERVAL seconds
 with the count of those it did not print. Counting and refusing connections over max_connections is
-the caller's `admit` (broker/server.py), called for every accepted socket.
-
-The admin API and /metrics are served by hypercorn, whose accept loop is trio.serve_listeners: it
-retries every 100 ms and logged an ERROR with a traceback each time (a tester: 345 lines in 6 s). A
-filter on its logger (`SERVE_LISTENERS_LOG`, installed when this module is imported) lets through at
-most one such line per LOG_INTERVAL, without the traceback, with the count of those it held back.
+the caller's `admit` (broker/server.py, broker/httpserve.py), called for every accepted socket: the
+broker port's and the HTTP listeners' (admin API, /metrics) alike.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import NoReturn
 
 import trio
 
-__all__ = ["raise_descriptor_limit", "RateLimitedLog", "RateLimitFilter", "SERVE_LISTENERS_LOG", "accept_forever"]
+__all__ = ["raise_descriptor_limit", "RateLimitedLog", "accept_forever"]
 
 LOGGER = logging.getLogger("flowbroker.broker.accept")
 BACKOFF_MIN = 0.01
@@ -96,35 +91,3 @@ async def accept_forever(listener: trio.SocketListener, admit: Callable[[trio.So
         except Exception as exc:  # a bug in admitting one socket must not stop the broker accepting
             LOGGER.error("admitting a connection failed; closed it", exc_info=exc)
             stream.socket.close()
-
-
-class RateLimitFilter(logging.Filter):
-    """A logging filter that passes a logger's records at most once per `interval` seconds, each without
-    its traceback and with the count of those it held back since the last one it passed."""
-
-    def __init__(self, what: str, interval: float = LOG_INTERVAL, clock: Callable[[], float] = time.monotonic):
-        super().__init__()
-        self.what = what  # said first on each line: whose records these are
-        self.interval = interval
-        self.clock = clock
-        self.suppressed = 0
-        self._last = -float("inf")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = self.clock()
-        if now - self._last < self.interval:
-            self.suppressed += 1
-            return False
-        message = f"{self.what}: {record.getMessage()}"
-        if self.suppressed:
-            message += f" (and {self.suppressed} more like it in the last {now - self._last:.0f} s)"
-        record.msg, record.args = message, ()
-        record.exc_info = record.exc_text = None  # the same traceback each time: the errno says it all
-        self._last = now
-        self.suppressed = 0
-        return True
-
-
-SERVE_LISTENERS_LOG = RateLimitFilter("HTTP listener (admin API, /metrics)")
-"""On trio.serve_listeners' logger: its "accept returned EMFILE ...; retrying in 0.1 seconds"."""
-logging.getLogger("trio.serve_listeners").addFilter(SERVE_LISTENERS_LOG)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -30,8 +29,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
@@ -45,6 +42,7 @@ from flowbroker.broker.privatefile import read_private, write_private
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.listen_hints import listen_hint
+from flowbroker.broker.httpserve import HttpServer
 from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottled, basic_credentials, peer_address
 from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.config import AdminConfig, valid_token
@@ -56,7 +54,7 @@ from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.names import OVERFLOW, OVERFLOW_DROP_HEAD, OVERFLOW_REJECT, TIME_QUEUE_ARGUMENTS
 
 __all__ = ["AdminServer", "AdminStartError", "BearerAuth", "HttpListener", "create_app", "listen", "publish_token", "resolve_token", "url_host",
-           "reusable_token", "serve_http",
+           "reusable_token",
            "write_token_file"]
 
 LOGGER = logging.getLogger("flowbroker.broker.admin")
@@ -612,7 +610,7 @@ _ADDRESS_OPTIONS = {  # where each HTTP listener's address is set, for the hint 
 
 def listen(host: str, port: int, section: str) -> tuple[int, int]:
     """Bind and listen on host:port before any nursery, so an address in use is a plain AdminStartError
-    naming `[section]` and what to do, not an exception group; returns (descriptor, port) for `serve_http`."""
+    naming `[section]` and what to do, not an exception group; returns (descriptor, port) for `HttpServer`."""
     host_option, port_option = _ADDRESS_OPTIONS.get(section, (f"[{section}] host", f"[{section}] port"))
 
     def start_error(exc: OSError) -> AdminStartError:
@@ -631,30 +629,17 @@ def listen(host: str, port: int, section: str) -> tuple[int, int]:
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) inherited by every accepted socket
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(HTTP_STALL_SECONDS * 1000))
         sock.bind(address)
-        sock.listen(128)  # connections wait in the backlog until hypercorn accepts them
+        sock.listen(128)  # connections wait in the backlog until HttpServer accepts them
     except OSError as exc:
         sock.close()
         raise start_error(exc) from None
     bound = int(sock.getsockname()[1])
-    return sock.detach(), bound  # hypercorn takes the socket over by its descriptor
+    return sock.detach(), bound  # HttpServer takes the socket over by its descriptor
 
 
 def url_host(host: str) -> str:
     """`host` as a URL's authority takes it: an IPv6 address in brackets (`http://::1:8080` is no URL)."""
     return f"[{host}]" if ":" in host else host
-
-
-async def serve_http(app: ASGIApp, fd: int, shutdown: trio.Event, read_timeout: float | None = None) -> None:
-    """Serve `app` with hypercorn's trio worker on the listening descriptor `fd` until `shutdown`. A
-    connection that sends nothing for `read_timeout` seconds (default HTTP_READ_SECONDS; whole seconds,
-    rounded up, as hypercorn takes them) is closed, whatever state it is in."""
-    cfg = HypercornConfig()
-    cfg.bind = [f"fd://{fd}"]
-    cfg.accesslog = None
-    cfg.errorlog = HTTP_LOGGER
-    cfg.graceful_timeout = HTTP_DRAIN_SECONDS
-    cfg.read_timeout = math.ceil(HTTP_READ_SECONDS if read_timeout is None else read_timeout)
-    await hypercorn_serve(app, cfg, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -672,8 +657,11 @@ class HttpListener:
     app: ASGIApp
     logger: logging.Logger = LOGGER  # where the serving line goes
 
-    def __init__(self, host: str, port: int, section: str):
+    def __init__(self, host: str, port: int, section: str, max_connections: int):
         self.host = host
+        self.max_connections = max_connections
+        self.http: HttpServer | None = None
+        """What serves the port, while it is served (its `open` and `refused` counts)."""
         self._requested_port = port
         self._section = section  # the config section an address-in-use error names
         self.port: int | None = None
@@ -716,7 +704,10 @@ class HttpListener:
         self.logger.info("%s", self._serving_line())
         task_status.started(self.port)
         try:
-            await serve_http(self.app, fd, self._shutdown, self.read_timeout())
+            self.http = HttpServer(self.app, fd, max_connections=self.max_connections,
+                                   read_timeout=self.read_timeout(), drain_seconds=HTTP_DRAIN_SECONDS,
+                                   errorlog=HTTP_LOGGER, what=f"[{self._section}] port {self.port}")
+            await self.http.serve(self._shutdown)
         finally:
             self.stopped.set()
 
@@ -728,7 +719,7 @@ class AdminServer(HttpListener):
                  broker_port: Callable[[], int | None] | None = None, metrics: Route | None = None,
                  metrics_need_token: bool = False, users: UserStore | None = None, failed_delay: float = 1.0,
                  throttle: LoginThrottle | None = None):
-        super().__init__(config.host, config.port, "admin")
+        super().__init__(config.host, config.port, "admin", config.max_connections)
         self.config = config
         self.core = core
         self.token, self._token_unwritten = resolve_token(config, config.port)

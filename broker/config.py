@@ -229,6 +229,9 @@ class AdminConfig:
     port: int = 5681
     token: str = ""
     token_file: str = DEFAULT_TOKEN_FILE
+    max_connections: int = 64
+    """HTTP connections served at once; a socket accepted beyond them is answered 503 and closed, so the
+    port costs bounded memory and descriptors whatever its clients send (broker/httpserve.py)."""
 
     def validate(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -236,6 +239,7 @@ class AdminConfig:
         if not isinstance(self.host, str) or not self.host.strip():
             raise ConfigError("admin", "host", self.host, "must be a non-empty host name or address")
         _int_range("admin", "port", self.port, 0, 65535)
+        _int_range("admin", "max_connections", self.max_connections, 1, 10_000)
         if not isinstance(self.token, str):
             raise ConfigError("admin", "token", "***", "must be a string")
         if self.token and not valid_token(self.token):
@@ -366,6 +370,8 @@ class MetricsConfig:
     endpoint: str = ""
     require_token: bool = False
     max_producer_series: int = 100
+    max_connections: int = 16
+    """HTTP connections served at once on the port of its own (with `endpoint`), as [admin] max_connections."""
 
     def validate(self) -> None:
         for key in ("enabled", "require_token"):
@@ -380,6 +386,7 @@ class MetricsConfig:
                 raise ConfigError("metrics", "endpoint", self.endpoint,
                                   f"{exc} (or \"\" to serve /metrics on the admin port)") from None
         _int_range("metrics", "max_producer_series", self.max_producer_series, 0, 100_000)
+        _int_range("metrics", "max_connections", self.max_connections, 1, 10_000)
 
     def address(self) -> tuple[str, int]:
         """`endpoint` as (host, port); only when it is not "" (ValueError naming what is wrong)."""

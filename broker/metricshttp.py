@@ -268,7 +268,7 @@ class MetricsServer(HttpListener):
                  users: AdminUsers | None = None):
         """`users`: admin users, whose HTTP Basic credentials a scrape may give instead of the token, as on
         the admin port (a monitoring user's scrape was 200 there and 401 here, a tester)."""
-        super().__init__(*config.address(), "metrics")
+        super().__init__(*config.address(), "metrics", config.max_connections)
         self.config = config
         app: ASGIApp = Starlette(routes=[metrics_route(metrics)])
         self.app = BearerAuth(app, token, users=users) if token is not None else app

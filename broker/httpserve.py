@@ -1,0 +1,123 @@
+"""Serving an HTTP app (the admin API, /metrics on a port of its own) on a listening socket: our accept
+loop, hypercorn's per-connection HTTP/1.1 and HTTP/2 handling, at most `max_connections` at a time.
+
+Why not hypercorn's own `serve`: it accepts without limit, and a connection whose request it refuses
+(431 for a head over 16 KiB, 400 for one it cannot parse) is closed but stays in memory for hypercorn's
+keep-alive timeout (5 s) after, its idle timer the last task of its group, with what it had received (up
+to 64 KiB read at once, plus h11's buffer): an unauthenticated client sending 1 MB heads as fast as it
+could grew the broker by some 60 KB a request for as long as it kept on (a tester, session 36). And
+every connection it accepted took a descriptor from the few the broker keeps beside max_connections.
+
+Here a connection's task ends when its reading does (`_Connection`), and a socket accepted while
+`max_connections` are open is answered `503` at once, without a task, and closed (`refuse_now`), so
+the port costs at most max_connections times one connection's buffers, whatever a client sends. The
+accept loop backs off and logs as the broker port's does (broker/accept.py).
+
+hypercorn's connection class (`hypercorn.trio.tcp_server.TCPServer`) is not its documented API:
+pyproject.toml pins hypercorn's minor version, and tests/e2e/test_e2e_admin_limits.py drives real
+sockets through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
+from starlette.types import ASGIApp
+
+from flowbroker.broker.accept import RateLimitedLog, accept_forever
+from flowbroker.broker.streamio import peer_name, refuse_now
+
+__all__ = ["HttpServer"]
+
+LOGGER = logging.getLogger("flowbroker.broker.httpserve")
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection, whose task ends when its reading does. hypercorn stops a connection's idle
+    timer only once a request's head has arrived, so one it closed for a bad head (or that closed before
+    sending one) waited out keep_alive_timeout with its buffers."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+class HttpServer:
+    """Serves `app` on the listening socket `fd` until `shutdown` is set; then answers the requests in
+    flight for at most `drain_seconds` and returns.
+
+    `read_timeout` (whole seconds, as hypercorn takes it) bounds every read of a connection; `errorlog` is
+    where hypercorn's own error lines go; `what` names the port in the refusal's log line and answer."""
+
+    def __init__(self, app: ASGIApp, fd: int, *, max_connections: int, read_timeout: float,
+                 drain_seconds: float, errorlog: logging.Logger, what: str):
+        self.max_connections = max_connections
+        self.open = 0
+        """Connections being served now."""
+        self.refused = 0
+        """Sockets answered 503 because max_connections were open."""
+        self.what = what
+        self._fd = fd
+        config = HypercornConfig()
+        config.accesslog = None
+        config.errorlog = errorlog
+        config.read_timeout = math.ceil(read_timeout)
+        config.graceful_timeout = drain_seconds
+        self._config = config
+        self._app = wrap_app(app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+        self._context = WorkerContext(None)
+        self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
+        self._handlers: trio.Nursery | None = None
+
+    async def serve(self, shutdown: trio.Event) -> None:
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=self._fd)))
+        try:
+            async with trio.open_nursery() as handlers:
+                self._handlers = handlers
+                async with trio.open_nursery() as accepting:
+                    accepting.start_soon(accept_forever, listener, self._admit)
+                    await shutdown.wait()
+                    accepting.cancel_scope.cancel()
+                await listener.aclose()  # new connections are refused by the kernel from here on
+                # hypercorn's connections read this: an idle keep-alive connection closes, an answer in
+                # flight says `connection: close`
+                await self._context.terminated.set()
+                handlers.cancel_scope.deadline = trio.current_time() + self._config.graceful_timeout
+        finally:
+            self._handlers = None
+            await listener.aclose()
+
+    def _admit(self, stream: trio.SocketStream) -> None:
+        if self.open >= self.max_connections:
+            self.refused += 1
+            self._log_refusal("%s: refusing connection from %s: %d connections open (max_connections)",
+                              self.what, peer_name(stream), self.open)
+            text = (f"{self.what} has {self.max_connections} connections open (its max_connections); "
+                    "try again when one closes\n").encode()
+            refuse_now(stream, b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\nretry-after: 1\r\n"
+                       b"content-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
+            return
+        assert self._handlers is not None
+        self._handlers.start_soon(self._serve_one, stream)
+        self.open += 1
+
+    async def _serve_one(self, stream: trio.SocketStream) -> None:
+        try:
+            # (hypercorn's annotation says SSLStream; it serves plain sockets through the same class)
+            await _Connection(self._app, self._config, self._context, ConnectionState({}),
+                              stream)  # type: ignore[arg-type]
+        except Exception as exc:  # a bug serving one connection ends that connection, not the port
+            LOGGER.error("%s: connection from %s: unhandled error; closed", self.what, peer_name(stream),
+                         exc_info=exc)
+        finally:
+            self.open -= 1
+            # (hypercorn's own close sends EOF first, which a cancellation at shutdown interrupts)
+            await trio.aclose_forcefully(stream)

@@ -1,0 +1,122 @@
+"""The admin port costs bounded memory whatever unauthenticated clients send (docs/management.md,
+"Conventions"): at most [admin] max_connections connections are served at once, one more is answered 503,
+and a connection whose request is refused (431, 400) ends at once. Before, hypercorn accepted without
+limit and kept each refused connection, with what it had read, for its 5 s keep-alive timeout: 1 MB
+heads sent as fast as a client could grew the broker some 60 KB a request (a tester, session 36)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+import flowbroker.client as fb
+
+TOKEN = "test-admin-token-0123456789"
+
+BIG_HEAD = b"GET /api/broker HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 100_000 + b"\r\n\r\n"
+
+
+async def _ask(port: int, request: bytes) -> bytes:
+    """Send `request` and read the answer's first bytes (those the server sent before it closed)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    with trio.fail_after(10):
+        try:
+            await stream.send_all(request)
+        except trio.BrokenResourceError:
+            pass  # refused before it read all of it: the answer is already on its way
+        data = b""
+        try:
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+                if b"\r\n\r\n" in data and data.startswith((b"HTTP/1.1 4", b"HTTP/1.1 5")):
+                    break
+        except trio.BrokenResourceError:
+            pass  # a reset after the answer
+    await stream.aclose()
+    return data
+
+
+def _get(token: str = TOKEN) -> bytes:
+    return f"GET /api/broker HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n".encode()
+
+
+@pytest.fixture
+async def broker(start_flowbroker: Any) -> Any:
+    return await start_flowbroker(admin={"token": TOKEN, "max_connections": 4})
+
+
+async def test_a_socket_over_max_connections_is_answered_503_and_one_freed_serves_again(broker: Any) -> None:
+    port = broker.server.admin_port
+    held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(4)]
+    http = broker.server.admin.http
+    with trio.fail_after(5):
+        while http.open < 4:
+            await trio.sleep(0.01)
+    answer = await _ask(port, _get())
+    assert answer.startswith(b"HTTP/1.1 503"), answer
+    assert b"max_connections" in answer and b"retry-after: 1" in answer.lower()
+    assert http.refused == 1
+    await held.pop().aclose()
+    with trio.fail_after(5):
+        while http.open > 3:
+            await trio.sleep(0.01)
+    answer = await _ask(port, _get())
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    for stream in held:
+        await stream.aclose()
+
+
+async def test_refused_requests_end_their_connections_at_once(broker: Any) -> None:
+    """Twenty 100 KB heads in a row, each answered 431: none is held for the keep-alive timeout, so all
+    twenty fit under max_connections 4, and the API answers right after."""
+    port = broker.server.admin_port
+    for _ in range(20):
+        answer = await _ask(port, BIG_HEAD)
+        assert answer.startswith(b"HTTP/1.1 431"), answer
+        with trio.fail_after(1):  # hypercorn's keep-alive timeout is 5 s
+            while broker.server.admin.http.open:
+                await trio.sleep(0.01)
+    assert broker.server.admin.http.refused == 0
+    answer = await _ask(port, b"\x16\x03\x01garbage\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert (await _ask(port, _get())).startswith(b"HTTP/1.1 200")
+
+
+async def test_an_attacker_filling_the_admin_port_changes_nothing_on_the_broker_port(broker: Any) -> None:
+    """The admin port full and refusing (50 more sockets each answered 503 at once) while a producer and
+    a consumer on the broker port carry on."""
+    port = broker.server.admin_port
+    held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(4)]
+    async with await fb.connect(broker.url) as conn:
+        await conn.declare_queue("q")
+        async with trio.open_nursery() as nursery:
+
+            async def attack() -> None:
+                for _ in range(50):
+                    sock = trio.socket.socket()
+                    await sock.connect(("127.0.0.1", port))
+                    try:
+                        await sock.send(BIG_HEAD[:65536])
+                    except OSError:
+                        pass  # refused before it took all of it
+                    sock.close()
+
+            nursery.start_soon(attack)
+            producer = conn.producer(routing_key="q")
+            for i in range(200):
+                await producer.send(b"%d" % i)
+            await producer.flush(timeout=10)
+        got = []
+        async with conn.consumer("q", prefetch=50) as consumer:
+            for _ in range(200):
+                msg = await consumer.receive(timeout=10)
+                got.append(msg.body)
+                await msg.ack()
+    assert got == [b"%d" % i for i in range(200)]
+    with trio.fail_after(5):
+        while broker.server.admin.http.refused < 50:
+            await trio.sleep(0.01)
+    for stream in held:
+        await stream.aclose()
