@@ -327,6 +327,8 @@ class BrokerCore:
         if self.sessions.pop(session.conn_id, None) is None:
             return
         self.connections_closed += 1
+        session.ref.session = None  # what it left held keeps no more of it (broker/message.py SessionRef)...
+        session.transfers_held_now = 0  # ...and is nobody's transfer now
         self._set_held_room()
         if session.held_sequences:  # its idempotent messages still held: its next connection's resends adopt them
             orphans = self._orphans
@@ -882,8 +884,7 @@ class BrokerCore:
         for messages still held, the producer sent as much again, and a reconnect held two windows: past
         what live producers' credit bounds, the queue refused most of the rest QUEUE_FULL (366 of 600
         messages, a tester)."""
-        orphan.session.transfers_held_now -= 1
-        orphan.session, orphan.transfer_id, orphan.size = session, tid, size
+        orphan.owner, orphan.transfer_id, orphan.size = session.ref, tid, size
         session.transfers_held_now += 1
         session.transfers_held_total += 1
         key = orphan.sequence_key

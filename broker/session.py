@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flowbroker.broker.message import SessionRef
 from flowbroker.broker.outbox import Outbox, SessionFault
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
 from flowbroker.protocol.delivery import DeliveryLedger
@@ -100,6 +101,7 @@ class Session:
         self.flow_stopped_on: dict[str, tuple[Queue | None, int]] = {}  # destination -> (queue, since_ns)
         self.transfers_held_total = 0  # running count of transfers ever held (metrics)
         self.transfers_held_now = 0  # kept by HeldTransfer, so the admin view need not walk every queue
+        self.ref = SessionRef(self)  # what its held transfers keep of it (cut when its connection closes)
         self.flow_stops = 0  # times a destination it was not stopped on stopped it (metrics)
         # Pacing ([queues] pace_producers, docs/policies.md): a queue it routed to that is behind its
         # consumers; until it catches up (Queue.paced) or the flow timer gives up waiting, its completions

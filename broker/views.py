@@ -179,8 +179,8 @@ def held_by_connection(core: BrokerCore) -> dict[int, int]:
         transfers[id(transfer)] = transfer
     counts: dict[int, int] = {}
     for transfer in transfers.values():
-        conn_id = transfer.session.conn_id
-        counts[conn_id] = counts.get(conn_id, 0) + 1
+        if (session := transfer.owner.session) is not None:  # (a closed connection's: nobody's now)
+            counts[session.conn_id] = counts.get(session.conn_id, 0) + 1
     return counts
 
 

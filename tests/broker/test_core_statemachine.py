@@ -738,8 +738,8 @@ class CoreMachine(RuleBasedStateMachine):
         admin_held: dict[int, set[int]] = {pid: set() for pid in range(len(self.producers))}
         sessions = {p.session: pid for pid, p in enumerate(self.producers)}
         for transfer in core._broker_held:
-            if transfer.session in sessions:
-                admin_held[sessions[transfer.session]].add(transfer.transfer_id)
+            if transfer.owner.session in sessions:
+                admin_held[sessions[transfer.owner.session]].add(transfer.transfer_id)
         assert not core._broker_held or core.producers_stopped or core.memory.alarm
         for pid, p in enumerate(self.producers):
             if pid in self.closed_producers:

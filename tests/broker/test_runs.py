@@ -11,6 +11,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flowbroker.broker.message import SessionRef
 from flowbroker.broker.outbox import Outbox
 from tests.broker.coreharness import Harness
 from flowbroker.protocol.delivery import DeliveryLedger
@@ -159,6 +160,7 @@ class _Recorder:
         self.completed: list[int] = []
         self.size = 0
         self.wakes = 0
+        self.ref = SessionRef(self)  # type: ignore[arg-type]
 
     def complete_transfer(self, tid: int, size: int) -> None:
         self.complete_transfers(tid, 1, size)
