@@ -95,6 +95,7 @@ class ServerConfig:
     max_partial_frame_bytes: int = 64 * MiB
     max_connections: int = 10_000
     max_subscriptions: int = 1_000
+    max_subscriptions_total: int = 100_000
     max_queues: int = 100_000
     max_exchanges: int = 10_000
     max_bindings: int = 100_000
@@ -152,6 +153,7 @@ class ServerConfig:
         self._partial_fits()
         _int_range("server", "max_connections", self.max_connections, 1, 1_000_000)
         _int_range("server", "max_subscriptions", self.max_subscriptions, 1, 1_000_000)
+        _int_range("server", "max_subscriptions_total", self.max_subscriptions_total, 1, 10_000_000)
         _int_range("server", "max_queues", self.max_queues, 1, 10_000_000)
         _int_range("server", "max_exchanges", self.max_exchanges, 4, 10_000_000)
         _int_range("server", "max_bindings", self.max_bindings, 1, 10_000_000)

@@ -1453,6 +1453,10 @@ class BrokerCore:
         if len(session.subscriptions) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"too many subscriptions on this connection (max_subscriptions {limit})")
+        total = self.config.server.max_subscriptions_total
+        if self.memory.subscriptions >= total:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"too many subscriptions in the broker (max_subscriptions_total {total})")
         if subscription_id in session.subscriptions or (
                 self.udp is not None and self.udp.groups.find_member(session.conn_id, subscription_id) is not None):
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {subscription_id} is in use")

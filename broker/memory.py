@@ -22,7 +22,7 @@ class MemoryMeter:
     """Bytes held (`held`, in message_size bytes) against `watermark`; queues update `held` inline."""
 
     __slots__ = ("held", "watermark", "resume", "alarm", "alarms_total", "_on_clear", "held_room", "newest_conn",
-                 "alarm_newest_conn")
+                 "alarm_newest_conn", "subscriptions")
 
     def __init__(self, watermark: int, resume: int, on_clear: Callable[[], None] | None = None):
         self.held = 0
@@ -41,6 +41,9 @@ class MemoryMeter:
         self.alarm = False
         self.alarms_total = 0  # times the alarm was raised (metrics)
         self._on_clear = on_clear
+        self.subscriptions = 0
+        """Subscriptions to queues, broker-wide (queues keep it): each costs memory (~0.4 KiB, more with
+        what it has delivered), so the core refuses one past `[server] max_subscriptions_total`."""
 
     def over(self) -> bool:
         """The alarm should be raised now."""

@@ -509,6 +509,7 @@ class Queue:
             self._clear()
         self.count = self.size = 0
         subs, self.subscriptions = list(self.subscriptions), {}
+        self.meter.subscriptions -= len(subs)
         for sub in subs:
             sub.closed = True
         self._active.clear()
@@ -588,6 +589,7 @@ class Queue:
 
     def add_subscription(self, sub: Subscription) -> None:
         self.subscriptions[sub] = None
+        self.meter.subscriptions += 1
         self._update_pace_limit(sub.prefetch)
         if len(self.subscriptions) == 1:
             self._derive_drain_counts()
@@ -601,6 +603,7 @@ class Queue:
         if sub not in self.subscriptions:
             return
         del self.subscriptions[sub]
+        self.meter.subscriptions -= 1
         self._update_pace_limit(-sub.prefetch)
         if not self.subscriptions:
             self._derive_drain_counts()

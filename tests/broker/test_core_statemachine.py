@@ -721,6 +721,7 @@ class CoreMachine(RuleBasedStateMachine):
     def memory_meter_counts_every_queue_and_alarms_over_the_watermark(self) -> None:
         core = self.h.core
         memory = core.memory
+        assert memory.subscriptions == sum(len(q.subscriptions) for q in core.queues.values())
         assert memory.held == sum(q.size for q in core.queues.values())
         assert memory.held < memory.watermark or memory.alarm, "over the memory watermark without the alarm"
         assert not memory.alarm or memory.held >= memory.resume, "the alarm outlived its resume level"
