@@ -1055,8 +1055,11 @@ class BrokerCore:
             raise SessionFault(exc.code, str(exc)) from None
         if lowered:
             window = session.transfers.promised
-            if window <= session.buffer_size:
-                self._watch_window(session, False)
+            # Still above the grant (the first answer after `none` -> paced names what the producer sent
+            # unpaced and has in flight): acknowledgements report it as it drains. Charged and not
+            # watched, it stayed charged for good: committed 36 MB over a 3.3 MB pool after a live PUT
+            # from none to aggressive, and a newcomer producer waited (a tester).
+            self._watch_window(session, window > session.buffer_size)
             self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
 
     def on_buffer_ack(self, session: Session, frame: BufferAck) -> None:

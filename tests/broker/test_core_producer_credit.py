@@ -10,7 +10,7 @@ from flowbroker.broker.session import SessionFault
 from flowbroker.policies.credit import WAIT_GRANT
 from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import BufferAck, BufferControl, Transfer, TransferEntry
+from flowbroker.protocol.frames import BufferAck, BufferControl, BufferLimit, Transfer, TransferEntry
 
 BODY = b"p" * 200
 SIZE = message_size(BODY)
@@ -437,3 +437,28 @@ def test_policy_change_keeps_provisional_grants_at_one_byte() -> None:
     idle.register()
     assert idle.buffer_controls[-1] == BufferControl(0, 3000)
     assert h.core.credit.size_of(idle.session.conn_id) == 3000
+
+
+def test_what_a_producer_had_in_flight_under_none_drains_from_the_pool_after_a_switch_to_a_paced_policy() -> None:
+    """Under `none` an SDK producer sends unpaced; after a live switch its BUFFER_LIMIT names what it has
+    in flight (its position), which the pool charges. As the broker acknowledges those bytes, the charge
+    comes back down to the grant: it stayed at the answer's window for good (committed 36 MB over a 3.3 MB
+    pool, a tester), and a newcomer waited for a share that never came."""
+    h = Harness(server={"memory_quota": 10 * MiB, "max_message_size": 1000}, credit={"policy": "none"})
+    h.queue("q")
+    p = h.producer("p")
+    p.register()
+    h.core.set_credit_policy(policy="static", static_size=3000)
+    for _ in range(40):  # sent unpaced before it reads the BUFFER_CONTROL: in flight, not acknowledged yet
+        p.send("", "q", b"x" * 1000, force=True)
+    assert p.credit.position - p.credit.acked_position > 60_000
+    p.handle(BufferLimit(1, 3000, p.credit.position))  # its answer, as the SDK's: what it sent
+    conn = p.session.conn_id
+    assert h.core.credit.window_of(conn) > 60_000  # charged to the pool while in flight
+    p.pump()  # the BUFFER_CONTROL, completions, acknowledgements
+    for i in range(10):
+        while p.can_send():
+            p.send("", "q", b"y%d" % i)
+        p.pump()
+    assert h.core.credit.window_of(conn) == h.core.credit.size_of(conn) == 3000
+    assert h.core.credit.total_committed() <= h.core.credit.pool
