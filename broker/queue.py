@@ -193,6 +193,7 @@ class Queue:
         # count watermark's (checked on every enqueue), the resume is checked on every settlement
         # (`_check_resume`). `age_hold`: the age is not under its resume mark (re-read on the tick only).
         self.drain = DrainEstimator()
+        self.consumer_changes = 0  # a subscription joined or left: the drain rate is measured afresh
         self.age_hold = False
         self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
         self._drain_resume_count = sys.maxsize  # the drain-time resume as a count (maxsize: off)
@@ -542,7 +543,7 @@ class Queue:
         if self.thresholds.time.flow_stop_drain_time:
             self._find_stalled(now_ns)
         self.drain.update(now_ns, self.counters.dequeued, self._drain_depth, bool(self.subscriptions),
-                          self.next_offset, head)
+                          self.next_offset, head, self.consumer_changes)
         if self.thresholds.time.enabled:
             self._evaluate_time(now_ns, head)
 
@@ -590,6 +591,7 @@ class Queue:
     def add_subscription(self, sub: Subscription) -> None:
         self.subscriptions[sub] = None
         self.meter.subscriptions += 1
+        self.consumer_changes += 1
         self._update_pace_limit(sub.prefetch)
         if len(self.subscriptions) == 1:
             self._derive_drain_counts()
@@ -604,6 +606,7 @@ class Queue:
             return
         del self.subscriptions[sub]
         self.meter.subscriptions -= 1
+        self.consumer_changes += 1
         self._update_pace_limit(-sub.prefetch)
         if not self.subscriptions:
             self._derive_drain_counts()

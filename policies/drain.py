@@ -134,11 +134,15 @@ class DrainEstimator:
     The rate is "how fast the consumers drain this queue while it has work": only an interval that
     starts and ends with messages in the queue (its depth, ready or unsettled) and consumers is a sample, so an idle
     or half-idle queue (idle is not slow; arrivals would cap the count) leaves the estimate alone, and
-    a stalled consumer with a backlog drives it down. With no subscription the rate is 0 and unmeasured.
-    The first sample after that seeds the estimate instead of being blended with 0 (slow start).
+    a stalled consumer with a backlog drives it down. With no subscription the rate is 0 and unmeasured,
+    and so it is again whenever the set of consumers changes (one subscribes or leaves): the old set's
+    rate says nothing of the new one's. A fast consumer replaced by a slow one kept its rate, so the queue
+    took 24,000 messages, 1,000 s of the slow one's pace, under a 0.5 s drain-time stop (a tester). The
+    first sample after that seeds the estimate instead of being blended with the old rate (slow start).
     """
 
-    __slots__ = ("rate", "measured", "_last_ns", "_last_dequeued", "_last_depth", "_subscribed", "_marks")
+    __slots__ = ("rate", "measured", "_last_ns", "_last_dequeued", "_last_depth", "_subscribed", "_marks",
+                 "_consumers")
 
     def __init__(self) -> None:
         self.rate = 0.0  # messages/s
@@ -147,17 +151,20 @@ class DrainEstimator:
         self._last_dequeued = 0
         self._last_depth = 0
         self._subscribed = False  # at the last tick
+        self._consumers = 0  # the queue's consumer-set generation at the last tick
         self._marks: deque[tuple[int, int]] = deque()  # (tick time, next_offset then), oldest first
 
     def update(self, now_ns: int, dequeued: int, depth: int, subscribed: bool, next_offset: int,
-               head_offset: int | None) -> None:
+               head_offset: int | None, consumers: int = 0) -> None:
         """One tick: fold the settlements since the last tick into the rate, record an enqueue mark.
-        `depth`: the queue's messages (ready + unsettled); `head_offset`: the oldest ready one's."""
+        `depth`: the queue's messages (ready + unsettled); `head_offset`: the oldest ready one's;
+        `consumers`: a number the queue changes whenever a subscription joins or leaves it."""
         last_ns = self._last_ns
         delta = dequeued - self._last_dequeued
         self._last_ns, self._last_dequeued = now_ns, dequeued
         was_subscribed, self._subscribed = self._subscribed, subscribed
-        if not subscribed:
+        changed, self._consumers = consumers != self._consumers, consumers
+        if not subscribed or changed:  # (an interval across the change is no sample of either set)
             self.rate, self.measured = 0.0, False
         elif was_subscribed and last_ns is not None and now_ns > last_ns and self._last_depth > 0 and depth > 0:
             sample = delta * _NS / (now_ns - last_ns)

@@ -35,6 +35,7 @@ class Sim:
         self.next_offset = 0
         self.head = 0  # the oldest ready offset
         self.subscribed = True
+        self.consumers = 0  # the queue's consumer-set generation
 
     @property
     def ready(self) -> int:
@@ -48,7 +49,7 @@ class Sim:
         self.head += settle
         self.dequeued += settle
         self.est.update(self.now, self.dequeued, self.ready, self.subscribed, self.next_offset,
-                        self.head if self.ready else None)
+                        self.head if self.ready else None, self.consumers)
 
 
 def test_the_rate_converges_to_the_consumers_rate() -> None:
@@ -119,6 +120,27 @@ def test_slow_start_stops_past_a_minimum_backlog_then_at_stop_times_the_seeded_r
     assert not verdict.over_stop and not verdict.under_resume
     assert evaluate(t, s.est, s.now, 1001, s.head).over_stop
     assert evaluate(t, s.est, s.now, 499, s.head).under_resume
+
+
+def test_a_change_of_consumers_starts_the_measurement_over() -> None:
+    """A fast consumer replaced by a slow one (a rolling restart) kept the fast one's rate: a 0.5 s stop
+    let 24,000 messages in, 1,000 s at the slow one's 20 msgs/s, and the rate took 10 s to decay (a
+    tester). Any join or leave is slow start again; the first interval of the new set seeds the rate."""
+    t = TimeThresholds(flow_stop_drain_time=0.5)
+    s = Sim()
+    s.tick(arrive=10_000)
+    for _ in range(30):  # 50,000 msgs/s
+        s.tick(arrive=5000, settle=5000)
+    assert drain_limits(t, s.est, True) == (25_000, 25_000)
+    s.consumers += 2  # the slow one subscribes, the fast one leaves, within one tick
+    s.tick(arrive=5000, settle=2500)  # (an interval across the change: no sample of either)
+    assert not s.est.measured and drain_limits(t, s.est, True) == (MIN_BACKLOG, MIN_BACKLOG)
+    s.tick(arrive=2, settle=2)  # 20 msgs/s
+    assert s.est.measured and s.est.rate == pytest.approx(20)
+    assert drain_limits(t, s.est, True) == (10, 10)
+    s.consumers += 1  # one more joins: measured afresh too
+    s.tick(settle=2)
+    assert not s.est.measured
 
 
 def test_an_empty_queue_is_under_resume_even_when_its_consumer_measured_0() -> None:
