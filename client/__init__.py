@@ -26,6 +26,7 @@ from flowbroker.client.errors import (
     PublishFailures,
     QueueFull,
     ReceiveTimeout,
+    ConsumerClosed,
     RequestError,
     RequestTimeout,
     TooManyHeaders,
@@ -79,5 +80,6 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "ReceiveTimeout",
+    "ConsumerClosed",
     "AlreadySettled",
 ]

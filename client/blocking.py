@@ -36,7 +36,8 @@ from flowbroker.client.connection import Connection, ConnectionStatistics
 from flowbroker.client.handshake import connect as trio_connect
 from flowbroker.client.consumer import Consumer, ConsumerStatistics, Message
 from flowbroker.client.errors import (
-    AlreadySettled, BrokerConnectionError, ConnectionClosed, HandshakeError, PublishFailures, ReceiveTimeout, check_timeout,
+    AlreadySettled, BrokerConnectionError, ConnectionClosed, FlowControlTimeout, HandshakeError, PublishFailures,
+    ReceiveTimeout, check_timeout,
     stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
@@ -455,7 +456,11 @@ class BlockingProducer:
         async def send_all() -> int:
             deadline = trio.current_time() + limit
             for body in items:
-                await producer.send(body, headers, routing_key, timeout=max(0.0, deadline - trio.current_time()))
+                try:
+                    await producer.send(body, headers, routing_key, timeout=max(0.0, deadline - trio.current_time()))
+                except FlowControlTimeout as exc:  # said the time left for the last message, not the call's
+                    raise FlowControlTimeout(str(exc).replace(f"after {exc.timeout:g} s", f"after {limit:g} s", 1),
+                                             exc.destinations, exc.limit, limit) from None
             return len(items)
 
         return self._conn._run(send_all)
@@ -595,7 +600,8 @@ class BlockingConsumer:
 
     def receive(self, timeout: float | None = None) -> BlockingMessage:
         """The next message; raises ReceiveTimeout after `timeout` seconds (None: no deadline),
-        `trio.EndOfChannel` once the consumer is closed, the connection's error if it failed. Subscribes
+        `ConsumerClosed` (a trio.EndOfChannel) once the consumer or its connection is closed by the
+        application, the connection's error if it failed. Subscribes
         first if the consumer was never entered, within the same deadline. Interrupted (Ctrl-C), it takes
         no message: one it took too late to be cancelled goes back to the front of the buffer."""
         consumer = self._consumer
@@ -638,8 +644,9 @@ class BlockingConsumer:
                 except AlreadySettled as exc:
                     refused.append(exc)
             if refused:
+                rest = "the others are acked" if len(refused) < len(targets) else "none was acked"
                 raise AlreadySettled(f"{refused[0]} ({len(refused)} of the {len(targets)} messages were settled "
-                                     "already or their consumer closed; the others are acked)")
+                                     f"already or their consumer closed; {rest})")
 
         self._conn._run(ack_all)
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.errors import AlreadySettled, PublishError, ReceiveTimeout, check_timeout
+from flowbroker.client.errors import AlreadySettled, ConsumerClosed, PublishError, ReceiveTimeout, check_timeout
 from flowbroker.protocol import DeliveryEntry, Frame, Headers, Outcome, ReceiverWindow, Subscribe, message_size
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 
@@ -423,7 +423,8 @@ class Consumer:
         """The next message, waiting at most `timeout` seconds (None: no deadline) -> ReceiveTimeout.
         Subscribes first if the consumer was never entered (within the same deadline; with none, the
         connection's `request_timeout` bounds the SUBSCRIBE -> `RequestTimeout`). Raises
-        `trio.EndOfChannel` when the consumer was closed, the connection's error if it failed. A message
+        `ConsumerClosed` (a trio.EndOfChannel) when the consumer or its connection was closed by the
+        application, the connection's error if it failed. A message
         already buffered is handed out whatever the deadline, so `receive(0)` polls."""
         check_timeout("receive", timeout, "no deadline")
         if timeout is not None and timeout <= 0:
@@ -438,7 +439,8 @@ class Consumer:
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
             msg = await self._next()
             if msg is None:
-                raise trio.EndOfChannel
+                why = "it was closed" if self._closed else "its connection was closed by the application"
+                raise ConsumerClosed(f"consumer of {self.queue!r} has no more messages: {why}")
             return msg
         raise ReceiveTimeout(f"no message from {self.queue!r} within {timeout:g} s")
 

@@ -24,6 +24,8 @@ attributes a program can match on, not only text.
     ├── RequestError                   a declare/bind/... request failed; `request_id`
     │   └── RequestTimeout             no answer before the deadline (also a TimeoutError)
     ├── ReceiveTimeout                 no message before the deadline (also a TimeoutError)
+    ├── ConsumerClosed                 receive() on a consumer the application closed, or whose
+    │                                  connection it closed (also a trio.EndOfChannel)
     └── AlreadySettled                 a message was acked/rejected/requeued twice, or after its consumer
                                        closed (the broker requeued it)
 """
@@ -31,6 +33,8 @@ attributes a program can match on, not only text.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+import trio
 
 from flowbroker.protocol import ErrorCode
 from flowbroker.protocol.limits import MAX_KEY_BYTES, utf8_len
@@ -56,6 +60,7 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "ReceiveTimeout",
+    "ConsumerClosed",
     "AlreadySettled",
     "publish_error",
     "block_error_name",
@@ -276,6 +281,13 @@ class RequestTimeout(RequestError, TimeoutError):
 
 class ReceiveTimeout(FlowbrokerError, TimeoutError):
     """No message arrived before the deadline."""
+
+
+class ConsumerClosed(FlowbrokerError, trio.EndOfChannel):
+    """`receive()` on a consumer that has no more messages because the application closed it, or closed
+    its connection (a connection that failed raises its own error instead). A trio.EndOfChannel, as a
+    closed channel's receive raises, and a FlowbrokerError, so that a plain-Python caller catching the
+    SDK's errors sees it: it was a bare EndOfChannel with no text (a tester)."""
 
 
 class AlreadySettled(FlowbrokerError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -194,3 +196,32 @@ async def test_the_blocking_connection_has_the_welcome_shortcuts_docs_name(start
     assert (connection_id, server_name, max_message_size) == (
         welcome.connection_id, welcome.server_name, welcome.max_message_size)
     assert max_message_size > 0 and server_name
+
+
+async def test_a_receive_ended_by_another_threads_close_raises_consumer_closed_a_flowbroker_error(start_broker) -> None:
+    """A blocking receive() waiting in one thread while another closes the connection got a bare
+    trio.EndOfChannel with no text, which a caller catching fc.FlowbrokerError missed (a tester)."""
+    broker = await start_broker()
+
+    def both_sides() -> BaseException | None:
+        caught: list[BaseException] = []
+        with blocking.connect(broker.url, timeout=5) as conn:
+            consumer = conn.consumer("q")
+
+            def wait() -> None:
+                try:
+                    consumer.receive(timeout=None)
+                except BaseException as exc:  # noqa: BLE001 - what it raised is the point
+                    caught.append(exc)
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            time.sleep(0.5)
+            conn.close()
+            waiter.join(5)
+        return caught[0] if caught else None
+
+    error = await trio.to_thread.run_sync(both_sides)
+    assert isinstance(error, fc.ConsumerClosed) and isinstance(error, fc.FlowbrokerError)
+    assert isinstance(error, trio.EndOfChannel)  # (trio code that catches that still does)
+    assert "consumer of 'q' has no more messages: its connection was closed by the application" in str(error)

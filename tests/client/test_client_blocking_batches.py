@@ -114,9 +114,34 @@ async def test_ack_many_acks_every_message_it_can_and_says_how_many_it_could_not
                 while len(got) < 5:
                     got += consumer.receive_many(5, 5)
                 got[2].ack()
-                with pytest.raises(AlreadySettled, match="1 of the 5 messages were settled already"):
+                with pytest.raises(AlreadySettled, match="1 of the 5 messages were settled already.*the others are acked"):
                     consumer.ack_many(got)
                 assert consumer.statistics().unsettled == 0
+                with pytest.raises(AlreadySettled, match="5 of the 5 messages were settled already.*none was acked"):
+                    consumer.ack_many(got)  # (it said "the others are acked" when there were none)
 
     await trio.to_thread.run_sync(run)
     assert broker.core.queues["m"].statistics().messages == 0
+
+
+async def test_send_many_that_times_out_names_the_timeout_it_was_given(start_flowbroker) -> None:
+    """`timeout` bounds the whole call, and its FlowControlTimeout said the time left for the message it
+    stopped at ("after 0.999213 s" for timeout=1, a tester)."""
+    import pytest
+
+    import flowbroker.client as fc
+
+    broker = await start_flowbroker()
+
+    def run() -> None:
+        with blocking.connect(broker.url, timeout=5) as conn:
+            conn.declare_queue("stopped", flow_stop_count=1, flow_resume_count=1)
+            producer = conn.producer(routing_key="stopped", window=3)
+            with pytest.raises(fc.FlowControlTimeout) as info:
+                producer.send_many([b"m%d" % i for i in range(10)], timeout=0.5)
+            assert "send timed out after 0.5 s" in str(info.value) and info.value.timeout == 0.5
+            assert info.value.destinations == ("stopped",)
+            conn.delete_queue("stopped")  # its held messages complete (no PublishFailures at the close)
+            producer.flush(timeout=5)
+
+    await trio.to_thread.run_sync(run)

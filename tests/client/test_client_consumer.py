@@ -220,7 +220,7 @@ async def test_a_consumer_closed_before_its_subscribe_is_answered_cancels_on_the
         with pytest.raises(fc.ReceiveTimeout):
             await consumer.receive(timeout=0.2)
         await consumer.aclose()
-        with pytest.raises(trio.EndOfChannel):
+        with pytest.raises(fc.ConsumerClosed, match="consumer of 'q' has no more messages: it was closed"):
             await consumer.receive(timeout=1)
         (sub,) = fake.frames(Subscribe)
         await fake.send(Ok(sub.request_id, {"queue": "q", "prefetch": 10}), Deliver(sub.subscription_id, entries(1, 1)))
