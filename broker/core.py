@@ -105,6 +105,8 @@ _SHORT_KEY = MAX_KEY_BYTES // 4  # characters: a key this short is within MAX_KE
 PACE_MAX_NS = 100_000_000
 """The longest a paced producer's completions wait for its queue to catch up (checked by the flow timer, so
 100-200 ms): a queue whose consumers have stopped paces no one for long, and its watermarks take over."""
+EXPIRE_PRODUCER_IDS_NS = 1_000_000_000
+"""How often the flow timer forgets the idempotent producer ids idle for producer_id_ttl."""
 
 
 class RequestError(Exception):
@@ -233,9 +235,11 @@ class BrokerCore:
         self.login_throttle: LoginThrottle | None = None
         # Idempotent producers (broker/idempotence.py): the highest sequence taken per producer id. It is
         # in memory; what a durable queue took is journalled with its message and accepted back at start.
-        self.producer_sequences = ProducerSequences(
-            MemoryProducerStates(server.max_producer_ids, int(server.producer_id_ttl * 1e9),
-                                 server.max_producer_ids_per_user))
+        states = MemoryProducerStates(server.max_producer_ids, int(server.producer_id_ttl * 1e9),
+                                      server.max_producer_ids_per_user)
+        states.forget = self._forget_producer_id
+        self.producer_sequences = ProducerSequences(states)
+        self._producer_ids_expired_ns = 0  # when `tick` last forgot the producer ids idle for producer_id_ttl
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -1244,6 +1248,12 @@ class BrokerCore:
         PACE_MAX_NS are released. O(those queues) per tick, nothing per message."""
         for queue in self.timed_queues.values():
             queue.tick(now_ns)
+        if now_ns - self._producer_ids_expired_ns >= EXPIRE_PRODUCER_IDS_NS:
+            # producer ids idle for producer_id_ttl are forgotten (O(those), the oldest first): kept until
+            # the bound needed their places, a job that reused its id the next day had every message taken
+            # for a duplicate of the last run's (a tester)
+            self._producer_ids_expired_ns = now_ns
+            self.producer_sequences.store.expire(now_ns)
         if self.over_grant and self.credit.waiting():
             self._close_unanswered_shrinks(now_ns)
         if self.paced_queues:
@@ -1252,6 +1262,12 @@ class BrokerCore:
                 queue.release_paced(before)
                 if not queue.paced:
                     del self.paced_queues[queue]
+
+    def _forget_producer_id(self, key: str) -> None:
+        """The store forgot an idempotent producer id (idle for producer_id_ttl): so does the journal, whose
+        next segment would otherwise bring it back at the next start."""
+        if self.journal is not None:
+            self.journal.producers.pop(key, None)
 
     def _close_unanswered_shrinks(self, now_ns: int) -> None:
         """Producers wait for a share while a producer's window stays above its shrunk grant: one that has

@@ -18,8 +18,9 @@ The state is split in two so that the durable-queue work can persist it: `Produc
 storage (what a journal must record: `accept` of a producer id's sequence), `ProducerSequences` the
 rules over it. `MemoryProducerStates` is the bounded in-memory store: at most `max_producer_ids` ids,
 and at most `max_producer_ids_per_user` of one user's (so one tenant cannot take every place and refuse
-the others' new producers), each kept at least `ttl_ns` after its last taken message. A new id beyond the bound evicts the ids
-idle for longer than that; if none is, the new id is refused (RESOURCE_EXHAUSTED), never admitted by
+the others' new producers), each kept `ttl_ns` after its last taken message: the broker's flow timer
+forgets ids idle that long (`expire`, about once a second), and a new id beyond the bound evicts them at
+once; if none is, the new id is refused (RESOURCE_EXHAUSTED), never admitted by
 forgetting one that may still resend. An evicted id is unknown again: it must start at sequence 0, so
 its resent messages above 0 are gaps, and only a resend of its whole stream from 0, later than the
 TTL, could land twice (docs/protocol.md, "Idempotent producers").
@@ -30,6 +31,7 @@ Sans-IO: time arrives as `now_ns`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol, TypeAlias
 
@@ -97,7 +99,7 @@ class MemoryProducerStates:
     """The bounded in-memory `ProducerStateStore`: ids in order of their last taken message (oldest
     first), so expiry looks only at the front and costs what it removes."""
 
-    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_owned", "evicted", "_epochs")
+    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_owned", "evicted", "_epochs", "forget")
 
     def __init__(self, max_ids: int, ttl_ns: int, max_ids_per_owner: int | None = None):
         if max_ids < 1 or ttl_ns < 0 or (max_ids_per_owner is not None and max_ids_per_owner < 1):
@@ -112,6 +114,8 @@ class MemoryProducerStates:
         self._owned: dict[str, int] = {}
         self.evicted = 0
         self._epochs = 0
+        self.forget: Callable[[str], None] = lambda producer_id: None
+        """Told of each id `expire` forgets (the core drops it from the journal's too)."""
 
     def last_accepted(self, producer_id: str) -> int | None:
         state = self._states.get(producer_id)
@@ -158,6 +162,7 @@ class MemoryProducerStates:
             if state.last_ns > horizon:
                 break
             del states[producer_id]
+            self.forget(producer_id)
             owner = _owner(producer_id)
             if owner:
                 left = self._owned[owner] - 1

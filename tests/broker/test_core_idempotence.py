@@ -145,6 +145,27 @@ def test_a_new_producer_id_beyond_the_bound_is_refused_until_one_is_idle_for_the
     assert h.core.producer_sequences.statistics().evicted == 1
 
 
+def test_a_producer_id_idle_for_the_ttl_is_forgotten_by_the_flow_timer_and_its_stream_starts_anew() -> None:
+    """Forgotten only when the bound needed its place, an id reused for a new stream the next day (a Spark
+    job's fixed jobId) had every message taken for a duplicate of the last run's, and nothing enqueued
+    while the job reported success (a tester)."""
+    h = make(producer_id_ttl=10.0)
+    h.queue("q")
+    p = producer(h, "producer")
+    send(p, "nightly", [0, 1, 2])
+    h.advance(5)
+    h.core.tick(h.core.clock_ns())
+    send(p, "nightly", [0, 1, 2])  # within the ttl: duplicates
+    p.pump()
+    assert queued(h) == [b"0", b"1", b"2"]
+    h.advance(11)
+    h.core.tick(h.core.clock_ns())
+    assert h.core.producer_sequences.statistics().evicted == 1
+    send(p, "nightly", [0, 1, 2])  # the next run, past the ttl: a new stream, taken
+    p.pump()
+    assert p.errors == [] and queued(h) == [b"0", b"1", b"2", b"0", b"1", b"2"]
+
+
 def test_a_producer_id_without_a_sequence_is_refused() -> None:
     h = make()
     h.queue("q")
