@@ -30,6 +30,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from importlib import resources
 
+import trio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -184,10 +185,16 @@ class BodyRefused(Exception):
         self.headers = headers
 
 
+BODY_SECONDS = 10.0
+"""How long a request body may take to arrive, whole (408 after): a byte every few seconds kept the read
+timeout from ever passing, and an unauthenticated client held POST /login connections open for good (a
+tester: 1,100 of them took every descriptor of a broker and its data port refused new clients)."""
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, never holding more than `limit` bytes of it: refused 413 by its Content-Length before any
-    of it is read, and as soon as a body without one (chunked) goes over. The admin API's bodies
-    (broker/admin.py) and POST /login's. Raises BodyRefused."""
+    of it is read, and as soon as a body without one (chunked) goes over; 408 if it is not all in within
+    BODY_SECONDS. The admin API's bodies (broker/admin.py) and POST /login's. Raises BodyRefused."""
     length = request.headers.get("content-length")
     if length is not None:
         if not (length.isascii() and length.isdigit()):
@@ -198,12 +205,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     total = 0
     try:
-        async with aclosing(request.stream()) as stream:  # closed at once when we stop early
-            async for chunk in stream:
-                total += len(chunk)
-                if total > limit:
-                    raise _too_large(limit)
-                chunks.append(chunk)
+        with trio.move_on_after(BODY_SECONDS) as deadline:
+            async with aclosing(request.stream()) as stream:  # closed at once when we stop early
+                async for chunk in stream:
+                    total += len(chunk)
+                    if total > limit:
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+        if deadline.cancelled_caught:
+            raise BodyRefused(408, "request_timeout", f"the request body did not arrive within {BODY_SECONDS:g} s "
+                                                      f"({total} bytes of it did)", {"Connection": "close"})
     except ClientDisconnect:  # nobody to answer; not a bug to log with a traceback
         # (either way: the client closed it, or the server's read timeout closed a body that stopped coming,
         # which this text blamed on the client, a tester)
@@ -278,7 +289,9 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
             given = doc.get("token") if doc.get("username") is None else None
             if given is None:
                 name, password = doc["username"], doc["password"]
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            # (RecursionError: "[[[[..." a few thousand deep, the decoder's own recursion; uncaught, it was a
+            # 500 with a 48-line traceback in the log per request, from anyone: a tester's 22 MB in 10 s)
             return _error(400, "invalid_json", LOGIN_BODY)
         read_only, user_name, credential = False, "", ""
         peer = peer_address(request.scope.get("client"))  # for the log, as the data port says it

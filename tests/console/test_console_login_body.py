@@ -73,3 +73,49 @@ async def test_a_chunked_login_body_is_read_no_further_than_the_limit(broker: An
     assert status == 413 and closed
     assert 4096 < sum(got) <= 4096 + 1024, got  # read up to the limit's first step past it, and no further
     await stream.aclose()
+
+
+async def test_a_login_body_nested_thousands_deep_is_a_400_not_a_500_with_a_traceback(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """json.loads of `{"token": [[[[...` 3,000 deep raises RecursionError: uncaught, each such request (from
+    anyone: /login is public) was a 500 and a 48-line traceback, 22 MB of log in 10 s (a tester)."""
+    caplog.set_level(logging.DEBUG)
+    body = b'{"token": ' + b"[" * 3000
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all(LOGIN_HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with trio.fail_after(5):
+        status, _, answer, _ = await _answer(stream)
+    assert status == 400 and b'"invalid_json"' in answer
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    await stream.aclose()
+
+
+async def test_a_login_body_that_trickles_is_cut_at_the_body_deadline(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte every few seconds never let the read timeout pass: an unauthenticated client held POST /login
+    connections for good, 1,100 of them every descriptor of a broker (a tester). The whole body must be in
+    within BODY_SECONDS: 408, and the connection closes."""
+    from flowbroker.broker import console
+
+    monkeypatch.setattr(console, "BODY_SECONDS", 1.0)
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all(LOGIN_HEAD + b"Content-Length: 100\r\n\r\n{")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def trickle() -> None:
+                for _ in range(20):
+                    await trio.sleep(0.3)
+                    try:
+                        await stream.send_all(b" ")
+                    except trio.BrokenResourceError:
+                        return
+
+            nursery.start_soon(trickle)
+            status, headers, answer, closed = await _answer(stream)
+            nursery.cancel_scope.cancel()
+    assert status == 408 and b'"request_timeout"' in answer and headers["connection"] == "close" and closed
+    await stream.aclose()
+    await login(broker)
