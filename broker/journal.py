@@ -20,7 +20,8 @@ first: a settlement record lives in a later segment than its message, so deletin
 could drop a settlement whose message is still on disk.
 
 The journal is *dormant* until the first durable queue exists (or something was recovered): a
-broker that never declares one writes nothing and creates no directory.
+broker that never declares one writes nothing and creates no journal directory (the shell takes the data
+directory's LOCK file at start, broker/journalshell.py).
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ class Journal:
         self.segments_deleted = 0
         self._fd = -1
         self._fd_seg = 0
+        self.lock_fd = -1  # the data directory's LOCK, held by the shell that opened this journal
 
     # -- appending (trio thread) -----------------------------------------------------------------
 
@@ -617,3 +619,6 @@ class Journal:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self.lock_fd >= 0:  # the data directory's lock (journalshell.lock_data_dir) goes last
+            os.close(self.lock_fd)
+            self.lock_fd = -1
