@@ -76,6 +76,13 @@ def _threshold(q: dict[str, Any], stop: bool) -> str:
     return f"{limit_text(count)}/{limit_text(size, size=True)}"  # count/size, as `flowbroker queues` shows them
 
 
+def _of_first(snap: dict[str, Any]) -> str:
+    """" of the first 1000" when the broker has more queues than a refresh reads: the saturated count is
+    of those (a saturated queue past them read as "saturated 0" beside a producer it held, a tester)."""
+    total = snap["queues_total"]
+    return f" of the first {snap['queues_shown_of']}" if isinstance(total, int) and total > snap["queues_shown_of"] else ""
+
+
 def render(snap: dict[str, Any], *, at: str) -> str:
     """The frame for a terminal: a header line, the queues table, the flow-stopped producers."""
     broker = snap["broker"]
@@ -84,7 +91,7 @@ def render(snap: dict[str, Any], *, at: str) -> str:
         stops.append("STOP-ALL IN FORCE")
     header = (
         f"{printable(broker.get('name'))}  {at}  queues {snap['queues_total']} "
-        f"(saturated {snap['saturated']})  connections {snap['connections_total']}  "
+        f"(saturated {snap['saturated']}{_of_first(snap)})  connections {snap['connections_total']}  "
         f"flow-stopped producers {len(snap['flow_stopped'])}  credit policy {broker.get('credit_policy')}"
         + ("  " + " ".join(stops) if stops else "")
     )

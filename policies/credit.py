@@ -486,6 +486,14 @@ class CreditAllocator(Generic[K]):
         Raises PolicyConfigError (changing nothing) if the new pool cannot hold the live connections."""
         reserve, shareable = self._split(config)
         paced = config.policy is not CreditPolicy.NONE
+        if paced and reserve < 1:
+            # (accepted with no connection live, it left a broker that refused every client after it:
+            # "the credit pool (0 bytes) has no byte left for connection 1", a tester)
+            raise PolicyConfigError(
+                "quota", config.quota,
+                f"a pool of {config.pool_bytes} bytes cannot hold a single connection (one byte each, at most "
+                "half the pool): raise the quota",
+            )
         if paced and len(self._grants) > reserve:
             raise PolicyConfigError(
                 "quota", config.quota,

@@ -305,3 +305,13 @@ def test_reconfigure_to_a_smaller_pool_keeps_old_promises_charged() -> None:
     for conn in (1, 2, 3):
         alloc.set_window(conn, alloc.size_of(conn))
     assert alloc.total_committed() <= 100 * MiB
+
+
+def test_a_live_change_to_a_pool_that_cannot_hold_one_connection_is_refused() -> None:
+    """PUT /api/policy {"quota": 1} with no connection live was taken, and every client after it was refused
+    at its handshake: "the credit pool (0 bytes) has no byte left for connection 1" (a tester)."""
+    alloc = CreditAllocator[int](cfg("aggressive", quota=100 * MiB), floor=FLOOR, slots=100)
+    with pytest.raises(PolicyConfigError) as info:
+        alloc.reconfigure(cfg("aggressive", quota=1))
+    assert info.value.key == "quota" and "cannot hold a single connection" in str(info.value)
+    alloc.reconfigure(cfg("none", quota=1))  # (not paced: no pool to hold anything)
