@@ -66,8 +66,8 @@ class FlowbrokerDataSource(DataSource):
         """A batch read (`spark.read`): refused with what to do instead (PySpark's own error was a bare
         traceback, a tester). A queue is consumed, not scanned: its messages go once, settled."""
         raise OptionError('format("flowbroker") reads only as a stream: spark.readStream.format("flowbroker")'
-                          '.option("queue", ...).load(); for a one-off read of what is there, '
-                          '.trigger(availableNow=True) (docs/spark.md)')
+                          '.option("queue", ...).load(); for a one-off read of what is there, start the '
+                          'query, call query.processAllAvailable(), then query.stop() (docs/spark.md)')
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         if overwrite:

@@ -28,9 +28,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from flowbroker.client import blocking
-from flowbroker.spark.options import ReadOptions
+from flowbroker.spark.options import OptionError, ReadOptions
 
 __all__ = ["QueueStreamReader", "MessagesPartition", "SOURCE_SCHEMA", "PARTITION_ROWS"]
 
@@ -114,7 +115,23 @@ class QueueStreamReader(DataSourceStreamReader):
     def initialOffset(self) -> dict[str, int]:
         return {"taken": 0}
 
+    def getDefaultReadLimit(self) -> ReadLimit:
+        """`maxBatchSize` messages a batch. So the limit Spark passes is ReadAllAvailable only for the
+        triggers that make one last batch and end the query (`availableNow`, `once`), which
+        `latestOffset` refuses."""
+        return ReadMaxRows(self.options.max_batch_size)
+
     def latestOffset(self, start: dict[str, int], limit: Any) -> dict[str, int]:
+        if isinstance(limit, ReadAllAvailable):
+            # Spark ends such a query after its last batch without committing that batch to the source
+            # (commit(end) comes only with a next batch): its messages were never settled and came back,
+            # redelivered, at every run, and the queue never drained (a tester's cron-style reader).
+            raise OptionError(
+                "trigger(availableNow=True) and trigger(once=True) cannot read a flowbroker queue: Spark ends "
+                "the query after its last batch without committing it to the source, so those messages would "
+                "never be settled and would come back at every run. To read what is there and stop: start the "
+                "query with the default trigger, call query.processAllAvailable(), then query.stop() "
+                "(docs/spark.md)")
         # Spark asks for the next batch's end only once the batch ending at `start` has run and is in its
         # commit log (micro-batches run one at a time): its messages can be settled now, without waiting
         # for `commit(start)`, which Spark calls only once it has planned another batch (so the last
@@ -123,7 +140,8 @@ class QueueStreamReader(DataSourceStreamReader):
         if self._next is None or self._next < start["taken"]:
             self._next = start["taken"]
         count = self.options.max_batch_size
-        count = min(count, int(getattr(limit, "maxRows", count)))
+        if isinstance(limit, ReadMaxRows):
+            count = min(count, limit.max_rows)
         self._take(count, self.options.poll_timeout)
         return {"taken": self._next}
 

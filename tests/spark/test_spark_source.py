@@ -104,3 +104,28 @@ def test_a_bad_read_option_fails_load_with_its_name(spark, broker, queue, option
               .option("prefetch", "100").option(option, value))
     with pytest.raises(AnalysisException, match=message):
         reader.load()
+
+
+def test_process_all_available_then_stop_reads_what_is_there_and_settles_it(spark, broker, queue):
+    """The one-off read docs/spark.md gives: every message once, and the queue empty after."""
+    _publish(broker.url, queue, 300)
+    query = (spark.readStream.format("flowbroker").option("url", broker.url).option("queue", queue).load()
+             .writeStream.format("memory").queryName("source_once").start())
+    query.processAllAvailable()
+    query.stop()
+    assert sorted(int(r.value) for r in spark.sql("select value from source_once").collect()) == list(range(300))
+    assert broker.api(f"/api/queues/{queue}")["depth"]["count"] == 0
+
+
+@pytest.mark.parametrize("trigger", [{"availableNow": True}, {"once": True}])
+def test_a_trigger_that_ends_without_committing_its_last_batch_is_refused_naming_what_to_do(
+    spark, broker, queue, trigger
+):
+    """availableNow read 5,000 messages and ended without settling them: every run read them again,
+    flagged redelivered, and the queue never drained (a tester)."""
+    _publish(broker.url, queue, 10)
+    query = (spark.readStream.format("flowbroker").option("url", broker.url).option("queue", queue).load()
+             .writeStream.format("memory").queryName(f"source_{next(iter(trigger))}").trigger(**trigger).start())
+    with pytest.raises(Exception, match="cannot read a flowbroker queue.*processAllAvailable"):
+        query.awaitTermination(120)
+    assert broker.api(f"/api/queues/{queue}")["depth"]["ready"] == 10  # nothing taken for good
