@@ -105,6 +105,8 @@ budget before it is read (`grant_read`), as before, so the bound on bytes held i
 FINAL_FLUSH_SECONDS = 2.0
 UDP_STATUS_GRACE_SECONDS = 0.05  # at shutdown, between UDP producers' last status messages and the CLOSE
 READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
+TIMED_QUEUES_PER_STEP = 200  # queues with a time threshold the flow timer ticks between yields (~1 ms)
+TIMED_TICK_SECONDS = 0.02  # the most one flow-timer tick spends on them (a fifth of TICK_SECONDS)
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
 DRAIN_BYTES = 1024 * 1024  # ...and how much of it
 DESCRIPTOR_RESERVE = 64  # descriptors beyond max_connections: listeners, the admin API, logs
@@ -356,12 +358,20 @@ class BrokerServer:
             LOGGER.error("users file: %s (no user can log in until it is fixed)", store.error)
 
     async def _flow_timer(self) -> None:
-        """The broker's flow timer: every TICK_SECONDS (0.1 s) each queue updates its drain-rate
-        estimate from counters it keeps anyway and evaluates its time thresholds (policies/drain.py);
-        a queue saturating or clearing here wakes the producers' writers like an admin change does."""
+        """The broker's flow timer: every TICK_SECONDS (0.1 s) each queue with a time threshold updates its
+        drain-rate estimate from counters it keeps anyway and evaluates them (policies/drain.py); a queue
+        saturating or clearing here wakes the producers' writers like an admin change does. The timed
+        queues are ticked TIMED_QUEUES_PER_STEP at a time with a yield between steps, and a tick spends at
+        most TIMED_TICK_SECONDS on them: a round that does not fit goes on at the next tick, so with very
+        many timed queues each is evaluated less often, and other connections never wait for the round."""
+        core = self.core
         while True:
             await trio.sleep(TICK_SECONDS)
-            self.core.tick(now_ns())
+            started = time.perf_counter()
+            more = core.tick(now_ns(), TIMED_QUEUES_PER_STEP)
+            while more and time.perf_counter() - started < TIMED_TICK_SECONDS:
+                await trio.lowlevel.checkpoint()
+                more = core.tick_timed_queues(now_ns(), TIMED_QUEUES_PER_STEP)
 
     async def _summarise_connections(self) -> None:
         """One INFO line per CONNECTION_SUMMARY_SECONDS when connections came or went, instead of a line

@@ -299,3 +299,24 @@ def test_taking_the_drain_time_threshold_away_forgets_what_stalled_consumers_hel
     assert queue.stalled_held == 50
     queue.set_thresholds(Thresholds(), h.now)
     assert queue.stalled_held == 0
+
+
+def test_the_flow_timer_ticks_timed_queues_in_steps_each_once_a_round() -> None:
+    """99,000 timed queues (any client may declare them, empty) were ticked in one step every 0.1 s: 0.5 s
+    in which every connection waited (a tester). The shell now ticks them a step at a time; a round visits
+    each once, passes over one deleted meanwhile, and a queue declared meanwhile joins the next round."""
+    h = make()
+    for i in range(5):
+        h.queue(f"t{i}", flow_stop_age=10.0)
+    seen: list[str] = []
+    for queue in h.core.timed_queues.values():
+        real = queue.tick
+        queue.tick = lambda now, name=queue.name, real=real: (seen.append(name), real(now))  # type: ignore[method-assign]
+    now = h.core.clock_ns()
+    assert h.core.tick(now, 2) is True and seen == ["t0", "t1"]
+    h.core.delete_queue("t2")
+    h.queue("t5", flow_stop_age=10.0)
+    assert h.core.tick_timed_queues(now, 2) is True and seen == ["t0", "t1", "t3"]
+    assert h.core.tick_timed_queues(now, 2) is False and seen == ["t0", "t1", "t3", "t4"]
+    assert h.core.tick(now, 100) is False  # the next round: the five there are now
+    assert seen[4:] == ["t0", "t1", "t3", "t4"] and "t5" in h.core.timed_queues
