@@ -382,6 +382,7 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "connections": len(core.sessions),
         "queues": len(core.queues),
         "exchanges": len(core.exchanges),
+        "subscriptions": core.memory.subscriptions,
         "producers_stopped": core.producers_stopped,
         "credit_policy": core.credit.config.policy.value,
         "unroutable": core.unroutable,

@@ -353,6 +353,25 @@ def test_joins_are_checked_and_bounded() -> None:
     refused(join(h.consumer("g2")), ErrorCode.RESOURCE_EXHAUSTED)  # max_group_members
 
 
+def test_a_group_is_a_subscription_under_max_subscriptions_total() -> None:
+    """Groups were opened past the cap and then counted in it (a tester: three groups beside three TCP
+    subscriptions under a cap of 3)."""
+    rig = Rig(server={"max_subscriptions_total": 2})
+    h = rig.h
+    h.consumer("admin2").declare_queue("q")
+    c = h.consumer("c")
+    c.subscribe("q")
+    c.subscribe("q")
+    joiner = h.consumer("j")
+    joiner.session.peer_host = "127.0.0.1"
+    answer = joiner.request(lambda r: JoinGroup(r, 1, "fan", "g", "239.1.2.3:40457", "min", 8192, 7, 1003))
+    assert isinstance(answer, Error) and answer.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "max_subscriptions_total 2" in answer.text and rig.core.memory.subscriptions == 2
+    c.close()
+    rig.join()  # room again: the group opens, and its subscription counts
+    assert rig.core.memory.subscriptions == 1
+
+
 @settings(max_examples=40, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6)), min_size=5, max_size=80),
        seed=st.integers(0, 1000))

@@ -267,7 +267,7 @@ def test_broker_view() -> None:
     h.producer()
     view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
     assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
-                    "exchanges": 3, "producers_stopped": False,
+                    "exchanges": 3, "subscriptions": 0, "producers_stopped": False,
                     "credit_policy": "static", "unroutable": 0, "udp": None, "journal": None,
                     "idempotence": {"producer_ids": 0, "max_producer_ids": 10_000, "max_producer_ids_per_user": 5_000,
                                     "producer_id_ttl": 3600.0,
