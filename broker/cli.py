@@ -224,7 +224,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
 
     from flowbroker.broker.admin import AdminStartError
     from flowbroker.broker.listen_hints import listen_hint
-    from flowbroker.broker.journalshell import DataDirInUse
+    from flowbroker.broker.journalshell import StorageStartError
     from flowbroker.broker.server import TlsStartError, UdpStartError
 
     _tune_garbage_collector()
@@ -232,7 +232,7 @@ def serve(config_path: Path | None, host: str | None, port: int | None, memory_q
         trio.run(_serve, config, port_file)
     except Exception as exc:  # trio wraps what a nursery raised in exception groups
         start_error = (_find(exc, AdminStartError) or _find(exc, PortFileError) or _find(exc, UdpStartError)
-                       or _find(exc, TlsStartError) or _find(exc, DataDirInUse))
+                       or _find(exc, TlsStartError) or _find(exc, StorageStartError))
         if start_error is not None:
             raise click.ClickException(str(start_error)) from None
         config_error = _find(exc, ConfigError)  # found only once the broker runs: a [tls] file it cannot load

@@ -25,7 +25,7 @@ from flowbroker.broker.store import MemoryStore, QueueStore
 from flowbroker.protocol.frames import FlowStopped
 from flowbroker.protocol.names import THRESHOLD_DISK
 
-__all__ = ["open_journal", "run_committer", "DataDirInUse", "lock_data_dir", "RETRY_SECONDS", "LOOK_SECONDS", "FINAL_COMMIT_SECONDS"]
+__all__ = ["open_journal", "run_committer", "StorageStartError", "DataDirInUse", "lock_data_dir", "RETRY_SECONDS", "LOOK_SECONDS", "FINAL_COMMIT_SECONDS"]
 
 LOGGER = logging.getLogger("flowbroker.journal")
 
@@ -35,7 +35,11 @@ IDLE_LOOK_SECONDS = 5.0  # ...and this often when idle without the alarm
 FINAL_COMMIT_SECONDS = 5.0  # at shutdown, what is buffered (settlements) gets this long to reach the disk
 
 
-class DataDirInUse(Exception):
+class StorageStartError(Exception):
+    """The data directory cannot be used: the broker does not start, and says why naming the key."""
+
+
+class DataDirInUse(StorageStartError):
     """Another broker holds the data directory's lock: this one does not start (nor read its journal)."""
 
 
@@ -47,9 +51,20 @@ def lock_data_dir(data_dir: Path) -> int:
     ends however it ends) and write our pid in it; returns its descriptor, kept open for the broker's life.
     Two brokers on one data directory each recovered the journal and wrote segments of their own: after a
     kill -9 a restart lost one of them's completed messages (a tester: 1,000 of 3,000)."""
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = data_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        journal = data_dir / "journal"
+        if journal.exists() and not journal.is_dir():
+            # (the journal would be made at the first durable declare, whose answer then waited for a
+            # commit that could never be written, a tester)
+            raise StorageStartError(f"[storage] data_dir {data_dir}: {journal} is not a directory (the journal's "
+                                    "segments go there): move it away, or give --data-dir another directory")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:  # reported as the client port's listen failure before (a tester)
+        raise StorageStartError(f"[storage] data_dir {data_dir} cannot be used: {exc.strerror or exc} "
+                                f"({exc.filename or path}); give --data-dir or [storage] data_dir a directory "
+                                "this user may write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -68,7 +83,7 @@ def lock_data_dir(data_dir: Path) -> int:
 
 async def open_journal(config: StorageConfig, core: BrokerCore) -> Journal:
     """Lock `config`'s data directory, recover from it into `core` and make the journal its durable queues'
-    store. Raises DataDirInUse if another broker holds the directory."""
+    store. Raises StorageStartError if the directory cannot be used (DataDirInUse: another broker holds it)."""
     journal_dir = config.journal_dir()
     lock_fd = await trio.to_thread.run_sync(lock_data_dir, journal_dir.parent)
     journal = Journal(config.journal_dir(), config.segment_size, config.fsync == "always",

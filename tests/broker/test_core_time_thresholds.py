@@ -5,9 +5,11 @@ threshold and count/size thresholds combined with them (whichever trips stops, a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from tests.broker.coreharness import Consumer, Harness, Producer
 
+from flowbroker.broker.queue import Queue
 from flowbroker.policies.drain import TICK_SECONDS
 from flowbroker.protocol.frames import FlowResumed, FlowStopped
 
@@ -309,9 +311,17 @@ def test_the_flow_timer_ticks_timed_queues_in_steps_each_once_a_round() -> None:
     for i in range(5):
         h.queue(f"t{i}", flow_stop_age=10.0)
     seen: list[str] = []
-    for queue in h.core.timed_queues.values():
+
+    def counting(queue: Queue) -> Callable[[int], None]:
         real = queue.tick
-        queue.tick = lambda now, name=queue.name, real=real: (seen.append(name), real(now))  # type: ignore[method-assign]
+
+        def tick(now_ns: int) -> None:
+            seen.append(queue.name)
+            real(now_ns)
+        return tick
+
+    for queue in h.core.timed_queues.values():
+        queue.tick = counting(queue)  # type: ignore[method-assign, assignment]
     now = h.core.clock_ns()
     assert h.core.tick(now, 2) is True and seen == ["t0", "t1"]
     h.core.delete_queue("t2")

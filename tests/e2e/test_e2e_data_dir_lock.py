@@ -54,3 +54,24 @@ def test_a_second_broker_on_a_data_dir_in_use_does_not_start_and_the_first_keeps
         assert trio.run(drain) == [b"first", b"again"]
     finally:
         stop(restarted)
+
+
+def test_a_data_dir_that_cannot_be_used_stops_the_broker_naming_the_key(tmp_path: Path) -> None:
+    """A data_dir that is a file (or under one) was reported as the client port's listen failure ('another
+    broker running?'), and a journal/ that is a file let the broker start and hang the first durable
+    declare on a commit that could never be written (a tester)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    journal_file = tmp_path / "has-a-file-journal"
+    journal_file.mkdir()
+    (journal_file / "journal").write_text("")
+    for data_dir, says in ((a_file, "cannot be used"), (a_file / "under", "cannot be used"),
+                           (journal_file, "is not a directory")):
+        config = tmp_path / "flowbroker.toml"  # (the --data-dir flag refuses a file itself, as a usage error)
+        config.write_text(f'[storage]\ndata_dir = "{data_dir}"\n')
+        broker = subprocess.Popen([FLOWBROKER, "serve", "--port", str(free_port()), "--no-admin", "--no-udp",
+                                   "--config", str(config)], stderr=subprocess.PIPE, text=True,
+                                  env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        _, err = broker.communicate(timeout=60)
+        assert broker.returncode == 1, err
+        assert f"[storage] data_dir {data_dir}" in err and says in err and "cannot listen" not in err, err
