@@ -52,7 +52,11 @@ string such as "2GiB" (parse_size)."""
 def parse_size(value: str) -> int:
     """A size: plain bytes ("1048576") or a number with a binary suffix: KiB, MiB, GiB, TiB (1024-based;
     K/KB, M/MB, G/GB, T/TB mean the same), case-insensitive, e.g. "512KiB", "1.5GiB". ValueError if not."""
-    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    text = value.strip().upper().removesuffix("B")
+    if text.endswith("I"):  # KiB, MiB, ...: the "i" only after a unit letter ("5i" and "100iB" are no sizes)
+        text = text[:-1]
+        if not text.endswith(("K", "M", "G", "T")):
+            raise ValueError(f"{value!r} is not a size")
     for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
         if text.endswith(suffix):
             try:
@@ -311,6 +315,12 @@ class UdpConfig:
                               f"must be at most term_length / 2 ({tl // 2} with term_length = {tl}): lower "
                               "max_receiver_window together with term_length")
         _int_range("udp", "max_receiver_window", self.max_receiver_window, self.mtu, tl // 2)
+        if (isinstance(self.min_receiver_window, int) and not isinstance(self.min_receiver_window, bool)
+                and self.min_receiver_window < self.mtu <= self.max_receiver_window):
+            # (an mtu raised alone named this key, which the user never set, a tester)
+            raise ConfigError("udp", "min_receiver_window", self.min_receiver_window,
+                              f"must be at least mtu ({self.mtu}): a window must hold one datagram; raise "
+                              "min_receiver_window together with mtu")
         _int_range("udp", "min_receiver_window", self.min_receiver_window, self.mtu, self.max_receiver_window)
         if self.congestion_control not in CONGESTION_CONTROLS:
             raise ConfigError("udp", "congestion_control", self.congestion_control,

@@ -33,6 +33,7 @@ from flowbroker.broker.config import (
     ServerConfig,
     default_quota,
     load_config,
+    parse_size,
 )
 from flowbroker.policies.credit import CreditPolicy, CreditPolicyConfig
 
@@ -305,6 +306,27 @@ def test_a_term_length_lowered_alone_says_max_receiver_window_must_follow_it() -
     assert "max_receiver_window" in text and "term_length / 2 (131072 with term_length = 262144)" in text
     assert "together with term_length" in text
     load_config(None, {"udp": {"term_length": 262144, "max_receiver_window": 131072}})  # as configuration.md says
+
+
+def test_an_mtu_raised_alone_or_a_credit_max_size_lowered_alone_says_which_key_must_follow_it() -> None:
+    """`[udp] mtu = 16384` alone was refused as "min_receiver_window = 8192: must be an integer in [16384,
+    ...]", and `[credit] max_size = "4MiB"` as "min_size = 10485760: must be <= max_size": keys at their
+    defaults the user never set, without saying so (a tester)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"udp": {"mtu": 16384}})
+    assert "min_receiver_window" in str(info.value) and "together with mtu" in str(info.value)
+    load_config(None, {"udp": {"mtu": 16384, "min_receiver_window": 16384}})
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"credit": {"max_size": "4MiB"}})
+    assert "min_size" in str(info.value) and "together with max_size" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["5i", "100IB", "i", "KB5"])
+def test_a_size_with_a_stray_i_is_no_size(text: str) -> None:
+    """"5i" and "100IB" loaded as 5 and 100 bytes (a tester)."""
+    with pytest.raises(ValueError):
+        parse_size(text)
+    assert parse_size("5KiB") == parse_size("5kib") == parse_size("5K") == 5120 and parse_size("7B") == 7
 
 
 def test_an_out_of_range_value_in_the_file_stops_the_broker_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
