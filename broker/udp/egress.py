@@ -361,7 +361,15 @@ class Egress:
                 continue
             if stream.subscription.oversized:
                 oversized.append(stream.subscription)
-            out += stream.publication.do_work(now_ns)
+            pub = stream.publication
+            if pub.position > pub.sender_limit:
+                # The message that overflowed the window (one may) is sent whole: cut at the window's end,
+                # its tail waited for a status message that processing could not cause (nothing of a message
+                # is processed before all of it is in), one such message per ~100 ms (a tester: 20 KB
+                # messages through a 16 KiB window, 55 ms each). Nothing more is taken from the queue until
+                # the consumer's status messages move the limit past it (the limit only moves forward).
+                pub.sender_limit = pub.position
+            out += pub.do_work(now_ns)
         for sub in oversized:  # (outside any dispatch: ending a subscription changes its queue's rotation)
             self.datapath.core.end_subscription(sub.session, sub, Error(
                 ErrorCode.MESSAGE_TOO_LARGE,

@@ -183,6 +183,22 @@ def test_a_slow_consumer_never_has_more_than_its_window_unprocessed_in_flight(ba
 
 
 @pytest.mark.parametrize("batches", [False, True])
+def test_a_message_larger_than_the_window_is_sent_whole_and_nothing_after_it_until_it_is_processed(
+        batches: bool) -> None:
+    """A message may overflow the window, but its frames past the window's end waited for a status message
+    that processing could not cause (none of it is handed up before all of it is in): each such message
+    took the consumer's periodic status message, ~100 ms (a tester: 55 ms a message against 0.5 ms)."""
+    rig = Rig(window=16 * 1024, batches=batches)
+    rig.publish([b"%03d" % i + b"x" * 20_000 for i in range(5)])
+    for i in range(5):
+        rig.cycle(rounds=3)  # (1 ms apart: no periodic status message in between)
+        assert len(rig.bodies) == i + 1, "the message over the window did not arrive whole"
+        assert rig.unprocessed_in_flight() <= rig.window + frame_space(20_003 + 40, rig.h.config.udp.mtu)
+        rig.process(1)
+    assert rig.bodies == [b"%03d" % i + b"x" * 20_000 for i in range(5)]
+
+
+@pytest.mark.parametrize("batches", [False, True])
 def test_prefetch_bounds_unsettled_deliveries(batches: bool) -> None:
     rig = Rig(batches=batches, prefetch=5, window=1 << 20)
     rig.publish([b"p"] * 20)

@@ -288,6 +288,36 @@ def _view(broker: RunningBroker, queue: str) -> dict[str, Any]:
     return dict(subscriptions[0])
 
 
+async def test_messages_larger_than_a_udp_consumers_window_go_through_whole(start_flowbroker: Start) -> None:
+    """One message may overflow the window, but its frames past the window's end waited for a status message
+    that processing could not cause (nothing of a message is processed before all of it is in): one such
+    message per ~100 ms (a tester: 20 KB messages through a 16 KiB window, 55 ms each). The broker now sends
+    the overflowing message whole, and still takes nothing more until the consumer has processed it."""
+    broker = await start_flowbroker()
+    window = 16384
+    bodies = [b"%05d" % i + b"x" * 20_000 for i in range(100)]
+    got: list[bytes] = []
+    worst = 0
+    async with await fc.connect(broker.url) as conn:
+        await fill(conn, "big", bodies)
+        datapath = broker.core.udp
+        assert datapath is not None
+        async with conn.consumer("big", transport="udp", buffer_size=window) as consumer:
+            with trio.fail_after(LIMIT):
+                async for msg in consumer:
+                    stream = next(iter(datapath.egress.subscriptions.values()))
+                    image, sub_id = consumer._image, consumer._subscription_id_in_image()
+                    assert image is not None
+                    processed = image.subscriber_position(sub_id) - image.subscriber_hold(sub_id)
+                    worst = max(worst, stream.publication.sender_position - processed)
+                    got.append(msg.body)
+                    await msg.ack()
+                    if len(got) == len(bodies):
+                        break
+    assert got == bodies
+    assert worst <= window + 20_600  # the window and one message (its frames and envelope) over it
+
+
 async def test_a_closed_udp_subscription_frees_its_log_without_the_garbage_collector(start_flowbroker: Start) -> None:
     """The subscription and its publication's stream referred to each other, so each closed UDP consumer's
     log (3 x term_length) waited for a garbage collection, which the broker process runs seldom (50,000
