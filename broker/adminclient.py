@@ -94,9 +94,10 @@ class AdminClient:
             raise click.ClickException(description) from None
         except urllib.error.URLError as exc:
             reason = getattr(exc.reason, "strerror", None) or exc.reason or type(exc.reason).__name__
-            raise click.ClickException(
-                f"cannot reach the admin API at {self.url}: {reason} (is the broker running with its admin API on?)"
-            ) from None
+            hint = ("this port speaks plain HTTP, as the broker's admin API does: give an http:// URL (https:// is "
+                    "for a TLS proxy in front of it)" if "WRONG_VERSION_NUMBER" in str(reason)
+                    else "is the broker running with its admin API on?")
+            raise click.ClickException(f"cannot reach the admin API at {self.url}: {reason} ({hint})") from None
         except http.client.HTTPException as exc:  # BadStatusLine, RemoteDisconnected: a peer that is not HTTP
             raise click.ClickException(
                 f"{self.url} did not answer in HTTP ({type(exc).__name__}): it is not the admin API; is it the "

@@ -80,8 +80,12 @@ async def connect(
         except trio.BrokenResourceError as exc:
             await trio.aclose_forcefully(tls)
             cause = exc.__cause__ or exc
+            text = str(cause)
             hint = (" (this port does not speak TLS: the broker's plain port? Its TLS port is [tls] port)"
-                    if "WRONG_VERSION_NUMBER" in str(cause) else "")
+                    if "WRONG_VERSION_NUMBER" in text else
+                    " (trust the CA that signed the broker's certificate: the SDK's ssl_context= with "
+                    "load_verify_locations, or SSL_CERT_FILE for the CLI, docs/security.md)"
+                    if "CERTIFICATE_VERIFY_FAILED" in text else "")
             raise HandshakeError(f"TLS handshake with {address} failed: {cause}{hint}") from exc
         return tls
 
@@ -183,7 +187,8 @@ async def handshake(
         cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
         if isinstance(cause, ssl.SSLError):  # TLS 1.3: the broker refuses a client certificate after the handshake
             raise HandshakeError(f"handshake with {address} failed: TLS: {cause} (the broker may require a client "
-                                 "certificate it trusts: pass ssl_context= with load_cert_chain)") from exc
+                                 "certificate it trusts: the SDK's ssl_context= with load_cert_chain; the CLI "
+                                 "presents none: use the SDK, or the plain port with a user and password)") from exc
         raise HandshakeError(f"handshake with {address} failed: {str(cause) or type(cause).__name__}") from exc
     except BaseException:
         await _close_quietly(stream)

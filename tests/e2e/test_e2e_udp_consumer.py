@@ -303,6 +303,7 @@ async def test_messages_larger_than_a_udp_consumers_window_go_through_whole(star
         datapath = broker.core.udp
         assert datapath is not None
         async with conn.consumer("big", transport="udp", buffer_size=window) as consumer:
+            assert isinstance(consumer, UdpConsumer)
             with trio.fail_after(LIMIT):
                 async for msg in consumer:
                     stream = next(iter(datapath.egress.subscriptions.values()))
