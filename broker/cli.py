@@ -391,6 +391,7 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
     bodies = ([m.encode() for m in messages] if messages else
               [] if streaming or sys.stdin is None else [line.rstrip("\n").encode() for line in sys.stdin])
     outcome = PublishOutcome(requested=len(bodies) * count)
+    declare_refused: list[str] = []  # why its own declare of the queue was refused (said beside a NotFound)
 
     async def run() -> None:
         # The connection within the same deadline (_connect_timeout), and no second wait at the end: what
@@ -406,6 +407,7 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
                     # naming its own declare (a tester).
                     if exc.code is not fb.ErrorCode.UNAUTHORIZED:
                         raise
+                    declare_refused.append(str(exc))
             # mandatory: a message the exchange routes to no queue is a refusal (Unroutable), not "published"
             producer = conn.producer(exchange=exchange, routing_key=routing_key, mandatory=True)
             try:
@@ -445,6 +447,8 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
         # Closing may report the transfers a flow stop still holds: the outcome already says so.
         if outcome.timeout is None or isinstance(exc, fb.PublishError):
             outcome.error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, fb.NotFound) and declare_refused:  # (it said only "no queue named", a tester)
+                outcome.error += f" (its declare was refused: {declare_refused[0]})"
     if as_json:  # the JSON alone (it has the outcome, the counts and the error): no text beside it on stderr
         click.echo(outcome.as_json())
     elif outcome.exit_code == EXIT_COMPLETED:

@@ -111,6 +111,8 @@ def test_publish_and_consume_log_in_with_the_environments_user(tmp_path: Path) -
         missing = subprocess.run([FLOWBROKER, "publish", "--url", url, "-k", "nope", "x"], capture_output=True,
                                  text=True, timeout=30, env=writer)
         assert missing.returncode == 1 and "no queue named 'nope'" in missing.stdout + missing.stderr
+        # and says why it did not make it (it said only "no queue named", a tester)
+        assert "(its declare was refused: " in missing.stdout + missing.stderr
         con = subprocess.run([FLOWBROKER, "consume", "--url", url, "--count", "1", "q"], capture_output=True,
                              text=True, timeout=30, env=env)
         assert con.returncode == 0 and con.stdout.splitlines() == ["from the writer"], con.stderr
