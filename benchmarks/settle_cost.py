@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from flowbroker.broker.message import HeldTransfer, Message
+from flowbroker.broker.message import HeldTransfer, Message, SessionRef
 from flowbroker.broker.queue import Queue
 from flowbroker.policies.overflow import Thresholds
 
@@ -25,6 +25,9 @@ class _Producer:
     """What a HeldTransfer needs of a session."""
 
     transfers_held_now = 0
+
+    def __init__(self) -> None:
+        self.ref = SessionRef(self)  # type: ignore[arg-type]
 
     def complete_transfer(self, tid: int, size: int) -> None:
         pass

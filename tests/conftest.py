@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -65,7 +66,10 @@ class RunningBroker:
 def start_flowbroker(nursery: trio.Nursery) -> Callable[..., Awaitable[RunningBroker]]:
     """`broker = await start_flowbroker(server={...}, queues={...}, credit={...})`. The admin API is
     off unless an `admin={...}` section is given (then it listens on 127.0.0.1, port 0); the UDP data path
-    is on, on an ephemeral port (`broker.udp_port`)."""
+    is on, on an ephemeral port (`broker.udp_port`). Brokers of one test share the test's data directory
+    ([storage] data_dir's default), one at a time as two processes would (docs/storage.md: one broker per
+    data directory): a broker started while an earlier one still holds it gets a directory of its own."""
+    started: list[BrokerServer] = []
 
     async def start(**sections: dict[str, Any]) -> RunningBroker:
         overrides: dict[str, dict[str, Any]] = {
@@ -75,7 +79,12 @@ def start_flowbroker(nursery: trio.Nursery) -> Callable[..., Awaitable[RunningBr
         }
         for name, values in sections.items():
             overrides.setdefault(name, {}).update(values)
+        holding = [s for s in started if s.journal is not None and s.journal.lock_fd >= 0]
+        if holding and "data_dir" not in overrides.get("storage", {}):
+            state = Path(os.environ["XDG_STATE_HOME"])
+            overrides.setdefault("storage", {})["data_dir"] = str(state / f"flowbroker-{len(started) + 1}")
         server = BrokerServer(load_config(None, overrides))
+        started.append(server)
         port = await nursery.start(server.serve)
         return RunningBroker(server, port)
 
