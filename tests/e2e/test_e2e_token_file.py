@@ -21,7 +21,8 @@ GOOD = "reusable-token-0123456789abcdef"
 
 def _serve(home: Path, port: int, admin_port: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [FLOWBROKER, "serve", "--port", str(port), "--admin-port", str(admin_port), "--udp-endpoint", "127.0.0.1:0"],
+        [FLOWBROKER, "serve", "--port", str(port), "--admin-port", str(admin_port), "--udp-endpoint", "127.0.0.1:0",
+         "--data-dir", str(home / f"data-{port}")],  # (one broker per data directory, docs/storage.md)
         stderr=subprocess.PIPE, text=True, env={**os.environ, "HOME": str(home)},
     )
 
