@@ -1291,10 +1291,10 @@ class BrokerCore:
         return False
 
     def _forget_producer_id(self, key: str) -> None:
-        """The store forgot an idempotent producer id (idle for producer_id_ttl): so does the journal, whose
-        next segment would otherwise bring it back at the next start."""
+        """The store forgot an idempotent producer id (idle for producer_id_ttl): so does the journal (a
+        PRODUCER_FORGOTTEN record), whose message records would otherwise bring it back at the next start."""
         if self.journal is not None:
-            self.journal.producers.pop(key, None)
+            self.journal.producer_forgotten(key)
 
     def _close_unanswered_shrinks(self, now_ns: int) -> None:
         """Producers wait for a share while a producer's window stays above its shrunk grant: one that has

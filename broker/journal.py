@@ -39,6 +39,7 @@ from flowbroker.broker.journalrecord import (
     EXCHANGE,
     EXCHANGE_DELETED,
     MESSAGE,
+    PRODUCER_FORGOTTEN,
     PRODUCERS,
     QUEUE,
     QUEUE_DELETED,
@@ -327,6 +328,12 @@ class Journal:
         seg = self.active_seg
         self.live[seg] += 1
         return seg
+
+    def producer_forgotten(self, producer_id: str) -> None:
+        """The core forgot an idempotent producer id (idle for producer_id_ttl): so does the next snapshot,
+        and recovery drops what the records before this one said of it."""
+        if self.producers.pop(producer_id, None) is not None and not self.dormant:
+            self.record([PRODUCER_FORGOTTEN, producer_id])
 
     def delivered(self, qid: int, offset: int) -> None:
         self._append(encode([DELIVERED, qid, offset]))

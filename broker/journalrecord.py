@@ -30,6 +30,7 @@ __all__ = [
     "DELIVERED",
     "SETTLED",
     "SETTLED_MANY",
+    "PRODUCER_FORGOTTEN",
     "PRODUCERS",
     "encode",
     "encode_payload",
@@ -57,6 +58,9 @@ DELIVERED = 8  # [kind, qid, offset]: handed to a consumer at least once (comes 
 SETTLED = 9  # [kind, qid, offset]: gone for good (acked, rejected, dropped, purged)
 PRODUCERS = 10  # [kind, {producer id: highest sequence}]: the idempotent-producer seam
 SETTLED_MANY = 11  # [kind, qid, [offset, ...]]: SETTLED for each (a purge's ready messages, in one record)
+PRODUCER_FORGOTTEN = 12  # [kind, producer id]: forgotten (idle for producer_id_ttl): what earlier records
+# said of it no longer holds (without it, a restart brought the id back from its messages' records, and a
+# new stream under it was taken for duplicates, a tester)
 
 
 _packer = msgpack.Packer(use_bin_type=True)

@@ -53,6 +53,9 @@ def lock_data_dir(data_dir: Path) -> int:
     kill -9 a restart lost one of them's completed messages (a tester: 1,000 of 3,000)."""
     path = data_dir / LOCK_FILE
     try:
+        if data_dir.exists() and not data_dir.is_dir():  # (mkdir's own words: "File exists")
+            raise StorageStartError(f"[storage] data_dir {data_dir} cannot be used: it is not a directory; give "
+                                    "--data-dir or [storage] data_dir a directory this user may write")
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         journal = data_dir / "journal"
         if journal.exists() and not journal.is_dir():

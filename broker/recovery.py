@@ -24,6 +24,7 @@ from flowbroker.broker.journalrecord import (
     EXCHANGE,
     EXCHANGE_DELETED,
     MESSAGE,
+    PRODUCER_FORGOTTEN,
     PRODUCERS,
     QUEUE,
     QUEUE_DELETED,
@@ -215,6 +216,8 @@ def _check(r: list[Any]) -> None:
     elif kind == PRODUCERS:
         if type(r[1]) is not dict or not all(type(k) is str and type(v) is int for k, v in r[1].items()):
             raise ValueError("producers record is not a map of producer id to sequence")
+    elif kind == PRODUCER_FORGOTTEN:
+        _name(r[1], "producer id")
 
 
 def _replay(out: Recovered, r: list[Any], seg: int) -> None:
@@ -276,6 +279,8 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
         out.bindings.pop((r[1], r[2], r[3]), None)
     elif kind == PRODUCERS:
         out.producers.update(r[1])
+    elif kind == PRODUCER_FORGOTTEN:
+        out.producers.pop(r[1], None)
 
 
 def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:

@@ -230,6 +230,32 @@ def test_the_journal_keeps_each_producer_ids_highest_sequence_for_idempotent_pro
     assert read_journal(journal).producers == {"p-1": 2}
 
 
+def test_a_producer_id_forgotten_stays_forgotten_after_a_restart(tmp_path: Path) -> None:
+    """Forgotten after producer_id_ttl, an id came back at the next start from its messages' records (still
+    on disk, unsettled), and a new stream under it was taken for duplicates of the old one: 10 messages
+    completed and none enqueued (a tester). The forget is journalled; a message after it counts again."""
+    journal = Journal(tmp_path / "journal", 1 << 20, True, 0, 0)
+    store = JournalStore(journal, journal.new_queue_id())
+    journal.dormant = False
+    journal._roll()
+    for seq in range(3):
+        msg = Message("", "q", b"x", None, 513, "nightly", seq)
+        msg.offset = seq
+        store.append(msg)
+        msg = Message("", "q", b"x", None, 513, "other", seq)
+        msg.offset = 3 + seq
+        store.append(msg)
+    journal.producer_forgotten("nightly")
+    journal.write_batch(journal.take_batch())
+    assert read_journal(journal).producers == {"other": 2}  # (read while written: as at a kill -9)
+    msg = Message("", "q", b"x", None, 513, "nightly", 0)  # the next run, from 0
+    msg.offset = 6
+    store.append(msg)
+    journal.write_batch(journal.take_batch())
+    journal.close()
+    assert read_journal(journal).producers == {"other": 2, "nightly": 0}
+
+
 def test_a_batch_whose_write_fails_in_its_second_segment_leaves_nothing_of_it_on_disk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A commit spanning two segments wrote the first and failed in the second (ENOSPC): the first
