@@ -78,3 +78,39 @@ def test_the_descriptor_soft_limit_is_raised_to_the_hard_limit() -> None:
         "assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == expected\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+async def test_sockets_already_waiting_are_accepted_in_one_turn() -> None:
+    """One accept a turn: a loaded broker (scheduler passes of 50-100 ms) took 10-20 sockets a second, and
+    new connections waited seconds in the backlog for WELCOME (a tester: 4-5 s, some past 10 s). A task
+    that counts scheduler turns beside the accept loop sees all ten admitted in one turn."""
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    listener = trio.SocketListener(sock)
+    port = sock.getsockname()[1]
+    clients = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(10)]
+    turns = [0]
+    admitted_at: list[int] = []
+    admitted: list[trio.SocketStream] = []
+
+    def admit(stream: trio.SocketStream) -> None:
+        admitted.append(stream)
+        admitted_at.append(turns[0])
+
+    async def count_turns() -> None:
+        while True:
+            turns[0] += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(count_turns)
+        nursery.start_soon(accept_forever, listener, admit)
+        with trio.fail_after(5):
+            while len(admitted) < 10:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert len(set(admitted_at)) == 1, admitted_at  # one accept a turn before: ten turns
+    for stream in admitted + clients:
+        await stream.aclose()
+    await listener.aclose()
