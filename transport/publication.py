@@ -319,6 +319,11 @@ class Publication:
         return self._state is _State.DONE
 
     @property
+    def receiver_window(self) -> int:
+        """The window of the last status message (0 before one)."""
+        return self._receiver_window
+
+    @property
     def is_connected(self) -> bool:
         """At least one live receiver, and as many as the flow-control strategy requires."""
         return bool(self._receivers) and self.flow_control.has_required_receivers()
