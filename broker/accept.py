@@ -87,6 +87,8 @@ async def accept_forever(listener: trio.SocketListener, admit: Callable[[trio.So
     # (a duplicate of the listening socket's descriptor: it shares its O_NONBLOCK; none for a stand-in)
     waiting = (socket.socket(fileno=os.dup(listener.socket.fileno())) if isinstance(listener, trio.SocketListener)
                else None)
+    if waiting is not None:
+        waiting.setblocking(False)  # (so it is already; said, so that accept() never waits)
     try:
         while True:
             try:
