@@ -131,6 +131,7 @@ class UdpConsumer(Consumer):
 
     def _image_available(self, image: Image) -> None:
         image.window_cap = self.window
+        image.hold_partial = True  # (the broker sends a message over the window whole: Egress.do_work)
         self._image = image
         self._held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
         self._release_at = RELEASE_NEVER

@@ -25,6 +25,7 @@ from typing import Callable, Hashable
 
 from flowbroker.transport.congestion import CongestionControl
 from flowbroker.transport.frames import (
+    DATA_HEADER_LENGTH,
     RTTM_REPLY_FLAG,
     SM_EOS_FLAG,
     RttMeasurement,
@@ -115,7 +116,7 @@ class _Subscriber:
     """One subscription's cursor on the image, with its own fragment reassembly."""
 
     __slots__ = ("subscriber_id", "position", "tether", "state", "time_of_last_update_ns", "assembler",
-                 "handler", "messages", "hold")
+                 "handler", "messages", "hold", "partial")
 
     def __init__(self, subscriber_id: int, position: int, tether: bool, now_ns: int) -> None:
         self.subscriber_id = subscriber_id
@@ -126,6 +127,7 @@ class _Subscriber:
         self.handler: MessageHandler | None = None
         self.messages = 0
         self.hold = 0  # bytes polled but not yet released by the application (see Image.hold)
+        self.partial = 0  # term bytes of the message being reassembled, read past and not handed up yet
         self.assembler = FragmentAssembler(self._deliver)
 
     def _deliver(self, message: memoryview | bytes) -> None:
@@ -197,6 +199,11 @@ class Image:
         #: sets it to the producer's credit grant, the SDK's UDP consumer to its byte buffer: over UDP
         #: the receiver window *is* the credit. 0 closes the window.
         self.window_cap: int | None = None
+        self.hold_partial = False
+        """Report no fragment of a message not yet whole as consumed (`poll`). For a receiver whose sender
+        sends each message whole whatever the window (the broker's publications to UDP consumers): else
+        the first fragments of a message counted, and the broker took the next message into a window the
+        consumer had not freed, two whole messages unprocessed at a 16 KiB window (a tester)."""
         self._control: list[bytes] = []
         # counters
         self.packets_inserted = 0
@@ -310,6 +317,14 @@ class Image:
         finally:
             sub.handler = None
         sub.position = position
+        if self.hold_partial:
+            # The first fragments of a message whose last has not arrived are read past, and nothing of it
+            # is consumed: with `hold_partial` status messages do not report them (Aeron's do, as its
+            # subscriber position passes them, and a receiver whose window is smaller than a message needs
+            # that: the broker's ingress). Such fragments are all full frames (only the last may be
+            # shorter), so their term bytes are the buffered payload's frames.
+            buffered = assembler.buffered
+            sub.partial = buffered // (self.mtu - DATA_HEADER_LENGTH) * self.mtu if buffered else 0
         return total
 
     # ------------------------------------------------------------------------------------ packets in
@@ -397,7 +412,7 @@ class Image:
         for sub in self._subscribers.values():
             if sub.state is SubscriberState.RESTING:
                 continue
-            position = sub.position - sub.hold
+            position = sub.position - sub.hold - sub.partial
             low = position if low is None or position < low else low
             high = position if high is None or position > high else high
         if low is None or high is None:

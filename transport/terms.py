@@ -587,3 +587,8 @@ class FragmentAssembler:
     @property
     def in_progress(self) -> bool:
         return self._buffer is not None
+
+    @property
+    def buffered(self) -> int:
+        """Payload bytes of the message in progress (0 if none)."""
+        return 0 if self._buffer is None else len(self._buffer)
