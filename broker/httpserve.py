@@ -23,9 +23,11 @@ from __future__ import annotations
 import logging
 import math
 import socket
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
@@ -41,13 +43,37 @@ LOGGER = logging.getLogger("flowbroker.broker.httpserve")
 
 
 class _Connection(TCPServer):
-    """hypercorn's connection, whose task ends when its reading does. hypercorn stops a connection's idle
-    timer only once a request's head has arrived, so one it closed for a bad head (or that closed before
-    sending one) waited out keep_alive_timeout with its buffers."""
+    """hypercorn's connection, whose task ends when its reading does, and whose reading ends when it is
+    closed. hypercorn stops a connection's idle timer only once a request's head has arrived, so one it
+    closed for a bad head (or that closed before sending one) waited out keep_alive_timeout with its
+    buffers. And its reader waits, with no deadline, for an answer to go out before it parses a pipelined
+    request (h11's PAUSED): when that answer could not be written (the client gone, or cut off for not
+    reading by TCP_USER_TIMEOUT), the connection was closed and its reader waited for ever, holding a
+    max_connections slot and a descriptor: 64 pipelined GET /metrics left unread kept the admin port at
+    503 until a restart (a tester). A failed write or a close now ends the reading."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._reading = trio.CancelScope()
 
     async def _read_data(self) -> None:
-        await super()._read_data()
+        with self._reading:
+            await super()._read_data()
         await self.idle_task.stop()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData):
+            async with self.send_lock:
+                try:
+                    with trio.CancelScope(shield=True):
+                        await self.stream.send_all(event.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._reading.cancel()
+                    await self.protocol.handle(Closed())
+            return
+        await super().protocol_send(event)
+        if isinstance(event, Closed):
+            self._reading.cancel()
 
 
 class HttpServer:
@@ -111,9 +137,8 @@ class HttpServer:
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
         try:
-            # (hypercorn's annotation says SSLStream; it serves plain sockets through the same class)
-            await _Connection(self._app, self._config, self._context, ConnectionState({}),
-                              stream)  # type: ignore[arg-type]
+            # (a plain socket stream: hypercorn's annotation says SSLStream, and it serves both)
+            await _Connection(self._app, self._config, self._context, ConnectionState({}), stream)
         except Exception as exc:  # a bug serving one connection ends that connection, not the port
             LOGGER.error("%s: connection from %s: unhandled error; closed", self.what, peer_name(stream),
                          exc_info=exc)

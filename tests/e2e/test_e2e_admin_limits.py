@@ -120,3 +120,30 @@ async def test_an_attacker_filling_the_admin_port_changes_nothing_on_the_broker_
             await trio.sleep(0.01)
     for stream in held:
         await stream.aclose()
+
+
+async def test_connections_that_pipeline_and_never_read_give_their_places_back_when_they_go(broker: Any) -> None:
+    """Pipelined GET /metrics left unread: hypercorn's reader waited, with no deadline, for an answer that
+    could no longer be written, so each such connection kept its max_connections place after its client
+    had gone, and 64 of them kept the admin port at 503 until a restart (a tester)."""
+    port = broker.server.admin_port
+    http = broker.server.admin.http
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 50
+    socks = []
+    for _ in range(4):
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await sock.connect(("127.0.0.1", port))
+        await sock.send(request)
+        socks.append(sock)
+    with trio.fail_after(10):
+        while http.open < 4:
+            await trio.sleep(0.01)
+    await trio.sleep(0.5)  # the answers fill the sockets; none is read
+    for sock in socks:
+        sock.close()
+    with trio.fail_after(15):
+        while http.open:
+            await trio.sleep(0.05)
+    answer = await _ask(port, _get())
+    assert answer.startswith(b"HTTP/1.1 200"), answer
