@@ -68,8 +68,10 @@ class _Connection(TCPServer):
                     with trio.CancelScope(shield=True):
                         await self.stream.send_all(event.data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._reading.cancel()
-                    await self.protocol.handle(Closed())
+                    try:  # (the protocol tells its request streams first, then the reading ends)
+                        await self.protocol.handle(Closed())
+                    finally:
+                        self._reading.cancel()
             return
         await super().protocol_send(event)
         if isinstance(event, Closed):
