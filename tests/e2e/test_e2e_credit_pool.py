@@ -24,7 +24,7 @@ MESSAGES = 300
 async def test_fifty_flow_controlled_producers_never_get_more_than_the_pool(start_flowbroker: Any) -> None:
     broker = await start_flowbroker(
         server={"memory_quota": 64 * MiB, "max_message_size": 65536, "max_connections": 200},
-        credit={"policy": "aggressive", "min_size": 64 * 1024, "max_size": MiB},  # pool 5 % = 3.2 MiB
+        credit={"policy": "aggressive", "min_size": 128 * 1024, "max_size": MiB},  # pool 5 % = 3.2 MiB: 25 shares
         admin={"token": TOKEN},
     )
     pool = (await ok(broker, "GET", "/api/policy"))["pool"]["bytes"]
