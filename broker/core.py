@@ -1499,15 +1499,20 @@ class BrokerCore:
         if len(session.subscriptions) >= limit:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"too many subscriptions on this connection (max_subscriptions {limit})")
-        total = self.config.server.max_subscriptions_total
-        if self.memory.subscriptions >= total:
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"too many subscriptions in the broker (max_subscriptions_total {total})")
+        self.check_subscriptions_total()
         if subscription_id in session.subscriptions or (
                 self.udp is not None and self.udp.groups.find_member(session.conn_id, subscription_id) is not None):
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"subscription id {subscription_id} is in use")
         cap = self.config.queues.max_prefetch
         return queue, min(prefetch, cap) if prefetch else cap
+
+    def check_subscriptions_total(self, destination: str | None = None) -> None:
+        """Refuse one more subscription past `[server] max_subscriptions_total` (the queues count theirs on
+        `memory`): SUBSCRIBE, SUBSCRIBE_UDP and a multicast group's own subscription to its queue."""
+        total = self.config.server.max_subscriptions_total
+        if self.memory.subscriptions >= total:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"too many subscriptions in the broker (max_subscriptions_total {total})", destination)
 
     def _req_subscribe(self, session: Session, f: Subscribe) -> dict[str, Any]:
         queue, prefetch = self.check_subscribe(session, f.subscription_id, f.queue, f.prefetch)

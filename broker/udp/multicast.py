@@ -484,10 +484,7 @@ class Groups:
         if queue.subscriptions:
             raise RequestError(ErrorCode.ALREADY_EXISTS,
                                f"queue {name!r} has consumers: a group's queue is the group's alone", name)
-        total = core.config.server.max_subscriptions_total
-        if core.memory.subscriptions >= total:  # the group's subscription to its queue counts as any other
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"too many subscriptions in the broker (max_subscriptions_total {total})", name)
+        core.check_subscriptions_total(name)  # the group's subscription to its queue counts as any other
         exchange = core.exchanges[exchange_name]
         if queue not in exchange.bindings.get("", {}) and core.routes.bindings >= core.config.server.max_bindings:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
