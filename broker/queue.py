@@ -610,7 +610,8 @@ class Queue:
         self._update_pace_limit(-sub.prefetch)
         if not self.subscriptions:
             self._derive_drain_counts()
-        if len(self._active) > 2 * len(self.subscriptions) + 8:
+            self._active = deque()  # (a closed subscription keeps its session: none wait here for dispatch)
+        elif len(self._active) > 2 * len(self.subscriptions) + 8:
             self._active = deque(s for s in self._active if not s.closed)
 
     def _derive_drain_counts(self) -> None:

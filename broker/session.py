@@ -337,7 +337,7 @@ class Session:
         tags of those never written to the client, with their flags, which they keep (the client never saw
         them); the rest go back flagged redelivered."""
         self.open = False
-        self.outbox.closed = True
+        self.outbox.close()
         by_queue: dict[Queue, tuple[list[Message], list[bool]]] = {}
         for tag, (sub, msg) in self.deliveries.close_tagged():
             msgs, flags = by_queue.setdefault(sub.queue, ([], []))
