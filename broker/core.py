@@ -859,7 +859,7 @@ class BrokerCore:
         """True when this message of an idempotent producer is the next of its producer id (route it);
         otherwise it is answered now: a duplicate is completed (not enqueued), a gap or an id the broker
         cannot track is refused (completed with an ERROR naming why)."""
-        verdict = self.producer_sequences.check(entry[4], entry[5], now, key)  # type: ignore[arg-type]
+        verdict = self.producer_sequences.check(entry[4], entry[5], now, key, session.ref)  # type: ignore[arg-type]
         if verdict is None:
             return True
         if verdict is DUPLICATE and self._orphans:

@@ -19,8 +19,11 @@ storage (what a journal must record: `accept` of a producer id's sequence), `Pro
 rules over it. `MemoryProducerStates` is the bounded in-memory store: at most `max_producer_ids` ids,
 and at most `max_producer_ids_per_user` of one user's (so one tenant cannot take every place and refuse
 the others' new producers), each kept `ttl_ns` after its last taken message: the broker's flow timer
-forgets ids idle that long (`expire`, about once a second), and a new id beyond the bound evicts them at
-once; if none is, the new id is refused (RESOURCE_EXHAUSTED), never admitted by
+forgets ids idle that long (`expire`, about once a second) unless the connection that sent an id's last
+message is still open and the id is among the last PROTECTED_IDS_PER_CONNECTION it took up (its producer
+may send again at any time: forgetting its id refused all it sent after an idle hour, a tester; a
+connection that makes a new producer, with a new random id, per request lets the older ones go), and a
+new id beyond the bound evicts them at once; if none is, the new id is refused (RESOURCE_EXHAUSTED), never admitted by
 forgetting one that may still resend. An evicted id is unknown again: it must start at sequence 0, so
 its resent messages above 0 are gaps, and only a resend of its whole stream from 0, later than the
 TTL, could land twice (docs/protocol.md, "Idempotent producers").
@@ -40,6 +43,8 @@ from flowbroker.protocol.limits import MAX_ERROR_TEXT
 
 __all__ = [
     "ProducerStateStore",
+    "Holder",
+    "PROTECTED_IDS_PER_CONNECTION",
     "MemoryProducerStates",
     "ProducerIdsExhausted",
     "ProducerSequences",
@@ -69,13 +74,15 @@ class ProducerStateStore(Protocol):
         """The highest sequence taken from `producer_id`, None if the id is unknown (never seen or evicted)."""
         ...
 
-    def accept(self, producer_id: str, sequence: int, now_ns: int) -> None:
+    def accept(self, producer_id: str, sequence: int, now_ns: int, holder: Holder | None = None) -> None:
         """Record `sequence` as taken from `producer_id` at `now_ns` (the rules guarantee it is the
-        next one). Raises ProducerIdsExhausted, recording nothing, for a new id the store has no room for."""
+        next one), sent by `holder`'s connection. Raises ProducerIdsExhausted, recording nothing, for a new
+        id the store has no room for."""
         ...
 
     def expire(self, now_ns: int) -> int:
-        """Forget the ids whose last taken message is older than the TTL; returns how many."""
+        """Forget the ids whose last taken message is older than the TTL and whose holder's connection
+        has closed; returns how many."""
         ...
 
     def epoch(self, producer_id: str) -> int | None:
@@ -86,13 +93,43 @@ class ProducerStateStore(Protocol):
     def __len__(self) -> int: ...
 
 
+PROTECTED_IDS_PER_CONNECTION: Final = 64
+"""How many of the ids an open connection took up last are kept past their TTL while it is open."""
+
+
+class Holder(Protocol):
+    """The connection that sent an id's last taken message, as the core's SessionRef shows it: `session`
+    is None once that connection has closed; `ids_taken` counts the ids it took up (new to the store,
+    or last sent by another connection), so an id's rank says how many it took up after."""
+
+    @property
+    def session(self) -> object | None: ...
+
+    ids_taken: int
+
+
 class _State:
-    __slots__ = ("sequence", "last_ns", "epoch")
+    __slots__ = ("sequence", "last_ns", "epoch", "holder", "rank")
 
     def __init__(self, sequence: int, last_ns: int, epoch: int):
         self.sequence = sequence
         self.last_ns = last_ns
         self.epoch = epoch  # which life of the id this is: an id forgotten and taken anew gets a new one
+        self.holder: Holder | None = None
+        self.rank = 0  # the holder's `ids_taken` when it took this id up
+
+    def take_up(self, holder: Holder | None) -> None:
+        """`holder` sent this id's last message: the id ranks as its newest."""
+        self.holder = holder
+        if holder is not None:
+            holder.ids_taken += 1
+            self.rank = holder.ids_taken
+
+    def protected(self) -> bool:
+        """Its connection is open and took up few ids since: its producer may still send."""
+        holder = self.holder
+        return (holder is not None and holder.session is not None
+                and holder.ids_taken - self.rank < PROTECTED_IDS_PER_CONNECTION)
 
 
 class MemoryProducerStates:
@@ -121,12 +158,17 @@ class MemoryProducerStates:
         state = self._states.get(producer_id)
         return None if state is None else state.sequence
 
-    def accept(self, producer_id: str, sequence: int, now_ns: int) -> None:
+    def accept(self, producer_id: str, sequence: int, now_ns: int, holder: Holder | None = None) -> None:
         states = self._states
         state = states.get(producer_id)
         if state is not None:
             state.sequence = sequence
             state.last_ns = now_ns
+            # ranked again when it changes connection, or when half the protected ids were taken up since
+            # (an id in use stays among its connection's last ones): two steps per message, not a new rank
+            if holder is not state.holder or (holder is not None
+                                              and holder.ids_taken - state.rank >= PROTECTED_IDS_PER_CONNECTION // 2):
+                state.take_up(holder)
             states.move_to_end(producer_id)
             return
         if len(states) >= self.max_ids:
@@ -149,7 +191,8 @@ class MemoryProducerStates:
                     f"{_unscoped(producer_id)!r} is refused rather than forgetting one that may still resend"
                 )
         self._epochs += 1
-        states[producer_id] = _State(sequence, now_ns, self._epochs)
+        state = states[producer_id] = _State(sequence, now_ns, self._epochs)
+        state.take_up(holder)
         if owner:
             self._owned[owner] = self._owned.get(owner, 0) + 1
 
@@ -157,11 +200,16 @@ class MemoryProducerStates:
         states = self._states
         horizon = now_ns - self.ttl_ns
         removed = 0
+        held: list[tuple[str, _State]] = []  # idle, but their connections are open: kept, as if they just sent
         while states:
             producer_id, state = next(iter(states.items()))
             if state.last_ns > horizon:
                 break
             del states[producer_id]
+            if state.holder is not None and state.protected():
+                state.last_ns = now_ns
+                held.append((producer_id, state))
+                continue
             self.forget(producer_id)
             owner = _owner(producer_id)
             if owner:
@@ -171,6 +219,7 @@ class MemoryProducerStates:
                 else:
                     del self._owned[owner]
             removed += 1
+        states.update(held)
         self.evicted += removed
         return removed
 
@@ -303,9 +352,10 @@ class ProducerSequences:
         if len(refusals) > REFUSALS_KEPT:
             refusals.popitem(last=False)
 
-    def check(self, producer_id: str, sequence: int | None, now_ns: int, key: str | None = None) -> Verdict:
+    def check(self, producer_id: str, sequence: int | None, now_ns: int, key: str | None = None,
+              holder: Holder | None = None) -> Verdict:
         """What to do with `sequence` of `producer_id`, kept in the store under `key` (the id itself when
-        None). The broker passes `scoped(user, producer_id)`: each user's producer ids are its own, so a
+        None), sent by `holder`'s connection (its id is not forgotten while that is open). The broker passes `scoped(user, producer_id)`: each user's producer ids are its own, so a
         user who names another's id can make the other's messages neither duplicates nor gaps. The
         caller builds the key, since it also records it with the message (the journal's key)."""
         if sequence is None or not producer_id or len(producer_id) > MAX_PRODUCER_ID_LENGTH:
@@ -323,7 +373,7 @@ class ProducerSequences:
         expected = 0 if last is None else last + 1
         if sequence == expected:
             try:
-                store.accept(key, sequence, now_ns)
+                store.accept(key, sequence, now_ns, holder)
             except ProducerIdsExhausted as exc:
                 self.refused += 1
                 return (ErrorCode.RESOURCE_EXHAUSTED, str(exc))

@@ -33,10 +33,11 @@ class SessionRef:
     connection with it (its handler, socket objects, buffers: about 6 KB a message charged 512, a
     tester's 36,000 one-message connections grew the broker 220 MiB)."""
 
-    __slots__ = ("session",)
+    __slots__ = ("session", "ids_taken")
 
     def __init__(self, session: Session):
         self.session: Session | None = session
+        self.ids_taken = 0  # idempotent producer ids it took up (broker/idempotence.py, `Holder`)
 
 
 class HeldTransfer:

@@ -128,9 +128,12 @@ def test_two_live_connections_sending_one_stream_interleaved_land_it_once_in_ord
 def test_a_new_producer_id_beyond_the_bound_is_refused_until_one_is_idle_for_the_ttl() -> None:
     h = make(max_producer_ids=2, producer_id_ttl=10.0)
     h.queue("q")
+    first = producer(h, "first")
+    send(first, "a", [0])
+    send(first, "b", [0])
+    first.pump()
+    first.close()  # (an open connection's ids are kept past the ttl: below)
     p = producer(h, "producer")
-    send(p, "a", [0])
-    send(p, "b", [0])
     h.advance(5)
     (refused,) = send(p, "c", [0])
     p.pump()
@@ -151,19 +154,61 @@ def test_a_producer_id_idle_for_the_ttl_is_forgotten_by_the_flow_timer_and_its_s
     while the job reported success (a tester)."""
     h = make(producer_id_ttl=10.0)
     h.queue("q")
-    p = producer(h, "producer")
-    send(p, "nightly", [0, 1, 2])
+    run = producer(h, "run")
+    send(run, "nightly", [0, 1, 2])
     h.advance(5)
     h.core.tick(h.core.clock_ns())
-    send(p, "nightly", [0, 1, 2])  # within the ttl: duplicates
-    p.pump()
+    send(run, "nightly", [0, 1, 2])  # within the ttl: duplicates
+    run.pump()
+    run.close()
     assert queued(h) == [b"0", b"1", b"2"]
     h.advance(11)
     h.core.tick(h.core.clock_ns())
     assert h.core.producer_sequences.statistics().evicted == 1
+    p = producer(h, "next run")
     send(p, "nightly", [0, 1, 2])  # the next run, past the ttl: a new stream, taken
     p.pump()
     assert p.errors == [] and queued(h) == [b"0", b"1", b"2", b"0", b"1", b"2"]
+
+
+def test_an_idle_producer_id_of_an_open_connection_is_kept_past_the_ttl() -> None:
+    """Forgotten while its connection was open, an idempotent producer idle for the ttl had everything it
+    sent after refused SEQUENCE_GAP, for good (a tester: 10 of 10 after 3.5 s idle, ttl 2 s). Kept while
+    the connection is open; forgotten a ttl after it closed."""
+    h = make(producer_id_ttl=10.0)
+    h.queue("q")
+    p = producer(h, "producer")
+    send(p, "quiet", [0, 1])
+    for _ in range(5):
+        h.advance(11)
+        h.core.tick(h.core.clock_ns())
+    (tid,) = send(p, "quiet", [2])
+    p.pump()
+    assert p.errors_for(tid) == [] and queued(h) == [b"0", b"1", b"2"]
+    h.advance(11)
+    h.core.tick(h.core.clock_ns())  # idle past the ttl again: its last holder is open, the id is kept
+    p.close()
+    assert h.core.producer_sequences.statistics().evicted == 0
+    h.advance(11)
+    h.core.tick(h.core.clock_ns())
+    assert h.core.producer_sequences.statistics().evicted == 1
+
+
+def test_an_open_connection_keeps_only_the_ids_it_took_up_last() -> None:
+    """A connection making a new producer, with a new random id, per request would otherwise hold
+    every id it ever used, up to the bound: only its last PROTECTED_IDS_PER_CONNECTION are kept."""
+    from flowbroker.broker.idempotence import PROTECTED_IDS_PER_CONNECTION as KEPT
+    h = make(producer_id_ttl=10.0)
+    h.queue("q")
+    p = producer(h, "producer")
+    for n in range(KEPT + 3):
+        send(p, f"request-{n}", [0])
+    send(p, "request-0", [1])  # used again: it is among the last again
+    p.pump()
+    h.advance(11)
+    h.core.tick(h.core.clock_ns())
+    left = {pid.split("\x00")[-1] for pid, _seq, _ns in h.core.producer_sequences.store.items()}  # type: ignore[attr-defined]
+    assert left == {"request-0"} | {f"request-{n}" for n in range(4, KEPT + 3)}
 
 
 def test_a_producer_id_without_a_sequence_is_refused() -> None:
@@ -318,11 +363,17 @@ def test_a_refusal_is_not_repeated_to_a_later_life_of_its_producer_id() -> None:
     though the old 0 was refused."""
     h = make(producer_id_ttl=10.0, max_producer_ids=1)
     h.queue("q")
+    old = producer(h, "old")
+    old.send_many([("", "absent", b"old", None)], producer_id="writer", sequences=[0])
+    old.pump()
+    old.close()
+    h.advance(11)
+    mid = producer(h, "mid")
+    send(mid, "other", [0])  # takes the only place: "writer" is forgotten
+    mid.pump()
+    mid.close()
+    h.advance(11)
     p = producer(h, "producer")
-    p.send_many([("", "absent", b"old", None)], producer_id="writer", sequences=[0])
-    h.advance(11)
-    send(p, "other", [0])  # takes the only place: "writer" is forgotten
-    h.advance(11)
     (tid,) = send(p, "writer", [0])
     p.pump()
     assert p.errors_for(tid) == [] and queued(h) == [b"0", b"0"]

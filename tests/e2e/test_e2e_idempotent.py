@@ -320,3 +320,27 @@ def test_random_cuts_and_resends_leave_every_sequence_once_in_order(cuts: dict[i
             nursery.cancel_scope.cancel()
 
     trio.run(run)
+
+
+async def test_an_idempotent_producer_idle_past_the_ttl_on_its_open_connection_goes_on(start_flowbroker) -> None:
+    """The flow timer forgot the id of a producer whose connection was open and quiet for the ttl: all it
+    sent after was refused SequenceGap, for good (a tester: ttl 2 s, idle 3.5 s, 10 of 10 refused)."""
+    broker = await start_flowbroker(server={"producer_id_ttl": 0.5})
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("quiet")
+        producer = conn.producer("", "quiet", producer_id="nightly", idempotent=True)
+        for n in range(5):
+            await producer.send(b"%d" % n)
+        await producer.flush(timeout=10)
+        await trio.sleep(2.0)  # several of the flow timer's once-a-second looks past the ttl
+        for n in range(5, 15):
+            await producer.send(b"%d" % n)
+        await producer.flush(timeout=10)
+        assert producer.statistics().failed == 0
+        got = []
+        async with conn.consumer("quiet") as consumer:
+            for _ in range(15):
+                msg = await consumer.receive(timeout=10)
+                got.append(msg.body)
+                await msg.ack()
+        assert got == [b"%d" % n for n in range(15)]
