@@ -146,6 +146,13 @@ pipelined durable BIND/UNBIND pairs without reading took the broker to 725 MiB w
 took 3 s (a tester): each waiting answer and its record is some 800 bytes, so these bound them at about
 8 MiB."""
 
+_ANSWERED_AT_ONCE: frozenset[type[Any]] = frozenset(
+    {Subscribe, Cancel, SubscribeUdp, JoinGroup, RegisterPublication, ClosePublication})
+"""Requests whose OK promises nothing durable: what they journal is the deliveries and returns they cause
+(a subscription to a durable queue with messages), which a restart may lose as documented. Answered only
+after the commit, a new consumer of such a queue got no answer while the journal's writes failed and
+timed out, its subscription made and holding messages (a tester, disk full)."""
+
 
 class AnswerAfterCommit:
     """A request's answer that waits for the journal's next commit (a `CommitWaiter`), counted while it
@@ -512,7 +519,7 @@ class BrokerCore:
         except PolicyConfigError as exc:
             session.send(Error(ErrorCode.INVALID_ARGUMENT, str(exc), None, request_id, None))
         else:
-            if journal is not None and journal.records_appended != journalled:
+            if journal is not None and journal.records_appended != journalled and type(frame) not in _ANSWERED_AT_ONCE:
                 # It changed something durable (a durable queue declared, deleted or purged, a binding of
                 # one): OK once that is on disk, as a transfer to a durable queue completes. Answered at
                 # once, a kill -9 right after undid it: deleted queues came back with their messages,

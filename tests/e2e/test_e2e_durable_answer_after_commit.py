@@ -116,6 +116,31 @@ async def test_while_the_journal_cannot_write_a_durable_change_is_refused_at_onc
         await conn.delete_queue("kept")
 
 
+async def test_subscribing_to_a_durable_queue_with_messages_is_answered_without_waiting_for_the_journal(
+        start_flowbroker: Any, tmp_path: Path, gate: threading.Event) -> None:
+    """A SUBSCRIBE's deliveries are journalled (delivery records), but its OK promises nothing durable:
+    answered only after the commit, a new consumer of a durable queue got no answer while the disk was
+    full and timed out, its subscription made and holding messages (a tester)."""
+    broker = await start_flowbroker(storage={"data_dir": str(tmp_path / "data")})
+    async with await fb.connect(broker.url, timeout=10) as conn:
+        gate.set()
+        await conn.declare_queue("kept", durable=True)
+        async with conn.producer(routing_key="kept") as producer:
+            for i in range(5):
+                await producer.send(b"%d" % i)
+            await producer.flush(timeout=10)
+        gate.clear()  # the journal's commits held back from here
+        got = []
+        with trio.fail_after(5):
+            async with conn.consumer("kept") as consumer:
+                for _ in range(5):
+                    msg = await consumer.receive(timeout=5)
+                    got.append(msg.body)
+                    await msg.ack()
+        assert got == [b"%d" % i for i in range(5)]
+        gate.set()
+
+
 async def _kept_and_binder(conn: Any, gate: threading.Event) -> tuple[list[Any], Callable[[str], Awaitable[None]]]:
     """Declare the durable queue "kept" (its record committed), shut the gate, and give a `bind(key)` that
     binds it to amq.topic, its answer (once the journal commits) appended to the list returned with it."""
