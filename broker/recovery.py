@@ -83,6 +83,17 @@ def read_journal(journal: Journal) -> Recovered:
         return out
     numbers = sorted(int(p.name[:-4]) for p in directory.iterdir()
                      if p.name.endswith(".seg") and p.name[:-4].isdigit())
+    for before, after in zip(numbers, numbers[1:]):
+        if after != before + 1:
+            # Compaction deletes the oldest segments only: a gap was made by something else (a file
+            # deleted or lost), and the messages journalled there are lost. Said as a cut is (it was only
+            # counted in the INFO line, 1,116 confirmed messages gone: a tester).
+            missing = (segment_name(before + 1) if after == before + 2
+                       else f"{segment_name(before + 1)} to {segment_name(after - 1)}")
+            text = (f"{missing}: missing between {segment_name(before)} and {segment_name(after)} (compaction "
+                    "removes only the oldest segments): what was journalled there is lost")
+            LOGGER.error("journal: %s", text)
+            out.cut.append(text)
     for number in numbers:
         path = directory / segment_name(number)
         data = path.read_bytes()

@@ -157,6 +157,25 @@ async def test_a_torn_and_a_corrupt_record_are_cut_off_logged_and_the_broker_sta
     assert "torn record" in text and "checksum mismatch" in text and "cut at byte" in text
 
 
+async def test_a_segment_missing_between_others_is_logged_as_a_loss(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Compaction removes only the oldest segments: a gap was a file deleted or lost, and the messages in it
+    are gone. It was counted only in the INFO line (a tester: 1,116 confirmed messages, no ERROR)."""
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / segment_name(1)).write_bytes(
+        encode([QUEUE, 1, "q", {}, 0]) + encode([MESSAGE, 1, 0, "", "q", b"m0", None, 514, None, None]))
+    (directory / segment_name(4)).write_bytes(encode([MESSAGE, 1, 3, "", "q", b"m3", None, 514, None, None]))
+    (directory / segment_name(6)).write_bytes(encode([MESSAGE, 1, 5, "", "q", b"m5", None, 514, None, None]))
+    caplog.set_level(logging.ERROR, "flowbroker.journal")
+    async with broker(tmp_path) as server:
+        assert server.core.queues["q"].count == 3
+    text = caplog.text
+    assert f"{segment_name(2)} to {segment_name(3)}: missing between {segment_name(1)} and {segment_name(4)}" in text
+    assert f"{segment_name(5)}: missing between {segment_name(4)} and {segment_name(6)}" in text
+    assert "is lost" in text
+
+
 async def test_recovered_messages_count_against_the_watermarks(tmp_path: Path) -> None:
     async with broker(tmp_path) as server:
         async with await fb.connect(url(server)) as conn:
