@@ -11,7 +11,8 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,10 @@ DEFAULT_ADMIN_URL = "http://127.0.0.1:5681"
 TOKEN_ENV = "FLOWBROKER_ADMIN_TOKEN"
 PAGE_SIZE = 1000
 """Objects asked for per request when listing: the admin API's maximum `limit`."""
+BUSY_RETRY_SECONDS = 30.0
+"""How long a request refused because the admin port has `max_connections` open is tried again, once a
+`Retry-After` (1 s): such a refusal comes before the request is read, so any request may be sent again.
+`flowbroker top` ended at the first one, the moment an operator watches (a tester)."""
 
 
 class AdminClient:
@@ -39,11 +44,13 @@ class AdminClient:
     for the admin port the URL names (DEFAULT_TOKEN_FILE with `{port}` replaced).
     Never from the command line, where `ps` shows it to every user of the host."""
 
-    def __init__(self, url: str, token_file: str | None, timeout: float = 10.0):
+    def __init__(self, url: str, token_file: str | None, timeout: float = 10.0,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
         if "://" not in url:  # "127.0.0.1:5681" is meant as http://127.0.0.1:5681, not a URL scheme
             url = "http://" + url
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._sleep, self._clock = sleep, clock
         parsed = urllib.parse.urlsplit(self.url)
         if parsed.scheme not in ("http", "https"):
             raise click.ClickException(
@@ -83,12 +90,28 @@ class AdminClient:
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        busy_until = self._clock() + BUSY_RETRY_SECONDS
+        while True:
+            try:
+                return self._answer(self._send(req))
+            except _Busy as busy:
+                if self._clock() + busy.retry_after > busy_until:
+                    raise click.ClickException(f"{busy.description} (tried for {BUSY_RETRY_SECONDS:g} s)") from None
+                self._sleep(busy.retry_after)
+
+    def _send(self, req: urllib.request.Request) -> bytes:
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
+                raw: bytes = resp.read()
+                return raw
         except urllib.error.HTTPError as exc:
             with exc:
-                description = self._describe(exc.code, exc.read())
+                body = exc.read()
+                description = self._describe(exc.code, body)
+                if exc.code == 503 and exc.headers.get("content-type", "").startswith("text/plain"):
+                    # the port's own refusal (broker/httpserve.py), not an API answer (503 not_on_disk_yet
+                    # is JSON: that change was made, and is not to be sent again)
+                    raise _Busy(description, _retry_after(exc.headers.get("retry-after"))) from None
             if self.token is None and exc.code in (401, 403) and not description.startswith(self.url):
                 raise click.ClickException(self._no_token) from None
             raise click.ClickException(description) from None
@@ -106,6 +129,8 @@ class AdminClient:
             ) from None
         except (TimeoutError, OSError) as exc:
             raise click.ClickException(f"admin API at {self.url}: {exc}") from None
+
+    def _answer(self, raw: bytes) -> dict[str, Any]:
         try:
             answer = json.loads(raw)
         except ValueError:
@@ -143,3 +168,21 @@ class AdminClient:
             remaining -= len(items)
             if cursor is None or (limit and remaining <= 0):
                 return
+
+
+class _Busy(Exception):
+    """The admin port refused the connection: `max_connections` are open."""
+
+    def __init__(self, description: str, retry_after: float):
+        super().__init__(description)
+        self.description = description
+        self.retry_after = retry_after
+
+
+def _retry_after(value: str | None) -> float:
+    """A Retry-After in seconds, between 0.1 and 5 (1 when absent or not a number)."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return min(5.0, max(0.1, seconds)) if seconds == seconds else 1.0

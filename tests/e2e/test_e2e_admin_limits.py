@@ -147,3 +147,39 @@ async def test_connections_that_pipeline_and_never_read_give_their_places_back_w
             await trio.sleep(0.05)
     answer = await _ask(port, _get())
     assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+async def test_the_cli_tries_again_while_the_admin_port_is_full_and_says_so_when_it_stays_full(
+        broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port's 503 comes before the request is read: the CLI's client sends it again after Retry-After,
+    for up to BUSY_RETRY_SECONDS. `flowbroker top` ended at the first 503 (a tester)."""
+    import click
+
+    from flowbroker.broker import adminclient
+    from flowbroker.broker.adminclient import AdminClient
+
+    monkeypatch.setattr(adminclient, "BUSY_RETRY_SECONDS", 2.5)
+    port = broker.server.admin_port
+    http = broker.server.admin.http
+    held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(4)]
+    with trio.fail_after(5):
+        while http.open < 4:
+            await trio.sleep(0.01)
+    monkeypatch.setenv("FLOWBROKER_ADMIN_TOKEN", TOKEN)
+    client = AdminClient(f"http://127.0.0.1:{port}", None)
+    with pytest.raises(click.ClickException) as full:  # never freed within the 2.5 s
+        await trio.to_thread.run_sync(client.request, "GET", "/api/broker")
+    assert "max_connections" in full.value.message and "tried for 2.5 s" in full.value.message
+    refused = http.refused
+    assert refused >= 2
+
+    async def free_one_later() -> None:
+        await trio.sleep(1.2)
+        await held.pop().aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(free_one_later)
+        answer = await trio.to_thread.run_sync(client.request, "GET", "/api/broker")
+    assert "connections" in answer and http.refused > refused
+    for stream in held:
+        await stream.aclose()
