@@ -150,6 +150,9 @@ class DataPath:
         streams = [s.publication.statistics() for s in egress.subscriptions.values()]
         lingering = [s.publication.statistics() for s in egress.closing()]
         loss_gaps, naks_sent = sum(i.loss_gaps for i in images), sum(i.naks_sent for i in images)
+        groups, closing_groups = self.groups.publication_statistics()  # multicast groups' publications too
+        streams += groups
+        lingering += closing_groups
         naks_received = sum(p.naks_received for p in streams)
         retransmits_sent = sum(p.retransmits_sent for p in streams)
         return DataPathStatistics(
@@ -159,9 +162,10 @@ class DataPath:
             len(self.groups.by_name), sum(len(g.members) for g in self.groups.by_name.values()),
             loss_gaps_total=loss_gaps + ingress.retired_loss_gaps,
             naks_sent_total=naks_sent + ingress.retired_naks_sent,
-            naks_received_total=naks_received + sum(p.naks_received for p in lingering) + egress.retired_naks_received,
+            naks_received_total=(naks_received + sum(p.naks_received for p in lingering) + egress.retired_naks_received
+                                 + self.groups.retired_naks_received),
             retransmits_sent_total=(retransmits_sent + sum(p.retransmits_sent for p in lingering)
-                                    + egress.retired_retransmits_sent),
+                                    + egress.retired_retransmits_sent + self.groups.retired_retransmits_sent),
         )
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:
