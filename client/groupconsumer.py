@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ipaddress
 import random
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from flowbroker.client.consumer import ConsumerStatistics
 from flowbroker.client.errors import check_timeout
 from flowbroker.client.udpconsumer import UdpConsumer
 from flowbroker.protocol import Frame
@@ -115,6 +117,12 @@ class GroupConsumer(UdpConsumer):
                 self._send(channel.do_work(now_ns()))
             self._leaving = True  # no status message after that one: what a poll takes now is not processed
         await super().aclose(timeout)
+
+    def statistics(self) -> ConsumerStatistics:
+        """`UdpConsumer.statistics()`, with `unsettled` a member's: processing is settlement, so only the
+        message in hand and not yet processed is (it read every message received and never acked, a tester)."""
+        current = self._current
+        return replace(super().statistics(), unsettled=1 if current is not None and current._unprocessed else 0)
 
     def _send(self, out: list[tuple[bytes, Any]]) -> None:
         if not self._leaving:

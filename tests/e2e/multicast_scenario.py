@@ -81,11 +81,13 @@ async def main(fc_mode: str, group_address: str) -> dict[str, Any]:
                             return
 
                 async def run_slow() -> None:
-                    async for msg in slow:
+                    async for msg in slow:  # never settles: for a member, taking the next is processing
                         await trio.sleep(0.003)  # a slow handler
                         slow_bodies.append(msg.body)
-                        await msg.ack()
                         if len(slow_bodies) == COUNT:
+                            out["slow_unsettled_in_hand"] = slow.statistics().unsettled
+                            await msg.ack()
+                            out["slow_unsettled_after"] = slow.statistics().unsettled
                             return
 
                 async def sample() -> None:

@@ -76,6 +76,8 @@ def test_a_multicast_group_is_paced_by_its_slowest_member(namespace: str) -> Non
     r = run_scenario(namespace, "min", "239.7.7.1:40461")
     assert "fc=min," in r["channel"] and r["group_tag"] is None
     check_paced_by_the_slowest(r)
+    # processing settles a member's messages: `unsettled` is the one in hand (it counted every one, a tester)
+    assert (r["slow_unsettled_in_hand"], r["slow_unsettled_after"]) == (1, 0)
 
 
 def test_tagged_flow_control_is_selectable(namespace: str) -> None:
