@@ -365,7 +365,7 @@ async def _stdin_lines() -> AsyncIterator[bytes]:
               help="How many copies of each message to send.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds a send may wait for credit, and then the whole batch for its completions (and "
-                   "connecting: at least 1, at most 10).")
+                   "connecting: at least 1, at most 35).")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as one JSON document on stdout.")
 @click.argument("messages", nargs=-1)
 def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int, timeout: float, as_json: bool,

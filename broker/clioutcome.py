@@ -65,8 +65,16 @@ class PublishOutcome:
         return json.dumps({
             "outcome": self.outcome, "exit_code": self.exit_code, "requested": self.requested, "sent": self.sent,
             "completed": self.completed, "failed": self.failed, "not_completed": self.outstanding,
-            "not_sent": self.requested - self.sent, "flow_stopped": self.flow_stopped, "error": self.error,
+            "not_sent": self.requested - self.sent, "flow_stopped": self.flow_stopped,
+            "error": self.error if self.error is not None or self.outcome != "error" else self._reason(),
         })
+
+    def _reason(self) -> str:
+        """What went wrong when no error was raised: credit that did not come, or refusals (the text's
+        first part; `--json` had "error": null for them, a tester)."""
+        stopped = f"; flow-stopped on {explain_destinations(self.flow_stopped)}" if self.flow_stopped else ""
+        waited = f" after {self.timeout:g} s" if self.timeout is not None else ""
+        return f"no credit to send{waited}{stopped}" if self.sent < self.requested else "the broker refused some"
 
     def text(self) -> str:
         """One line for stderr."""
@@ -78,10 +86,12 @@ class PublishOutcome:
                 f"holds their completion and will deliver them; publishing them again would duplicate them")
         if self.outcome == "not_completed":
             return f"{self.completed} of {self.requested} message(s) completed; {held}"
-        reason = f"no credit to send{waited}{stopped}" if self.sent < self.requested else "the broker refused some"
-        parts = [f"{self.error}" if self.error else reason,
+        parts = [f"{self.error}" if self.error else self._reason(),
                  f"{self.sent} of {self.requested} message(s) sent ({self.completed} completed, {self.failed} "
                  f"refused, {self.outstanding} not yet completed), {self.requested - self.sent} not sent"]
+        if self.outstanding:  # a retry of everything would duplicate these (said for exit 3 only, a tester)
+            parts.append(f"the {self.outstanding} not yet completed may be enqueued: publishing them again may "
+                         "duplicate them")
         return "; ".join(parts)
 
 

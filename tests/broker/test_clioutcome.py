@@ -25,9 +25,14 @@ def test_messages_never_sent_refused_or_an_error_are_exit_1() -> None:
     unsent = PublishOutcome(requested=5, sent=3, completed=0, timeout=1.0, flow_stopped=["*"])
     assert (unsent.outcome, unsent.exit_code) == ("error", 1)
     assert unsent.text().startswith(f"no credit to send after 1 s; flow-stopped on {BROKER_WIDE}; 3 of 5 message(s) sent")
-    assert unsent.text().endswith("3 not yet completed), 2 not sent")
+    assert unsent.text().endswith("3 not yet completed), 2 not sent; the 3 not yet completed may be enqueued: "
+                                  "publishing them again may duplicate them")
+    # --json gives the same reason ("error": null for it before, a tester)
+    assert json.loads(unsent.as_json())["error"] == f"no credit to send after 1 s; flow-stopped on {BROKER_WIDE}"
     refused = PublishOutcome(requested=2, sent=2, completed=1, failed=1)
     assert (refused.outcome, refused.exit_code) == ("error", 1)
+    assert json.loads(refused.as_json())["error"] == "the broker refused some"
+    assert json.loads(PublishOutcome(requested=1, sent=1, completed=1).as_json())["error"] is None
     failed = PublishOutcome(requested=1, error="HandshakeError: cannot connect")
     assert failed.exit_code == 1 and failed.text().startswith("HandshakeError: cannot connect; 0 of 1 message(s) sent")
 
