@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from flowbroker.policies.credit import CreditPolicyConfig, PolicyConfigError
+from flowbroker.policies.credit import CreditPolicy, CreditPolicyConfig, PolicyConfigError, reserve_for
 from flowbroker.policies.overflow import OverflowPolicy, ThresholdDefaults
 from flowbroker.protocol.names import OVERFLOW_REJECT
 
@@ -550,7 +550,13 @@ class BrokerConfig:
     def validate(self) -> BrokerConfig:
         self.server.validate()
         self.queues.validate()
-        self.credit_policy()
+        policy = self.credit_policy()
+        if policy.policy is not CreditPolicy.NONE and reserve_for(policy.pool_bytes, self.server.max_connections) < 1:
+            # as PUT /api/policy refuses it: a broker started with it refused every client, consumers too,
+            # naming neither key nor remedy (a tester, [credit] quota = 1)
+            raise ConfigError("credit", "quota", policy.quota,
+                              f"the {policy.policy.value} policy's pool of {policy.pool_bytes} bytes cannot hold a "
+                              "single connection (one byte each, at most half the pool): raise the quota")
         self.admin.validate()
         self.udp.validate()
         self.metrics.validate()

@@ -181,6 +181,9 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
         ("credit", {"min_size": 2 * MiB, "max_size": MiB}, "[credit] min_size = 2097152: must be <= max_size=1048576"),
         ("credit", {"static_size": 0}, "[credit] static_size = 0: "),
         ("credit", {"aggressive_percent": 101}, "[credit] aggressive_percent = 101: "),
+        # as PUT /api/policy refuses it: started, the broker refused every client naming no key (a tester)
+        ("credit", {"quota": 19}, "[credit] quota = 19: the aggressive policy's pool of 0 bytes cannot hold a single "
+         "connection (one byte each, at most half the pool): raise the quota"),
         ("admin", {"port": -1}, "[admin] port = -1: must be an integer in [0, 65535]"),
         ("admin", {"token": "short"}, "[admin] token = '***': must be at least 16 printable ASCII characters"),
         ("admin", {"token": "sixteen chars with spaces"}, "[admin] token = '***': "),
