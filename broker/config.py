@@ -563,7 +563,25 @@ class BrokerConfig:
         self.auth.validate()
         self.tls.validate()
         self.storage.validate()
+        self._check_ports_apart()
         return self
+
+    def _check_ports_apart(self) -> None:
+        """The broker's own TCP listeners on one port: the second one's listen error said "another broker
+        running?", pointing the operator the wrong way (a tester, [tls] port = [server] port)."""
+        port = self.server.port
+        if not port:
+            return
+        if self.tls.enabled and self.tls.port == port:
+            raise ConfigError("tls", "port", self.tls.port,
+                              "is [server] port too: the TLS port listens beside the plain one on [server] host; "
+                              "give it a port of its own (or 0 for any free one)")
+        wildcard = ("0.0.0.0", "::", "")
+        if (self.admin.enabled and self.admin.port == port
+                and (self.admin.host == self.server.host or self.admin.host in wildcard
+                     or self.server.host in wildcard)):
+            raise ConfigError("admin", "port", self.admin.port,
+                              "is [server] port too, on the same host: give the admin API a port of its own")
 
 
 def _int_range(section: str, key: str, value: object, low: int, high: int) -> None:
