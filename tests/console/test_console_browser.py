@@ -172,6 +172,14 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     expect(page.locator("#stop-all")).to_be_visible()
     [cookie] = page.context.cookies()
     assert cookie["name"] == f"flowbroker_session_{admin_port}"
+
+    # -- the admin port's own 503 (max_connections open) is a line of text, shown as such, not "HTTP 503"
+    busy = f"[admin] port {admin_port} has 64 connections open (its max_connections); try again when one closes\n"
+    page.route("**/api/broker", lambda route: route.fulfill(status=503, content_type="text/plain", body=busy))
+    expect(page.locator("#updated")).to_have_text(f"not updated: HTTP 503: {busy.strip()}")
+    page.unroute("**/api/broker")
+    expect(page.locator("#updated")).not_to_contain_text("not updated")
+    errors.clear()  # the browser logs the 503s as errors: expected
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
     assert page.evaluate("document.cookie") == ""  # the page's scripts cannot read the session
     # the cookie alone reads nothing (a browser sends it to every port of the host): the header value

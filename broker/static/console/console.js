@@ -35,11 +35,20 @@ async function api(method, path, body) {
     window.location.assign("/login");
     throw new Error("the session has ended");
   }
-  const answer = await response.json().catch(() => null);
+  const text = await response.text().catch(() => "");
+  let answer = null;
+  try { answer = JSON.parse(text); } catch (e) { answer = null; }
   if (!response.ok) {
-    throw new Error(answer && answer.error ? answer.error.message : `HTTP ${response.status}`);
+    throw new Error(answer && answer.error ? answer.error.message : httpError(response.status, text));
   }
   return answer;
+}
+
+function httpError(status, text) {
+  // An answer that is not the API's JSON: the admin port's own 503 when max_connections are open says so in
+  // a line of text, which the console showed as a bare "HTTP 503" (docs/management.md, "Connections at once")
+  const line = text.trim().split("\n")[0].slice(0, 200);
+  return line ? `HTTP ${status}: ${line}` : `HTTP ${status}`;
 }
 
 // -- formatting -----------------------------------------------------------------------------------

@@ -25,8 +25,11 @@ document.getElementById("login-form").addEventListener("submit", async (event) =
       window.location.assign("/");
       return;
     }
-    const body = await response.json().catch(() => null);
-    error.textContent = body && body.error ? body.error.message : `HTTP ${response.status}`;
+    const text = await response.text().catch(() => "");
+    let body = null;
+    try { body = JSON.parse(text); } catch (e) { body = null; }
+    const line = text.trim().split("\n")[0].slice(0, 200);  // the admin port's own 503 is a line of text
+    error.textContent = body && body.error ? body.error.message : (line ? `HTTP ${response.status}: ${line}` : `HTTP ${response.status}`);
   } catch (e) {
     error.textContent = `cannot reach the broker: ${e}`;
   }
