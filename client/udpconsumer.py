@@ -81,6 +81,7 @@ class UdpConsumer(Consumer):
         self._channel: ReceiveChannel | None = None
         self._subscription: Subscription | None = None
         self._image: Image | None = None
+        self._term_length: int | None = None  # the image's, for statistics() (kept after the image goes)
         self._held: deque[list[int]] = deque()
         """[charged end, term bytes] of each payload (or group of single DELIVERs) held in the image, in the
         order handed out: released once the processed position reaches its end."""
@@ -133,6 +134,7 @@ class UdpConsumer(Consumer):
         image.window_cap = self.window
         image.hold_partial = True  # (the broker sends a message over the window whole: Egress.do_work)
         self._image = image
+        self._term_length = image.term_length
         self._held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
         self._release_at = RELEASE_NEVER
         self._max_payload = image.mtu - DATA_HEADER_LENGTH
@@ -189,8 +191,8 @@ class UdpConsumer(Consumer):
         """`Consumer.statistics()`, its `window` this consumer's: the byte credit its status messages grant
         (the base class's byte buffer is the TCP one, off for a UDP subscription), at most half a term once
         the image has said how long its terms are, as the image caps it."""
-        image = self._image
-        window = self.window if image is None else min(self.window, image.term_length // 2)
+        term_length = self._term_length
+        window = self.window if term_length is None else min(self.window, term_length // 2)
         return replace(super().statistics(), window=window)
 
     def _subscription_id_in_image(self) -> int:
@@ -237,6 +239,17 @@ class UdpConsumer(Consumer):
                     await self._receive()
         finally:
             self._endpoint.close()
+            # The consumer, its channel and the callbacks refer to each other: its image (3 x term_length
+            # of term buffers) waited for the collector's full pass after every close. Let go, it is freed
+            # with the consumer.
+            self._on_processed = None
+            self._image = None
+            channel, subscription = self._channel, self._subscription
+            self._channel = self._subscription = None
+            if subscription is not None:
+                subscription.close(now_ns())  # (it and its channel refer to each other, and it to our callback)
+            if channel is not None:
+                channel.images.clear()
             self._done.set()
 
     async def _receive(self) -> None:

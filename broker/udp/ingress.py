@@ -126,11 +126,15 @@ class Ingress:
                                "too many UDP publications on this connection "
                                f"([udp] max_publications_per_connection {config.max_publications_per_connection})")
         session_id = datapath.session_ids.take()
-        holder: list[UdpPublication] = []  # the publication, once made, for the callbacks below
+        publications = self.publications
 
+        # The callbacks find the publication by its session id: holding it (its session holds `wake`, its
+        # channel the image callbacks) made a cycle that kept a closed publication's session until the
+        # collector's rare full pass.
         def wake() -> None:
-            if holder:
-                holder[0].woken = True
+            pub = publications.get(session_id)
+            if pub is not None:
+                pub.woken = True
             datapath.wake()
 
         session = core.open_session(f"{owner.client_name} udp:{session_id}", owner.identity, True, wake)
@@ -157,12 +161,11 @@ class Ingress:
         channel = ReceiveChannel(stream_id, receiver)
         subscription = channel.add_subscription(
             now_ns,
-            on_available_image=lambda image: self._image_available(holder[0], image),
-            on_unavailable_image=lambda image: self._image_gone(holder[0], image),
+            on_available_image=lambda image: self._image_available(publications.get(session_id), image),
+            on_unavailable_image=lambda image: self._image_gone(publications.get(session_id), image),
         )
         pub = UdpPublication(session_id, stream_id, owner, source, exchange, routing_key, session, channel,
                              subscription, mtu=mtu)
-        holder.append(pub)
         self.publications[session_id] = pub
         LOGGER.info("connection %d registered UDP publication %d (stream %d) from %s:%d to exchange %r",
                     owner.conn_id, session_id, stream_id, source[0], source[1], exchange)
@@ -170,15 +173,17 @@ class Ingress:
                 "term_length": config.term_length, "mtu": mtu, "connection": session.conn_id,
                 "publish_batch": True}
 
-    def _image_available(self, pub: UdpPublication, image: Image) -> None:
+    def _image_available(self, pub: UdpPublication | None, image: Image) -> None:
+        if pub is None:  # (closed: its channel's images were dropped)
+            return
         pub.image = image
         pub.pending.clear()
         self._apply_window(pub)
 
-    def _image_gone(self, pub: UdpPublication, image: Image) -> None:
+    def _image_gone(self, pub: UdpPublication | None, image: Image) -> None:
         """The image drained after end of stream or timed out: its holds go with it (what was routed stays
         routed). A new SETUP from the same publication makes a new image."""
-        if pub.image is image:
+        if pub is not None and pub.image is image:
             self._retire_image(pub)
             pub.pending.clear()
 

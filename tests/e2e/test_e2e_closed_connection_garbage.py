@@ -54,3 +54,34 @@ async def test_closed_connections_leave_no_cycle_for_the_collector(start_flowbro
         assert _tracked(ConnectionHandler) == handlers
     finally:
         gc.enable()
+
+
+async def test_udp_producers_and_consumers_leave_no_cycle_with_their_terms(start_flowbroker) -> None:
+    """The broker's UDP publication, its session and their callbacks referred to each other, and so did the
+    SDK's UDP consumer, its channel and its image with 3 x term_length of terms: each waited for a full
+    collection after its close."""
+    from flowbroker.broker.udp.ingress import UdpPublication
+    from flowbroker.transport.image import Image
+
+    broker = await start_flowbroker()
+    async with await fb.connect(broker.url) as conn:
+        await conn.declare_queue("uq")
+    gc.collect()
+    gc.disable()
+    try:
+        counts = [_tracked(kind) for kind in (Session, UdpPublication, Image)]
+        for _ in range(3):
+            async with await fb.connect(broker.url) as conn:
+                async with conn.producer("", "uq", transport="udp") as producer:
+                    for n in range(20):
+                        await producer.send(b"%d" % n)
+                    await producer.flush(timeout=10)
+                async with conn.consumer("uq", transport="udp") as consumer:
+                    for _ in range(20):
+                        msg = await consumer.receive(timeout=10)
+                        await msg.ack()
+        await wait_until(lambda: not broker.core.sessions and not broker.server.connections)
+        await trio.sleep(0.5)  # the handlers' and the UDP tasks' last steps
+        assert [_tracked(kind) for kind in (Session, UdpPublication, Image)] == counts
+    finally:
+        gc.enable()
