@@ -21,6 +21,11 @@ the queue and the memory alarm let go of them while the entries keep their bodie
 MAX_DELIVERY_BYTES_WAITING of their bytes wait here: past either, `full` is set and the connection's
 subscriptions have no credit (`Subscription.has_credit`), until the writer's next collect, which takes
 them, dispatches them again (`Session.collect`).
+
+The control frames' bytes are counted too (`control_bytes`, an estimate: ERROR texts are most of it): the
+connection's reader stops taking its frames while more than CONTROL_PAUSE_BYTES wait (broker/server.py),
+so a client that sends requests and never reads their answers cannot pile up 10,000 ERRORs of 1 KiB
+each under the frame count's cut-off (a tester: 40 such connections held 485 MiB of a 382 MiB bound).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Callable, Iterable
 
 from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import Deliver, DeliveryEntry, Frame
+from flowbroker.protocol.frames import Deliver, DeliveryEntry, Error, Frame
 
 __all__ = ["MAX_DELIVERIES_WAITING", "MAX_DELIVERY_BYTES_WAITING", "Outbox", "SessionFault"]
 
@@ -50,6 +55,21 @@ class SessionFault(Exception):
         self.code = code
 
 
+CONTROL_FRAME_COST = 64
+"""A control frame's bytes beside its texts: header, ids, codes (an estimate for `control_bytes`)."""
+
+CONTROL_PAUSE_BYTES = 256 * 1024
+"""Past this many bytes of control frames waiting, the connection's reader takes no more of its frames until
+the writer has taken them (1,024 refusals of one TRANSFER frame, 1 KiB each, fit in a few pauses)."""
+
+
+def control_cost(frame: Frame) -> int:
+    """The estimated bytes of a control frame: ERROR carries up to 1 KiB of text and a destination."""
+    if type(frame) is Error:
+        return CONTROL_FRAME_COST + len(frame.text) + len(frame.destination or "")
+    return CONTROL_FRAME_COST
+
+
 def _no_wake() -> None:
     """A closed outbox's wake-up."""
 
@@ -57,11 +77,13 @@ def _no_wake() -> None:
 class Outbox:
     """Control frames in order, and DELIVER frames sealed by size."""
 
-    __slots__ = ("control", "open_frames", "_open_bytes", "sealed", "max_frames", "max_delivery_frame_bytes",
+    __slots__ = ("control", "control_bytes", "open_frames", "_open_bytes", "sealed", "max_frames",
+                 "max_delivery_frame_bytes",
                  "fault", "_wake", "woken", "closed", "deliveries_waiting", "delivery_bytes_waiting", "full")
 
     def __init__(self, wake: Callable[[], None], max_frames: int, max_delivery_frame_bytes: int):
         self.control: list[Frame] = []
+        self.control_bytes = 0  # their estimated size (control_cost)
         self.open_frames: dict[int, list[DeliveryEntry]] = {}  # the DELIVER frame open per subscription
         self._open_bytes: dict[int, int] = {}
         self.sealed: list[Frame] = []  # DELIVER frames that reached the frame size budget
@@ -98,6 +120,7 @@ class Outbox:
                 self.fault = SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending")
             return
         self.control.append(frame)
+        self.control_bytes += control_cost(frame)
         self.wake()
 
     def deliver(self, sub_id: int, entry: DeliveryEntry, size: int) -> None:
@@ -199,6 +222,7 @@ class Outbox:
         """The control frames queued, in order; the writer is no longer woken for them."""
         self.woken = False
         frames, self.control = self.control, []
+        self.control_bytes = 0
         return frames
 
     def take_deliveries(self, frames: list[Frame]) -> None:
