@@ -58,9 +58,9 @@ class SessionFault(Exception):
 CONTROL_FRAME_COST = 64
 """A control frame's bytes beside its texts: header, ids, codes (an estimate for `control_bytes`)."""
 
-CONTROL_PAUSE_BYTES = 256 * 1024
+CONTROL_PAUSE_BYTES = 64 * 1024
 """Past this many bytes of control frames waiting, the connection's reader takes no more of its frames until
-the writer has taken them (1,024 refusals of one TRANSFER frame, 1 KiB each, fit in a few pauses)."""
+the writer has taken them (the refusals of one TRANSFER frame, up to 1,024 ERRORs, go over it once)."""
 
 
 def control_cost(frame: Frame) -> int:
