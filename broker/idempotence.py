@@ -85,6 +85,10 @@ class ProducerStateStore(Protocol):
         has closed; returns how many."""
         ...
 
+    def hold(self, producer_id: str, holder: Holder | None) -> None:
+        """`holder`'s connection sent a duplicate of `producer_id`'s: the id is that connection's now."""
+        ...
+
     def epoch(self, producer_id: str) -> int | None:
         """Which life of `producer_id` the store holds (a new number each time the id is taken anew
         after being unknown), None if unknown: what a refusal recorded under the id belongs to."""
@@ -134,9 +138,18 @@ class _State:
 
 class MemoryProducerStates:
     """The bounded in-memory `ProducerStateStore`: ids in order of their last taken message (oldest
-    first), so expiry looks only at the front and costs what it removes."""
+    first), so expiry looks only at the front and costs what it removes.
 
-    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_owned", "evicted", "_epochs", "forget")
+    An id idle for the TTL whose connection is open (`_State.protected`) is not forgotten but set aside
+    (`_kept`, oldest first, and per owner): each expiry pass looks at those again, and one whose
+    connection has closed goes back to the main order as if its last message were now, so it is kept a
+    TTL after the close. They still count against the bounds, but a new id that finds the store (or its
+    owner's share) full makes room by forgetting the oldest of them, as it would have before they were
+    set aside: open connections cannot pin the store (a tester: 100 ids of two quiet connections refused
+    every new id of their user)."""
+
+    __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_kept", "_kept_by_owner", "_owned",
+                 "evicted", "_epochs", "forget")
 
     def __init__(self, max_ids: int, ttl_ns: int, max_ids_per_owner: int | None = None):
         if max_ids < 1 or ttl_ns < 0 or (max_ids_per_owner is not None and max_ids_per_owner < 1):
@@ -146,6 +159,8 @@ class MemoryProducerStates:
         self.max_ids_per_owner = max_ids if max_ids_per_owner is None else min(max_ids_per_owner, max_ids)
         self.ttl_ns = ttl_ns
         self._states: OrderedDict[str, _State] = OrderedDict()
+        self._kept: OrderedDict[str, _State] = OrderedDict()  # idle past the TTL, their connections open
+        self._kept_by_owner: dict[str, OrderedDict[str, _State]] = {}
         # Ids held per owner (the user part of a `scoped` key); unscoped keys (no authentication, or a
         # journal from before ids were scoped) have no owner and only the store's own bound.
         self._owned: dict[str, int] = {}
@@ -154,13 +169,29 @@ class MemoryProducerStates:
         self.forget: Callable[[str], None] = lambda producer_id: None
         """Told of each id `expire` forgets (the core drops it from the journal's too)."""
 
-    def last_accepted(self, producer_id: str) -> int | None:
+    def _find(self, producer_id: str) -> _State | None:
         state = self._states.get(producer_id)
+        if state is None and self._kept:
+            state = self._kept.get(producer_id)
+        return state
+
+    def last_accepted(self, producer_id: str) -> int | None:
+        state = self._find(producer_id)
         return None if state is None else state.sequence
+
+    def hold(self, producer_id: str, holder: Holder | None) -> None:
+        """`holder`'s connection sent a message of `producer_id` again (a duplicate: a resend after a
+        reconnect): the id is that connection's now."""
+        state = self._find(producer_id)
+        if state is not None and holder is not None and holder is not state.holder:
+            state.take_up(holder)
 
     def accept(self, producer_id: str, sequence: int, now_ns: int, holder: Holder | None = None) -> None:
         states = self._states
         state = states.get(producer_id)
+        if state is None and self._kept and producer_id in self._kept:  # set aside: in use again
+            state = self._unkeep(producer_id)
+            states[producer_id] = state
         if state is not None:
             state.sequence = sequence
             state.last_ns = now_ns
@@ -171,9 +202,11 @@ class MemoryProducerStates:
                 state.take_up(holder)
             states.move_to_end(producer_id)
             return
-        if len(states) >= self.max_ids:
-            self.expire(now_ns)
-            if len(states) >= self.max_ids:
+        if len(self) >= self.max_ids:
+            self.expire(now_ns, sweep=False)
+            if len(self) >= self.max_ids and self._kept:
+                self._drop(next(iter(self._kept)))
+            if len(self) >= self.max_ids:
                 oldest = next(iter(states.values()))
                 idle_s = (now_ns - oldest.last_ns) / 1e9
                 raise ProducerIdsExhausted(
@@ -183,7 +216,10 @@ class MemoryProducerStates:
                 )
         owner = _owner(producer_id)
         if owner and self._owned.get(owner, 0) >= self.max_ids_per_owner:
-            self.expire(now_ns)
+            self.expire(now_ns, sweep=False)
+            kept = self._kept_by_owner.get(owner)
+            if self._owned.get(owner, 0) >= self.max_ids_per_owner and kept:
+                self._drop(next(iter(kept)))
             if self._owned.get(owner, 0) >= self.max_ids_per_owner:
                 raise ProducerIdsExhausted(
                     f"user {owner!r} holds max_producer_ids_per_user {self.max_ids_per_owner} producer ids, none "
@@ -196,38 +232,66 @@ class MemoryProducerStates:
         if owner:
             self._owned[owner] = self._owned.get(owner, 0) + 1
 
-    def expire(self, now_ns: int) -> int:
+    def expire(self, now_ns: int, sweep: bool = True) -> int:
+        """Forget the ids idle for the TTL, setting aside those whose connection is open; with `sweep`
+        (the flow timer's pass, not a new id's), those set aside whose connection has closed since go
+        back to the main order, to be forgotten a TTL later (O(set aside))."""
         states = self._states
         horizon = now_ns - self.ttl_ns
         removed = 0
-        held: list[tuple[str, _State]] = []  # idle, but their connections are open: kept, as if they just sent
         while states:
             producer_id, state = next(iter(states.items()))
             if state.last_ns > horizon:
                 break
-            del states[producer_id]
             if state.holder is not None and state.protected():
-                state.last_ns = now_ns
-                held.append((producer_id, state))
+                del states[producer_id]
+                self._keep(producer_id, state)
                 continue
-            self.forget(producer_id)
-            owner = _owner(producer_id)
-            if owner:
-                left = self._owned[owner] - 1
-                if left:
-                    self._owned[owner] = left
-                else:
-                    del self._owned[owner]
+            self._drop(producer_id)
             removed += 1
-        states.update(held)
-        self.evicted += removed
+        if sweep and self._kept:
+            for producer_id, state in list(self._kept.items()):
+                if not state.protected():
+                    self._unkeep(producer_id)
+                    state.last_ns = now_ns
+                    states[producer_id] = state
         return removed
 
+    def _keep(self, producer_id: str, state: _State) -> None:
+        self._kept[producer_id] = state
+        owner = _owner(producer_id)
+        if owner:
+            self._kept_by_owner.setdefault(owner, OrderedDict())[producer_id] = state
+
+    def _unkeep(self, producer_id: str) -> _State:
+        state = self._kept.pop(producer_id)
+        owner = _owner(producer_id)
+        if owner:
+            mine = self._kept_by_owner[owner]
+            del mine[producer_id]
+            if not mine:
+                del self._kept_by_owner[owner]
+        return state
+
+    def _drop(self, producer_id: str) -> None:
+        """Forget `producer_id` (in the main order or set aside)."""
+        if self._states.pop(producer_id, None) is None:
+            self._unkeep(producer_id)
+        self.forget(producer_id)
+        owner = _owner(producer_id)
+        if owner:
+            left = self._owned[owner] - 1
+            if left:
+                self._owned[owner] = left
+            else:
+                del self._owned[owner]
+        self.evicted += 1
+
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._states) + len(self._kept)
 
     def epoch(self, producer_id: str) -> int | None:
-        state = self._states.get(producer_id)
+        state = self._find(producer_id)
         return None if state is None else state.epoch
 
     def owned(self, owner: str) -> int:
@@ -235,8 +299,9 @@ class MemoryProducerStates:
         return self._owned.get(owner, 0)
 
     def items(self) -> list[tuple[str, int, int]]:
-        """(producer id, last taken sequence, last_ns), oldest first: for tests and views."""
-        return [(pid, s.sequence, s.last_ns) for pid, s in self._states.items()]
+        """(producer id, last taken sequence, last_ns), oldest first, then those set aside: for tests and views."""
+        return ([(pid, s.sequence, s.last_ns) for pid, s in self._states.items()]
+                + [(pid, s.sequence, s.last_ns) for pid, s in self._kept.items()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +446,8 @@ class ProducerSequences:
             return None
         if sequence < expected:
             self.duplicates += 1
+            if holder is not None:
+                store.hold(key, holder)
             if self.refusals:
                 mine = self.refusals.get(_owner(key))
                 refusal = mine.get((key, sequence)) if mine is not None else None

@@ -188,10 +188,56 @@ def test_an_idle_producer_id_of_an_open_connection_is_kept_past_the_ttl() -> Non
     h.advance(11)
     h.core.tick(h.core.clock_ns())  # idle past the ttl again: its last holder is open, the id is kept
     p.close()
+    h.advance(2)
+    h.core.tick(h.core.clock_ns())  # the close is seen: kept a ttl from here
+    h.advance(9)
+    h.core.tick(h.core.clock_ns())
     assert h.core.producer_sequences.statistics().evicted == 0
-    h.advance(11)
+    h.advance(2)
     h.core.tick(h.core.clock_ns())
     assert h.core.producer_sequences.statistics().evicted == 1
+
+
+def test_ids_kept_for_open_connections_make_room_for_a_new_id_when_the_bound_is_reached() -> None:
+    """Kept past the ttl for their open connections, 100 quiet ids refused every new id of their user
+    for as long as those connections stayed open (a tester). A new id beyond a bound forgets the oldest
+    of them, as it would have before they were kept."""
+    h = make(producer_id_ttl=10.0, max_producer_ids=4)
+    h.queue("q")
+    a, b = producer(h, "a"), producer(h, "b")
+    for n in range(2):
+        send(a, f"a{n}", [0])
+        send(b, f"b{n}", [0])
+    h.advance(11)
+    h.core.tick(h.core.clock_ns())  # all four idle past the ttl, their connections open: kept
+    assert h.core.producer_sequences.statistics().evicted == 0
+    c = producer(h, "c")
+    (tid,) = send(c, "new", [0])
+    c.pump()
+    assert c.errors_for(tid) == [] and h.core.producer_sequences.statistics().evicted == 1
+    (tid,) = send(a, "a1", [1])  # a1 is still known: its next sequence is taken
+    a.pump()
+    assert a.errors_for(tid) == []
+
+
+def test_a_duplicate_from_a_new_connection_makes_the_id_that_connections() -> None:
+    """After a reconnect the SDK resends what was not seen completed: a duplicate binds the id to the
+    new connection, which then keeps it past the ttl while open (a tester: the old one's close let it go)."""
+    h = make(producer_id_ttl=10.0)
+    h.queue("q")
+    old = producer(h, "old")
+    send(old, "writer", [0, 1])
+    old.pump()
+    old.close()
+    new = producer(h, "new")
+    send(new, "writer", [1])  # the resend of what it had not seen completed: a duplicate
+    new.pump()
+    for _ in range(4):
+        h.advance(11)
+        h.core.tick(h.core.clock_ns())
+    (tid,) = send(new, "writer", [2])
+    new.pump()
+    assert new.errors_for(tid) == [] and queued(h) == [b"0", b"1", b"2"]
 
 
 def test_an_open_connection_keeps_only_the_ids_it_took_up_last() -> None:

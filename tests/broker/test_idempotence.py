@@ -10,7 +10,10 @@ handful of producer ids with a clock that moves, through `ProducerSequences` ove
 - the store never holds more than `max_ids` ids, nor more than `max_ids_per_owner` of one user's
   (scoped keys); an id is forgotten only after it has been idle for the TTL, and a new id is refused
   only when every tracked id (or every one its user holds) has been active within the TTL;
-- a forgotten id is unknown: it must start again at 0 (the documented "duplicate of an evicted id").
+- a forgotten id is unknown: it must start again at 0 (the documented "duplicate of an evicted id");
+- messages come from connections that open and close (`Holder`s): the flow timer's expiry never forgets
+  an id whose last message's connection is open, and a new id refused finds every id the store holds
+  (or its user holds) active within the TTL by the store's clock.
 """
 
 from __future__ import annotations
@@ -39,9 +42,19 @@ def owner(key: str) -> str:
     return key.split("\x00")[0] if "\x00" in key else ""
 
 
+class Conn:
+    """A connection as the store sees it (broker/message.py SessionRef): `session` None once closed."""
+
+    def __init__(self) -> None:
+        self.session: object | None = object()
+        self.ids_taken = 0
+
+
 class IdempotenceMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.conns = [Conn(), Conn()]
+        self.holder: dict[str, Conn] = {}  # model: the connection of each id's last message or duplicate
         self.store = MemoryProducerStates(MAX_IDS, TTL, MAX_OWNED)
         self.sequences = ProducerSequences(self.store)
         self.now = 0
@@ -49,17 +62,21 @@ class IdempotenceMachine(RuleBasedStateMachine):
         self.taken: dict[str, list[int]] = {pid: [] for pid in IDS}  # every sequence ever taken, per id
         self.epoch: dict[str, int] = {pid: 0 for pid in IDS}  # where the id's current stream starts in `taken`
 
-    def _send(self, pid: str, sequence: int) -> None:
+    def _send(self, pid: str, sequence: int, conn: int = 0) -> None:
         before = dict(self.tracked)
-        verdict = self.sequences.check(pid.split("\x00")[-1], sequence, self.now, pid)
+        store_ages = {p: self.now - ns for p, _, ns in self.store.items()}
+        via = self.conns[conn % len(self.conns)]
+        verdict = self.sequences.check(pid.split("\x00")[-1], sequence, self.now, pid, via)
         known = before.get(pid)
         expected = 0 if known is None else known[0] + 1
         if verdict is None:
             assert sequence == expected, (pid, sequence, expected)
             self.taken[pid].append(sequence)
             self.tracked[pid] = (sequence, self.now)
+            self.holder[pid] = via
         elif verdict is DUPLICATE:
             assert known is not None and sequence <= known[0]
+            self.holder[pid] = via
         else:
             code, _ = verdict  # type: ignore[misc]
             if code is ErrorCode.SEQUENCE_GAP:
@@ -70,7 +87,7 @@ class IdempotenceMachine(RuleBasedStateMachine):
                 mine = {k: v for k, v in before.items() if owner(pid) and owner(k) == owner(pid)}
                 full = mine if len(mine) == MAX_OWNED else before
                 assert len(full) in (MAX_IDS, MAX_OWNED), (pid, before)
-                assert all(self.now - last_ns < TTL for _, last_ns in full.values()), "refused with an idle id"
+                assert all(store_ages[k] < TTL for k in full), "refused with an idle id"
         # ids the store dropped to make room for a new one: only ids idle for the TTL
         for other in list(self.tracked):
             if self.store.last_accepted(other) is None:
@@ -78,17 +95,23 @@ class IdempotenceMachine(RuleBasedStateMachine):
                 del self.tracked[other]
                 self.epoch[other] = len(self.taken[other])
 
-    @rule(i=st.integers(0, len(IDS) - 1))
-    def send_next(self, i: int) -> None:
+    @rule(i=st.integers(0, len(IDS) - 1), conn=st.integers(0, 3))
+    def send_next(self, i: int, conn: int) -> None:
         pid = IDS[i]
         known = self.tracked.get(pid)
-        self._send(pid, 0 if known is None else known[0] + 1)
+        self._send(pid, 0 if known is None else known[0] + 1, conn)
 
-    @rule(i=st.integers(0, len(IDS) - 1), back=st.integers(0, 5))
-    def resend(self, i: int, back: int) -> None:
+    @rule(i=st.integers(0, len(IDS) - 1), back=st.integers(0, 5), conn=st.integers(0, 3))
+    def resend(self, i: int, back: int, conn: int) -> None:
         pid = IDS[i]
         known = self.tracked.get(pid)
-        self._send(pid, max(0, (known[0] if known else 0) - back))
+        self._send(pid, max(0, (known[0] if known else 0) - back), conn)
+
+    @rule(i=st.integers(0, 3))
+    def close_connection(self, i: int) -> None:
+        conn = self.conns.pop(i % len(self.conns))
+        conn.session = None
+        self.conns.append(Conn())  # (always two open to send from)
 
     @rule(i=st.integers(0, len(IDS) - 1), ahead=st.integers(2, 5))
     def jump(self, i: int, ahead: int) -> None:
@@ -106,8 +129,8 @@ class IdempotenceMachine(RuleBasedStateMachine):
         self.store.expire(self.now)
         for pid, (_, last_ns) in before.items():
             forgotten = self.store.last_accepted(pid) is None
-            assert forgotten == (self.now - last_ns >= TTL), (pid, self.now, last_ns)
-            if forgotten:
+            if forgotten:  # only idle for the TTL, its connection closed (then kept a TTL from the close seen)
+                assert self.now - last_ns >= TTL and self.holder[pid].session is None, (pid, self.now, last_ns)
                 del self.tracked[pid]
                 self.epoch[pid] = len(self.taken[pid])
 
