@@ -22,7 +22,8 @@ bits up to the word's highest state, so N keys of distinct words cost O(N x stat
 two-word keys held 2 GB, a tester). Shifted into place as the match reads the word, it costs the same
 order as the match's own operations. Words spread far apart still make long masks: their bits together
 are bounded (MAX_LITERAL_BITS, over every topic exchange of the broker together: a `TopicBudget` they
-share), and a key beyond is refused (TopicIndexFull), not a broker out of memory.
+share), each word's own entry counted as WORD_BITS more, and a key beyond is refused (TopicIndexFull),
+not a broker out of memory.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from typing import Final
 __all__ = ["MAX_LITERAL_BITS", "TopicBudget", "TopicIndex", "TopicIndexFull", "compile_words"]
 
 MAX_LITERAL_BITS: Final = 1 << 29
+
+WORD_BITS: Final = 2048
+"""What a literal word's own entry costs the budget beside its mask's bits: its dict slot, string, tuple and
+integers, about 250 bytes. Charged one bit, distinct words were outside the bound: 60,000 bindings of 51 new
+words each took a broker to 707 MiB (~11 KiB a binding, a tester); so MAX_LITERAL_BITS holds about 260,000
+distinct words in all."""
 """Bits of literal-word masks of all a broker's topic exchanges together (64 MiB): what a BIND may not
 take them past. Bounded per exchange, 30 exchanges of one user held 1.3 GB in 7 s (a tester)."""
 
@@ -98,9 +105,10 @@ class TopicIndex:
         for i, word in enumerate(words):
             if word == "#" or word == "*":
                 continue
-            offset, mask = grown.get(word) or literal.get(word) or (first + i, 0)
+            known = grown.get(word) or literal.get(word)
+            offset, mask = known or (first + i, 0)
             new = mask | 1 << (first + i - offset)  # states only grow while adding: offset stays lowest
-            added += new.bit_length() - mask.bit_length()
+            added += new.bit_length() - mask.bit_length() + (0 if known else WORD_BITS)
             grown[word] = (offset, new)
         budget = self.budget
         if budget.used + added > budget.limit:
@@ -138,13 +146,13 @@ class TopicIndex:
         before = self.literal_bits
         for word in set(words) - {"#", "*"}:
             offset, mask = literal[word]
-            self.literal_bits -= mask.bit_length()
+            self.literal_bits -= mask.bit_length() + WORD_BITS
             bits = (mask << offset) & keep
             if bits:
                 low = (bits & -bits).bit_length() - 1
                 mask = bits >> low
                 literal[word] = (low, mask)
-                self.literal_bits += mask.bit_length()
+                self.literal_bits += mask.bit_length() + WORD_BITS
             else:
                 del literal[word]
         self.budget.used += self.literal_bits - before
@@ -203,7 +211,7 @@ class TopicIndex:
             low = states[0]  # (ascending: states are numbered in order)
             mask = 1 if len(states) == 1 else _bit_vector([state - low for state in states])
             literal[word] = (low, mask)
-            self.literal_bits += mask.bit_length()
+            self.literal_bits += mask.bit_length() + WORD_BITS
         budget.used += self.literal_bits
 
     def release(self) -> None:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tests.broker.coreharness import Harness, Producer
 
 from flowbroker.broker.exchange import topic_matches
-from flowbroker.broker.topic import TopicIndex
+from flowbroker.broker.topic import WORD_BITS, TopicIndex
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Error, Ok
 
@@ -201,7 +201,7 @@ def test_one_index_of_many_bindings_matches_as_each_binding_would(ops: list[tupl
             index.remove(pattern)
             live.discard(pattern)
     assert len(index) == len(live)
-    assert index.literal_bits == sum(mask.bit_length() for _, mask in index._literal.values())
+    assert index.literal_bits == sum(mask.bit_length() + WORD_BITS for _, mask in index._literal.values())
     for key in keys:
         expected = {p for p in live if _reference_match(tuple(p.split(".")), tuple(key.split(".")))}
         assert set(index.match(key.split("."))) == expected
@@ -227,7 +227,8 @@ def test_keys_removed_together_leave_an_index_that_matches_as_each_binding_would
     index.remove_many(gone)
     live = set(bound) - set(gone)
     assert len(index) == len(live)
-    assert index.literal_bits == sum(mask.bit_length() for _, mask in index._literal.values()) == index.budget.used
+    assert (index.literal_bits == sum(mask.bit_length() + WORD_BITS for _, mask in index._literal.values())
+            == index.budget.used)
     for key in keys + [f"{k}.n{i}" for i, k in enumerate(keys, 1)]:
         expected = {p for p in live if _reference_match(tuple(p.split(".")), tuple(key.split(".")))}
         assert set(index.match(key.split("."))) == expected
@@ -239,14 +240,32 @@ def test_keys_of_distinct_words_cost_memory_in_proportion_to_their_number() -> N
     index = TopicIndex()
     for i in range(20_000):
         index.add(f"w{i}.v{i}")
-    assert index.literal_bits == 40_000
+    assert index.literal_bits == 40_000 * (1 + WORD_BITS)  # each word: a one-bit mask and its entry
     assert index.match(["w19999", "v19999"]) == ["w19999.v19999"] and index.match(["w1", "v2"]) == []
+
+
+def test_distinct_words_count_against_the_bound_by_their_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Charged one bit each, distinct words were outside the bound: 60,000 bindings of 51 new words each
+    took a broker to 707 MiB (a tester). Each word's entry counts WORD_BITS."""
+    import flowbroker.broker.topic as topic
+
+    monkeypatch.setattr(topic, "MAX_LITERAL_BITS", 1000 * (WORD_BITS + 1))
+    index = TopicIndex()
+    added = 0
+    with pytest.raises(topic.TopicIndexFull):
+        for i in range(100):
+            index.add(".".join(f"k{i}w{j}" for j in range(51)))
+            added += 1
+    assert added == 1000 // 51 and index.budget.used <= 1000 * (WORD_BITS + 1)
+    index.remove_many([k for k in list(index._spans)])
+    assert index.budget.used == 0
 
 
 def test_a_key_beyond_the_index_bound_is_refused_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import flowbroker.broker.topic as topic
 
     monkeypatch.setattr(topic, "MAX_LITERAL_BITS", 1000)
+    monkeypatch.setattr(topic, "WORD_BITS", 0)  # (the masks' own bits here)
     index = TopicIndex()
     index.add("a.b")
     for i in range(200):
@@ -283,6 +302,7 @@ def test_the_index_bound_is_over_every_topic_exchange_together(monkeypatch: pyte
     import flowbroker.broker.topic as topic
 
     monkeypatch.setattr(topic, "MAX_LITERAL_BITS", 1000)
+    monkeypatch.setattr(topic, "WORD_BITS", 0)  # (the masks' own bits here)
     h = Harness()
     admin = h.producer("admin")
     admin.declare_queue("q")
