@@ -307,8 +307,9 @@ def test_a_monitoring_user_sees_no_change_buttons_and_a_forced_change_is_still_r
 
     assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `make system-tools` installs Debian's chromium"
     users = tmp_path / "users.json"
-    write_users(users, {"watch": User("watch", StoredCredential.from_password("w4tch-pw"), ("monitoring",)),
-                        "root": User("root", StoredCredential.from_password("r00t-pw"), ("administrator",))})
+    watch_pw, root_pw = StoredCredential.from_password("w4tch-pw"), StoredCredential.from_password("r00t-pw")
+    write_users(users, {"watch": User("watch", watch_pw, ("monitoring",)),
+                        "root": User("root", root_pw, ("administrator",))})
     port, admin_port = free_port(), free_port()
     config = tmp_path / "flowbroker.toml"
     config.write_text(f'[server]\nport = {port}\n\n[admin]\nport = {admin_port}\ntoken = "{TOKEN}"\n\n'
@@ -365,6 +366,18 @@ def test_a_monitoring_user_sees_no_change_buttons_and_a_forced_change_is_still_r
                 first.click("#logout")
                 expect(first.locator("#username")).to_be_visible()
                 assert first.request.get(broker.admin_url + "/api/broker", headers=live).status == 401
+
+                # root demoted to monitoring while its page is open: the page drops its change buttons
+                # within seconds (it kept them until a reload, a tester), and shows them again if promoted
+                demoted = {"watch": User("watch", watch_pw, ("monitoring",)),
+                           "root": User("root", root_pw, ("monitoring",))}  # (the same credential: not ended)
+                write_users(users, demoted)
+                expect(admin.locator("#read-only")).to_be_visible()
+                expect(admin.locator("#stop-all")).to_be_hidden()
+                demoted["root"] = User("root", root_pw, ("administrator",))
+                write_users(users, demoted)
+                expect(admin.locator("#stop-all")).to_be_visible()
+                expect(admin.locator("#read-only")).to_be_hidden()
             finally:
                 browser.close()
     finally:

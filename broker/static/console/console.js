@@ -334,9 +334,12 @@ async function poll() {
     // (Connection.transfers_held), not once per queue that holds it
     const saturated = q.queues.filter((queue) => queue.saturated).length;
     const held = c.connections.reduce((sum, conn) => sum + conn.producer.transfers_held, 0);
+    // counted over what is listed: said so when a list was cut (as `flowbroker top` does)
+    const ofQueues = q.next !== null ? ` of the first ${q.queues.length}` : "";
+    const ofConnections = c.next !== null ? ` by the first ${c.connections.length} connections` : "";
     document.getElementById("broker-summary").textContent =
       `${broker.name}: ${broker.connections} connection(s), ${broker.queues} queue(s), ` +
-      `${saturated} saturated, ${held} transfer(s) held`;
+      `${saturated} saturated${ofQueues}, ${held} transfer(s) held${ofConnections}`;
     const banner = document.getElementById("banner");
     banner.hidden = !broker.producers_stopped;
     banner.textContent = broker.producers_stopped
@@ -350,7 +353,21 @@ async function poll() {
   } catch (e) {
     document.getElementById("updated").textContent = `not updated: ${e.message}`;
   }
+  polls += 1;
+  if (polls % SESSION_EVERY === 0) await showSession();
   setTimeout(poll, POLL_MS);
+}
+
+let polls = 0;
+const SESSION_EVERY = 5;  // polls between looks at /session: a user demoted (or promoted) since is shown so
+
+async function showSession() {
+  // The broker refuses a demoted user's changes from its next request; the page shows it within seconds
+  // (it kept its buttons until a reload, a tester).
+  const session = await api("GET", "/session").catch(() => null);
+  if (session === null) return;
+  for (const id of ["stop-all", "start-all", "thresholds-section"]) document.getElementById(id).hidden = session.read_only;
+  document.getElementById("read-only").hidden = !session.read_only;
 }
 
 async function start() {
@@ -358,12 +375,8 @@ async function start() {
     window.location.assign("/login");
     return;
   }
-  const session = await api("GET", "/session");
-  if (session.read_only) {
-    // a monitoring user's session: the broker refuses changes (403 read_only), so offer none
-    for (const id of ["stop-all", "start-all", "thresholds-section"]) document.getElementById(id).hidden = true;
-    document.getElementById("read-only").hidden = false;
-  }
+  // a monitoring user's session: the broker refuses changes (403 read_only), so offer none
+  await showSession();
   document.getElementById("stop-all").addEventListener("click", () =>
     producers("stop-all", "Stop every producer of this broker? Their sends wait until you start them again."));
   document.getElementById("start-all").addEventListener("click", () =>
