@@ -568,20 +568,34 @@ class BrokerConfig:
 
     def _check_ports_apart(self) -> None:
         """The broker's own TCP listeners on one port: the second one's listen error said "another broker
-        running?", pointing the operator the wrong way (a tester, [tls] port = [server] port)."""
-        port = self.server.port
-        if not port:
-            return
-        if self.tls.enabled and self.tls.port == port:
-            raise ConfigError("tls", "port", self.tls.port,
-                              "is [server] port too: the TLS port listens beside the plain one on [server] host; "
-                              "give it a port of its own (or 0 for any free one)")
-        wildcard = ("0.0.0.0", "::", "")
-        if (self.admin.enabled and self.admin.port == port
-                and (self.admin.host == self.server.host or self.admin.host in wildcard
-                     or self.server.host in wildcard)):
-            raise ConfigError("admin", "port", self.admin.port,
-                              "is [server] port too, on the same host: give the admin API a port of its own")
+        running?", pointing the operator the wrong way (testers: [tls] port = [server] port, then [tls] =
+        [admin], the metrics endpoint on either, the admin host "localhost" beside 127.0.0.1)."""
+        listeners: list[tuple[str, str, str, int]] = [("server", "port", self.server.host, self.server.port)]
+        if self.tls.enabled:
+            listeners.append(("tls", "port", self.server.host, self.tls.port))
+        if self.admin.enabled:
+            listeners.append(("admin", "port", self.admin.host, self.admin.port))
+        if self.metrics.enabled and self.metrics.endpoint:
+            host, port = self.metrics.address()
+            listeners.append(("metrics", "endpoint", host, port))
+        for i, (section, key, host, port) in enumerate(listeners):
+            for other_section, other_key, other_host, other_port in listeners[:i]:
+                if port and port == other_port and _same_host(host, other_host):
+                    value: object = self.metrics.endpoint if section == "metrics" else port
+                    raise ConfigError(section, key, value,
+                                      f"the same port as [{other_section}] {other_key}, on the same host: each of the "
+                                      "broker's ports needs its own (or 0 for any free one)")
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether listening on `a` and on `b` with one port would clash (a wildcard takes every address;
+    "localhost" is loopback), without resolving names."""
+    a, b = a.strip("[]"), b.strip("[]")
+    return a == b or a in _WILDCARDS or b in _WILDCARDS or (a in _LOOPBACK and b in _LOOPBACK)
 
 
 def _int_range(section: str, key: str, value: object, low: int, high: int) -> None:

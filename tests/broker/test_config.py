@@ -185,7 +185,9 @@ def test_an_unknown_section_or_a_section_that_is_not_a_table_is_refused(tmp_path
         ("credit", {"quota": 19}, "[credit] quota = 19: the aggressive policy's pool of 0 bytes cannot hold a single "
          "connection (one byte each, at most half the pool): raise the quota"),
         ("admin", {"port": -1}, "[admin] port = -1: must be an integer in [0, 65535]"),
-        ("admin", {"port": 5680}, "[admin] port = 5680: is [server] port too, on the same host"),
+        ("admin", {"port": 5680}, "[admin] port = 5680: the same port as [server] port, on the same host"),
+        ("admin", {"port": 5680, "host": "localhost"}, "[admin] port = 5680: the same port as [server] port"),
+        ("metrics", {"endpoint": "127.0.0.1:5681"}, "[metrics] endpoint = '127.0.0.1:5681': the same port as [admin] port"),
         ("admin", {"token": "short"}, "[admin] token = '***': must be at least 16 printable ASCII characters"),
         ("admin", {"token": "sixteen chars with spaces"}, "[admin] token = '***': "),
         ("admin", {"token_file": ""}, "[admin] token_file = '': must be a non-empty path"),
@@ -220,7 +222,12 @@ def test_the_tls_port_on_the_plain_port_is_refused_naming_the_key(tmp_path: Path
     with pytest.raises(ConfigError) as info:
         load_config(None, {"server": {"port": 6000}, "tls": {"enabled": True, "port": 6000, "cert_file": str(pem),
                                                              "key_file": str(pem)}})
-    assert str(info.value).startswith("[tls] port = 6000: is [server] port too"), str(info.value)
+    assert str(info.value).startswith("[tls] port = 6000: the same port as [server] port"), str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"server": {"port": 6000}, "admin": {"port": 6001},
+                           "tls": {"enabled": True, "port": 6001, "cert_file": str(pem), "key_file": str(pem)}})
+    assert str(info.value).startswith("[admin] port = 6001: the same port as [tls] port"), str(info.value)
+    load_config(None, {"server": {"port": 6000}, "admin": {"port": 6000, "host": "127.0.0.2"}})  # another address
 
 
 def test_an_admin_token_is_never_echoed(tmp_path: Path) -> None:
