@@ -42,6 +42,7 @@ from flowbroker.broker.privatefile import read_private, write_private
 from flowbroker.broker import console, views
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.listen_hints import listen_hint
+from flowbroker.broker.hostcheck import LoopbackHostOnly, is_loopback_host
 from flowbroker.broker.httpserve import HttpServer
 from flowbroker.broker.adminusers import AdminUsers, LoginRefused, LoginThrottled, basic_credentials, peer_address
 from flowbroker.broker.auth import LoginThrottle
@@ -704,7 +705,10 @@ class HttpListener:
         self.logger.info("%s", self._serving_line())
         task_status.started(self.port)
         try:
-            self.http = HttpServer(self.app, fd, max_connections=self.max_connections,
+            app = self.app
+            if is_loopback_host(self.host):  # DNS rebinding (broker/hostcheck.py)
+                app = LoopbackHostOnly(app, f"[{self._section}] port {self.port}")
+            self.http = HttpServer(app, fd, max_connections=self.max_connections,
                                    read_timeout=self.read_timeout(), drain_seconds=HTTP_DRAIN_SECONDS,
                                    errorlog=HTTP_LOGGER, what=f"[{self._section}] port {self.port}")
             await self.http.serve(self._shutdown)

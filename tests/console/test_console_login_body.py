@@ -11,7 +11,7 @@ import trio
 
 from tests.console.test_console_auth import TOKEN, login
 
-LOGIN_HEAD = b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+LOGIN_HEAD = b"POST /login HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def _frame(ftype: int, flags: int, stream_id: int, payload: bytes) -> bytes:
 
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b"")  # the preface, then an empty SETTINGS
-LOGIN_NO_BODY = (b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+LOGIN_NO_BODY = (b"POST /login HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 4000\r\n\r\n")
 
 
@@ -56,7 +56,7 @@ async def test_an_answer_that_waits_is_not_cut_by_the_read_timeout(broker: Any) 
     route = next(r for r in broker.server.admin.app.app.routes if isinstance(r, Route) and r.path == "/api/broker")
     route.app = request_response(admin._json_endpoint(slow))
     stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
-    await stream.send_all(f"GET /api/broker HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+    await stream.send_all(f"GET /api/broker HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
     data = b""
     with trio.fail_after(20):
         while b'"slow"' not in data:

@@ -15,7 +15,7 @@ import flowbroker.client as fb
 
 TOKEN = "test-admin-token-0123456789"
 
-BIG_HEAD = b"GET /api/broker HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 100_000 + b"\r\n\r\n"
+BIG_HEAD = b"GET /api/broker HTTP/1.1\r\nHost: localhost\r\n" + b"X-Pad: " + b"a" * 100_000 + b"\r\n\r\n"
 
 
 async def _ask(port: int, request: bytes) -> bytes:
@@ -39,7 +39,7 @@ async def _ask(port: int, request: bytes) -> bytes:
 
 
 def _get(token: str = TOKEN) -> bytes:
-    return f"GET /api/broker HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n".encode()
+    return f"GET /api/broker HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n".encode()
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ async def test_connections_that_pipeline_and_never_read_give_their_places_back_w
     had gone, and 64 of them kept the admin port at 503 until a restart (a tester)."""
     port = broker.server.admin_port
     http = broker.server.admin.http
-    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 50
+    request = b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n" * 50
     socks = []
     for _ in range(4):
         sock = trio.socket.socket()
@@ -183,3 +183,43 @@ async def test_the_cli_tries_again_while_the_admin_port_is_full_and_says_so_when
     assert "connections" in answer and http.refused > refused
     for stream in held:
         await stream.aclose()
+
+
+async def test_a_loopback_admin_port_refuses_requests_for_another_host_name(broker: Any) -> None:
+    """DNS rebinding: a page on evil.test whose name was pointed at 127.0.0.1 read all of /metrics as its own
+    origin (a tester, with Chromium). The browser sends that name in Host: a loopback port refuses it 421."""
+    port = broker.server.admin_port
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: evil.test:%d\r\nConnection: close\r\n\r\n" % port)
+    refused = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            refused += chunk
+    await stream.aclose()
+    assert refused.startswith(b"HTTP/1.1 421"), refused[:200]
+    assert b"host_not_allowed" in refused and b"DNS rebinding" in refused
+    async def head(request: bytes) -> bytes:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(request)
+        data = b""
+        with trio.fail_after(10):
+            while b"\r\n\r\n" not in data and (chunk := await stream.receive_some(65536)):
+                data += chunk
+        await stream.aclose()
+        return data
+
+    for host in (b"localhost:%d" % port, b"127.0.0.1:%d" % port, b"[::1]:%d" % port, b"app.localhost"):
+        answer = await head(b"GET /metrics HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), (host, answer[:200])
+    old = await head(b"GET /metrics HTTP/1.0\r\n\r\n")  # no Host at all: an HTTP/1.0 tool
+    assert old.startswith(b"HTTP/1.1 200"), old[:200]
+
+
+def test_loopback_host_names() -> None:
+    from flowbroker.broker.hostcheck import _host_name, is_loopback_host
+
+    assert [_host_name(h) for h in (b"[::1]:5681", b"localhost:5681", b"127.0.0.1", b"::1")] == [
+        "::1", "localhost", "127.0.0.1", "::1"]
+    assert all(is_loopback_host(h) for h in ("localhost", "LOCALHOST.", "a.localhost", "127.0.0.1", "127.8.9.1",
+                                             "::1", "[::1]"))
+    assert not any(is_loopback_host(h) for h in ("evil.test", "10.0.0.1", "0.0.0.0", "localhost.evil.test", ""))

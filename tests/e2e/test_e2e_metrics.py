@@ -336,7 +336,7 @@ async def test_clients_that_ask_and_never_read_do_not_keep_a_scraper_out(start_f
         sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 1024)
         await sock.connect(("127.0.0.1", port))
         stream = trio.SocketStream(sock)
-        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: broker\r\n\r\n")
+        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
         slow.append(stream)
 
     for _ in range(4):
