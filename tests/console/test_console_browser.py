@@ -251,8 +251,15 @@ def _drive(page: Page, broker: Broker, producer: Producer, screenshot: Path) -> 
     expect(saturated).to_have_text("no")
     expect(page.locator("#broker-summary")).to_contain_text("2 queue(s), 0 saturated, 0 transfer(s) held")
 
-    # -- a time threshold (seconds, fractions allowed) through the same form, shown after count / size
+    # -- a count past the broker's bound is refused in its words, before anything is asked or sent
     asked = len(dialogs)
+    page.fill("#flow_stop_count", "1e20")
+    page.click("#apply-thresholds")
+    expect(page.locator("#thresholds-result")).to_have_text("flow_stop_count must be an integer in [0, 2^50] (0 = off)")
+    assert len(dialogs) == asked
+    page.fill("#flow_stop_count", "")
+
+    # -- a time threshold (seconds, fractions allowed) through the same form, shown after count / size
     page.fill("#flow_stop_age", "-1")  # the input's own min="0" stops the form before anything is asked or sent
     page.click("#apply-thresholds")
     assert page.locator("#flow_stop_age").evaluate("e => e.validity.rangeUnderflow") and len(dialogs) == asked
