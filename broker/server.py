@@ -66,7 +66,6 @@ from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
 from flowbroker.broker.core import BrokerCore
 from flowbroker.broker.framebudget import STALL_SECONDS, PartialFrameBudget
-from flowbroker.broker.outbox import CONTROL_PAUSE_BYTES
 from flowbroker.broker.journal import Journal
 from flowbroker.broker.journalshell import FINAL_COMMIT_SECONDS, open_journal, run_committer
 from flowbroker.broker.logsafe import logsafe
@@ -567,7 +566,6 @@ class ConnectionHandler:
         self.conn.build_transfers = False
         self.session: Session | None = None
         self._wakeup = trio.Event()
-        self._control_taken = trio.Event()  # set at each collect: the reader waits on it past CONTROL_PAUSE_BYTES
         self._writing = False  # the writer task is inside _write: nobody else may write
         self._unsent = b""  # what a direct write could not send; the writer sends it before anything newer
         self._rest: list[Frame] = []  # collected, not encoded yet (`_piece`): the writer sends it next
@@ -849,12 +847,6 @@ class ConnectionHandler:
         else:  # the timer, the admin API, shutdown: the writer task sends it
             self._wakeup.set()
 
-    def _collect(self, session: Session) -> list[Frame]:
-        """What is due to send (Session.collect); a reader paused for its control frames' bytes goes on."""
-        frames = session.collect(now_ns())
-        self._control_taken.set()
-        return frames
-
     def flush_now(self) -> None:
         """Send the session's outbox with one non-blocking write, unless the writer task is busy or
         holds unsent bytes (then it is already woken, and order is kept by leaving it to it).
@@ -870,7 +862,7 @@ class ConnectionHandler:
                 or not io.direct):
             self._wakeup.set()  # the writer collects what is due (after its current write)
             return
-        frames = self._collect(session)
+        frames = session.collect(now_ns())
         if not frames:
             return
         frames = self._piece(frames)
@@ -961,17 +953,9 @@ class ConnectionHandler:
 
     async def _reader(self, session: Session) -> None:
         conn = self.conn
-        outbox = session.outbox
         while True:
             if not await self._handle_buffered(session):
                 return
-            if outbox.control_bytes > CONTROL_PAUSE_BYTES:
-                # Its answers wait unread: nothing more is read until the writer has taken them (it may
-                # not have written them yet: what it holds and the outbox are two budgets' worth at most).
-                # A client that never reads is then silent to us, and idle_timeout ends it.
-                self._control_taken = trio.Event()
-                await self._control_taken.wait()
-                continue
             if self._eof:
                 self.close(_Closing(ErrorCode.NORMAL, "client closed the connection", error=False))
                 return
@@ -1011,8 +995,6 @@ class ConnectionHandler:
                         return False
                     session.frame_seq = conn.frames_received  # (decoded one at a time: this frame's)
                     core.handle(session, frame)
-                    if session.outbox.control_bytes > CONTROL_PAUSE_BYTES:
-                        break  # the rest stays buffered until the writer takes the answers (_reader)
                     if time.perf_counter() >= turn_ends:
                         more = True
                         break
@@ -1064,7 +1046,7 @@ class ConnectionHandler:
                 if self._rest or self._unsent:
                     frames, self._rest = self._rest, []
                 else:
-                    frames = self._collect(session)
+                    frames = session.collect(now_ns())
                     if not frames:
                         break
                 encoded = self._encode(self._piece(frames))
