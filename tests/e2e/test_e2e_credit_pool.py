@@ -34,7 +34,10 @@ async def test_fifty_flow_controlled_producers_never_get_more_than_the_pool(star
     async with await fb.connect(broker.url, client_name="good") as good, \
             await fb.connect(broker.url, client_name="good-consumer", flow_control=False) as reader:
         await good.declare_queue("good")
-        await good.declare_queue("flood", max_size=0, flow_stop_size=256 * 1024, flow_resume_size=128 * 1024)
+        # Its stop above what the 51 producers' first messages fill (400 KB), so that each registers with the
+        # pool before the queue saturates (a producer whose first message meets a saturated queue is paced,
+        # not waiting for a share: with a 256 KiB stop the polls saw no one waiting in 1 CI run of 3)
+        await good.declare_queue("flood", max_size=0, flow_stop_size=4 * MiB, flow_resume_size=2 * MiB)
         producer = good.producer(routing_key="good")
         await producer.send(b"good:-1", timeout=5)  # registers the good producer before the flood
         await producer.flush(timeout=5)
@@ -79,6 +82,7 @@ async def test_fifty_flow_controlled_producers_never_get_more_than_the_pool(star
                 nursery.start_soon(flood, i)
             with trio.fail_after(10):
                 while len(broker.core.credit) < FLOODERS + 1 or broker.core.queues["flood"].saturated is False:
+                    seen["waiting"] = max(seen["waiting"], broker.core.credit.waiting())  # (the core's too)
                     await trio.sleep(0.01)
             async with trio.open_nursery() as pair:
                 pair.start_soon(consume)
