@@ -61,8 +61,10 @@ CONTROL_FRAME_COST = 64
 """A control frame's bytes beside its texts: header, ids, codes (an estimate for `control_bytes`)."""
 
 MAX_CONTROL_BYTES = 2 * 1024 * 1024
-"""Past this many bytes of control frames waiting, the connection is cut off ("client is not reading"): the
-refusals of a TRANSFER frame are at most 1,024 ERRORs of about 1 KiB, so a client that reads is never near it."""
+"""Past this many bytes of control frames waiting, the connection is cut off ("client is not reading"), as past
+`max_frames` (10,000): for ERRORs of under 200 bytes the count comes first. The refusals of one TRANSFER
+frame are at most 1,024 ERRORs of at most about 1 KiB, and the writer takes what is due after every read
+chunk (2 ms of frames at most), so a client that reads stays under it."""
 
 
 def control_cost(frame: Frame) -> int:
