@@ -69,19 +69,23 @@ class PublishOutcome:
             "error": self.error if self.error is not None or self.outcome != "error" else self._reason(),
         })
 
+    def _waited_and_stopped(self) -> tuple[str, str]:
+        """" after N s" when a deadline passed, "; flow-stopped on ..." when a stop was in force."""
+        waited = f" after {self.timeout:g} s" if self.timeout is not None else ""
+        stopped = f"; flow-stopped on {explain_destinations(self.flow_stopped)}" if self.flow_stopped else ""
+        return waited, stopped
+
     def _reason(self) -> str:
         """What went wrong when no error was raised: credit that did not come, or refusals (the text's
         first part; `--json` had "error": null for them, a tester)."""
-        stopped = f"; flow-stopped on {explain_destinations(self.flow_stopped)}" if self.flow_stopped else ""
-        waited = f" after {self.timeout:g} s" if self.timeout is not None else ""
+        waited, stopped = self._waited_and_stopped()
         return f"no credit to send{waited}{stopped}" if self.sent < self.requested else "the broker refused some"
 
     def text(self) -> str:
         """One line for stderr."""
         if self.outcome == "completed":
             return f"published {self.completed} message(s)"
-        stopped = f"; flow-stopped on {explain_destinations(self.flow_stopped)}" if self.flow_stopped else ""
-        waited = f" after {self.timeout:g} s" if self.timeout is not None else ""
+        waited, stopped = self._waited_and_stopped()
         held = (f"{self.outstanding} message(s) sent and enqueued, not yet completed{waited}{stopped}: the broker "
                 f"holds their completion and will deliver them; publishing them again would duplicate them")
         if self.outcome == "not_completed":

@@ -31,6 +31,17 @@ def send(p: Producer, pid: str, sequences: list[int], queue: str = "q") -> list[
     return p.send_many([("", queue, b"%d" % s, None) for s in sequences], producer_id=pid, sequences=sequences)
 
 
+def later(h: Harness, seconds: float) -> None:
+    """`seconds` pass, and the flow timer looks (it forgets or sets aside idle producer ids)."""
+    h.advance(seconds)
+    h.core.tick(h.core.clock_ns())
+
+
+def evicted(h: Harness) -> int:
+    """Producer ids the store has forgotten so far."""
+    return h.core.producer_sequences.statistics().evicted
+
+
 def queued(h: Harness, queue: str = "q") -> list[bytes]:
     c = h.consumer("reader")
     c.subscribe(queue)
@@ -145,7 +156,7 @@ def test_a_new_producer_id_beyond_the_bound_is_refused_until_one_is_idle_for_the
     send(p, "c", [0])
     p.pump()
     assert queued(h) == [b"0", b"0", b"1", b"0"]  # a0, b0, a1, c0: "b" was evicted, not "a"
-    assert h.core.producer_sequences.statistics().evicted == 1
+    assert evicted(h) == 1
 
 
 def test_a_producer_id_idle_for_the_ttl_is_forgotten_by_the_flow_timer_and_its_stream_starts_anew() -> None:
@@ -156,15 +167,13 @@ def test_a_producer_id_idle_for_the_ttl_is_forgotten_by_the_flow_timer_and_its_s
     h.queue("q")
     run = producer(h, "run")
     send(run, "nightly", [0, 1, 2])
-    h.advance(5)
-    h.core.tick(h.core.clock_ns())
+    later(h, 5)
     send(run, "nightly", [0, 1, 2])  # within the ttl: duplicates
     run.pump()
     run.close()
     assert queued(h) == [b"0", b"1", b"2"]
-    h.advance(11)
-    h.core.tick(h.core.clock_ns())
-    assert h.core.producer_sequences.statistics().evicted == 1
+    later(h, 11)
+    assert evicted(h) == 1
     p = producer(h, "next run")
     send(p, "nightly", [0, 1, 2])  # the next run, past the ttl: a new stream, taken
     p.pump()
@@ -180,22 +189,17 @@ def test_an_idle_producer_id_of_an_open_connection_is_kept_past_the_ttl() -> Non
     p = producer(h, "producer")
     send(p, "quiet", [0, 1])
     for _ in range(5):
-        h.advance(11)
-        h.core.tick(h.core.clock_ns())
+        later(h, 11)
     (tid,) = send(p, "quiet", [2])
     p.pump()
     assert p.errors_for(tid) == [] and queued(h) == [b"0", b"1", b"2"]
-    h.advance(11)
-    h.core.tick(h.core.clock_ns())  # idle past the ttl again: its last holder is open, the id is kept
+    later(h, 11)  # idle past the ttl again: its last holder is open, the id is kept
     p.close()
-    h.advance(2)
-    h.core.tick(h.core.clock_ns())  # the close is seen: kept a ttl from here
-    h.advance(9)
-    h.core.tick(h.core.clock_ns())
-    assert h.core.producer_sequences.statistics().evicted == 0
-    h.advance(2)
-    h.core.tick(h.core.clock_ns())
-    assert h.core.producer_sequences.statistics().evicted == 1
+    later(h, 2)  # the close is seen: kept a ttl from here
+    later(h, 9)
+    assert evicted(h) == 0
+    later(h, 2)
+    assert evicted(h) == 1
 
 
 def test_ids_kept_for_open_connections_make_room_for_a_new_id_when_the_bound_is_reached() -> None:
@@ -208,13 +212,12 @@ def test_ids_kept_for_open_connections_make_room_for_a_new_id_when_the_bound_is_
     for n in range(2):
         send(a, f"a{n}", [0])
         send(b, f"b{n}", [0])
-    h.advance(11)
-    h.core.tick(h.core.clock_ns())  # all four idle past the ttl, their connections open: kept
-    assert h.core.producer_sequences.statistics().evicted == 0
+    later(h, 11)  # all four idle past the ttl, their connections open: kept
+    assert evicted(h) == 0
     c = producer(h, "c")
     (tid,) = send(c, "new", [0])
     c.pump()
-    assert c.errors_for(tid) == [] and h.core.producer_sequences.statistics().evicted == 1
+    assert c.errors_for(tid) == [] and evicted(h) == 1
     (tid,) = send(a, "a1", [1])  # a1 is still known: its next sequence is taken
     a.pump()
     assert a.errors_for(tid) == []
@@ -233,8 +236,7 @@ def test_a_duplicate_from_a_new_connection_makes_the_id_that_connections() -> No
     send(new, "writer", [1])  # the resend of what it had not seen completed: a duplicate
     new.pump()
     for _ in range(4):
-        h.advance(11)
-        h.core.tick(h.core.clock_ns())
+        later(h, 11)
     (tid,) = send(new, "writer", [2])
     new.pump()
     assert new.errors_for(tid) == [] and queued(h) == [b"0", b"1", b"2"]
@@ -251,8 +253,7 @@ def test_an_open_connection_keeps_only_the_ids_it_took_up_last() -> None:
         send(p, f"request-{n}", [0])
     send(p, "request-0", [1])  # used again: it is among the last again
     p.pump()
-    h.advance(11)
-    h.core.tick(h.core.clock_ns())
+    later(h, 11)
     left = {pid.split("\x00")[-1] for pid, _seq, _ns in h.core.producer_sequences.store.items()}  # type: ignore[attr-defined]
     assert left == {"request-0"} | {f"request-{n}" for n in range(4, KEPT + 3)}
 

@@ -18,6 +18,7 @@ import flowbroker.client as fb
 from flowbroker.broker.journal import Journal
 
 from tests.e2e.test_e2e_admin import TOKEN, api
+from tests.e2e.test_e2e_faults import receive_all
 
 
 @pytest.fixture
@@ -130,13 +131,8 @@ async def test_subscribing_to_a_durable_queue_with_messages_is_answered_without_
                 await producer.send(b"%d" % i)
             await producer.flush(timeout=10)
         gate.clear()  # the journal's commits held back from here
-        got = []
         with trio.fail_after(5):
-            async with conn.consumer("kept") as consumer:
-                for _ in range(5):
-                    msg = await consumer.receive(timeout=5)
-                    got.append(msg.body)
-                    await msg.ack()
+            got = [body for body, _ in await receive_all(broker, "kept", 5)]
         assert got == [b"%d" % i for i in range(5)]
         gate.set()
 

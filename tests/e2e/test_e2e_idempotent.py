@@ -20,6 +20,7 @@ from flowbroker.broker.server import BrokerServer
 from flowbroker.client import blocking
 
 from tests.conftest import RunningBroker
+from tests.e2e.test_e2e_faults import receive_all
 
 
 class CuttableProxy:
@@ -337,10 +338,5 @@ async def test_an_idempotent_producer_idle_past_the_ttl_on_its_open_connection_g
             await producer.send(b"%d" % n)
         await producer.flush(timeout=10)
         assert producer.statistics().failed == 0
-        got = []
-        async with conn.consumer("quiet") as consumer:
-            for _ in range(15):
-                msg = await consumer.receive(timeout=10)
-                got.append(msg.body)
-                await msg.ack()
+        got = [body for body, _ in await receive_all(broker, "quiet", 15)]
         assert got == [b"%d" % n for n in range(15)]
