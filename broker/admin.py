@@ -390,10 +390,11 @@ def _query(request: Request, known: tuple[str, ...]) -> Any:
     return params
 
 
-def _page(request: Request, key: type[K]) -> tuple[K | None, int]:
+def _page(request: Request, key: type[K], also: tuple[str, ...] = ()) -> tuple[K | None, int]:
     """`?after=` (a name, or a connection id) and `?limit=` (1..MAX_LIMIT, default DEFAULT_LIMIT)
-    of a list endpoint; any other parameter is a 400 naming it, so a typo is not silently ignored."""
-    params = _query(request, ("after", "limit"))
+    of a list endpoint; any other parameter than those and `also` is a 400 naming it, so a typo is not
+    silently ignored."""
+    params = _query(request, ("after", "limit", *also))
     text = params.get("limit")
     limit = views.DEFAULT_LIMIT
     if text is not None:
@@ -426,8 +427,14 @@ class AdminApi:
         return views.broker_view(self.core, port=port, admin_port=admin_port)
 
     async def list_queues(self, request: Request) -> Any:
-        after, limit = _page(request, str)
-        return views.queues_page(self.core, self.now(), after, limit)
+        after, limit = _page(request, str, ("saturated",))
+        saturated = request.query_params.get("saturated")
+        if saturated is None or saturated == "false":
+            return views.queues_page(self.core, self.now(), after, limit)
+        if saturated != "true":
+            raise ApiError(400, "invalid_argument", "saturated must be true (only the saturated queues) or false "
+                                                    "(every queue, as without it)", "saturated")
+        return views.saturated_queues_page(self.core, self.now(), after, limit)
 
     async def show_queue(self, request: Request) -> Any:
         queue = self.core.get_queue(request.path_params["name"])

@@ -152,14 +152,16 @@ class AdminClient:
             text += f" (token from {printable(self.token_source)})"
         return text
 
-    def pages(self, path: str, key: str, after: str | None, limit: int) -> Iterator[tuple[list[dict[str, Any]], Any]]:
+    def pages(self, path: str, key: str, after: str | None, limit: int,
+              params: dict[str, str] | None = None) -> Iterator[tuple[list[dict[str, Any]], Any]]:
         """Follow the API's cursor: (objects, next cursor) for each page of `path`'s list `key`,
-        from after `after` (the start when None), until the end or `limit` objects (0: no limit).
-        The last cursor is where a later `--after` would go on (None: nothing is left)."""
+        from after `after` (the start when None), until the end or `limit` objects (0: no limit);
+        `params` go with every request. The last cursor is where a later `--after` would go on (None:
+        nothing is left)."""
         cursor: Any = after
         remaining = limit
         while True:
-            query: dict[str, Any] = {"limit": min(PAGE_SIZE, remaining) if limit else PAGE_SIZE}
+            query: dict[str, Any] = {**(params or {}), "limit": min(PAGE_SIZE, remaining) if limit else PAGE_SIZE}
             if cursor is not None:
                 query["after"] = cursor
             answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")

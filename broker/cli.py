@@ -594,16 +594,17 @@ def _client(options: dict[str, Any]) -> tuple[AdminClient, bool]:
 
 @main.command()
 @_list_options
+@click.option("--saturated", is_flag=True, help="Only the saturated queues (over a stop threshold).")
 @_admin_options
-def queues(limit: int, after: str | None, **options: Any) -> None:
+def queues(limit: int, after: str | None, saturated: bool, **options: Any) -> None:
     """List queues by name: depth, thresholds, saturation, held transfers, flow-stopped producers.
     Fetched and printed page by page (the API's cursor), so any number of queues streams."""
     client, as_json = _client(options)
-    pages = client.pages("/api/queues", "queues", after, limit)
+    pages = client.pages("/api/queues", "queues", after, limit, {"saturated": "true"} if saturated else None)
     if as_json:
         stream_json("queues", pages)
     else:
-        stream_table(QUEUE_HEADERS, pages, queue_row, "no queues")
+        stream_table(QUEUE_HEADERS, pages, queue_row, "no saturated queues" if saturated else "no queues")
 
 
 @main.group()

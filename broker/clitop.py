@@ -1,10 +1,11 @@
 """`flowbroker top`: a live terminal view of queues and flow state, for an operator on a server without
 a browser (the web console's view in a terminal; docs/management.md, "flowbroker top").
 
-Each refresh asks the admin API for the broker, one page of queues and one page of connections (at
-most SCAN of each, the API's largest page), so a refresh costs the broker what two list requests cost,
-however many queues it has. It shows the queues that matter first: saturated ones, then the deepest,
-and every flow-stopped producer with the queue (or broker-wide stop) holding it and since when.
+Each refresh asks the admin API for the broker, one page of queues, one page of the saturated queues
+and one page of connections (at most SCAN of each, the API's largest page), so a refresh costs the
+broker what three list requests cost, however many queues it has. It shows the queues that matter
+first: saturated ones (wherever their names sort), then the deepest, and every flow-stopped producer
+with the queue (or broker-wide stop) holding it and since when.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ def _queue_order(q: dict[str, Any]) -> tuple[bool, int, int, str]:
 
 def snapshot(client: AdminClient, limit: int) -> dict[str, Any]:
     """What one refresh shows, as JSON-ready data: the broker, the `limit` queues that matter most of
-    the first SCAN, and every flow-stopped producer among the first SCAN connections."""
+    the first SCAN and the first SCAN saturated ones (a saturated queue is shown however many queues
+    sort before it), and every flow-stopped producer among the first SCAN connections."""
     broker = client.request("GET", "/api/broker")
     queues = client.request("GET", f"/api/queues?limit={SCAN}")
+    saturated = client.request("GET", f"/api/queues?saturated=true&limit={SCAN}")
     connections = client.request("GET", f"/api/connections?limit={SCAN}")
-    ranked = sorted(queues["queues"], key=_queue_order)
+    listed = {q["name"]: q for q in queues["queues"]}
+    listed.update((q["name"], q) for q in saturated["queues"])  # the later view of a queue on both
+    ranked = sorted(listed.values(), key=_queue_order)
     # A stop-all tells every flow-controlled connection, but one that only consumes holds nothing back
     stopped = [c for c in connections["connections"] if c["flow"]["stopped"] and c["role"] != "consumer"]
     return {
@@ -47,7 +52,7 @@ def snapshot(client: AdminClient, limit: int) -> dict[str, Any]:
         "queues": ranked[:limit],
         "queues_shown_of": len(ranked),
         "queues_total": broker.get("queues"),
-        "saturated": sum(1 for q in ranked if q["saturated"]),
+        "saturated": broker["saturated_queues"],
         "flow_stopped": [
             {
                 "connection": c["id"],
@@ -76,13 +81,6 @@ def _threshold(q: dict[str, Any], stop: bool) -> str:
     return f"{limit_text(count)}/{limit_text(size, size=True)}"  # count/size, as `flowbroker queues` shows them
 
 
-def _of_first(snap: dict[str, Any]) -> str:
-    """" of the first 1000" when the broker has more queues than a refresh reads: the saturated count is
-    of those (a saturated queue past them read as "saturated 0" beside a producer it held, a tester)."""
-    total = snap["queues_total"]
-    return f" of the first {snap['queues_shown_of']}" if isinstance(total, int) and total > snap["queues_shown_of"] else ""
-
-
 def render(snap: dict[str, Any], *, at: str) -> str:
     """The frame for a terminal: a header line, the queues table, the flow-stopped producers."""
     broker = snap["broker"]
@@ -91,7 +89,7 @@ def render(snap: dict[str, Any], *, at: str) -> str:
         stops.append("STOP-ALL IN FORCE")
     header = (
         f"{printable(broker.get('name'))}  {at}  queues {snap['queues_total']} "
-        f"(saturated {snap['saturated']}{_of_first(snap)})  connections {snap['connections_total']}  "
+        f"(saturated {snap['saturated']})  connections {snap['connections_total']}  "
         f"flow-stopped producers {len(snap['flow_stopped'])}  credit policy {broker.get('credit_policy')}"
         + ("  " + " ".join(stops) if stops else "")
     )

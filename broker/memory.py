@@ -22,7 +22,7 @@ class MemoryMeter:
     """Bytes held (`held`, in message_size bytes) against `watermark`; queues update `held` inline."""
 
     __slots__ = ("held", "watermark", "resume", "alarm", "alarms_total", "_on_clear", "held_room", "newest_conn",
-                 "alarm_newest_conn", "subscriptions")
+                 "alarm_newest_conn", "subscriptions", "saturated_queues")
 
     def __init__(self, watermark: int, resume: int, on_clear: Callable[[], None] | None = None):
         self.held = 0
@@ -44,6 +44,10 @@ class MemoryMeter:
         self.subscriptions = 0
         """Subscriptions to queues, broker-wide (queues keep it): each costs memory (~0.4 KiB, more with
         what it has delivered), so the core refuses one past `[server] max_subscriptions_total`."""
+        self.saturated_queues: set[str] = set()
+        """The names of the saturated queues, broker-wide (queues keep it as they saturate and clear): the
+        admin API lists them (`GET /api/queues?saturated=true`) without walking every queue, so a queue
+        past the first page of 1,000 names is not hidden from the console by queues named before it."""
 
     def over(self) -> bool:
         """The alarm should be raised now."""

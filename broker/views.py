@@ -163,6 +163,16 @@ def queues_page(core: BrokerCore, now_ns: int, after: str | None = None,
     return {"queues": [queue_view(q, now_ns) for q in queues], "next": cursor}
 
 
+def saturated_queues_page(core: BrokerCore, now_ns: int, after: str | None = None,
+                          limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+    """`queues_page` of the saturated queues only, from the set the queues keep (`MemoryMeter`): its cost
+    is in the saturated queues, not in every queue the broker has."""
+    names = sorted(name for name in core.memory.saturated_queues if after is None or name > after)
+    page = names[:limit]
+    return {"queues": [queue_view(core.queues[name], now_ns) for name in page],
+            "next": page[-1] if len(names) > limit else None}
+
+
 # -- connections -------------------------------------------------------------------------------
 
 
@@ -381,6 +391,7 @@ def broker_view(core: BrokerCore, *, admin_port: int | None = None, port: int | 
         "admin_port": admin_port,
         "connections": len(core.sessions),
         "queues": len(core.queues),
+        "saturated_queues": len(core.memory.saturated_queues),
         "exchanges": len(core.exchanges),
         "subscriptions": core.memory.subscriptions,
         "producers_stopped": core.producers_stopped,

@@ -266,7 +266,7 @@ def test_broker_view() -> None:
     h.queue("q")
     h.producer()
     view = roundtrip(views.broker_view(h.core, port=5680, admin_port=5681))
-    assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1,
+    assert view == {"name": "flowbroker", "port": 5680, "admin_port": 5681, "connections": 1, "queues": 1, "saturated_queues": 0,
                     "exchanges": 3, "subscriptions": 0, "producers_stopped": False,
                     "credit_policy": "static", "unroutable": 0, "udp": None, "journal": None,
                     "idempotence": {"producer_ids": 0, "max_producer_ids": 10_000, "max_producer_ids_per_user": 5_000,

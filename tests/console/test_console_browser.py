@@ -398,3 +398,37 @@ def _log_in(page: Page, broker: Broker, user: str, password: str) -> None:
     page.fill("#password", password)
     page.click("#login")
     expect(page.locator("#logout")).to_be_visible()
+
+
+def test_a_saturated_queue_is_shown_however_many_queues_are_named_before_it(broker: Broker) -> None:
+    """The page reads the first 1,000 queues by name: 1,000 queues named before 'orders' (an attacker
+    needs only to declare them) took it off the page, and the header counted "0 saturated of the first
+    1000" beside the producer it held (a tester). The page also reads the saturated queues' own page."""
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `make system-tools` installs Debian's chromium"
+    with blocking.connect(broker.url, client_name="namer", timeout=10) as conn:
+        for i in range(1000):
+            conn.declare_queue(f"a-{i:04}")
+    producer = Producer(broker.url)
+    producer.start()
+    try:
+        assert producer.ready.wait(20) and producer.error is None, producer.error
+        wait_for(lambda: broker.api("GET", "/api/queues/orders")["saturated"], "'orders' saturates")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                page.goto(broker.admin_url + "/")
+                page.fill("#token", TOKEN)
+                page.click("#login")
+                expect(row(page, "queues", "queue", "orders", "saturated")).to_contain_text("yes for", timeout=30_000)
+                expect(page.locator("#broker-summary")).to_contain_text("1001 queue(s), 1 saturated,")
+                expect(page.locator("#charts .chart[data-queue='orders'] canvas")).to_have_count(1)  # the deepest
+                expect(page.locator("#threshold-queue option[value='orders']")).to_have_count(1)
+                expect(page.locator("#updated")).to_contain_text("and every saturated one")
+            finally:
+                browser.close()
+    finally:
+        producer.finish.set()
+        broker.api("PATCH", "/api/queues/orders", {"flow_stop_count": 1000, "flow_resume_count": 800})
+        producer.join(30)
+    assert not producer.is_alive() and producer.error is None, producer.error

@@ -350,6 +350,43 @@ async def test_lists_come_in_pages_that_follow_a_cursor(broker: Any) -> None:
         assert status == 400 and answer["error"]["field"] == field, (query, answer)
 
 
+async def test_the_saturated_queues_come_in_pages_of_their_own(broker: Any) -> None:
+    """`?saturated=true`: the console and `top` read one page of 1,000 queues by name, so 1,000 queues
+    named before a saturated one hid it (a tester). The queues keep the set; it follows a clear and a
+    delete."""
+    for i in range(250):
+        broker.core.declare_queue(f"q{i:03d}")
+    hot = ["q010", "q120", "q249"]
+    async with await fb.connect(broker.url) as conn:
+        for name in hot:
+            await ok(broker, "PATCH", f"/api/queues/{name}", {"flow_stop_count": 1})
+            producer = conn.producer("", name)
+            await producer.send(b"a")
+            await producer.send(b"b")  # a depth of 2 over the stop count of 1: held
+        await wait_until(lambda: all(broker.core.queues[name].saturated for name in hot))
+        page = await ok(broker, "GET", "/api/queues?saturated=true")
+        assert [q["name"] for q in page["queues"]] == hot and page["next"] is None
+        assert all(q["saturated"] and q["held_transfers"] == 1 for q in page["queues"])
+        page = await ok(broker, "GET", "/api/queues?saturated=true&limit=2")
+        assert [q["name"] for q in page["queues"]] == hot[:2] and page["next"] == "q120"
+        page = await ok(broker, "GET", "/api/queues?limit=2&saturated=true&after=q120")
+        assert [q["name"] for q in page["queues"]] == ["q249"] and page["next"] is None
+        assert (await ok(broker, "GET", "/api/broker"))["saturated_queues"] == 3
+        page = await ok(broker, "GET", "/api/queues?saturated=false&limit=3")  # every queue, as without it
+        assert [q["name"] for q in page["queues"]] == ["q000", "q001", "q002"]
+        for value in ("yes", "1", "TRUE", ""):
+            status, answer, _ = await api(broker, "GET", f"/api/queues?saturated={value}")
+            assert status == 400 and answer["error"]["field"] == "saturated", (value, answer)
+
+        await ok(broker, "POST", "/api/queues/q010/purge")  # cleared: leaves the set
+        await ok(broker, "DELETE", "/api/queues/q120")  # deleted while saturated: leaves it too
+        page = await ok(broker, "GET", "/api/queues?saturated=true")
+        assert [q["name"] for q in page["queues"]] == ["q249"]
+        assert (await ok(broker, "GET", "/api/broker"))["saturated_queues"] == 1
+        await ok(broker, "POST", "/api/queues/q249/purge")
+        assert (await ok(broker, "GET", "/api/queues?saturated=true")) == {"queues": [], "next": None}
+
+
 async def test_a_queue_named_with_a_slash_is_reachable(broker: Any) -> None:
     async with await fb.connect(broker.url) as conn:
         await conn.declare_queue("a/b")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import flowbroker.client.blocking as fb
 from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
 
 
@@ -78,6 +79,25 @@ def test_json_names_the_saturated_queue_and_the_producer_it_stops(broker: Broker
     assert stopped["destinations"] == ["orders"] and stopped["reasons"] == ["flow_stop_count"]
     assert stopped["client_name"] == "flowbroker-cli" and stopped["transfers_held"] == 1
     assert snap["saturated"] == 1 and snap["queues_total"] == 2
+
+
+def test_a_saturated_queue_past_the_first_page_is_shown_and_counted(broker: Broker, held_producer: object) -> None:
+    """1,000 queues named before 'orders' pushed it off the one page of queues a refresh reads: top said
+    "saturated 0 of the first 1000" and did not show it, beside the producer it held (a tester; an
+    attacker's queues could hide a saturated one). The saturated queues are read as a page of their own."""
+    with fb.connect(broker.url) as conn:
+        for i in range(1000):
+            conn.declare_queue(f"a-{i:04}")
+    snap = json.loads(broker.cli("top", "--count", "1", "--json").stdout)
+    assert snap["queues_total"] == 1002 and snap["saturated"] == 1
+    assert snap["queues"][0]["name"] == "orders" and snap["queues"][0]["saturated"]
+    assert "queues 1002 (saturated 1)" in broker.cli("top", "--count", "1").stdout.splitlines()[0]
+    listed = json.loads(broker.cli("queues", "--saturated", "--json").stdout)
+    assert [q["name"] for q in listed["queues"]] == ["orders"] and listed["next"] is None
+    rows = broker.cli("queues", "--saturated").stdout.splitlines()
+    assert rows[0].startswith("QUEUE") and [r.split()[0] for r in rows[1:]] == ["orders"]
+    broker.cli("queue", "set", "orders", "--flow-stop-count", "100", "--flow-resume-count", "50")
+    assert broker.cli("queues", "--saturated").stdout.strip() == "no saturated queues"
 
 
 def test_piped_frames_follow_each_other(broker: Broker, held_producer: object) -> None:

@@ -324,34 +324,36 @@ async function producers(action, question) {
 
 async function poll() {
   try {
-    const [broker, q, c] = await Promise.all([
+    const [broker, q, s, c] = await Promise.all([
       api("GET", "/api/broker"),
       api("GET", "/api/queues?limit=1000"),
+      // the saturated queues wherever their names sort: 1,000 queues named before one hid it
+      api("GET", "/api/queues?saturated=true&limit=1000"),
       api("GET", "/api/connections?limit=1000"),
     ]);
     const t = Date.now() / 1000;
     latestQueues = new Map(q.queues.map((queue) => [queue.name, queue]));
-    for (const queue of q.queues) record(queue, t);
+    for (const queue of s.queues) latestQueues.set(queue.name, queue);
+    const queues = [...latestQueues.values()].sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
+    for (const queue of queues) record(queue, t);
     for (const name of [...history.keys()]) if (!latestQueues.has(name)) history.delete(name);
-    // counted over the listed queues and connections; a held transfer counts once per connection
-    // (Connection.transfers_held), not once per queue that holds it
-    const saturated = q.queues.filter((queue) => queue.saturated).length;
+    // a held transfer counts once per connection (Connection.transfers_held), not once per queue that
+    // holds it; counted over the listed connections, said so when that list was cut
     const held = c.connections.reduce((sum, conn) => sum + conn.producer.transfers_held, 0);
-    // counted over what is listed: said so when a list was cut (as `flowbroker top` does)
-    const ofQueues = q.next !== null ? ` of the first ${q.queues.length}` : "";
     const ofConnections = c.next !== null ? ` by the first ${c.connections.length} connections` : "";
     document.getElementById("broker-summary").textContent =
       `${broker.name}: ${broker.connections} connection(s), ${broker.queues} queue(s), ` +
-      `${saturated} saturated${ofQueues}, ${held} transfer(s) held${ofConnections}`;
+      `${broker.saturated_queues} saturated, ${held} transfer(s) held${ofConnections}`;
     const banner = document.getElementById("banner");
     banner.hidden = !broker.producers_stopped;
     banner.textContent = broker.producers_stopped
       ? "Every producer is stopped (stop-all): their sends wait until Start all producers." : "";
-    drawQueueChoice(q.queues);
-    drawQueues(q.queues);
+    drawQueueChoice(queues);
+    drawQueues(queues);
     drawConnections(c.connections);
-    drawCharts(q.queues);
-    const partial = (q.next !== null || c.next !== null) ? " (the first 1000 queues / connections)" : "";
+    drawCharts(queues);
+    const partial = (q.next !== null || c.next !== null)
+      ? " (the first 1000 queues, and every saturated one / the first 1000 connections)" : "";
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}${partial}`;
   } catch (e) {
     document.getElementById("updated").textContent = `not updated: ${e.message}`;
