@@ -50,7 +50,8 @@ class TransferReceiverStatistics:
 UNFENCED_IN_FLIGHT = 64 * 1024 * 1024
 """The most a producer's first BUFFER_LIMIT after its buffer went from 0 (no flow control) to a size may
 claim beyond what the broker received and the new buffer: bytes it sent that are still in the sockets'
-buffers between the two (a few MiB on Linux, whatever the client), with room to spare."""
+buffers between the two (a few MiB on Linux, whatever the client), with room to spare. Until that
+answer, the most it may send beyond the new credit limit."""
 
 
 class TransferReceiver:
@@ -75,7 +76,8 @@ class TransferReceiver:
         self.controls = 0  # connection-level BUFFER_CONTROLs announced (`announced()`): what BUFFER_LIMIT names
         self.answered = 0  # the latest of them a BUFFER_LIMIT answered (`fence`): below `controls`, one is open
         # Turned on mid-stream (size 0 -> n): until the producer's BUFFER_LIMIT answers, what arrives may
-        # have been sent under size 0, unlimited, before it saw the grant; the check waits for the answer.
+        # have been sent under size 0, unlimited, before it saw the grant: the check allows UNFENCED_IN_FLIGHT
+        # more until the answer (a client that never answered sent 160 MiB unchecked: a tester).
         self.unfenced = False
 
     # -- receiving -----------------------------------------------------------------------------
@@ -101,14 +103,21 @@ class TransferReceiver:
         total = sum(sizes)
         if self.flow_control and window.window and sizes:
             limit = window.limit
+            if self.unfenced:  # sent under size 0 before it saw the grant: at most what the sockets hold
+                limit += UNFENCED_IN_FLIGHT
             # Positions only grow, so the last message starts furthest: one sum for the whole frame.
-            if position + total - sizes[-1] >= limit and not self.unfenced:
+            if position + total - sizes[-1] >= limit:
                 violation = None
                 for k, size in enumerate(sizes):
                     if position >= limit:
                         violation = RemoteProtocolError(
                             f"transfer {first_id + k} starts at byte {position}, beyond the credit limit "
-                            f"{limit} (buffer {window.window} bytes): only one message may overflow the buffer",
+                            f"{limit} (buffer {window.window} bytes): only one message may overflow the buffer"
+                            if not self.unfenced else
+                            f"transfer {first_id + k} starts at byte {position}, more than {UNFENCED_IN_FLIGHT} "
+                            f"bytes beyond the credit limit {window.limit} of a buffer ({window.window} bytes) "
+                            "turned on mid-stream and not yet answered with BUFFER_LIMIT: no client can have "
+                            "had that much in flight when the grant reached it",
                             ErrorCode.CREDIT_VIOLATION,
                         )
                         del sizes[k:]

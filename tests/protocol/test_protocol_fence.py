@@ -268,3 +268,25 @@ def test_the_first_answer_after_flow_control_came_on_cannot_claim_more_than_the_
     again.announced(500)
     assert again.fence(1, 500, 600 + 500 + UNFENCED_IN_FLIGHT)
     assert again.window.limit == 600 + 500 + UNFENCED_IN_FLIGHT
+
+
+def test_a_client_that_never_answers_a_buffer_turned_on_may_send_only_what_the_sockets_hold_beyond_it() -> None:
+    """After `none` -> a paced policy the check waited for the client's first BUFFER_LIMIT: a raw client
+    that never answered sent 160 MiB past a 3 MiB grant, unchecked (a tester; the broker closed it 10 s
+    later for the unanswered grant). Until the answer it may send UNFENCED_IN_FLIGHT beyond the limit,
+    as the answer itself may claim; a message starting past that is a credit violation."""
+    from flowbroker.protocol.session import UNFENCED_IN_FLIGHT
+
+    receiver = TransferReceiver(0)
+    receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])  # 600 bytes under no limit
+    receiver.announced(500)  # the limit: 0 acknowledged + 500
+    body = b"x" * (1 << 20)
+    tid, sent = 2, 600
+    while sent + len(body) + 512 < 500 + UNFENCED_IN_FLIGHT:  # what may have been in flight: taken
+        sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body)])
+        assert violation is None and sizes == [len(body) + 512]
+        tid, sent = tid + 1, sent + sizes[0]
+    sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body), TransferEntry("", "q", body)])
+    assert len(sizes) == 1  # the one that starts within is taken, the next one starts past it
+    assert violation is not None and violation.code is ErrorCode.CREDIT_VIOLATION
+    assert "not yet answered with BUFFER_LIMIT" in str(violation)
