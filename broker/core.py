@@ -349,6 +349,8 @@ class BrokerCore:
             return
         self.connections_closed += 1
         session.ref.session = None  # what it left held keeps no more of it (broker/message.py SessionRef)...
+        if session.ref.ids_taken:  # its idempotent producer ids: kept a TTL from now
+            self.producer_sequences.store.closed(session.ref, self.clock_ns())
         session.transfers_held_now = 0  # ...and is nobody's transfer now
         self._set_held_room()
         if session.held_sequences:  # its idempotent messages still held: its next connection's resends adopt them

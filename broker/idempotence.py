@@ -89,6 +89,10 @@ class ProducerStateStore(Protocol):
         """`holder`'s connection sent a duplicate of `producer_id`'s: the id is that connection's now."""
         ...
 
+    def closed(self, holder: Holder, now_ns: int) -> None:
+        """`holder`'s connection closed at `now_ns`: the ids it holds are kept a TTL from now."""
+        ...
+
     def epoch(self, producer_id: str) -> int | None:
         """Which life of `producer_id` the store holds (a new number each time the id is taken anew
         after being unknown), None if unknown: what a refusal recorded under the id belongs to."""
@@ -114,6 +118,7 @@ class Holder(Protocol):
 
 class _State:
     __slots__ = ("sequence", "last_ns", "epoch", "holder", "rank")
+    # (`holder` is the store's `_held` key of this id: MemoryProducerStates._bind moves both together)
 
     def __init__(self, sequence: int, last_ns: int, epoch: int):
         self.sequence = sequence
@@ -141,15 +146,16 @@ class MemoryProducerStates:
     first), so expiry looks only at the front and costs what it removes.
 
     An id idle for the TTL whose connection is open (`_State.protected`) is not forgotten but set aside
-    (`_kept`, oldest first, and per owner): each expiry pass looks at those again, and one whose
-    connection has closed goes back to the main order as if its last message were now, so it is kept a
-    TTL after the close. They still count against the bounds, but a new id that finds the store (or its
-    owner's share) full makes room by forgetting the oldest of them, as it would have before they were
-    set aside: open connections cannot pin the store (a tester: 100 ids of two quiet connections refused
-    every new id of their user)."""
+    (`_kept`, oldest first, and per owner). They still count against the bounds, but a new id that finds
+    the store (or its owner's share) full makes room by forgetting the oldest of them, as it would have
+    before they were set aside: open connections cannot pin the store (a tester: 100 ids of two quiet
+    connections refused every new id of their user). When a connection closes (`closed`), each id it
+    holds, set aside or not, goes to the end of the main order as if its last message were then, so it is
+    kept a TTL after the close: a resend 2 s after a close 2 s before the TTL was taken again (a tester).
+    The ids of each open connection are indexed (`_held`) for that, so a close costs what it held."""
 
     __slots__ = ("max_ids", "max_ids_per_owner", "ttl_ns", "_states", "_kept", "_kept_by_owner", "_owned",
-                 "evicted", "_epochs", "forget")
+                 "evicted", "_epochs", "forget", "_held")
 
     def __init__(self, max_ids: int, ttl_ns: int, max_ids_per_owner: int | None = None):
         if max_ids < 1 or ttl_ns < 0 or (max_ids_per_owner is not None and max_ids_per_owner < 1):
@@ -168,6 +174,8 @@ class MemoryProducerStates:
         self._epochs = 0
         self.forget: Callable[[str], None] = lambda producer_id: None
         """Told of each id `expire` forgets (the core drops it from the journal's too)."""
+        self._held: dict[Holder, set[str]] = {}
+        """The ids each open connection holds (sent its last message or duplicate), for `closed`."""
 
     def _find(self, producer_id: str) -> _State | None:
         state = self._states.get(producer_id)
@@ -184,7 +192,31 @@ class MemoryProducerStates:
         reconnect): the id is that connection's now."""
         state = self._find(producer_id)
         if state is not None and holder is not None and holder is not state.holder:
-            state.take_up(holder)
+            self._bind(producer_id, state, holder)
+
+    def closed(self, holder: Holder, now_ns: int) -> None:
+        states = self._states
+        for producer_id in self._held.pop(holder, ()):
+            state = states.get(producer_id)
+            if state is None:
+                state = self._unkeep(producer_id)  # (every id in `_held` is in one of the two)
+            state.holder = None
+            state.last_ns = now_ns  # >= every other id's: the order stays by last_ns
+            states[producer_id] = state
+            states.move_to_end(producer_id)
+
+    def _bind(self, producer_id: str, state: _State, holder: Holder | None) -> None:
+        """`state.take_up(holder)`, keeping `_held` in step."""
+        old = state.holder
+        if old is not holder:
+            if old is not None:
+                mine = self._held[old]
+                mine.discard(producer_id)
+                if not mine:
+                    del self._held[old]
+            if holder is not None:
+                self._held.setdefault(holder, set()).add(producer_id)
+        state.take_up(holder)
 
     def accept(self, producer_id: str, sequence: int, now_ns: int, holder: Holder | None = None) -> None:
         states = self._states
@@ -199,11 +231,11 @@ class MemoryProducerStates:
             # (an id in use stays among its connection's last ones): two steps per message, not a new rank
             if holder is not state.holder or (holder is not None
                                               and holder.ids_taken - state.rank >= PROTECTED_IDS_PER_CONNECTION // 2):
-                state.take_up(holder)
+                self._bind(producer_id, state, holder)
             states.move_to_end(producer_id)
             return
         if len(self) >= self.max_ids:
-            self.expire(now_ns, sweep=False)
+            self.expire(now_ns)
             if len(self) >= self.max_ids and self._kept:
                 self._drop(next(iter(self._kept)))
             if len(self) >= self.max_ids:
@@ -216,7 +248,7 @@ class MemoryProducerStates:
                 )
         owner = _owner(producer_id)
         if owner and self._owned.get(owner, 0) >= self.max_ids_per_owner:
-            self.expire(now_ns, sweep=False)
+            self.expire(now_ns)
             kept = self._kept_by_owner.get(owner)
             if self._owned.get(owner, 0) >= self.max_ids_per_owner and kept:
                 self._drop(next(iter(kept)))
@@ -228,14 +260,13 @@ class MemoryProducerStates:
                 )
         self._epochs += 1
         state = states[producer_id] = _State(sequence, now_ns, self._epochs)
-        state.take_up(holder)
+        self._bind(producer_id, state, holder)
         if owner:
             self._owned[owner] = self._owned.get(owner, 0) + 1
 
-    def expire(self, now_ns: int, sweep: bool = True) -> int:
-        """Forget the ids idle for the TTL, setting aside those whose connection is open; with `sweep`
-        (the flow timer's pass, not a new id's), those set aside whose connection has closed since go
-        back to the main order, to be forgotten a TTL later (O(set aside))."""
+    def expire(self, now_ns: int) -> int:
+        """Forget the ids idle for the TTL, setting aside those whose connection is open (a closed
+        connection's come back to the main order at `closed`). Costs what it forgets or sets aside."""
         states = self._states
         horizon = now_ns - self.ttl_ns
         removed = 0
@@ -249,12 +280,6 @@ class MemoryProducerStates:
                 continue
             self._drop(producer_id)
             removed += 1
-        if sweep and self._kept:
-            for producer_id, state in list(self._kept.items()):
-                if not state.protected():
-                    self._unkeep(producer_id)
-                    state.last_ns = now_ns
-                    states[producer_id] = state
         return removed
 
     def _keep(self, producer_id: str, state: _State) -> None:
@@ -275,8 +300,11 @@ class MemoryProducerStates:
 
     def _drop(self, producer_id: str) -> None:
         """Forget `producer_id` (in the main order or set aside)."""
-        if self._states.pop(producer_id, None) is None:
-            self._unkeep(producer_id)
+        state = self._states.pop(producer_id, None)
+        if state is None:
+            state = self._unkeep(producer_id)
+        if state.holder is not None:
+            self._bind(producer_id, state, None)
         self.forget(producer_id)
         owner = _owner(producer_id)
         if owner:

@@ -48,6 +48,7 @@ class Conn:
     def __init__(self) -> None:
         self.session: object | None = object()
         self.ids_taken = 0
+        self.closed_ns = 0
 
 
 class IdempotenceMachine(RuleBasedStateMachine):
@@ -87,11 +88,17 @@ class IdempotenceMachine(RuleBasedStateMachine):
                 mine = {k: v for k, v in before.items() if owner(pid) and owner(k) == owner(pid)}
                 full = mine if len(mine) == MAX_OWNED else before
                 assert len(full) in (MAX_IDS, MAX_OWNED), (pid, before)
-                assert all(store_ages[k] < TTL for k in full), "refused with an idle id"
+                # every id it could have forgotten is younger than the TTL, or its connection closed less
+                # than a TTL ago (kept a TTL after the close)
+                assert all(store_ages[k] < TTL or (self.holder[k].session is None
+                                                    and self.now - self.holder[k].closed_ns < TTL) for k in full), \
+                    "refused with an idle id"
         # ids the store dropped to make room for a new one: only ids idle for the TTL
         for other in list(self.tracked):
             if self.store.last_accepted(other) is None:
                 assert self.now - self.tracked[other][1] >= TTL
+                holder = self.holder[other]  # set aside while open (the oldest make room), or closed a TTL ago
+                assert holder.session is not None or self.now - holder.closed_ns >= TTL, (other, holder.closed_ns)
                 del self.tracked[other]
                 self.epoch[other] = len(self.taken[other])
 
@@ -111,6 +118,8 @@ class IdempotenceMachine(RuleBasedStateMachine):
     def close_connection(self, i: int) -> None:
         conn = self.conns.pop(i % len(self.conns))
         conn.session = None
+        conn.closed_ns = self.now
+        self.store.closed(conn, self.now)
         self.conns.append(Conn())  # (always two open to send from)
 
     @rule(i=st.integers(0, len(IDS) - 1), ahead=st.integers(2, 5))
@@ -129,8 +138,10 @@ class IdempotenceMachine(RuleBasedStateMachine):
         self.store.expire(self.now)
         for pid, (_, last_ns) in before.items():
             forgotten = self.store.last_accepted(pid) is None
-            if forgotten:  # only idle for the TTL, its connection closed (then kept a TTL from the close seen)
-                assert self.now - last_ns >= TTL and self.holder[pid].session is None, (pid, self.now, last_ns)
+            if forgotten:  # only idle for the TTL, its connection closed a TTL ago (docs: "a ttl after it closes")
+                holder = self.holder[pid]
+                assert self.now - last_ns >= TTL and holder.session is None, (pid, self.now, last_ns)
+                assert self.now - holder.closed_ns >= TTL, (pid, self.now, holder.closed_ns)
                 del self.tracked[pid]
                 self.epoch[pid] = len(self.taken[pid])
 
