@@ -588,14 +588,34 @@ class BrokerConfig:
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_LOCALHOST = frozenset({"127.0.0.1", "::1"})  # what "localhost" binds (every address it resolves to)
+
+
+def _addresses(host: str) -> frozenset[str] | None:
+    """The addresses a listener on `host` takes, in one spelling (None: every address, a wildcard):
+    case and brackets aside, "localhost" is its two loopback addresses, an IPv4-mapped IPv6 address is
+    its IPv4 one, and any other name is itself (names are not resolved)."""
+    host = host.strip().strip("[]").lower()
+    if host in _WILDCARDS:
+        return None
+    if host == "localhost":
+        return _LOCALHOST
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return frozenset({host})
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return None if address.is_unspecified else frozenset({str(address)})
 
 
 def _same_host(a: str, b: str) -> bool:
-    """Whether listening on `a` and on `b` with one port would clash (a wildcard takes every address;
-    "localhost" is loopback), without resolving names."""
-    a, b = a.strip("[]"), b.strip("[]")
-    return a == b or a in _WILDCARDS or b in _WILDCARDS or (a in _LOOPBACK and b in _LOOPBACK)
+    """Whether listening on `a` and on `b` with one port would clash: a wildcard takes every address;
+    otherwise they clash when they share one (127.0.0.1 and ::1 do not: a tester's [admin] host = "::1"
+    beside [server] 127.0.0.1 on one port binds on Linux; "LOCALHOST" and "::ffff:127.0.0.1" are
+    127.0.0.1's)."""
+    first, second = _addresses(a), _addresses(b)
+    return first is None or second is None or bool(first & second)
 
 
 def _int_range(section: str, key: str, value: object, low: int, high: int) -> None:

@@ -362,3 +362,22 @@ def test_an_out_of_range_value_in_the_file_stops_the_broker_even_when_a_flag_ove
         load_config(config, {"server": {"idle_timeout": 5.0}})
     config.write_text("[server]\nport = 6000\n")
     assert load_config(config, {"server": {"port": 6140}}).server.port == 6140  # a good value: the flag wins
+
+
+@pytest.mark.parametrize("host", ["LOCALHOST", "::ffff:127.0.0.1", "[::FFFF:127.0.0.1]", " 127.0.0.1 ", "0.0.0.0", "::",
+                                  "::ffff:0.0.0.0"])
+def test_any_spelling_of_the_clients_address_on_the_client_port_is_refused(host: str) -> None:
+    """"LOCALHOST" and "::ffff:127.0.0.1" beside [server] host 127.0.0.1 on its port got the listen error's
+    "another broker running?" (a tester): compared as addresses, case aside."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"server": {"port": 6000, "host": "127.0.0.1"}, "admin": {"port": 6000, "host": host}})
+    assert str(info.value).startswith("[admin] port = 6000: the same port as [server] port"), str(info.value)
+
+
+@pytest.mark.parametrize(("server", "admin"), [("127.0.0.1", "::1"), ("::1", "127.0.0.2"), ("127.0.0.1", "[::1]"),
+                                               ("10.0.0.1", "127.0.0.1")])
+def test_two_addresses_that_share_nothing_may_share_a_port(server: str, admin: str) -> None:
+    """[admin] host = "::1" beside [server] 127.0.0.1 on one port was refused as the same host, though
+    Linux binds both (a tester)."""
+    config = load_config(None, {"server": {"port": 6000, "host": server}, "admin": {"port": 6000, "host": admin}})
+    assert config.admin.port == config.server.port == 6000
