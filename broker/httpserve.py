@@ -104,6 +104,8 @@ class HttpServer:
         self._context = WorkerContext(None)
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
         self._handlers: trio.Nursery | None = None
+        self._streams: set[trio.SocketStream] = set()
+        """The connections being served, closed at the drain's deadline (`_cut_at`)."""
 
     async def serve(self, shutdown: trio.Event) -> None:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=self._fd)))
@@ -118,10 +120,23 @@ class HttpServer:
                 # hypercorn's connections read this: an idle keep-alive connection closes, an answer in
                 # flight says `connection: close`
                 await self._context.terminated.set()
-                handlers.cancel_scope.deadline = trio.current_time() + self._config.graceful_timeout
+                deadline = trio.current_time() + self._config.graceful_timeout
+                handlers.cancel_scope.deadline = deadline
+                handlers.start_soon(self._cut_at, deadline)
         finally:
             self._handlers = None
             await listener.aclose()
+
+    async def _cut_at(self, deadline: float) -> None:
+        """At the drain's deadline, close every socket still served. hypercorn writes an answer inside a
+        shielded scope, which the deadline's cancel does not reach: a client that read none of a large
+        answer (a /metrics of many queues) kept the broker from exiting until TCP_USER_TIMEOUT, 10 s
+        after a SIGTERM documented as a 2 s drain (a tester). Closing the socket wakes that write."""
+        with trio.CancelScope(shield=True):
+            while self._streams and trio.current_time() < deadline:  # (none left: the drain is over)
+                await trio.sleep(min(0.05, max(0.0, deadline - trio.current_time())))
+        for stream in list(self._streams):
+            stream.socket.close()  # (trio's close wakes a task waiting to write on it)
 
     def _admit(self, stream: trio.SocketStream) -> None:
         if self.open >= self.max_connections:
@@ -138,6 +153,7 @@ class HttpServer:
         self.open += 1
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
+        self._streams.add(stream)
         try:
             # (a plain socket stream: hypercorn's annotation says SSLStream, and it serves both)
             await _Connection(self._app, self._config, self._context, ConnectionState({}), stream)
@@ -146,5 +162,6 @@ class HttpServer:
                          exc_info=exc)
         finally:
             self.open -= 1
+            self._streams.discard(stream)
             # (hypercorn's own close sends EOF first, which a cancellation at shutdown interrupts)
             await trio.aclose_forcefully(stream)

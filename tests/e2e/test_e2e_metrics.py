@@ -6,6 +6,7 @@ dashboard and the console build on) against what a broker actually serves."""
 from __future__ import annotations
 
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import flowbroker.client as fc
 from flowbroker.broker.metrics import broker_registry
+from tests.serving import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-admin-token-0123456789"
@@ -354,3 +356,24 @@ async def test_clients_that_ask_and_never_read_do_not_keep_a_scraper_out(start_f
     assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n")  # no last chunk
     for stream in slow:
         await stream.aclose()
+
+
+async def test_a_client_that_reads_none_of_a_large_answer_does_not_hold_the_shutdown_past_the_drain() -> None:
+    """docs/operations.md: SIGTERM drains the admin API's requests for 2 s. hypercorn writes an answer
+    inside a shielded scope, which the drain's deadline does not reach: one GET /metrics of 2.4 MB whose
+    client read none of it (a 4 KiB receive buffer) kept the broker from exiting for 9.4-10.5 s, until
+    TCP_USER_TIMEOUT cut it (a tester). Its socket is closed at the drain's deadline."""
+    stalled = trio.socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with stalled, trio.fail_after(30):  # (the client's socket stays open, unread, until the broker is gone)
+        async with serving(metrics={"endpoint": "127.0.0.1:0"}) as server:
+            for i in range(300):
+                server.core.declare_queue(f"q{i:05d}-" + "x" * 200)
+            assert server.metrics_port is not None
+            await stalled.connect(("127.0.0.1", server.metrics_port))
+            await stalled.send(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await trio.sleep(1)  # the answer is written, and stuck in the sockets
+            server.shutdown()
+            stopping = trio.current_time()
+        took = trio.current_time() - stopping
+    assert took < 2 + 1, f"the broker took {took:.1f} s to stop"
