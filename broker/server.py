@@ -430,6 +430,9 @@ class BrokerServer:
         token, unwritten = resolve_token(admin, admin.port)
         if unwritten:
             publish_token(admin, admin.port, token)
+        # where to find it: the file is named after an admin port nothing listens on (a tester looked)
+        LOGGER.info("[admin] is off: /metrics takes the admin token %s", "of [admin] token" if admin.token else
+                    f"in {admin.token_path(admin.port)}")
         return token
 
     def http_answer(self) -> bytes:

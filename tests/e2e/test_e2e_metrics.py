@@ -5,6 +5,7 @@ dashboard and the console build on) against what a broker actually serves."""
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import time
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -135,6 +137,19 @@ async def test_metrics_on_a_port_of_their_own(start_flowbroker: Any) -> None:
     assert alone.admin_url is None and alone.metrics_url is not None
     assert (await get(alone.metrics_url))[0] == 401
     assert "flowbroker_queues" in await scrape(alone, TOKEN)
+
+
+async def test_without_the_admin_api_the_log_says_where_the_metrics_token_is(
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With [admin] off and require_token, the generated token went to the file of an admin port nothing
+    listens on, and the log said only "admin token required" (a tester looked for it)."""
+    caplog.set_level(logging.INFO, logger="flowbroker.broker.server")
+    alone = await start_flowbroker(metrics={"endpoint": "127.0.0.1:0", "require_token": True},
+                                   admin={"enabled": False, "port": 15999,
+                                          "token_file": str(tmp_path / "admin-token-{port}")})
+    path = tmp_path / "admin-token-15999"
+    assert f"[admin] is off: /metrics takes the admin token in {path}" in caplog.text
+    assert "flowbroker_queues" in await scrape(alone, path.read_text().strip())
 
 
 async def test_metrics_can_be_turned_off(start_flowbroker: Any) -> None:
