@@ -402,6 +402,8 @@ class Scrape:
                                   value=st.naks_received_total)
         yield CounterMetricFamily("flowbroker_udp_retransmits", "Retransmissions sent.",
                                   value=st.retransmits_sent_total)
+        yield CounterMetricFamily("flowbroker_udp_messages_dropped", "Messages of registered UDP producers "
+                                  "dropped: their envelope failed the checks.", value=st.messages_dropped)
 
 
 class BrokerCollector(Collector):

@@ -278,6 +278,7 @@ def connection_view(session: Session, now_ns: int, *, peer: str | None = None,
             "credit_state": credit_state,
             "paced_on": session.paced_on.name if session.paced_on is not None else None,
             "paced_total": session.paced_total,
+            "messages_dropped": session.messages_dropped,
         },
         "flow": _flow(session, now_ns),
         "consumer": {
@@ -461,6 +462,7 @@ def udp_view(core: BrokerCore) -> dict[str, Any] | None:
         "naks_sent": stats.naks_sent,
         "naks_received": stats.naks_received,
         "retransmits_sent": stats.retransmits_sent,
+        "messages_dropped": stats.messages_dropped,
         "groups": stats.groups,
         "group_members": stats.group_members,
     }

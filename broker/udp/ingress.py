@@ -90,7 +90,6 @@ class UdpPublication:
     caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
     more_to_route: bool = False  # the last poll stopped at a bound (the cycle's messages, the grant)
     messages: int = 0
-    bad_envelopes: int = 0
 
 
 class Ingress:
@@ -102,6 +101,8 @@ class Ingress:
         self._rng = random.Random()
         self._last_warning_ns: int | None = None  # bad envelopes are logged at most every LOG_INTERVAL_NS
         self.bad_envelopes = 0
+        """Messages of every publication ever registered dropped for a bad envelope (docs/protocol.md, "The
+        envelope"): never goes back (`DataPathStatistics.messages_dropped`, a counter's value)."""
         # The loss figures of images gone (closed, timed out, replaced), so the totals never go back.
         self.retired_loss_gaps = 0
         self.retired_naks_sent = 0
@@ -407,7 +408,7 @@ class Ingress:
                     continue
                 key, headers, body = decode_publish(message)
             except EnvelopeError as exc:
-                pub.bad_envelopes += 1
+                pub.session.messages_dropped += 1  # its connection view's `producer.messages_dropped`
                 self.bad_envelopes += 1
                 last = self._last_warning_ns
                 if last is None or now_ns - last >= LOG_INTERVAL_NS:

@@ -558,6 +558,8 @@ def test_a_fragmented_batch_is_dropped_and_counted_and_the_window_moves_on() -> 
     rig.cycle(rounds=5)
     assert rig.bodies() == [b"before", b"after"]
     assert rig.datapath.ingress.bad_envelopes == 1
+    assert rig.datapath.statistics().messages_dropped == 1  # the metric's and the admin view's figure
+    assert rig.datapath.ingress.publications[rig.session_id].session.messages_dropped == 1  # its connection's
     assert rig.image.statistics().consumption_position == rig.pub.position
 
 

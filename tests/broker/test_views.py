@@ -146,6 +146,7 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
         "buffer_size": MiB, "received_bytes": 2 * size, "acknowledged_bytes": 0, "unacked_bytes": 2 * size,
         "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1,
         "transfers_duplicate": 0, "credit_state": "producer", "paced_on": None, "paced_total": 0,
+        "messages_dropped": 0,
     }
     assert view["flow"] == {
         "stopped": True, "stopped_for_seconds": 4.0, "blocking_queues": ["q"], "admin_stopped": False, "memory_stopped": False,

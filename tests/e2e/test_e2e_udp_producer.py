@@ -308,6 +308,53 @@ async def test_the_admin_api_shows_the_data_path_and_its_refusals(start_flowbrok
         assert f"shown udp:{producer.session_id}" in names  # type: ignore[attr-defined]
 
 
+async def test_bad_envelopes_from_a_registered_publication_are_dropped_and_counted(start_flowbroker: Start) -> None:
+    """docs/protocol.md, "The envelope": a message of a registered publication (its own session, stream and
+    socket) whose envelope fails the checks is dropped, never routed, and its bytes released so the window
+    moves on. Each one is counted where an operator looks: `flowbroker_udp_messages_dropped_total`, the
+    admin view's `udp.messages_dropped` and the publication's connection's `producer.messages_dropped`;
+    the good messages sent beside them all arrive, in order. (Before, only a rate-limited log line said so.)"""
+    from tests.e2e.test_e2e_admin import TOKEN, ok
+    from tests.e2e.test_e2e_metrics import one, scrape
+
+    broker = await start_flowbroker(admin={"token": TOKEN})
+    bad = [b"\x7fjunk", b"\x01\xff\xffshort", b"\x04\xc1", b"\x04\x90", b"\x02\x00\x01\x90body", b""]
+    rounds = 20
+    async with await fc.connect(broker.url, client_name="mixed") as conn:
+        await conn.declare_queue("q")
+        producer = conn.producer("", "q", transport="udp")
+        assert isinstance(producer, UdpProducer)
+        await producer.open()
+        pub = producer.publication
+        assert pub is not None
+        good: list[bytes] = []
+        for i in range(rounds):
+            for payload in bad:
+                body = b"good %d" % len(good)
+                # a bare body, or one with headers of its own (the per-message envelope), between bad ones
+                await producer.send(body, {"n": str(len(good))} if len(good) % 2 else None, timeout=LIMIT)
+                good.append(body)
+                producer._send_now()  # what send claimed goes first, then the bad one from the same socket
+                while pub.offer(payload) < 0:
+                    producer._send_now()
+                    await trio.sleep(0.001)
+            producer._send_now()
+            await trio.sleep(0)
+        await producer.flush(timeout=LIMIT)  # the window moved past every bad one
+        dropped = rounds * len(bad)
+        assert [m.body for m in broker.core.queues["q"].store] == good
+        assert one(await scrape(broker), "flowbroker_udp_messages_dropped_total") == dropped
+        assert (await ok(broker, "GET", "/api/broker"))["udp"]["messages_dropped"] == dropped
+        connections = (await ok(broker, "GET", "/api/connections"))["connections"]
+        mine = {c["client_name"]: c["producer"]["messages_dropped"] for c in connections}
+        assert mine == {f"mixed udp:{producer.session_id}": dropped, "mixed": 0}
+        await producer.aclose()
+        await wait_until(lambda: not broker.core.udp.ingress.publications)  # type: ignore[union-attr]
+        # a counter: the closed publication's drops stay counted
+        assert one(await scrape(broker), "flowbroker_udp_messages_dropped_total") == dropped
+        assert (await ok(broker, "GET", "/api/broker"))["udp"]["messages_dropped"] == dropped
+
+
 async def test_the_url_names_the_udp_endpoint(start_flowbroker: Start) -> None:
     """A broker behind NAT announces an endpoint its clients cannot reach: `?udp=` overrides it."""
     broker = await start_flowbroker(udp={"endpoint": "0.0.0.0:0"})  # announces 0.0.0.0:<port>
