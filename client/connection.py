@@ -474,7 +474,8 @@ class Connection:
             [e for f in found for e in f.errors],
             sum(f.failed for f in found),
             sum(f.unconfirmed for f in found),
-            self.flow_state.destinations,
+            # and what held a closed UDP producer's messages when it closed (`Producer._held_by`)
+            tuple(dict.fromkeys([*self.flow_state.destinations, *(d for f in found for d in f.destinations)])),
             f"before the connection closed ({self.close_error})" if closed else why,
         )
 
@@ -931,10 +932,11 @@ class Connection:
         return None
 
     async def _wait_outstanding(self, producers: Collection[Producer], deadline: float) -> None:
-        """Wait until none of `producers` has an uncompleted transfer, the connection is closed (they
-        will never complete), or `deadline` (trio's clock) passes. Never raises."""
+        """Wait until none of `producers` has an uncompleted transfer whose completion may still come (not
+        a closed UDP producer's: `Producer._completions_ended`), the connection is closed (they will never
+        complete), or `deadline` (trio's clock) passes. Never raises."""
         with trio.move_on_at(deadline):
-            while self._closed is None and any(p._outstanding for p in producers):
+            while self._closed is None and any(p._outstanding and p._completions_ended is None for p in producers):
                 await self._credit_lot.park()
 
     def _enqueue_transfer(self, producer: Producer, entry: QueuedEntry, size: int) -> int:

@@ -204,8 +204,8 @@ class PublishFailures(FlowbrokerError):
     `errors`: the refusals, typed (`NotFound`, `QueueFull`, `Unroutable`, ...), oldest first, at most
     `producer.MAX_KEPT_ERRORS` (100) per producer; `failed`: how many messages were refused in all;
     `unconfirmed`: how many were sent and not completed when the wait ended (held by a flow-stopped
-    queue, or the connection closed): they may still be enqueued and delivered, so resending them may
-    duplicate them;
+    queue, or the connection closed, or their UDP producer was closed: not waited for): they may still be
+    enqueued and delivered, so resending them may duplicate them;
     `destinations`: the flow-stopped queues at that moment ("*": all producers stopped by an operator or
     the broker's memory alarm; see FlowControlled)."""
 

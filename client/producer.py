@@ -173,6 +173,12 @@ class Producer:
         self._unconfirmed_reported = False
         """The producer's block ended and said which transfers were not completed: the connection's end
         neither waits for them again nor reports them twice (a later send starts afresh)."""
+        self._completions_ended: str | None = None
+        """Why the completions of the messages outstanding now will never come (a UDP producer's `aclose`:
+        the broker forgot the publication), or None. The ends of the blocks do not wait for them; they are
+        reported as unconfirmed at once, with this reason, naming `_held_by`."""
+        self._held_by: tuple[str, ...] = ()
+        """The flow-stopped destinations when the completions ended: what held the messages outstanding then."""
         self._sequences: ResendLedger[QueuedEntry] | None = None
         """An idempotent producer's sequences and the messages it would send again after a lost connection."""
         if idempotent:
@@ -363,7 +369,10 @@ class Producer:
             return None
         conn = self._conn
         destinations = conn.flow_state.destinations if unconfirmed else ()
-        if unconfirmed and conn.is_closed:
+        if unconfirmed and self._completions_ended is not None:
+            why_unconfirmed = self._completions_ended
+            destinations = tuple(dict.fromkeys(self._held_by + destinations))
+        elif unconfirmed and conn.is_closed:
             why_unconfirmed = f"before the connection closed ({conn.close_error})"
         failures = PublishFailures(self._errors, self._unreported, unconfirmed, destinations, why_unconfirmed)
         self._forget_errors()

@@ -294,6 +294,16 @@ class UdpProducer(Producer):
         self._sent(pub, result)
         return result
 
+    async def flush(self, timeout: float | None = None) -> None:
+        """As `Producer.flush`; after `aclose()` with messages not complete, raises `ConnectionClosed` at
+        once: their completion can never come (they stay unconfirmed, for the end of the block to report)."""
+        if self._completions_ended is not None and self._outstanding:
+            check_timeout("flush", timeout, "send_timeout")
+            await trio.lowlevel.checkpoint()
+            raise ConnectionClosed(ErrorCode.NORMAL, f"UDP publication {self.session_id} is closed: "
+                                   f"{self._outstanding} messages not completed {self._completions_ended}")
+        await super().flush(timeout)
+
     def _claim_in_batch(self, pub: Publication, body: bytes) -> int:
         """Claim `body`'s place in the open PUBLISH_BATCH, or in a new one after it when it does not fit
         (one datagram: the mtu, at most MAX_ENTRIES_PER_FRAME bodies); the batch's end with it, or 0 when
@@ -505,7 +515,9 @@ class UdpProducer(Producer):
         """Close the publication: CLOSE_PUBLICATION to the broker, then its socket, within `timeout`
         in all (None: the connection's `close_timeout`). Messages not yet complete are not waited for
         (`flush()` first, or leave the `async with` block, which does, within the same `close_timeout`);
-        the broker forgets the publication at once, so nothing more is sent on it (no end of stream)."""
+        the broker forgets the publication at once, so nothing more is sent on it (no end of stream), and
+        their completion never comes: they are unconfirmed from then on, reported by the end of the
+        producer's or the connection's block at once (`Producer._completions_ended`)."""
         check_timeout("producer close", timeout, "close_timeout")  # before anything is closed
         if self._closed or self.publication is None:
             self._closed = True
@@ -517,9 +529,17 @@ class UdpProducer(Producer):
         assert session_id is not None
         limit = conn.close_timeout if timeout is None else timeout
         deadline = trio.current_time() + limit
+        # What holds the messages not yet complete (a saturated queue): the broker resumes the connection
+        # on the publication's close, before its answer, so it is read now for the report.
+        held_by = conn.flow_state.destinations
         await self._unregister(session_id, limit)  # (None would have been request_timeout: 30 s)
         conn._udp_producers.pop(session_id, None)
         self._scope.cancel()
+        # No status message comes any more: the messages not complete are unconfirmed from now on, reported
+        # by the end of the producer's or the connection's block at once, never waited for (nor dropped).
+        self._completions_ended = (f"when UDP publication {session_id} was closed (producer.aclose(): "
+                                   "their completion is never told)")
+        self._held_by = held_by
         with trio.move_on_at(deadline):
             await self._done.wait()
 

@@ -9,6 +9,7 @@ TCP ones; refusals come back to the producer; closing the TCP connection ends th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Awaitable, Callable
@@ -486,6 +487,48 @@ async def test_leaving_a_udp_producer_block_with_the_broker_stopped_takes_close_
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         stop(proc)
+
+
+@pytest.mark.parametrize("producer_block", [False, True])
+async def test_messages_a_saturated_queue_holds_when_a_udp_producer_is_closed_are_unconfirmed_at_once(
+        start_flowbroker: Start, producer_block: bool) -> None:
+    """docs/protocol.md, CLOSE_PUBLICATION: what a saturated queue holds of a closed publication is delivered,
+    its completion never told. Leaving the connection's block (or the producer's, closed inside it) after
+    `aclose()` waited the whole close_timeout for those completions anyway, then called them "not
+    completed within close_timeout". Now they are unconfirmed at once: still reported (no silent losses),
+    naming the queue that held them when the publication closed, though it was purged since."""
+    close_timeout = 5.0
+    broker = await start_flowbroker()
+    with pytest.raises(fc.PublishFailures) as info:
+        async with await fc.connect(broker.url, close_timeout=close_timeout) as conn:
+            await conn.declare_queue("held", flow_stop_size=1 << 20, flow_resume_size=512 << 10)
+            producer = conn.producer("", "held", transport="udp")
+            assert isinstance(producer, UdpProducer)
+            async with (producer if producer_block else contextlib.nullcontext()):
+                with trio.fail_after(LIMIT):
+                    while True:  # 8 KiB messages until the broker's window closes and the term fills
+                        try:
+                            await producer.send(b"y" * 8192, block=False)
+                        except fc.FlowControlled as exc:
+                            assert "held" in exc.destinations
+                            break
+                        await trio.sleep(0)
+                in_flight = producer.statistics().in_flight
+                assert in_flight > 0
+                started = trio.current_time()
+                session_id = producer.session_id
+                await producer.aclose()
+                with pytest.raises(fc.ConnectionClosed, match="is closed: .* not completed when"):
+                    await producer.flush()  # nor does a flush wait (send_timeout) for what cannot come
+                await conn.purge_queue("held")
+                assert not conn.flow_state.destinations  # the purge resumed it: the failures must remember
+    took = trio.current_time() - started
+    assert took < close_timeout / 5, took
+    failures = info.value
+    assert (failures.unconfirmed, failures.failed, failures.destinations) == (in_flight, 0, ("held",))
+    assert f"when UDP publication {session_id} was closed" in str(failures)
+    assert "within close_timeout" not in str(failures)
+    assert producer.statistics().in_flight == in_flight  # unconfirmed, not counted complete
 
 
 async def test_an_idle_udp_producer_gives_up_the_credit_a_shrink_takes_so_a_later_producer_gets_a_share(
