@@ -4,18 +4,21 @@ raises, as Ctrl-C's does; the fake broker runs in a thread of its own."""
 
 from __future__ import annotations
 
+import dis
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
 import trio
 
-from flowbroker.client import blocking
+from flowbroker.client import blocking, interruptible
 from flowbroker.client.interruptible import run_interruptible
 from flowbroker.protocol import Deliver, DeliveryEntry
 from tests.client.fakebroker import FakeBroker
@@ -26,11 +29,18 @@ class Interrupt(BaseException):
     the test)."""
 
 
+class Again(BaseException):
+    """A further interrupt, raised by `raising_at_site` where a signal handler could run."""
+
+
 @contextmanager
-def interrupted_after(seconds: float) -> Iterator[None]:
-    """The block must end by the Interrupt that SIGINT raises in this thread after `seconds`."""
+def interrupted_after(seconds: float, landed: list[bool] | None = None) -> Iterator[None]:
+    """The block must end by the Interrupt that SIGINT raises in this thread after `seconds` (noted in
+    `landed` when it is raised)."""
 
     def handler(signum: int, frame: Any) -> None:
+        if landed is not None:
+            landed.append(True)
         raise Interrupt
 
     previous = signal.signal(signal.SIGINT, handler)
@@ -43,6 +53,57 @@ def interrupted_after(seconds: float) -> Iterator[None]:
         timer.cancel()
         timer.join()
         signal.signal(signal.SIGINT, previous)
+
+
+def _check_sites(code: CodeType) -> frozenset[int]:
+    """Where CPython 3.11 runs a pending signal's handler in `code`: just after a call returns, and at a
+    loop's backward jump (and at a function's start: the tracer's "call" event)."""
+    instructions = list(dis.get_instructions(code))
+    after_calls = {b.offset for a, b in zip(instructions, instructions[1:]) if a.opname.startswith("CALL")}
+    return frozenset(after_calls | {i.offset for i in instructions if i.opname.startswith("JUMP_BACKWARD")})
+
+
+@contextmanager
+def raising_at_site(
+    n: int, traced: Callable[[str], bool], exc: type[BaseException], after: list[bool] | None = None
+) -> Iterator[list[bool]]:
+    """Raise `exc` at the `n`th place this thread reaches, in the files `traced` accepts, where a signal's
+    handler could run (`_check_sites`), counting once `after` is not empty if given; yields a list that is
+    [True] if it did. A tracer's exception is raised in the traced frame, as a handler's is."""
+    fired: list[bool] = []
+    count = 0
+    sites: dict[CodeType, frozenset[int]] = {}
+
+    def site() -> None:
+        nonlocal count
+        if after is None or after:
+            count += 1
+            if count == n:
+                fired.append(True)
+                raise exc  # (and tracing stops)
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            if code not in sites:
+                sites[code] = _check_sites(code)
+            if frame.f_lasti in sites[code]:
+                site()
+        return local
+
+    def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        if not traced(frame.f_code.co_filename):
+            return None
+        frame.f_trace_lines = False
+        frame.f_trace_opcodes = True
+        site()
+        return local
+
+    sys.settrace(calls)
+    try:
+        yield fired
+    finally:
+        sys.settrace(None)
 
 
 @contextmanager
@@ -147,3 +208,38 @@ def test_a_call_that_returns_after_the_interrupt_is_undone() -> None:
     finally:
         trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
         thread.join(5)
+
+
+def test_a_second_interrupt_while_the_first_cancels_leaves_nothing_running() -> None:
+    """A second interrupt at each place of the cancel where one can land, in turn: the call is still cancelled, and the first
+    interrupt goes on."""
+
+    def traced(filename: str) -> bool:
+        return filename == interruptible.__file__
+
+    escaped: list[int] = []
+    with broker_thread(auto_complete=False) as (broker, in_broker):
+        with blocking.connect(broker.url, timeout=5, close_timeout=1) as conn:
+            fake = in_broker(broker.connection)
+            producer = conn.producer(routing_key="q", window=1)
+            producer.send(b"first", timeout=5)
+            for site in range(1, 100):
+                landed: list[bool] = []
+                try:
+                    with raising_at_site(site, traced, Again, after=landed) as fired:
+                        with interrupted_after(0.05, landed):
+                            producer.send(b"second", timeout=30)  # waits for the window
+                except Again:
+                    escaped.append(site)
+                if not fired:  # past the cancel's last place
+                    break
+            else:
+                raise AssertionError("the cancel has more than 100 places")
+            assert site > 2
+            in_broker(fake.complete)
+            time.sleep(0.2)
+            # A tester's send interrupted every 3 ms was sent after the caller was told it was not, when the
+            # second interrupt landed before the cancel was scheduled: its retry duplicated the message.
+            assert [entry.body for entry, _ in fake.transfers.values()] == [b"first"]
+            assert producer.statistics().sent == 1
+    assert escaped == []  # the first interrupt went on, each time
