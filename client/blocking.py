@@ -41,7 +41,7 @@ from flowbroker.client.errors import (
     stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvent, FlowEvents, FlowState
-from flowbroker.client.interruptible import CANCEL_WAIT, run_interruptible
+from flowbroker.client.interruptible import CANCEL_WAIT, Ended, run_interruptible
 from flowbroker.client.producer import Producer, ProducerStatistics
 from flowbroker.client.url import DEFAULT_URL
 from flowbroker.protocol import Error, ErrorCode, Headers, Welcome
@@ -92,6 +92,10 @@ class BlockingConnection:
         self._url = url
         self._options = options
         self._ready = threading.Event()
+        self._ended = Ended()
+        """Set when the thread's run has ended: waited for instead of `Thread.join`, which on CPython 3.11,
+        interrupted (Ctrl-C), marks the thread stopped while it runs on (bpo-45274): a close() interrupted
+        so said is_closed, and the next close() returned at once without its PublishFailures (a tester)."""
         self._startup_error: BaseException | None = None
         self._conn: Connection | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -122,7 +126,7 @@ class BlockingConnection:
             self._abandon()
             raise HandshakeError(f"the connection thread did not start within {timeout + 5.0:g} s")
         if self._startup_error is not None:
-            self._thread.join()
+            self._wait_ended(None)
             raise self._startup_error
         _open.add(self)
 
@@ -137,6 +141,15 @@ class BlockingConnection:
                 log.error("flowbroker blocking connection %s: its thread failed", self._url, exc_info=exc)
         finally:
             self._ready.set()
+            self._ended.set()
+
+    def _wait_ended(self, timeout: float | None) -> bool:
+        """Wait for the thread's run to end (at most `timeout` seconds), then for the thread's exit, which
+        follows at once; True if it ended."""
+        if not self._ended.wait(timeout):
+            return False
+        self._thread.join(CANCEL_WAIT)  # interrupted, no harm: only `_ended` is relied on
+        return True
 
     def _abandon(self) -> None:
         """Tell the thread to stop (cancel the connect, or close the connection it made) and wait for it,
@@ -149,7 +162,7 @@ class BlockingConnection:
                 token.run_sync_soon(self._stop_soon)
             except trio.RunFinishedError:
                 return
-        self._thread.join(CANCEL_WAIT)
+        self._wait_ended(CANCEL_WAIT)
 
     def _stop_soon(self) -> None:
         """In the thread: end the connect, or the connection, that nobody will use."""
@@ -228,7 +241,7 @@ class BlockingConnection:
 
     @property
     def is_closed(self) -> bool:
-        return self._conn is None or self._conn.is_closed or not self._thread.is_alive()
+        return self._conn is None or self._conn.is_closed or self._ended.is_set()
 
     @property
     def close_error(self) -> BaseException | None:
@@ -293,16 +306,15 @@ class BlockingConnection:
         `close_timeout` ends only this wait: the close goes on, and the next `close()` waits for it and raises
         its `PublishFailures`); `ConnectionClosed` (INTERNAL_ERROR) if the thread failed."""
         check_timeout("close", timeout, "close_timeout + 5 s")  # before the close begins
-        if self._thread.is_alive() and self._token is not None and self._stop is not None:
+        if not self._ended.is_set() and self._token is not None and self._stop is not None:
             try:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
             except trio.RunFinishedError:
                 pass
         limit = float(self._options.get("close_timeout", 5.0)) + 5.0 if timeout is None else max(timeout, 0.0)
-        self._thread.join(limit)
-        if self._thread.is_alive():
+        if not self._wait_ended(limit):
             waiting = self._still_closing()
-            if self._thread.is_alive():
+            if not self._ended.is_set():
                 raise BrokerConnectionError(f"the connection thread did not end within {limit:g} s{waiting}")
         _open.discard(self)
         failures, self._close_failures = self._close_failures, None

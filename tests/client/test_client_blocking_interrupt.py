@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from flowbroker.client import blocking, interruptible
+from flowbroker.client.errors import PublishFailures
 from flowbroker.client.interruptible import run_interruptible
 from flowbroker.protocol import Deliver, DeliveryEntry
 from tests.client.fakebroker import FakeBroker
@@ -164,6 +165,24 @@ def test_an_interrupted_send_is_not_sent() -> None:
             # it unsent, and its retry duplicated it.
             assert [entry.body for entry, _ in fake.transfers.values()] == [b"first"]
             assert producer.statistics().sent == 1
+
+
+def test_an_interrupted_close_is_finished_by_the_next() -> None:
+    with broker_thread(auto_complete=False) as (broker, in_broker):
+        conn = blocking.connect(broker.url, timeout=5, close_timeout=1.5)
+        conn.producer(routing_key="q").send(b"never completed", timeout=5)
+        with interrupted_after(0.3):
+            conn.close()  # waits for the completion, up to close_timeout
+        # A tester's interrupted close (in Thread.join, bpo-45274) left is_closed True with the close still
+        # running, and close() again returned None at once: its PublishFailures were raised by a third.
+        assert not conn.is_closed
+        started = time.monotonic()
+        with pytest.raises(PublishFailures, match="1 message sent and not completed"):
+            conn.close()
+        assert 0.9 < time.monotonic() - started < 3.0
+        assert conn.is_closed
+        assert not conn._thread.is_alive()
+        conn.close()  # raised once
 
 
 def test_an_interrupted_connect_leaves_no_connection_nor_thread() -> None:
