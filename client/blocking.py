@@ -615,10 +615,16 @@ class BlockingConsumer:
         `ConsumerClosed` (a trio.EndOfChannel) once the consumer or its connection is closed by the
         application, the connection's error if it failed. Subscribes
         first if the consumer was never entered, within the same deadline. Interrupted (Ctrl-C), it takes
-        no message: one it took too late to be cancelled goes back to the front of the buffer."""
+        no message: one it took too late to be cancelled goes back to the front of the buffer. (The
+        BlockingMessage is made in the trio call: made here, after it, an interrupt landing in its making lost
+        the message to the application and to the buffer both, a tester's t3b_ki_lost_receive.py.)"""
         consumer = self._consumer
-        msg = self._conn._call(functools.partial(consumer.receive, timeout), lambda m: consumer._give_back([m]))
-        return BlockingMessage(self._conn, msg)
+        conn = self._conn
+
+        async def take() -> BlockingMessage:
+            return BlockingMessage(conn, await consumer.receive(timeout))
+
+        return conn._call(take, lambda m: consumer._give_back([m._message]))
 
     def receive_many(self, limit: int, timeout: float) -> list[BlockingMessage]:
         """Up to `limit` messages in one thread hop: waits at most `timeout` seconds for the first (0: only
