@@ -278,7 +278,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
     async def login(request: Request) -> Response:
         # JSON only: a cross-site HTML form cannot send application/json, so it cannot log a
         # browser into this broker under the attacker's credential either.
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return _error(415, "unsupported_media_type", LOGIN_BODY)
         try:  # read no further than the limit: refused by its Content-Length at once, or once past it
             body = await read_body(request, MAX_LOGIN_BODY)

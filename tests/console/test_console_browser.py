@@ -432,3 +432,45 @@ def test_a_saturated_queue_is_shown_however_many_queues_are_named_before_it(brok
         broker.api("PATCH", "/api/queues/orders", {"flow_stop_count": 1000, "flow_resume_count": 800})
         producer.join(30)
     assert not producer.is_alive() and producer.error is None, producer.error
+
+
+def test_a_threshold_typed_back_to_its_filled_value_is_sent_and_a_cut_saturated_list_is_said(broker: Broker) -> None:
+    """The form sends the fields typed in: one typed back to the value the form was filled with, after
+    someone else changed it, was dropped with "Nothing to change" (a tester). And the line under the
+    header said "every saturated one" while more than 1000 were saturated and some were not listed."""
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `make system-tools` installs Debian's chromium"
+    with blocking.connect(broker.url, timeout=10) as conn:
+        conn.declare_queue("q", flow_stop_count=30, flow_resume_count=15)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            dialogs: list[str] = []
+
+            def on_dialog(dialog: Dialog) -> None:
+                dialogs.append(dialog.message)
+                dialog.accept()
+
+            page.on("dialog", on_dialog)
+            page.goto(broker.admin_url + "/")
+            page.fill("#token", TOKEN)
+            page.click("#login")
+            page.select_option("#threshold-queue", "q")
+            expect(page.locator("#flow_stop_count")).to_have_value("30")
+            broker.api("PATCH", "/api/queues/q", {"flow_stop_count": 50, "flow_resume_count": 25})  # someone else
+            expect(row(page, "queues", "queue", "q", "stop")).to_contain_text("50 /")
+            page.fill("#flow_stop_count", "30")  # back to what it was: typed, so sent
+            page.fill("#flow_resume_count", "15")
+            page.click("#apply-thresholds")
+            expect(page.locator("#thresholds-result")).to_contain_text("flow_stop_count 30, flow_resume_count 15")
+            assert "flow_stop_count: 50 -> 30" in dialogs[-1]
+            thresholds = broker.api("GET", "/api/queues/q")["thresholds"]
+            assert (thresholds["flow_stop_count"], thresholds["flow_resume_count"]) == (30, 15)
+
+            # more than 1000 saturated (the API's page says so with its cursor): the line says the list was cut
+            page.route("**/api/queues?saturated=true&limit=1000",
+                       lambda route: route.fulfill(status=200, content_type="application/json",
+                                                   body='{"queues": [], "next": "zz"}'))
+            expect(page.locator("#updated")).to_contain_text("(the first 1000 saturated queues by name)")
+        finally:
+            browser.close()

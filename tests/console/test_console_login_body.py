@@ -119,3 +119,16 @@ async def test_a_login_body_that_trickles_is_cut_at_the_body_deadline(
     assert status == 408 and b'"request_timeout"' in answer and headers["connection"] == "close" and closed
     await stream.aclose()
     await login(broker)
+
+
+async def test_the_login_media_type_is_compared_without_case(broker: Any) -> None:
+    """Media types are case-insensitive (RFC 9110): "APPLICATION/JSON" was refused 415 (a tester). A
+    cross-site form still cannot send it (its types are form-urlencoded, multipart and text/plain)."""
+    body = b'{"token": "%s"}' % TOKEN.encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    head = LOGIN_HEAD.replace(b"application/json", b"APPLICATION/JSON; charset=UTF-8")
+    await stream.send_all(head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with trio.fail_after(5):
+        status, _, answer, _ = await _answer(stream)
+    assert status == 200, answer
+    await stream.aclose()

@@ -231,13 +231,17 @@ function drawConnections(connections) {
 
 // -- the thresholds form --------------------------------------------------------------------------
 
-// The values the form was filled with: only the fields the operator edited are sent, so a change
-// someone else made meanwhile (the CLI, another console) is not undone by a stale field.
+// The values the form was filled with, and the fields the operator typed in since: only those are sent,
+// so a change someone else made meanwhile (the CLI, another console) is not undone by a stale field. A
+// field typed back to its filled value is sent too (compared with the filled value alone, a threshold
+// typed back to what it was before someone else changed it was dropped, "Nothing to change": a tester).
 let filled = {};
+const edited = new Set();
 
 function fillForm(name) {
   const queue = latestQueues.get(name);
   filled = {};
+  edited.clear();
   for (const key of THRESHOLDS) {
     filled[key] = queue ? String(queue.thresholds[key]) : "";
     document.getElementById(key).value = filled[key];
@@ -270,7 +274,7 @@ async function applyThresholds(event) {
   const change = {};
   for (const key of THRESHOLDS) {
     const text = document.getElementById(key).value.trim();
-    if (text === "" || text === filled[key]) continue;
+    if (text === "" || (text === filled[key] && !edited.has(key))) continue;
     const value = Number(text);
     const valid = TIME_THRESHOLDS.has(key) ? Number.isFinite(value) && value >= 0
                                            : Number.isSafeInteger(value) && value >= 0 && value <= MAX_THRESHOLD;
@@ -352,8 +356,13 @@ async function poll() {
     drawQueues(queues);
     drawConnections(c.connections);
     drawCharts(queues);
-    const partial = (q.next !== null || c.next !== null)
-      ? " (the first 1000 queues, and every saturated one / the first 1000 connections)" : "";
+    // what was left out: a saturated queue past the first 1000 names is still listed, unless more than
+    // 1000 are saturated (queues anyone may declare can push it out: a tester made 1000)
+    const cut = [];
+    if (q.next !== null) cut.push(s.next !== null ? "the first 1000 queues" : "the first 1000 queues, and every saturated one");
+    if (s.next !== null) cut.push("the first 1000 saturated queues by name");
+    if (c.next !== null) cut.push("the first 1000 connections");
+    const partial = cut.length ? ` (${cut.join("; ")})` : "";
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}${partial}`;
   } catch (e) {
     document.getElementById("updated").textContent = `not updated: ${e.message}`;
@@ -388,6 +397,7 @@ async function start() {
     producers("start-all", "Start every producer again?"));
   document.getElementById("threshold-queue").addEventListener("change", (e) => fillForm(e.target.value));
   document.getElementById("thresholds-form").addEventListener("submit", applyThresholds);
+  for (const key of THRESHOLDS) document.getElementById(key).addEventListener("input", () => edited.add(key));
   document.getElementById("logout").addEventListener("click", async () => {
     await api("POST", "/logout").catch(() => null);
     window.localStorage.removeItem(CSRF_KEY);
