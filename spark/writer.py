@@ -16,11 +16,13 @@ does not send those rows twice).
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import trio
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
@@ -133,12 +135,27 @@ def _connect(options: WriteOptions, producer_id: str) -> blocking.BlockingConnec
                                     timeout=options.connect_timeout, close_timeout=options.timeout,
                                     reconnect_timeout=options.reconnect_timeout, **options.connect_arguments())
         except HandshakeError as exc:
-            if not isinstance(exc.__cause__, OSError) or time.monotonic() + delay > deadline:
+            if not _broker_not_there(exc) or time.monotonic() + delay > deadline:
                 raise
             log.info("%s: %s; trying again for up to %g s (reconnectTimeout)", producer_id, exc,
                      deadline - time.monotonic())
         time.sleep(delay)
         delay = min(delay * 2, 1.0)
+
+
+def _broker_not_there(exc: HandshakeError) -> bool:
+    """Whether a failed handshake says the broker is not there (yet): the connection refused, or reset
+    or closed before WELCOME (what a broker killed while it accepted the connection does: a tester's tasks
+    failed at once on "Connection reset by peer" during the outage). A TLS failure or a refusal by the
+    broker (its ERROR, a login refused) is not: it would fail again."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, ssl.SSLError):
+            return False
+        if isinstance(cause, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def _flush(producer: blocking.BlockingProducer, timeout: float) -> None:

@@ -52,3 +52,43 @@ def test_a_tasks_first_connect_waits_for_a_broker_that_comes_back(tmp_path: Path
         thread.join(30)
         for running in started:
             stop_broker(running)
+
+
+def test_a_tasks_first_connect_waits_through_connections_reset_mid_handshake(tmp_path: Path):
+    """A broker killed while it accepted a task's connection resets it before WELCOME: the task failed at
+    once ("Connection reset by peer", a HandshakeError from trio's BrokenResourceError), not only a refused
+    connection is retried for reconnectTimeout (a tester: a job failed 1 s into a 3 s outage)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    started: list[Broker] = []
+    resets = 0
+
+    def reset_then_come_back() -> None:
+        nonlocal resets
+        listener.settimeout(0.1)
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:  # accept and reset every connection, as a dying broker does
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()
+            resets += 1
+        listener.close()
+        started.append(start_broker(tmp_path, port=port))
+
+    thread = threading.Thread(target=reset_then_come_back, daemon=True)
+    thread.start()
+    try:
+        options = WriteOptions.parse({"url": f"flowbroker://127.0.0.1:{port}", "queue": "q",
+                                      "reconnectTimeout": "20"})
+        with _connect(options, "job/0") as conn:
+            assert conn.broker_run is not None
+        assert resets >= 1
+    finally:
+        thread.join(30)
+        for running in started:
+            stop_broker(running)
