@@ -40,12 +40,13 @@ def segment_log(directory: Path, records: int, size: int, group: int) -> float:
     journal = Journal(directory, 64 * 1024 * 1024, True, 0, 0)
     journal.dormant = False
     journal._roll()
+    store = JournalStore(journal, 1)
     body = b"x" * size
     start = time.perf_counter()
     for i in range(records):
         msg = Message("", "q", body, None, size + 512)
         msg.offset = i
-        journal.message(1, msg)
+        journal.message(store, msg)
         if (i + 1) % group == 0:
             journal.write_batch(journal.take_batch())
     if journal.pending:

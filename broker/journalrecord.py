@@ -30,6 +30,7 @@ __all__ = [
     "DELIVERED",
     "SETTLED",
     "SETTLED_MANY",
+    "MESSAGE_MOVED",
     "PRODUCER_FORGOTTEN",
     "PRODUCERS",
     "encode",
@@ -61,6 +62,8 @@ SETTLED_MANY = 11  # [kind, qid, [offset, ...]]: SETTLED for each (a purge's rea
 PRODUCER_FORGOTTEN = 12  # [kind, producer id]: forgotten (idle for producer_id_ttl): what earlier records
 # said of it no longer holds (without it, a restart brought the id back from its messages' records, and a
 # new stream under it was taken for duplicates, a tester)
+MESSAGE_MOVED = 13  # MESSAGE's fields, then delivered (bool): a live message copied forward by compaction, so
+# its old segment can go; recovery takes it as the MESSAGE it repeats, without its producer's sequence
 
 
 _packer = msgpack.Packer(use_bin_type=True)

@@ -30,45 +30,48 @@ class JournalStore(MemoryStore):
         self.qid = qid
         self.start_offset = start_offset
         self.segs: dict[int, int] = {}
+        journal.stores[qid] = self
         for msg, seg in recovered:  # in offset order, already on disk
             super().append(msg)
             self.segs[msg.offset] = seg
+            journal.adopt(self, msg, seg)
 
     def __repr__(self) -> str:
         return f"<JournalStore qid={self.qid} ready={len(self)} owned={len(self.segs)}>"
 
     def append(self, msg: Message) -> None:
         super().append(msg)
-        self.segs[msg.offset] = self.journal.message(self.qid, msg)
+        self.segs[msg.offset] = self.journal.message(self, msg)
 
     def take(self) -> Message:
         msg = self.popleft()
         if not msg.redelivered:  # the first delivery; a redelivered one is on record already
-            self.journal.delivered(self.qid, msg.offset)
+            self.journal.delivered(self.qid, msg)
         return msg
 
     def settle(self, msg: Message) -> None:
         seg = self.segs.pop(msg.offset, None)
         if seg is not None:
-            self.journal.settled(self.qid, msg.offset, seg)
+            self.journal.settled(self, msg, seg)
 
     def purge(self) -> list[Message]:
         """The ready messages, gone: their settlements in SETTLED_MANY records, not a record each."""
         msgs = super().purge()
         pop = self.segs.pop
-        offsets: list[int] = []
+        gone: list[Message] = []
         segs: list[int] = []
         for msg in msgs:
             seg = pop(msg.offset, None)
             if seg is not None:
-                offsets.append(msg.offset)
+                gone.append(msg)
                 segs.append(seg)
-        if offsets:
-            self.journal.settled_many(self.qid, offsets, segs)
+        if gone:
+            self.journal.settled_many(self, gone, segs)
         return msgs
 
     def delete(self) -> None:
         super().delete()
-        self.journal.forget(list(self.segs.values()))
+        self.journal.forget(self, set(self.segs.values()))
+        self.journal.stores.pop(self.qid, None)
         self.segs.clear()
         self.journal.queue_deleted(self.qid)

@@ -24,6 +24,7 @@ from flowbroker.broker.journalrecord import (
     EXCHANGE,
     EXCHANGE_DELETED,
     MESSAGE,
+    MESSAGE_MOVED,
     PRODUCER_FORGOTTEN,
     PRODUCERS,
     QUEUE,
@@ -205,7 +206,7 @@ def _name(value: Any, what: str) -> str:
 def _check(r: list[Any]) -> None:
     """The field types `_replay` and `restore` rely on, per kind (ValueError: skip the record)."""
     kind = r[0]
-    if kind in (MESSAGE, SETTLED, DELIVERED):
+    if kind in (MESSAGE, MESSAGE_MOVED, SETTLED, DELIVERED):
         _int(r[1], "queue id"), _int(r[2], "offset")
     elif kind == QUEUE:
         _int(r[1], "queue id"), _name(r[2], "queue name"), _int(r[4], "next offset")
@@ -235,7 +236,7 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
     _check(r)
     kind = r[0]
     queues = out.queues
-    if kind == MESSAGE:
+    if kind == MESSAGE or kind == MESSAGE_MOVED:
         # The fields a DELIVER carries, checked as a received TRANSFER's are: the broker encodes its
         # DELIVER frames without re-checking them (BrokerServer._encode), so nothing unchecked may
         # enter a queue. Raises ValueError naming the field: the record is skipped as malformed.
@@ -244,10 +245,15 @@ def _replay(out: Recovered, r: list[Any], seg: int) -> None:
             raise ValueError(f"message size {r[7]!r} is not a non-negative integer")
         q = queues.get(r[1])
         if q is not None:
-            q.messages[r[2]] = (r, seg, False)
+            # A moved message repeats one an older segment may still hold (a crash before its deletion):
+            # one message, delivered if either said so.
+            earlier = q.messages.get(r[2])
+            delivered = (kind == MESSAGE_MOVED and r[10] is True) or (earlier is not None and earlier[2])
+            q.messages[r[2]] = (r, seg, delivered)
             if r[2] >= q.next_offset:  # (settled since, it still took its offset: never reused)
                 q.next_offset = r[2] + 1
-        if r[8] is not None and r[9] is not None:
+        # (a moved message's sequence is old news: the producer's highest is in the records since)
+        if kind == MESSAGE and r[8] is not None and r[9] is not None:
             out.producers[r[8]] = r[9]
     elif kind == SETTLED:
         q = queues.get(r[1])
@@ -298,10 +304,13 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
     """Put what was recovered into the core and the journal (trio thread, before any connection)."""
     now = core.clock_ns()
     journal.sizes.update(rec.segments)
-    for seg in rec.segments:
+    for seg in rec.segments:  # (their messages are counted as the queues' stores adopt them, below)
         journal.live.setdefault(seg, 0)
+        journal.live_bytes.setdefault(seg, 0)
+        journal.residents.setdefault(seg, {})
     journal.oldest_seg = min(rec.segments, default=1)
     journal.active_seg = max(rec.segments, default=0)
+    journal._active_residents = journal.residents.setdefault(journal.active_seg, {})  # (appends go on there)
     journal.producers.update(rec.producers)
     core.recovered_producers = dict(rec.producers)
     states = core.producer_sequences.store
@@ -334,7 +343,6 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
             msg.offset = offset
             msg.redelivered = delivered
             recovered.append((msg, seg))
-            journal.live[seg] = journal.live.get(seg, 0) + 1
         start = max(rq.next_offset, recovered[-1][0].offset + 1 if recovered else 0)
         try:
             thresholds, overflow = core.queue_thresholds(rq.arguments)

@@ -422,6 +422,7 @@ def journal_view(core: BrokerCore) -> dict[str, Any] | None:
         "records_written": journal.records_written,
         "bytes_written": journal.bytes_written,
         "segments_deleted": journal.segments_deleted,
+        "messages_moved": journal.messages_moved,
         "write_errors": journal.write_errors,
         "disk_alarm": alarm.reason if alarm is not None else None,
     }
