@@ -21,6 +21,7 @@ from collections.abc import Callable
 import trio
 
 from flowbroker.broker.auth import LoginThrottle
+from flowbroker.broker.passwords import checked
 from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.names import LOGIN_THROTTLED
 
@@ -90,7 +91,7 @@ class AdminUsers:
             if wait:
                 await trio.sleep(wait / 1e9)
             try:
-                return self.check(name, password)
+                return await self.check(name, password)
             except LoginRefused:
                 if throttle is not None:
                     throttle.failed(host, self._clock_ns())
@@ -113,8 +114,9 @@ class AdminUsers:
             return None
         return ADMINISTRATOR not in user.tags
 
-    def check(self, name: str, password: str) -> tuple[User, bool]:
-        """(user, read_only) for a user with an admin tag and this password; else LoginRefused."""
+    async def check(self, name: str, password: str) -> tuple[User, bool]:
+        """(user, read_only) for a user with an admin tag and this password; else LoginRefused. The
+        PBKDF2 runs in a worker thread (broker/passwords.py), once per password and users file."""
         self.store.refresh()
         user = self.store.get(name)
         if user is None:
@@ -123,7 +125,7 @@ class AdminUsers:
             raise LoginRefused("the user has no admin tag (administrator or monitoring)")
         key = (name, hmac.digest(self._pepper, password.encode("utf-8"), "sha256"))
         if self._verified.get(key) != self.store.generation:
-            if not user.credential.check_password(password):
+            if not await checked(lambda: user.credential.check_password(password)):
                 raise LoginRefused("wrong password")
             if len(self._verified) >= MAX_REMEMBERED:
                 self._verified.clear()

@@ -1,8 +1,9 @@
 """Authentication on HELLO, without I/O: what HELLO's `auth` asks for, and who the connection is.
 
-The shell (broker/server.py) calls `begin(hello.auth, peer)` and gets one of three answers: `Accepted`
+The shell (broker/server.py) calls `begin(hello.auth, peer)` and gets one of four answers: `Accepted`
 (WELCOME with that identity), `Challenge` (send AUTH_CHALLENGE, then give the AUTH_RESPONSE to
-`Challenge.finish`), or `Refused` (wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE). The
+`Challenge.finish`), `PasswordCheck` (run its `check` off the event loop, give the answer to its
+`finish`), or `Refused` (wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE). The
 text of a refusal sent to the client never says whether the user exists; the reason for the log does.
 
 HELLO's `auth` map (docs/protocol.md):
@@ -31,7 +32,7 @@ from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
 
-__all__ = ["Peer", "Accepted", "Challenge", "Refused", "Authenticator", "LoginThrottle", "PLAIN", "SCRAM",
+__all__ = ["Peer", "Accepted", "Challenge", "PasswordCheck", "Refused", "Authenticator", "LoginThrottle", "PLAIN", "SCRAM",
            "is_local", "salt_secret", "salt_secret_path", "THROTTLE_SOURCES"]
 
 LOGGER = logging.getLogger("flowbroker.broker.auth")
@@ -97,7 +98,28 @@ class Challenge:
         return self._auth._accepted(Accepted(user.name, SCRAM, user, server_final))
 
 
-Outcome = Union[Accepted, Challenge, Refused]
+class PasswordCheck:
+    """A PLAIN login's password against the user's stored credential: PBKDF2 at the user's iterations (0.3 s
+    at 10^6, and `flowbroker user add` takes up to 10^7). The shell runs `check` in a worker thread
+    (hashlib releases the GIL) and gives its answer to `finish`: run inline, a guesser's wrong passwords
+    for a user with many iterations froze the broker for every client, up to 3 s at a time (a tester)."""
+
+    def __init__(self, auth: Authenticator, user: User, password: str):
+        self._auth = auth
+        self.user = user
+        self._password = password
+
+    def check(self) -> bool:
+        """The PBKDF2 (in any thread: it reads only the credential)."""
+        return self.user.credential.check_password(self._password)
+
+    def finish(self, ok: bool) -> Accepted | Refused:
+        if not ok:
+            return self._auth.failed("wrong password", self.user.name)
+        return self._auth._accepted(Accepted(self.user.name, PLAIN, self.user))
+
+
+Outcome = Union[Accepted, Challenge, PasswordCheck, Refused]
 
 THROTTLE_SOURCES = 10_000
 """Source addresses the login throttle remembers at once; the least recently failed is forgotten first."""
@@ -312,7 +334,7 @@ class Authenticator:
         return Refused(f"unknown mechanism {str(mechanism)[:40]!r}: use {SCRAM} or {PLAIN}",
                        f"mechanism {str(mechanism)[:40]!r}")
 
-    def _plain(self, auth: dict[str, Any], peer: Peer) -> Accepted | Refused:
+    def _plain(self, auth: dict[str, Any], peer: Peer) -> PasswordCheck | Refused:
         name, password = auth.get("username"), auth.get("password")
         if type(name) is not str or type(password) is not str or len(name) > 255 or len(password) > 1024:
             return self.failed("PLAIN without string username and password", None)
@@ -329,9 +351,7 @@ class Authenticator:
         user = self.store.get(name)
         if user is None:
             return self.failed("unknown user", name)
-        if not user.credential.check_password(password):
-            return self.failed("wrong password", name)
-        return self._accepted(Accepted(user.name, PLAIN, user))
+        return PasswordCheck(self, user, password)
 
     def _accepted(self, accepted: Accepted) -> Accepted:
         self.successes += 1

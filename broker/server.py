@@ -60,7 +60,8 @@ from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descr
 from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token, url_host
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.listen_hints import listen_hint
-from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, Peer, Refused
+from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, PasswordCheck, Peer, Refused
+from flowbroker.broker.passwords import checked
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
@@ -678,6 +679,8 @@ class ConnectionHandler:
     async def _login(self, hello: Hello) -> Accepted | None:
         auth, throttle, host = self.server.authenticator, self.server.authenticator.throttle, self.peer_info.host
         outcome = auth.begin(hello.auth, self.peer_info)
+        if isinstance(outcome, PasswordCheck):  # PBKDF2 off the event loop (auth.PasswordCheck)
+            outcome = outcome.finish(await checked(outcome.check))
         if isinstance(outcome, Challenge):
             await self.io.stream.send_all(self.conn.send(AuthChallenge(outcome.data)))
             response = await self._handshake(AuthResponse)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Peer, Refused, is_local
+from flowbroker.broker.auth import Accepted, Authenticator, Challenge, Outcome, PasswordCheck, Peer, Refused, is_local
 from flowbroker.broker.config import AuthConfig
 from flowbroker.broker.users import User, UserStore, write_users
 from flowbroker.protocol.scram import ScramClient, StoredCredential
@@ -35,13 +35,27 @@ def test_the_loopback_user_is_never_given_to_another_address(tmp_path: Path) -> 
     assert auth.failures == 1
 
 
+def checked(outcome: Outcome) -> Outcome:
+    """A PLAIN login's PasswordCheck run as the shell runs it (the PBKDF2, then its answer)."""
+    return outcome.finish(outcome.check()) if isinstance(outcome, PasswordCheck) else outcome
+
+
+def test_a_plain_password_is_checked_by_the_shell_off_the_event_loop(tmp_path: Path) -> None:
+    """begin() does no PBKDF2 for PLAIN: it hands the shell a PasswordCheck (run inline, a guesser's wrong
+    passwords for a user with 10^6 iterations froze the broker for 0.3 s each, a tester)."""
+    auth = authenticator(tmp_path)
+    check = auth.begin({"mechanism": "PLAIN", "username": "alice", "password": "wrong"}, Peer("127.0.0.1"))
+    assert isinstance(check, PasswordCheck) and check.user.name == "alice"
+    assert check.check() is False and isinstance(check.finish(False), Refused) and auth.failures == 1
+
+
 def test_plain_from_another_address_needs_tls_unless_always(tmp_path: Path) -> None:
     creds = {"mechanism": "PLAIN", "username": "alice", "password": "pw"}
     auth = authenticator(tmp_path)
     assert isinstance(auth.begin(creds, REMOTE), Refused)
-    accepted = auth.begin(creds, Peer("192.0.2.7", tls=True))
+    accepted = checked(auth.begin(creds, Peer("192.0.2.7", tls=True)))
     assert isinstance(accepted, Accepted) and accepted.identity == "alice"
-    assert isinstance(authenticator(tmp_path, plain="always").begin(creds, REMOTE), Accepted)
+    assert isinstance(checked(authenticator(tmp_path, plain="always").begin(creds, REMOTE)), Accepted)
 
 
 def test_scram_from_another_address_without_tls(tmp_path: Path) -> None:
@@ -72,8 +86,8 @@ def test_malformed_auth_maps_are_refused(tmp_path: Path, auth_map: dict[str, obj
 def test_a_user_added_to_the_file_logs_in_without_a_restart(tmp_path: Path) -> None:
     auth = authenticator(tmp_path)
     creds = {"mechanism": "PLAIN", "username": "bob", "password": "b"}
-    assert isinstance(auth.begin(creds, Peer("127.0.0.1")), Refused)
+    assert isinstance(auth.begin(creds, Peer("127.0.0.1")), Refused)  # (no such user: refused at once)
     users = dict(auth.store.users)
     users["bob"] = User("bob", StoredCredential.from_password("b", 4096))
     write_users(auth.store.path, users)
-    assert isinstance(auth.begin(creds, Peer("127.0.0.1")), Accepted)
+    assert isinstance(checked(auth.begin(creds, Peer("127.0.0.1"))), Accepted)
