@@ -60,7 +60,7 @@ from flowbroker.broker.accept import RateLimitedLog, accept_forever, raise_descr
 from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_token, resolve_token, url_host
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.listen_hints import listen_hint
-from flowbroker.broker.auth import PLAIN, Accepted, Authenticator, Challenge, PasswordCheck, Peer, Refused
+from flowbroker.broker.auth import PLAIN, SCRAM, Accepted, Authenticator, Challenge, PasswordCheck, Peer, Refused
 from flowbroker.broker.passwords import checked
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
@@ -180,6 +180,9 @@ class BrokerServer:
         restarted, and that its memory-only queues lost what they held (the Spark writer fails the job)."""
         self._handlers: trio.Nursery | None = None
         self._log_refusal = RateLimitedLog(LOGGER, logging.WARNING)
+        # logins refused unchecked because their address is throttled: one guesser wrote 1,168 lines a
+        # minute at WARNING (a tester); the checked refusals are still logged each
+        self.log_throttled = RateLimitedLog(LOGGER, logging.WARNING)
         self.authenticator = Authenticator(config.auth)  # who may connect (broker/auth.py)
         self._users_error = self.authenticator.store.error  # the users file's error last logged
         self.core.login_throttle = self.authenticator.throttle
@@ -521,10 +524,18 @@ class BrokerServer:
                 handler._rest = []
 
 
-def _plain_name(auth: dict[str, Any]) -> str | None:
-    """The user name a PLAIN attempt names, for the log (SCRAM's is inside its client-first message)."""
+def _claimed_name(auth: dict[str, Any]) -> str | None:
+    """The user name a login attempt names, for the log only (unchecked): PLAIN's `username`, or the `n=`
+    of SCRAM's client-first message (a throttled SCRAM guess was logged without it, a tester)."""
     name = auth.get("username")
-    return name[:255] if auth.get("mechanism") == PLAIN and isinstance(name, str) else None
+    if auth.get("mechanism") == PLAIN:
+        return name[:255] if isinstance(name, str) else None
+    data = auth.get("data")
+    if auth.get("mechanism") == SCRAM and isinstance(data, bytes):
+        parts = data[:1024].decode("utf-8", "replace").split(",")
+        if len(parts) > 2 and parts[2].startswith("n="):
+            return parts[2][2:].replace("=2C", ",").replace("=3D", "=")[:255]
+    return None
 
 
 async def _send_and_close(io: StreamIO, conn: Connection, frames: list[Frame], unsent: bytes = b"") -> None:
@@ -642,7 +653,7 @@ class ConnectionHandler:
         if wait is None:
             await self._refuse_login(Refused(
                 f"{LOGIN_THROTTLED} {host}: try again later", "throttled (too many failed logins "
-                "from this address)", _plain_name(hello.auth)))
+                "from this address)", _claimed_name(hello.auth)), self.server.log_throttled)
             return None
         try:
             if wait:
@@ -698,11 +709,12 @@ class ConnectionHandler:
             return None
         return outcome
 
-    async def _refuse_login(self, outcome: Refused) -> None:
-        """Log and count a refused login, wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE."""
-        LOGGER.warning("connection from %s: login refused%s: %s", self.peer,
-                       f" for user {logsafe(outcome.username)}" if outcome.username is not None else "",
-                       logsafe(outcome.reason))
+    async def _refuse_login(self, outcome: Refused, log: Callable[..., None] = LOGGER.warning) -> None:
+        """Log (with `log`: the throttled ones at most once per 10 s, BrokerServer.log_throttled) and count a
+        refused login, wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE."""
+        log("connection from %s: login refused%s: %s", self.peer,
+            f" for user {logsafe(outcome.username)}" if outcome.username is not None else "",
+            logsafe(outcome.reason))
         self.core.errors_sent[ErrorCode.UNAUTHORIZED] += 1
         await trio.sleep(self.server.config.auth.failed_login_delay)
         text = outcome.text
