@@ -1428,6 +1428,9 @@ class Connection:
                     text = f"no frame from the broker for {idle:g} s"
                     self._lost(ConnectionClosed(ErrorCode.IDLE_TIMEOUT, text), generation,
                                Close(ErrorCode.IDLE_TIMEOUT, text))
+                    if self._writing:  # stuck in the middle of a frame to a broker that takes nothing: the
+                        # CLOSE cannot follow it, and the block's end waited close_timeout for it (a tester)
+                        self._writer_scope.cancel()
                     return
                 if self._write_stalled(now, idle):
                     # The stream is in the middle of a frame: nothing more can be written on it.

@@ -176,6 +176,29 @@ async def test_a_broker_that_reads_nothing_is_declared_dead_after_the_idle_timeo
     assert closing.value.unconfirmed == 400 and closing.value.failed == 0
 
 
+async def test_a_silent_broker_that_reads_nothing_ends_the_block_without_waiting_close_timeout(
+        start_broker, io_clock) -> None:
+    """A broker frozen (SIGSTOP) with a producer's megabytes queued: the idle timeout closed the connection
+    at 3 s, but the writer stayed in the middle of a frame nobody read, and the block's end waited the
+    whole close_timeout (5 s) for it to send CLOSE (a tester: 8.0 s instead of 3.0). The writer is cut off
+    with the connection."""
+    broker = await start_broker(idle_timeout_ms=3000, auto_complete=False, answer_noops=False)
+    start = trio.current_time()
+    with pytest.raises(fc.PublishFailures) as closing:
+        async with await fc.connect(broker.url, timeout=5, close_timeout=5) as conn:
+            fake = await broker.connection()
+            fake.pause_reading()
+            producer = conn.producer(routing_key="q", window=10_000)
+            body = b"x" * 65536
+            for _ in range(400):  # 26 MB: more than the kernel buffers of a loopback connection hold
+                await producer.send(body)
+            with pytest.raises(fc.ConnectionClosed) as info:
+                await producer.flush(timeout=60)
+            assert info.value.code == ErrorCode.IDLE_TIMEOUT and "no frame from the broker" in info.value.reason
+    assert trio.current_time() - start < 3 + 1  # the idle timeout and ticks, not close_timeout besides
+    assert closing.value.unconfirmed == 400
+
+
 async def test_broker_close_wakes_waiters_with_code(start_broker) -> None:
     broker = await start_broker(answer_requests=False)
     async with await fc.connect(broker.url, timeout=5) as conn:
