@@ -60,6 +60,7 @@ class AdminClient:
         except ValueError:
             raise click.ClickException(f"--admin-url {printable(url)}: the port is not a number") from None
         self.token: str | None = None
+        self._told_busy = False  # the admin port's 503 was said on stderr (once: `top` asks every second)
         self._no_token = ""  # why there is none: said once the URL has been seen to be the admin API
         from_env = os.environ.get(TOKEN_ENV, "").strip()
         if token_file is None and from_env:
@@ -97,6 +98,9 @@ class AdminClient:
             except _Busy as busy:
                 if self._clock() + busy.retry_after > busy_until:
                     raise click.ClickException(f"{busy.description} (tried for {BUSY_RETRY_SECONDS:g} s)") from None
+                if not self._told_busy:  # said once, on stderr: it printed nothing for 30 s (a tester)
+                    self._told_busy = True
+                    click.echo(f"{busy.description}; trying again for up to {BUSY_RETRY_SECONDS:g} s", err=True)
                 self._sleep(busy.retry_after)
 
     def _send(self, req: urllib.request.Request) -> bytes:

@@ -150,9 +150,10 @@ async def test_connections_that_pipeline_and_never_read_give_their_places_back_w
 
 
 async def test_the_cli_tries_again_while_the_admin_port_is_full_and_says_so_when_it_stays_full(
-        broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The port's 503 comes before the request is read: the CLI's client sends it again after Retry-After,
-    for up to BUSY_RETRY_SECONDS. `flowbroker top` ended at the first 503 (a tester)."""
+    for up to BUSY_RETRY_SECONDS. `flowbroker top` ended at the first 503 (a tester); a `queues` that
+    waited printed nothing for 30 s (another): it says so on stderr, once."""
     import click
 
     from flowbroker.broker import adminclient
@@ -170,6 +171,8 @@ async def test_the_cli_tries_again_while_the_admin_port_is_full_and_says_so_when
     with pytest.raises(click.ClickException) as full:  # never freed within the 2.5 s
         await trio.to_thread.run_sync(client.request, "GET", "/api/broker")
     assert "max_connections" in full.value.message and "tried for 2.5 s" in full.value.message
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "max_connections" in said[0] and said[0].endswith("trying again for up to 2.5 s")
     refused = http.refused
     assert refused >= 2
 
