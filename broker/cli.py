@@ -381,8 +381,10 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
     import flowbroker.client as fb
 
     auth = _broker_auth()
-    if as_json:  # the JSON alone: the SDK's own warnings (a block ended with messages in flight) would be
-        logging.getLogger("flowbroker.client").setLevel(logging.ERROR)  # beside it on stderr (a tester)
+    # The outcome alone, as a line or as JSON: the SDK's own warnings (a block ended with messages in flight)
+    # said the same beside it on stderr (testers: with --json, and at a Ctrl-C), unless -v asks for them.
+    if as_json or not click.get_current_context().find_root().params.get("verbose"):
+        logging.getLogger("flowbroker.client").setLevel(logging.ERROR)
     # Lines from stdin are sent as they are read, when each is sent once: `yes | flowbroker publish` held
     # every line in memory before sending any (a tester). Copies (-n) of a stream are sent after it is read.
     streaming = not messages and count == 1

@@ -586,6 +586,32 @@ def test_publish_with_standard_streams_closed_or_interrupted_says_how_it_ended(d
     assert outcome["sent"] == 50 and outcome["completed"] == 50 and "interrupted (Ctrl-C)" in outcome["error"]
 
 
+def test_publish_interrupted_says_how_it_ended_in_one_line(daemon: Daemon) -> None:
+    """publish "says how it ended", in one line: interrupted during a stop-all, stderr had the SDK's
+    timestamped WARNING (a block ended with a message in flight) before its own line (a tester)."""
+    import signal
+
+    daemon.cli("producers", "stop-all")
+    try:
+        pub = subprocess.Popen([FLOWBROKER, "publish", "--url", daemon.url, "-k", "held-line", "x"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            daemon.wait_for(lambda: any(c["producer"]["transfers_held"]
+                                        for c in daemon.json("connections")["connections"]))
+            pub.send_signal(signal.SIGINT)
+            _, err = pub.communicate(timeout=30)
+        finally:
+            if pub.poll() is None:
+                pub.kill()
+                pub.communicate(timeout=30)
+    finally:
+        daemon.cli("producers", "start-all")
+    assert pub.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: interrupted (Ctrl-C)"), err
+
+
 def test_publish_reads_crlf_lines_without_their_cr(daemon: Daemon) -> None:
     """Lines of a Windows file kept their CR once stdin was read in bytes (a tester); text mode dropped it."""
     pub = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "crlf", "--json"],
