@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from flowbroker.client.errors import InvalidCredentials
+from flowbroker.protocol.saslprep import SaslprepError
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramClient
 
 __all__ = ["Credentials", "AuthArg", "hello_auth"]
@@ -40,5 +42,8 @@ def hello_auth(auth: AuthArg) -> tuple[dict[str, Any] | None, ScramClient | None
         auth = Credentials(*auth)
     if auth.mechanism == "PLAIN":
         return {"mechanism": "PLAIN", "username": auth.username, "password": auth.password}, None
-    scram = ScramClient(auth.username, auth.password)
+    try:
+        scram = ScramClient(auth.username, auth.password)
+    except SaslprepError as exc:
+        raise InvalidCredentials(str(exc)) from None
     return {"mechanism": SCRAM, "data": scram.first()}, scram

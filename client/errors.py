@@ -44,6 +44,7 @@ __all__ = [
     "FlowbrokerError",
     "BrokerConnectionError",
     "HandshakeError",
+    "InvalidCredentials",
     "ConnectionClosed",
     "ProtocolViolation",
     "FlowControlled",
@@ -90,6 +91,12 @@ class AuthenticationError(HandshakeError):
     password, an unknown user, a mechanism not allowed), or
     could not prove it holds them (SCRAM's server signature). Connecting again with the same credentials
     cannot succeed, so a reconnecting connection stops at the first one and closes with it."""
+
+
+class InvalidCredentials(HandshakeError, ValueError):
+    """Credentials the SDK cannot send: SASLprep (RFC 4013) refuses the user name or password (a control
+    character, a prohibited or unassigned code point); nothing was sent. Also a ValueError, which it was
+    alone (`except FlowbrokerError` missed it, a tester)."""
 
 
 class ConnectionClosed(BrokerConnectionError):
