@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import trio
 from hypothesis import settings
 
 from flowbroker.broker.config import load_config
+from flowbroker.protocol.scram import StoredCredential
 from flowbroker.broker.server import BrokerServer
 
 # No per-example deadline: hypothesis's default of 200 ms is a timing assertion, and on a busy 2-core
@@ -89,3 +91,19 @@ def start_flowbroker(nursery: trio.Nursery) -> Callable[..., Awaitable[RunningBr
         return RunningBroker(server, port)
 
     return start
+
+
+@pytest.fixture
+def stalled_password_checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Every stored credential's password check blocks its thread until the event is set (5 s at most):
+    a stand-in for PBKDF2 at many iterations (broker/passwords.py runs it off the event loop)."""
+    release = threading.Event()
+    check = StoredCredential.check_password
+
+    def stalling(self: StoredCredential, password: str) -> bool:
+        release.wait(5)
+        return check(self, password)
+
+    monkeypatch.setattr(StoredCredential, "check_password", stalling)
+    yield release
+    release.set()

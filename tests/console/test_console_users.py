@@ -62,19 +62,12 @@ async def test_a_wrong_password_or_a_user_without_an_admin_tag_is_refused_slowly
     assert trio.current_time() - began >= DELAY and "x-flowbroker-login-failed" not in answer.headers
 
 
-async def test_a_slow_basic_password_check_holds_no_other_request(broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_slow_basic_password_check_holds_no_other_request(broker: Any,
+                                                                   stalled_password_checks: threading.Event) -> None:
     """HTTP Basic checks the password with PBKDF2 at the user's iterations: checked on the event loop, a
     guesser's wrong passwords for a user with 10^6 iterations paused every client up to 3 s (a tester).
-    The check stands in here for a slow one, blocking its thread up to 5 s, while the token's request and
-    a broker client go on."""
-    release = threading.Event()
-    slow = StoredCredential.check_password
-
-    def stalling(self: StoredCredential, password: str) -> bool:
-        release.wait(5)
-        return slow(self, password)
-
-    monkeypatch.setattr(StoredCredential, "check_password", stalling)
+    The check stands in here for a slow one, blocking its thread up to 5 s, while the token's request
+    goes on."""
     began = trio.current_time()  # (the broker runs in this process: a blocked loop holds this task too)
     async with trio.open_nursery() as nursery:
         async def guess() -> None:
@@ -84,7 +77,7 @@ async def test_a_slow_basic_password_check_holds_no_other_request(broker: Any, m
         await trio.sleep(0.2)  # its check is running now
         answer = await request(broker, "GET", "/api/queues", headers={"Authorization": f"Bearer {TOKEN}"})
         took = trio.current_time() - began
-        release.set()
+        stalled_password_checks.set()
     assert answer.status == 200 and took < 2.5, f"the token's request waited {took:.1f} s"
 
 

@@ -220,20 +220,12 @@ async def test_a_password_typed_in_another_unicode_form_logs_in_by_saslprep(star
 
 
 async def test_a_slow_password_check_holds_no_other_connection(start_flowbroker: Any, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                                               stalled_password_checks: threading.Event) -> None:
     """A PLAIN password is checked with PBKDF2 at the user's iterations (0.3 s at 10^6): checked on the event
     loop, a guesser's wrong passwords froze the broker for every client (a tester: 1.8 s pauses for a
     logged-in producer). The check stands in here for a slow one: it blocks its thread for up to 5 s, while
     another client logs in and round-trips a message."""
     broker = await start(start_flowbroker, tmp_path)
-    release = threading.Event()
-    slow = StoredCredential.check_password
-
-    def stalling(self: StoredCredential, password: str) -> bool:
-        release.wait(5)
-        return slow(self, password)
-
-    monkeypatch.setattr(StoredCredential, "check_password", stalling)
     async with trio.open_nursery() as nursery:
         async def guess() -> None:
             with pytest.raises(fc.HandshakeError):
@@ -244,5 +236,5 @@ async def test_a_slow_password_check_holds_no_other_connection(start_flowbroker:
         await trio.sleep(0.2)  # its check is running now
         await roundtrip(broker.url, fc.Credentials("bob", "builder"))  # SCRAM: no PBKDF2 on the broker
         took = trio.current_time() - began
-        release.set()
+        stalled_password_checks.set()
     assert took < 2.5, f"another client waited {took:.1f} s for the password check"
