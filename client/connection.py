@@ -102,7 +102,7 @@ from flowbroker.protocol import (
     SenderWindow,
 )
 from flowbroker.protocol import Connection as ProtocolConnection
-from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME
+from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME, MAX_RANGES_PER_FRAME, utf8_len
 from flowbroker.protocol.names import EXCHANGE_KINDS, OVERFLOW_POLICIES
 from flowbroker.protocol.frames import Range, check_frame
 from flowbroker.protocol.producer import ProducerLedger
@@ -948,7 +948,7 @@ class Connection:
         if not transfers:
             self._wake.set()
         transfers.append(entry)
-        self._transfer_costs.append(size + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD)
+        self._transfer_costs.append(size + utf8_len(entry[0]) + utf8_len(entry[1]) + ENTRY_OVERHEAD)
         return transfer_id
 
     async def _wait_credit(self) -> None:

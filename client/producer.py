@@ -278,9 +278,11 @@ class Producer:
         # must be what a TRANSFER entry may hold.
         if type(body) is not bytes or headers or type(key) is not str or type(exchange) is not str:
             check_message(exchange, key, body, headers, conn.welcome.max_message_size)
-            names = len(key) + len(exchange)
-        else:
-            names = len(key) + len(exchange)
+            # (their bytes, for the writer's frame budget: counted in characters, non-ASCII headers and
+            # names made frames over max_frame_size, and the broker closed the connection, a tester)
+            names = utf8_len(key) + utf8_len(exchange)
+        else:  # (a short key's characters are within the frame budget's slack, an exchange's may not be)
+            names = len(key) + (len(exchange) if exchange.isascii() else utf8_len(exchange))
             if len(key) > _SHORT_KEY or len(body) + 4 * names > conn.welcome.max_message_size:
                 check_message(exchange, key, body, headers, conn.welcome.max_message_size)
         # message_size inlined for the common message without headers (as the consumer does on arrival)

@@ -16,7 +16,7 @@ from flowbroker.protocol import (
     CreditError,
     message_size,
 )
-from flowbroker.protocol.credit import HEADER_OVERHEAD, MESSAGE_OVERHEAD
+from flowbroker.protocol.credit import HEADER_OVERHEAD, MESSAGE_OVERHEAD, text_size
 
 S = 1_000_000_000  # ns per second
 
@@ -181,6 +181,20 @@ def test_message_size() -> None:
         1 + MESSAGE_OVERHEAD + HEADER_OVERHEAD + (3 + 5) + (1 + 2) + (1 + 8) + (4 + 8) + 4 * HEADER_OVERHEAD
     )
     assert message_size(b"x", {}) == message_size(b"x", None)
+
+
+def test_a_non_ascii_header_string_is_charged_twice_its_utf8_bytes() -> None:
+    """A header of 10^6 emoji was charged 1 MB (its code points) and took 8 MB in the broker once delivered
+    (4 bytes a character, and the UTF-8 copy its DELIVER left): a client held 4.6 times the memory bound
+    (a tester). ASCII is charged as before; any other string twice its UTF-8 bytes (docs/protocol.md)."""
+    base = MESSAGE_OVERHEAD + 2 * HEADER_OVERHEAD + 1
+    assert message_size(b"", {"a": "ascii"}) == base + 5
+    assert message_size(b"", {"a": "\u00e9" * 10}) == base + 2 * 20  # 2 bytes each in UTF-8
+    assert message_size(b"", {"a": "\u6f22" * 10}) == base + 2 * 30
+    assert message_size(b"", {"a": "\U0001f600" * 10}) == base + 2 * 40
+    assert message_size(b"", {"\u00e9": "x"}) == base - 1 + 2 * 2 + 1  # keys too
+    assert message_size(b"", {"a": "\U0001f600".encode()}) == base + 4  # bytes: their length
+    assert text_size("plain") == 5 and text_size("\udc80") == 2 * 3  # (a lone surrogate: surrogatepass)
 
 
 # --- ReceiverWindow -------------------------------------------------------------------------------
