@@ -285,6 +285,7 @@ class BrokerCore:
             # also holds at most MAX_ENTRIES_PER_FRAME messages: one comparison a delivery seals both.
             max_delivery_frame_bytes=min(self.config.server.max_frame_size // 4, MAX_ENTRIES_PER_FRAME * MESSAGE_OVERHEAD),
         )
+        session.transfers.max_message = self.config.server.max_message_size  # (what a mid-stream answer may claim)
         self.sessions[conn_id] = session
         self.connections_opened += 1
         self._set_held_room()

@@ -91,7 +91,7 @@ class Session:
         # session whose frames reach no wire of their own (a UDP publication's: its owner relays them).
         self.errors_sent: Counter[ErrorCode] | None = None
         # producer half
-        self.transfers = TransferReceiver(buffer_size, flow_control)
+        self.transfers = TransferReceiver(buffer_size, flow_control)  # (the core sets its max_message)
         # A UDP publication's session: its producer's window is the broker's own status messages, so a
         # shrink is in force at once (the core answers it for it: `BrokerCore._apply_buffer_sizes`).
         self.fences_itself = False

@@ -48,10 +48,19 @@ class TransferReceiverStatistics:
 
 
 UNFENCED_IN_FLIGHT = 64 * 1024 * 1024
-"""The most a producer's first BUFFER_LIMIT after its buffer went from 0 (no flow control) to a size may
-claim beyond what the broker received and the new buffer: bytes it sent that are still in the sockets'
-buffers between the two (a few MiB on Linux, whatever the client), with room to spare. Until that
-answer, the most it may send beyond the new credit limit."""
+"""Bytes that may be on their way from a producer when its buffer goes from 0 (no flow control) to a
+size: in the sockets' buffers between the two (a few MiB on Linux) and in one write of the client's (the
+SDK writes up to 8 frames at once, 64 MiB at the default frame size). Until the producer answers the
+new buffer (BUFFER_LIMIT), it may send twice this beyond what had arrived when the buffer was announced:
+measured from the credit limit instead, which under size 0 is never acknowledged forward, it closed a
+well-behaved SDK producer streaming 1 MiB messages at the switch (a tester, 3 of 5 runs)."""
+UNFENCED_MESSAGES = 1024
+"""What a producer's first BUFFER_LIMIT after size 0 -> n may claim beyond what had arrived and the new
+buffer: this many maximum messages (`TransferReceiver.max_message`), at least UNFENCED_IN_FLIGHT. Under
+size 0 a client admits messages by its window of transfers alone (the SDK's: 1,000), and its answer
+names what it admitted, sent or not: capped at 64 MiB, a well-behaved SDK producer with 1,000 messages of
+1 MiB admitted was closed (a tester, 2 of 5 runs); uncapped, a raw client's 2**50 was charged to the pool
+whole, and every other producer waited while it stayed (an earlier tester)."""
 
 
 class TransferReceiver:
@@ -62,7 +71,8 @@ class TransferReceiver:
     """
 
     __slots__ = ("flow_control", "window", "next_transfer_id", "completed", "credit_waiting",
-                 "newly_completed", "reported_cumulative", "controls", "answered", "unfenced")
+                 "newly_completed", "reported_cumulative", "controls", "answered", "unfenced", "unfenced_from",
+                 "max_message")
 
     def __init__(self, window: int, flow_control: bool = True):
         self.flow_control = flow_control
@@ -76,9 +86,12 @@ class TransferReceiver:
         self.controls = 0  # connection-level BUFFER_CONTROLs announced (`announced()`): what BUFFER_LIMIT names
         self.answered = 0  # the latest of them a BUFFER_LIMIT answered (`fence`): below `controls`, one is open
         # Turned on mid-stream (size 0 -> n): until the producer's BUFFER_LIMIT answers, what arrives may
-        # have been sent under size 0, unlimited, before it saw the grant: the check allows UNFENCED_IN_FLIGHT
-        # more until the answer (a client that never answered sent 160 MiB unchecked: a tester).
+        # have been sent under size 0, unlimited, before it saw the grant: the check allows 2 x
+        # UNFENCED_IN_FLIGHT beyond what had arrived then (`unfenced_from`) until the answer (a client that
+        # never answered sent 160 MiB unchecked: a tester).
         self.unfenced = False
+        self.unfenced_from = 0
+        self.max_message = 0  # the broker's max_message_size (the core sets it): what an answer may claim
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -103,8 +116,8 @@ class TransferReceiver:
         total = sum(sizes)
         if self.flow_control and window.window and sizes:
             limit = window.limit
-            if self.unfenced:  # sent under size 0 before it saw the grant: at most what the sockets hold
-                limit += UNFENCED_IN_FLIGHT
+            if self.unfenced:  # sent under size 0 before it saw the grant: at most what was on its way
+                limit = max(limit, self.unfenced_from) + 2 * UNFENCED_IN_FLIGHT
             # Positions only grow, so the last message starts furthest: one sum for the whole frame.
             if position + total - sizes[-1] >= limit:
                 violation = None
@@ -114,10 +127,10 @@ class TransferReceiver:
                             f"transfer {first_id + k} starts at byte {position}, beyond the credit limit "
                             f"{limit} (buffer {window.window} bytes): only one message may overflow the buffer"
                             if not self.unfenced else
-                            f"transfer {first_id + k} starts at byte {position}, more than {UNFENCED_IN_FLIGHT} "
-                            f"bytes beyond the credit limit {window.limit} of a buffer ({window.window} bytes) "
-                            "turned on mid-stream and not yet answered with BUFFER_LIMIT: no client can have "
-                            "had that much in flight when the grant reached it",
+                            f"transfer {first_id + k} starts at byte {position}, more than {2 * UNFENCED_IN_FLIGHT} "
+                            f"bytes beyond the {self.unfenced_from} bytes received when a buffer ({window.window} "
+                            "bytes) was turned on mid-stream, not yet answered with BUFFER_LIMIT: no client can "
+                            "have had that much on its way when the grant reached it",
                             ErrorCode.CREDIT_VIOLATION,
                         )
                         del sizes[k:]
@@ -231,6 +244,7 @@ class TransferReceiver:
         connect, which WELCOME carries, is not one): BUFFER_LIMIT counts these to name the one it answers."""
         if self.window.window == 0 and window and self.flow_control:
             self.unfenced = True  # size 0 -> n mid-stream: see __init__
+            self.unfenced_from = self.window.position
         self.resize(window)
         self.controls += 1
 
@@ -267,13 +281,14 @@ class TransferReceiver:
         fenced = max(limit, window.acked_position + window.window)
         if self.unfenced:  # the first answer after size 0 -> n: its limit is the first that holds
             self.unfenced = False
-            # What it sent under no limit and the broker has not read yet is in the sockets between
-            # them: at most UNFENCED_IN_FLIGHT beyond what arrived. A limit of 2**50 was charged to the
-            # pool whole, and every other producer waited while that client stayed (a tester).
-            if limit > window.position + window.window + UNFENCED_IN_FLIGHT:
+            # What it admitted under no limit and the broker has not read yet (in the sockets, and queued
+            # in the client): at most UNFENCED_MESSAGES maximum messages beyond what arrived (see there).
+            claimable = max(UNFENCED_IN_FLIGHT, UNFENCED_MESSAGES * self.max_message)
+            if limit > window.position + window.window + claimable:
                 raise RemoteProtocolError(
-                    f"BUFFER_LIMIT {limit} is more than {UNFENCED_IN_FLIGHT} bytes beyond the {window.position} "
-                    f"bytes received plus the {window.window}-byte buffer: no client can have that much in flight",
+                    f"BUFFER_LIMIT {limit} is more than {claimable} bytes ({UNFENCED_MESSAGES} maximum messages) "
+                    f"beyond the {window.position} bytes received plus the {window.window}-byte buffer: no "
+                    "client can have admitted that much",
                     ErrorCode.CREDIT_VIOLATION,
                 )
         else:

@@ -111,3 +111,35 @@ async def test_switching_from_none_to_a_paced_policy_closes_no_busy_producer(sta
         await producer.flush(timeout=30)
         assert conn.producer_buffer_size <= 16384  # paced now
         assert broker.core.queues["q"].count == sent
+
+
+async def test_switching_from_none_to_a_paced_policy_closes_no_producer_of_large_messages(start_flowbroker: Any) -> None:
+    """With 1 MiB messages a producer under `none` has hundreds of megabytes received and never
+    acknowledged (size 0) and up to its window of 1,000 admitted and not yet sent: the checks of a buffer
+    turned on mid-stream, counted from the acknowledged position and capped at 64 MiB beside its answer,
+    closed it with CREDIT_VIOLATION (a tester, 5 of 5 runs). Every message arrives, once."""
+    broker = await start_flowbroker(server={"memory_quota": 1024 * MiB, "max_message_size": 4 * MiB},
+                                    credit={"policy": "none", "static_size": MiB})
+    body = b"x" * MiB
+    async with await fb.connect(broker.url, client_name="large") as conn:
+        await conn.declare_queue("big", max_count=0, flow_stop_count=0, flow_stop_size=0, max_size=0)
+        received = 0
+        async with conn.consumer("big", prefetch=50) as consumer, trio.open_nursery() as nursery:
+            async def drain() -> None:
+                nonlocal received
+                async for msg in consumer:
+                    await msg.ack()
+                    received += 1
+
+            nursery.start_soon(drain)
+            producer = conn.producer(routing_key="big")
+            for i in range(1500):
+                await producer.send(body, timeout=30)
+                if i == 1000:
+                    broker.core.set_credit_policy(policy="static")  # as PUT /api/policy does, mid-stream
+            await producer.flush(timeout=60)
+            with trio.fail_after(60):
+                while received < 1500:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert not conn.is_closed and conn.producer_buffer_size == MiB

@@ -260,7 +260,7 @@ def test_the_first_answer_after_flow_control_came_on_cannot_claim_more_than_the_
     receiver = TransferReceiver(0)
     receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])  # 600 bytes received under no limit
     receiver.announced(500)
-    with pytest.raises(RemoteProtocolError, match="no client can have that much in flight") as raised:
+    with pytest.raises(RemoteProtocolError, match="no client can have admitted that much") as raised:
         receiver.fence(1, 500, 2**50)
     assert raised.value.code is ErrorCode.CREDIT_VIOLATION
     again = TransferReceiver(0)
@@ -270,19 +270,24 @@ def test_the_first_answer_after_flow_control_came_on_cannot_claim_more_than_the_
     assert again.window.limit == 600 + 500 + UNFENCED_IN_FLIGHT
 
 
-def test_a_client_that_never_answers_a_buffer_turned_on_may_send_only_what_the_sockets_hold_beyond_it() -> None:
+def test_a_client_that_never_answers_a_buffer_turned_on_may_send_only_what_was_on_its_way_beyond_it() -> None:
     """After `none` -> a paced policy the check waited for the client's first BUFFER_LIMIT: a raw client
     that never answered sent 160 MiB past a 3 MiB grant, unchecked (a tester; the broker closed it 10 s
-    later for the unanswered grant). Until the answer it may send UNFENCED_IN_FLIGHT beyond the limit,
-    as the answer itself may claim; a message starting past that is a credit violation."""
+    later for the unanswered grant). Until the answer it may send 2 x UNFENCED_IN_FLIGHT beyond what had
+    arrived when the buffer was announced (not beyond the credit limit: under size 0 nothing is
+    acknowledged, and measured so it closed a well-behaved SDK producer, a later tester)."""
     from flowbroker.protocol.session import UNFENCED_IN_FLIGHT
 
     receiver = TransferReceiver(0)
-    receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])  # 600 bytes under no limit
-    receiver.announced(500)  # the limit: 0 acknowledged + 500
     body = b"x" * (1 << 20)
-    tid, sent = 2, 600
-    while sent + len(body) + 512 < 500 + UNFENCED_IN_FLIGHT:  # what may have been in flight: taken
+    tid, arrived = 1, 0
+    for _ in range(200):  # 200 MiB under size 0: unchecked, unacknowledged
+        sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body)])
+        assert violation is None
+        tid, arrived = tid + 1, arrived + sizes[0]
+    receiver.announced(500)  # the limit: 0 acknowledged + 500, far below what arrived
+    sent = arrived
+    while sent + len(body) + 512 < arrived + 2 * UNFENCED_IN_FLIGHT:  # what may have been on its way: taken
         sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body)])
         assert violation is None and sizes == [len(body) + 512]
         tid, sent = tid + 1, sent + sizes[0]
@@ -290,3 +295,23 @@ def test_a_client_that_never_answers_a_buffer_turned_on_may_send_only_what_the_s
     assert len(sizes) == 1  # the one that starts within is taken, the next one starts past it
     assert violation is not None and violation.code is ErrorCode.CREDIT_VIOLATION
     assert "not yet answered with BUFFER_LIMIT" in str(violation)
+
+
+def test_an_answer_after_a_buffer_turned_on_may_claim_what_a_window_of_maximum_messages_admitted() -> None:
+    """A well-behaved SDK producer streaming 1 MiB messages under `none` had about 1,000 of them admitted
+    and not yet sent when the policy became paced; its answer named them, and a cap of 64 MiB beyond what
+    had arrived closed it (a tester, 2 of 5 runs). The cap is UNFENCED_MESSAGES maximum messages."""
+    from flowbroker.protocol.session import UNFENCED_MESSAGES
+
+    receiver = TransferReceiver(0)
+    receiver.max_message = 4 << 20
+    receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])  # 600 bytes under no limit
+    receiver.announced(1 << 20)
+    admitted = 600 + 1000 * ((1 << 20) + 512)  # 1,000 messages of 1 MiB queued in the client
+    assert receiver.fence(1, 1 << 20, admitted + (1 << 20))
+    again = TransferReceiver(0)
+    again.max_message = 4 << 20
+    again.receive(1, [TransferEntry("", "q", b"x" * 88)])
+    again.announced(1 << 20)
+    with pytest.raises(RemoteProtocolError, match="no client can have admitted that much"):
+        again.fence(1, 1 << 20, 600 + (1 << 20) + UNFENCED_MESSAGES * (4 << 20) + 1)
