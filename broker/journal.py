@@ -52,6 +52,7 @@ from flowbroker.broker.journalrecord import (
     pack,
     pack_array_header,
 )
+from flowbroker.protocol.credit import MESSAGE_OVERHEAD
 from flowbroker.protocol.frames import FlowResumed, FlowStopped
 from flowbroker.protocol.names import OVERFLOW, QUEUE_ARGUMENTS, THRESHOLD_DISK
 
@@ -82,6 +83,20 @@ never settled kept its segment and every later one on disk: 870 MB in 20 s witho
 every durable producer of the broker held for good (a tester)."""
 COPY_FORWARD_BUDGET = 1
 """Segments' worth of messages (`segment_size` bytes) copied forward per batch at most."""
+COPY_FORWARD_MESSAGES = 4096
+"""Messages copied forward per batch at most (each is encoded on the trio thread: a backlog of 100,000
+small ones copied in one batch held every connection 120 ms, a tester)."""
+RECORD_OVERHEAD = 48
+"""A MESSAGE record's bytes beyond its body, headers and names, at most: its framing (8), kind, queue id,
+offset, size, producer id and sequence. With `_record_bytes` it estimates a live message's record from
+above, which the copy forward compares with the segments' bytes (counted as message_size, 512 bytes over
+the body each, a backlog of small messages was never copied forward: a quota held another queue's
+producer for good, a tester)."""
+
+
+def _record_bytes(msg: Message) -> int:
+    """A live message's MESSAGE record, estimated from above (RECORD_OVERHEAD)."""
+    return msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
 MAX_PRODUCER_IDS = 100_000
 """Producer ids whose highest journalled sequence is kept (the idempotent-producer seam): bounded, the
 oldest forgotten first."""
@@ -350,7 +365,7 @@ class Journal:
         seg = self.active_seg
         # (`_resides`, inlined: this runs once per durable message)
         self.live[seg] += 1
-        self.live_bytes[seg] += msg.size
+        self.live_bytes[seg] += msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
         mine = self._active_residents.get(qid)
         if mine is None:
             mine = self._active_residents[qid] = {}
@@ -360,7 +375,7 @@ class Journal:
     def _resides(self, store: JournalStore, msg: Message, seg: int) -> None:
         """`msg` of `store` is live in segment `seg`."""
         self.live[seg] += 1
-        self.live_bytes[seg] += msg.size
+        self.live_bytes[seg] += _record_bytes(msg)
         mine = self.residents[seg].get(store.qid)
         if mine is None:
             mine = self.residents[seg][store.qid] = {}
@@ -378,7 +393,7 @@ class Journal:
     def _gone(self, store: JournalStore, msg: Message, seg: int) -> None:
         """`msg` no longer keeps segment `seg` (settled)."""
         self.live[seg] -= 1
-        self.live_bytes[seg] -= msg.size
+        self.live_bytes[seg] -= _record_bytes(msg)
         del self.residents[seg][store.qid][msg.offset]
         self.delivered_msgs.discard(msg)
 
@@ -395,7 +410,7 @@ class Journal:
     def settled(self, store: JournalStore, msg: Message, seg: int) -> None:
         # (`_gone`, inlined: this runs once per durable message)
         self.live[seg] -= 1
-        self.live_bytes[seg] -= msg.size
+        self.live_bytes[seg] -= msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
         del self.residents[seg][store.qid][msg.offset]
         self.delivered_msgs.discard(msg)
         if self.seg_bytes >= self.segment_size:
@@ -422,7 +437,7 @@ class Journal:
             mine = self.residents[seg].pop(store.qid, None)
             if mine:
                 self.live[seg] -= len(mine)
-                self.live_bytes[seg] -= sum(msg.size for msg in mine.values())
+                self.live_bytes[seg] -= sum(_record_bytes(msg) for msg in mine.values())
                 self.delivered_msgs.difference_update(mine.values())
 
     def new_queue_id(self) -> int:
@@ -597,8 +612,8 @@ class Journal:
     def _copy_forward(self) -> None:
         """Copy forward the live messages of the oldest segments when that is worth it: when some run of
         segments from the oldest holds live messages of at most 1/COPY_FORWARD_FRACTION of its bytes,
-        the live messages of that run are written again (at most COPY_FORWARD_BUDGET segments' worth per
-        batch), each as a MESSAGE_MOVED record in the segment being appended to. That commit comes before
+        the live messages of that run are written again (at most COPY_FORWARD_BUDGET segments' worth and
+        COPY_FORWARD_MESSAGES messages per batch, the rest at the next), each as a MESSAGE_MOVED record in the segment being appended to. That commit comes before
         the old segments' deletion (the same batch), so a crash between the two leaves both, and recovery
         takes either. Settlements of a moved message come after its new record, so deleting oldest first
         stays right. When no such run exists, every run from the oldest is more than a quarter live: the
@@ -606,10 +621,10 @@ class Journal:
         if self.dormant:
             return
         live, live_bytes, sizes = self.live, self.live_bytes, self.sizes
-        budget = self.segment_size * COPY_FORWARD_BUDGET
+        budget, moves = self.segment_size * COPY_FORWARD_BUDGET, COPY_FORWARD_MESSAGES
         delivered = self.delivered_msgs
         seg = self.oldest_seg
-        while seg < self.active_seg and budget > 0:  # (a copy that rolls makes one more segment old)
+        while seg < self.active_seg and budget > 0 and moves > 0:  # (a copy that rolls makes one more old)
             end = self.active_seg
             held = total = 0
             worth = 0  # the end of the shortest run from `seg` worth copying (0: none)
@@ -622,22 +637,33 @@ class Journal:
             if not worth:
                 return
             while seg < worth:
-                if live.get(seg):
-                    for qid, mine in self.residents.pop(seg).items():
-                        store = self.stores[qid]
-                        for msg in mine.values():
-                            if self.seg_bytes >= self.segment_size:
-                                self._roll()
-                            new = self.active_seg
-                            self._append(encode([MESSAGE_MOVED, qid, msg.offset, msg.exchange, msg.routing_key,
-                                                 msg.body, msg.headers, msg.size, msg.producer_id, msg.sequence,
-                                                 msg in delivered]))
-                            self._resides(store, msg, new)
-                            store.segs[msg.offset] = new
-                            budget -= msg.size
-                            self.messages_moved += 1
-                    self.residents[seg] = {}
-                    live[seg] = live_bytes[seg] = 0
+                segment = self.residents.get(seg, {})
+                while segment:  # (popitem: the order of the copies does not matter, recovery keys by offset)
+                    if budget <= 0 or moves <= 0:
+                        return  # the rest at the next batch
+                    qid, mine = next(iter(segment.items()))
+                    if not mine:  # (emptied by settlements, or its queue was deleted since)
+                        del segment[qid]
+                        continue
+                    store = self.stores[qid]
+                    while mine and budget > 0 and moves > 0:
+                        offset, msg = mine.popitem()
+                        live[seg] -= 1
+                        record = _record_bytes(msg)
+                        live_bytes[seg] -= record
+                        if self.seg_bytes >= self.segment_size:
+                            self._roll()
+                        new = self.active_seg
+                        self._append(encode([MESSAGE_MOVED, qid, offset, msg.exchange, msg.routing_key,
+                                             msg.body, msg.headers, msg.size, msg.producer_id, msg.sequence,
+                                             msg in delivered]))
+                        self._resides(store, msg, new)
+                        store.segs[offset] = new
+                        budget -= record
+                        moves -= 1
+                        self.messages_moved += 1
+                    if not mine:
+                        del segment[qid]
                 seg += 1
 
     def committed(self, batch: Batch) -> None:

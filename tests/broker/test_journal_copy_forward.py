@@ -13,6 +13,10 @@ from pathlib import Path
 import trio
 
 import flowbroker.client as fb
+from flowbroker.broker import journal as journal_module
+from flowbroker.broker.journal import Journal
+from flowbroker.broker.journalstore import JournalStore
+from flowbroker.broker.message import Message
 from tests.broker.test_journal_recovery import broker, drain
 from tests.serving import url
 
@@ -58,3 +62,66 @@ async def test_a_message_never_settled_neither_keeps_the_journal_nor_holds_anoth
         async with await fb.connect(url(server)) as conn:
             assert await drain(conn, "pinned", 1) == [(b"held for good", True)]
             assert server.core.queues["work"].count == 0
+
+
+async def test_a_backlog_of_small_messages_is_copied_forward_by_its_records_bytes(tmp_path: Path) -> None:
+    """Live messages were counted as message_size (512 bytes over the body) against the segments' bytes on
+    disk: a backlog of 9-byte messages (about 60 bytes each on disk) was never a quarter of anything, so it
+    was never copied forward, and under a quota the disk alarm held another queue's producer for good (a
+    tester: 100,000 of them under 32 MiB). They are counted by their records now."""
+    quota = 8 * SEGMENT
+    async with broker(tmp_path, segment_size=SEGMENT, quota=quota) as server:
+        async with await fb.connect(url(server)) as conn:
+            await conn.declare_queue("backlog", durable=True, flow_stop_count=100_000)
+            await conn.declare_queue("work", durable=True, flow_stop_count=100_000)
+            small = conn.producer("", "backlog")
+            for i in range(5000):  # 2.6 MB as message_size, 0.3 MB on disk: nobody consumes it
+                await small.send(b"%09d" % i)
+            await small.flush(timeout=20)
+            received = 0
+            async with conn.consumer("work", prefetch=500) as worker, trio.open_nursery() as nursery:
+                async def ack_all() -> None:
+                    nonlocal received
+                    async for msg in worker:
+                        await msg.ack()
+                        received += 1
+
+                nursery.start_soon(ack_all)
+                producer = conn.producer("", "work")
+                for _ in range(6000):  # 6.6 MB through the journal: three times its quota
+                    await producer.send(BODY, timeout=10)  # (held for good by the disk alarm before)
+                await producer.flush(timeout=20)
+                with trio.fail_after(20):
+                    while received < 6000:
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+            journal = server.journal
+            assert journal is not None and journal.messages_moved >= 5000
+    async with broker(tmp_path, segment_size=SEGMENT, quota=quota) as server:  # moved, not lost
+        assert server.core.queues["backlog"].count == 5000
+
+
+def test_one_batch_copies_at_most_copy_forward_messages(tmp_path: Path) -> None:
+    """Each copy is encoded on the trio thread: a backlog of 100,000 small messages was copied forward in one
+    batch, every connection held 120 ms (a tester). A batch copies COPY_FORWARD_MESSAGES at most, the rest
+    at the next ones, and ends with none of it left behind."""
+    journal = Journal(tmp_path / "journal", 64 * 1024, False, 0, 0)
+    journal.dormant = False
+    journal._roll()
+    kept, traffic = JournalStore(journal, 1), JournalStore(journal, 2)
+    for i in range(10_000):  # about 0.5 MB of records, live
+        msg = Message("", "kept", b"k", None, 513)
+        msg.offset = i
+        kept.append(msg)
+    for i in range(40_000):  # 42 MB of records, every one settled: the kept ones are far under a quarter
+        msg = Message("", "traffic", b"t" * 1000, None, 1512)
+        msg.offset = i
+        traffic.append(msg)
+        traffic.settle(msg)
+    moved = []
+    for _ in range(10):
+        before = journal.messages_moved
+        journal.write_batch(journal.take_batch())
+        moved.append(journal.messages_moved - before)
+    assert max(moved) <= journal_module.COPY_FORWARD_MESSAGES and sum(moved) >= 10_000, moved
+    journal.close()
