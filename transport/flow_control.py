@@ -193,6 +193,12 @@ class MinFlowControl:
         self.group_tag = group_tag
         self.tagged = tagged
         self._receivers: dict[int, _Receiver] = {}
+        self.overflow_to = 0
+        """A position the sender may go to past the slowest receiver's window (0: none, Aeron's behaviour):
+        the end of a message that overflowed it, which a receiver that reports only whole messages (its
+        image holds a partial one) cannot move the window past. Bounded by `overflow_room` beyond each
+        receiver's position (what its image takes: half a term). A user of this package sets both."""
+        self.overflow_room = 0
 
     @property
     def receiver_count(self) -> int:
@@ -206,7 +212,11 @@ class MinFlowControl:
     def _limit(self, sender_limit: int) -> int:
         if not self._receivers or len(self._receivers) < self.group_min_size:
             return sender_limit
-        return min(r.last_position_plus_window for r in self._receivers.values())
+        limit = min(r.last_position_plus_window for r in self._receivers.values())
+        if self.overflow_to > limit:  # the message over the window goes whole, within what the images take
+            room = min(r.last_position for r in self._receivers.values()) + self.overflow_room
+            limit = max(limit, min(self.overflow_to, room))
+        return limit
 
     def on_status_message(
         self,
