@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -603,7 +604,10 @@ def _addresses(host: str) -> frozenset[str] | None:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        return frozenset({host})
+        try:  # IPv4's shorthands, which the listeners' getaddrinfo takes ("127.1", "0"; a tester)
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return frozenset({host})
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return None if address.is_unspecified else frozenset({str(address)})

@@ -365,7 +365,7 @@ def test_an_out_of_range_value_in_the_file_stops_the_broker_even_when_a_flag_ove
 
 
 @pytest.mark.parametrize("host", ["LOCALHOST", "::ffff:127.0.0.1", "[::FFFF:127.0.0.1]", " 127.0.0.1 ", "0.0.0.0", "::",
-                                  "::ffff:0.0.0.0"])
+                                  "::ffff:0.0.0.0", "127.1", "0", "2130706433"])
 def test_any_spelling_of_the_clients_address_on_the_client_port_is_refused(host: str) -> None:
     """"LOCALHOST" and "::ffff:127.0.0.1" beside [server] host 127.0.0.1 on its port got the listen error's
     "another broker running?" (a tester): compared as addresses, case aside."""
