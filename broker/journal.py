@@ -260,6 +260,10 @@ class Journal:
         self._active_residents: dict[int, dict[int, Message]] = {}  # residents[active_seg]
         self.delivered_msgs: set[Message] = set()
         self.messages_moved = 0  # copied forward by compaction, since start
+        # the copy forward stopped at its per-batch budget with more to copy: the committer takes another
+        # batch at once, records or not (under a disk alarm nothing else commits, and a run copied in part
+        # freed nothing: a producer stayed held for good, a tester)
+        self.copy_left = False
         self._chunks: list[tuple[int, bytearray]] = []
         self._records = 0
         self._appended = 0
@@ -582,8 +586,8 @@ class Journal:
 
     @property
     def pending(self) -> bool:
-        """Something to commit: records, or transfers waiting for the next commit."""
-        return bool(self._chunks or self._waiters)
+        """Something to commit: records, transfers waiting for the next commit, or messages to copy forward."""
+        return bool(self._chunks or self._waiters or self.copy_left)
 
     def take_batch(self) -> Batch:
         """Everything buffered, and the segments this commit may delete (trio thread)."""
@@ -618,13 +622,17 @@ class Journal:
         takes either. Settlements of a moved message come after its new record, so deleting oldest first
         stays right. When no such run exists, every run from the oldest is more than a quarter live: the
         journal is within COPY_FORWARD_FRACTION times what is live, plus the segment being written."""
+        self.copy_left = False
         if self.dormant:
             return
         live, live_bytes, sizes = self.live, self.live_bytes, self.sizes
         budget, moves = self.segment_size * COPY_FORWARD_BUDGET, COPY_FORWARD_MESSAGES
         delivered = self.delivered_msgs
         seg = self.oldest_seg
-        while seg < self.active_seg and budget > 0 and moves > 0:  # (a copy that rolls makes one more old)
+        while seg < self.active_seg:  # (a copy that rolls makes one more segment old)
+            if budget <= 0 or moves <= 0:
+                self.copy_left = True  # the rest at the next batch, at once
+                return
             end = self.active_seg
             held = total = 0
             worth = 0  # the end of the shortest run from `seg` worth copying (0: none)
@@ -640,7 +648,8 @@ class Journal:
                 segment = self.residents.get(seg, {})
                 while segment:  # (popitem: the order of the copies does not matter, recovery keys by offset)
                     if budget <= 0 or moves <= 0:
-                        return  # the rest at the next batch
+                        self.copy_left = True  # the rest at the next batch, at once
+                        return
                     qid, mine = next(iter(segment.items()))
                     if not mine:  # (emptied by settlements, or its queue was deleted since)
                         del segment[qid]

@@ -54,9 +54,13 @@ SDK writes up to 8 frames at once, 64 MiB at the default frame size). Until the 
 new buffer (BUFFER_LIMIT), it may send twice this beyond what had arrived when the buffer was announced:
 measured from the credit limit instead, which under size 0 is never acknowledged forward, it closed a
 well-behaved SDK producer streaming 1 MiB messages at the switch (a tester, 3 of 5 runs)."""
+UNFENCED_CLAIM = 1 << 30
+"""The least a first BUFFER_LIMIT after size 0 -> n may claim beyond what had arrived (see UNFENCED_MESSAGES)."""
 UNFENCED_MESSAGES = 1024
 """What a producer's first BUFFER_LIMIT after size 0 -> n may claim beyond what had arrived and the new
-buffer: this many maximum messages (`TransferReceiver.max_message`), at least UNFENCED_IN_FLIGHT. Under
+buffer: this many maximum messages (`TransferReceiver.max_message`), at least UNFENCED_CLAIM (a
+connection's producers each admit their own window: three of 1,000 messages of 60 KB under a 64 KiB
+max_message_size claimed 180 MB, and were closed, a later tester). Under
 size 0 a client admits messages by its window of transfers alone (the SDK's: 1,000), and its answer
 names what it admitted, sent or not: capped at 64 MiB, a well-behaved SDK producer with 1,000 messages of
 1 MiB admitted was closed (a tester, 2 of 5 runs); uncapped, a raw client's 2**50 was charged to the pool
@@ -283,7 +287,7 @@ class TransferReceiver:
             self.unfenced = False
             # What it admitted under no limit and the broker has not read yet (in the sockets, and queued
             # in the client): at most UNFENCED_MESSAGES maximum messages beyond what arrived (see there).
-            claimable = max(UNFENCED_IN_FLIGHT, UNFENCED_MESSAGES * self.max_message)
+            claimable = max(UNFENCED_CLAIM, UNFENCED_MESSAGES * self.max_message)
             if limit > window.position + window.window + claimable:
                 raise RemoteProtocolError(
                     f"BUFFER_LIMIT {limit} is more than {claimable} bytes ({UNFENCED_MESSAGES} maximum messages) "

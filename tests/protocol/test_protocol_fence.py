@@ -315,3 +315,14 @@ def test_an_answer_after_a_buffer_turned_on_may_claim_what_a_window_of_maximum_m
     again.announced(1 << 20)
     with pytest.raises(RemoteProtocolError, match="no client can have admitted that much"):
         again.fence(1, 1 << 20, 600 + (1 << 20) + UNFENCED_MESSAGES * (4 << 20) + 1)
+
+
+def test_an_answer_may_claim_what_several_producers_windows_admitted_with_small_maximum_messages() -> None:
+    """Three SDK producers on one connection, each with a window of 1,000 messages of 60 KB, under a
+    max_message_size of 64 KiB: 180 MB admitted, over 1,024 maximum messages (64 MiB), and the switch from
+    `none` closed the connection (a tester, 3 of 4). The claim is at least UNFENCED_CLAIM (1 GiB)."""
+    receiver = TransferReceiver(0)
+    receiver.max_message = 64 * 1024
+    receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])
+    receiver.announced(10 << 20)
+    assert receiver.fence(1, 10 << 20, 600 + 3 * 1000 * (60_000 + 512) + (10 << 20))
