@@ -32,8 +32,8 @@ from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
 
-__all__ = ["Peer", "Accepted", "Challenge", "PasswordCheck", "Refused", "Authenticator", "LoginThrottle", "PLAIN", "SCRAM",
-           "is_local", "salt_secret", "salt_secret_path", "THROTTLE_SOURCES"]
+__all__ = ["Peer", "Accepted", "Challenge", "PasswordCheck", "Refused", "Authenticator",
+           "LoginThrottle", "PLAIN", "SCRAM", "is_local", "salt_secret", "salt_secret_path", "THROTTLE_SOURCES"]
 
 LOGGER = logging.getLogger("flowbroker.broker.auth")
 

@@ -77,8 +77,8 @@ SETTLED_PER_RECORD = 65_536
 COPY_FORWARD_FRACTION = 4
 """Compaction copies the live messages of the oldest segments forward (MESSAGE_MOVED records in the segment
 being appended to) when they are at most 1/COPY_FORWARD_FRACTION of the segments' bytes (the messages
-counted as `message_size`, over their bytes on disk): what is rewritten is at most a quarter of what is
-freed, and the journal stays within about four times what is live. Without it one message a consumer
+counted by their records, estimated from above: `_record_bytes`): what is rewritten is at most a quarter
+of what is freed, and the journal stays within about four times what is live. Without it one message a consumer
 never settled kept its segment and every later one on disk: 870 MB in 20 s without a quota, and with one
 every durable producer of the broker held for good (a tester)."""
 COPY_FORWARD_BUDGET = 1
@@ -94,12 +94,15 @@ the body each, a backlog of small messages was never copied forward: a quota hel
 producer for good, a tester)."""
 
 
-def _record_bytes(msg: Message) -> int:
-    """A live message's MESSAGE record, estimated from above (RECORD_OVERHEAD)."""
-    return msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
 MAX_PRODUCER_IDS = 100_000
 """Producer ids whose highest journalled sequence is kept (the idempotent-producer seam): bounded, the
 oldest forgotten first."""
+
+
+def _record_bytes(msg: Message) -> int:
+    """A live message's MESSAGE record, estimated from above (RECORD_OVERHEAD). `Journal.message` and
+    `Journal.settled` inline it: both run once per durable message."""
+    return msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
 
 
 def segment_name(number: int) -> str:
@@ -251,8 +254,8 @@ class Journal:
         self.oldest_seg = 1  # the oldest segment that may still exist
         self.seg_bytes = 0  # bytes of the active segment after its snapshot, written or buffered
         self.sizes: dict[int, int] = {}  # segment -> bytes, written or buffered
-        # segment -> its messages not yet settled: how many, their bytes (message_size), and each by its
-        # queue's store and offset (for a copy forward); `delivered_msgs`: those handed out at least once
+        # segment -> its messages not yet settled: how many, their records' bytes (`_record_bytes`), and each
+        # by its queue and offset (for a copy forward); `delivered_msgs`: those handed out at least once
         self.live: dict[int, int] = {}
         self.live_bytes: dict[int, int] = {}
         self.residents: dict[int, dict[int, dict[int, Message]]] = {}  # segment -> queue id -> offset -> message
@@ -422,7 +425,7 @@ class Journal:
         self._append(encode([SETTLED, store.qid, msg.offset]))
 
     def settled_many(self, store: JournalStore, msgs: list[Message], segs: list[int]) -> None:
-        """`settled` for many messages of one queue (`offsets`, each in `segs`) in SETTLED_MANY records of at
+        """`settled` for many messages of one queue (`msgs`, each in `segs`) in SETTLED_MANY records of at
         most SETTLED_PER_RECORD offsets: a purge of 300,000 messages wrote a record each on the trio
         thread, 0.3-0.5 s every connection waited (a tester)."""
         gone = self._gone
@@ -617,11 +620,12 @@ class Journal:
         """Copy forward the live messages of the oldest segments when that is worth it: when some run of
         segments from the oldest holds live messages of at most 1/COPY_FORWARD_FRACTION of its bytes,
         the live messages of that run are written again (at most COPY_FORWARD_BUDGET segments' worth and
-        COPY_FORWARD_MESSAGES messages per batch, the rest at the next), each as a MESSAGE_MOVED record in the segment being appended to. That commit comes before
-        the old segments' deletion (the same batch), so a crash between the two leaves both, and recovery
-        takes either. Settlements of a moved message come after its new record, so deleting oldest first
-        stays right. When no such run exists, every run from the oldest is more than a quarter live: the
-        journal is within COPY_FORWARD_FRACTION times what is live, plus the segment being written."""
+        COPY_FORWARD_MESSAGES messages per batch; `copy_left` asks for the next batch at once), each as a
+        MESSAGE_MOVED record in the segment being appended to. That commit comes before the old segments'
+        deletion (the same batch), so a crash between the two leaves both, and recovery takes either.
+        Settlements of a moved message come after its new record, so deleting oldest first stays right.
+        When no such run exists, every run from the oldest is more than a quarter live: the journal is
+        within COPY_FORWARD_FRACTION times what is live, plus the segment being written."""
         self.copy_left = False
         if self.dormant:
             return

@@ -61,8 +61,9 @@ def lock_data_dir(data_dir: Path) -> int:
         if journal.exists() and not journal.is_dir():
             # (the journal would be made at the first durable declare, whose answer then waited for a
             # commit that could never be written, a tester)
-            raise StorageStartError(f"[storage] data_dir {data_dir} cannot be used: {journal} is not a directory (the journal's "
-                                    "segments go there): move it away, or give --data-dir another directory")
+            raise StorageStartError(f"[storage] data_dir {data_dir} cannot be used: {journal} is not a directory "
+                                    "(the journal's segments go there): move it away, or give --data-dir another "
+                                    "directory")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:  # reported as the client port's listen failure before (a tester)
         raise StorageStartError(f"[storage] data_dir {data_dir} cannot be used: {exc.strerror or exc} "
