@@ -434,7 +434,7 @@ class AdminApi:
         if saturated != "true":
             raise ApiError(400, "invalid_argument", "saturated must be true (only the saturated queues) or false "
                                                     "(every queue, as without it)", "saturated")
-        return views.saturated_queues_page(self.core, self.now(), after, limit)
+        return views.queues_page(self.core, self.now(), after, limit, saturated=True)
 
     async def show_queue(self, request: Request) -> Any:
         queue = self.core.get_queue(request.path_params["name"])

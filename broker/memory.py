@@ -14,6 +14,12 @@ blocks publishing connections the same way, but by not reading their sockets).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from flowbroker.broker.paging import SortedKeyDict
+
+if TYPE_CHECKING:
+    from flowbroker.broker.queue import Queue
 
 __all__ = ["MemoryMeter"]
 
@@ -44,10 +50,11 @@ class MemoryMeter:
         self.subscriptions = 0
         """Subscriptions to queues, broker-wide (queues keep it): each costs memory (~0.4 KiB, more with
         what it has delivered), so the core refuses one past `[server] max_subscriptions_total`."""
-        self.saturated_queues: set[str] = set()
-        """The names of the saturated queues, broker-wide (queues keep it as they saturate and clear): the
-        admin API lists them (`GET /api/queues?saturated=true`) without walking every queue, so a queue
-        past the first page of 1,000 names is not hidden from the console by queues named before it."""
+        self.saturated_queues: SortedKeyDict[str, Queue] = SortedKeyDict()
+        """The saturated queues by name, broker-wide (queues keep it as they saturate and clear), in order:
+        the admin API pages them (`GET /api/queues?saturated=true`) as it pages every queue, at the cost of
+        what is on the page, so a queue past the first page of 1,000 names is not hidden from the console
+        by queues named before it."""
 
     def over(self) -> bool:
         """The alarm should be raised now."""

@@ -392,7 +392,7 @@ class Queue:
         else:  # over the drain-time limit (drain_limits): held until under its resume count
             self.stop_reason = drain_reason(t.time, self.drain, self._drain_depth)
         self.saturated = True
-        self.meter.saturated_queues.add(self.name)
+        self.meter.saturated_queues[self.name] = self
         self._saturated_size = self.size
         self._saturated_newest = self.meter.newest_conn
         self.counters.flow_stopped_count += 1
@@ -425,7 +425,7 @@ class Queue:
     def _clear(self) -> None:
         """Leave saturation: complete every held transfer, tell each stopped producer to resume."""
         self.saturated = False
-        self.meter.saturated_queues.discard(self.name)
+        self.meter.saturated_queues.pop(self.name, None)
         self.counters.saturated_since_ns = 0
         held, self.held = self.held, {}
         release_all(held)

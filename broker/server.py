@@ -93,6 +93,7 @@ from flowbroker.protocol.frames import (
     Welcome,
 )
 from flowbroker.protocol.names import LOGIN_THROTTLED
+from flowbroker.protocol.scram import claimed_username
 
 __all__ = ["BrokerServer", "now_ns"]
 
@@ -527,15 +528,10 @@ class BrokerServer:
 def _claimed_name(auth: dict[str, Any]) -> str | None:
     """The user name a login attempt names, for the log only (unchecked): PLAIN's `username`, or the `n=`
     of SCRAM's client-first message (a throttled SCRAM guess was logged without it, a tester)."""
-    name = auth.get("username")
+    name, data = auth.get("username"), auth.get("data")
     if auth.get("mechanism") == PLAIN:
         return name[:255] if isinstance(name, str) else None
-    data = auth.get("data")
-    if auth.get("mechanism") == SCRAM and isinstance(data, bytes):
-        parts = data[:1024].decode("utf-8", "replace").split(",")
-        if len(parts) > 2 and parts[2].startswith("n="):
-            return parts[2][2:].replace("=2C", ",").replace("=3D", "=")[:255]
-    return None
+    return claimed_username(data) if auth.get("mechanism") == SCRAM and isinstance(data, bytes) else None
 
 
 async def _send_and_close(io: StreamIO, conn: Connection, frames: list[Frame], unsent: bytes = b"") -> None:

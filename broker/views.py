@@ -157,20 +157,11 @@ def queue_view(queue: Queue, now_ns: int) -> dict[str, Any]:
 
 
 def queues_page(core: BrokerCore, now_ns: int, after: str | None = None,
-                limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
-    """`{"queues": [...], "next": name or None}`: the queues named after `after`, by name."""
-    queues, cursor = core.queues.page(after, limit)
+                limit: int = DEFAULT_LIMIT, *, saturated: bool = False) -> dict[str, Any]:
+    """`{"queues": [...], "next": name or None}`: the queues named after `after`, by name; `saturated`:
+    of the saturated queues only (kept apart as they saturate and clear, `MemoryMeter.saturated_queues`)."""
+    queues, cursor = (core.memory.saturated_queues if saturated else core.queues).page(after, limit)
     return {"queues": [queue_view(q, now_ns) for q in queues], "next": cursor}
-
-
-def saturated_queues_page(core: BrokerCore, now_ns: int, after: str | None = None,
-                          limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
-    """`queues_page` of the saturated queues only, from the set the queues keep (`MemoryMeter`): its cost
-    is in the saturated queues, not in every queue the broker has."""
-    names = sorted(name for name in core.memory.saturated_queues if after is None or name > after)
-    page = names[:limit]
-    return {"queues": [queue_view(core.queues[name], now_ns) for name in page],
-            "next": page[-1] if len(names) > limit else None}
 
 
 # -- connections -------------------------------------------------------------------------------

@@ -129,6 +129,25 @@ def _attributes(message: str, expected: str) -> dict[str, str]:
     return out
 
 
+def _client_first(data: bytes) -> tuple[str, str, str]:
+    """A client-first message's GS2 flag, authorization identity and bare part."""
+    gs2, sep1, rest = _decode_message(data).partition(",")
+    authzid, sep2, bare = rest.partition(",")
+    if not sep1 or not sep2:
+        raise ScramError("client-first lacks its GS2 header")
+    return gs2, authzid, bare
+
+
+def claimed_username(data: bytes) -> str | None:
+    """The user name a client-first message names (`n=`), unchecked and not SASLprepped, at most 255
+    characters; None when it is not a client-first message. For a log line about an attempt whose
+    credentials are not looked at (a throttled login)."""
+    try:
+        return _unescape_name(_attributes(_client_first(data)[2], "nr")["n"])[:255]
+    except ScramError:
+        return None
+
+
 def _decode_message(data: bytes) -> str:
     if len(data) > MAX_MESSAGE:
         raise ScramError(f"message of {len(data)} bytes (at most {MAX_MESSAGE})")
@@ -175,11 +194,7 @@ class ScramServer:
         self._done = False
 
     def first(self, data: bytes) -> bytes:
-        text = _decode_message(data)
-        gs2, sep1, rest = text.partition(",")
-        authzid, sep2, bare = rest.partition(",")
-        if not sep1 or not sep2:
-            raise ScramError("client-first lacks its GS2 header")
+        gs2, authzid, bare = _client_first(data)
         if gs2.startswith("p"):
             raise ScramError("channel binding is not supported (send n,, as the GS2 header)")
         if gs2 not in ("n", "y"):

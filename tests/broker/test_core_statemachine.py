@@ -722,7 +722,7 @@ class CoreMachine(RuleBasedStateMachine):
         core = self.h.core
         memory = core.memory
         assert memory.subscriptions == sum(len(q.subscriptions) for q in core.queues.values())
-        assert memory.saturated_queues == {name for name, q in core.queues.items() if q.saturated}
+        assert memory.saturated_queues == {name: q for name, q in core.queues.items() if q.saturated}
         assert memory.held == sum(q.size for q in core.queues.values())
         assert memory.held < memory.watermark or memory.alarm, "over the memory watermark without the alarm"
         assert not memory.alarm or memory.held >= memory.resume, "the alarm outlived its resume level"

@@ -25,6 +25,29 @@ SEGMENT = 256 * 1024
 QUOTA = 4 * SEGMENT
 
 
+async def _through_work(conn: fb.Connection, count: int) -> None:
+    """`count` messages of BODY to the durable queue 'work', each acknowledged by a consumer as it comes:
+    all of them completed and consumed, or the test fails (a producer the disk alarm held for good sees
+    its sends time out)."""
+    received = 0
+    async with conn.consumer("work", prefetch=500) as worker, trio.open_nursery() as nursery:
+        async def ack_all() -> None:
+            nonlocal received
+            async for msg in worker:
+                await msg.ack()
+                received += 1
+
+        nursery.start_soon(ack_all)
+        producer = conn.producer("", "work")
+        for _ in range(count):
+            await producer.send(BODY, timeout=10)
+        await producer.flush(timeout=20)
+        with trio.fail_after(20):
+            while received < count:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+
+
 def _segments(directory: Path) -> dict[str, int]:
     """The segment files and their sizes now (the committer deletes old ones meanwhile: skipped)."""
     sizes: dict[str, int] = {}
@@ -47,23 +70,7 @@ async def test_a_message_never_settled_neither_keeps_the_journal_nor_holds_anoth
             await first.flush(timeout=10)
             async with conn.consumer("pinned", prefetch=1) as holder:
                 held = await holder.receive(timeout=10)  # never settled
-                received = 0
-                async with conn.consumer("work", prefetch=500) as worker, trio.open_nursery() as nursery:
-                    async def ack_all() -> None:
-                        nonlocal received
-                        async for msg in worker:
-                            await msg.ack()
-                            received += 1
-
-                    nursery.start_soon(ack_all)
-                    producer = conn.producer("", "work")
-                    for _ in range(4000):  # 4.4 MB through the journal: four times its quota
-                        await producer.send(BODY, timeout=10)  # (held for good by the disk alarm before)
-                    await producer.flush(timeout=20)
-                    with trio.fail_after(20):
-                        while received < 4000:
-                            await trio.sleep(0.01)
-                    nursery.cancel_scope.cancel()
+                await _through_work(conn, 4000)  # 4.4 MB through the journal: four times its quota
                 journal = server.journal
                 assert journal is not None and journal.messages_moved >= 1
                 on_disk = _segments(tmp_path / "journal")
@@ -89,23 +96,7 @@ async def test_a_backlog_of_small_messages_is_copied_forward_by_its_records_byte
             for i in range(5000):  # 2.6 MB as message_size, 0.3 MB on disk: nobody consumes it
                 await small.send(b"%09d" % i)
             await small.flush(timeout=20)
-            received = 0
-            async with conn.consumer("work", prefetch=500) as worker, trio.open_nursery() as nursery:
-                async def ack_all() -> None:
-                    nonlocal received
-                    async for msg in worker:
-                        await msg.ack()
-                        received += 1
-
-                nursery.start_soon(ack_all)
-                producer = conn.producer("", "work")
-                for _ in range(6000):  # 6.6 MB through the journal: three times its quota
-                    await producer.send(BODY, timeout=10)  # (held for good by the disk alarm before)
-                await producer.flush(timeout=20)
-                with trio.fail_after(20):
-                    while received < 6000:
-                        await trio.sleep(0.01)
-                nursery.cancel_scope.cancel()
+            await _through_work(conn, 6000)  # 6.6 MB through the journal: three times its quota
             journal = server.journal
             assert journal is not None and journal.messages_moved >= 5000
     async with broker(tmp_path, segment_size=SEGMENT, quota=quota) as server:  # moved, not lost
