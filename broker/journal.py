@@ -86,9 +86,10 @@ COPY_FORWARD_BUDGET = 1
 COPY_FORWARD_MESSAGES = 4096
 """Messages copied forward per batch at most (each is encoded on the trio thread: a backlog of 100,000
 small ones copied in one batch held every connection 120 ms, a tester)."""
-RECORD_OVERHEAD = 48
-"""A MESSAGE record's bytes beyond its body, headers and names, at most: its framing (8), kind, queue id,
-offset, size, producer id and sequence. With `_record_bytes` it estimates a live message's record from
+RECORD_OVERHEAD = 64
+"""A MESSAGE record's bytes beyond its body, headers, names and producer id, at most: its framing (8), the
+array's and kind's bytes (2), queue id, offset, size and sequence (9 each at most) and the heads of the
+names, body and producer id (14). With `_record_bytes` it estimates a live message's record from
 above, which the copy forward compares with the segments' bytes (counted as message_size, 512 bytes over
 the body each, a backlog of small messages was never copied forward: a quota held another queue's
 producer for good, a tester)."""
@@ -100,9 +101,14 @@ oldest forgotten first."""
 
 
 def _record_bytes(msg: Message) -> int:
-    """A live message's MESSAGE record, estimated from above (RECORD_OVERHEAD). `Journal.message` and
-    `Journal.settled` inline it: both run once per durable message."""
-    return msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
+    """A live message's MESSAGE record, estimated from above (RECORD_OVERHEAD; a name's or producer id's
+    UTF-8 bytes by 4 a character unless it is ASCII: len() of a non-ASCII name was below its bytes, up to
+    4x, the producer id was not counted, and compaction then copied segments more live than a quarter)."""
+    exchange, key, pid = msg.exchange, msg.routing_key, msg.producer_id
+    estimate = (msg.size - MESSAGE_OVERHEAD + RECORD_OVERHEAD
+                + (len(exchange) if exchange.isascii() else 4 * len(exchange))
+                + (len(key) if key.isascii() else 4 * len(key)))
+    return estimate if pid is None else estimate + (len(pid) if pid.isascii() else 4 * len(pid))
 
 
 def segment_name(number: int) -> str:
@@ -372,7 +378,7 @@ class Journal:
         seg = self.active_seg
         # (`_resides`, inlined: this runs once per durable message)
         self.live[seg] += 1
-        self.live_bytes[seg] += msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
+        self.live_bytes[seg] += _record_bytes(msg)
         mine = self._active_residents.get(qid)
         if mine is None:
             mine = self._active_residents[qid] = {}
@@ -417,7 +423,7 @@ class Journal:
     def settled(self, store: JournalStore, msg: Message, seg: int) -> None:
         # (`_gone`, inlined: this runs once per durable message)
         self.live[seg] -= 1
-        self.live_bytes[seg] -= msg.size - MESSAGE_OVERHEAD + len(msg.exchange) + len(msg.routing_key) + RECORD_OVERHEAD
+        self.live_bytes[seg] -= _record_bytes(msg)
         del self.residents[seg][store.qid][msg.offset]
         self.delivered_msgs.discard(msg)
         if self.seg_bytes >= self.segment_size:
