@@ -193,13 +193,14 @@ class Queue:
         # count watermark's (checked on every enqueue), the resume is checked on every settlement
         # (`_check_resume`). `age_hold`: the age is not under its resume mark (re-read on the tick only).
         self.drain = DrainEstimator()
-        self.consumer_changes = 0  # a subscription joined or left: the drain rate is measured afresh
+        self.consumer_changes = 0  # a subscription joined, left, stalled or settled again: the rate afresh
         self.age_hold = False
         self._stop_count = thresholds._stop_count  # min(count stop, drain-time stop as a count)
         self._drain_resume_count = sys.maxsize  # the drain-time resume as a count (maxsize: off)
         # What stalled subscriptions hold (policies.drain.STALL_SECONDS): left out of the depth drain time
         # is computed over. `_progress`: per subscription, its settled-or-requeued count and since when.
         self.stalled_held = 0
+        self._stalled_subs = 0  # how many subscriptions were stalled at the last tick
         self._progress: dict[Subscription, tuple[int, int]] = {}
         self.owner: str | None = None  # the identity that declared it: what its user's max_queues counts
 
@@ -419,7 +420,8 @@ class Queue:
         if not self.saturated or self.age_hold:
             return
         count = self.count
-        if (count < self._drain_resume_count or not count) and is_under_resume(count, self.size, self.thresholds):
+        if ((count < self._drain_resume_count or count <= self.stalled_held)  # (nothing to drain but theirs)
+                and is_under_resume(count, self.size, self.thresholds)):
             self._clear()
 
     def _clear(self) -> None:
@@ -524,7 +526,7 @@ class Queue:
         the next transfers (Broker-J re-checks in bulkChangeEnd; RabbitMQ #12206 is the bug to avoid)."""
         self.thresholds = thresholds
         if not thresholds.time.flow_stop_drain_time:  # (the flow timer no longer looks at stalled consumers)
-            self.stalled_held = 0
+            self.stalled_held = self._stalled_subs = 0
             self._progress.clear()
         self._evaluate_time(now_ns)
         if self.saturated:
@@ -557,9 +559,15 @@ class Queue:
     def _find_stalled(self, now_ns: int) -> None:
         """`stalled_held`: the unsettled messages of subscriptions that have settled (or requeued) none for
         STALL_SECONDS while holding some. On the tick only: O(subscriptions), nothing per message (a
-        subscription's settled-or-requeued count is `delivered_total - unsettled`, both kept anyway)."""
+        subscription's settled-or-requeued count is `delivered_total - unsettled`, both kept anyway).
+
+        When a subscription stalls or settles again the consumers that drain the queue have changed, as
+        when one subscribes or leaves: the rate is measured afresh (`consumer_changes`). The samples of
+        the second before a hoarder counted as stalled say what it did, not what the others can: one that
+        took every message left the others none, the rate measured 0, and the drain-time stop and resume
+        at 0 past what it held kept the queue stopped for as long as it stayed (a tester: 5 s, 4 of 4)."""
         progress = self._progress
-        held = 0
+        held = stalled = 0
         for sub in self.subscriptions:
             mark = sub.delivered_total - sub.unsettled
             seen = progress.get(sub)
@@ -567,9 +575,13 @@ class Queue:
                 progress[sub] = (mark, now_ns)  # settling, or holding nothing: not stalled
             elif now_ns - seen[1] >= STALL_NS:
                 held += sub.unsettled
+                stalled += 1
         if len(progress) > len(self.subscriptions):
             for sub in [s for s in progress if s not in self.subscriptions]:
                 del progress[sub]
+        if stalled != self._stalled_subs:
+            self._stalled_subs = stalled
+            self.consumer_changes += 1
         self.stalled_held = held
 
     def _evaluate_time(self, now_ns: int, head: int | None = None) -> None:

@@ -330,3 +330,50 @@ def test_the_flow_timer_ticks_timed_queues_in_steps_each_once_a_round() -> None:
     assert h.core.tick_timed_queues(now, 2) is False and seen == ["t0", "t1", "t3", "t4"]
     assert h.core.tick(now, 100) is False  # the next round: the five there are now
     assert seen[4:] == ["t0", "t1", "t3", "t4"] and "t5" in h.core.timed_queues
+
+
+def test_a_consumer_that_takes_every_message_and_never_settles_stops_the_queue_a_second_at_most() -> None:
+    """A hoarder whose prefetch is above the queue's depth takes every message: the consumers that do
+    settle have none, the first second's sample of the rate is 0 (before the hoarder counts as stalled),
+    and a rate of 0 made the drain-time stop and resume 0 past what the hoarder held: the queue stayed
+    stopped for as long as the hoarder stayed (a tester: 5 s gaps, 4 of 4). Once it is stalled the rate
+    is measured afresh, as when the consumers change, and the producer runs at the good consumer's pace."""
+    from flowbroker.policies.drain import STALL_SECONDS
+
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
+    r = Rig(h, "q", prefetch=10)
+    queue = h.core.queues["q"]
+    r.saturate_on_drain_time()  # the producer held, about 0.5 s of the good consumer's pace in the queue
+    hoarder = h.consumer("hoarder")
+    hoarder.subscribe("q", prefetch=5000)  # above anything the queue holds: it takes them all
+    hoarder.pump()
+    assert hoarder.tags() and queue.saturated
+    stopped_ticks = longest = 0
+    for _ in range(int(5 * STALL_SECONDS / TICK_SECONDS)):
+        r.tick(max(0, min(60, 50 - len(queue.held))), 50)  # a window of 50 transfers, as the SDK's
+        hoarder.pump()
+        stopped_ticks = stopped_ticks + 1 if queue.saturated else 0
+        longest = max(longest, stopped_ticks)
+    assert queue.stalled_held > 0
+    assert longest * TICK_SECONDS <= STALL_SECONDS + 0.5, f"stopped {longest * TICK_SECONDS:.1f} s on end"
+    received = len(r.c.bodies())
+    for _ in range(10):
+        r.tick(max(0, min(50, 50 - len(queue.held))), 50)
+        hoarder.pump()
+    assert len(r.c.bodies()) > received  # the good consumer is given messages again
+    hoarder.close()
+    while r.c.tags() or queue.count:
+        r.tick(0, 100)
+        assert h.now < 120e9
+    assert sorted(r.c.bodies()) == [b"m%06d" % i for i in range(r.sent)]  # nothing lost, nothing twice
+
+
+def test_a_time_stop_changed_alone_keeps_a_resume_equal_to_it_whatever_the_rounding() -> None:
+    """The kept ratio resume/stop was computed in floats: 0.1 x 0.3 / 0.3 is 0.10000000000000002, refused
+    as a resume over its stop, naming a key the user never gave (a tester: 14 of 144 ordinary pairs)."""
+    h = make()
+    for old, new in ((3.0, 0.1), (0.1, 0.2), (3.0, 0.4), (0.3, 0.1), (7.0, 0.7), (0.05, 0.15)):
+        h.queue(f"q{old}-{new}", flow_stop_age=old, flow_stop_drain_time=old)
+        t = h.core.set_queue_thresholds(f"q{old}-{new}", {"flow_stop_age": new, "flow_stop_drain_time": new})
+        assert t.thresholds.time.flow_resume_age == new and t.thresholds.time.flow_resume_drain_time == new
