@@ -1233,6 +1233,8 @@ class BrokerCore:
             if stop_key in changes and resume_key not in changes:
                 current[resume_key] = self._kept_resume(current[stop_key], current[resume_key], changes[stop_key])
             new_max, old_max = changes.get(f"max_{dim}"), current[f"max_{dim}"]
+            if f"max_{dim}" in changes and new_max is None:  # null: the default limit, followed as any new one
+                new_max = getattr(self.queue_thresholds({})[0], f"max_{dim}")
             if (stop_key not in changes and isinstance(new_max, int) and not isinstance(new_max, bool)
                     and new_max != old_max and old_max > 0 and self._derived_from(dim, old_max, current)):
                 # stop and resume were derived from the old limit: they follow the new one (or, with the
@@ -1252,7 +1254,8 @@ class BrokerCore:
             if stop_key in changes and resume_key not in changes:
                 keep = (isinstance(new_stop, (int, float)) and not isinstance(new_stop, bool) and new_stop > 0
                         and old_stop > 0)
-                current[resume_key] = new_stop * current[resume_key] / old_stop if keep else None
+                # (at most the stop: 0.3 x 0.1 / 0.3 is 0.10000000000000002, refused as a resume over it)
+                current[resume_key] = min(new_stop, new_stop * current[resume_key] / old_stop) if keep else None
         current.update(changes)
         thresholds, overflow = self.queue_thresholds(current)
         queue.overflow = overflow

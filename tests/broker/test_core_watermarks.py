@@ -641,3 +641,20 @@ def test_a_stop_derived_from_a_limit_follows_the_limit_when_it_changes() -> None
     h.core.set_queue_thresholds("a", {"flow_stop_count": 3, "flow_resume_count": 1})
     h.core.set_queue_thresholds("a", {"max_count": 100})
     assert (queue.thresholds.flow_stop_count, queue.thresholds.flow_resume_count) == (3, 1)
+
+
+def test_a_null_max_follows_the_default_limit_as_any_new_limit() -> None:
+    """`{"max_count": null}` is the default limit (management.md): a stop and resume derived from the
+    old max follow it, as `{"max_count": 0}` does. They stayed: an unlimited queue still stopped its
+    producers at 8 messages (a tester)."""
+    h = make()
+    h.queue("q", max_size=10 << 20, max_count=10)
+    t = h.core.queues["q"].thresholds
+    assert (t.flow_stop_count, t.flow_stop_size) == (8, 8 << 20)
+    t = h.core.set_queue_thresholds("q", {"max_count": None}).thresholds
+    zero = h.core.queue_thresholds({"max_count": 0})[0]
+    assert (t.max_count, t.flow_stop_count, t.flow_resume_count) == (0, zero.flow_stop_count, zero.flow_resume_count)
+    t = h.core.set_queue_thresholds("q", {"max_size": None}).thresholds
+    default = h.core.queue_thresholds({})[0]
+    assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (
+        default.max_size, default.flow_stop_size, default.flow_resume_size)
