@@ -121,6 +121,17 @@ def _pool_of(config: CreditPolicyConfig) -> int:
     return config.aggressive_pool_bytes
 
 
+def _pool_key(config: CreditPolicyConfig, connections: int) -> tuple[str, object]:
+    """The key that made the pool too small for `connections` (`_pool_of`), and its value: the quota,
+    unless half of it would hold them and a percentage cut it (the error named the quota, "got
+    1073741824", for an aggressive_percent of 1e-30, a tester)."""
+    if config.override_size or config.policy is CreditPolicy.STATIC or config.quota // 2 < connections:
+        return "quota", config.quota
+    if config.policy is CreditPolicy.DYNAMIC:
+        return "dynamic_threshold_percent", config.dynamic_threshold_percent
+    return "aggressive_percent", config.aggressive_percent
+
+
 @dataclass(frozen=True, slots=True)
 class CreditPolicyConfig:
     """Every knob of the producer credit policies. Frozen: to change settings, build a new one and
@@ -491,16 +502,18 @@ class CreditAllocator(Generic[K]):
         if paced and reserve < 1:
             # (accepted with no connection live, it left a broker that refused every client after it:
             # "the credit pool (0 bytes) has no byte left for connection 1", a tester)
+            key, value = _pool_key(config, 1)
             raise PolicyConfigError(
-                "quota", config.quota,
+                key, value,
                 f"a pool of {config.pool_bytes} bytes cannot hold a single connection (one byte each, at most "
-                "half the pool): raise the quota",
+                f"half the pool): raise {key}",
             )
         if paced and len(self._grants) > reserve:
+            key, value = _pool_key(config, len(self._grants))
             raise PolicyConfigError(
-                "quota", config.quota,
+                key, value,
                 f"a pool of {config.pool_bytes} bytes cannot hold {len(self._grants)} connections "
-                f"(one byte each, at most half the pool)",
+                f"(one byte each, at most half the pool): raise {key}",
             )
         old = {conn_id: g.size for conn_id, g in self._grants.items()}
         self._config, self._reserve, self._shareable = config, reserve, shareable

@@ -37,11 +37,16 @@ __all__ = [
 _OFF: Final = sys.maxsize  # an "off" threshold compares as never reached, so predicates need no branches
 
 
+MAX_THRESHOLD = 2**50
+"""A count or size limit's largest, as the admin API's and the TOML's byte keys: past it a figure is a
+typo, not a queue (a declare took max_count 2**60 that the admin API would have refused, a tester)."""
+
+
 def _non_negative(key: str, value: object) -> int:
     if value is None:
         return 0
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise PolicyConfigError(key, value, "must be an integer >= 0 (0 or None = off)")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_THRESHOLD:
+        raise PolicyConfigError(key, value, "must be an integer in [0, 2^50] (0 or None = off)")
     return value
 
 

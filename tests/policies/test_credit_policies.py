@@ -315,3 +315,15 @@ def test_a_live_change_to_a_pool_that_cannot_hold_one_connection_is_refused() ->
         alloc.reconfigure(cfg("aggressive", quota=1))
     assert info.value.key == "quota" and "cannot hold a single connection" in str(info.value)
     alloc.reconfigure(cfg("none", quota=1))  # (not paced: no pool to hold anything)
+
+
+def test_a_pool_cut_by_a_percentage_names_the_percentage() -> None:
+    """PUT /api/policy {"aggressive_percent": 1e-30} was refused naming the quota, "got 1073741824": the
+    key that cut the pool is the one to raise."""
+    alloc = CreditAllocator[int](cfg("aggressive", quota=100 * MiB), floor=FLOOR, slots=100)
+    with pytest.raises(PolicyConfigError) as info:
+        alloc.reconfigure(cfg("aggressive", quota=100 * MiB, aggressive_percent=1e-30))
+    assert info.value.key == "aggressive_percent" and "raise aggressive_percent" in str(info.value)
+    with pytest.raises(PolicyConfigError) as info:
+        alloc.reconfigure(cfg("dynamic", quota=100 * MiB, dynamic_threshold_percent=1e-30, dynamic_percent=1e-30))
+    assert info.value.key == "dynamic_threshold_percent"
