@@ -121,7 +121,9 @@ class TransferReceiver:
         if self.flow_control and window.window and sizes:
             limit = window.limit
             if self.unfenced:  # sent under size 0 before it saw the grant: at most what was on its way
-                limit = max(limit, self.unfenced_from) + 2 * UNFENCED_IN_FLIGHT
+                # (the grant, or what had arrived plus the allowance; the grant plus the allowance, which
+                # grew with every acknowledgement, let a raw client send 248 MiB past what had arrived)
+                limit = max(limit, self.unfenced_from + 2 * UNFENCED_IN_FLIGHT)
             # Positions only grow, so the last message starts furthest: one sum for the whole frame.
             if position + total - sizes[-1] >= limit:
                 violation = None
@@ -131,10 +133,10 @@ class TransferReceiver:
                             f"transfer {first_id + k} starts at byte {position}, beyond the credit limit "
                             f"{limit} (buffer {window.window} bytes): only one message may overflow the buffer"
                             if not self.unfenced else
-                            f"transfer {first_id + k} starts at byte {position}, more than {2 * UNFENCED_IN_FLIGHT} "
-                            f"bytes beyond the {self.unfenced_from} bytes received when a buffer ({window.window} "
-                            "bytes) was turned on mid-stream, not yet answered with BUFFER_LIMIT: no client can "
-                            "have had that much on its way when the grant reached it",
+                            f"transfer {first_id + k} starts at byte {position}, beyond {limit}: the credit limit, "
+                            f"or {2 * UNFENCED_IN_FLIGHT} bytes beyond the {self.unfenced_from} bytes received when "
+                            f"a buffer ({window.window} bytes) was turned on mid-stream, not yet answered with "
+                            "BUFFER_LIMIT: no client can have had that much on its way when the grant reached it",
                             ErrorCode.CREDIT_VIOLATION,
                         )
                         del sizes[k:]

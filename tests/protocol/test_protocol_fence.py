@@ -326,3 +326,34 @@ def test_an_answer_may_claim_what_several_producers_windows_admitted_with_small_
     receiver.receive(1, [TransferEntry("", "q", b"x" * 88)])
     receiver.announced(10 << 20)
     assert receiver.fence(1, 10 << 20, 600 + 3 * 1000 * (60_000 + 512) + (10 << 20))
+
+
+def test_acknowledgements_do_not_add_to_the_allowance_of_a_buffer_turned_on() -> None:
+    """The allowance until the answer is 2 x UNFENCED_IN_FLIGHT beyond what had arrived at the announce
+    (protocol.md), or the credit limit when that is further: it was added to the credit limit, which
+    grows with every acknowledgement, and a raw client that never answered sent 248 MiB past what had
+    arrived (a tester, quota 1 GiB: 20 MiB under none, then aggressive)."""
+    from flowbroker.protocol.session import UNFENCED_IN_FLIGHT
+
+    receiver = TransferReceiver(0)
+    body = b"x" * (1 << 20)
+    tid, arrived = 1, 0
+    for _ in range(20):
+        sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body)])
+        tid, arrived = tid + 1, arrived + sizes[0]
+    grant = 50 << 20
+    receiver.announced(grant)
+    for _ in range(60):  # consumed and acknowledged as they arrive: the credit limit climbs
+        sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body)])
+        assert violation is None
+        receiver.complete(tid, sizes[0])
+        receiver.ack_due(0)
+        tid += 1
+    bound = max(receiver.window.limit, arrived + 2 * UNFENCED_IN_FLIGHT)
+    while True:  # the queue stopped: nothing completes, nothing more is acknowledged
+        sizes, violation = receiver.receive(tid, [TransferEntry("", "q", body)])
+        if violation is not None:
+            break
+        tid += 1
+    assert receiver.window.position <= bound + len(body) + 512
+    assert violation.code is ErrorCode.CREDIT_VIOLATION
