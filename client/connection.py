@@ -121,6 +121,8 @@ TRANSFER_BATCH = 256
 assert TRANSFER_BATCH <= MAX_ENTRIES_PER_FRAME
 WRITE_FRAMES = 8
 """Most TRANSFER frames in one socket write, so control traffic never waits long behind data."""
+CLOSED_WITHOUT_CLOSE = ("the connection ended without a CLOSE from the broker (it stopped, crashed or was killed, "
+                        "or the network failed)")
 RECEIVE_SIZE = 256 * 1024
 SETTLE_HOLD_MAX = 1024
 """Most settlements the writer lets wait while the application keeps settling (`_settlements_may_wait`),
@@ -1296,7 +1298,8 @@ class Connection:
                 data = await self._stream.receive_some(RECEIVE_SIZE)
                 self._last_received = trio.current_time()
                 if not data:
-                    self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, "the broker closed the connection"), generation)
+                    # (no CLOSE came: "the broker closed the connection" read as a broker-side error, a tester)
+                    self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, CLOSED_WITHOUT_CLOSE), generation)
                     return
                 proto.receive_data(bytes(data))
         except RemoteProtocolError as exc:
