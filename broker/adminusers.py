@@ -122,7 +122,9 @@ class AdminUsers:
         if user is None:
             raise LoginRefused("unknown user")
         if not ({ADMINISTRATOR, MONITORING} & set(user.tags)):
-            raise LoginRefused("the user has no admin tag (administrator or monitoring)")
+            # (before the password, which costs a PBKDF2: the log says it was not checked, or a wrong
+            # password read as refused for the tag alone, a tester)
+            raise LoginRefused("the user has no admin tag (administrator or monitoring; its password was not checked)")
         key = (name, hmac.digest(self._pepper, password.encode("utf-8"), "sha256"))
         if self._verified.get(key) != self.store.generation:
             if not await checked(lambda: user.credential.check_password(password)):

@@ -947,8 +947,8 @@ class BrokerCore:
         assert access is not None
         if access.may_publish(exchange):
             return False
-        self._refuse(session, tid, size, ErrorCode.UNAUTHORIZED, access.denied_publish(exchange).text, exchange,
-                     key, sequence)
+        denied = access.denied_publish(exchange)
+        self._refuse(session, tid, size, ErrorCode.UNAUTHORIZED, denied.text, denied.resource, key, sequence)
         return True
 
     def _refuse(self, session: Session, tid: int, size: int, code: ErrorCode, text: str, dest: str | None,

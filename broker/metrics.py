@@ -398,7 +398,7 @@ class Scrape:
         yield refused
         yield CounterMetricFamily("flowbroker_udp_loss_gaps", "Gaps the images found.", value=st.loss_gaps_total)
         yield CounterMetricFamily("flowbroker_udp_naks_sent", "NAKs sent.", value=st.naks_sent_total)
-        yield CounterMetricFamily("flowbroker_udp_naks_received", "NAKs received from UDP consumers.",
+        yield CounterMetricFamily("flowbroker_udp_naks_received", "NAKs received from UDP consumers and multicast group members.",
                                   value=st.naks_received_total)
         yield CounterMetricFamily("flowbroker_udp_retransmits", "Retransmissions sent.",
                                   value=st.retransmits_sent_total)

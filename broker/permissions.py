@@ -54,7 +54,7 @@ class Denied:
     def __init__(self, identity: str, permission: str, kind: str, name: str):
         shown = name or DEFAULT_EXCHANGE_NAME
         self.text = f"access refused: user {identity!r} has no {permission} permission on {kind} {shown!r}"
-        self.resource = name
+        self.resource = shown  # (the default exchange's refusals named "" as their destination, a tester)
 
 
 class Access:

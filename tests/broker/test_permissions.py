@@ -61,7 +61,7 @@ def test_patterns_are_searched_and_empty_means_nothing_and_the_default_exchange_
     assert a.may_publish("") and not a.may_publish("amq.direct")
     assert not a.allowed("read", "anything")
     refusal = a.denied_publish("")
-    assert refusal.text.endswith("on exchange 'amq.default'") and refusal.resource == ""
+    assert refusal.text.endswith("on exchange 'amq.default'") and refusal.resource == "amq.default"
 
 
 def test_the_publish_cache_is_bounded_and_dropped_when_permissions_change() -> None:
