@@ -650,7 +650,7 @@ class BrokerCore:
                         # Message's fields set here: a class call with its __init__ costs half as much again.
                         msg = _new_message(Message)
                         msg.exchange = exchange
-                        msg.routing_key = routing_key
+                        msg.routing_key = queue.name  # (equal to the key: one copy, not one a message)
                         msg.body = body
                         msg.headers = headers
                         msg.size = size
@@ -729,7 +729,10 @@ class BrokerCore:
                     run_size = 0
                 # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
                 if producer_id is not None:
-                    producer_id = scoped(session.identity, producer_id)  # the store's key, as the journal records it
+                    # the store's key, as the journal records it; interned, so that a producer's held messages
+                    # share one copy (each kept its own, uncharged: a 255-emoji id took a 128 MiB-watermark
+                    # broker to 1.9 times its bound, a tester)
+                    producer_id = sys.intern(scoped(session.identity, producer_id))
                     if not self._sequence_taken(session, tid, size, entry, producer_id, now):
                         tid += 1
                         continue
