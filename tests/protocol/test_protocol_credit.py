@@ -183,18 +183,33 @@ def test_message_size() -> None:
     assert message_size(b"x", {}) == message_size(b"x", None)
 
 
-def test_a_non_ascii_header_string_is_charged_twice_its_utf8_bytes() -> None:
+def test_a_non_ascii_header_string_is_charged_four_bytes_a_character_and_its_utf8_bytes() -> None:
     """A header of 10^6 emoji was charged 1 MB (its code points) and took 8 MB in the broker once delivered
     (4 bytes a character, and the UTF-8 copy its DELIVER left): a client held 4.6 times the memory bound
-    (a tester). ASCII is charged as before; any other string twice its UTF-8 bytes (docs/protocol.md)."""
+    (a tester). Then twice its UTF-8 bytes: ASCII with one emoji in it is kept at 4 bytes a character plus
+    its UTF-8 copy, 5 against 2 charged (1.9 times the bound, a tester). ASCII is charged as before; any
+    other string 4 bytes a character plus its UTF-8 bytes (docs/protocol.md)."""
     base = MESSAGE_OVERHEAD + 2 * HEADER_OVERHEAD + 1
     assert message_size(b"", {"a": "ascii"}) == base + 5
-    assert message_size(b"", {"a": "\u00e9" * 10}) == base + 2 * 20  # 2 bytes each in UTF-8
-    assert message_size(b"", {"a": "\u6f22" * 10}) == base + 2 * 30
-    assert message_size(b"", {"a": "\U0001f600" * 10}) == base + 2 * 40
-    assert message_size(b"", {"\u00e9": "x"}) == base - 1 + 2 * 2 + 1  # keys too
+    assert message_size(b"", {"a": "\u00e9" * 10}) == base + 40 + 20  # 2 bytes each in UTF-8
+    assert message_size(b"", {"a": "\u6f22" * 10}) == base + 40 + 30
+    assert message_size(b"", {"a": "\U0001f600" * 10}) == base + 40 + 40
+    assert message_size(b"", {"a": "a" * 1000 + "\U0001f600"}) == base + 4 * 1001 + 1004
+    assert message_size(b"", {"\u00e9": "x"}) == base - 1 + 4 + 2 + 1  # keys too
     assert message_size(b"", {"a": "\U0001f600".encode()}) == base + 4  # bytes: their length
-    assert text_size("plain") == 5 and text_size("\udc80") == 2 * 3  # (a lone surrogate: surrogatepass)
+    assert text_size("plain") == 5 and text_size("\udc80") == 4 + 3  # (a lone surrogate: surrogatepass)
+
+
+@given(st.text(max_size=300))
+def test_a_header_string_is_charged_at_least_what_cpython_keeps_of_it_once_delivered(text: str) -> None:
+    """The charge covers the string's memory beyond its object's head (sys.getsizeof of it less an empty
+    one's) and the UTF-8 copy that encoding it for a DELIVER leaves on it."""
+    import sys
+
+    kept = sys.getsizeof(text) - sys.getsizeof("")
+    if not text.isascii():
+        kept += len(text.encode("utf-8", "surrogatepass")) + 1
+    assert text_size(text) + 64 >= kept  # (64: the head of a wider string, beside an ASCII one's)
 
 
 # --- ReceiverWindow -------------------------------------------------------------------------------
