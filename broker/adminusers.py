@@ -21,7 +21,7 @@ from collections.abc import Callable
 import trio
 
 from flowbroker.broker.auth import LoginThrottle
-from flowbroker.broker.passwords import checked
+from flowbroker.broker.passwords import PasswordChecksBusy, checked
 from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.names import LOGIN_THROTTLED
 
@@ -57,7 +57,8 @@ class LoginRefused(Exception):
 
 
 class LoginThrottled(Exception):
-    """Refused unlooked: the address has failed so often lately that its turn is over the maximum delay.
+    """Refused unlooked: the address has failed so often lately that its turn is over the maximum delay,
+    or the user has MAX_WAITING_PER_USER password checks waiting already (broker/passwords.py).
     `retry_after` is the 429's Retry-After (seconds, [auth] failed_login_max_delay rounded up): HTTP
     Basic and the console's login both answer it, so a client of either knows when to come back."""
 
@@ -127,7 +128,11 @@ class AdminUsers:
             raise LoginRefused("the user has no admin tag (administrator or monitoring; its password was not checked)")
         key = (name, hmac.digest(self._pepper, password.encode("utf-8"), "sha256"))
         if self._verified.get(key) != self.store.generation:
-            if not await checked(lambda: user.credential.check_password(password)):
+            try:
+                ok = await checked(user.credential, password, name)
+            except PasswordChecksBusy as busy:  # not this address's failure: 429 with Retry-After, unchecked
+                raise LoginThrottled(str(busy), 5) from None
+            if not ok:
                 raise LoginRefused("wrong password")
             if len(self._verified) >= MAX_REMEMBERED:
                 self._verified.clear()

@@ -109,6 +109,11 @@ class PasswordCheck:
         self.user = user
         self._password = password
 
+    @property
+    def password(self) -> str:
+        """What the client sent, for the shell's check (broker/passwords.py `checked`)."""
+        return self._password
+
     def check(self) -> bool:
         """The PBKDF2 (in any thread: it reads only the credential)."""
         return self.user.credential.check_password(self._password)

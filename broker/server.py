@@ -61,7 +61,7 @@ from flowbroker.broker.admin import HTTP_DRAIN_SECONDS, AdminServer, publish_tok
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.listen_hints import listen_hint
 from flowbroker.broker.auth import PLAIN, SCRAM, Accepted, Authenticator, Challenge, PasswordCheck, Peer, Refused
-from flowbroker.broker.passwords import checked
+from flowbroker.broker.passwords import PasswordChecksBusy, checked
 from flowbroker.broker.permissions import Access
 from flowbroker.broker.tls import certificate_identity, server_context
 from flowbroker.broker.config import BrokerConfig
@@ -687,7 +687,15 @@ class ConnectionHandler:
         auth, throttle, host = self.server.authenticator, self.server.authenticator.throttle, self.peer_info.host
         outcome = auth.begin(hello.auth, self.peer_info)
         if isinstance(outcome, PasswordCheck):  # PBKDF2 off the event loop (auth.PasswordCheck)
-            outcome = outcome.finish(await checked(outcome.check))
+            try:
+                ok = await checked(outcome.user.credential, outcome.password, outcome.user.name)
+            except PasswordChecksBusy as busy:  # not a failure of this address: refused unchecked
+                LOGGER.warning("connection from %s: login refused for user %s: %s", self.peer,
+                               logsafe(outcome.user.name), busy)
+                code = ErrorCode.RESOURCE_EXHAUSTED
+                await _send_and_close(self.io, self.conn, [Error(code, str(busy), 1), Close(code, str(busy))])
+                return None
+            outcome = outcome.finish(ok)
         if isinstance(outcome, Challenge):
             await self.io.stream.send_all(self.conn.send(AuthChallenge(outcome.data)))
             response = await self._handshake(AuthResponse)
