@@ -485,6 +485,10 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
 
     auth = _broker_auth()
     stdout = sys.stdout
+    # One line on an error, as publish's: the SDK's warning of the broker's ERROR (a queue deleted under
+    # it) said the same beside the Error line (a tester), unless -v asks for it.
+    if not click.get_current_context().find_root().params.get("verbose"):
+        logging.getLogger("flowbroker.client").setLevel(logging.ERROR)
 
     @trio.lowlevel.enable_ki_protection
     def show(line: str, msg: Any, shown: list[Any]) -> None:
@@ -549,6 +553,14 @@ def consume(url: str, count: int, prefetch: int, timeout: float, as_json: bool, 
         trio.run(run)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:
+        # The reader went away (`consume Q | head -3`): the line that failed is not acknowledged, but those
+        # written before it were, and may have waited unread in the pipe. Said in a line, not as a bare
+        # "BrokenPipeError" (a tester); stdout pointed at /dev/null, so the exit's own flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise click.ClickException(
+            "the output was closed (broken pipe): the messages written before it were acknowledged, and its "
+            "reader may not have read the last of them; to take exactly N messages use -n N") from None
     except Exception as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 

@@ -644,3 +644,27 @@ def test_ctrl_c_while_consume_waits_for_a_slow_reader_acknowledges_every_line_it
     rest = subprocess.run([FLOWBROKER, "consume", "--url", daemon.url, "--timeout", "2", "ctrl-c"], capture_output=True,
                           text=True, timeout=120)
     assert sorted(printed + rest.stdout.splitlines()) == ["%05d" % i for i in range(total)]  # none printed twice
+
+
+def test_consume_into_a_reader_that_exits_early_says_so_in_a_line_and_keeps_the_unwritten(daemon: Daemon) -> None:
+    """`consume Q | head -3` ended with a bare "Error: BrokenPipeError: [Errno 32] Broken pipe" (a tester).
+    It says what happened and what to use instead; the line whose write failed is not acknowledged, so
+    every message is either written into the pipe before it closed or still in the queue."""
+    total = 2_000
+    pub = subprocess.run([FLOWBROKER, "publish", "--url", daemon.url, "-k", "early"], capture_output=True,
+                         input="".join("%05d\n" % i for i in range(total)), text=True, timeout=60)
+    assert pub.returncode == 0, pub.stderr
+    consume = subprocess.Popen([FLOWBROKER, "consume", "--url", daemon.url, "--timeout", "5", "early"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert consume.stdout is not None and consume.stderr is not None
+    head = [consume.stdout.readline().decode().strip() for _ in range(3)]
+    consume.stdout.close()  # the reader goes away
+    err = consume.stderr.read().decode()
+    consume.stderr.close()
+    assert consume.wait(timeout=30) == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "output was closed (broken pipe)" in lines[0] and "-n N" in lines[0], err
+    assert head == ["00000", "00001", "00002"]
+    rest = subprocess.run([FLOWBROKER, "consume", "--url", daemon.url, "--timeout", "2", "early"],
+                          capture_output=True, text=True, timeout=60).stdout.split()
+    assert rest and int(rest[0]) > 2 and rest == ["%05d" % i for i in range(int(rest[0]), total)]
