@@ -87,7 +87,13 @@ class PublishOutcome:
             return f"published {self.completed} message(s)"
         waited, stopped = self._waited_and_stopped()
         held = (f"{self.outstanding} message(s) sent and enqueued, not yet completed{waited}{stopped}: the broker "
-                f"holds their completion and will deliver them; publishing them again would duplicate them")
+                f"holds their completion and will deliver them; publishing them again would duplicate them"
+                if self.flow_stopped else
+                # (no stop: "the broker holds their completion" claimed one that was not there, for a
+                # --timeout 0 whose completions had no time to come back, a tester)
+                f"{self.outstanding} message(s) sent, not yet completed{waited} (no flow stop was reported: their "
+                f"completion had not come back yet; they are most likely enqueued); publishing them again may "
+                f"duplicate them")
         if self.outcome == "not_completed":
             return f"{self.completed} of {self.requested} message(s) completed; {held}"
         parts = [f"{self.error}" if self.error else self._reason(),

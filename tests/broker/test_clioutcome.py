@@ -44,3 +44,10 @@ def test_explained_destinations_and_consumed_messages_as_json() -> None:
     assert line == {"exchange": "ex", "routing_key": "key", "redelivered": True, "body_base64": "/wA=",
                     "headers": {"k": {"base64": "dv8="}, "n": 1, "l": [{"base64": "MQ=="}, "1"]}}
     assert json.loads(message_json(b"text", None, "", "q", False))["body"] == "text"
+
+
+def test_a_deadline_passed_without_a_stop_does_not_claim_one() -> None:
+    """`publish --timeout 0` said "the broker holds their completion" with no stop in force (a tester)."""
+    text = PublishOutcome(requested=1, sent=1, completed=0, timeout=0.0, flow_stopped=[]).text()
+    assert "holds their completion" not in text and "no flow stop was reported" in text
+    assert text.startswith("0 of 1 message(s) completed; 1 message(s) sent, not yet completed after 0 s")
