@@ -26,7 +26,7 @@ $(VENV)/.installed-test: pyproject.toml | python
 	touch $@ $(VENV)/.installed-serve
 
 serve: $(VENV)/.installed-serve
-	$(BIN)/flowbroker serve
+	$(BIN)/flowbroker serve $(ARGS)
 
 # System tools the tests use: tshark (decodes our Aeron frames in tests/transport/test_tshark.py),
 # ip (iproute2), chromium (the web console's browser test, tests/console/, drives it with Playwright),

@@ -131,7 +131,12 @@ class AdminClient:
                 f"broker port? The admin (HTTP) API listens on port 5681 unless [admin] port says otherwise "
                 f"(--admin-url, FLOWBROKER_ADMIN_URL)"
             ) from None
-        except (TimeoutError, OSError) as exc:
+        except TimeoutError as exc:  # (a bare "timed out" said nothing of what to check, a tester)
+            raise click.ClickException(
+                f"admin API at {self.url}: {exc}: something accepted the connection but did not answer in HTTP; "
+                "is it the broker's admin port (5681 unless [admin] port says otherwise; --admin-url, "
+                "FLOWBROKER_ADMIN_URL), and is that broker responsive?") from None
+        except OSError as exc:
             raise click.ClickException(f"admin API at {self.url}: {exc}") from None
 
     def _answer(self, raw: bytes) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import math
 import socket
 from typing import Any
 
+import anyio._backends._trio  # noqa: F401  (loaded now, see below)
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData
@@ -36,6 +37,10 @@ from starlette.types import ASGIApp
 
 from flowbroker.broker.accept import RateLimitedLog, accept_forever
 from flowbroker.broker.streamio import peer_name, refuse_now
+
+# anyio's trio backend is imported above, at start, not by the first streamed answer (starlette's
+# StreamingResponse loads it lazily): a first /metrics while the process had no descriptor left failed that
+# import (EMFILE) with a bare 500 and a 40-line traceback in the log (a tester).
 
 __all__ = ["HttpServer"]
 

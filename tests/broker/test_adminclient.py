@@ -52,3 +52,17 @@ def test_the_cli_connects_within_its_timeout_long_enough_for_a_throttled_login()
 
     assert _connect_timeout(60) == CLI_CONNECT_SECONDS == 35.0 and _connect_timeout(0.2) == 1.0
     assert _connect_timeout(5) == 5.0
+
+
+def test_a_peer_that_accepts_and_never_answers_is_said_to_be_no_admin_port() -> None:
+    """`--admin-url http://silent-peer` printed a bare "timed out" after 10 s (a tester)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        client = AdminClient(f"http://127.0.0.1:{silent.getsockname()[1]}", None, timeout=0.5)
+        client.token = "x"
+        with pytest.raises(click.ClickException) as info:
+            client.request("GET", "/api/broker")
+    assert "timed out" in info.value.message and "admin port" in info.value.message

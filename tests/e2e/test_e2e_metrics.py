@@ -392,3 +392,15 @@ async def test_a_client_that_reads_none_of_a_large_answer_does_not_hold_the_shut
             stopping = trio.current_time()
         took = trio.current_time() - stopping
     assert took < 2 + 1, f"the broker took {took:.1f} s to stop"
+
+
+def test_what_a_streamed_answer_imports_is_loaded_at_start() -> None:
+    """starlette's StreamingResponse (every /metrics answer) imported anyio's trio backend at the first
+    scrape: a broker out of descriptors then answered it a bare 500 with a traceback in its log (a tester,
+    EMFILE on the import). The HTTP shell loads it when the broker starts."""
+    import subprocess
+    import sys
+
+    probe = "import sys, flowbroker.broker.httpserve; print('anyio._backends._trio' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
