@@ -21,7 +21,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -30,7 +30,7 @@ from flowbroker.broker.config import AuthConfig
 from flowbroker.broker.privatefile import read_private, write_private
 from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
-from flowbroker.protocol.scram import MECHANISM as SCRAM, ScramError, ScramServer
+from flowbroker.protocol.scram import DEFAULT_ITERATIONS, MECHANISM as SCRAM, ScramError, ScramServer
 
 __all__ = ["Peer", "Accepted", "Challenge", "PasswordCheck", "Refused", "Authenticator",
            "LoginThrottle", "PLAIN", "SCRAM", "is_local", "salt_secret", "salt_secret_path", "THROTTLE_SOURCES"]
@@ -290,10 +290,22 @@ class Authenticator:
         self.config = config
         self.store = store if store is not None else UserStore(config.users_path())
         self._secret: bytes | None = None  # of made-up salts of unknown users: salt_secret, on first SCRAM
+        self._usual = DEFAULT_ITERATIONS  # `_usual_iterations`, as of users-file generation `_iterations_for`
+        self._iterations_for = -1
         self.failures = 0
         self.successes = 0
         # failed logins per source address: attempts from an address that keeps failing wait their turn
         self.throttle = LoginThrottle(config.failed_login_delay, config.failed_login_max_delay)
+
+    def _usual_iterations(self) -> int:
+        """The users file's most common PBKDF2 iteration count (the default with no users), what an unknown
+        user's made-up SCRAM answer carries; counted once per version of the file."""
+        store = self.store
+        if self._iterations_for != store.generation:
+            counts = Counter(user.credential.iterations for user in store.users.values())
+            self._usual = counts.most_common(1)[0][0] if counts else DEFAULT_ITERATIONS
+            self._iterations_for = store.generation
+        return self._usual
 
     def users_changed(self) -> bool:
         """Re-read the users file if it changed; True when the users (or their permissions) did."""
@@ -327,7 +339,7 @@ class Authenticator:
                 return self.failed("SCRAM-SHA-256 without binary data (client-first)", None)
             if self._secret is None:
                 self._secret = salt_secret(salt_secret_path(self.store.path))
-            scram = ScramServer(self._lookup, self._secret)
+            scram = ScramServer(self._lookup, self._secret, fake_iterations=self._usual_iterations())
             try:
                 first = scram.first(data)
             except ScramError as exc:

@@ -183,9 +183,13 @@ class ScramServer:
     user gets a made-up salt (stable per name, from `secret`) so that the answer does not tell which
     names exist, and fails at `final` like a wrong password."""
 
-    def __init__(self, lookup: Callable[[str], StoredCredential | None], secret: bytes, nonce: str | None = None):
+    def __init__(self, lookup: Callable[[str], StoredCredential | None], secret: bytes, nonce: str | None = None,
+                 fake_iterations: int = DEFAULT_ITERATIONS):
         self._lookup = lookup
         self._secret = secret
+        # an unknown user's iteration count: the broker gives its users' most common, so that a made-up
+        # answer looks like most real ones (at 4096 always, a user made with more told that it existed, a tester)
+        self._fake_iterations = fake_iterations
         self._server_nonce = nonce or _nonce()
         self.username: str | None = None
         self._credential: StoredCredential | None = None
@@ -213,7 +217,7 @@ class ScramServer:
         if credential is None:
             fake_salt = _hmac(self._secret, self.username.encode("utf-8"))[:16]
             self._credential = None
-            salt, iterations = fake_salt, DEFAULT_ITERATIONS
+            salt, iterations = fake_salt, self._fake_iterations
         else:
             self._credential = credential
             salt, iterations = credential.salt, credential.iterations

@@ -91,3 +91,20 @@ def test_a_user_added_to_the_file_logs_in_without_a_restart(tmp_path: Path) -> N
     users["bob"] = User("bob", StoredCredential.from_password("b", 4096))
     write_users(auth.store.path, users)
     assert isinstance(checked(auth.begin(creds, Peer("127.0.0.1"))), Accepted)
+
+
+def test_an_unknown_users_made_up_answer_carries_the_users_most_common_iteration_count(tmp_path: Path) -> None:
+    """Made-up answers always said i=4096: in a file whose users were made with more, any name answered
+    4096 did not exist (a tester). They carry the file's most common count now."""
+    path = tmp_path / "users.json"
+    write_users(path, {name: User(name, StoredCredential.from_password("pw", 5000)) for name in ("a", "b")}
+                | {"c": User("c", StoredCredential.from_password("pw", 4096))})
+    auth = Authenticator(AuthConfig(users_file=str(path)), UserStore(path))
+
+    def iterations(name: str) -> str:
+        challenge = auth.begin({"mechanism": "SCRAM-SHA-256", "data": ScramClient(name, "x").first()}, REMOTE)
+        assert isinstance(challenge, Challenge)
+        return dict(part.split("=", 1) for part in challenge.data.decode().split(","))["i"]
+
+    assert iterations("a") == "5000" and iterations("c") == "4096"
+    assert iterations("ghost") == "5000"
