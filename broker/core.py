@@ -639,7 +639,7 @@ class BrokerCore:
                     queue is not None
                     and not (journal is not None and queue.durable)
                     and (may_write is None or may_write.get(""))
-                    and ((held_run := queue.saturated and queue.takes_held_run(session.buffer_size > 0)) or queue.takes_run(len(sizes), sum(sizes)))
+                    and ((held_run := queue.saturated and queue.takes_held_run()) or queue.takes_run(len(sizes), sum(sizes)))
                 ):
                     msgs: list[Message] = []
                     offset = queue.next_offset

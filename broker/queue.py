@@ -269,13 +269,12 @@ class Queue:
         # A flow-controlled producer is bounded by its credit: its transfers past the stop threshold
         # are held, never refused, even while a policy resize leaves more bytes in flight than the
         # queue's headroom. On a queue with no stop threshold (flow control off on it) nothing holds
-        # them, and the hard limit is for every producer; so too under the `none` credit policy (a
-        # window of 0: no credit bounds it, and a raw client that ignored FLOW_STOPPED put 200 MiB in a
-        # queue of max_size 20 MiB, a tester). The overflow policy is consulted only at the limit (hot path).
+        # them, and the hard limit is for every producer. The overflow policy is consulted only at
+        # the limit (hot path).
         if (
             (limits.max_count and self.count >= limits.max_count)
             or (limits.max_size and self.size + msg.size > limits.max_size)
-        ) and (producer is None or not producer.flow_control or not t.flow_control or not producer.buffer_size):
+        ) and (producer is None or not producer.flow_control or not t.flow_control):
             self.dispatch()
             self._apply_overflow(msg)
         elif (self.saturated and producer is not None and producer.conn_id > self._saturated_newest
@@ -320,15 +319,12 @@ class Queue:
             and (t.flow_control or not (t.limits.max_count or t.limits.max_size))
         )
 
-    def takes_held_run(self, paced: bool = True) -> bool:
+    def takes_held_run(self) -> bool:
         """True when a run of messages of a flow-controlled producer may be added with `add_held_run`:
         the queue is saturated already, so `add` would hold every one of them and nothing else (the hard
-        limit is not for flow-controlled producers that credit paces: `paced`, a window; under the
-        `none` policy `add` checks it for each message), and its store is the memory store."""
-        limits = self.thresholds.limits
+        limit is not for flow-controlled producers), and its store is the memory store."""
         return (self.saturated and type(self.store) is MemoryStore
-                and self.size <= self._saturated_size + self.meter.held_room
-                and (paced or not (limits.max_count or limits.max_size)))
+                and self.size <= self._saturated_size + self.meter.held_room)
 
     def add_held_run(self, msgs: list[Message], size: int, producer: Session) -> None:
         """`add` for a run that `takes_held_run` allowed, offsets set as for `add_run`: each message is

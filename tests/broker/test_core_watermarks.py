@@ -658,19 +658,3 @@ def test_a_null_max_follows_the_default_limit_as_any_new_limit() -> None:
     default = h.core.queue_thresholds({})[0]
     assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (
         default.max_size, default.flow_stop_size, default.flow_resume_size)
-
-
-def test_under_the_none_policy_the_hard_limit_holds_a_flow_controlled_producer_too() -> None:
-    """Under `none` no credit bounds a flow-controlled producer: one that ignores FLOW_STOPPED is held to
-    the queues' hard limits, as configuration.md says. It was not: a raw client declaring max_count 20,
-    max_size 20 MiB put 200 messages of 1 MiB in (RSS 46 -> 248 MiB under a 64 MiB watermark, a tester)."""
-    h = make(policy="none")
-    h.queue("q", max_count=20, flow_stop_count=10, flow_resume_count=5)
-    p = h.producer()
-    assert p.session.buffer_size == 0  # not paced
-    for i in range(50):
-        p.send("", "q", b"m%d" % i, force=True)  # FLOW_STOPPED ignored
-    p.pump()
-    q = h.core.queues["q"]
-    assert q.count == 20 and q.saturated
-    assert [e.code for e in p.errors] == [ErrorCode.QUEUE_FULL] * 30
