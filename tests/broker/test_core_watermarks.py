@@ -658,3 +658,19 @@ def test_a_null_max_follows_the_default_limit_as_any_new_limit() -> None:
     default = h.core.queue_thresholds({})[0]
     assert (t.max_size, t.flow_stop_size, t.flow_resume_size) == (
         default.max_size, default.flow_stop_size, default.flow_resume_size)
+
+
+def test_under_the_none_policy_a_flow_controlled_producer_past_the_hard_limit_is_held_not_refused() -> None:
+    """Under `none` the SDK paces itself by its window of uncompleted transfers alone: held completions are
+    what stops it. Refusing its transfers past the hard limit (to bound a client that ignores FLOW_STOPPED)
+    made a well-behaved producer lose 1,300 of 3,000 messages (a tester); configuration.md says that under
+    `none` such a client is bounded by nothing."""
+    h = make(policy="none")
+    h.queue("q", max_count=20, flow_stop_count=10, flow_resume_count=5)
+    p = h.producer(window=1000)
+    assert p.session.buffer_size == 0  # not paced by credit
+    ids = [p.send("", "q", b"m%d" % i) for i in range(50)]
+    p.pump()
+    q = h.core.queues["q"]
+    assert q.count == 50 and q.saturated and p.errors == []
+    assert set(p.outstanding) == set(ids[10:])  # past the stop: held, completed as the queue drains
