@@ -44,3 +44,18 @@ def test_messages_to_a_queue_by_name_share_its_name_on_every_path() -> None:
     queue = h.core.queues[name]
     held = list(queue.store)
     assert len(held) == 110 and all(m.routing_key is queue.name for m in held)
+
+
+def test_messages_through_an_exchange_share_its_name_and_one_copy_of_each_routing_key() -> None:
+    h = make()
+    p = h.producer()
+    exchange, key = "\U0001f600" * 245 + "ex", "\U0001f601" * 64
+    p.declare_exchange(exchange, "direct")
+    h.queue("q")
+    p.bind("q", exchange, key)
+    p.register()
+    p.send_many([((exchange + "x")[:-1], (key + "x")[:-1], b"m", None) for _ in range(50)])  # decoded copies
+    p.pump()
+    held = list(h.core.queues["q"].store)
+    assert len(held) == 50 and all(m.exchange is h.core.exchanges[exchange].name for m in held)
+    assert len({id(m.routing_key) for m in held}) == 1
