@@ -22,6 +22,7 @@ over locks that an interrupt can leave wrong (`Ended`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -87,6 +88,8 @@ class _Call(Generic[T]):
         self.result: tuple[T] | None = None
         """The call's return value, once it returned one."""
         self.undone = False
+        self.error: BaseException | None = None
+        """The call's own exception (not the cancel's), once it raised one."""
         self.ended = Ended()
 
     def abandon(self) -> None:
@@ -105,10 +108,13 @@ class _Call(Generic[T]):
 
 
 def run_interruptible(
-    token: trio.lowlevel.TrioToken, call: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None
+    token: trio.lowlevel.TrioToken, call: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None,
+    restore: Callable[[BaseException], None] | None = None,
 ) -> T:
     """`trio.from_thread.run(call)`, cancelled when the calling thread's wait ends by an exception; `undo`
-    (run in the trio thread) takes back the result of a call that returned before the cancel landed."""
+    (run in the trio thread) takes back the result of a call that returned before the cancel landed, and
+    `restore` an exception the call raised that its caller, interrupted, never saw (a refusal `flush()`
+    reports once: it was lost, and the retried flush returned normally, a tester)."""
     state: _Call[T] = _Call(undo)
 
     async def guarded() -> T:
@@ -117,7 +123,13 @@ def run_interruptible(
                 raise _Abandoned
             with trio.CancelScope() as scope:
                 state.scope = scope
-                result = await call()
+                try:
+                    result = await call()
+                except trio.Cancelled:
+                    raise
+                except BaseException as exc:  # the call's own: its caller may never see it
+                    state.error = exc
+                    raise
                 state.result = (result,)
                 if state.abandoned:  # cancelled too late: it returned all the same
                     state.take_back()
@@ -130,7 +142,7 @@ def run_interruptible(
         return trio.from_thread.run(guarded, trio_token=token)
     except trio.RunFinishedError:
         raise
-    except BaseException:
+    except BaseException as raised:
         # Each step below may be interrupted again: it is then tried again (scheduling `abandon` twice
         # does no harm), within the first deadline, and this first exception goes on.
         deadline: float | None = None
@@ -151,4 +163,8 @@ def run_interruptible(
                 break
             except BaseException:  # a further interrupt
                 continue
+        if restore is not None and state.error is not None and raised is not state.error:
+            # run before any later call of this thread's (run_sync_soon keeps their order)
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(restore, state.error)
         raise

@@ -167,6 +167,7 @@ class Producer:
         self._blocked_count = 0
         self._blocked_seconds = 0.0
         self._errors: list[PublishError] = []
+        self._forgotten: tuple[list[PublishError], int] = ([], 0)  # what `_forget_errors` took last
         """Refusals not yet reported, oldest first, at most MAX_KEPT_ERRORS."""
         self._unreported = 0
         """Refusals not yet reported (also those beyond MAX_KEPT_ERRORS)."""
@@ -341,6 +342,9 @@ class Producer:
         await trio.lowlevel.cancel_shielded_checkpoint()
         if error is not None:
             raise error
+        closed = self._conn._closed
+        if closed is not None:  # nothing outstanding: it returned normally on a connection given up (a tester)
+            raise closed
 
     # -------------------------------------------------------------- the end of a block
 
@@ -386,10 +390,26 @@ class Producer:
                         self._take_failures("yet"))
 
     def _forget_errors(self) -> None:
+        self._forgotten = (self._errors, self._unreported)
         self._errors = []
         self._unreported = 0
         if not self._outstanding:
             self._conn._active_producers.pop(self, None)
+
+    def _restore_errors(self, error: BaseException) -> None:
+        """The refusals the last `flush()` or block end reported (`error`) never reached their caller (a
+        blocking call interrupted by Ctrl-C as it returned, client/interruptible.py): they are reported
+        again, by the next flush or block end, ahead of any since. Lost, a retried flush returned normally
+        and the refused message passed for delivered (a tester: 6 % of interrupted flushes)."""
+        errors, unreported = self._forgotten
+        self._forgotten = ([], 0)
+        if not unreported and not isinstance(error, PublishFailures):
+            return
+        self._errors = (errors + self._errors)[:MAX_KEPT_ERRORS]
+        self._unreported += unreported
+        if isinstance(error, PublishFailures):
+            self._unconfirmed_reported = False  # its unconfirmed count is told again too
+        self._conn._active_producers[self] = None
 
     async def _wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         check_timeout(what, timeout, "the default")

@@ -319,3 +319,71 @@ def test_an_interrupt_anywhere_in_a_receive_loses_no_message(how: str, monkeypat
                 # A tester's interrupt landing in BlockingMessage's making, after the trio call had returned
                 # the message, lost it: nobody settled it, and with prefetch 1 the consumer stalled for good.
                 assert received == [b"%d" % i for i in range(count)]
+
+
+class Refused(Exception):
+    """The call's own error (a refusal that `flush()` reports once)."""
+
+
+def test_an_error_the_interrupted_caller_never_saw_is_restored() -> None:
+    """A Ctrl-C as `flush()` raised its refusal: the KeyboardInterrupt went on, the refusal was lost (flush
+    reports it once), the retried flush returned normally and the message passed for delivered (a tester:
+    6 % of interrupted flushes). The call's own error goes to `restore`; one the caller did see does not."""
+    restored: list[BaseException] = []
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        box["token"], box["stop"] = trio.lowlevel.current_trio_token(), trio.Event()
+        ready.set()
+        await box["stop"].wait()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(5)
+
+    async def refused_late() -> None:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.5)
+        raise Refused("no queue named 'q'")
+
+    async def refused_now() -> None:
+        raise Refused("at once")
+
+    try:
+        with interrupted_after(0.1):
+            run_interruptible(box["token"], refused_late, None, restored.append)
+        trio.from_thread.run_sync(lambda: None, trio_token=box["token"])  # (restore ran before this)
+        assert [str(e) for e in restored] == ["no queue named 'q'"]
+        with pytest.raises(Refused):
+            run_interruptible(box["token"], refused_now, None, restored.append)
+        trio.from_thread.run_sync(lambda: None, trio_token=box["token"])
+        assert len(restored) == 1  # seen by its caller: not restored
+    finally:
+        trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
+        thread.join(5)
+
+
+def test_a_refusal_an_interrupted_flush_never_reported_is_reported_by_the_next() -> None:
+    """The producer side of the above: what the lost flush had forgotten is put back for the next."""
+    from flowbroker.client.errors import NotFound, PublishError
+    from flowbroker.protocol.errors import ErrorCode
+
+    with broker_thread() as (broker, in_broker):
+        with blocking.connect(broker.url, timeout=5) as conn:
+            producer = conn.producer(routing_key="q")
+            inner = producer._producer
+            error = NotFound(ErrorCode.NOT_FOUND, "no queue named 'q'", "q")
+            assert isinstance(error, PublishError)
+
+            def refuse() -> None:
+                inner._errors.append(error)
+                inner._unreported += 1
+
+            conn._run_sync(refuse)
+            with pytest.raises(NotFound):
+                producer.flush(timeout=5)
+            conn._run_sync(inner._restore_errors, error)  # as run_interruptible does for an interrupted one
+            with pytest.raises(NotFound):
+                producer.flush(timeout=5)
+            producer.flush(timeout=5)  # reported: once more, not twice

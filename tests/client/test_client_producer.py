@@ -461,3 +461,14 @@ def test_an_error_names_at_most_ten_stopped_destinations_and_counts_the_rest() -
     error = FlowControlTimeout(f"send timed out after 1 s (x{text})", names, "buffer", 1.0)
     assert error.destinations == tuple(names) and len(str(error)) < 300
     assert stopped_suffix(["a", "b"]) == "; flow-stopped: a, b"
+
+
+async def test_flush_on_a_connection_that_has_closed_raises_its_close(start_broker) -> None:
+    """`flush()` with nothing outstanding returned normally on a connection that had given up reconnecting
+    (a tester): every later call raises the close, as client.md says."""
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        producer = conn.producer(routing_key="q")
+        await producer.flush(timeout=5)
+    with pytest.raises(fc.ConnectionClosed):
+        await producer.flush(timeout=5)
