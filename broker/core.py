@@ -25,6 +25,7 @@ from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.message import HeldTransfer, Message, SequenceKey
 from flowbroker.broker.paging import SortedKeyDict
+from flowbroker.broker.permissions import DEFAULT_EXCHANGE_NAME
 from flowbroker.broker.queue import Queue, QueueFull
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.store import StoreFactory, memory_store
@@ -1451,6 +1452,9 @@ class BrokerCore:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown exchange kind {f.kind!r}; known: direct, fanout, topic") from None
         if not f.exchange:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "the default exchange '' cannot be declared")
+        if f.exchange == DEFAULT_EXCHANGE_NAME:  # (its permissions and refusals would be the default's, a tester)
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{DEFAULT_EXCHANGE_NAME!r} names the default exchange "
+                               "(its permissions and refusals use it): declare another name", f.exchange)
         existing = self.exchanges.get(f.exchange)
         if existing is not None and existing.kind is not kind:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"exchange {f.exchange!r} exists as {existing.kind}", f.exchange)

@@ -1305,7 +1305,12 @@ class Connection:
         except RemoteProtocolError as exc:
             self._protocol_violation(str(exc), exc.code, exc.frame_seq)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, f"read failed: {exc!r}"), generation)
+            # a reset (a broker killed with data unread) says what an end without CLOSE says, and the error
+            # (a bare "read failed: ... reset by peer" did not say the broker went away, a tester)
+            cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else exc
+            reason = (f"{CLOSED_WITHOUT_CLOSE}: read failed: {exc!r}" if isinstance(cause, ConnectionResetError)
+                      else f"read failed: {exc!r}")
+            self._lost(ConnectionClosed(ErrorCode.INTERNAL_ERROR, reason), generation)
 
     def _protocol_violation(self, text: str, code: ErrorCode, frame_seq: int | None = None) -> None:
         log.warning("flowbroker connection %s: protocol violation by the broker: %s", self.connection_id, text)

@@ -346,3 +346,12 @@ def test_a_message_refused_by_several_queues_gets_one_error_counting_the_others(
     errors = [f for f in legacy.frames if isinstance(f, Error)]
     assert len(errors) == 1 and errors[0].code is ErrorCode.QUEUE_FULL and errors[0].destination == "full0"
     assert errors[0].text.endswith("(and 4 more queue(s) refused it, the next 'full1')")
+
+
+def test_no_exchange_may_be_declared_under_the_default_exchanges_permission_name() -> None:
+    """`amq.default` is how permissions name the default exchange: an exchange declared so could be
+    published to, and its refusals told apart from the default's by nothing (a tester)."""
+    h, p = setup("q")
+    refused = p.declare_exchange("amq.default", "direct")
+    assert isinstance(refused, Error) and refused.code is ErrorCode.INVALID_ARGUMENT
+    assert "names the default exchange" in refused.text and "amq.default" not in h.core.exchanges

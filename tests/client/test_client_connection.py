@@ -289,3 +289,23 @@ async def test_aclose_and_then_the_blocks_end_wait_one_close_timeout_in_all(star
             await conn.aclose()
             assert 0.9 <= trio.current_time() - began <= 1.5
     assert trio.current_time() - began <= 1.6  # not a second close_timeout
+
+
+async def test_a_connection_reset_by_the_broker_says_it_ended_without_a_close(start_broker) -> None:
+    """A broker killed with bytes unread resets the connection: the reason was a bare "read failed: ...
+    Connection reset by peer", which did not say the broker went away (a tester, 2 of 4 kill -9s)."""
+    import socket
+    import struct
+
+    broker = await start_broker()
+    async with await fc.connect(broker.url, timeout=5) as conn:
+        fake = await broker.connection()
+        sock = fake.stream.socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        sock.close()
+        with trio.fail_after(5):
+            while conn.close_error is None:
+                await trio.sleep(0.05)
+        assert isinstance(conn.close_error, fc.ConnectionClosed)
+        assert "without a CLOSE from the broker" in conn.close_error.reason
+        assert "reset" in conn.close_error.reason.lower()
