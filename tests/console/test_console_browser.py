@@ -467,6 +467,20 @@ def test_a_threshold_typed_back_to_its_filled_value_is_sent_and_a_cut_saturated_
             thresholds = broker.api("GET", "/api/queues/q")["thresholds"]
             assert (thresholds["flow_stop_count"], thresholds["flow_resume_count"]) == (30, 15)
 
+            # a queue named "." is refused by the page, before anything is asked or sent (the request went
+            # to PATCH /api/queues/ and said "no queue named ''", a tester)
+            with blocking.connect(broker.url, timeout=10) as conn:
+                conn.declare_queue(".")
+            page.wait_for_function("() => [...document.querySelectorAll('#threshold-queue option')]"
+                                   ".some(o => o.value === '.')")
+            page.select_option("#threshold-queue", ".")
+            page.fill("#flow_stop_count", "7")
+            asked = len(dialogs)
+            page.click("#apply-thresholds")
+            expect(page.locator("#thresholds-result")).to_contain_text("cannot be changed from this page")
+            expect(page.locator("#thresholds-result")).to_contain_text("flowbroker queue set")
+            assert len(dialogs) == asked
+
             # more than 1000 saturated (the API's page says so with its cursor): the line says the list was cut
             page.route("**/api/queues?saturated=true&limit=1000",
                        lambda route: route.fulfill(status=200, content_type="application/json",

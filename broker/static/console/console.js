@@ -271,6 +271,12 @@ async function applyThresholds(event) {
   const name = document.getElementById("threshold-queue").value;
   const queue = latestQueues.get(name);
   if (!queue) return;
+  if (name === "." || name === "..") {  // the browser folds the path: the request would name another resource
+    result.className = "error";
+    result.textContent = `Queue '${name}' cannot be changed from this page (the browser folds '${name}' out of ` +
+                         `the request's path): use flowbroker queue set (docs/console.md).`;
+    return;
+  }
   const change = {};
   for (const key of THRESHOLDS) {
     const text = document.getElementById(key).value.trim();
