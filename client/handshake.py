@@ -248,7 +248,9 @@ async def _await_welcome(
                     # The address's failed logins (perhaps another client's on it), not these credentials,
                     # which the broker did not look at: worth trying again later, a reconnect does.
                     refused = HandshakeError
-                raise refused(f"broker refused the connection: {'; '.join(texts)}", code)
+                # (named: a Spark job's error showed "authentication failed", never the UNAUTHORIZED that
+                # docs/spark.md says, and its code travelled as a bare 15, a tester)
+                raise refused(f"broker refused the connection ({getattr(code, 'name', code)}): {'; '.join(texts)}", code)
             frame = proto.next_frame()
         if not data:
             hint = "" if head else (": it sent nothing back (a TLS port? It needs a flowbroker+tls:// URL)")

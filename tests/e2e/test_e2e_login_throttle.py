@@ -42,6 +42,7 @@ async def test_a_guesser_on_many_connections_is_throttled_and_nobody_else_is(
         with pytest.raises(fc.HandshakeError) as info:
             await fc.connect(broker.url, auth=("alice", password), timeout=LIMIT)
         assert info.value.code is ErrorCode.UNAUTHORIZED
+        assert "(UNAUTHORIZED)" in str(info.value)  # said in the text too (docs/spark.md quotes it)
         throttled = "too many failed logins from 127.0.0.1" in str(info.value)
         # unlooked: not an AuthenticationError (these credentials were not refused; a reconnect retries)
         assert isinstance(info.value, fc.AuthenticationError) is not throttled, info.value
