@@ -799,20 +799,6 @@ class BrokerCore:
                             if fanned >= budget:
                                 break
                             continue
-                if (len(targets) > 1 and broker_hold and memory.alarm
-                        and memory.held > memory.watermark + memory.held_room):
-                    # Credit bounds what a producer has in flight once, but a held message fanned out is held
-                    # once per queue: past the watermark by more than all credit, a copy per queue is what
-                    # the alarm cannot bound (a tester: 1-byte bodies to a fanout of 600 queues, 7.6 times
-                    # the bound's growth). Refused, as for a producer without flow control; a message to one
-                    # queue is still held, never refused.
-                    self._refuse(session, tid, size, ErrorCode.RESOURCE_EXHAUSTED,
-                                 f"the broker is over its memory watermark ({memory.held} of {memory.watermark} "
-                                 f"bytes held) by more than its producers' credit ({memory.held_room} bytes), and "
-                                 f"this message would be held once in each of {len(targets)} queues: retry when "
-                                 "the alarm clears", exchange, producer_id, sequence)
-                    tid += 1
-                    continue
                 held: list[Message] = []
                 durable_queue: Queue | None = None  # a durable queue took it: completion waits for the journal
                 errors: list[Refusal] = []  # the queues that refused it: an idempotent resend is told again
