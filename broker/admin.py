@@ -232,7 +232,7 @@ class BearerAuth:
             user, read_only = await self._users.login(*(pair or ("", "")), client[0] if client else None)
         except LoginThrottled as exc:
             _LOG_UNLOOKED("admin API: HTTP Basic credentials refused unlooked: %s", exc)
-            return _error_response(429, "too_many_failed_logins", str(exc), headers={"Retry-After": str(exc.retry_after)})
+            return _error_response(429, exc.code, str(exc), headers={"Retry-After": str(exc.retry_after)})
         except LoginRefused as exc:  # the address and the reason, as the data port logs a refused login
             LOGGER.warning("admin API: HTTP Basic from %s refused for user %s: %s", peer_address(client),
                            logsafe(pair[0]) if pair is not None else "(malformed)",

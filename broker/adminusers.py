@@ -62,9 +62,10 @@ class LoginThrottled(Exception):
     `retry_after` is the 429's Retry-After (seconds, [auth] failed_login_max_delay rounded up): HTTP
     Basic and the console's login both answer it, so a client of either knows when to come back."""
 
-    def __init__(self, message: str, retry_after: int):
+    def __init__(self, message: str, retry_after: int, code: str = "too_many_failed_logins"):
         super().__init__(message)
         self.retry_after = retry_after
+        self.code = code  # the 429's error code: the address's failures, or the user's checks waiting
 
 
 class AdminUsers:
@@ -131,7 +132,7 @@ class AdminUsers:
             try:
                 ok = await checked(user.credential, password, name)
             except PasswordChecksBusy as busy:  # not this address's failure: 429 with Retry-After, unchecked
-                raise LoginThrottled(str(busy), 5) from None
+                raise LoginThrottled(str(busy), 5, "password_checks_busy") from None
             if not ok:
                 raise LoginRefused("wrong password")
             if len(self._verified) >= MAX_REMEMBERED:

@@ -305,7 +305,7 @@ def console_routes(token: str, sessions: SessionStore, users: AdminUsers | None 
                                                     client.host if client is not None else None)
             except LoginThrottled as exc:
                 _LOG_UNLOOKED("console: a login refused unlooked: %s", exc)
-                return _error(429, "too_many_failed_logins", str(exc), {"Retry-After": str(exc.retry_after)})
+                return _error(429, exc.code, str(exc), {"Retry-After": str(exc.retry_after)})
             except LoginRefused as exc:
                 LOGGER.warning("console: login from %s refused for user %s: %s", peer, logsafe(name), exc.reason)
                 return _error(403, "forbidden", "wrong user or password, or the user has no admin tag")

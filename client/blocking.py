@@ -91,7 +91,9 @@ class BlockingConnection:
     def __init__(self, url: str = DEFAULT_URL, **options: Any) -> None:
         self._url = url
         self._options = options
-        self._ready = threading.Event()
+        # (an Ended, not a threading.Event: an interrupted Event.wait can leave its Condition's lock held,
+        # and the thread's set() then blocked for good, with its connection open, a tester)
+        self._ready = Ended()
         self._ended = Ended()
         """Set when the thread's run has ended: waited for instead of `Thread.join`, which on CPython 3.11,
         interrupted (Ctrl-C), marks the thread stopped while it runs on (bpo-45274): a close() interrupted
