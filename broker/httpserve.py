@@ -20,12 +20,12 @@ sockets through it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import socket
 from typing import Any
 
-import anyio._backends._trio  # noqa: F401  (loaded now, see below)
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData
@@ -38,9 +38,14 @@ from starlette.types import ASGIApp
 from flowbroker.broker.accept import RateLimitedLog, accept_forever
 from flowbroker.broker.streamio import peer_name, refuse_now
 
-# anyio's trio backend is imported above, at start, not by the first streamed answer (starlette's
+# anyio's trio backend is imported here, at start, not by the first streamed answer (starlette's
 # StreamingResponse loads it lazily): a first /metrics while the process had no descriptor left failed that
-# import (EMFILE) with a bare 500 and a 40-line traceback in the log (a tester).
+# import (EMFILE) with a bare 500 and a 40-line traceback in the log (a tester). A private module: if a
+# later anyio moves it, it is loaded lazily as before.
+try:
+    importlib.import_module("anyio._backends._trio")
+except ImportError:
+    pass
 
 __all__ = ["HttpServer"]
 
