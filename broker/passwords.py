@@ -10,7 +10,7 @@ address's failures are throttled before they get here, broker/auth.py `LoginThro
 
 The threads are shared fairly between users: one user's checks run one at a time, so a guesser against
 one user (from as many source addresses as it likes: 127.0.0.0/8 is 16 million of them) holds one thread,
-never both; at most MAX_WAITING_PER_USER of a user's checks wait, and one more is refused at once
+never both; at most MAX_WAITING_PER_USER of a user's checks wait or run, and one more is refused at once
 (`PasswordChecksBusy`); and logins with the same password for the same credential while one is being
 checked share its answer (a job's hundred tasks logging in together cost one PBKDF2, not a queue of
 them). Before, every check waited in one unbounded line: a tester's 120 guesses from 64 addresses kept
@@ -41,7 +41,7 @@ class Credential(Protocol):
 
 
 class PasswordChecksBusy(Exception):
-    """A user has MAX_WAITING_PER_USER password checks waiting already: this login is refused unchecked."""
+    """A user has MAX_WAITING_PER_USER password checks waiting or running: this login is refused unchecked."""
 
     def __init__(self, user: str):
         super().__init__(f"{MAX_WAITING_PER_USER} logins of user {user!r} are waiting for their password checks "
@@ -57,7 +57,7 @@ class _Pending:
     def __init__(self, credential: Any):
         self.credential = credential
         self.done = trio.Event()
-        self.ok: bool | None = None  # None once done: cancelled, no answer
+        self.ok: bool | None = None  # the answer; None until then, and for good if the check was cancelled
 
 
 class _UserChecks:

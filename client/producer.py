@@ -167,10 +167,11 @@ class Producer:
         self._blocked_count = 0
         self._blocked_seconds = 0.0
         self._errors: list[PublishError] = []
-        self._forgotten: tuple[list[PublishError], int] = ([], 0)  # what `_forget_errors` took last
         """Refusals not yet reported, oldest first, at most MAX_KEPT_ERRORS."""
         self._unreported = 0
         """Refusals not yet reported (also those beyond MAX_KEPT_ERRORS)."""
+        self._forgotten: tuple[list[PublishError], int] = ([], 0)
+        """What `_forget_errors` took last (the two above), for `_restore_errors`."""
         self._unconfirmed_reported = False
         """The producer's block ended and said which transfers were not completed: the connection's end
         neither waits for them again nor reports them twice (a later send starts afresh)."""
