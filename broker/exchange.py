@@ -11,6 +11,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from flowbroker.broker.topic import TopicBudget, TopicIndex
+from flowbroker.protocol.limits import text_bytes_bound
 from flowbroker.protocol.names import EXCHANGE_DIRECT, EXCHANGE_FANOUT, EXCHANGE_TOPIC
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class RouteCache:
 def entry_bytes(routing_key: str, queues: int) -> int:
     """A cached result's memory, from above: its dict slot, key tuple and list (about 200 bytes), a
     pointer a queue, and the routing key's string (4 bytes a character unless ASCII)."""
-    return 200 + 8 * queues + 60 + (len(routing_key) if routing_key.isascii() else 4 * len(routing_key))
+    return 200 + 8 * queues + 60 + text_bytes_bound(routing_key)
 
 
 class Exchange:

@@ -53,6 +53,7 @@ from flowbroker.broker.journalrecord import (
     pack_array_header,
 )
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD
+from flowbroker.protocol.limits import text_bytes_bound
 from flowbroker.protocol.frames import FlowResumed, FlowStopped
 from flowbroker.protocol.names import OVERFLOW, QUEUE_ARGUMENTS, THRESHOLD_DISK
 
@@ -104,11 +105,10 @@ def _record_bytes(msg: Message) -> int:
     """A live message's MESSAGE record, estimated from above (RECORD_OVERHEAD; a name's or producer id's
     UTF-8 bytes by 4 a character unless it is ASCII: len() of a non-ASCII name was below its bytes, up to
     4x, the producer id was not counted, and compaction then copied segments more live than a quarter)."""
-    exchange, key, pid = msg.exchange, msg.routing_key, msg.producer_id
+    pid = msg.producer_id
     estimate = (msg.size - MESSAGE_OVERHEAD + RECORD_OVERHEAD
-                + (len(exchange) if exchange.isascii() else 4 * len(exchange))
-                + (len(key) if key.isascii() else 4 * len(key)))
-    return estimate if pid is None else estimate + (len(pid) if pid.isascii() else 4 * len(pid))
+                + text_bytes_bound(msg.exchange) + text_bytes_bound(msg.routing_key))
+    return estimate if pid is None else estimate + text_bytes_bound(pid)
 
 
 def segment_name(number: int) -> str:

@@ -692,8 +692,7 @@ class ConnectionHandler:
             except PasswordChecksBusy as busy:  # not a failure of this address: refused unchecked
                 LOGGER.warning("connection from %s: login refused for user %s: %s", self.peer,
                                logsafe(outcome.user.name), busy)
-                code = ErrorCode.RESOURCE_EXHAUSTED
-                await _send_and_close(self.io, self.conn, [Error(code, str(busy), 1), Close(code, str(busy))])
+                await self._refuse_exhausted(str(busy))
                 return None
             outcome = outcome.finish(ok)
         if isinstance(outcome, Challenge):
@@ -703,8 +702,7 @@ class ConnectionHandler:
                 return None
             outcome = outcome.finish(response.data)
         if isinstance(outcome, Accepted) and (over := self._over_user_limit(outcome)) is not None:
-            code = ErrorCode.RESOURCE_EXHAUSTED
-            await _send_and_close(self.io, self.conn, [Error(code, over, 1), Close(code, over)])
+            await self._refuse_exhausted(over)
             return None
         if isinstance(outcome, Refused):
             if hello.auth:
@@ -737,8 +735,14 @@ class ConnectionHandler:
             return None
         text = f"user {accepted.identity!r} has its max_connections ({limit}) open"
         LOGGER.warning("connection from %s: refused: %s", self.peer, logsafe(text))
-        self.core.errors_sent[ErrorCode.RESOURCE_EXHAUSTED] += 1
         return text
+
+    async def _refuse_exhausted(self, text: str) -> None:
+        """A login the broker will not serve now (a user over its limit, its password checks busy): ERROR
+        + CLOSE RESOURCE_EXHAUSTED, counted."""
+        code = ErrorCode.RESOURCE_EXHAUSTED
+        self.core.errors_sent[code] += 1
+        await _send_and_close(self.io, self.conn, [Error(code, text, 1), Close(code, text)])
 
     async def _serve(self, hello: Hello, accepted: Accepted) -> None:
         core = self.core

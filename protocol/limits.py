@@ -24,6 +24,7 @@ __all__ = [
     "MAX_CONTROL_FRAME",
     "MAX_ERROR_TEXT",
     "message_wire_size",
+    "text_bytes_bound",
     "utf8_len",
 ]
 
@@ -54,6 +55,13 @@ could have its connection hold 10,000 pending ERRORs of 64 KiB each."""
 def utf8_len(text: str) -> int:
     """Bytes of `text` in UTF-8, without encoding it when it is ASCII-short enough to tell."""
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def text_bytes_bound(text: str) -> int:
+    """`text`'s bytes from above, without encoding it: its length when ASCII, else 4 a character, a bound
+    on its UTF-8 bytes and on what CPython keeps of each character alike (the journal's live-bytes
+    estimate, the route cache's entries)."""
+    return len(text) if text.isascii() else 4 * len(text)
 
 
 def message_wire_size(exchange: str, routing_key: str, body: bytes, headers: Mapping[str, object] | None) -> int:

@@ -146,6 +146,27 @@ def broker_thread(**options: Any) -> Iterator[tuple[FakeBroker, Callable[..., An
         thread.join(5)
 
 
+@contextmanager
+def trio_thread() -> Iterator[trio.lowlevel.TrioToken]:
+    """A trio run in a thread of its own, idle, for `run_interruptible` to call into: its token."""
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        box["token"], box["stop"] = trio.lowlevel.current_trio_token(), trio.Event()
+        ready.set()
+        await box["stop"].wait()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    try:
+        yield box["token"]
+    finally:
+        trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
+        thread.join(5)
+
+
 def test_an_interrupted_receive_takes_no_message() -> None:
     with broker_thread() as (broker, in_broker):
         with blocking.connect(broker.url, timeout=5) as conn:
@@ -213,30 +234,16 @@ def test_an_interrupted_connect_leaves_no_connection_nor_thread() -> None:
 
 def test_a_call_that_returns_after_the_interrupt_is_undone() -> None:
     undone: list[str] = []
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        box["token"], box["stop"] = trio.lowlevel.current_trio_token(), trio.Event()
-        ready.set()
-        await box["stop"].wait()
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    assert ready.wait(5)
 
     async def uncancellable() -> str:
         with trio.CancelScope(shield=True):
             await trio.sleep(0.5)
         return "taken"
 
-    try:
+    with trio_thread() as token:
         with interrupted_after(0.1):
-            run_interruptible(box["token"], uncancellable, undone.append)
+            run_interruptible(token, uncancellable, undone.append)
         assert undone == ["taken"]  # it ended within the wait, and was handed back
-    finally:
-        trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
-        thread.join(5)
 
 
 def test_a_second_interrupt_while_the_first_cancels_leaves_nothing_running() -> None:
@@ -330,17 +337,6 @@ def test_an_error_the_interrupted_caller_never_saw_is_restored() -> None:
     reports it once), the retried flush returned normally and the message passed for delivered (a tester:
     6 % of interrupted flushes). The call's own error goes to `restore`; one the caller did see does not."""
     restored: list[BaseException] = []
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        box["token"], box["stop"] = trio.lowlevel.current_trio_token(), trio.Event()
-        ready.set()
-        await box["stop"].wait()
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    assert ready.wait(5)
 
     async def refused_late() -> None:
         with trio.CancelScope(shield=True):
@@ -350,18 +346,15 @@ def test_an_error_the_interrupted_caller_never_saw_is_restored() -> None:
     async def refused_now() -> None:
         raise Refused("at once")
 
-    try:
+    with trio_thread() as token:
         with interrupted_after(0.1):
-            run_interruptible(box["token"], refused_late, None, restored.append)
-        trio.from_thread.run_sync(lambda: None, trio_token=box["token"])  # (restore ran before this)
+            run_interruptible(token, refused_late, None, restored.append)
+        trio.from_thread.run_sync(lambda: None, trio_token=token)  # (restore ran before this)
         assert [str(e) for e in restored] == ["no queue named 'q'"]
         with pytest.raises(Refused):
-            run_interruptible(box["token"], refused_now, None, restored.append)
-        trio.from_thread.run_sync(lambda: None, trio_token=box["token"])
+            run_interruptible(token, refused_now, None, restored.append)
+        trio.from_thread.run_sync(lambda: None, trio_token=token)
         assert len(restored) == 1  # seen by its caller: not restored
-    finally:
-        trio.from_thread.run_sync(box["stop"].set, trio_token=box["token"])
-        thread.join(5)
 
 
 def test_a_refusal_an_interrupted_flush_never_reported_is_reported_by_the_next() -> None:
