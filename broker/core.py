@@ -210,6 +210,10 @@ class BrokerCore:
         # while any is in force are held once, in `_broker_held`, until none is.
         self._broker_stops: dict[str, FlowStopped] = {}
         self._broker_held: list[HeldTransfer] = []
+        # Connections with transfers parked under the memory alarm (broker/parking.py): their writers are
+        # woken to route them when it clears. `parking_stop`: the last `route` stopped at a message to park.
+        self._parked_sessions: dict[Session, None] = {}
+        self.parking_stop = False
         server = config.server
         watermark = server.memory_watermark or server.memory_quota
         self.memory = MemoryMeter(watermark, watermark * server.memory_resume_percent // 100, self._memory_cleared)
@@ -354,6 +358,9 @@ class BrokerCore:
         if session.ref.ids_taken:  # its idempotent producer ids: kept a TTL from now
             self.producer_sequences.store.closed(session.ref, self.clock_ns())
         session.transfers_held_now = 0  # ...and is nobody's transfer now
+        if session.parked:  # what it parked was never completed: it goes with it (broker/parking.py)
+            self._parked_sessions.pop(session, None)
+            session.parked.clear()
         self._set_held_room()
         if session.held_sequences:  # its idempotent messages still held: its next connection's resends adopt them
             orphans = self._orphans
@@ -554,6 +561,9 @@ class BrokerCore:
             raise SessionFault(exc.code, str(exc)) from None
         if session.flow_control and session.conn_id not in self.credit.producer_ids:
             self._register_producer(session)
+        if session.parked:  # behind what it parked, in order (broker/parking.py)
+            self._park(session, RoutingRest(tid, frame.entries[:len(sizes)], sizes, violation))
+            return
         self.route_in_slices(session, tid, frame.entries, sizes, violation)
 
     def route_in_slices(self, session: Session, tid: int, entries: list[TransferEntry], sizes: list[int],
@@ -575,14 +585,53 @@ class BrokerCore:
         """Route what `rest` holds up to FANOUT_BUDGET copies; keep what is left in `session.routing_rest`.
         The credit violation found on receipt, if any, ends the connection once the messages before it
         are routed."""
+        self.parking_stop = False
         done = self.route(session, rest.tid, rest.entries, rest.sizes, FANOUT_BUDGET)
         if done < len(rest.sizes):
-            session.routing_rest = RoutingRest(rest.tid + done, rest.entries[done:], rest.sizes[done:],
-                                               rest.violation)
+            left = RoutingRest(rest.tid + done, rest.entries[done:], rest.sizes[done:], rest.violation)
+            if self.parking_stop:
+                self._park(session, left)
+            else:
+                session.routing_rest = left
             return
         if rest.violation is not None:
             self.credit_violations += 1
             raise SessionFault(rest.violation.code, str(rest.violation))
+
+    def _park(self, session: Session, rest: RoutingRest) -> None:
+        """Keep `rest` unrouted behind what the session parked (broker/parking.py); its writer routes it
+        once the memory alarm is off. A credit violation ends the connection now (its parked messages,
+        never completed, go with it)."""
+        session.parked.add(rest._replace(violation=None))
+        self._parked_sessions[session] = None
+        if rest.violation is not None:
+            self.credit_violations += 1
+            raise SessionFault(rest.violation.code, str(rest.violation))
+        if not self.memory.alarm:
+            session.outbox.wake()
+
+    def _fans_out(self, exchange: str, routing_key: str) -> bool:
+        """A message to `exchange` with `routing_key` would be routed to more than one queue now."""
+        ex = self.exchanges.get(exchange)
+        return ex is not None and len(ex.route(routing_key)) > 1
+
+    def parked_due(self, session: Session) -> bool:
+        """The session has parked transfers and the memory alarm is off: its writer routes them."""
+        return bool(session.parked) and not self.memory.alarm
+
+    def route_parked(self, session: Session) -> None:
+        """Route the next slice (FANOUT_BUDGET copies) of what the session parked; a message that fans out
+        while the alarm is on again stays parked with what follows it. The shell's writer calls it while
+        `parked_due`, yielding between slices."""
+        parked = session.parked
+        if not parked or not session.open:
+            return
+        rest = parked.first()
+        self.parking_stop = False
+        done = self.route(session, rest.tid, rest.entries, rest.sizes, FANOUT_BUDGET)
+        parked.routed(done)
+        if not parked:
+            self._parked_sessions.pop(session, None)
 
     def route(self, session: Session, tid: int, entries: list[TransferEntry], sizes: list[int],
               budget: int = 1 << 62) -> int:
@@ -604,6 +653,8 @@ class BrokerCore:
         broker_hold = session.flow_control and bool(self._broker_stops)
         memory = self.memory
         memory_refusal = memory.alarm and not session.flow_control
+        # A message that fans out under the alarm is parked, with everything after it (broker/parking.py)
+        park = memory.alarm and session.flow_control and not session.fences_itself
         # Past the alarm by more than live producers can have in flight: what producers that sent and left
         # added (each new connection's grant, or its one message over its first byte). Refused, or the
         # alarm bounded nothing against a client reconnecting (a tester: 600 MiB over a 256 MiB quota).
@@ -728,6 +779,9 @@ class BrokerCore:
                     receiver.complete_run(run_first, run_end - run_first, run_size)
                     run_first = run_end = -1
                     run_size = 0
+                if park and exchange != "" and self._fans_out(exchange, routing_key):
+                    self.parking_stop = True  # this message and the rest: the caller parks them
+                    break
                 # An idempotent producer's duplicate or gap is answered here, before it can reach a queue.
                 if producer_id is not None:
                     # the store's key, as the journal records it; interned, so that a producer's held messages
@@ -837,6 +891,7 @@ class BrokerCore:
                         self._memory_alarm()
                         memory_refusal = not session.flow_control
                         broker_hold = session.flow_control
+                        park = session.flow_control and not session.fences_itself
                 last = None
                 if held or broker_hold or durable_queue is not None:
                     self._hold(session, tid, size, held, broker_hold, durable_queue,
@@ -1002,6 +1057,8 @@ class BrokerCore:
     def _memory_cleared(self) -> None:
         LOGGER.warning("memory alarm cleared: %d bytes of messages held", self.memory.held)
         self._set_broker_stop(THRESHOLD_MEMORY, None)
+        for session in self._parked_sessions:  # their writers route what they parked (broker/parking.py)
+            session.outbox.wake()
 
     def _broker_stop(self) -> FlowStopped:
         """The FLOW_STOPPED on `*` that says why, the memory alarm first (an operator can see stop-all)."""

@@ -39,7 +39,7 @@ class MemoryMeter:
         reconnect (Queue.add's HeldPastCredit, BrokerCore.route under a broker-wide stop). Only connections
         opened after the queue saturated (or the alarm came on) meet it: producers connected before are
         never refused by it, whoever else comes and goes (a tester's live producer was refused while short
-        jobs came and went beside it), and their fan-out copies are theirs to hold."""
+        jobs came and went beside it). What fans out under the alarm is parked, one copy (broker/parking.py)."""
         self.newest_conn = 0  # the newest connection id (the core keeps it): connections are numbered in order
         self.alarm_newest_conn = 0  # the newest when the alarm came on: newer ones meet the room check
         self.watermark = watermark

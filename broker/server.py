@@ -885,8 +885,10 @@ class ConnectionHandler:
     def _flush_now(self) -> None:
         session, io = self.session, self.io
         if (self._writing or self._unsent or self._rest or session is None or self._closing is not None
-                or not io.direct):
-            self._wakeup.set()  # the writer collects what is due (after its current write)
+                or not io.direct or self.core.parked_due(session)):
+            # the writer collects what is due (after its current write), or routes what it parked (a
+            # slice at a time: not in another connection's turn)
+            self._wakeup.set()
             return
         frames = session.collect(now_ns())
         if not frames:
@@ -1061,10 +1063,17 @@ class ConnectionHandler:
             return None
 
     async def _writer(self, session: Session) -> None:
+        core = self.core
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             while True:
+                # What it parked under the memory alarm, once the alarm is off (broker/parking.py): a slice
+                # of fan-out at a time, its completions written between slices, others run between them.
+                # (Checked at every turn: the reader parks more behind it while this writes.)
+                if core.parked_due(session):
+                    core.route_parked(session)
+                    await trio.lowlevel.checkpoint()
                 # What was collected and not yet written goes first, and nothing more is collected until
                 # it is: a collect takes the outbox's deliveries and lets the subscriptions fill it again,
                 # so a collect beside a previous one's unwritten rest held a third outbox's worth (a
@@ -1074,6 +1083,8 @@ class ConnectionHandler:
                 else:
                     frames = session.collect(now_ns())
                     if not frames:
+                        if core.parked_due(session):  # a slice whose messages are all held: the next one
+                            continue
                         break
                 encoded = self._encode(self._piece(frames))
                 if encoded is None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from flowbroker.broker.message import SessionRef
 from flowbroker.broker.outbox import Outbox, SessionFault
+from flowbroker.broker.parking import ParkedTransfers
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, ReceiverWindow, SenderWindow
 from flowbroker.protocol.delivery import DeliveryLedger
 from flowbroker.protocol.errors import ErrorCode
@@ -112,6 +113,9 @@ class Session:
         self.messages_dropped = 0  # a UDP publication's messages dropped for a bad envelope (broker/udp/ingress.py)
         # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
         self.routing_rest: RoutingRest | None = None
+        # what it sent that fans out, and everything after it, while the memory alarm is on: routed by its
+        # writer once the alarm clears (broker/parking.py)
+        self.parked = ParkedTransfers()
         self.answers_waiting = 0  # its requests' answers waiting for the journal's commit (AnswerAfterCommit)
         # its idempotent messages held now, by (producer key, sequence): the core's orphans when it closes,
         # for the producer's resend on its next connection to adopt (broker/message.py HeldTransfer)

@@ -115,7 +115,10 @@ class Client:
             self.core.route_rest(self.session)
 
     def pump(self) -> list[Frame]:
-        """Collect what the broker has for this client now and act on it, as the client would."""
+        """Collect what the broker has for this client now and act on it, as the client would; first, as
+        the shell's writer does, route what the session parked under the memory alarm once it is off."""
+        while self.core.parked_due(self.session):
+            self.core.route_parked(self.session)
         frames = self.session.collect(self.h.now)
         for frame in frames:
             self.frames.append(frame)

@@ -155,6 +155,11 @@ class CoreMachine(RuleBasedStateMachine):
         self.consumers: list[ConsumerModel] = []
         self.admin: Consumer
         self.targets: dict[tuple[int, int], list[str]] = {}  # (pid, tid) -> queues it was routed to
+        # Where each message was sent: ("fan", ""), ("top", routing key) or ("queue", name). A message
+        # parked under the memory alarm (broker/parking.py) is routed later, to the queues its route
+        # reaches then: its targets are [] while parked (`parked`), and set when the core routes it.
+        self.route_of: dict[tuple[int, int], tuple[str, str]] = {}
+        self.parked: dict[int, set[int]] = {}  # pid -> its transfer ids parked now
         self.sizes: dict[tuple[int, int], int] = {}
         self.fate: dict[Copy, str] = {}
         self.live: dict[Copy, tuple[int, int]] = {}  # copy -> (consumer id, tag) of its live delivery
@@ -289,16 +294,42 @@ class CoreMachine(RuleBasedStateMachine):
         assert q in self.targets[(pid, tid)], f"{copy} was never routed to {q}"
         self.fate[copy] = fate
 
+    def _route_now(self, pid: int, tid: int) -> list[str]:
+        """The queues a message's route reaches now (a queue deleted since: none)."""
+        kind, key = self.route_of[(pid, tid)]
+        if kind == "fan":
+            return list(self.fan)
+        if kind == "top":
+            return topic_routes(self.topic, key)
+        return [key] if key in self.queues else []
+
+    def _sync_parked(self, pid: int) -> None:
+        """After the core may have parked or routed `pid`'s parked transfers (a send, a pump): those
+        parked now reach no queue yet; those routed since reach what their route reaches now."""
+        p = self.producers[pid]
+        now = {rest.tid + i for rest in p.session.parked.rests for i in range(len(rest.sizes))}
+        for tid in self.parked.get(pid, set()) - now:
+            self.targets[(pid, tid)] = self._route_now(pid, tid)
+            event("parked message routed")
+        for tid in now:
+            self.targets[(pid, tid)] = []
+        self.parked[pid] = now
+        if now:
+            event("parked under the memory alarm")
+
     def _absorb_producer(self, pid: int) -> None:
         p = self.producers[pid]
         before = len(p.errors)
         p.pump()
+        self._sync_parked(pid)  # (pump routes what was parked, once the alarm is off)
         for err in p.errors[before:]:
             assert err.ref_id is not None, err
             key = (pid, err.ref_id)
             if err.code is ErrorCode.MESSAGE_TOO_LARGE:
                 for q in self.targets[key]:
                     self._set_fate((pid, err.ref_id, q), "refused")
+            elif err.code is ErrorCode.NOT_FOUND:  # a parked message to a queue deleted meanwhile
+                assert self.route_of[key] == ("queue", err.destination) and err.destination in self.deleted, err
             else:
                 assert err.code is ErrorCode.QUEUE_FULL, err
                 assert err.destination in self.targets[key]
@@ -405,16 +436,20 @@ class CoreMachine(RuleBasedStateMachine):
             tid = p.next_id
             body = b"%d:%d:" % (pid, tid) + b"." * pad
             if target == "fan":
+                self.route_of[(pid, tid)] = ("fan", "")
                 self.targets[(pid, tid)] = list(self.fan)
                 assert p.send("fan", "", body) == tid
             elif target == "top":
                 key = data.draw(ROUTING_KEYS, label="routing key")
+                self.route_of[(pid, tid)] = ("top", key)
                 self.targets[(pid, tid)] = topic_routes(self.topic, key)
                 event("topic route", f"{len(self.targets[(pid, tid)])} queue(s)")
                 assert p.send("top", key, body) == tid
             else:
+                self.route_of[(pid, tid)] = ("queue", target)
                 self.targets[(pid, tid)] = [target]
                 assert p.send("", target, body) == tid
+            self._sync_parked(pid)
             self.sizes[(pid, tid)] = message_size(body)
             self.registered.add(pid)  # its first transfer registered it with the credit policy
 
@@ -748,7 +783,7 @@ class CoreMachine(RuleBasedStateMachine):
                 continue
             done = p.session.completed
             for tid in range(1, p.next_id):
-                if tid in done:
+                if tid in done or tid in self.parked.get(pid, ()):  # (parked: not routed yet)
                     continue
                 assert tid in admin_held[pid] or any((pid, tid) in held.get(q, ()) for q in self.targets[(pid, tid)]), (
                     f"p{pid} transfer {tid} is not complete, yet no destination holds it"

@@ -144,7 +144,7 @@ def test_connection_view_producer_credit_and_flow_state() -> None:
     assert view["identity"] == "anonymous" and view["role"] == "producer" and view["flow_control"] is True
     assert view["producer"] == {
         "buffer_size": MiB, "received_bytes": 2 * size, "acknowledged_bytes": 0, "unacked_bytes": 2 * size,
-        "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1,
+        "completed_bytes": size, "transfers": 2, "transfers_held": 1, "transfers_held_total": 1, "transfers_parked": 0,
         "transfers_duplicate": 0, "credit_state": "producer", "paced_on": None, "paced_total": 0,
         "messages_dropped": 0,
     }
