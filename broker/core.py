@@ -622,7 +622,7 @@ class BrokerCore:
     def route_parked(self, session: Session) -> None:
         """Route the next slice (FANOUT_BUDGET copies) of what the session parked; a message that fans out
         while the alarm is on again stays parked with what follows it. The shell's writer calls it while
-        `parked_due`, yielding between slices."""
+        `parked_due`, yielding between slices (a UDP publication's: the data path's cycles)."""
         parked = session.parked
         if not parked or not session.open:
             return
@@ -654,7 +654,7 @@ class BrokerCore:
         memory = self.memory
         memory_refusal = memory.alarm and not session.flow_control
         # A message that fans out under the alarm is parked, with everything after it (broker/parking.py)
-        park = memory.alarm and session.flow_control and not session.fences_itself
+        park = memory.alarm and session.flow_control
         # Past the alarm by more than live producers can have in flight: what producers that sent and left
         # added (each new connection's grant, or its one message over its first byte). Refused, or the
         # alarm bounded nothing against a client reconnecting (a tester: 600 MiB over a 256 MiB quota).
@@ -891,7 +891,7 @@ class BrokerCore:
                         self._memory_alarm()
                         memory_refusal = not session.flow_control
                         broker_hold = session.flow_control
-                        park = session.flow_control and not session.fences_itself
+                        park = session.flow_control
                 last = None
                 if held or broker_hold or durable_queue is not None:
                     self._hold(session, tid, size, held, broker_hold, durable_queue,

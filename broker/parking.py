@@ -14,8 +14,9 @@ parked is bounded by its credit, like any transfer not yet completed; a connecti
 messages parked never had them completed, so they are dropped with it, as the unrouted rest of a
 TRANSFER is (its producer resends what it was not told was taken).
 
-A UDP publication (broker/udp/ingress.py) is not parked: its image is its own pacing, and its fan-out
-copies under the alarm are held as before (docs/architecture.md says so).
+A UDP publication's session parks the same way; its data path's cycles route what it parked once the
+alarm is off, and poll nothing new meanwhile: what follows waits in the term, inside the window, as it
+does behind a closed grant (broker/udp/ingress.py `_poll`).
 """
 
 from __future__ import annotations

@@ -308,6 +308,14 @@ class Ingress:
         saturated queue) takes the per-message path, whose holds are released in transfer-id order."""
         image = pub.image
         assert image is not None
+        if pub.session.parked:  # parked under the memory alarm (broker/parking.py): nothing new behind it
+            core = self.datapath.core
+            if not core.parked_due(pub.session):
+                return False  # what follows waits in the term, inside the window, as for a closed grant
+            core.route_parked(pub.session)
+            self._more_to_route(pub)
+            self._drain_outbox(pub, now_ns)
+            return True
         if pub.session.routing_rest is not None:  # a fan-out's rest before anything new (its holds are set up)
             self.datapath.core.route_rest(pub.session)
             self._more_to_route(pub)
@@ -450,8 +458,9 @@ class Ingress:
         self._more_to_route(pub)
 
     def _more_to_route(self, pub: UdpPublication) -> None:
-        """The publication session has a fan-out's rest to route: the next cycle comes at once."""
-        if pub.session.routing_rest is not None:
+        """The publication session has a fan-out's rest, or parked messages the alarm no longer holds, to
+        route: the next cycle comes at once."""
+        if pub.session.routing_rest is not None or self.datapath.core.parked_due(pub.session):
             pub.more_to_route = True
             self.datapath.wake()
 

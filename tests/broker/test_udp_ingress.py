@@ -698,3 +698,41 @@ def test_a_poll_whose_fan_out_passes_the_budget_routes_the_rest_in_later_cycles(
         assert rig.bodies(f"w{i}") == bodies
     rig.cycle()
     assert rig.image.subscriber_position(publication.subscription.subscription_id) == rig.image.rebuild_position
+
+
+def test_a_udp_publication_to_a_fanout_under_the_memory_alarm_is_parked_then_routed_in_order() -> None:
+    """Under the memory alarm a message to K queues was held K times (broker/parking.py): a UDP
+    publication's are parked as a TCP producer's are, one copy, nothing new polled behind them (it waits
+    in the term, inside the window), and routed in order once consumers take the queues under the alarm's
+    resume level; the image's consumption position then passes every message."""
+
+    def wide(rig: Rig) -> None:
+        admin = rig.h.consumer("admin")
+        admin.declare_exchange("wide", "fanout")
+        for i in range(10):
+            admin.declare_queue(f"w{i}", max_size=0, flow_stop_size=0, flow_resume_size=0)
+            admin.bind(f"w{i}", "wide")
+
+    rig = Rig(exchange="wide", routing_key="", before=wide, server={"memory_watermark": 32 * 1024},
+              credit={"policy": "static", "static_size": 1 << 20})
+    bodies = [i.to_bytes(4, "big") + b"u" * 996 for i in range(60)]
+    assert rig.offer_all(bodies) == len(bodies)
+    memory = rig.core.memory
+    publication = rig.datapath.ingress.publications[rig.session_id]
+    parked = publication.session.parked.messages
+    assert memory.alarm and parked > 0
+    per_message = 10 * (1000 + 512)
+    assert memory.held < memory.watermark + per_message  # copied, it was 10 x the grant's messages
+    consumer = rig.h.consumer("c")
+    subs = [consumer.subscribe(f"w{i}", prefetch=1000) for i in range(10)]
+    for _ in range(200):
+        consumer.pump()
+        consumer.ack()
+        rig.cycle(rounds=1)
+        if all(len(consumer.bodies(s)) == len(bodies) for s in subs):
+            break
+    for s in subs:
+        assert consumer.bodies(s) == bodies
+    rig.cycle()
+    assert not publication.session.parked
+    assert rig.image.subscriber_position(publication.subscription.subscription_id) == rig.image.rebuild_position

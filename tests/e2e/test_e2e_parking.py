@@ -6,6 +6,7 @@ message, once, in order, though the producer sends nothing more to wake the brok
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 import flowbroker.client as fb
@@ -16,8 +17,9 @@ BODY = 1000
 WATERMARK = 256 * 1024
 
 
+@pytest.mark.parametrize("transport", ["tcp", "udp"])
 async def test_an_sdk_producer_to_a_fanout_under_the_memory_alarm_is_parked_then_delivered_in_order(
-        start_flowbroker) -> None:
+        start_flowbroker, transport: str) -> None:
     broker = await start_flowbroker(server={"memory_watermark": WATERMARK},
                                     credit={"policy": "static", "static_size": 256 * 1024})
     memory = broker.core.memory
@@ -38,7 +40,7 @@ async def test_an_sdk_producer_to_a_fanout_under_the_memory_alarm_is_parked_then
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_held)
             async with await fb.connect(broker.url, client_name="producer") as conn:
-                async with conn.producer("wide", send_timeout=60) as producer:
+                async with conn.producer("wide", send_timeout=60, transport=transport) as producer:
                     async def produce() -> None:
                         for n in range(MESSAGES):
                             await producer.send(n.to_bytes(4, "big") + b"p" * (BODY - 4))
