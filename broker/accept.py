@@ -61,17 +61,19 @@ class RateLimitedLog:
         self.suppressed = 0
         self._last = -float("inf")
 
-    def __call__(self, message: str, *args: object, exc_info: BaseException | None = None) -> None:
+    def __call__(self, message: str, *args: object, exc_info: BaseException | None = None) -> bool:
+        """Log it, or count it as left out; True if it was logged (a caller may log the others elsewhere)."""
         now = self.clock()
         if now - self._last < self.interval:
             self.suppressed += 1
-            return
+            return False
         if self.suppressed:
             message += " (and %d more like it in the last %.0f s)"
             args = (*args, self.suppressed, now - self._last)
         self.logger.log(self.level, message, *args, exc_info=exc_info)
         self._last = now
         self.suppressed = 0
+        return True
 
 
 async def accept_forever(listener: trio.SocketListener, admit: Callable[[trio.SocketStream], None]) -> NoReturn:

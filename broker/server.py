@@ -37,7 +37,7 @@ What one connection can cost the others is bounded here (docs/architecture.md, "
 
 A person who points an HTTP client (curl, the admin CLI) at this port gets an HTTP 400 saying where
 the admin API is, not a binary ERROR; connections open and close at DEBUG, and INFO gets a summary of
-them once a minute.
+them once a minute (a close for an error is also a WARNING, at most one per 10 s for each error code).
 """
 
 from __future__ import annotations
@@ -191,6 +191,7 @@ class BrokerServer:
         self.closed = 0  # ...and that closed since then
         self.unshaken = 0  # ...and sockets that ended before completing it (no HELLO, refused, ...)
         self._log_unshaken: dict[str, RateLimitedLog] = {}  # one per kind of early end: at most 1 line / 10 s
+        self._log_closed: dict[ErrorCode, RateLimitedLog] = {}  # one per error code: at most 1 WARNING / 10 s
 
     def _begin_udp_pass(self) -> None:
         self.in_chunk = True
@@ -401,6 +402,21 @@ class BrokerServer:
         if log is None:
             log = self._log_unshaken[kind] = RateLimitedLog(LOGGER, logging.INFO)
         log(message, *args)
+
+    def log_closed(self, conn_id: int, code: ErrorCode, text: str) -> None:
+        """A connection that completed its handshake closed. An orderly close is a DEBUG line; one for an
+        error is a WARNING at most once per 10 s for each error code, with the count left out, and the
+        others at DEBUG: any client may send a HELLO and then a bad frame, and one that did so in a loop
+        wrote 6,523 WARNING lines (1 MB) in 10 s (a tester)."""
+        message, args = "connection %d closed: %s (%s)", (conn_id, logsafe(text), code.name)
+        if code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN):
+            LOGGER.debug(message, *args)
+            return
+        log = self._log_closed.get(code)
+        if log is None:
+            log = self._log_closed[code] = RateLimitedLog(LOGGER, logging.WARNING)
+        if not log(message, *args):
+            LOGGER.debug(message, *args)
 
     async def _watch_users(self) -> None:
         """Apply a changed users file to the connections open: new permissions (their cached decisions
@@ -711,7 +727,7 @@ class ConnectionHandler:
             return None
         return outcome
 
-    async def _refuse_login(self, outcome: Refused, log: Callable[..., None] = LOGGER.warning) -> None:
+    async def _refuse_login(self, outcome: Refused, log: Callable[..., object] = LOGGER.warning) -> None:
         """Log (with `log`: the throttled ones at most once per 10 s, BrokerServer.log_throttled) and count a
         refused login, wait `failed_login_delay`, then ERROR UNAUTHORIZED + CLOSE."""
         log("connection from %s: login refused%s: %s", self.peer,
@@ -1189,5 +1205,4 @@ class ConnectionHandler:
         else:
             await self.io.close()
         self.server.closed += 1
-        level = logging.DEBUG if reason.code in (ErrorCode.NORMAL, ErrorCode.SHUTDOWN) else logging.WARNING
-        LOGGER.log(level, "connection %d closed: %s (%s)", session.conn_id, logsafe(reason.text), reason.code.name)
+        self.server.log_closed(session.conn_id, reason.code, reason.text)
