@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -324,7 +324,7 @@ async def _stop_on_signal(server: BrokerServer) -> None:
             return
 
 
-async def _stdin_lines() -> AsyncIterator[bytes]:
+async def _stdin_lines() -> AsyncGenerator[bytes, None]:
     """Standard input's lines without their newline, read as they come (a worker thread reads what is
     there, up to 64 KiB at a time, so neither a pipe's bulk nor a terminal's one line waits for more)."""
     import trio
@@ -444,13 +444,21 @@ def publish(url: str, exchange: str, routing_key: str, declare: bool, count: int
                             if bar is not None:
                                 bar.update(1)
                 if streaming:
-                    async for body in _stdin_lines():
-                        outcome.requested += 1
-                        await producer.send(body, timeout=timeout)
-                        if producer.statistics().failed:  # refused (a queue deleted, say): stop reading, say so
-                            # (it read on: `yes | publish` to a missing queue ran for ever, every line
-                            # refused and dropped, nothing printed; a tester)
-                            break
+                    # (closed at once when it stops early: not left to the garbage collector)
+                    async with contextlib.aclosing(_stdin_lines()) as lines:
+                        async for body in lines:
+                            outcome.requested += 1
+                            # A refusal comes a round trip after its send, mostly while the next line is
+                            # read: that line is not sent (counted as not sent). Checked only after the next
+                            # send, it was sent and refused too (a tester: lines a second apart to a missing
+                            # exchange).
+                            if producer.statistics().failed:
+                                break
+                            await producer.send(body, timeout=timeout)
+                            if producer.statistics().failed:  # refused (a queue deleted, say): stop reading
+                                # (it read on: `yes | publish` to a missing queue ran for ever, every line
+                                # refused and dropped, nothing printed; a tester)
+                                break
                 await producer.flush(timeout=timeout)
             except fb.FlowControlTimeout as exc:
                 outcome.timeout, outcome.flow_stopped = exc.timeout, list(exc.destinations)
