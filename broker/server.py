@@ -192,6 +192,9 @@ class BrokerServer:
         self.unshaken = 0  # ...and sockets that ended before completing it (no HELLO, refused, ...)
         self._log_unshaken: dict[str, RateLimitedLog] = {}  # one per kind of early end: at most 1 line / 10 s
         self._log_closed: dict[ErrorCode, RateLimitedLog] = {}  # one per error code: at most 1 WARNING / 10 s
+        # "connection N is stuck", at most once per 10 s broker-wide (each stuck consumer said so every
+        # stuck_timeout: a thousand of them, a thousand lines; the metrics count them all)
+        self.log_stuck = RateLimitedLog(LOGGER, logging.WARNING)
 
     def _begin_udp_pass(self) -> None:
         self.in_chunk = True
@@ -967,8 +970,9 @@ class ConnectionHandler:
         conn = self.conn
         size = conn.next_frame_size
         got = f"{conn.buffered} of its {size} bytes" if size is not None else f"{conn.buffered} bytes"
-        LOGGER.info("connection %s from %s: closed: its frame %d stalled %.1fs (%s received) while other "
-                    "connections waited for the partial-frame budget", self.session and self.session.conn_id,
+        # (DEBUG: the close is logged as any error close is, at most once per 10 s a code: `log_closed`)
+        LOGGER.debug("connection %s from %s: closed: its frame %d stalled %.1fs (%s received) while other "
+                     "connections waited for the partial-frame budget", self.session and self.session.conn_id,
                     self.peer, conn.frames_received + 1, stalled, got)
         self.close(_Closing(ErrorCode.IDLE_TIMEOUT,
                             f"frame {conn.frames_received + 1} stalled: {got} received, under 256 KiB more in "
@@ -1166,9 +1170,8 @@ class ConnectionHandler:
             if since is None:
                 reported_ns = None
             elif now_int - max(since, reported_ns or since) >= stuck_ns:
-                LOGGER.warning("connection %d is stuck: its consumer buffer or prefetch full, nothing acknowledged "
-                               "or settled for %.0fs", session.conn_id,
-                               (now_int - since) / 1e9)
+                self.server.log_stuck("connection %d is stuck: its consumer buffer or prefetch full, nothing "
+                                      "acknowledged or settled for %.0fs", session.conn_id, (now_int - since) / 1e9)
                 if cfg.disconnect_when_stuck:
                     self.close(_Closing(ErrorCode.IDLE_TIMEOUT, "consumer buffer or prefetch full with no progress"))
                     return
