@@ -12,6 +12,9 @@ it grow; prints the broker's RSS every second and its peak beside the bound the 
   slowloris  30 connections each begin an 8 MiB TRANSFER and send it a byte at a time: the partial-frame
              budget and the frame deadline bound what they hold.
   queues     100,000 queues declared with a binding each (max_queues, max_bindings).
+  fanout     4 flow-controlled SDK producers publish 1-byte bodies to a fanout exchange over 600 queues
+             nobody consumes: past the memory alarm, what they send is parked, one copy each
+             (broker/parking.py), not copied into 600 queues (a tester: 7.6 times the bound's growth).
 
 The bound printed is idle RSS + memory watermark + credit pool + partial-frame budget + 84 KiB per
 connection + 4 KiB per queue the broker allows (see docs/architecture.md, "Bounded everything").
@@ -22,7 +25,7 @@ measured on 2026-11-26 with a throwaway script: 300 to 2,000 idle SDK connection
 by 18-20 KiB each, 1,000 that had each published one 1 KiB message, since purged, by 21 KiB each). The 4 KiB per queue is what the queues scenario measures (3.9 KiB on
 2026-11-26), rounded up. Nothing here asserts: it prints.
 
-    python benchmarks/memory_bound.py [unpaced|producers|slowloris|queues|all] [--seconds 20] [--quota 256MiB]
+    python benchmarks/memory_bound.py [unpaced|producers|slowloris|queues|fanout|all] [--seconds 20] [--quota 256MiB]
 """
 
 from __future__ import annotations
@@ -208,7 +211,36 @@ async def queues(url: str, seconds: float) -> str:
     return f"{made[0]:,} queues with a binding each" + (f"; then refused: {refused[0]}" if refused else "")
 
 
-SCENARIOS = {"unpaced": unpaced, "producers": producers, "slowloris": slowloris, "queues": queues}
+async def fanout(url: str, seconds: float) -> str:
+    async with await fb.connect(url, client_name="setup") as conn:
+        await conn.declare_exchange("wide", "fanout")
+        for i in range(FANOUT_QUEUES):
+            await conn.declare_queue(f"f{i}", max_size=0, flow_stop_size=0, flow_resume_size=0)
+            await conn.bind(f"f{i}", "wide")
+    counts = {"sent": 0, "unconfirmed": 0}
+
+    async def one(i: int) -> None:
+        # Leaving the blocks raises PublishFailures for what is still held or parked: that is the point.
+        try:
+            async with await fb.connect(url, client_name=f"fan-{i}", close_timeout=1) as conn:
+                producer = conn.producer("wide", window=1000)
+                with trio.move_on_after(seconds):  # the alarm stops them: a send waits for credit
+                    while True:
+                        await producer.send(b"f", timeout=seconds + 1)
+                        counts["sent"] += 1
+                counts["unconfirmed"] += producer.stats.in_flight
+        except fb.FlowbrokerError:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, i)
+    return (f"sent {counts['sent']:,} 1-byte messages to {FANOUT_QUEUES} queues each, "
+            f"{counts['unconfirmed']:,} not completed when they stopped")
+
+
+FANOUT_QUEUES = 600
+SCENARIOS = {"unpaced": unpaced, "producers": producers, "slowloris": slowloris, "queues": queues, "fanout": fanout}
 
 
 def main() -> None:
