@@ -147,6 +147,10 @@ class Ingress:
         session.access = owner.access  # the owner's permissions, the same object: changes reach both
         session.errors_sent = None  # its ERRORs reach the owner's wire, counted there (_drain_outbox)
         session.fences_itself = True  # its window is our status messages' (`_apply_window`), never BUFFER_LIMIT
+        # Its messages routed to no queue are told as the owner's own are (HELLO capability "mandatory"): the
+        # SDK counts them on the UDP producer and raises them for a mandatory one. Without it they were
+        # completed silently, whatever the producer asked (a tester).
+        session.report_unroutable = owner.report_unroutable
         core._register_producer(session)
         window = config.max_receiver_window
         mtu = config.publication_mtu(source[0])

@@ -160,6 +160,28 @@ async def test_refusals_come_back_to_the_producer_and_routing_keys_travel(start_
     assert [(m.body, m.headers) for m in broker.core.queues["b"].store] == [(b"to b", {"k": "v"})]
 
 
+async def test_a_udp_producer_counts_unroutable_messages_and_a_mandatory_one_raises_them(start_flowbroker: Start) -> None:
+    """docs/client.md, "No silent losses": a message an exchange routes to no queue is counted on its
+    producer, and a producer created with mandatory=True raises it as `Unroutable`, over UDP as over TCP.
+    The publication's broker session never reported UNROUTABLE: the UDP producer's flush returned and
+    `statistics().unroutable` stayed 0, with or without mandatory (a tester)."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_exchange("ue", "direct")
+        counted = conn.producer("ue", "nobody", transport="udp")
+        await counted.send(b"x")
+        await counted.send(b"y")
+        await counted.flush(timeout=LIMIT)  # counted, not a refusal
+        assert (counted.statistics().unroutable, counted.statistics().failed) == (2, 0)
+        async with conn.producer("ue", "nobody", transport="udp", mandatory=True) as strict:
+            await strict.send(b"z")
+            with pytest.raises(fc.Unroutable) as info:
+                await strict.flush(timeout=LIMIT)
+            assert info.value.destination == "ue"
+            assert (strict.statistics().unroutable, strict.statistics().failed) == (1, 1)
+    assert broker.core.unroutable == 3
+
+
 async def test_closing_the_connection_ends_its_publications(start_flowbroker: Start) -> None:
     broker = await start_flowbroker()
     datapath = broker.core.udp
