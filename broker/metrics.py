@@ -403,7 +403,8 @@ class Scrape:
         yield CounterMetricFamily("flowbroker_udp_retransmits", "Retransmissions sent.",
                                   value=st.retransmits_sent_total)
         yield CounterMetricFamily("flowbroker_udp_messages_dropped", "Messages of registered UDP producers "
-                                  "dropped: their envelope failed the checks.", value=st.messages_dropped)
+                                  "dropped: their envelope failed the checks or they were over term_length / 8.",
+                                  value=st.messages_dropped)
 
 
 class BrokerCollector(Collector):

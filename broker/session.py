@@ -110,7 +110,7 @@ class Session:
         self.paced_on: Queue | None = None
         self.paced_total = 0  # times it was paced (views, metrics)
         self.duplicates = 0  # an idempotent producer's transfers completed as duplicates, not enqueued
-        self.messages_dropped = 0  # a UDP publication's messages dropped for a bad envelope (broker/udp/ingress.py)
+        self.messages_dropped = 0  # a UDP publication's messages dropped: a bad envelope, over term_length / 8 (broker/udp/ingress.py)
         # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
         self.routing_rest: RoutingRest | None = None
         # what it sent that fans out, and everything after it, while the memory alarm is on: routed by its

@@ -37,7 +37,7 @@ from flowbroker.transport.frames import (
     Nak,
 )
 from flowbroker.transport.loss import LossDetector
-from flowbroker.transport.positions import compute_position, compute_term_id_from_position
+from flowbroker.transport.positions import compute_max_message_length, compute_position, compute_term_id_from_position
 from flowbroker.transport.terms import FragmentAssembler, TermRebuilder
 
 __all__ = ["Image", "ImageState", "ImageStatistics", "ImageTimers", "MessageHandler", "SubscriberState"]
@@ -116,24 +116,34 @@ class _Subscriber:
     """One subscription's cursor on the image, with its own fragment reassembly."""
 
     __slots__ = ("subscriber_id", "position", "tether", "state", "time_of_last_update_ns", "assembler",
-                 "handler", "messages", "hold", "partial")
+                 "handler", "oversized_handler", "messages", "hold", "partial", "max_message_length")
 
-    def __init__(self, subscriber_id: int, position: int, tether: bool, now_ns: int) -> None:
+    def __init__(self, subscriber_id: int, position: int, tether: bool, now_ns: int,
+                 max_message_length: int) -> None:
         self.subscriber_id = subscriber_id
         self.position = position
         self.tether = tether
         self.state = SubscriberState.ACTIVE
         self.time_of_last_update_ns = now_ns
         self.handler: MessageHandler | None = None
+        self.oversized_handler: Callable[[int], object] | None = None
         self.messages = 0
         self.hold = 0  # bytes polled but not yet released by the application (see Image.hold)
         self.partial = 0  # term bytes of the message being reassembled, read past and not handed up yet
-        self.assembler = FragmentAssembler(self._deliver)
+        self.max_message_length = max_message_length
+        self.assembler = self.new_assembler()
+
+    def new_assembler(self) -> FragmentAssembler:
+        return FragmentAssembler(self._deliver, self.max_message_length, self._oversized)
 
     def _deliver(self, message: memoryview | bytes) -> None:
         self.messages += 1
         if self.handler is not None:
             self.handler(message)
+
+    def _oversized(self, length: int) -> None:
+        if self.oversized_handler is not None:
+            self.oversized_handler(length)
 
 
 class Image:
@@ -176,6 +186,9 @@ class Image:
         self.timers = timers
         self.reliable = reliable
         self.position_bits_to_shift = self.term_length.bit_length() - 1
+        self.max_message_length = compute_max_message_length(self.term_length)
+        """The most payload bytes a message may reassemble to: what a publication of this term length may
+        send (`Publication.offer`). A longer one is dropped while it arrives (`FragmentAssembler`)."""
         self.join_position = compute_position(
             setup.active_term_id, setup.term_offset, self.position_bits_to_shift, setup.initial_term_id
         )
@@ -231,7 +244,8 @@ class Image:
         """Attach a subscription; it joins where the slowest existing one is (data still held)."""
         active = [s.position for s in self._subscribers.values() if s.state is not SubscriberState.RESTING]
         position = min(active) if active else self.rebuild_position
-        self._subscribers[subscriber_id] = _Subscriber(subscriber_id, position, tether, now_ns)
+        self._subscribers[subscriber_id] = _Subscriber(subscriber_id, position, tether, now_ns,
+                                                       self.max_message_length)
 
     def remove_subscriber(self, subscriber_id: int, now_ns: int) -> None:
         self._subscribers.pop(subscriber_id, None)
@@ -282,8 +296,13 @@ class Image:
             return False
         return all(s.position >= eos for s in self._subscribers.values() if s.state is SubscriberState.ACTIVE)
 
-    def poll(self, subscriber_id: int, handler: MessageHandler, fragment_limit: int) -> int:
+    def poll(self, subscriber_id: int, handler: MessageHandler, fragment_limit: int,
+             on_oversized: Callable[[int], object] | None = None) -> int:
         """Hand up to ``fragment_limit`` fragments to ``handler`` (whole messages); return fragments read.
+
+        A message longer than ``max_message_length`` is not handed up: it is dropped as it arrives, and
+        ``on_oversized`` (if given) is called with its length, in its place among the messages, once its
+        last fragment is read.
 
         The subscriber's position (and so the SM's consumption position) moves only after the handler
         has returned for every fragment of this call. If the handler raises, the position stays and the
@@ -295,6 +314,7 @@ class Image:
         if sub is None or sub.state is not SubscriberState.ACTIVE:
             return 0
         sub.handler = handler
+        sub.oversized_handler = on_oversized
         total = 0
         position = sub.position
         limit = self.rebuild_position
@@ -315,7 +335,7 @@ class Image:
             sub.assembler.rollback(checkpoint)
             raise
         finally:
-            sub.handler = None
+            sub.handler = sub.oversized_handler = None
         sub.position = position
         if self.hold_partial:
             # The first fragments of a message whose last has not arrived are read past, and nothing of it
@@ -539,7 +559,7 @@ class Image:
             elif now_ns - sub.time_of_last_update_ns >= self.timers.untethered_resting_timeout_ns:
                 sub.state = SubscriberState.ACTIVE
                 sub.position = self.rebuild_position
-                sub.assembler = FragmentAssembler(sub._deliver)
+                sub.assembler = sub.new_assembler()
                 sub.time_of_last_update_ns = now_ns
 
     def next_deadline_ns(self) -> int:

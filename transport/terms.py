@@ -547,27 +547,37 @@ class FragmentAssembler:
 
     An unfragmented message is passed on without a copy (a memoryview into the term); a fragmented one as
     bytes. Fragments seen without their BEGIN (joined mid-message) are dropped.
+
+    A message whose fragments pass ``max_length`` payload bytes (the image's: what a publication of its
+    term length may send) is not reassembled further: its buffer goes at once, its later fragments are
+    only counted, and at its END (or a new BEGIN) ``on_oversized`` gets its payload length instead of the
+    handler getting the message. A peer writing its own frames could otherwise make one message as large
+    as it liked, held whole in memory: a tester's 1,900,000 bytes in a 2 MiB term reached a queue.
     """
 
-    __slots__ = ("_handler", "_buffer")
+    __slots__ = ("_handler", "_buffer", "_max_length", "_on_oversized", "_skipped")
 
-    def __init__(self, handler: MessageHandler) -> None:
+    def __init__(self, handler: MessageHandler, max_length: int | None = None,
+                 on_oversized: Callable[[int], object] | None = None) -> None:
         self._handler = handler
         self._buffer: bytearray | None = None
+        self._max_length = (1 << 62) if max_length is None else max_length
+        self._on_oversized = on_oversized
+        self._skipped = -1  # payload bytes so far of the oversized message being skipped; -1: none
 
-    def checkpoint(self) -> tuple[bytearray | None, int]:
+    def checkpoint(self) -> tuple[bytearray | None, int, int]:
         """The reassembly state now, for ``rollback`` (no copy: the buffer is only ever appended to)."""
         buffer = self._buffer
-        return buffer, 0 if buffer is None else len(buffer)
+        return buffer, 0 if buffer is None else len(buffer), self._skipped
 
-    def rollback(self, checkpoint: tuple[bytearray | None, int]) -> None:
+    def rollback(self, checkpoint: tuple[bytearray | None, int, int]) -> None:
         """Return to a ``checkpoint``: the message in progress then is in progress again, as far as it was.
 
         The owner re-reads the fragments from the position it had at the checkpoint. A message completed
         since was handed over as a copy, and a message begun since used a new buffer, so the checkpoint's
         buffer still holds what it held, plus fragments appended since, which are cut off here.
         """
-        buffer, length = checkpoint
+        buffer, length, self._skipped = checkpoint
         if buffer is not None:
             del buffer[length:]
         self._buffer = buffer
@@ -575,14 +585,33 @@ class FragmentAssembler:
     def __call__(self, payload: memoryview, flags: int) -> None:
         if flags & UNFRAGMENTED == UNFRAGMENTED:
             self._handler(payload)
-        elif flags & BEGIN_FLAG:
-            self._buffer = bytearray(payload)
-        elif self._buffer is not None:
-            self._buffer += payload
-            if flags & END_FLAG:
-                message = bytes(self._buffer)
-                self._buffer = None
-                self._handler(message)
+            return
+        buffer = self._buffer
+        if flags & BEGIN_FLAG:
+            if self._skipped >= 0:  # the oversized message before never ended: dropped all the same
+                self._oversized()
+            if len(payload) > self._max_length:
+                self._buffer, self._skipped = None, len(payload)
+            else:
+                self._buffer = bytearray(payload)
+        elif buffer is not None:
+            if len(buffer) + len(payload) > self._max_length:
+                self._buffer, self._skipped = None, len(buffer) + len(payload)
+            else:
+                buffer += payload
+                if flags & END_FLAG:
+                    self._buffer = None
+                    self._handler(bytes(buffer))
+                return
+        elif self._skipped >= 0:
+            self._skipped += len(payload)
+        if flags & END_FLAG and self._skipped >= 0:
+            self._oversized()
+
+    def _oversized(self) -> None:
+        length, self._skipped = self._skipped, -1
+        if self._on_oversized is not None:
+            self._on_oversized(length)
 
     @property
     def in_progress(self) -> bool:

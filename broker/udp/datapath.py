@@ -84,7 +84,7 @@ class DataPathStatistics:
     naks_sent_total: int = 0
     naks_received_total: int = 0
     retransmits_sent_total: int = 0
-    messages_dropped: int = 0  # messages of registered publications dropped for a bad envelope, ever
+    messages_dropped: int = 0  # messages of registered publications dropped (a bad envelope, over term_length / 8), ever
 
 
 class SessionIds:
@@ -167,7 +167,7 @@ class DataPath:
                                  + self.groups.retired_naks_received),
             retransmits_sent_total=(retransmits_sent + sum(p.retransmits_sent for p in lingering)
                                     + egress.retired_retransmits_sent + self.groups.retired_retransmits_sent),
-            messages_dropped=ingress.bad_envelopes,
+            messages_dropped=ingress.messages_dropped,
         )
 
     def on_datagram(self, data: bytes | bytearray | memoryview, source: Address, now_ns: int) -> None:

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.udp.datapath import Address, Outgoing
@@ -83,9 +83,9 @@ class UdpPublication:
     mtu: int = 0  # the mtu it was told to send with ([udp] mtu, or loopback_mtu from a loopback address)
     pending: deque[tuple[int, int]] = field(default_factory=deque)
     """(transfer id, term bytes) of each message polled and not yet released, in transfer-id order (id 0:
-    a message that was never routed, a bad envelope, released with the ones before it). A PUBLISH_BATCH
-    is one entry, its last message's transfer id: its bytes are released when all its messages complete,
-    so the consumption position only ever moves to the end of a term frame."""
+    a message that was never routed, a bad envelope or one over term_length / 8, released with the ones
+    before it). A PUBLISH_BATCH is one entry, its last message's transfer id: its bytes are released when
+    all its messages complete, so the consumption position only ever moves to the end of a term frame."""
     woken: bool = True  # the publication session's outbox or completions changed: drain it
     caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
     more_to_route: bool = False  # the last poll stopped at a bound (the cycle's messages, the grant)
@@ -99,10 +99,11 @@ class Ingress:
         self.datapath = datapath
         self.publications: dict[int, UdpPublication] = {}
         self._rng = random.Random()
-        self._last_warning_ns: int | None = None  # bad envelopes are logged at most every LOG_INTERVAL_NS
-        self.bad_envelopes = 0
-        """Messages of every publication ever registered dropped for a bad envelope (docs/protocol.md, "The
-        envelope"): never goes back (`DataPathStatistics.messages_dropped`, a counter's value)."""
+        self._last_warning_ns: int | None = None  # dropped messages are logged at most every LOG_INTERVAL_NS
+        self.messages_dropped = 0
+        """Messages of every publication ever registered dropped, never routed: a bad envelope
+        (docs/protocol.md, "The envelope") or over the image's max_message_length (term_length / 8). Never
+        goes back (`DataPathStatistics.messages_dropped`, a counter's value)."""
         # The loss figures of images gone (closed, timed out, replaced), so the totals never go back.
         self.retired_loss_gaps = 0
         self.retired_naks_sent = 0
@@ -330,9 +331,10 @@ class Ingress:
         room = max(image.window_cap or 0, pub.mtu) - (window.position - window.consumed_position)
         if room <= 0:
             return False  # the grant is held: completions wake the publication (and poll again)
-        messages: list[memoryview | bytes] = []
+        messages: list[memoryview | bytes | int] = []  # an int: the length of a message dropped (`oversized`)
         append = messages.append
         count = charged = batches = 0  # messages taken (a batch's count), their charged bytes, batches
+        dropped = False
 
         def take(m: memoryview | bytes) -> bool:
             """Collect a payload; True (stop the poll after it) once a bound is reached."""
@@ -348,23 +350,35 @@ class Ingress:
                 charged += len(m) + MESSAGE_OVERHEAD
             return count >= MAX_MESSAGES_PER_CYCLE or charged >= room
 
-        while image.poll(sub_id, take, _POLL_FRAGMENTS) and count < MAX_MESSAGES_PER_CYCLE and charged < room:
+        def oversized(length: int) -> None:
+            """A message over the image's max_message_length, dropped as it arrived (only a client writing
+            its own frames sends one: the SDK's publication cannot): its place among the others is kept."""
+            nonlocal count, dropped
+            append(length)
+            count += 1
+            dropped = True
+
+        while (image.poll(sub_id, take, _POLL_FRAGMENTS, oversized) and count < MAX_MESSAGES_PER_CYCLE
+               and charged < room):
             pass
         if not messages:
             return False
         if count >= MAX_MESSAGES_PER_CYCLE or charged >= room:
             pub.more_to_route = True  # stopped at a bound: the next cycle comes at once (`pending`)
             self.datapath.wake()
+        if dropped:  # counted and released in their place by the per-message path
+            return self._poll_each(pub, messages, now_ns)
+        polled = cast(list[memoryview | bytes], messages)
         exchange, default_key = pub.exchange, pub.routing_key
         entries: list[TransferEntry] | None
         counts: list[int] | None = None  # messages in each polled payload, when batches are among them
         if batches:  # the SDK's: bare PUBLISHes and PUBLISH_BATCHes in one pass
-            entries, counts = _bare_and_batched(messages, exchange, default_key, image.mtu - DATA_HEADER_LENGTH)
+            entries, counts = _bare_and_batched(polled, exchange, default_key, image.mtu - DATA_HEADER_LENGTH)
         else:
             try:
                 # decode_publish's first case (a PUBLISH byte, then the body), for the whole poll at once.
                 entries = [_new_entry((exchange, default_key, bytes(m[1:]), None, None, None))
-                           for m in messages if m[0] == PUBLISH]
+                           for m in polled if m[0] == PUBLISH]
             except IndexError:  # an empty payload: a bad envelope, for the per-message path
                 entries = None
             if entries is not None and len(entries) != len(messages):
@@ -383,13 +397,13 @@ class Ingress:
             mtu = image.mtu
             total = 0
             if counts is None:
-                for m in messages:
+                for m in polled:
                     space = frame_space(len(m), mtu)
                     pending.append((tid, space))
                     tid += 1
                     total += space
             else:  # a batch is released with its last message
-                for m, count in zip(messages, counts):
+                for m, count in zip(polled, counts):
                     space = frame_space(len(m), mtu)
                     tid += count
                     pending.append((tid - 1, space))
@@ -400,9 +414,10 @@ class Ingress:
         self._drain_outbox(pub, now_ns)
         return True
 
-    def _poll_each(self, pub: UdpPublication, messages: list[memoryview | bytes], now_ns: int) -> bool:
-        """``_poll``'s per-message path: each envelope decoded on its own, a bad one counted and dropped
-        (its bytes released with the messages before it, so the producer's window keeps moving)."""
+    def _poll_each(self, pub: UdpPublication, messages: list[memoryview | bytes | int], now_ns: int) -> bool:
+        """``_poll``'s per-message path: each envelope decoded on its own, a bad one, or a message the image
+        dropped for its length (an int, that length), counted and dropped (its bytes released with the
+        messages before it, so the producer's window keeps moving)."""
         image = pub.image
         assert image is not None
         sub_id = pub.subscription.subscription_id
@@ -411,6 +426,11 @@ class Ingress:
         spaces: list[tuple[int, int]] = []  # (messages routed from the payload, its term bytes)
         exchange, default_key = pub.exchange, pub.routing_key
         for message in messages:
+            if isinstance(message, int):
+                self._drop(pub, now_ns, f"{message} bytes with its envelope, over term_length / 8 "
+                                        f"({image.max_message_length})")
+                spaces.append((0, frame_space(message, mtu)))  # never routed: released with those before
+                continue
             space = frame_space(len(message), mtu)
             try:
                 if len(message) and message[0] == PUBLISH_BATCH:
@@ -420,13 +440,7 @@ class Ingress:
                     continue
                 key, headers, body = decode_publish(message)
             except EnvelopeError as exc:
-                pub.session.messages_dropped += 1  # its connection view's `producer.messages_dropped`
-                self.bad_envelopes += 1
-                last = self._last_warning_ns
-                if last is None or now_ns - last >= LOG_INTERVAL_NS:
-                    self._last_warning_ns = now_ns
-                    LOGGER.warning("UDP publication %d: message dropped (%d so far): %s", pub.session_id,
-                                   self.bad_envelopes, logsafe(exc))
+                self._drop(pub, now_ns, logsafe(exc))
                 spaces.append((0, space))  # never routed: released with the messages before it
                 continue
             entries.append(TransferEntry(exchange, default_key if key is None else key, body, headers))
@@ -453,6 +467,18 @@ class Ingress:
             self._route(pub, tid, entries, sizes)
         self._drain_outbox(pub, now_ns)
         return True
+
+    def _drop(self, pub: UdpPublication, now_ns: int, why: str) -> None:
+        """A message of `pub` is dropped, never routed: counted where an operator looks (its connection
+        view's `producer.messages_dropped`, the data path's `messages_dropped`) and logged at most every
+        LOG_INTERVAL_NS. Nothing is said to the producer: the window moves past it."""
+        pub.session.messages_dropped += 1
+        self.messages_dropped += 1
+        last = self._last_warning_ns
+        if last is None or now_ns - last >= LOG_INTERVAL_NS:
+            self._last_warning_ns = now_ns
+            LOGGER.warning("UDP publication %d: message dropped (%d so far): %s", pub.session_id,
+                           self.messages_dropped, why)
 
     def _route(self, pub: UdpPublication, tid: int, entries: list[TransferEntry], sizes: list[int]) -> None:
         """Route received messages as a TCP frame's are, in slices of fan-out (`BrokerCore.route_in_slices`):

@@ -18,6 +18,15 @@ from flowbroker.protocol.envelope import encode_publish, encode_publish_batch
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import ClosePublication, Error, FlowResumed, FlowStopped, RegisterPublication
 from flowbroker.protocol.limits import MAX_ENTRIES_PER_FRAME
+from flowbroker.transport.frames import (
+    BEGIN_FLAG,
+    DATA_HEADER_LENGTH,
+    END_FLAG,
+    DataFrame,
+    Setup,
+    encode_data,
+    encode_setup,
+)
 from flowbroker.transport.publication import OfferResult, Publication, PublicationConfig
 from tests.broker.coreharness import Consumer, Harness, Producer
 
@@ -431,7 +440,7 @@ def _check_envelopes(kinds: list[str], seed: int) -> None:
     for name, consumer in consumers.items():
         assert consumer.bodies() == [body for queue, body in good if queue == name]
     bad = carried.count(0)
-    assert rig.datapath.ingress.bad_envelopes == bad
+    assert rig.datapath.ingress.messages_dropped == bad
 
 
 def _held_charged(rig: Rig) -> int:
@@ -557,10 +566,53 @@ def test_a_fragmented_batch_is_dropped_and_counted_and_the_window_moves_on() -> 
     assert rig.offer_all([b"after"]) == 1
     rig.cycle(rounds=5)
     assert rig.bodies() == [b"before", b"after"]
-    assert rig.datapath.ingress.bad_envelopes == 1
+    assert rig.datapath.ingress.messages_dropped == 1
     assert rig.datapath.statistics().messages_dropped == 1  # the metric's and the admin view's figure
     assert rig.datapath.ingress.publications[rig.session_id].session.messages_dropped == 1  # its connection's
     assert rig.image.statistics().consumption_position == rig.pub.position
+
+
+def raw_datagrams(rig: Rig, payloads: list[bytes], term_id: int = 777) -> tuple[list[bytes], int]:
+    """What a client writing its own frames sends for `payloads` on the rig's registration: a SETUP, then
+    each payload in frames of the mtu the answer gave (fragmented past it, as a publication would, with
+    no length limit); the datagrams and the position after the last."""
+    mtu, term_length = rig.answer["mtu"], rig.answer["term_length"]
+    datagrams = [encode_setup(Setup(0, rig.session_id, 1001, term_id, term_id, term_length, mtu))]
+    offset = 0
+    for payload in payloads:
+        pieces = [payload[i:i + mtu - DATA_HEADER_LENGTH] for i in range(0, len(payload), mtu - DATA_HEADER_LENGTH)]
+        for k, piece in enumerate(pieces):
+            flags = (BEGIN_FLAG if k == 0 else 0) | (END_FLAG if k == len(pieces) - 1 else 0)
+            datagrams.append(encode_data(DataFrame(DATA_HEADER_LENGTH + len(piece), flags, offset, rig.session_id,
+                                                   1001, term_id, 0, piece)))
+            offset += (DATA_HEADER_LENGTH + len(piece) + 31) & ~31
+    return datagrams, offset
+
+
+def test_a_message_over_an_eighth_of_a_term_is_dropped_and_counted_and_the_window_moves_on() -> None:
+    """docs/configuration.md, [udp] term_length: a message over UDP is at most term_length / 8 with its
+    envelope. The SDK refuses a larger one, but a client writing its own frames got fragmented messages
+    of 1,048,576 and 1,900,000 bytes routed whole (a 2 MiB term: 8 times the limit, the second almost
+    twice the image's window), and UDP consumers then failed on them (a tester). Now the image lets go of
+    one as its fragments pass the limit, here one datagram per duty cycle, and the ingress counts it as a
+    dropped message and releases its bytes in its place; the messages around it, one exactly at the
+    limit among them, are routed in order."""
+    rig = Rig(udp={"term_length": 256 * 1024, "max_receiver_window": 128 * 1024})
+    rig.h.queue("q")
+    limit = rig.answer["term_length"] // 8
+    assert rig.answer["mtu"] == limit == 32768
+    at_limit = b"E" * (limit - 1)  # with its 1-byte envelope: the limit
+    payloads = [encode_publish(b) for b in (b"before", b"X" * (3 * limit), at_limit, b"after")]
+    datagrams, end = raw_datagrams(rig, payloads)
+    for datagram in datagrams:
+        rig.h.t[0] += MS
+        rig.datapath.on_datagram(datagram, rig.source, rig.h.now)
+        rig.datapath.do_work(rig.h.now)
+    assert rig.bodies() == [b"before", at_limit, b"after"]
+    assert rig.datapath.statistics().messages_dropped == 1  # the metric's and the admin view's figure
+    assert rig.datapath.ingress.publications[rig.session_id].session.messages_dropped == 1  # its connection's
+    assert sum(rig.datapath.refused.values()) == 0
+    assert rig.image.statistics().consumption_position == end  # its bytes released: the window moved on
 
 
 # -- pacing ([queues] pace_producers, docs/policies.md "Pacing") ------------------------------------

@@ -200,6 +200,41 @@ def test_fragment_assembler() -> None:
     assert out == [b"abcdef", b"whole"] and not asm.in_progress
 
 
+def test_a_message_over_max_length_is_never_buffered_past_it_and_its_length_is_told_in_its_place() -> None:
+    """A peer writing its own frames could send one fragmented message of any length (a tester's 1.9 MB
+    in a 2 MiB term), held whole while it arrived and then handed up. Over `max_length` the assembler
+    lets go of it, counts its later fragments, and tells `on_oversized` its length at its END (or at the
+    next BEGIN when the END never comes); the messages around it are whole."""
+    out: list[bytes | int] = []
+    most = 0
+    asm = FragmentAssembler(lambda m: out.append(bytes(m)), 10, out.append)
+
+    def feed(payload: bytes, flags: int) -> None:
+        nonlocal most
+        asm(memoryview(payload), flags)
+        most = max(most, asm.buffered)
+
+    feed(b"abcd", f.BEGIN_FLAG)
+    feed(b"efghij", f.END_FLAG)  # exactly max_length: whole
+    feed(b"abcd", f.BEGIN_FLAG)
+    feed(b"efgh", 0)
+    checkpoint = asm.checkpoint()
+    feed(b"ijk", 0)  # 11 bytes: let go
+    assert not asm.in_progress
+    feed(b"l" * 1000, 0)
+    asm.rollback(checkpoint)  # (a handler raised: the image reads these fragments again)
+    assert asm.buffered == 8
+    feed(b"ijk", 0)
+    feed(b"l" * 1000, 0)
+    feed(b"mn", f.END_FLAG)
+    feed(b"x" * 11, f.BEGIN_FLAG)  # its BEGIN alone is over: never buffered
+    feed(b"y", f.BEGIN_FLAG)  # the one before never ended: told here
+    feed(b"z", f.END_FLAG)
+    feed(b"whole", f.UNFRAGMENTED)
+    assert out == [b"abcdefghij", 1013, 11, b"yz", b"whole"]
+    assert most <= 10  # (the 1,013-byte one was never held past 8)
+
+
 def test_clean_to_zeroes_across_terms() -> None:
     app = appender()
     for _ in range(3 * (TERM // 1056)):
