@@ -55,6 +55,7 @@ REFUSAL_REASONS = (
     "wrong_direction",  # a sender's frame (DATA, PAD, SETUP) for a session the broker sends on (to a UDP
     # consumer or a group), or a receiver's (SM, NAK, ERR) for one it receives (a producer's publication)
     "unregistered_receiver",  # a multicast group's SM, ERR or RTTM with a receiver id no member registered
+    # (a member's that left within LEAVE_LINGER_NS, from its host, is ignored: multicast.py `Group.departed`)
     "setup_term_length",  # a SETUP with another term length than [udp] term_length
     "setup_mtu",  # a SETUP with an mtu over the publication's ([udp] mtu, or loopback_mtu from a loopback address)
 )
