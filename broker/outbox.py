@@ -22,7 +22,8 @@ MAX_DELIVERY_BYTES_WAITING of their bytes wait here: past either, `full` is set 
 subscriptions have no credit (`Subscription.has_credit`), until the writer's next collect, which takes
 them, dispatches them again (`Session.collect`).
 
-The control frames' bytes are counted too (`control_bytes`, an estimate: ERROR texts are most of it), and
+The control frames' bytes are counted too (`control_bytes`, an estimate: ERROR texts are most of it, counted
+at 4 bytes a character unless ASCII, as CPython keeps them and UTF-8 sends them), and
 past MAX_CONTROL_BYTES the connection is cut off as past `max_frames`: a client that sent requests and
 never read their answers piled up 10,000 ERRORs of 1 KiB each under the count (a tester: 40 such
 connections held 485 MiB of a 382 MiB bound). Not by pausing its reading instead: a client whose reader
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterable
 from flowbroker.protocol.credit import message_size
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.protocol.frames import Deliver, DeliveryEntry, Error, Frame
+from flowbroker.protocol.limits import text_bytes_bound
 
 __all__ = ["MAX_DELIVERIES_WAITING", "MAX_DELIVERY_BYTES_WAITING", "Outbox", "SessionFault"]
 
@@ -63,14 +65,20 @@ CONTROL_FRAME_COST = 64
 MAX_CONTROL_BYTES = 2 * 1024 * 1024
 """Past this many bytes of control frames waiting, the connection is cut off ("client is not reading"), as past
 `max_frames` (10,000): for ERRORs of under 200 bytes the count comes first. The refusals of one TRANSFER
-frame are at most 1,024 ERRORs of at most about 1 KiB, and the writer takes what is due after every read
-chunk (2 ms of frames at most), so a client that reads stays under it."""
+frame are at most 1,024 ERRORs, and the writer takes what is due after every read chunk (2 ms of frames at
+most), so a client that reads stays under it unless each of those refusals quotes a name of ~1,000 ASCII
+characters or ~250 others (a TRANSFER's exchange has no bound of its own but MAX_ERROR_TEXT)."""
 
 
 def control_cost(frame: Frame) -> int:
-    """The estimated bytes of a control frame: ERROR carries up to 1 KiB of text and a destination."""
+    """The estimated bytes of a control frame: ERROR carries up to 1,024 characters of text and of a
+    destination, counted by a bound on their bytes (`text_bytes_bound`: 4 a character unless ASCII), not
+    their length: names of emoji, counted as characters, let 4 x MAX_CONTROL_BYTES wait (a tester: 8 MiB
+    per connection that never read its ERRORs quoting a 255-emoji queue name)."""
     if type(frame) is Error:
-        return CONTROL_FRAME_COST + len(frame.text) + len(frame.destination or "")
+        destination = frame.destination
+        return (CONTROL_FRAME_COST + text_bytes_bound(frame.text)
+                + (text_bytes_bound(destination) if destination else 0))
     return CONTROL_FRAME_COST
 
 

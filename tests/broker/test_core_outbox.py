@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from tests.broker.coreharness import Harness
 
+from flowbroker.broker.outbox import MAX_CONTROL_BYTES
 from flowbroker.broker.session import SessionFault
 from flowbroker.protocol.errors import ErrorCode
-from flowbroker.protocol.frames import FlowResumed, Noop
+from flowbroker.protocol.frames import Error, FlowResumed, Noop, Subscribe
 
 
 def test_overflowing_outbox_faults_its_own_session_not_the_sender_of_the_frame() -> None:
@@ -49,3 +50,19 @@ def test_timer_frames_to_a_deaf_session_do_not_raise() -> None:
     h.advance(10)
     p.session.poll_credit(h.now)
     assert p.session.fault is not None
+
+
+def test_unread_errors_quoting_emoji_are_bounded_by_their_bytes_not_their_characters() -> None:
+    """The outbox counted an ERROR's text and destination in characters, and an emoji is 4 bytes in
+    UTF-8 and in CPython's str: a client that asked for a queue named with 255 emoji 3,541 times and never
+    read had 4 x MAX_CONTROL_BYTES of ERRORs waiting (a tester: 8 MiB per connection, 2.6 with ASCII)."""
+    h = Harness()
+    deaf = h.consumer("deaf")
+    name = "\U0001F4A9" * 255
+    with pytest.raises(SessionFault):
+        for sub_id in range(1, 10_001):  # the count alone (max_frames) would stop it at 10,000
+            deaf.handle(Subscribe(sub_id, sub_id, name, 10, 0))
+    waiting = [f for f in deaf.session.outbox.control if isinstance(f, Error)]
+    assert waiting and all(f.destination == name for f in waiting)
+    utf8 = sum(len(f.text.encode()) + len(f.destination.encode()) for f in waiting if f.destination)
+    assert utf8 <= MAX_CONTROL_BYTES, utf8
