@@ -91,7 +91,8 @@ class Outbox:
 
     __slots__ = ("control", "control_bytes", "open_frames", "_open_bytes", "sealed", "max_frames",
                  "max_delivery_frame_bytes",
-                 "fault", "_wake", "woken", "closed", "deliveries_waiting", "delivery_bytes_waiting", "full")
+                 "fault", "overflowed", "_wake", "woken", "closed", "deliveries_waiting", "delivery_bytes_waiting",
+                 "full")
 
     def __init__(self, wake: Callable[[], None], max_frames: int, max_delivery_frame_bytes: int):
         self.control: list[Frame] = []
@@ -102,6 +103,7 @@ class Outbox:
         self.max_frames = max_frames
         self.max_delivery_frame_bytes = max_delivery_frame_bytes
         self.fault: SessionFault | None = None  # set when the control frames overflowed
+        self.overflowed = False  # they did: the client is not reading (its closing sends none of them)
         self._wake = wake
         self.woken = False
         self.closed = False
@@ -128,6 +130,7 @@ class Outbox:
         if self.closed:
             return
         if len(self.control) >= self.max_frames or self.control_bytes > MAX_CONTROL_BYTES:
+            self.overflowed = True
             if self.fault is None:
                 self.fault = SessionFault(ErrorCode.INTERNAL_ERROR, "client is not reading: too many frames pending "
                                           f"({len(self.control)} frames, about {self.control_bytes} bytes)")
