@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
@@ -60,15 +60,23 @@ class _Connection(TCPServer):
     request (h11's PAUSED): when that answer could not be written (the client gone, or cut off for not
     reading by TCP_USER_TIMEOUT), the connection was closed and its reader waited for ever, holding a
     max_connections slot and a descriptor: 64 pipelined GET /metrics left unread kept the admin port at
-    503 until a restart (a tester). A failed write or a close now ends the reading."""
+    503 until a restart (a tester). A failed write or a close now ends the reading.
+
+    Once the reading has ended, the keep-alive timer is not started again: an answer finished after it
+    (one whose write found the client gone) made hypercorn ready the connection for its next request and
+    start the timer, and the task waited out keep_alive_timeout (5 s) for a client that had gone. One
+    process sending two pipelined requests on each connection and closing it at once held every
+    max_connections slot with no connection open, and the admin port refused all others 503 (a tester)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._reading = trio.CancelScope()
+        self._read_over = False
 
     async def _read_data(self) -> None:
         with self._reading:
             await super()._read_data()
+        self._read_over = True
         await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
@@ -83,6 +91,8 @@ class _Connection(TCPServer):
                     finally:
                         self._reading.cancel()
             return
+        if isinstance(event, Updated) and event.idle and self._read_over:
+            return  # no next request can come: the connection ends with its answer's task
         await super().protocol_send(event)
         if isinstance(event, Closed):
             self._reading.cancel()

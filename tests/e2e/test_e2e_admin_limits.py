@@ -149,6 +149,48 @@ async def test_connections_that_pipeline_and_never_read_give_their_places_back_w
     assert answer.startswith(b"HTTP/1.1 200"), answer
 
 
+async def test_connections_closed_while_a_pipelined_request_waits_give_their_places_back_at_once(
+        broker: Any) -> None:
+    """Two pipelined requests, and the client gone before their answers: the answer whose write found it
+    gone made hypercorn ready the connection for a next request and start its keep-alive timer, so each
+    such connection kept its place for 5 s with nothing open, and one process doing this at full speed
+    kept the admin port at 503 for everyone (a tester). Here the answers wait until the clients have
+    closed, then each connection ends with them."""
+    from starlette.routing import Route, request_response
+
+    from flowbroker.broker import admin
+
+    clients_gone = trio.Event()
+
+    async def answered_once_the_clients_are_gone(request: Any) -> Any:
+        await clients_gone.wait()
+        return {"answered": True}
+
+    route = next(r for r in broker.server.admin.app.app.routes if isinstance(r, Route) and r.path == "/api/broker")
+    route.app = request_response(admin._json_endpoint(answered_once_the_clients_are_gone))
+    port = broker.server.admin_port
+    http = broker.server.admin.http
+    request = f"GET /api/broker HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+    socks = []
+    for _ in range(4):
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", port))
+        await sock.send(request * 2)
+        socks.append(sock)
+    with trio.fail_after(10):
+        while http.open < 4:
+            await trio.sleep(0.01)
+    for sock in socks:
+        sock.close()
+    clients_gone.set()
+    with trio.fail_after(2):  # hypercorn's keep-alive timeout is 5 s
+        while http.open:
+            await trio.sleep(0.01)
+    answer = await _ask(port, _get())  # (answered at once: the clients are gone)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert http.refused == 0
+
+
 async def test_the_cli_tries_again_while_the_admin_port_is_full_and_says_so_when_it_stays_full(
         broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The port's 503 comes before the request is read: the CLI's client sends it again after Retry-After,
