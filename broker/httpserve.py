@@ -66,7 +66,13 @@ class _Connection(TCPServer):
     (one whose write found the client gone) made hypercorn ready the connection for its next request and
     start the timer, and the task waited out keep_alive_timeout (5 s) for a client that had gone. One
     process sending two pipelined requests on each connection and closing it at once held every
-    max_connections slot with no connection open, and the admin port refused all others 503 (a tester)."""
+    max_connections slot with no connection open, and the admin port refused all others 503 (a tester).
+
+    The close that ends an answer (HTTP/1.0, `Connection: close`) is shielded: hypercorn makes it in the
+    answer's task, and Starlette cancels a streamed answer's task (GET /metrics) once hypercorn, its end
+    sent, tells the app the request is over (`http.disconnect`). That cancel cut hypercorn's close short
+    before the socket was closed: a client waited out the read timeout (41 s) after the whole body for the
+    close that ends it (HTTP/1.0: nothing else does), holding a place all that while (a tester)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -93,9 +99,13 @@ class _Connection(TCPServer):
             return
         if isinstance(event, Updated) and event.idle and self._read_over:
             return  # no next request can come: the connection ends with its answer's task
-        await super().protocol_send(event)
         if isinstance(event, Closed):
             self._reading.cancel()
+            with trio.CancelScope(shield=True):
+                await self._close()
+            await self.protocol.handle(Closed())
+            return
+        await super().protocol_send(event)
 
 
 class HttpServer:

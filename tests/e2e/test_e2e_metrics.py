@@ -338,6 +338,34 @@ async def test_a_monitoring_user_scrapes_a_metrics_port_of_its_own_as_the_admin_
     assert status == 401 and "admin API" not in body and "HTTP Basic" in body
 
 
+@pytest.mark.parametrize("request_head", [
+    b"GET /metrics HTTP/1.0\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+], ids=["http-1.0", "connection-close"])
+async def test_a_scrape_that_asks_for_the_close_gets_it_right_after_the_body(
+        start_flowbroker: Any, request_head: bytes) -> None:
+    """The streamed answer's close was cut short (httpserve._Connection), so it came at the admin port's read
+    timeout, 41 s after the whole body, and HTTP/1.0 has no other end of the body (a tester, 3 of 3, each
+    holding one of the port's places all that while)."""
+    broker = await start_flowbroker(admin={"token": TOKEN})
+    stream = await trio.open_tcp_stream("127.0.0.1", broker.server.admin_port)
+    await stream.send_all(request_head)
+    answer = b""
+    with trio.fail_after(10):  # the read timeout is 41 s
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+    await stream.aclose()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    if b"transfer-encoding: chunked" in head.lower():
+        assert b"HTTP/1.0" not in request_head and body.endswith(b"\r\n0\r\n\r\n")
+    else:
+        assert b"HTTP/1.0" in request_head and b"# TYPE flowbroker_queues gauge" in body
+    with trio.fail_after(5):
+        while broker.server.admin.http.open:
+            await trio.sleep(0.01)
+
+
 async def test_clients_that_ask_and_never_read_do_not_keep_a_scraper_out(start_flowbroker: Any) -> None:
     """docs/metrics.md: at most four built scrapes are held while their clients take them; past that the
     oldest is let go (its client's answer ends unfinished) and the new request is answered. Four sockets
