@@ -257,9 +257,13 @@ class Journal:
         self.quota = quota
         self.dormant = True
         self.active_seg = 0  # the segment appends go to (0: none yet)
-        self.oldest_seg = 1  # the oldest segment that may still exist
+        self.oldest_seg = 1  # the oldest segment that may still exist (where compaction has got to)
         self.seg_bytes = 0  # bytes of the active segment after its snapshot, written or buffered
-        self.sizes: dict[int, int] = {}  # segment -> bytes, written or buffered
+        # segment -> bytes, written or buffered; oldest first (`_roll` adds each above the others, `restore`
+        # the recovered ones in order). Compaction walks these, never the numbers between them: a stray
+        # file numbered 10^10 beside segment 1 had it walk ten billion numbers, the broker spinning at
+        # start for good (a tester)
+        self.sizes: dict[int, int] = {}
         # segment -> its messages not yet settled: how many, their records' bytes (`_record_bytes`), and each
         # by its queue and offset (for a copy forward); `delivered_msgs`: those handed out at least once
         self.live: dict[int, int] = {}
@@ -612,14 +616,17 @@ class Journal:
             self._chunks, self._records = [], 0
         deletable: list[int] = []
         live, sizes = self.live, self.sizes
-        while self.oldest_seg < self.active_seg and live.get(self.oldest_seg, 0) == 0:
-            if self.oldest_seg in sizes:
-                deletable.append(self.oldest_seg)
-                del sizes[self.oldest_seg]
-            live.pop(self.oldest_seg, None)
-            self.live_bytes.pop(self.oldest_seg, None)
-            self.residents.pop(self.oldest_seg, None)
-            self.oldest_seg += 1
+        for seg in sizes:  # oldest first, up to the first one still holding a live message
+            if seg >= self.active_seg or live.get(seg, 0):
+                break
+            deletable.append(seg)
+        for seg in deletable:
+            del sizes[seg]
+            live.pop(seg, None)
+            self.live_bytes.pop(seg, None)
+            self.residents.pop(seg, None)
+        if deletable:
+            self.oldest_seg = next(iter(sizes), self.active_seg)
         return Batch(chunks, waiters, deletable, records, waiting_on)
 
     def _copy_forward(self) -> None:
@@ -638,23 +645,23 @@ class Journal:
         live, live_bytes, sizes = self.live, self.live_bytes, self.sizes
         budget, moves = self.segment_size * COPY_FORWARD_BUDGET, COPY_FORWARD_MESSAGES
         delivered = self.delivered_msgs
-        seg = self.oldest_seg
-        while seg < self.active_seg:  # (a copy that rolls makes one more segment old)
+        olds = [n for n in sizes if n < self.active_seg]  # oldest first, the segments there are (`sizes`)
+        start = 0  # where in `olds` the next run begins
+        while start < len(olds):
             if budget <= 0 or moves <= 0:
                 self.copy_left = True  # the rest at the next batch, at once
                 return
-            end = self.active_seg
             held = total = 0
-            worth = 0  # the end of the shortest run from `seg` worth copying (0: none)
-            for n in range(seg, end):
-                held += live_bytes.get(n, 0)
-                total += sizes.get(n, 0)
+            worth = 0  # the end in `olds` of the shortest run from `start` worth copying (0: none)
+            for i in range(start, len(olds)):
+                held += live_bytes.get(olds[i], 0)
+                total += sizes.get(olds[i], 0)
                 if held and held * COPY_FORWARD_FRACTION <= total:
-                    worth = n + 1
+                    worth = i + 1
                     break
             if not worth:
                 return
-            while seg < worth:
+            for seg in olds[start:worth]:
                 segment = self.residents.get(seg, {})
                 while segment:  # (popitem: the order of the copies does not matter, recovery keys by offset)
                     if budget <= 0 or moves <= 0:
@@ -671,6 +678,7 @@ class Journal:
                         record = _record_bytes(msg)
                         live_bytes[seg] -= record
                         if self.seg_bytes >= self.segment_size:
+                            olds.append(self.active_seg)  # (a copy that rolls makes one more segment old)
                             self._roll()
                         new = self.active_seg
                         self._append(encode([MESSAGE_MOVED, qid, offset, msg.exchange, msg.routing_key,
@@ -683,7 +691,7 @@ class Journal:
                         self.messages_moved += 1
                     if not mine:
                         del segment[qid]
-                seg += 1
+            start = worth
 
     def committed(self, batch: Batch) -> None:
         """The batch is on disk: complete what it covered (trio thread)."""
