@@ -100,7 +100,16 @@ async def open_journal(config: StorageConfig, core: BrokerCore) -> Journal:
         return JournalStore(journal, journal.new_queue_id()) if durable else MemoryStore()
 
     core.store_factory = store_factory
-    recovered = await trio.to_thread.run_sync(read_journal, journal)
+    try:
+        recovered = await trio.to_thread.run_sync(read_journal, journal)
+    except OSError as exc:
+        # (a directory named like a segment, one the user may not read: the CLI said the client port's listen
+        # failed, "Is a directory (another broker running?)", a tester)
+        journal.close()  # (and its lock)
+        raise StorageStartError(f"[storage] data_dir {journal_dir.parent} cannot be used: the journal cannot be "
+                                f"read: {exc.filename or journal_dir}: {exc.strerror or exc}; move that away or "
+                                "let this user read and write it, or give --data-dir or [storage] data_dir "
+                                "another directory") from None
     restore(core, journal, recovered)
     return journal
 

@@ -4,12 +4,14 @@ segments of their own; after a kill -9 a restart had lost 1,000 of 3,000 complet
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import trio
 
 import flowbroker.client as fc
+from flowbroker.broker.journal import segment_name
 from tests.e2e.daemon import FLOWBROKER, free_port, stop, wait_listening
 
 
@@ -75,3 +77,20 @@ def test_a_data_dir_that_cannot_be_used_stops_the_broker_naming_the_key(tmp_path
         _, err = broker.communicate(timeout=60)
         assert broker.returncode == 1, err
         assert f"[storage] data_dir {data_dir}" in err and says in err and "cannot listen" not in err, err
+
+
+def test_a_journal_that_cannot_be_read_stops_the_broker_naming_the_key_and_the_file(tmp_path: Path) -> None:
+    """A directory named like a segment in journal/: `flowbroker serve` said "cannot listen on 127.0.0.1:PORT:
+    Is a directory (another broker running? ...)", any OSError reading the journal taken for the client
+    port's (a tester, 3 of 3). It says the data directory cannot be used, and which file, as
+    docs/storage.md does."""
+    data_dir = tmp_path / "data"
+    stray = data_dir / "journal" / segment_name(99)
+    stray.mkdir(parents=True)
+    result = subprocess.run([FLOWBROKER, "serve", "--port", str(free_port()), "--no-admin", "--no-udp",
+                             "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "HOME": str(tmp_path)})  # (PYTHONPATH kept: the tree under test)
+    err = result.stderr
+    assert result.returncode == 1 and "Traceback" not in err, err
+    assert f"Error: [storage] data_dir {data_dir} cannot be used: " in err and f"{stray}: Is a directory" in err, err
+    assert "cannot listen" not in err, err
