@@ -240,6 +240,7 @@ class Batch:
     deletable: list[int]
     records: int
     waiting_on: dict[Session, str] = field(default_factory=dict)  # each waiter's session: a durable queue
+    freed: int = 0  # the bytes of the segments it deletes
     done: int = 0
     unsynced: set[int] = field(default_factory=set)
     written: list[tuple[int, int]] = field(default_factory=list)  # (segment, offset its chunk began at)
@@ -264,6 +265,10 @@ class Journal:
         # file numbered 10^10 beside segment 1 had it walk ten billion numbers, the broker spinning at
         # start for good (a tester)
         self.sizes: dict[int, int] = {}
+        # the segment files' bytes: what commits wrote, less the segments they deleted (`sizes` counts what is
+        # buffered and what a failing write cut back too: on a full disk the view said more than the file
+        # system holds, a tester)
+        self.bytes_on_disk = 0
         # segment -> its messages not yet settled: how many, their records' bytes (`_record_bytes`), and each
         # by its queue and offset (for a copy forward); `delivered_msgs`: those handed out at least once
         self.live: dict[int, int] = {}
@@ -542,7 +547,7 @@ class Journal:
             # the figures now: the alarm's own reason is the last look that was over a limit
             LOGGER.warning("disk alarm cleared: the journal holds %d bytes (quota %d), %d bytes free under %s "
                            "(disk_free_limit %d); producers of durable queues resume",
-                           sum(self.sizes.values()), self.quota, self.free_bytes, self.dir, self.disk_free_limit)
+                           self.bytes_on_disk, self.quota, self.free_bytes, self.dir, self.disk_free_limit)
             self.alarm = None
             held, self._disk_held = self._disk_held, []
             stopped, self._stopped = self._stopped, {}
@@ -583,7 +588,7 @@ class Journal:
 
     def check_disk(self) -> FlowStopped | None:
         """What the disk alarm should be now: free space under the limit, or the journal over its quota."""
-        used = sum(self.sizes.values())
+        used = self.bytes_on_disk
         if self.quota and used > self.quota:
             return FlowStopped("*", THRESHOLD_DISK, self.quota, used,
                                f"the journal holds {used} bytes, over its quota {self.quota}; transfers to "
@@ -615,19 +620,20 @@ class Journal:
             records += self._records
             self._chunks, self._records = [], 0
         deletable: list[int] = []
+        freed = 0
         live, sizes = self.live, self.sizes
         for seg in sizes:  # oldest first, up to the first one still holding a live message
             if seg >= self.active_seg or live.get(seg, 0):
                 break
             deletable.append(seg)
         for seg in deletable:
-            del sizes[seg]
+            freed += sizes.pop(seg)
             live.pop(seg, None)
             self.live_bytes.pop(seg, None)
             self.residents.pop(seg, None)
         if deletable:
             self.oldest_seg = next(iter(sizes), self.active_seg)
-        return Batch(chunks, waiters, deletable, records, waiting_on)
+        return Batch(chunks, waiters, deletable, records, waiting_on, freed)
 
     def _copy_forward(self) -> None:
         """Copy forward the live messages of the oldest segments when that is worth it: when some run of
@@ -700,6 +706,7 @@ class Journal:
         self.commits += 1
         self.records_written += batch.records
         self.segments_deleted += len(batch.deletable)
+        self.bytes_on_disk += sum(len(data) for _, data in batch.chunks) - batch.freed
         for transfer in batch.waiters:
             transfer.release()
 

@@ -304,6 +304,7 @@ def restore(core: BrokerCore, journal: Journal, rec: Recovered) -> None:
     """Put what was recovered into the core and the journal (trio thread, before any connection)."""
     now = core.clock_ns()
     journal.sizes.update(rec.segments)
+    journal.bytes_on_disk = sum(rec.segments.values())
     for seg in rec.segments:  # (their messages are counted as the queues' stores adopt them, below)
         journal.live.setdefault(seg, 0)
         journal.live_bytes.setdefault(seg, 0)

@@ -407,7 +407,7 @@ def journal_view(core: BrokerCore) -> dict[str, Any] | None:
         "directory": str(journal.dir),
         "awake": not journal.dormant,
         "segments": len(journal.sizes),
-        "bytes": sum(journal.sizes.values()),
+        "bytes": journal.bytes_on_disk,
         "free_bytes": journal.free_bytes,
         "commits": journal.commits,
         "fsyncs": journal.fsyncs,
