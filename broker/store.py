@@ -21,9 +21,10 @@ write a record in `append`, `settle`, `purge` and `delete`).
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat, starmap
 from typing import Protocol
 
 from flowbroker.broker.message import Message
@@ -33,6 +34,16 @@ __all__ = ["QueueStore", "MemoryStore", "StoreFactory", "memory_store"]
 
 def _offset(msg: Message) -> int:
     return msg.offset
+
+
+def _below(ready: deque[Message], offset: int, limit: int) -> int:
+    """How many of the first `limit` messages of `ready` (in offset order) have an offset below `offset`.
+    It gallops from the head, then bisects: a deque's index walks its blocks from the nearer end, so the
+    probes of a place near the head stay near it (a plain bisect starts at the middle)."""
+    step = 1
+    while step <= limit and ready[step - 1].offset < offset:
+        step *= 2
+    return bisect_left(ready, offset, step // 2, min(step, limit), key=_offset)
 
 
 class QueueStore(Protocol):
@@ -87,31 +98,56 @@ class MemoryStore(deque[Message]):
     that must hear of deliveries (a journal flagging redelivery after a restart) overrides `take`.
 
     The ready deque is always sorted by offset: appends come with a higher offset than any, takes
-    are from the head, and a requeue merges what returns with the head it overtakes. So a requeued
-    message is back exactly where it was, and `page` can bisect.
+    are from the head, and a requeue puts what returns at its offset's place. So a requeued message is
+    back exactly where it was, and `page` and `requeue` can bisect.
     """
 
     __slots__ = ()
 
     start_offset = 0  # nothing to recover
     take = deque.popleft
+    merge_span = 16
+    """A requeue merges what returns with the ready messages it lands among when those are at most this
+    many per returning message, and places it run by run among more: a merge costs about 0.07 us a
+    message, placing a run about 1 us (a test store sets 0 to check placing on small queues)."""
 
     def __repr__(self) -> str:
         return f"<MemoryStore ready={len(self)}>"
 
     def requeue(self, msgs: Iterable[Message]) -> None:
         """Requeues arrive in separate batches (one SETTLE each, or a consumer going away), so what
-        returns is merged by offset with the requeued messages already back at the head."""
+        returns goes back among the ready messages by offset, next to those requeued before.
+
+        Its place is found by bisection, and the ready messages before it are rotated to the tail and
+        back (the deque's C `rotate`, the shorter way round, about 2 ns a message), never popped one by
+        one: popped, one delivery returning above the 290,000 another consumer had given back took
+        35-117 ms (a tester); placed, it reads some 40 of them. What returns is merged with the ready
+        messages it lands among when they are few (`merge_span`); among many, each run of it goes
+        where it lands, the ready ones between passed over by rotation."""
         returning = sorted(msgs, key=_offset)
-        if not returning:
+        count = len(returning)
+        if not count:
             return
-        last = returning[-1].offset
-        head: list[Message] = []
-        while self and self[0].offset < last:
-            head.append(self.popleft())
-        if head:
-            returning = sorted(head + returning, key=_offset)
-        self.extendleft(reversed(returning))
+        first = _below(self, returning[0].offset, len(self))
+        self.rotate(-first)  # where the first lands is the head now, the ready messages before it the tail
+        span = _below(self, returning[-1].offset, len(self) - first)  # the ready messages they land among
+        if span <= self.merge_span * count:
+            among = list(starmap(self.popleft, repeat((), span)))  # (called from C, not a Python loop)
+            merged = sorted(among + returning, key=_offset) if among else returning  # two sorted runs: a merge
+            self.extendleft(reversed(merged))
+            self.rotate(first)
+            return
+        offsets = [msg.offset for msg in returning]
+        placed = passed = 0
+        while placed < count:
+            ahead = _below(self, offsets[placed], span - passed)  # ready messages before this one
+            self.rotate(-ahead)
+            passed += ahead
+            # it, and the ones that return before the next ready message, join the tail there
+            run_end = bisect_left(offsets, self[0].offset, placed + 1) if passed < span else count
+            self.extend(returning[placed:run_end])
+            placed = run_end
+        self.rotate(first + passed + count)
 
     def settle(self, msg: Message) -> None:
         """Nothing to do in memory: the message is no longer referenced once the queue lets it go."""

@@ -3,15 +3,18 @@
 Two hypothesis state machines check the store against a plain-list model: every message ever
 appended, in append order, and which of them are ready, taken or gone. The ready messages are
 then "those of the list still ready, in list order", so a requeued message must be back exactly
-where it was, whatever the batches it returns in. The first drives `MemoryStore` alone; the second
-drives a `Queue` over it with a subscription whose credit the test hands out, so delivery, settle,
-requeue and purge go through the queue's own accounting and `statistics()`.
+where it was, whatever the batches it returns in. The first drives `MemoryStore` alone (and again a
+store that places every requeue run by run, the way among many ready messages); the second drives a
+`Queue` over it with a subscription whose credit the test hands out, so delivery, settle, requeue and
+purge go through the queue's own accounting and `statistics()`. Two more tests count what a requeue
+reads of the ready messages it returns among: a few bisection probes, not all of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import FrozenInstanceError, dataclass, field
-from typing import cast
+from typing import SupportsIndex, cast
 
 import pytest
 from flowbroker.broker.idempotence import scoped
@@ -59,12 +62,22 @@ class ListModel:
         return picked
 
 
+class RunByRunStore(MemoryStore):
+    """A memory store that places every requeue among ready messages run by run, never by merging: a
+    small model queue rarely has more ready messages between those returning than `merge_span` allows."""
+
+    __slots__ = ()
+    merge_span = 0
+
+
 class StoreMachine(RuleBasedStateMachine):
     """`MemoryStore` against the list model; offsets are given here as a queue gives them."""
 
+    store_type: type[MemoryStore] = MemoryStore
+
     def __init__(self) -> None:
         super().__init__()
-        self.store: QueueStore = MemoryStore()
+        self.store: QueueStore = self.store_type()
         self.model = ListModel()
         self.next_offset = self.store.start_offset
 
@@ -77,10 +90,22 @@ class StoreMachine(RuleBasedStateMachine):
         self.model.appended.append(msg)
         self.model.ready.add(id(msg))
 
+    @rule(sizes=st.lists(SIZES, min_size=10, max_size=40))
+    def append_many(self, sizes: list[int]) -> None:
+        """A burst: long heads and spans, so a requeue lands among many ready messages (placed run by run)."""
+        for size in sizes:
+            self.append(size)
+
     @precondition(lambda self: self.model.ready)
     @rule()
     def take(self) -> None:
         assert self.store.take() is self.model.take()
+
+    @precondition(lambda self: self.model.ready)
+    @rule(n=st.integers(min_value=2, max_value=40))
+    def take_many(self, n: int) -> None:
+        for _ in range(min(n, len(self.model.ready))):
+            self.take()
 
     @precondition(lambda self: self.model.taken)
     @rule(data=st.data())
@@ -88,6 +113,16 @@ class StoreMachine(RuleBasedStateMachine):
         returning = self.model.pick_taken(data)
         self.store.requeue(returning)
         self.model.ready.update(id(m) for m in returning)
+
+    @precondition(lambda self: len(self.model.taken) >= 3)
+    @rule()
+    def requeue_two_consumers(self) -> None:
+        """Two consumers shared the taken messages in turn and go away one after the other: the second's
+        messages land one by one between the first's."""
+        taken, self.model.taken = sorted(self.model.taken, key=lambda m: m.offset), []
+        for returning in (taken[::2], taken[1::2]):
+            self.store.requeue(returning)
+            self.model.ready.update(id(m) for m in returning)
 
     @precondition(lambda self: self.model.taken)
     @rule(data=st.data())
@@ -117,6 +152,14 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+class RunByRunStoreMachine(StoreMachine):
+    store_type = RunByRunStore
+
+
+TestRunByRunStoreMachine = RunByRunStoreMachine.TestCase
+TestRunByRunStoreMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 
 
 class FakeSubscription:
@@ -284,3 +327,69 @@ def test_producer_identity_reaches_every_queue_with_an_offset_of_each_queue() ->
     assert [(m.body, m.producer_id, m.sequence, m.offset) for m in b] == [
         (b"first in b", None, None, 0), (b"one", key, 0, 1), (b"two", key, 1, 2)]
     assert a[0] is not b[1] and a[0].body is b[1].body  # a message each, one body
+
+
+class CountingStore(MemoryStore):
+    """A memory store that counts, for each requeue, the ready messages it reads or pops one at a time
+    (what the deque's C `rotate`, `extend` and `extendleft` move in bulk is not counted)."""
+
+    __slots__ = ("reads", "requeues")
+
+    def __init__(self, msgs: Iterable[Message] = ()) -> None:
+        super().__init__(msgs)
+        self.reads = -1  # not in a requeue
+        self.requeues: list[int] = []  # the reads of each requeue, in order
+
+    def __getitem__(self, index: SupportsIndex) -> Message:  # type: ignore[override]  # (as deque: no slices)
+        if self.reads >= 0:
+            self.reads += 1
+        return super().__getitem__(index)
+
+    def popleft(self) -> Message:
+        if self.reads >= 0:
+            self.reads += 1
+        return super().popleft()
+
+    def requeue(self, msgs: Iterable[Message]) -> None:
+        self.reads = 0
+        super().requeue(msgs)
+        self.requeues.append(self.reads)
+        self.reads = -1
+
+
+def test_requeueing_one_delivery_above_a_long_ready_head_reads_a_few_of_it() -> None:
+    """A tester's stall: X took 290,000 messages and Y the next 1,000; X closed, its 290,000 back at the head,
+    and each SETTLE(REQUEUE) of one of Y's tags popped all 290,000 to merge past them (35-117 ms a frame,
+    every connection waiting). It is bisected into place: 20,000 ahead of it cost some 30 reads."""
+    h = Harness()
+    store = CountingStore()
+    h.core.store_factory = lambda name, durable: store
+    h.queue("rq", max_size=0)  # no limits
+    p = h.producer(flow_control=False)
+    for _ in range(21):
+        p.send_many([("", "rq", b"x", None)] * 1000)
+    x, y = h.consumer("x"), h.consumer("y")
+    for _ in range(2):
+        x.subscribe("rq", prefetch=10_000)
+    y.subscribe("rq", prefetch=1_000)
+    x.pump()
+    y.pump()
+    assert (len(x.unsettled), len(y.unsettled)) == (20_000, 1_000)
+    x.close()  # its 20,000 deliveries go back to the head
+    assert len(store) == 20_000 and store[0].offset == 0 and store[-1].offset == 19_999
+
+    y.requeue([min(y.unsettled)])
+    assert store.requeues[-1] <= 4 * len(store).bit_length()  # 2 x 15 probes; popping the head: 40,000 reads
+    assert [m.offset for m in store] == list(range(1, 20_001))  # at its place (Y's credit took the head)
+
+
+def test_two_deliveries_returning_far_apart_among_ready_ones_read_a_few_of_them() -> None:
+    """What returns is placed run by run where it lands, not merged with every ready message between."""
+    msgs = [message(1, i) for i in range(10_002)]
+    for offset, msg in enumerate(msgs):
+        msg.offset = offset
+    store = CountingStore(msgs[1:-1])  # the messages between were requeued before
+    store.requeue([msgs[-1], msgs[0]])
+    [reads] = store.requeues
+    assert reads <= 6 * len(store).bit_length()  # 3 x 14 probes; merging them: 10,000 pops and reads
+    assert list(store) == msgs
