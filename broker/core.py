@@ -24,6 +24,7 @@ from flowbroker.broker.idempotence import DUPLICATE, MemoryProducerStates, Produ
 from flowbroker.broker.memory import MemoryMeter
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.message import HeldTransfer, Message, SequenceKey
+from flowbroker.broker.outbox import refusal
 from flowbroker.broker.paging import SortedKeyDict
 from flowbroker.broker.permissions import DEFAULT_EXCHANGE_NAME
 from flowbroker.broker.queue import Queue, QueueFull
@@ -879,7 +880,7 @@ class BrokerCore:
                     code, text, dest = errors[0]
                     if len(errors) > 1:
                         text = f"{text} (and {len(errors) - 1} more queue(s) refused it, the next {errors[1][2]!r})"
-                    session.send(Error(code, text, None, tid, dest))
+                    session.send(refusal(code, text, tid, dest))
                     if producer_id is not None:  # the resend is told the same
                         self.producer_sequences.was_refused(producer_id, sequence, ((code, text, dest),))  # type: ignore[arg-type]
                 if len(targets) > 1:
@@ -956,7 +957,7 @@ class BrokerCore:
             session.duplicates += 1
             if isinstance(verdict, Refused):  # its original was refused: so is it, the same way
                 for code, text, dest in verdict.errors:
-                    session.send(Error(code, text, None, tid, dest))
+                    session.send(refusal(code, text, tid, dest))
             if self.journal is not None and not self.journal.dormant:
                 # its original may still be in a commit: the duplicate's COMPLETE must not overtake it
                 self.journal.after_commit(HeldTransfer(session, tid, size, 1))
@@ -1018,7 +1019,7 @@ class BrokerCore:
         """A transfer the broker will not enqueue: say why, and complete it so window and credit flow.
         `key` and `sequence`: an idempotent producer's message whose sequence was taken, so that its
         resend is refused again (broker/idempotence.py `Refused`), not completed as a duplicate."""
-        session.send(Error(code, text, None, tid, dest))
+        session.send(refusal(code, text, tid, dest))
         session.complete_transfer(tid, size)
         if key is not None and sequence is not None:
             self.producer_sequences.was_refused(key, sequence, ((code, text, dest),))

@@ -66,8 +66,28 @@ MAX_CONTROL_BYTES = 2 * 1024 * 1024
 """Past this many bytes of control frames waiting, the connection is cut off ("client is not reading"), as past
 `max_frames` (10,000): for ERRORs of under 200 bytes the count comes first. The refusals of one TRANSFER
 frame are at most 1,024 ERRORs, and the writer takes what is due after every read chunk (2 ms of frames at
-most), so a client that reads stays under it unless each of those refusals quotes a name of ~1,000 ASCII
-characters or ~250 others (a TRANSFER's exchange has no bound of its own but MAX_ERROR_TEXT)."""
+most), and each refusal is bounded (`refusal`, REFUSAL_TEXT_BYTES): a client that reads stays under it."""
+
+
+REFUSAL_TEXT_BYTES = 512
+"""Bytes (by `text_bytes_bound`) of a refusal's text: longer texts are cut, with "...". A refused transfer's
+destination is cut to MAX_NAME characters (no queue or exchange has a longer name). So one ERROR costs at
+most CONTROL_FRAME_COST + 512 + 4 x 255 = 1,596 bytes, and one TRANSFER's refusals (MAX_ENTRIES_PER_FRAME,
+1,024) at most 1.6 MiB, under MAX_CONTROL_BYTES: a client that reads is never cut off by one frame's
+refusals. Each quoting a 1,000-emoji exchange name (a TRANSFER may name any), they were 2 MiB, and the broker
+cut off a client that read them (a tester)."""
+
+MAX_NAME = 255
+"""Characters of a queue's or exchange's name (broker/core.py refuses longer ones at declare)."""
+
+
+def refusal(code: ErrorCode, text: str, ref_id: int, destination: str | None) -> Error:
+    """The ERROR refusing transfer `ref_id`, its text and destination bounded (REFUSAL_TEXT_BYTES)."""
+    if len(text) > REFUSAL_TEXT_BYTES // 4 and text_bytes_bound(text) > REFUSAL_TEXT_BYTES:
+        text = text[: (REFUSAL_TEXT_BYTES if text.isascii() else REFUSAL_TEXT_BYTES // 4) - 3] + "..."
+    if destination is not None and len(destination) > MAX_NAME:
+        destination = destination[:MAX_NAME]
+    return Error(code, text, None, ref_id, destination)
 
 
 def control_cost(frame: Frame) -> int:
