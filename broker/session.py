@@ -29,7 +29,7 @@ from flowbroker.protocol.ranges import IdSet
 from flowbroker.protocol.session import TransferReceiver
 
 if TYPE_CHECKING:
-    from flowbroker.broker.core import RoutingRest
+    from flowbroker.broker.core import Fanning, RoutingRest
     from flowbroker.broker.message import HeldTransfer, Message, SequenceKey
     from flowbroker.broker.permissions import Access
     from flowbroker.broker.queue import Queue
@@ -113,6 +113,7 @@ class Session:
         self.messages_dropped = 0  # a UDP publication's messages dropped: a bad envelope, over term_length / 8 (broker/udp/ingress.py)
         # what is left to route of a TRANSFER with a large fan-out (BrokerCore.route_rest): routed before its next frame
         self.routing_rest: RoutingRest | None = None
+        self.fanning: Fanning | None = None  # a message of that rest whose own fan-out is being copied in slices
         # what it sent that fans out, and everything after it, while the memory alarm is on: routed by its
         # writer once the alarm clears (broker/parking.py)
         self.parked = ParkedTransfers()

@@ -12,9 +12,9 @@ import pytest
 from flowbroker.broker import core as core_module
 from flowbroker.protocol.errors import ErrorCode
 from flowbroker.broker.outbox import SessionFault
-from flowbroker.protocol.frames import Transfer, TransferEntry
+from flowbroker.protocol.frames import DeleteQueue, Transfer, TransferEntry
 
-from tests.broker.coreharness import Harness
+from tests.broker.coreharness import Harness, Producer
 
 
 def fanout(h: Harness, queues: int) -> None:
@@ -146,7 +146,7 @@ async def test_a_connection_whose_frame_is_being_routed_in_slices_is_not_idle(mo
     import flowbroker.client as fb
     from tests.serving import serving, url
 
-    monkeypatch.setattr(core_module, "FANOUT_BUDGET", 1)
+    monkeypatch.setattr(core_module, "FANOUT_BUDGET", 300)  # one message's 300 copies a slice
     async with serving(server={"idle_timeout": 0.3}) as server:
         async with await fb.connect(url(server), timeout=10) as conn:
             await conn.declare_exchange("wide", "fanout")
@@ -161,3 +161,73 @@ async def test_a_connection_whose_frame_is_being_routed_in_slices_is_not_idle(mo
             assert trio.current_time() - began > 0.3  # (else this proves nothing)
             assert not conn.is_closed
             assert [len(server.core.queues[f"q{i}"].store) for i in (0, 299)] == [3000, 3000]
+
+
+def send_raw(h: Harness, p: Producer, entries: list[TransferEntry]) -> int:
+    """One TRANSFER to the core alone (its first slice): the harness's `send` routes every slice."""
+    first = p.next_id
+    p.credit.on_sent(sum(len(e.body) + 512 for e in entries))
+    p.next_id += len(entries)
+    h.core.handle(p.session, Transfer(first, entries))
+    return first
+
+
+def test_one_message_whose_own_fan_out_passes_the_slice_is_copied_a_slice_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made in one step, one message to 10,000 bound queues held every connection 26-120 ms (a tester), to
+    max_bindings' 100,000 ten times that. Its copies are made a slice at a time (`Session.fanning`); it
+    completes once, after the last; a message after it in the frame comes after it in every queue."""
+    monkeypatch.setattr(core_module, "FANOUT_BUDGET", 10)
+    h = Harness()
+    fanout(h, 95)
+    admin = h.consumer("admin2")
+    p = h.producer("wide-producer")
+    p.register()
+    first = send_raw(h, p, [TransferEntry("wide", "", b"big", None), TransferEntry("", "q7", b"after", None)])
+    copies = [sum(len(h.core.queues[f"q{i}"].store) for i in range(95))]
+    slices = 1
+    while p.session.routing_rest is not None:  # as the shell does, yielding between calls
+        assert not p.is_complete(first)
+        h.core.route_rest(p.session)
+        copies.append(sum(len(h.core.queues[f"q{i}"].store) for i in range(95)))
+        slices += 1
+        p.pump()
+    assert copies[0] == 0 and slices == 11  # (the first call saw it pass the slice and left it whole)
+    assert all(b - a <= 10 for a, b in zip(copies, copies[1:]))
+    assert p.is_complete(first) and p.is_complete(first + 1) and p.errors == []
+    assert all([m.body for m in h.core.queues[f"q{i}"].store] == [b"big"] for i in range(95) if i != 7)
+    assert [m.body for m in h.core.queues["q7"].store] == [b"big", b"after"]
+    assert p.session.fanning is None and admin.session.fanning is None
+
+
+def test_a_connection_closed_while_a_message_is_copied_in_slices_leaves_it_in_every_queue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message is in all its queues or in none: its last copies are made when its connection closes."""
+    monkeypatch.setattr(core_module, "FANOUT_BUDGET", 10)
+    h = Harness()
+    fanout(h, 95)
+    p = h.producer("wide-producer")
+    p.register()
+    send_raw(h, p, [TransferEntry("wide", "", b"big", None)])
+    h.core.route_rest(p.session)
+    h.core.route_rest(p.session)
+    assert p.session.fanning is not None and 0 < p.session.fanning.next < 95
+    p.close()
+    assert all([m.body for m in h.core.queues[f"q{i}"].store] == [b"big"] for i in range(95))
+
+
+def test_a_queue_deleted_between_slices_gets_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_module, "FANOUT_BUDGET", 10)
+    h = Harness()
+    fanout(h, 30)
+    admin = h.consumer("deleter")
+    p = h.producer("wide-producer")
+    p.register()
+    tid = send_raw(h, p, [TransferEntry("wide", "", b"big", None)])
+    h.core.route_rest(p.session)  # q0-q9 have it
+    assert admin.ok(lambda rid: DeleteQueue(rid, "q25")) == {"deleted": 0}
+    while p.session.routing_rest is not None:
+        h.core.route_rest(p.session)
+    p.pump()
+    assert p.is_complete(tid) and p.errors == []
+    assert "q25" not in h.core.queues and h.core.memory.held == 29 * (3 + 512)
