@@ -107,6 +107,7 @@ class Ingress:
         # The loss figures of images gone (closed, timed out, replaced), so the totals never go back.
         self.retired_loss_gaps = 0
         self.retired_naks_sent = 0
+        self.parked_slice_taken = False  # a publication routed a parked slice this cycle (`_poll`)
 
     # ------------------------------------------------------------------ registration
 
@@ -274,6 +275,7 @@ class Ingress:
     def do_work(self, now_ns: int) -> Outgoing:
         """Each image's duty cycle, its messages routed, holds released, windows set, SMs out."""
         out: Outgoing = []
+        self.parked_slice_taken = False
         more_waiting = self.datapath.more_waiting
         for pub in list(self.publications.values()):
             if pub.caught_up and not more_waiting:
@@ -317,6 +319,11 @@ class Ingress:
             core = self.datapath.core
             if not core.parked_due(pub.session):
                 return False  # what follows waits in the term, inside the window, as for a closed grant
+            if self.parked_slice_taken:  # one publication's slice a cycle, as the TCP writers take turns
+                pub.more_to_route = True
+                self.datapath.wake()
+                return False
+            self.parked_slice_taken = True
             core.route_parked(pub.session)
             self._more_to_route(pub)
             self._drain_outbox(pub, now_ns)
