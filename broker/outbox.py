@@ -42,9 +42,12 @@ from flowbroker.protocol.limits import text_bytes_bound
 
 __all__ = ["MAX_DELIVERIES_WAITING", "MAX_DELIVERY_BYTES_WAITING", "Outbox", "SessionFault"]
 
-MAX_DELIVERIES_WAITING = 16_384
-"""DELIVER entries one connection's outbox holds for its writer at most (a little over the 10,000 of one
-subscription's largest prefetch): about 2 MiB of entries."""
+MAX_DELIVERIES_WAITING = 2_048
+"""DELIVER entries one connection's outbox holds for its writer at most: about 256 KiB of entries, and what
+one step delivers when the writer's collect refills it (`Session._resume_deliveries`), about 2-4 ms. At
+16,384, a consumer reading fast with 20 subscriptions at the largest prefetch had each collect deliver
+16,384 messages in one step, and every other connection waited 124-573 ms (a tester, 3 of 3); a
+subscription's prefetch above it is still taken, over several writes."""
 
 MAX_DELIVERY_BYTES_WAITING = 8 * 1024 * 1024
 """Their messages' bytes (message_size) at most, past one message: what one connection can pin once its

@@ -177,7 +177,7 @@ def test_completions_and_deliveries_are_split_at_the_per_frame_limits() -> None:
     n = 3 * MAX_ENTRIES_PER_FRAME
     for start in range(0, n, 256):
         p.send_many([("", "q", b"", None)] * 256)
-    frames = c.pump()
+    frames = c.pump() + c.pump()  # (a collect takes at most MAX_DELIVERIES_WAITING, 2,048)
     delivers = [f for f in frames if isinstance(f, Deliver)]
     assert all(len(f.entries) <= MAX_ENTRIES_PER_FRAME for f in delivers)
     assert sum(len(f.entries) for f in delivers) == n

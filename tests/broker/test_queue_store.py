@@ -371,8 +371,9 @@ def test_requeueing_one_delivery_above_a_long_ready_head_reads_a_few_of_it() -> 
     x, y = h.consumer("x"), h.consumer("y")
     for _ in range(2):
         x.subscribe("rq", prefetch=10_000)
+    for _ in range(20):  # (a collect takes at most MAX_DELIVERIES_WAITING, 2,048)
+        x.pump()
     y.subscribe("rq", prefetch=1_000)
-    x.pump()
     y.pump()
     assert (len(x.unsettled), len(y.unsettled)) == (20_000, 1_000)
     x.close()  # its 20,000 deliveries go back to the head
