@@ -185,7 +185,8 @@ async def handshake(
         if isinstance(exc, HandshakeError):
             raise
         cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
-        if isinstance(cause, ssl.SSLError):  # TLS 1.3: the broker refuses a client certificate after the handshake
+        # TLS 1.3: the broker refuses a client certificate after the handshake, with an alert or a reset
+        if isinstance(cause, ssl.SSLError) or (isinstance(stream, trio.SSLStream) and isinstance(cause, ConnectionResetError)):
             raise HandshakeError(f"handshake with {address} failed: TLS: {cause} (the broker may require a client "
                                  "certificate it trusts: the SDK's ssl_context= with load_cert_chain; the CLI "
                                  "presents none: use the SDK, or the plain port with a user and password)") from exc

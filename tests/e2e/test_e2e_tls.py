@@ -170,3 +170,20 @@ async def test_a_refused_client_certificate_is_named_in_the_error(
         async with await fc.connect(url, ssl_context=client_context(ca), timeout=LIMIT) as conn:
             await conn.declare_queue("never")
     assert "failed: (" not in str(refused.value) and not str(refused.value).endswith("failed: ")
+
+
+async def test_a_client_certificate_refused_with_a_reset_is_named_in_the_error_too(
+        start_flowbroker: Any, ca: trustme.CA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TLS 1.3 refuses a client certificate after the handshake: with an alert (an SSLError, above) or, as a
+    tester's CLI saw it, a reset: 'HandshakeError: ... [Errno 104] Connection reset by peer', no hint."""
+    import trio
+
+    import flowbroker.client.handshake as handshake
+
+    async def reset(*args: Any, **kwargs: Any) -> Any:
+        raise trio.BrokenResourceError("reset") from ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(handshake, "_await_welcome", reset)
+    broker = await start(start_flowbroker, ca, tmp_path, auth={"loopback_user": ""}, verify_client="required")
+    with pytest.raises(fc.HandshakeError, match="may require a client certificate"):
+        await fc.connect(f"flowbroker+tls://localhost:{broker.tls_port}", ssl_context=client_context(ca), timeout=LIMIT)
