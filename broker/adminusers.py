@@ -24,6 +24,7 @@ from flowbroker.broker.auth import LoginThrottle
 from flowbroker.broker.passwords import PasswordChecksBusy, checked
 from flowbroker.broker.users import User, UserStore
 from flowbroker.protocol.names import LOGIN_THROTTLED
+from flowbroker.protocol.saslprep import SaslprepError, saslprep
 
 __all__ = ["AdminUsers", "ADMINISTRATOR", "MONITORING", "MAX_REMEMBERED", "LoginRefused", "LoginThrottled",
            "basic_credentials", "peer_address"]
@@ -118,7 +119,13 @@ class AdminUsers:
 
     async def check(self, name: str, password: str) -> tuple[User, bool]:
         """(user, read_only) for a user with an admin tag and this password; else LoginRefused. The
-        PBKDF2 runs in a worker thread (broker/passwords.py), once per password and users file."""
+        PBKDF2 runs in a worker thread (broker/passwords.py), once per password and users file. `name` is
+        looked up SASLprepped, as the data port does (broker/auth.py): the users file holds that form, so
+        `Ⅸ` or a decomposed `josé` was refused here while it logged in there (a tester)."""
+        try:
+            name = saslprep(name, what="user name")
+        except SaslprepError as exc:  # a control character, say: no user could have this name
+            raise LoginRefused(str(exc)) from None
         self.store.refresh()
         user = self.store.get(name)
         if user is None:

@@ -110,6 +110,37 @@ async def test_the_console_logs_in_a_user_and_a_monitoring_session_is_read_only(
     await login(broker)  # the token, as before
 
 
+async def test_basic_and_the_console_look_a_unicode_name_up_in_its_saslprep_form(
+        start_flowbroker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`Ⅸ` is `IX` and `jose` + U+0301 is `josé` on the admin port as on the data port (docs/security.md):
+    both were refused 403 over HTTP Basic and the console's login, each refusal counted against the
+    address, while they logged in over SCRAM and PLAIN (a tester). A name SASLprep refuses is a refused
+    login, its reason logged."""
+    users = tmp_path / "users.json"
+    password = "pw-\u00fc\u00f1\u00ed x"
+    write_users(users, {
+        "IX": User("IX", StoredCredential.from_password(password, 4096), ("administrator",)),
+        "jos\u00e9": User("jos\u00e9", StoredCredential.from_password(password, 4096), ("monitoring",)),
+    })
+    broker = await start_flowbroker(admin={"token": TOKEN}, auth={"users_file": str(users), "failed_login_delay": DELAY})
+    broker.core.declare_queue("q")
+    nine, decomposed = "\u2168", "jose\u0301"
+    purge = await request(broker, "POST", "/api/queues/q/purge", headers=basic(nine, password))
+    assert purge.status == 200, purge.text
+    answer = await request(broker, "GET", "/api/queues", headers=basic(decomposed, password))
+    assert answer.status == 200, answer.text
+    for name, read_only in ((nine, False), (decomposed, True)):
+        login = await request(broker, "POST", "/login", json.dumps({"username": name, "password": password}).encode(),
+                              {"Content-Type": "application/json"})
+        assert login.status == 200 and login.json()["read_only"] is read_only, login.text
+    throttle = broker.core.login_throttle
+    assert throttle.failures("127.0.0.1", broker.core.clock_ns()) == 0
+    refused = await request(broker, "GET", "/api/queues", headers=basic("I\u0007X", password))
+    assert refused.status == 403 and refused.json()["error"]["code"] == "forbidden"
+    assert any("U+0007" in r.getMessage() for r in caplog.records if "refused" in r.getMessage())
+    assert throttle.failures("127.0.0.1", broker.core.clock_ns()) == 1
+
+
 async def _basic_from(broker: Any, source: str, user: str, password: str) -> int:
     """A GET /api/queues with HTTP Basic from the local address `source` (127.0.0.x); its status."""
     port = int(broker.admin_url.rsplit(":", 1)[1])
