@@ -10,6 +10,7 @@ holding completions and credit, not by back-pressuring TCP.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -119,6 +120,20 @@ class RequestError(Exception):
         super().__init__(text)
         self.code = code
         self.destination = destination
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_declared_name(name: str, kind: str) -> None:
+    """Refuses a queue or exchange name with a control character (C0 or DEL) where it is declared:
+    `orders\\n` passed a permission `^orders$` (Python's `$` also matches before a final newline; users.py's
+    patterns no longer do), and a NUL or an ESC in a name serves no one. Declares only, not the decoder:
+    a queue recovered from an older journal under such a name is still reached by it (to drain and
+    delete it); it just cannot be declared anew."""
+    if _CONTROL.search(name) is not None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{kind} name {name!r} must not contain control "
+                           "characters (U+0000-U+001F, U+007F)", name)
 
 
 FANOUT_BUDGET = 1024
@@ -1316,6 +1331,7 @@ class BrokerCore:
         (its user's max_queues, 0: none) refuses one more over it."""
         if not name:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "queue name must not be empty")
+        _check_declared_name(name, "queue")
         if durable and not self.config.storage.enabled:
             durable = False  # ([storage] enabled = false: ignored, as configuration.md says; the OK said durable
             # true of a queue a restart empties, a tester)
@@ -1601,6 +1617,7 @@ class BrokerCore:
         if f.exchange == DEFAULT_EXCHANGE_NAME:  # (its permissions and refusals would be the default's, a tester)
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{DEFAULT_EXCHANGE_NAME!r} names the default exchange "
                                "(its permissions and refusals use it): declare another name", f.exchange)
+        _check_declared_name(f.exchange, "exchange")
         existing = self.exchanges.get(f.exchange)
         if existing is not None and existing.kind is not kind:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"exchange {f.exchange!r} exists as {existing.kind}", f.exchange)

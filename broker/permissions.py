@@ -12,7 +12,8 @@ Which operation needs which permission on which resource (RabbitMQ's table, docs
 | JOIN_GROUP | read on the exchange, configure on the group (its queue) |
 
 The default exchange `""` is checked under RabbitMQ's name for it, `amq.default`. A pattern is searched
-in the name (`re.search`, as RabbitMQ): `^orders$` is the queue `orders` only, `.*` anything, and `""`
+in the name (`re.search`, as RabbitMQ) with its `$` the end of the name (users.py `compile_pattern`, not
+also before a final newline as Python's): `^orders$` is the queue `orders` only, `.*` anything, and `""`
 or `^$` nothing.
 
 Publishing is the hot path: a connection's decisions are cached per exchange name (`write_cache`, one

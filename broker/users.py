@@ -20,7 +20,7 @@ from flowbroker.broker.privatefile import write_private
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import StoredCredential
 
-__all__ = ["User", "UsersError", "UserStore", "read_users", "write_users", "LIMITS", "TAGS"]
+__all__ = ["User", "UsersError", "UserStore", "compile_pattern", "read_users", "write_users", "LIMITS", "TAGS"]
 
 TAGS = ("administrator", "monitoring")
 """Admin API tags (RabbitMQ's): administrator may do anything, monitoring may read views and metrics."""
@@ -32,6 +32,33 @@ LIMITS = ("max_connections", "max_queues", "credit_share_percent")
 
 class UsersError(ValueError):
     """The users file is unreadable or wrong; the message names the file and the user."""
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A permission pattern compiled with each `$` anchor as `\\Z`, the end of the name: Python's `$` also
+    matches before a newline that ends the name, so `^orders$` allowed `orders\\n` (a tester declared it
+    and read another user's messages from it). A `$` escaped or in a character class is a character, left as
+    it is. re.error, with its position in `pattern`, when it is not a regular expression."""
+    re.compile(pattern)
+    out: list[str] = []
+    i, end = 0, len(pattern)
+    while i < end:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[":  # a class runs to the first `]` not escaped and not its first character
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < end and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            out.append(pattern[i:j + 1])
+            i = j + 1
+            continue
+        out.append(r"\Z" if c == "$" else c)
+        i += 1
+    return re.compile("".join(out))
 
 
 @dataclass(frozen=True)
@@ -51,7 +78,7 @@ class User:
         compiled = []
         for kind in ("configure", "write", "read"):
             try:
-                compiled.append(re.compile(getattr(self, kind)))
+                compiled.append(compile_pattern(getattr(self, kind)))
             except re.error as exc:
                 raise UsersError(f"user {self.name!r}: {kind} pattern {getattr(self, kind)!r}: {exc}") from None
         object.__setattr__(self, "patterns", tuple(compiled))

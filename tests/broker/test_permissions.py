@@ -75,3 +75,31 @@ def test_the_publish_cache_is_bounded_and_dropped_when_permissions_change() -> N
     assert a.write_cache == {} and not a.may_publish("kept")
     a.update(None)  # the user was deleted: nothing is allowed
     assert not a.may_publish("nothing") and a.check_request(DeclareQueue(1, "c")) is not None
+
+
+def test_an_anchored_pattern_allows_the_name_only_not_the_name_and_a_newline() -> None:
+    """security.md: "anchor it: `^orders$`". Python's `$` also matches before a final newline: a user with
+    `^orders$` declared `orders\\n` (which alice had declared), read alice's message from it, published to
+    an exchange `orders\\n` and deleted the queue (a tester)."""
+    a = access(configure="^orders$", write="^orders$", read="^orders$")
+    for permission in ("configure", "write", "read"):
+        assert a.allowed(permission, "orders") and not a.allowed(permission, "orders\n")
+    assert a.check_request(Subscribe(1, 1, "orders\n", 0, 0)) is not None
+    assert a.check_request(DeleteQueue(1, "orders\n")) is not None
+    assert not a.may_publish("orders\n") and a.may_publish("orders")
+
+
+@pytest.mark.parametrize("pattern, allowed, denied", [
+    (r"^a\$$", ["a$"], ["a$\n", "a"]),  # an escaped `$` is a character, the last one the end
+    (r"^[$]$", ["$"], ["$\n"]),  # in a class too
+    (r"^[]$]$", ["]", "$"], ["]\n"]),  # a `]` first in a class is a character: the class goes on
+    (r"^[^]$]x$", ["ax"], ["$x", "ax\n"]),
+    (r"^a\\$", ["a\\"], ["a\\\n"]),  # an escaped backslash, then the end
+    (r"^(orders|bills)$", ["bills"], ["bills\n"]),
+    (r"(?m)^a$", ["a"], ["a\n"]),  # the end of the name, even in multi-line mode
+    ("orders", ["my-orders", "orders\n"], []),  # unanchored: searched, as before
+])
+def test_dollar_is_the_end_of_the_name_and_only_an_anchor_is_rewritten(
+        pattern: str, allowed: list[str], denied: list[str]) -> None:
+    a = access(read=pattern)
+    assert [name for name in allowed + denied if a.allowed("read", name)] == allowed

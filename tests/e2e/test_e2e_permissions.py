@@ -12,6 +12,8 @@ import pytest
 import trio
 
 import flowbroker.client as fc
+from flowbroker.broker.journal import segment_name
+from flowbroker.broker.journalrecord import EXCHANGE, MESSAGE, QUEUE, encode
 from flowbroker.broker.users import User, write_users
 from flowbroker.protocol import ErrorCode
 from flowbroker.protocol.scram import StoredCredential
@@ -240,3 +242,51 @@ async def test_a_user_cannot_claim_another_users_producer_id(start_flowbroker: A
         await good.flush(timeout=LIMIT)
         assert good.statistics().failed == 0
     assert broker.core.queues["other"].count == 10
+
+
+async def test_an_anchored_pattern_does_not_allow_the_name_with_a_newline_recovered_or_declared(
+        start_flowbroker: Any, tmp_path: Path) -> None:
+    """security.md: "anchor it: `^orders$`". A user with all three patterns `^orders$` declared `orders\\n`,
+    a queue alice had declared, read her message from it, published to an exchange `orders\\n` and deleted
+    the queue (a tester): Python's `$` matches before a final newline, and such names were declared. They
+    are refused now, and a queue an older broker journalled under one is recovered (alice's message in it)
+    but not allowed by `^orders$`; the loopback user drains and deletes it."""
+    journal = tmp_path / "data" / "journal"
+    journal.mkdir(parents=True)
+    (journal / segment_name(1)).write_bytes(
+        encode([QUEUE, 1, "orders\n", {}, 0]) + encode([EXCHANGE, "orders\n", "fanout"])
+        + encode([MESSAGE, 1, 0, "", "orders\n", b"alice's", None, 519, None, None]))
+    users = tmp_path / "users.json"
+    write_users(users, {"ord": User("ord", CRED, (), "^orders$", "^orders$", "^orders$")})
+    broker = await start_flowbroker(auth={"users_file": str(users)}, udp={"enabled": False},
+                                    storage={"data_dir": str(tmp_path / "data")})
+    assert broker.core.queues["orders\n"].count == 1
+    async with await fc.connect(broker.url, auth=("ord", "pw"), timeout=LIMIT) as conn:
+        await conn.declare_queue("orders")
+        for call, permission in ((conn.declare_queue("orders\n"), "configure"), (conn.purge_queue("orders\n"), "read"),
+                                 (conn.delete_queue("orders\n"), "configure")):
+            with pytest.raises(fc.RequestError) as info:
+                await call
+            assert info.value.code is ErrorCode.UNAUTHORIZED and info.value.destination == "orders\n"
+            assert info.value.text == f"access refused: user 'ord' has no {permission} permission on queue 'orders\\n'"
+        with pytest.raises(fc.RequestError) as info:
+            async with conn.consumer("orders\n"):
+                pass
+        assert info.value.code is ErrorCode.UNAUTHORIZED
+        producer = conn.producer(exchange="orders\n")
+        await producer.send(b"x", timeout=LIMIT)
+        with pytest.raises(fc.PublishError) as published:
+            await producer.flush(timeout=LIMIT)
+        assert published.value.code is ErrorCode.UNAUTHORIZED and published.value.destination == "orders\n"
+    async with await fc.connect(broker.url, timeout=LIMIT) as guest:  # the loopback user: not checked
+        for call, kind in ((guest.declare_queue("orders\n"), "queue"), (guest.declare_exchange("x\x00", "fanout"), "exchange")):
+            with pytest.raises(fc.RequestError) as info:
+                await call
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT and "must not contain control characters" in info.value.text
+            assert info.value.text.startswith(f"{kind} name ")
+        async with guest.consumer("orders\n") as consumer:  # recovered: reached by its name
+            message = await consumer.receive(timeout=LIMIT)
+            assert message.body == b"alice's"
+            await message.ack()
+        await guest.delete_queue("orders\n")
+    assert "orders\n" not in broker.core.queues
