@@ -321,6 +321,8 @@ class Authenticator:
     def begin(self, auth: dict[str, Any] | None, peer: Peer) -> Outcome:
         self.store.refresh()
         if peer.certificate_identity is not None and not auth:
+            if (clash := self._loopback_name(peer.certificate_identity)) is not None:
+                return clash
             user = self.store.get(peer.certificate_identity)
             if user is None:  # as RabbitMQ's EXTERNAL: the subject must be a user, for its permissions
                 return self.failed("client certificate subject is not a user", peer.certificate_identity)
@@ -344,6 +346,8 @@ class Authenticator:
                 first = scram.first(data)
             except ScramError as exc:
                 return self.failed(str(exc), scram.username)
+            if (clash := self._loopback_name(scram.username or "")) is not None:
+                return clash
             return Challenge(self, scram, first)
         if mechanism == PLAIN:
             return self._plain(auth, peer)
@@ -365,10 +369,36 @@ class Authenticator:
             name = saslprep(name, what="user name")
         except SaslprepError as exc:
             return self.failed(str(exc), None)
+        if (clash := self._loopback_name(name)) is not None:
+            return clash
         user = self.store.get(name)
         if user is None:
             return self.failed("unknown user", name)
         return PasswordCheck(self, user, password)
+
+    def _loopback_name(self, name: str) -> Refused | None:
+        """Credentials (or a client certificate) naming the loopback user are refused, before any password
+        is looked at: identities are names, so a users-file user of that name was the loopback clients'
+        identity too (one's idempotent producer ids took the other's messages as duplicates, its refusals
+        were replayed to them, its max_connections counted them, a tester). The same answer whether or not
+        the users file holds the name, so it says nothing of which users exist."""
+        if not name or name != self.config.loopback_user:
+            return None
+        self.failures += 1
+        return Refused(f"user {name!r} is this broker's loopback user ([auth] loopback_user): a client is {name!r} "
+                       "only without credentials, from a loopback address; a user of that name cannot log in "
+                       "(docs/security.md)", "the name of the loopback user ([auth] loopback_user), which cannot "
+                       "log in", name)
+
+    def loopback_clash(self) -> str | None:
+        """What to log (at ERROR, at start and when the users file changes) when the users file holds a user
+        named as the loopback user, which `_loopback_name` refuses; None when it does not."""
+        name = self.config.loopback_user
+        if not name or self.store.get(name) is None:
+            return None
+        return (f"user {name!r} has the loopback user's name ([auth] loopback_user): it cannot connect as a "
+                f"client, since a client without credentials from a loopback address is {name!r}; rename the "
+                "user, or set [auth] loopback_user to another name or \"\"")
 
     def _accepted(self, accepted: Accepted) -> Accepted:
         self.successes += 1

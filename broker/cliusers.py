@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from flowbroker.broker.config import ConfigError, load_config
+from flowbroker.broker.config import AuthConfig, ConfigError, load_config
 from flowbroker.broker.users import LIMITS, TAGS, User, UsersError, check_name, read_users, write_users
 from flowbroker.protocol.saslprep import SaslprepError, saslprep
 from flowbroker.protocol.scram import DEFAULT_ITERATIONS, StoredCredential
@@ -41,6 +41,28 @@ def _path(config_path: Path | None, users_file: Path | None) -> Path:
         return load_config(config_path).auth.users_path()
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _loopback_clash(name: str, config_path: Path | None, adding: bool) -> None:
+    """NAME is the broker's loopback user, whose name the broker never lets log in (a users-file user of it
+    was the loopback clients' identity too; docs/security.md). Known from --config, `user add` is refused;
+    without it (the default loopback user, `guest`, assumed) and for `user set/passwd` of a user already
+    there, a warning on stderr."""
+    if config_path is None:
+        loopback, where = AuthConfig().loopback_user, "by default"
+    else:
+        try:
+            loopback, where = load_config(config_path).auth.loopback_user, f"in {config_path}"
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+    if not loopback or name != loopback:
+        return
+    what = (f"{name!r} is the broker's loopback user ([auth] loopback_user {where}): a client without credentials "
+            f"from a loopback address is {name!r}, and the broker refuses every client login with that name")
+    if adding and config_path is not None:
+        raise click.ClickException(f"{what}; pick another name, or set [auth] loopback_user to another name or \"\"")
+    unsure = "" if config_path is not None else " (if the broker's [auth] loopback_user is another, give its --config)"
+    click.echo(f"Warning: {what}{unsure}", err=True)
 
 
 def _name(name: str, stored: bool = False) -> str:
@@ -118,6 +140,7 @@ def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: 
         raise click.ClickException(str(exc)) from None
     if name in users:
         raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
+    _loopback_clash(name, config_path, adding=True)
     try:
         credential = StoredCredential.from_password(_password(password_stdin), iterations)
         users[name] = User(name, credential, tags, configure, write, read_, max_connections, max_queues,
@@ -140,6 +163,7 @@ def user_passwd(name: str, password_stdin: bool, config_path: Path | None, users
     old = users.get(name)
     if old is None:
         raise click.ClickException(f"no user {name!r} in {path}")
+    _loopback_clash(name, config_path, adding=False)
     try:
         credential = StoredCredential.from_password(_password(password_stdin), old.credential.iterations)
     except SaslprepError as exc:
@@ -196,6 +220,7 @@ def user_set(name: str, tags: tuple[str, ...], no_tags: bool, configure: str | N
         users[name] = replace(old, **changes)
     except UsersError as exc:
         raise click.ClickException(str(exc)) from None
+    _loopback_clash(name, config_path, adding=False)
     write_users(path, users)
     click.echo(f"changed {', '.join(sorted(changes))} of {name}")
 

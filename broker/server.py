@@ -373,6 +373,14 @@ class BrokerServer:
             LOGGER.info("no loopback user ([auth] loopback_user = \"\"): every client must log in")
         if store.error:
             LOGGER.error("users file: %s (no user can log in until it is fixed)", store.error)
+        self._log_loopback_clash()
+
+    def _log_loopback_clash(self) -> None:
+        """A users-file user named as the loopback user cannot log in (broker/auth.py): said at ERROR at
+        start and at each change of the file while it is there, as the users file's other errors are."""
+        clash = self.authenticator.loopback_clash()
+        if clash is not None:
+            LOGGER.error("users file: %s", clash)
 
     async def _flow_timer(self) -> None:
         """The broker's flow timer: every TICK_SECONDS (0.1 s) each queue with a time threshold updates its
@@ -444,6 +452,7 @@ class BrokerServer:
             if changed:
                 LOGGER.info("users file changed: %d user(s); permissions of open connections updated",
                             len(store.users))
+                self._log_loopback_clash()
                 shares: dict[str, float] = {}
                 for session in self.core.sessions.values():
                     if session.access is not None:

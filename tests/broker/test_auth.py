@@ -40,6 +40,30 @@ def checked(outcome: Outcome) -> Outcome:
     return outcome.finish(outcome.check()) if isinstance(outcome, PasswordCheck) else outcome
 
 
+def test_no_login_is_the_loopback_user_and_the_file_holding_it_is_told(tmp_path: Path) -> None:
+    """A users-file user named as the loopback user was the loopback clients' identity too (a tester): no
+    login by that name (SCRAM before its challenge, PLAIN before its password, a certificate's subject) is
+    accepted, with one answer whether or not the file holds it; another loopback_user frees the name."""
+    auth = authenticator(tmp_path)
+    scram = {"mechanism": "SCRAM-SHA-256", "data": ScramClient("guest", "pw").first()}
+    plain = {"mechanism": "PLAIN", "username": "guest", "password": "pw"}
+    external = Peer("127.0.0.1", tls=True, certificate_identity="guest")
+    absent = [auth.begin(scram, REMOTE), auth.begin(plain, Peer("127.0.0.1")), auth.begin(None, external)]
+    assert auth.loopback_clash() is None
+    guest = User("guest", StoredCredential.from_password("pw", 4096))
+    write_users(auth.store.path, {**auth.store.users, "guest": guest})
+    held = [auth.begin(scram, REMOTE), auth.begin(plain, Peer("127.0.0.1")), auth.begin(None, external)]
+    texts = {r.text if isinstance(r, Refused) else "" for r in absent + held}
+    (text,) = texts  # one answer, held or not
+    assert "user 'guest' is this broker's loopback user" in text
+    assert auth.failures == 6 and auth.successes == 0
+    clash = auth.loopback_clash()
+    assert clash is not None and "user 'guest' has the loopback user's name" in clash
+    path = auth.store.path
+    other = Authenticator(AuthConfig(users_file=str(path), loopback_user="local"), UserStore(path))
+    assert isinstance(checked(other.begin(plain, Peer("127.0.0.1"))), Accepted) and other.loopback_clash() is None
+
+
 def test_a_plain_password_is_checked_by_the_shell_off_the_event_loop(tmp_path: Path) -> None:
     """begin() does no PBKDF2 for PLAIN: it hands the shell a PasswordCheck (run inline, a guesser's wrong
     passwords for a user with 10^6 iterations froze the broker for 0.3 s each, a tester)."""

@@ -148,3 +148,29 @@ def test_list_json_holds_no_credential(tmp_path: Path) -> None:
     assert doc == {"alice": {"tags": [], "configure": ".*", "write": ".*", "read": ".*", "max_connections": 0,
                              "max_queues": 2, "credit_share_percent": 0}}
     assert "SCRAM" not in out
+
+
+
+def test_the_loopback_users_name_is_refused_when_the_config_says_so_else_warned(tmp_path: Path) -> None:
+    """The broker refuses every login named as its loopback user (docs/security.md): `user add` of that name
+    is refused when --config says it is the loopback user; without --config (the default, `guest`,
+    assumed) it is added with a warning, and a `user set` or `user passwd` of it warns."""
+    path = tmp_path / "u.json"
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[auth]\nusers_file = "{path}"\nloopback_user = "local"\n')
+
+    def user(*args: str, stdin: str | None = None) -> tuple[int, str]:
+        result = CliRunner().invoke(main, ["user", *args], input=stdin)
+        return result.exit_code, result.stderr
+
+    code, err = user("add", "local", "--password-stdin", "--config", str(config), stdin="pw\n")
+    assert code == 1 and "'local' is the broker's loopback user ([auth] loopback_user in" in err
+    assert not path.exists()
+    assert user("add", "guest", "--password-stdin", "--config", str(config), stdin="pw\n") == (0, "")
+    f = ["--users-file", str(tmp_path / "other.json")]
+    warning = "Warning: 'guest' is the broker's loopback user ([auth] loopback_user by default)"
+    for args in (["add", "guest"], ["set", "guest", "--max-queues", "2"], ["passwd", "guest"]):
+        code, err = user(*args, "--password-stdin" if args[0] != "set" else "--no-tags", *f, stdin="pw\n")
+        assert code == 0 and err.startswith(warning) and "give its --config" in err, (args, err)
+    assert user("add", "local", "--password-stdin", *f, stdin="pw\n") == (0, "")  # the default is guest
+    assert sorted(read_users(path)) == ["guest"] and sorted(read_users(tmp_path / "other.json")) == ["guest", "local"]

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import flowbroker.client as fc
-from flowbroker.broker.users import User, write_users
+from flowbroker.broker.users import User, read_users, write_users
 from flowbroker.broker.views import connection_view
 from flowbroker.protocol import AuthChallenge, AuthResponse, ErrorCode, Hello, PROTOCOL_VERSION, Welcome
 from flowbroker.protocol import Connection as ProtocolConnection
@@ -238,3 +238,43 @@ async def test_a_slow_password_check_holds_no_other_connection(start_flowbroker:
         took = trio.current_time() - began
         stalled_password_checks.set()
     assert took < 2.5, f"another client waited {took:.1f} s for the password check"
+
+
+async def test_a_users_file_user_named_as_the_loopback_user_cannot_log_in(start_flowbroker: Any, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """After `flowbroker user add guest`, that user was the loopback clients' identity too (a tester, 2 of 2
+    each): a loopback client's idempotent "job-42" message was taken as a duplicate of the users-file
+    guest's and lost, the guest's UNAUTHORIZED refusal was replayed to the loopback client, and one open
+    loopback client used up the guest's max_connections of 1. Its logins are refused now, by SCRAM and
+    PLAIN, with the same answer as a name the file does not hold; the file holding it is said at ERROR
+    at start and when the file changes; the loopback client sends its "job-42" and it lands."""
+    caplog.set_level(logging.INFO, logger="flowbroker.broker.server")
+    path = users_file(tmp_path)
+    users = read_users(path)
+    write_users(path, {**users, "guest": User("guest", StoredCredential.from_password("guestpw", 4096),
+                                              write="^$", max_connections=1)})
+
+    def clash_errors() -> int:
+        return sum(r.levelno == logging.ERROR and "user 'guest' has the loopback user's name" in r.getMessage()
+                   for r in caplog.records)
+
+    broker = await start_flowbroker(auth={"users_file": str(path), "failed_login_delay": DELAY}, udp={"enabled": False})
+    assert clash_errors() == 1  # said at start
+    async with await fc.connect(broker.url, timeout=LIMIT) as loopback:
+        assert loopback.welcome.identity == "guest"
+        await loopback.declare_queue("gq")
+        for auth in (("guest", "guestpw"), fc.Credentials("guest", "guestpw", "PLAIN"), ("guest", "wrong")):
+            with pytest.raises(fc.AuthenticationError) as info:
+                await fc.connect(broker.url, auth=auth, timeout=LIMIT)
+            assert info.value.code is ErrorCode.UNAUTHORIZED  # not max_connections' RESOURCE_EXHAUSTED
+            assert "user 'guest' is this broker's loopback user ([auth] loopback_user)" in str(info.value)
+        producer = loopback.producer(routing_key="gq", producer_id="job-42", idempotent=True)
+        await producer.send(b"loopback: order B", timeout=LIMIT)
+        await producer.flush(timeout=LIMIT)
+        assert broker.core.queues["gq"].statistics().messages == 1
+    assert broker.server.authenticator.successes == 1  # the loopback client alone
+
+    write_users(path, {**read_users(path), "carol": User("carol", StoredCredential.from_password("pw", 4096))})
+    with trio.fail_after(LIMIT):  # the broker looks at the file each second
+        while clash_errors() < 2:
+            await trio.sleep(0.05)
