@@ -181,6 +181,9 @@ class Fanning:
         self.durable_queue: Queue | None = None
 
 
+REPORTED_ERROR_LOG_NS = 10 * 1_000_000_000
+"""ERRORs clients send are a WARNING at most this often (`BrokerCore._log_reported_error`)."""
+
 MAX_CLIENT_NAME = 255
 """Characters of a HELLO's client_name the broker keeps (free text, as long as a frame allowed): 3,000
 connections named with 64,000 characters each made one GET /api/policy 192 MB of JSON, and six of them
@@ -255,6 +258,8 @@ class BrokerCore:
         # Connections with transfers parked under the memory alarm (broker/parking.py): their writers are
         # woken to route them when it clears. `parking_stop`: the last `route` stopped at a message to park.
         self._parked_sessions: dict[Session, None] = {}
+        self._reported_error_logged_ns: int | None = None  # ERRORs clients send: `_log_reported_error`
+        self._reported_errors_left_out = 0
         self.parking_stop = False
         server = config.server
         watermark = server.memory_watermark or server.memory_quota
@@ -489,6 +494,22 @@ class BrokerCore:
             self._watch_window(session, False)
         self._apply_buffer_sizes(self.credit.set_window(session.conn_id, window))
 
+    def _log_reported_error(self, session: Session, frame: Error) -> None:
+        """An ERROR a client sent: a WARNING at most once per REPORTED_ERROR_LOG_NS (10 s) broker-wide, with
+        the count left out, the others at DEBUG. Each was a WARNING, and the connection stays open: one
+        client sending ERRORs wrote 160,100 lines (50 MB) in 10 s (a tester)."""
+        now = self.clock_ns()
+        text = logsafe(frame.text)
+        last = self._reported_error_logged_ns
+        if last is not None and now - last < REPORTED_ERROR_LOG_NS:
+            self._reported_errors_left_out += 1
+            LOGGER.debug("connection %d reported error %s: %s", session.conn_id, frame.code.name, text)
+            return
+        left_out, self._reported_errors_left_out = self._reported_errors_left_out, 0
+        self._reported_error_logged_ns = now
+        LOGGER.warning("connection %d reported error %s: %s%s", session.conn_id, frame.code.name, text,
+                       f" (and {left_out} more like it in the last 10 s)" if left_out else "")
+
     def _watch_window(self, session: Session, over: bool) -> None:
         """A producer's window is above its grant (a shrink it has not answered yet: acknowledgements
         then report what drains, `_window_moved`), or no longer. `over_grant` keeps since when, for the
@@ -550,8 +571,7 @@ class BrokerCore:
             elif type(frame) is BufferLimit:
                 self.on_buffer_limit(session, frame)
             elif type(frame) is Error:
-                LOGGER.warning("connection %d reported error %s: %s", session.conn_id, frame.code.name,
-                               logsafe(frame.text))
+                self._log_reported_error(session, frame)
             elif type(frame) is Close:
                 pass  # the shell ends the connection
             return

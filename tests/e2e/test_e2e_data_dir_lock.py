@@ -92,5 +92,21 @@ def test_a_journal_that_cannot_be_read_stops_the_broker_naming_the_key_and_the_f
                             env={**os.environ, "HOME": str(tmp_path)})  # (PYTHONPATH kept: the tree under test)
     err = result.stderr
     assert result.returncode == 1 and "Traceback" not in err, err
-    assert f"Error: [storage] data_dir {data_dir} cannot be used: " in err and f"{stray}: Is a directory" in err, err
+    assert f"Error: [storage] data_dir {data_dir} cannot be used: " in err and f"{stray}: not a regular file" in err, err
     assert "cannot listen" not in err, err
+
+
+def test_a_fifo_named_like_a_segment_stops_the_broker_at_start_not_hangs_it(tmp_path: Path) -> None:
+    """`mkfifo journal/...07.seg`: recovery's read of it waited for ever, in a worker thread, and the first
+    SIGTERM did not end the broker (a tester, 2 of 2). A segment that is not a regular file is a journal
+    that cannot be read."""
+    data_dir = tmp_path / "data"
+    stray = data_dir / "journal" / segment_name(7)
+    stray.parent.mkdir(parents=True)
+    os.mkfifo(stray)
+    result = subprocess.run([FLOWBROKER, "serve", "--port", str(free_port()), "--no-admin", "--no-udp",
+                             "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "HOME": str(tmp_path)})
+    err = result.stderr
+    assert result.returncode == 1 and "Traceback" not in err, err
+    assert f"Error: [storage] data_dir {data_dir} cannot be used: " in err and "not a regular file" in err, err

@@ -402,3 +402,21 @@ async def test_names_and_error_texts_from_peers_are_escaped_and_capped_in_the_lo
     assert any("evil\\n2026-01-01 00:00:00 INFO flowbroker: forged line\\x1b[2J" in m for m in messages)
     reported = [m for m in messages if "reported error" in m]
     assert len(reported) == 1 and "bad\\r\\nthing" in reported[0] and len(reported[0]) < 400
+
+
+async def test_errors_a_client_sends_are_a_warning_at_most_once_per_10_s(
+    start_flowbroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each ERROR a client sent was a WARNING, and an ERROR does not end its connection: one client wrote
+    160,100 lines (50 MB of log) in 10 s (a tester). One WARNING per 10 s broker-wide, the rest at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="flowbroker")
+    broker = await start_flowbroker()
+    raw = await RawClient.connect(broker.port)
+    for _ in range(200):
+        await raw.send(Error(ErrorCode.INTERNAL_ERROR, "noise"))
+    await raw.send(Noop(1, False))
+    assert await raw.next_frame() == Noop(1, True)  # every ERROR handled before it
+    await raw.aclose()
+    reported = [r for r in caplog.records if "reported error" in r.getMessage()]
+    assert len(reported) == 200
+    assert [r.levelno for r in reported].count(logging.WARNING) == 1
