@@ -84,15 +84,18 @@ class AdminUsers:
         LoginThrottled when that turn is too far away), and after a refusal counts the failure and waits
         `failed_delay` before raising LoginRefused."""
         throttle = self.throttle
-        wait = throttle.admit(host, self._clock_ns()) if throttle is not None else 0
+        admitted_ns = self._clock_ns()
+        wait = throttle.admit(host, admitted_ns) if throttle is not None else 0
         if wait is None and throttle is not None:
             # refused without a look, after the same delay as any refused login (security.md; the data
             # port's throttled logins waited, the admin API's 429 came at once, a tester)
             await trio.sleep(self.failed_delay)
             raise LoginThrottled(f"{LOGIN_THROTTLED} {host}: wait and try again", -(-throttle.max_ns // 1_000_000_000))
         try:
-            if wait:
-                await trio.sleep(wait / 1e9)
+            turn_ns = admitted_ns + (wait or 0)
+            # its turn, or sooner when the address's failures are forgotten (as on the data port)
+            while throttle is not None and (left := throttle.wait_ns(host, turn_ns, self._clock_ns())):
+                await trio.sleep(left / 1e9)
             try:
                 return await self.check(name, password)
             except LoginRefused:

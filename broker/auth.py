@@ -152,14 +152,17 @@ class LoginThrottle:
     Once an address has f recent failures, the login attempts from there are looked at one at a time:
     `admit` gives each a slot, `delay(f + n)` = base * 2**(f+n-1) (capped at `max_delay`) after the one
     before, n being the attempts from there admitted and not settled yet (so that many attempts sent at
-    once are spaced further and further apart before any of them fails), and returns how long it waits
-    before the broker reads its credentials; or None when its slot would be over `max_delay` away (the
+    once are spaced further and further apart before any of them fails), and returns how long until that
+    slot, when the broker reads its credentials; or None when its slot would be over `max_delay` away (the
     shell refuses it without looking). An address with no recent failure waits for nothing, so a pool of
     connections logging in at once is not slowed; nor is any other address, nor a connection already
     logged in. A success does not forget the failures (an attacker may own one good account); time does.
 
     Bounded: at most `max_entries` addresses (LRU by last failure); an address's failures are forgotten
-    FORGET_AFTER times its current spacing after its last one. Sans-IO: takes `now_ns`."""
+    FORGET_AFTER times its current spacing after its last one, whatever attempts from there are in flight,
+    and the attempts still waiting their turn then go (`wait_ns`): remembered while any was in flight, one
+    typo kept a busy address throttled for good, its succeeding logins' turns ever further away (a tester's
+    four clients logging in every 0.5 s waited up to 30 s for a minute). Sans-IO: takes `now_ns`."""
 
     def __init__(self, base: float, max_delay: float, max_entries: int = THROTTLE_SOURCES):
         self.base_ns = int(base * 1e9)
@@ -177,18 +180,22 @@ class LoginThrottle:
             return 0
         return min(self.max_ns, self.base_ns << min(failures - 1, 62))
 
+    def _forgotten_ns(self, source: _Source) -> int:
+        """When the source's failures are forgotten if no more come (just after FORGET_AFTER spacings)."""
+        return source.last_failure_ns + FORGET_AFTER * self.delay_ns(source.failures) + 1
+
     def _live(self, host: str, now_ns: int) -> _Source | None:
         source = self._sources.get(host)
-        if source is not None and not source.inflight \
-                and now_ns - source.last_failure_ns > FORGET_AFTER * self.delay_ns(source.failures):
+        if source is not None and now_ns >= self._forgotten_ns(source):
             del self._sources[host]
             return None
         return source
 
     def admit(self, host: str | None, now_ns: int) -> int | None:
-        """Nanoseconds this attempt from `host` waits before its credentials are looked at (0: none), or
-        None: refuse it unlooked (its turn would be over `max_delay` away). An admitted attempt from an
-        address with failures must be `settle`d when it ends, however it ends."""
+        """Nanoseconds until this attempt's turn (0: now), when its credentials are looked at unless its
+        address's failures are forgotten first (the shell waits with `wait_ns`), or None: refuse it
+        unlooked (its turn would be over `max_delay` away). An admitted attempt from an address with
+        failures must be `settle`d when it ends, however it ends."""
         if host is None or not self.base_ns:
             return 0
         source = self._live(host, now_ns)
@@ -205,6 +212,15 @@ class LoginThrottle:
         if wait:
             self.delayed += 1
         return wait
+
+    def wait_ns(self, host: str | None, turn_ns: int, now_ns: int) -> int:
+        """Nanoseconds the attempt `admit` gave `turn_ns` still waits (0: look at it now): until that turn,
+        or until its address's failures are forgotten if that comes first. Ask again when that wait is
+        over: a failure meanwhile puts the forgetting off, and the attempt then waits on for its turn."""
+        source = self._live(host, now_ns) if host is not None else None
+        if source is None:
+            return 0
+        return max(0, min(turn_ns, self._forgotten_ns(source)) - now_ns)
 
     def settle(self, host: str | None) -> None:
         """An attempt `admit` counted ended (logged in, refused, or gone)."""

@@ -704,10 +704,13 @@ class ConnectionHandler:
                 "from this address)", _claimed_name(hello.auth)), self.server.log_throttled)
             return None
         try:
-            if wait:
-                self._deadline += wait / 1e9  # the wait is not the client's slowness
-                if await self._left_while_waiting(wait / 1e9):
-                    throttle.give_back(host, admitted_ns + wait)
+            turn_ns = admitted_ns + wait
+            # its turn, or sooner when the address's failures are forgotten (asked again on waking: a
+            # failure meanwhile puts that off)
+            while left := throttle.wait_ns(host, turn_ns, self.core.clock_ns()):
+                self._deadline += left / 1e9  # the wait is not the client's slowness
+                if await self._left_while_waiting(left / 1e9):
+                    throttle.give_back(host, turn_ns)
                     LOGGER.info("connection from %s: closed by the client while its login waited its turn",
                                 self.peer)
                     await self.io.close()

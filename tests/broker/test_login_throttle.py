@@ -103,3 +103,32 @@ def test_an_attempt_that_left_before_its_turn_gives_the_turn_to_the_next() -> No
     throttle.settle("a")
     assert throttle.admit("a", 22 * S) == 35 * S  # that turn, not the one after it
     throttle.give_back("b", 0)  # an address it does not know: harmless
+
+
+def test_failures_are_forgotten_on_time_whatever_attempts_from_there_are_in_flight() -> None:
+    """One typo, then clients logging in again and again from that address: with some of their logins always
+    in flight the failure was never forgotten, and each turn was further away (a tester: four clients
+    waited up to 30 s for a minute, seven refused unlooked, against "10 s after one failure")."""
+    throttle = LoginThrottle(1.0, 30.0)
+    throttle.failed("a", 0)
+    assert [throttle.admit("a", 0) for _ in range(4)] == [1 * S, 2 * S, 4 * S, 8 * S]  # none settled yet
+    assert throttle.failures("a", FORGET_AFTER * S) == 1
+    assert throttle.admit("a", FORGET_AFTER * S + 1) == 0 and len(throttle) == 0  # 10 s after the failure
+    for _ in range(4):
+        throttle.settle("a")  # those four ending later: harmless
+    assert throttle.admit("a", FORGET_AFTER * S + 2) == 0 and throttle.delayed == 4
+
+
+def test_an_attempt_waiting_its_turn_goes_when_the_failures_are_forgotten_unless_one_more_comes() -> None:
+    throttle = LoginThrottle(1.0, 30.0)
+    throttle.failed("a", 0)
+    assert [throttle.admit("a", 0) for _ in range(5)] == [1 * S, 2 * S, 4 * S, 8 * S, 16 * S]
+    assert throttle.wait_ns("a", 4 * S, 0) == 4 * S  # a turn before the forgetting: waited for
+    assert throttle.wait_ns("a", 16 * S, 0) == FORGET_AFTER * S + 1  # one after it: until the failure is forgotten
+    assert throttle.wait_ns("a", 16 * S, FORGET_AFTER * S + 1) == 0 and len(throttle) == 0
+    throttle.failed("b", 0)
+    assert throttle.admit("b", 0) == 1 * S and throttle.admit("b", 0) == 2 * S
+    assert throttle.admit("b", 0) == 4 * S and throttle.admit("b", 0) == 8 * S and throttle.admit("b", 0) == 16 * S
+    throttle.failed("b", 8 * S)  # one more failure before then: forgotten at 8 + 10 * 2 = 28 s
+    assert throttle.wait_ns("b", 16 * S, FORGET_AFTER * S + 1) == 6 * S - 1  # so the attempt waits on for its turn
+    assert throttle.wait_ns("c", 16 * S, 0) == 0 and throttle.wait_ns(None, 16 * S, 0) == 0  # no failures there

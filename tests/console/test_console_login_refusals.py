@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
+from flowbroker.broker.auth import FORGET_AFTER
 from flowbroker.broker.users import User, write_users
 from flowbroker.protocol.scram import StoredCredential
 from tests.console.test_console_auth import TOKEN, request
@@ -54,6 +56,28 @@ async def test_a_login_refused_unlooked_says_when_to_come_back_on_the_console_as
         assert answer.status == 429 and answer.json()["error"]["code"] == "too_many_failed_logins", answer.text
         assert answer.headers["retry-after"] == "10"  # [auth] failed_login_max_delay
 
+
+
+async def test_a_basic_login_waiting_its_turn_goes_when_the_failure_is_forgotten(
+        autojump_clock: trio.testing.MockClock, start_flowbroker: Any, tmp_path: Path) -> None:
+    """HTTP Basic pollers behind an address with one typo were answered 429 too_many_failed_logins for 40 s,
+    their logins always in flight keeping the failure remembered (a tester). In virtual time: the request
+    whose turn is 16 s away is let in when the failure is forgotten, at 10 s, as on the data port."""
+    autojump_clock.autojump_threshold = 0.05  # virtual time jumps only while the real sockets are quiet
+    write_users(tmp_path / "users.json", {"root": User("root", StoredCredential.from_password("r00t", 4096),
+                                                       ("administrator",))})
+    broker = await start_flowbroker(admin={"token": TOKEN}, auth={
+        "users_file": str(tmp_path / "users.json"), "failed_login_delay": 1.0, "failed_login_max_delay": 30.0})
+    throttle, clock_ns = broker.core.login_throttle, broker.core.clock_ns
+    failed_ns = clock_ns()
+    throttle.failed("127.0.0.1", failed_ns)  # the typo; four logins in flight: turns at 1, 2, 4 and 8 s
+    assert [throttle.admit("127.0.0.1", failed_ns) for _ in range(4)] == [t * 10**9 for t in (1, 2, 4, 8)]
+    basic = await request(broker, "GET", "/api/queues", headers={
+        "Authorization": "Basic " + base64.b64encode(b"root:r00t").decode()})
+    assert basic.status == 200, basic.text
+    waited_ns = clock_ns() - failed_ns
+    assert FORGET_AFTER * 10**9 <= waited_ns < 16 * 10**9, waited_ns  # before: at its turn, 16 s
+    assert len(throttle) == 0  # forgotten, those four still in flight
 
 
 @pytest.mark.parametrize("user, password, reason", [

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import flowbroker.client as fc
+from flowbroker.broker.auth import FORGET_AFTER
 from flowbroker.broker.metrics import BrokerCollector
 from flowbroker.broker.users import User, write_users
 from flowbroker.client.handshake import connect_stream
@@ -20,6 +22,7 @@ from flowbroker.protocol import ErrorCode
 from flowbroker.protocol.scram import StoredCredential
 
 LIMIT = 10.0
+S = 1_000_000_000
 
 
 async def login_from_elsewhere(port: int) -> None:
@@ -117,3 +120,29 @@ async def test_a_login_that_times_out_waiting_for_its_turn_says_the_broker_may_b
     with pytest.raises(fc.HandshakeError) as plain:  # without credentials there is nothing to throttle
         await fc.connect("flowbroker://127.0.0.1:9", timeout=0.5)
     assert "delays the logins" not in str(plain.value)
+
+
+async def test_a_login_waiting_its_turn_goes_when_the_failure_is_forgotten_whatever_is_in_flight(
+        autojump_clock: trio.testing.MockClock, start_flowbroker: Any, tmp_path: Path) -> None:
+    """One typo, then clients logging in again and again from the same address: with some of their logins
+    always in flight the failure was never forgotten, and each turn was further away (a tester: four
+    clients waited up to 30 s for a minute, seven refused unlooked, against "10 s after one failure").
+    In virtual time: the login whose turn is 16 s away goes when the failure is forgotten, at 10 s."""
+    autojump_clock.autojump_threshold = 0.05  # virtual time jumps only while the real sockets are quiet
+    users = tmp_path / "users.json"
+    write_users(users, {"alice": User("alice", StoredCredential.from_password("right", 4096))})
+    broker = await start_flowbroker(auth={"users_file": str(users), "failed_login_delay": 1.0,
+                                          "failed_login_max_delay": 30.0}, udp={"enabled": False})
+    throttle, clock_ns = broker.core.login_throttle, broker.core.clock_ns
+    failed_ns = clock_ns()
+    throttle.failed("127.0.0.1", failed_ns)  # the typo
+    # four logins from there in flight, and not ending here: turns at 1, 2, 4 and 8 s, the next at 16 s
+    assert [throttle.admit("127.0.0.1", failed_ns) for _ in range(4)] == [1 * S, 2 * S, 4 * S, 8 * S]
+    async with await fc.connect(broker.url, auth=("alice", "right"), timeout=30) as conn:
+        assert conn.welcome.identity == "alice"
+        waited_ns = clock_ns() - failed_ns
+    assert FORGET_AFTER * S <= waited_ns < 16 * S, waited_ns  # before: at its turn, 16 s
+    delayed = throttle.delayed
+    async with await fc.connect(broker.url, auth=("alice", "right"), timeout=LIMIT):
+        pass
+    assert throttle.delayed == delayed and len(throttle) == 0  # forgotten, those four still in flight
