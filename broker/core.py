@@ -181,6 +181,12 @@ class Fanning:
         self.durable_queue: Queue | None = None
 
 
+def _disk_alarm_refusal(reason: str, queue: str) -> Refusal:
+    """A durable queue's refusal of a producer without flow control while the disk alarm is on."""
+    return (ErrorCode.RESOURCE_EXHAUSTED, f"the disk alarm is on ({reason}); a producer without flow control is "
+            "refused: retry later or use flow control", queue)
+
+
 REPORTED_ERROR_LOG_NS = 10 * 1_000_000_000
 """ERRORs clients send are a WARNING at most this often (`BrokerCore._log_reported_error`)."""
 
@@ -954,9 +960,7 @@ class BrokerCore:
                 # (the body of `_fan_out`, inline: most messages here reach one queue or a few)
                 for queue in targets:
                     if disk_alarm is not None and queue.durable:
-                        errors.append((ErrorCode.RESOURCE_EXHAUSTED,
-                                       f"the disk alarm is on ({disk_alarm.reason}); a producer without flow "
-                                       "control is refused: retry later or use flow control", queue.name))
+                        errors.append(_disk_alarm_refusal(disk_alarm.reason, queue.name))
                         continue
                     msg = Message(exchange, routing_key, body, headers, size, producer_id, sequence)
                     touched[queue] = None
@@ -1009,9 +1013,7 @@ class BrokerCore:
             if queue.deleted:
                 continue
             if disk_alarm is not None and queue.durable:
-                errors.append((ErrorCode.RESOURCE_EXHAUSTED,
-                               f"the disk alarm is on ({disk_alarm.reason}); a producer without flow "
-                               "control is refused: retry later or use flow control", queue.name))
+                errors.append(_disk_alarm_refusal(disk_alarm.reason, queue.name))
                 continue
             msg = Message(fanning.exchange, fanning.routing_key, fanning.body, fanning.headers, fanning.size,
                           fanning.producer_id, fanning.sequence)

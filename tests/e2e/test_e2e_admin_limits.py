@@ -168,6 +168,22 @@ async def test_connections_that_pipeline_and_never_read_give_their_places_back_w
     assert answer.startswith(b"HTTP/1.1 200"), answer
 
 
+async def _send_and_close(broker: Any, request: bytes, connections: int) -> None:
+    """Open `connections` to the admin port, send `request` on each, and once the port counts them all
+    open, close them (the answers unread)."""
+    socks = []
+    for _ in range(connections):
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", broker.server.admin_port))
+        await sock.send(request)
+        socks.append(sock)
+    with trio.fail_after(10):
+        while broker.server.admin.http.open < connections:
+            await trio.sleep(0.01)
+    for sock in socks:
+        sock.close()
+
+
 async def test_connections_closed_while_a_pipelined_request_waits_give_their_places_back_at_once(
         broker: Any) -> None:
     """Two pipelined requests, and the client gone before their answers: the answer whose write found it
@@ -190,17 +206,7 @@ async def test_connections_closed_while_a_pipelined_request_waits_give_their_pla
     port = broker.server.admin_port
     http = broker.server.admin.http
     request = f"GET /api/broker HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
-    socks = []
-    for _ in range(4):
-        sock = trio.socket.socket()
-        await sock.connect(("127.0.0.1", port))
-        await sock.send(request * 2)
-        socks.append(sock)
-    with trio.fail_after(10):
-        while http.open < 4:
-            await trio.sleep(0.01)
-    for sock in socks:
-        sock.close()
+    await _send_and_close(broker, request * 2, 4)
     clients_gone.set()
     with trio.fail_after(2):  # hypercorn's keep-alive timeout is 5 s
         while http.open:
@@ -220,17 +226,7 @@ async def test_connections_closed_in_the_middle_of_a_request_body_give_their_pla
     http = broker.server.admin.http
     request = (f"PUT /api/policy HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {TOKEN}\r\n"
                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()
-    socks = []
-    for _ in range(4):
-        sock = trio.socket.socket()
-        await sock.connect(("127.0.0.1", port))
-        await sock.send(request)
-        socks.append(sock)
-    with trio.fail_after(10):
-        while http.open < 4:
-            await trio.sleep(0.01)
-    for sock in socks:
-        sock.close()
+    await _send_and_close(broker, request, 4)
     with trio.fail_after(2):  # the body's deadline is 10 s
         while http.open:
             await trio.sleep(0.01)

@@ -17,6 +17,14 @@ BODY = 1000
 WATERMARK = 256 * 1024
 
 
+async def declare_wide(admin: fb.Connection) -> None:
+    """The fanout `wide` over QUEUES queues without limits (w0, w1, ...)."""
+    await admin.declare_exchange("wide", "fanout")
+    for i in range(QUEUES):
+        await admin.declare_queue(f"w{i}", max_size=0, flow_stop_size=0, flow_resume_size=0)
+        await admin.bind(f"w{i}", "wide")
+
+
 @pytest.mark.parametrize("transport", ["tcp", "udp"])
 async def test_an_sdk_producer_to_a_fanout_under_the_memory_alarm_is_parked_then_delivered_in_order(
         start_flowbroker, transport: str) -> None:
@@ -33,10 +41,7 @@ async def test_an_sdk_producer_to_a_fanout_under_the_memory_alarm_is_parked_then
             await trio.sleep(0.002)
 
     async with await fb.connect(broker.url, client_name="admin") as admin:
-        await admin.declare_exchange("wide", "fanout")
-        for i in range(QUEUES):
-            await admin.declare_queue(f"w{i}", max_size=0, flow_stop_size=0, flow_resume_size=0)
-            await admin.bind(f"w{i}", "wide")
+        await declare_wide(admin)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_held)
             async with await fb.connect(broker.url, client_name="producer") as conn:
@@ -90,10 +95,7 @@ async def test_writers_route_what_they_parked_one_slice_at_a_time(start_flowbrok
 
     monkeypatch.setattr(core, "route_parked", counted)
     async with await fb.connect(broker.url, client_name="admin") as admin:
-        await admin.declare_exchange("wide", "fanout")
-        for i in range(QUEUES):
-            await admin.declare_queue(f"w{i}", max_size=0, flow_stop_size=0, flow_resume_size=0)
-            await admin.bind(f"w{i}", "wide")
+        await declare_wide(admin)
         async with trio.open_nursery() as nursery:
             async def produce(k: int) -> None:
                 async with await fb.connect(broker.url, client_name=f"p{k}") as conn:
