@@ -267,17 +267,18 @@ def test_listings_stream_every_page_and_follow_limit_and_after(daemon: Daemon) -
 
 
 def test_control_characters_in_names_are_escaped_in_tables(daemon: Daemon) -> None:
-    evil_queue = "evil\x1b[2J\nFAKE ROW"
+    # (C0 controls are refused in names; C1's CSI, U+009B, is the 8-bit ESC [, and U+2028 ends a line)
+    evil_queue = "evil\x9b2J\u2028FAKE ROW"
     evil_client = "client\r\x07\u202e"
     with blocking.connect(daemon.url, client_name=evil_client, timeout=10) as conn:
         conn.declare_queue(evil_queue)
         table = daemon.cli("queues").stdout
-        assert "\x1b" not in table and "\r" not in table and "\x07" not in table
-        assert table.splitlines()[1].split()[0] == "evil\\x1b[2J\\nFAKE"  # one row, the escape shown
+        assert "\x9b" not in table and "\u2028" not in table and "\r" not in table and "\x07" not in table
+        assert table.splitlines()[1].split()[0] == "evil\\x9b2J\\u2028FAKE"  # one row, the escape shown
         rows = daemon.cli("connections").stdout
         assert "client\\r\\x07\\u202e" in rows and "\r" not in rows and "\u202e" not in rows
         shown = daemon.cli("queue", "show", evil_queue).stdout
-        assert "\x1b" not in shown and "evil\\x1b[2J\\nFAKE ROW" in shown
+        assert "\x9b" not in shown and "evil\\x9b2J\\u2028FAKE ROW" in shown
         # JSON keeps the names as they are: JSON strings escape them
         assert [q["name"] for q in daemon.json("queues")["queues"]] == [evil_queue]
         missing = daemon.cli("queue", "show", "no\x1bpe", ok=False)
