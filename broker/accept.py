@@ -19,13 +19,14 @@ from typing import NoReturn
 
 import trio
 
+from flowbroker.broker.logsafe import LOG_INTERVAL, RateLimitedLog
+
 __all__ = ["raise_descriptor_limit", "RateLimitedLog", "accept_forever"]
 
 LOGGER = logging.getLogger("flowbroker.broker.accept")
 ACCEPT_BATCH = 64  # sockets accepted in one turn of the accept loop, those already waiting (accept_forever)
 BACKOFF_MIN = 0.01
 BACKOFF_MAX = 1.0
-LOG_INTERVAL = 10.0
 NR_OPEN_DEFAULT = 1 << 20  # Linux's fs.nr_open default: the most a soft limit can be when the hard one is unlimited
 
 
@@ -45,35 +46,6 @@ def raise_descriptor_limit() -> tuple[int, int] | None:
     except (ValueError, OSError) as exc:
         LOGGER.warning("cannot raise the descriptor limit from %d to %d: %s", soft, target, exc)
     return resource.getrlimit(resource.RLIMIT_NOFILE)
-
-
-class RateLimitedLog:
-    """Logs a recurring message at most once per `interval` seconds, saying how many it left out."""
-
-    def __init__(
-        self, logger: logging.Logger, level: int, interval: float = LOG_INTERVAL,
-        clock: Callable[[], float] = trio.current_time,
-    ):
-        self.logger = logger
-        self.clock = clock
-        self.level = level
-        self.interval = interval
-        self.suppressed = 0
-        self._last = -float("inf")
-
-    def __call__(self, message: str, *args: object, exc_info: BaseException | None = None) -> bool:
-        """Log it, or count it as left out; True if it was logged (a caller may log the others elsewhere)."""
-        now = self.clock()
-        if now - self._last < self.interval:
-            self.suppressed += 1
-            return False
-        if self.suppressed:
-            message += " (and %d more like it in the last %.0f s)"
-            args = (*args, self.suppressed, now - self._last)
-        self.logger.log(self.level, message, *args, exc_info=exc_info)
-        self._last = now
-        self.suppressed = 0
-        return True
 
 
 async def accept_forever(listener: trio.SocketListener, admit: Callable[[trio.SocketStream], None]) -> NoReturn:

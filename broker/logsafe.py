@@ -10,7 +10,10 @@ what was sent. The broker's logs use it; the CLI's tables may too.
 
 from __future__ import annotations
 
-__all__ = ["logsafe", "PEER_TEXT_LIMIT"]
+import logging
+from collections.abc import Callable
+
+__all__ = ["logsafe", "LOG_INTERVAL", "PEER_TEXT_LIMIT", "RateLimitedLog"]
 
 PEER_TEXT_LIMIT = 200
 """Characters of a peer-supplied text kept in a log line (the rest is counted, not shown)."""
@@ -46,3 +49,43 @@ def logsafe(text: object, limit: int | None = PEER_TEXT_LIMIT, *, backslash: boo
         # controls, format characters (bidi overrides), surrogates, unassigned, line separators.
         value = "".join(_escape(c) if (c == "\\" and backslash) or not c.isprintable() else c for c in value)
     return f"{value}...(+{extra} chars)" if extra > 0 else value
+
+
+LOG_INTERVAL = 10.0
+"""Seconds between two lines of one RateLimitedLog."""
+
+
+def _trio_time() -> float:
+    import trio  # (the shells' clock: imported where one is used, not by the sans-IO core)
+
+    return trio.current_time()
+
+
+class RateLimitedLog:
+    """Logs a recurring message at most once per `interval` seconds, saying how many it left out. `clock`:
+    seconds, trio's by default (the shells'); the sans-IO core passes its own."""
+
+    def __init__(
+        self, logger: logging.Logger, level: int, interval: float = LOG_INTERVAL,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.logger = logger
+        self.clock = clock or _trio_time
+        self.level = level
+        self.interval = interval
+        self.suppressed = 0
+        self._last = -float("inf")
+
+    def __call__(self, message: str, *args: object, exc_info: BaseException | None = None) -> bool:
+        """Log it, or count it as left out; True if it was logged (a caller may log the others elsewhere)."""
+        now = self.clock()
+        if now - self._last < self.interval:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            message += " (and %d more like it in the last %.0f s)"
+            args = (*args, self.suppressed, now - self._last)
+        self.logger.log(self.level, message, *args, exc_info=exc_info)
+        self._last = now
+        self.suppressed = 0
+        return True
