@@ -166,8 +166,8 @@ class CreditPolicyConfig:
         _check_size("max_size", self.max_size, low=1)
         if self.min_size > self.max_size:
             # (a max_size lowered alone named this key, at its default, a tester: say to change both)
-            raise PolicyConfigError("min_size", self.min_size, f"must be <= max_size={self.max_size}: lower "
-                                    "min_size together with max_size (min_size is 10 MiB unless set)")
+            raise PolicyConfigError("min_size", self.min_size, f"must be <= max_size={self.max_size}: raise "
+                                    "max_size or lower min_size (min_size is 10 MiB and max_size 50 MiB unless set)")
         _check_size("override_size", self.override_size, low=0)
         q = self.quota
         object.__setattr__(self, "dynamic_bytes", _percent_of("dynamic_percent", self.dynamic_percent, q))

@@ -339,7 +339,7 @@ def test_an_mtu_raised_alone_or_a_credit_max_size_lowered_alone_says_which_key_m
     load_config(None, {"udp": {"mtu": 16384, "min_receiver_window": 16384}})
     with pytest.raises(ConfigError) as info:
         load_config(None, {"credit": {"max_size": "4MiB"}})
-    assert "min_size" in str(info.value) and "together with max_size" in str(info.value)
+    assert "min_size" in str(info.value) and "raise max_size or lower min_size" in str(info.value)
 
 
 @pytest.mark.parametrize("text", ["5i", "100IB", "i", "KB5"])

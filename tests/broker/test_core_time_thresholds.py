@@ -377,3 +377,31 @@ def test_a_time_stop_changed_alone_keeps_a_resume_equal_to_it_whatever_the_round
         h.queue(f"q{old}-{new}", flow_stop_age=old, flow_stop_drain_time=old)
         t = h.core.set_queue_thresholds(f"q{old}-{new}", {"flow_stop_age": new, "flow_stop_drain_time": new})
         assert t.thresholds.time.flow_resume_age == new and t.thresholds.time.flow_resume_drain_time == new
+
+
+def test_a_purge_is_not_a_settlement_the_drain_rate_stays_the_consumers_pace() -> None:
+    """A purge of a big backlog once read as thousands of settlements a second: the stop count (stop x
+    rate) jumped, and a 0.5 s drain-time stop let in minutes of the consumer's backlog (a tester)."""
+    h = make()
+    h.queue("q", flow_stop_drain_time=0.5, flow_resume_drain_time=0.25)
+    r = Rig(h, "q")
+    queue = h.core.queues["q"]
+    for _ in range(10):
+        r.tick(80, 50)  # 800 offered, 500 settled: a backlog builds
+    assert queue.drain.measured and abs(queue.drain.rate - 500) < 1
+    assert queue.purge() > 100
+    for _ in range(5):
+        r.tick(80, 50)
+    assert abs(queue.drain.rate - 500) < 1, queue.drain.rate
+
+
+def test_drop_head_drops_are_not_settlements() -> None:
+    h = make()
+    h.queue("q", flow_stop_drain_time=5.0, max_count=300, overflow="drop-head")
+    r = Rig(h, "q")
+    r.p = h.producer("unpaced", flow_control=False)  # (the overflow policy is for producers without flow control)
+    queue = h.core.queues["q"]
+    for _ in range(10):
+        r.tick(200, 50)  # 2,000 offered, 500 settled, the rest dropped at the head
+    assert queue.statistics().dropped > 1000
+    assert queue.drain.measured and abs(queue.drain.rate - 500) < 1, queue.drain.rate
