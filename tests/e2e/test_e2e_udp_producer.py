@@ -227,6 +227,13 @@ async def test_an_unknown_transport_is_refused(start_flowbroker: Start) -> None:
             conn.producer("", "q", transport="carrier-pigeon")
 
 
+async def test_an_idempotent_udp_producer_is_refused_as_client_md_says(start_flowbroker: Start) -> None:
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        with pytest.raises(ValueError, match="idempotent producers are TCP producers"):
+            conn.producer("", "q", transport="udp", producer_id="u-1", idempotent=True)
+
+
 async def test_without_a_udp_data_path_registration_is_refused(start_flowbroker: Start) -> None:
     broker = await start_flowbroker(udp={"enabled": False})
     async with await fc.connect(broker.url) as conn:
