@@ -244,6 +244,33 @@ def test_keys_of_distinct_words_cost_memory_in_proportion_to_their_number() -> N
     assert index.match(["w19999", "v19999"]) == ["w19999.v19999"] and index.match(["w1", "v2"]) == []
 
 
+def test_a_key_of_many_words_keeps_no_list_of_them_in_the_index() -> None:
+    """Keys of 85 words drawn from two ("aa.ab.aa...") cost 8.6 KiB a binding in a broker, against the
+    documented ~2.5 KiB: the index kept each key's list of word strings (a tester). It keeps the key's
+    first state only and splits the key again when it is removed."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(7)
+    keys = [".".join(rng.choice(("aa", "ab")) for _ in range(85)) for _ in range(2_000)]
+    index = TopicIndex()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key in keys:
+            index.add(key)
+        per_binding = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
+    finally:
+        tracemalloc.stop()
+    assert per_binding < 1_000, per_binding  # (5,300 bytes with the word lists, the keys' own strings aside)
+    index.remove_many(keys[:1_000])
+    for key in keys[1_000:1_010]:
+        index.remove(key)
+    live = set(keys[1_010:])
+    assert len(index) == len(live) and set(index.match(keys[-1].split("."))) == {keys[-1]}
+    assert index.literal_bits == sum(mask.bit_length() + WORD_BITS for _, mask in index._literal.values())
+
+
 def test_distinct_words_count_against_the_bound_by_their_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Charged one bit each, distinct words were outside the bound: 60,000 bindings of 51 new words each
     took a broker to 707 MiB (a tester). Each word's entry counts WORD_BITS."""
