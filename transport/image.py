@@ -198,6 +198,7 @@ class Image:
         self.state = ImageState.ACTIVE
         self.end_of_stream_position: int | None = None
         self.time_of_last_packet_ns = now_ns
+        self._time_of_last_work_ns = now_ns  # the last duty cycle (see do_work: a receiver that did not run)
         self._state_change_ns = now_ns
         # SM bookkeeping: what we scheduled, what we last sent, and when.
         self.window_length = congestion.initial_window_length()
@@ -403,6 +404,17 @@ class Image:
         self._control = []
         if self.state is ImageState.DONE:
             return out
+        stopped = now_ns - self._time_of_last_work_ns - self.timers.sm_timeout_ns
+        self._time_of_last_work_ns = now_ns
+        if stopped > 0 and self.state is ImageState.ACTIVE:
+            # The receiver itself did not run for this long past its SM timer (next_deadline_ns): its
+            # process was stopped (SIGSTOP, a debugger, a long pause). The publication's datagrams of that
+            # time wait unread in its socket, and its owner may run this cycle before reading them: silence
+            # while nobody listened is not the publication's. Liveness counts only the time the receiver
+            # ran; else a consumer stopped 12-16 s (past the 10 s timeout) drained its image on resume
+            # with 369 messages waiting in the socket and was given a new one at the sender's position,
+            # skipping them (a tester). A publication that is really gone still times out, 10 s on.
+            self.time_of_last_packet_ns = min(now_ns, self.time_of_last_packet_ns + stopped)
         if self.state is ImageState.ACTIVE:
             self._check_untethered(now_ns)
             self._track_rebuild(now_ns, out)

@@ -244,6 +244,7 @@ class Publication:
         if destination is not None:
             self._destinations[destination] = None
         self._receivers: dict[int, _Receiver] = {}
+        self._consumed = start  # consumption_position as the last status message left it
         self._has_initial_connection = False
         self._setup_due_ns: int | None = now_ns
         self._time_of_last_send_ns = now_ns
@@ -302,11 +303,13 @@ class Publication:
     @property
     def consumption_position(self) -> int:
         """The lowest consumption position the live receivers' status messages report (the start position
-        before any): how far every receiver has *consumed*. Over flowbroker's UDP data path that is the
+        before any; once every receiver timed out or left, what they last reported: what was consumed stays
+        consumed, and the broker's views showed the whole stream unacknowledged while a stopped consumer
+        was silent): how far every receiver has *consumed*. Over flowbroker's UDP data path that is the
         broker's completion point, so a producer's messages below it are complete."""
         receivers = self._receivers
         if not receivers:
-            return self.start_position
+            return self._consumed
         return min(r.position for r in receivers.values())
 
     @property
@@ -473,6 +476,8 @@ class Publication:
                 self._setup_due_ns = None  # SETUP has done its job
             if self.dynamic:
                 self._destinations[source] = now_ns
+        if self._receivers:
+            self._consumed = min(r.position for r in self._receivers.values())
         self.sender_limit = self.flow_control.on_status_message(
             sm, source, self.sender_limit, self.initial_term_id, self.position_bits_to_shift, now_ns
         )

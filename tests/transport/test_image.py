@@ -157,7 +157,8 @@ def test_liveness_timeout_drains_with_eos_sms_then_removes_the_image() -> None:
     channel = ReceiveChannel(10, ReceiverConfig(receiver_id=3))
     channel.add_subscription(0, on_unavailable_image=gone.append)
     channel.on_datagram(setup(), PUB, 0)
-    channel.do_work(0)
+    for t in range(0, 10_001, 200):  # the receiver runs (at least every SM timeout), the publication is silent
+        channel.do_work(t * MS)
     assert sms(channel.do_work(10_001 * MS))[0].flags == SM_EOS_FLAG
     image = channel.images[7]
     assert image.state is ImageState.DRAINING
@@ -165,6 +166,32 @@ def test_liveness_timeout_drains_with_eos_sms_then_removes_the_image() -> None:
     assert eos and all(s.flags == SM_EOS_FLAG for s in eos)
     channel.do_work(11_002 * MS)
     assert 7 not in channel.images and gone == [image]
+
+
+def test_a_receiver_that_did_not_run_keeps_its_image_and_reads_what_waited() -> None:
+    """Liveness counts the time the receiver ran: its process stopped 12 s (SIGSTOP) with the publication's
+    datagrams waiting in its socket, the first cycle on resume (before they are read) keeps the image, and
+    the data of before and during the stop is taken in order. A tester's consumer drained its image there
+    and was given a new one at the sender's position: 369 messages skipped."""
+    channel, image = channel_with_image()
+    got: list[bytes] = []
+    sub = channel._subscriptions[1]
+    channel.on_datagram(data(0, b"before"), PUB, MS)
+    channel.do_work(MS)
+    sub.poll(lambda m: got.append(bytes(m)), 10)
+    resumed = 12_000 * MS  # stopped from 1 ms: no cycle, no datagram read
+    assert sms(channel.do_work(resumed))[0].flags == 0  # not the EOS of an image declared dead
+    assert image.state is ImageState.ACTIVE and channel.images[7] is image
+    channel.on_datagram(data(64, b"during"), PUB, resumed + MS)  # what waited in the socket
+    channel.do_work(resumed + MS)
+    sub.poll(lambda m: got.append(bytes(m)), 10)
+    assert got == [b"before", b"during"]
+    # A publication really gone still times out: 10 s of silence while the receiver runs.
+    t = resumed + MS
+    while t < resumed + 10_200 * MS and image.state is ImageState.ACTIVE:
+        t += 200 * MS
+        channel.do_work(t)
+    assert image.state is ImageState.DRAINING and t > resumed + 10_000 * MS  # type: ignore[comparison-overlap]  # narrowed above
 
 
 def test_end_of_stream_after_everything_is_consumed() -> None:

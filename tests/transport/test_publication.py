@@ -167,6 +167,30 @@ def test_connection_lost_after_five_seconds_without_sms() -> None:
     assert pub.offer(b"a") == OfferResult.NOT_CONNECTED
 
 
+def test_a_receiver_silent_past_the_timeout_keeps_what_it_reported_consumed_and_never_opens_the_window() -> None:
+    """A consumer stopped past the connection timeout: the publication sends nothing beyond the window it
+    last advertised, its consumption position stays what it reported (the broker's views read the whole
+    stream as unacknowledged: 962,080 bytes against a 262,144-byte window), and its next status message,
+    at the same position, connects it again."""
+    pub = make()
+    pub.do_work(0)
+    sm(pub, 0, 4096, now_ns=0)
+    for _ in range(200):
+        assert pub.offer(b"m" * 100) > 0
+    pub.do_work(MS)
+    sm(pub, 2048, 4096, now_ns=2 * MS)
+    for t in range(3, 50):
+        pub.do_work(t * MS)
+    sent = pub.sender_position
+    assert 6144 - 160 < sent <= pub.sender_limit == 6144 and pub.consumption_position == 2048
+    for t in range(100, 12_000, 100):
+        pub.do_work(t * MS)
+    assert not pub.is_connected
+    assert (pub.sender_position, pub.sender_limit, pub.consumption_position) == (sent, 6144, 2048)
+    sm(pub, 2048, 4096, now_ns=12_000 * MS)
+    assert pub.is_connected and pub.sender_limit == 6144
+
+
 def test_receiver_saying_end_of_stream_disconnects() -> None:
     pub = make()
     pub.do_work(0)
