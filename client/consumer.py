@@ -428,8 +428,10 @@ class Consumer:
         already buffered is handed out whatever the deadline, so `receive(0)` polls."""
         check_timeout("receive", timeout, "no deadline")
         if timeout is not None and timeout <= 0:
-            # A deadline already passed is 0; it would cancel even a buffered message's checkpoint.
-            timeout = None if self._buffered else 0.0
+            # A deadline already passed is 0; it would cancel even a buffered message's checkpoint, and an
+            # ended consumer's answer (ConsumerClosed, or its connection's error), which does not wait:
+            # a polling loop catching ReceiveTimeout never learned that its consumer was closed (a tester).
+            timeout = None if self._buffered or self._ended else 0.0
         if not self._subscribed and self._subscribing is None and not self._closed and not self._ended:
             # Never entered: the SUBSCRIBE goes out now, whatever the deadline, so that polling with
             # receive(0) subscribes (a passed deadline would cancel subscribe() before it sent it) and a

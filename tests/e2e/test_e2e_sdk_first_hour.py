@@ -184,6 +184,39 @@ async def test_blocking_receive_on_a_consumer_never_entered_gets_the_message(sta
     assert (stats.received, stats.unsettled, stats.buffered) == (1, 0, 0)
 
 
+async def test_polling_a_closed_consumer_with_receive_0_raises_consumer_closed(start_flowbroker) -> None:
+    """A passed deadline cancelled the closed consumer's answer too: receive(0) and receive(-1) raised
+    ReceiveTimeout, so a polling loop catching it never learned that its consumer was closed (a tester)."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url, timeout=LIMIT) as conn:
+        await conn.declare_queue("closed-poll")
+        async with conn.consumer("closed-poll") as consumer:
+            pass
+        for timeout in (0, -1, 0.001):
+            with pytest.raises(fc.ConsumerClosed):
+                await consumer.receive(timeout)
+        other = conn.consumer("closed-poll")
+        await other.subscribe()
+    for timeout in (0, -1):
+        with pytest.raises(fc.ConsumerClosed):
+            await other.receive(timeout)  # its connection was closed by the application
+
+    def work() -> list[str]:
+        with blocking.connect(broker.url, timeout=LIMIT) as bconn:
+            consumer = bconn.consumer("closed-poll")
+            consumer.receive_many(1, 0.1)
+            consumer.close()
+            raised = []
+            for timeout in (0, 0.5):
+                try:
+                    consumer.receive(timeout)
+                except Exception as error:  # noqa: BLE001 (the kind is what is checked)
+                    raised.append(type(error).__name__)
+            return raised
+
+    assert await trio.to_thread.run_sync(work) == ["ConsumerClosed", "ConsumerClosed"]
+
+
 # -- no silent losses: refusals at the end of a block ------------------------------------------
 
 
