@@ -51,6 +51,7 @@ from flowbroker.client.errors import (
     TooManyHeaders,
     block_error_name,
     check_timeout,
+    check_timeout_option,
     stopped_suffix,
 )
 from flowbroker.client.flow import FlowEvents, FlowState
@@ -151,8 +152,9 @@ class Producer:
             raise ValueError("producer_id names an idempotent producer's stream: give idempotent=True too")
         if producer_id is not None and not 0 < len(producer_id) <= MAX_PRODUCER_ID_LENGTH:
             raise ValueError(f"producer_id must be 1 to {MAX_PRODUCER_ID_LENGTH} characters")
-        if send_timeout < 0:
-            raise ValueError("send_timeout must be >= 0")
+        # A negative one is a deadline already passed, as 0 (client.md, "Every wait and its deadline"), as
+        # for connect's timeouts; it was refused here alone (a tester).
+        check_timeout_option("send_timeout", send_timeout)
         self._conn = conn
         self.exchange = exchange
         self.routing_key = routing_key

@@ -137,6 +137,10 @@ async def test_the_connections_own_timeouts_refuse_nan_when_given_and_take_a_neg
             conn.producer(routing_key="q", send_timeout=math.nan)
         with pytest.raises(ValueError, match="send_timeout must be a number of seconds, got nan"):
             conn.producer("", "q", transport="udp", send_timeout=math.nan)
+        # negative: a deadline already passed, as 0 (it alone was a ValueError, a tester): credit there
+        producer = conn.producer(routing_key="q", send_timeout=-1)
+        await producer.send(b"at once")
+        await producer.flush(timeout=5)
     assert conn.is_closed and "closed by the application" in str(conn.close_error)  # as any other close
 
     def work() -> None:
