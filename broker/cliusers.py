@@ -43,6 +43,15 @@ def _path(config_path: Path | None, users_file: Path | None) -> Path:
         raise click.ClickException(str(exc)) from None
 
 
+def _basic_clash(name: str, tags: tuple[str, ...]) -> None:
+    """A user with an admin API tag may use HTTP Basic, whose `user:password` splits at the first colon (RFC
+    7617): a name holding one could never be used there (`curl -u 'ad:min:pw'` answered 403, a tester)."""
+    if tags and ":" in name:
+        raise click.ClickException(f"user name {name!r} holds ':', so it could never use the admin API's HTTP Basic "
+                                   f"(it splits user:password at the first colon): pick a name without ':' for a "
+                                   f"user with --tag {tags[0]}")
+
+
 def _loopback_clash(name: str, config_path: Path | None, adding: bool) -> None:
     """NAME is the broker's loopback user, whose name the broker never lets log in (a users-file user of it
     was the loopback clients' identity too; docs/security.md). Known from --config, `user add` is refused;
@@ -141,6 +150,7 @@ def user_add(name: str, password_stdin: bool, tags: tuple[str, ...], configure: 
     if name in users:
         raise click.ClickException(f"user {name!r} exists in {path} (change its password with `user passwd`)")
     _loopback_clash(name, config_path, adding=True)
+    _basic_clash(name, tags)
     try:
         credential = StoredCredential.from_password(_password(password_stdin), iterations)
         users[name] = User(name, credential, tags, configure, write, read_, max_connections, max_queues,
@@ -216,6 +226,7 @@ def user_set(name: str, tags: tuple[str, ...], no_tags: bool, configure: str | N
     if not changes:
         raise click.UsageError("nothing to change: give at least one of --tag/--no-tags, --configure, --write, "
                                "--read, --max-connections, --max-queues, --credit-share-percent")
+    _basic_clash(name, tuple(changes.get("tags") or ()))
     try:
         users[name] = replace(old, **changes)
     except UsersError as exc:

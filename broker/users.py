@@ -159,13 +159,15 @@ def write_users(path: Path, users: dict[str, User]) -> None:
 
 
 class UserStore:
-    """The broker's view of the users file, re-read when its modification time or size changes. A file
+    """The broker's view of the users file, re-read when its modification or change time, size, inode or
+    device changes (the change time and inode too: deploy tools that keep timestamps, `cp -p`, `rsync -t`,
+    `install -p`, replaced a file of the same size and mtime, and a revocation was never read, a tester). A file
     that became invalid keeps the users last read (and the error is reported by `refresh`), so a typo in
     a hand edit does not lock everyone out."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, ...] | None = None
         self.users: dict[str, User] = {}
         self.generation = 0  # bumped whenever the users change: permission caches compare it
         self.error: str | None = None  # why the file last read was refused, if it was
@@ -175,7 +177,7 @@ class UserStore:
         """Re-read the file if it changed; returns the error text if it is now invalid, else None."""
         try:
             st = self.path.stat()
-            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+            stamp: tuple[int, ...] | None = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
         except OSError:
             stamp = None
         if stamp == self._stamp:

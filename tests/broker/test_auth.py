@@ -132,3 +132,22 @@ def test_an_unknown_users_made_up_answer_carries_the_users_most_common_iteration
 
     assert iterations("a") == "5000" and iterations("c") == "4096"
     assert iterations("ghost") == "5000"
+
+
+def test_a_users_file_replaced_with_the_same_size_and_mtime_is_read_again(tmp_path: Path) -> None:
+    """Deploy tools that keep timestamps (cp -p, rsync -t, install -p) replaced the file with one of the same
+    size and modification time, and a revoked permission stayed in force (a tester): the change time and
+    the inode are compared too."""
+    import os
+
+    path = tmp_path / "users.json"
+    credential = StoredCredential.from_password("pw", 4096)
+    write_users(path, {"gina": User("gina", credential, read="^g[.]aaa")})
+    store = UserStore(path)
+    before = path.stat()
+    write_users(path, {"gina": User("gina", credential, read="^g[.]bbb")})  # same length, a new inode
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert store.refresh() is None
+    user = store.get("gina")
+    assert user is not None and user.read == "^g[.]bbb"
