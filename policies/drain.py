@@ -73,7 +73,7 @@ def _seconds(key: str, value: object) -> float:
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
-        raise PolicyConfigError(key, value, f"must be a number of seconds in [0, {MAX_SECONDS:g}] (0 or None = off)")
+        raise PolicyConfigError(key, value, f"must be a number of seconds in [0, {MAX_SECONDS:g}] (0 = off)")
     return float(value)
 
 

@@ -46,7 +46,7 @@ def _non_negative(key: str, value: object) -> int:
     if value is None:
         return 0
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_THRESHOLD:
-        raise PolicyConfigError(key, value, "must be an integer in [0, 2^50] (0 or None = off)")
+        raise PolicyConfigError(key, value, "must be an integer in [0, 2^50] (0 = off)")
     return value
 
 
