@@ -28,7 +28,9 @@ past MAX_CONTROL_BYTES the connection is cut off as past `max_frames`: a client 
 never read their answers piled up 10,000 ERRORs of 1 KiB each under the count (a tester: 40 such
 connections held 485 MiB of a 382 MiB bound). Not by pausing its reading instead: a client whose reader
 waits for its writer (the SDK resending after a reconnect) then waited for the broker, and the broker for
-it (a Spark job's 1,000 refused resends took 265 s instead of 6).
+it (a Spark job's 1,000 refused resends took 265 s instead of 6). Its reader is slowed meanwhile, not paused:
+past 64 KiB of control frames waiting while its socket takes no more, it hands a few frames a turn to the core
+(broker/server.py, UNREAD_TURN_FRAMES), so what the client does not read costs the others little.
 """
 
 from __future__ import annotations

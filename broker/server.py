@@ -26,7 +26,8 @@ What one connection can cost the others is bounded here (docs/architecture.md, "
   writer, the timer or the handshake; a broker bug such as a RecursionError) ends that connection
   alone, with ERROR INTERNAL_ERROR and a logged traceback. Nothing reaches the accept loop.
 - A reader hands frames to the core for at most READER_TURN_SECONDS before it yields, so a burst of
-  frames from one peer holds the event loop for a few milliseconds, not for as long as it lasts.
+  frames from one peer holds the event loop for a few milliseconds, not for as long as it lasts; and
+  UNREAD_TURN_FRAMES frames only while its client leaves its answers unread (UNREAD_ANSWERS_BYTES).
 - Every accepted socket counts toward max_connections, HELLO or not, and sockets over it are refused
   at accept (broker/accept.py accepts, with backoff when out of descriptors).
 - A frame must complete within frame_timeout, and the bytes held for partial frames are bounded
@@ -110,6 +111,20 @@ CLOSE_PIECE_BYTES = 64 * 1024
 the next is encoded (`_send_and_close`)."""
 UDP_STATUS_GRACE_SECONDS = 0.05  # at shutdown, between UDP producers' last status messages and the CLOSE
 READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
+UNREAD_ANSWERS_BYTES = 64 * 1024
+"""Answers (control frames: ERRORs, OKs, completions, by `control_cost`) waiting in a connection's outbox while
+its socket takes nothing more (its writer is waiting to write, or holds bytes the kernel refused): past this the
+client sends requests faster than it reads their answers, and its reader's turn is UNREAD_TURN_FRAMES frames
+instead of READER_TURN_SECONDS of them. One turn of a client that reads leaves its answers well under it (2 ms
+of refused requests is about 40 KiB of ERRORs), and the writer takes them at the turn's end."""
+UNREAD_TURN_FRAMES = 4
+"""Frames a reader hands to the core in one turn while its client does not read its answers (past
+UNREAD_ANSWERS_BYTES). It is still read and its frames are all handled, in order (the broker never stops reading
+a connection: a client whose reader waits for its writer, as the SDK's resending after a reconnect, must not wait
+for the broker, nor the broker for it), but a few a turn: 100 connections pipelining 3,000 refused DECLAREs each
+and never reading took a full 2 ms turn each (2-3 ms of CPU with their answers and the step around it), and a
+bystander producer and consumer waited 100 such turns for each of theirs (p50 9.9-10.3 s, max 12.6-17.7 s on a
+loaded machine, a tester)."""
 TIMED_QUEUES_PER_STEP = 200  # queues with a time threshold the flow timer ticks between yields (~1 ms)
 TIMED_TICK_SECONDS = 0.02  # the most one flow-timer tick spends on them (a fifth of TICK_SECONDS)
 DRAIN_SECONDS = 0.5  # closing: how long to read and discard what the peer still sends...
@@ -1055,11 +1070,12 @@ class ConnectionHandler:
         """Hand every complete frame buffered to the core, yielding to other tasks whenever this has
         taken READER_TURN_SECONDS (checked on a clock that costs no system call); False when the
         connection must end. Flushes what the frames made due at every yield and at the end."""
-        conn, core, server = self.conn, self.core, self.server
+        conn, core, server, outbox = self.conn, self.core, self.server, session.outbox
         frames_before = conn.frames_received
         session.heard_ns = core.clock_ns()
         while True:
             turn_ends = time.perf_counter() + READER_TURN_SECONDS
+            handled = 0  # frames this turn: a few only while the client leaves its answers unread
             more = False
             server.in_chunk = True
             try:
@@ -1079,7 +1095,10 @@ class ConnectionHandler:
                         return False
                     session.frame_seq = conn.frames_received  # (decoded one at a time: this frame's)
                     core.handle(session, frame)
-                    if time.perf_counter() >= turn_ends:
+                    handled += 1
+                    if time.perf_counter() >= turn_ends or (
+                            handled >= UNREAD_TURN_FRAMES and (self._writing or self._unsent)
+                            and outbox.control_bytes >= UNREAD_ANSWERS_BYTES):
                         more = True
                         break
             except RemoteProtocolError as exc:
