@@ -17,13 +17,14 @@ it grow; prints the broker's RSS every second and its peak beside the bound the 
              (broker/parking.py), not copied into 600 queues (a tester: 7.6 times the bound's growth).
 
 The bound printed is idle RSS + memory watermark + credit pool + partial-frame budget + 84 KiB per
-connection + 4 KiB per queue the broker allows (see docs/architecture.md, "Bounded everything").
+connection + 5.5 KiB per queue the broker allows (see docs/architecture.md, "Bounded everything").
 The 84 KiB per connection are two terms of that bound: the 64 KiB of undecoded input every connection
 may hold outside the partial-frame budget (one read, broker/server.py RECEIVE_SIZE, the budget's
 `allowance` in broker/framebudget.py), and about 20 KiB of session state (sockets, tasks, the session;
 measured on 2026-11-26 with a throwaway script: 300 to 2,000 idle SDK connections grew a broker process
-by 18-20 KiB each, 1,000 that had each published one 1 KiB message, since purged, by 21 KiB each). The 4 KiB per queue is what the queues scenario measures (3.9 KiB on
-2026-11-26), rounded up. Nothing here asserts: it prints.
+by 18-20 KiB each, 1,000 that had each published one 1 KiB message, since purged, by 21 KiB each). The 5.5 KiB per queue is what the queues scenario measures (5.3 KiB on
+2026-11-28, idle + 519.4 MiB; 3.9 KiB on 2026-11-26, before the queue's drain and pacing state), rounded up; a
+queue with a long non-ASCII name costs more (docs/architecture.md). Nothing here asserts: it prints.
 
     python benchmarks/memory_bound.py [unpaced|producers|slowloris|queues|fanout|all] [--seconds 20] [--quota 256MiB]
 """
@@ -51,7 +52,7 @@ MiB = 1024 * 1024
 PARTIAL_BUDGET = 64 * MiB  # [server] max_partial_frame_bytes default (docs/configuration.md)
 SESSION = 20 * 1024  # a connection's session state, measured (see above)
 PER_CONNECTION = RECEIVE_SIZE + SESSION  # its free read allowance (64 KiB) + its session state
-PER_QUEUE = 4 * 1024  # an empty queue with one binding (measured by the queues scenario: 3.9 KiB, 2026-11-26)
+PER_QUEUE = 5632  # an empty queue with one binding, short names (measured by the queues scenario: 5.3 KiB, 2026-11-28)
 MAX_QUEUES = 100_000  # [server] max_queues default
 
 
