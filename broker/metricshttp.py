@@ -1,8 +1,9 @@
 """`GET /metrics` over HTTP: the route the admin app serves, or a listener of its own (`[metrics] endpoint`).
 
 The text is what `prometheus_client.generate_latest` makes of the broker's collector (broker/metrics.py),
-all of it built on the trio thread in slices of about a millisecond with a checkpoint between them, so the
-broker's connections run while a scrape of many queues is read and rendered (the endpoint is `async def`:
+all of it built on the trio thread in slices of about a millisecond with a checkpoint between them, each in the
+turn heavy HTTP answers share (broker/httpturns.py), so the broker's connections run while a scrape of many
+queues is read and rendered (the endpoint is `async def`:
 Starlette would run a plain `def` in a worker thread, racing the core). No token is needed unless
 `[metrics] require_token`, as with RabbitMQ's Prometheus plugin: scrapers rarely hold credentials, the
 figures change nothing, and the names they show (queues, client names) are what the admin port's
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import collections
 import copy
-import gc
 import logging
-import time
 from collections.abc import Iterator
 
 import trio
@@ -31,6 +30,7 @@ from starlette.types import ASGIApp
 from flowbroker.broker.admin import HTTP_LOGGER, BearerAuth, HttpListener, url_host
 from flowbroker.broker.adminusers import AdminUsers
 from flowbroker.broker.config import MetricsConfig
+from flowbroker.broker.httpturns import SLICE_SECONDS, HttpTurns
 from flowbroker.broker.metrics import BrokerMetrics, Families, Scrape
 
 __all__ = ["MetricsServer", "metrics_route", "METRICS_PATH"]
@@ -44,23 +44,23 @@ there a gauge and a counter may not share a base name, and the contract has two 
 (`flowbroker_queue_held_transfers` and `_total`)."""
 
 
-SLICE_SECONDS = 0.001
-"""The work a scrape does on the broker's thread between two checkpoints (a step of the building and
-rendering takes well under that, so a slice ends within about a millisecond past it)."""
-QUEUE_TEXT_STEP = 20
-"""Queues a step reads, and whose series it builds and renders (31 series each: a few hundred microseconds)."""
+QUEUE_TEXT_STEP = 5
+"""Queues a step reads, and whose series it builds and renders (31 series each, about 0.15-0.2 ms a queue
+with 250-character names: a step of 5 is about 0.9 ms; steps of 20 were about 3 ms, past the slice, for
+about 15% less CPU in all)."""
 SAMPLE_STEP = 200
 """Series of another family a step renders."""
 _OPENMETRICS_SUFFIXES = ("_created", "_gsum", "_gcount")  # generate_latest moves these to the family's end
 
 
-def metrics_route(metrics: BrokerMetrics) -> Route:
+def metrics_route(metrics: BrokerMetrics, turns: HttpTurns | None = None) -> Route:
     """`GET /metrics`: the broker's metrics in the Prometheus text format (version 0.0.4).
 
     The core is read, and its families and their text built, in steps (`_scrape_in_steps`), all on the
     trio thread, with a checkpoint every SLICE_SECONDS of work, so the broker's connections run between
-    the slices. Not in a worker thread: the render held the interpreter's lock, and the trio thread
-    waited for it at every wake-up; scrapes of 11,000 queues (1.8-3.2 s each) stalled a tester's data
+    the slices, each slice in `turns` (the broker's, shared with the admin API's pages: one slice of all
+    their heavy answers a pass of the scheduler, broker/httpturns.py). Not in a worker thread: the render
+    held the interpreter's lock, and the trio thread waited for it at every wake-up; scrapes of 11,000 queues (1.8-3.2 s each) stalled a tester's data
     connections by 134-765 ms. One scrape built at a time; requests that came while it was built share
     the next one (each gets a text read after it asked). At most SCRAPES_HELD built texts are held while
     their clients take them: clients that asked and never read kept a whole text each, twelve of them 220
@@ -68,6 +68,7 @@ def metrics_route(metrics: BrokerMetrics) -> Route:
     the new request refused: four slow readers reconnecting kept every scrape at 503 (a tester)."""
     one_at_a_time = trio.Lock()
     held = _Held()
+    turns = turns if turns is not None else HttpTurns()
 
     async def endpoint(request: Request) -> Response:
         asked = held.started
@@ -77,9 +78,7 @@ def metrics_route(metrics: BrokerMetrics) -> Route:
                 if text is None or text.started <= asked or text.gone:
                     held.started += 1
                     text = _Text(held.started)
-                    steps = _scrape_in_steps(metrics)
-                    while _slice(steps, text.pieces):
-                        await trio.lowlevel.checkpoint()
+                    await turns.build(_scrape_in_steps(metrics), text.pieces, SLICE_SECONDS)
                     held.keep(text)
         except Exception as exc:  # a bug in a collector must not take the broker down: say so and log it
             LOGGER.exception("GET /metrics failed")
@@ -191,24 +190,6 @@ class _Pieces:
         self._done()
 
 
-def _slice(steps: Iterator[bytes], pieces: list[bytes]) -> bool:
-    """Take steps' pieces for SLICE_SECONDS; False once there are no more. The garbage collector is paused
-    for the slice (nothing else runs meanwhile): its objects are acyclic and freed by their counts at the
-    end of each step, and a collection started among them would be a full pass over the broker's heap."""
-    until = time.perf_counter() + SLICE_SECONDS
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for piece in steps:
-            pieces.append(piece)
-            if time.perf_counter() >= until:
-                return True
-        return False
-    finally:
-        if collecting:
-            gc.enable()
-
-
 def _render(scrape: Scrape, process: Collector) -> bytes:
     """The text of a scrape read in full, in one go: `generate_latest` over its families."""
     return generate_latest(Families(scrape.families(), process))
@@ -265,12 +246,13 @@ class MetricsServer(HttpListener):
     logger = LOGGER
 
     def __init__(self, config: MetricsConfig, metrics: BrokerMetrics, token: str | None = None,
-                 users: AdminUsers | None = None):
+                 users: AdminUsers | None = None, turns: HttpTurns | None = None):
         """`users`: admin users, whose HTTP Basic credentials a scrape may give instead of the token, as on
-        the admin port (a monitoring user's scrape was 200 there and 401 here, a tester)."""
+        the admin port (a monitoring user's scrape was 200 there and 401 here, a tester). `turns`: the
+        broker's turn for heavy HTTP answers, shared with the admin API's pages."""
         super().__init__(*config.address(), "metrics", config.max_connections)
         self.config = config
-        app: ASGIApp = Starlette(routes=[metrics_route(metrics)])
+        app: ASGIApp = Starlette(routes=[metrics_route(metrics, turns)])
         self.app = BearerAuth(app, token, users=users) if token is not None else app
 
     def _serving_line(self) -> str:

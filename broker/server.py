@@ -72,6 +72,7 @@ from flowbroker.broker.journal import Journal
 from flowbroker.broker.journalshell import FINAL_COMMIT_SECONDS, open_journal, run_committer
 from flowbroker.broker.logsafe import logsafe
 from flowbroker.broker.metrics import broker_metrics
+from flowbroker.broker.httpturns import HttpTurns
 from flowbroker.broker.metricshttp import MetricsServer, metrics_route
 from flowbroker.broker.session import Session, SessionFault
 from flowbroker.broker.udp.shell import UdpShell, open_data_path
@@ -279,13 +280,14 @@ class BrokerServer:
             self.udp.begin_pass, self.udp.end_pass = self._begin_udp_pass, self._end_udp_pass
         metrics = self.config.metrics
         served = broker_metrics(self.core, metrics.max_producer_series) if metrics.enabled else None
+        turns = HttpTurns()  # pages and scrapes take turns on the broker's thread, wherever served
         try:
             if self.config.admin.enabled:  # the management HTTP API (broker/admin.py)
                 on_admin = served is not None and not metrics.endpoint
                 self.admin = AdminServer(self.config.admin, self.core, self.peer_of, lambda: self.port,
-                                         metrics_route(served) if on_admin and served is not None else None,
+                                         metrics_route(served, turns) if on_admin and served is not None else None,
                                          metrics.require_token, self.authenticator.store,
-                                         self.config.auth.failed_login_delay, self.authenticator.throttle)
+                                         self.config.auth.failed_login_delay, self.authenticator.throttle, turns)
                 self.admin_port = self.admin.bind()
                 if on_admin:
                     self.metrics_port = self.admin_port
@@ -296,7 +298,7 @@ class BrokerServer:
                 users = (AdminUsers(self.authenticator.store, self.config.auth.failed_login_delay,
                                     self.authenticator.throttle, self.core.clock_ns)
                          if token is not None and self.authenticator.store is not None else None)
-                self.metrics = MetricsServer(metrics, served, token, users)
+                self.metrics = MetricsServer(metrics, served, token, users, turns)
                 self.metrics_port = self.metrics.bind()
         except BaseException:
             for listener in listeners:
