@@ -516,6 +516,7 @@ class Groups:
             if exchange_name != group.exchange:
                 raise RequestError(ErrorCode.ALREADY_EXISTS,
                                    f"group {name!r} is exchange {group.exchange!r}'s, not {exchange_name!r}'s", name)
+            self._rebind(group)
             if endpoint and endpoint != f"{group.data[0]}:{group.data[1]}":
                 raise RequestError(ErrorCode.ALREADY_EXISTS,
                                    f"group {name!r} is on {group.data[0]}:{group.data[1]}, not {endpoint}", name)
@@ -544,6 +545,28 @@ class Groups:
                 "channel": group.channel_text, "endpoint": f"{group.data[0]}:{group.data[1]}",
                 "group_tag": group.group_tag}
 
+    def _rebind(self, group: Group) -> None:
+        """A JOIN of an existing group: its exchange must still be a fanout one, and the group's queue bound
+        to it. An exchange deleted and declared again since the group opened had lost the binding, and a
+        member joining then got OK and nothing, ever (a tester): the binding is made again."""
+        from flowbroker.broker.core import RequestError
+        from flowbroker.broker.exchange import ExchangeKind
+
+        core = self.datapath.core
+        exchange = core.exchanges.get(group.exchange)
+        if exchange is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no exchange named {group.exchange!r} (group {group.name!r} "
+                               "was made for it: declare it again, as fanout)", group.exchange)
+        if exchange.kind is not ExchangeKind.FANOUT:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"exchange {group.exchange!r} is {exchange.kind.value} now: a multicast group is a "
+                               "fanout exchange's", group.exchange)
+        if group.queue not in exchange.bindings.get("", {}):
+            if core.routes.bindings >= core.config.server.max_bindings:
+                raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                                   f"too many bindings (max_bindings {core.config.server.max_bindings})", group.exchange)
+            exchange.bind(group.queue, "")
+
     def _open(self, name: str, exchange_name: str, data: tuple[str, int], fc: str, stream_id: int,
               now_ns: int) -> Group:
         from flowbroker.broker.core import RequestError
@@ -571,7 +594,10 @@ class Groups:
         try:
             self.open_socket(channel, data)
         except OSError as exc:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"cannot open multicast {data[0]}:{data[1]}: {exc}") from None
+            hint = (f" ([udp] multicast_interface = {config.multicast_interface!r} must be an IPv4 address of this host)"
+                    if config.multicast_interface else "")
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"cannot open multicast {data[0]}:{data[1]}: {exc}{hint}") from None
         exchange.bind(queue, "")
         session_id = datapath.session_ids.take()
         group = Group(self, name, exchange_name, queue, channel, text, data, session_id, stream_id, fc, group_tag,

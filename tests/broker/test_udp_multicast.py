@@ -570,6 +570,31 @@ def test_an_identity_whose_join_went_silent_does_not_hold_the_group_again() -> N
     assert not rig2.group.awaited and first.bodies == []
 
 
+def test_a_join_after_the_exchange_was_declared_again_binds_the_group_queue_again() -> None:
+    """The exchange deleted and declared again took the group queue's binding with it, and a member joining
+    then got OK and never a message (a tester): the join binds it again, or says why it cannot."""
+    from flowbroker.protocol.frames import DeleteExchange
+
+    rig = Rig()
+    first = rig.join()
+    rig.cycle(3)
+    admin = rig.h.consumer("admin2")
+    assert admin.ok(lambda rid: DeleteExchange(rid, "fan"))["bindings"] == 1
+    admin.declare_exchange("fan", "fanout")
+    second = rig.join()
+    assert isinstance(second.answer, dict)
+    rig.cycle(3)
+    rig.publish([b"after%d" % i for i in range(5)])
+    rig.run_until_settled(5, [first, second], 300)
+    assert first.bodies[-5:] == second.bodies[-5:] == [b"after%d" % i for i in range(5)]
+    assert admin.ok(lambda rid: DeleteExchange(rid, "fan"))["bindings"] == 1
+    admin.declare_exchange("fan", "direct")
+    third = rig.h.consumer("m-late")
+    third.session.peer_host = "127.0.0.9"
+    answer = third.request(lambda rid: JoinGroup(rid, 1, "fan", "g", "", "min", 8192, 999, 1003))
+    assert isinstance(answer, Error) and answer.code == ErrorCode.INVALID_ARGUMENT and "is direct now" in answer.text
+
+
 def test_the_group_queue_shows_its_group_and_deleting_it_ends_the_group() -> None:
     from flowbroker.broker.views import queue_view
     from flowbroker.protocol.frames import DeleteQueue, Subscribe
