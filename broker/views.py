@@ -278,7 +278,7 @@ def _flow(session: Session, now_ns: int) -> dict[str, Any]:
     return {
         "stopped": bool(destinations),
         "stopped_for_seconds": _seconds(now_ns, first[1]) if first is not None else None,
-        "blocking_queues": [d["destination"] for d in destinations if d["reason"] == "queue"],
+        "blocking_queues": [d["destination"] for d in destinations if d["reason"] in ("queue", "disk")],
         "admin_stopped": THRESHOLD_ADMIN in session.broker_stops,
         "memory_stopped": THRESHOLD_MEMORY in session.broker_stops,
         "destinations": destinations,

@@ -64,6 +64,7 @@ def test_a_flow_controlled_producer_is_held_not_refused(h: Harness) -> None:
     assert views.stopped_destinations(p.session) == [("d", p.session.flow_stopped_on["d"][1], "disk", "disk", 1000, 2000)]
     flow = views.connection_view(p.session, h.now)["flow"]
     assert not flow["admin_stopped"] and flow["destinations"][0]["threshold"] == "disk"
+    assert flow["blocking_queues"] == ["d"]  # (the disk alarm's queue was left out: BLOCKING empty, a tester)
     assert h.core.journal is not None
     h.core.journal.set_alarm(None)
     assert p.session.disk_stop is None and views.stopped_destinations(p.session) == []
