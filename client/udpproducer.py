@@ -124,6 +124,7 @@ class UdpProducer(Producer):
         write them."""
         self._batch_end = 0  # the tail once the batch is appended: where the next message starts
         self._batch_room = 0  # bytes of the active term left after the batch
+        self._claim_limit = 0  # the publication limit the batch's claims were checked against (see _commit)
         self._bare_limit = 0  # a bare body shorter than this is one frame (mtu - header)
         self._publish_batch = False  # the broker takes PUBLISH_BATCH (REGISTER_PUBLICATION's answer)
         self._open_start = 0  # where the open PUBLISH_BATCH starts
@@ -198,7 +199,9 @@ class UdpProducer(Producer):
                     publication_window=min(PUBLICATION_WINDOW, int(answer["term_length"]) // 2),
                     max_messages_per_send=1024, linger_ns=_LINGER_NS,
                 )
-                publication = Publication(config, now_ns(), destination=broker)
+                # The broker's image timed out (this process stopped past 10 s): the new one is sent again
+                # what the broker had not consumed, not only what follows (docs/client.md).
+                publication = Publication(config, now_ns(), destination=broker, rejoin_at_consumed=True)
             except BaseException:
                 # Registered, but unusable: give the registration back, or each send would leave one
                 # more behind (they are bounded per connection).
@@ -331,6 +334,7 @@ class UdpProducer(Producer):
         if length > self._bare_limit or aligned > self._batch_room or start >= pub.publication_limit:
             return 0
         frames.append([body])
+        self._claim_limit = pub.publication_limit  # what this frame's start was checked against
         self._open_start = start
         self._open_length = length
         self._batch_room -= aligned
@@ -360,12 +364,20 @@ class UdpProducer(Producer):
         appender = pub.appender
         self._batch_end = pub.position
         self._batch_room = pub.term_length - appender.term_offset
+        self._claim_limit = pub.publication_limit  # (unchanged while a bare batch is open: see _commit)
         self._bare_limit = pub.mtu - DATA_HEADER_LENGTH  # a bare body below this is one frame
 
     def _commit(self, pub: Publication, keep_open: bool = False) -> None:
         """Append the claimed batch. Whatever may move the publication's limit or state (its duty cycle,
-        a status message, closing) runs only after this, so the claims made still hold and the append
-        cannot be refused; if it were, that is a bug, reported as the connection's internal error."""
+        a status message, closing) runs only after this, so the claims made still hold, except for the open
+        PUBLISH_BATCH that `_send_now(closed_batches=True)` keeps open across a duty cycle: that cycle may
+        lower the limit (the broker's receiver timed out, or its image said end of stream: the limit falls
+        to the sender position, as Aeron's does when nobody is connected). The append is given the limit
+        the claims were checked against (`_claim_limit`), so a claim holds: what was claimed goes into the
+        term, and is sent once the broker is heard from again, as any message waiting for the window. (A
+        producer stopped 7-14 s had its batch refused here on resume and died with INTERNAL_ERROR, 1,000
+        messages unconfirmed: a tester.) A refusal then is a bug, reported as the connection's internal
+        error."""
         batch = self._batch
         if not batch:
             return
@@ -375,9 +387,10 @@ class UdpProducer(Producer):
                 claimed = self._open_start
             else:
                 closed, claimed = batch, self._batch_end
-            end = pub.offer_many([pack_publish_bodies(bodies) for bodies in closed], PUBLISH_BATCH_KIND)
+            end = pub.offer_many([pack_publish_bodies(bodies) for bodies in closed], PUBLISH_BATCH_KIND,
+                                 self._claim_limit)
         else:
-            end, claimed = pub.offer_many(batch, b"\x00"), self._batch_end
+            end, claimed = pub.offer_many(batch, b"\x00", self._claim_limit), self._batch_end
         if end != claimed:
             raise ConnectionClosed(ErrorCode.INTERNAL_ERROR,
                                    f"UDP publication {self.session_id}: the batch claimed up to position "

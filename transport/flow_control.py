@@ -260,6 +260,12 @@ class MinFlowControl:
     def on_setup(self, sender_limit: int, sender_position: int, now_ns: int) -> int:
         return sender_limit
 
+    def on_stopped(self, stopped_ns: int, now_ns: int) -> None:
+        """The publication did not run for `stopped_ns` (its process was stopped): that silence is not the
+        receivers', so their receiver timeout starts that much later (``Publication._excuse_stop``)."""
+        for receiver in self._receivers.values():
+            receiver.time_of_last_sm_ns = min(now_ns, receiver.time_of_last_sm_ns + stopped_ns)
+
     def on_error(self, receiver_id: int, now_ns: int) -> None:
         self._receivers.pop(receiver_id, None)
 

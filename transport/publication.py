@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from flowbroker.transport.channel import ChannelUri, ControlMode
-from flowbroker.transport.flow_control import FlowControl, MaxFlowControl, flow_control_from_param
+from flowbroker.transport.flow_control import FlowControl, MaxFlowControl, MinFlowControl, flow_control_from_param
 from flowbroker.transport.frames import (
     DATA_HEADER_LENGTH,
     ErrorFrame,
@@ -131,6 +131,7 @@ class PublicationCounters:
     invalid_packets: int = 0
     errors_received: int = 0
     rttm_replies_sent: int = 0
+    rejoins: int = 0  # a receiver that lost its image was sent the stream again from what it consumed
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +198,12 @@ class Publication:
             destination; with ``add_destination`` a manual multi-destination-cast.
         flow_control: the strategy from ``fc=`` (default ``max``).
         dynamic: learn destinations from SMs (``control-mode=dynamic``).
+        rejoin_at_consumed: a unicast receiver whose image died (timed out after 10 s without data: this
+            sender's process was stopped) and asks for SETUP again, with nobody else connected, is given
+            the stream from the position it last reported consumed, not from the sender position: what was
+            sent into the image that died and never consumed is sent again (Aeron's rule, a new image at
+            the sender position, skips it: at most once across images). The broker's UDP data paths, at
+            least once, set it (see ``_rejoin``).
     """
 
     def __init__(
@@ -207,6 +214,7 @@ class Publication:
         destination: Address | None = None,
         flow_control: FlowControl | None = None,
         dynamic: bool = False,
+        rejoin_at_consumed: bool = False,
     ) -> None:
         self.config = config
         self.session_id = config.session_id
@@ -221,6 +229,7 @@ class Publication:
         self.publication_window = min(window, config.term_length // 2)
         self.flow_control: FlowControl = flow_control if flow_control is not None else MaxFlowControl()
         self.dynamic = dynamic
+        self.rejoin_at_consumed = rejoin_at_consumed
         active_term_id = config.initial_term_id if config.active_term_id is None else config.active_term_id
         self.appender = TermAppender(
             config.term_length,
@@ -248,6 +257,7 @@ class Publication:
         self._has_initial_connection = False
         self._setup_due_ns: int | None = now_ns
         self._time_of_last_send_ns = now_ns
+        self._time_of_last_work_ns = now_ns  # the last duty cycle (see do_work: a sender that did not run)
         self._linger_deadline_ns = 0
         self._resends: dict[int, _Resend] = {}
         self._receiver_window = 0
@@ -387,16 +397,22 @@ class Publication:
             return position
         return self.offer(bytes(head) + bytes(body))
 
-    def offer_many(self, messages: list[bytes], head: bytes = b"") -> int:
+    def offer_many(self, messages: list[bytes], head: bytes = b"", claimed_limit: int = 0) -> int:
         """Append ``messages``, each behind ``head``, as unfragmented frames, all or none: the new
         position, or 0 when one would need the general path (``offer`` of ``head + message`` each:
         fragmenting, padding to the next term, back pressure, a closed publication) and nothing was
         appended. The bytes are those of offering each in turn. A producer that collects a burst
-        (the SDK's UDP producer, up to a datagram's worth) appends it in one call."""
+        (the SDK's UDP producer, up to a datagram's worth) appends it in one call.
+
+        ``claimed_limit``: the publication limit the caller checked its messages' places against when it
+        claimed them (as Aeron's ``tryClaim`` checks it), if higher than the limit now. A claim holds: the
+        limit dropping meanwhile (every receiver timed out or said end of stream: the limit falls to the
+        sender position) does not take it back, and what is appended below a limit that was in force
+        overwrites nothing unsent (the window is at most half a term)."""
         if self._state is not _State.ACTIVE:
             return 0
-        return self.appender.append_many(messages, head, self.publication_limit, self.max_possible_position,
-                                         self.config.reserved_value)
+        return self.appender.append_many(messages, head, max(self.publication_limit, claimed_limit),
+                                         self.max_possible_position, self.config.reserved_value)
 
     def close(self, now_ns: int) -> None:
         """Stop accepting offers; drain what is appended, then linger with end-of-stream heartbeats."""
@@ -449,6 +465,8 @@ class Publication:
     def _on_status_message(self, sm: StatusMessage, source: Address, now_ns: int) -> None:
         if sm.is_setup_request and sm.session_id in (0, self.session_id) and sm.stream_id in (0, self.stream_id):
             # A receiver without an image (or an MDC receiver announcing itself) asks for SETUP.
+            if self.rejoin_at_consumed:
+                self._rejoin(sm.receiver_id)
             self._setup_due_ns = now_ns
             if self.dynamic:
                 self._destinations[source] = now_ns
@@ -457,7 +475,11 @@ class Publication:
             return
         self.counters.status_messages_received += 1
         if sm.is_eos:
-            self._receivers.pop(sm.receiver_id, None)
+            if self._receivers.pop(sm.receiver_id, None) is not None and not self._receivers:
+                # The last receiver's image is going (its end of stream): what it reported is consumed.
+                position = compute_position(sm.consumption_term_id, sm.consumption_term_offset,
+                                            self.position_bits_to_shift, self.initial_term_id)
+                self._consumed = max(self._consumed, min(position, self.sender_position))
         else:
             receiver = self._receivers.get(sm.receiver_id)
             if receiver is None:
@@ -481,6 +503,26 @@ class Publication:
         self.sender_limit = self.flow_control.on_status_message(
             sm, source, self.sender_limit, self.initial_term_id, self.position_bits_to_shift, now_ns
         )
+        self._update_publication_limit()
+
+    def _rejoin(self, receiver_id: int) -> None:
+        """``rejoin_at_consumed``: a receiver asks for SETUP, so it has no image (any it had is gone: timed
+        out or drained); it is no longer connected. With nobody else connected, the sender goes back to the
+        position last reported consumed, and the SETUP (which follows) makes the new image start there, so
+        it is sent everything not consumed again, from a frame boundary (a consumption position is one). No
+        data goes before the new image's first status message (the sender limit falls to that position).
+        Only while the log still holds it (the tail within a term of it; the window is at most half a
+        term, so it always does unless the consumed position is stale)."""
+        self._receivers.pop(receiver_id, None)
+        consumed = self._consumed
+        if (self._receivers or not self._has_initial_connection or consumed >= self.sender_position
+                or self.appender.position - consumed > self.term_length):
+            return
+        self.sender_position = consumed
+        self.sender_limit = consumed
+        self._resends.clear()
+        self._more_to_send = False
+        self.counters.rejoins += 1
         self._update_publication_limit()
 
     def _on_error_frame(self, err: ErrorFrame, source: Address, now_ns: int) -> None:
@@ -550,6 +592,7 @@ class Publication:
         self._pending_control = []
         if self._state is _State.DONE:
             return out
+        self._excuse_stop(now_ns)
         self._expire_receivers(now_ns)
         if self._setup_due_ns is not None and now_ns >= self._setup_due_ns:
             self._send_setup(out, now_ns)
@@ -590,6 +633,31 @@ class Publication:
             # took 52 s.)
             deadline = min(deadline, self._time_of_last_send_ns)
         return deadline
+
+    def _excuse_stop(self, now_ns: int) -> None:
+        """Timeouts count only the time this sender ran. A duty cycle later than its timers (the SETUP and
+        heartbeat intervals: ``next_deadline_ns`` is never further than that) means its process did not run
+        meanwhile (SIGSTOP, a debugger, a long pause): the receivers' status messages of that time wait
+        unread in its socket, and its owner may run this cycle before reading them. The lateness is added to
+        the time of each receiver's last status message (and a learnt destination's, and the flow-control
+        strategy's receivers'), so none is declared gone for silence while nobody listened. Else a producer
+        stopped 7-14 s (past the 5 s connection timeout) found itself not connected on resume, with a
+        claimed batch beyond the publication limit that then dropped to the sender position: its append
+        was refused and the producer died (a tester). A receiver really gone still times out, 5 s on.
+        The receiver-side twin is ``Image.do_work``'s."""
+        timer = max(self.config.heartbeat_interval_ns, self.config.setup_interval_ns)
+        stopped = now_ns - self._time_of_last_work_ns - timer
+        self._time_of_last_work_ns = now_ns
+        if stopped <= 0:
+            return
+        for receiver in self._receivers.values():
+            receiver.last_sm_ns = min(now_ns, receiver.last_sm_ns + stopped)
+        destinations = self._destinations
+        for address, seen in destinations.items():
+            if seen is not None:
+                destinations[address] = min(now_ns, seen + stopped)
+        if isinstance(self.flow_control, MinFlowControl):
+            self.flow_control.on_stopped(stopped, now_ns)
 
     def _expire_receivers(self, now_ns: int) -> None:
         timeout = self.config.connection_timeout_ns

@@ -162,9 +162,89 @@ def test_connection_lost_after_five_seconds_without_sms() -> None:
     sm(pub, 0, 4096, now_ns=0)
     pub.do_work(1)
     assert pub.offer(b"a") > 0
+    for t in range(100, 5001, 100):  # the sender runs (at least every heartbeat interval), the receiver is silent
+        pub.do_work(t * MS)
     pub.do_work(5001 * MS)
     assert not pub.is_connected
     assert pub.offer(b"a") == OfferResult.NOT_CONNECTED
+
+
+def test_a_sender_that_did_not_run_keeps_its_receivers_until_it_reads_what_waited() -> None:
+    """Liveness counts the time the sender ran: its process stopped 12 s (SIGSTOP) with the receiver's
+    status messages waiting in its socket, the first cycle on resume (before they are read) keeps the
+    receiver connected and the publication limit where it was. A tester's producer found itself not
+    connected there, its claimed batch was refused and it died with INTERNAL_ERROR. A receiver really
+    gone still times out, 5 s of silence while the sender runs."""
+    pub = make(connection_timeout_ns=5000 * MS)
+    pub.do_work(0)
+    sm(pub, 0, 4096, now_ns=0)
+    assert pub.offer(b"a") > 0
+    pub.do_work(MS)
+    limit = pub.publication_limit
+    resumed = 12_000 * MS  # stopped from 1 ms: no cycle, no status message read
+    pub.do_work(resumed)
+    assert pub.is_connected and pub.publication_limit == limit
+    assert pub.offer_many([b"b", b"c"], b"\x00") > 0
+    t = resumed
+    while t < resumed + 6000 * MS and pub.is_connected:
+        t += 100 * MS
+        pub.do_work(t)
+    assert not pub.is_connected and resumed + 4800 * MS < t <= resumed + 5200 * MS  # (less the timer slack)
+
+
+def test_min_flow_control_receivers_are_not_timed_out_by_the_senders_stop() -> None:
+    """The min strategy's own receiver timeout is excused the same stop (its receivers pace the stream)."""
+    pub = Publication.from_channel(parse_channel("aeron:udp?endpoint=10.0.0.2:40002|fc=min,t:5s"), 10, 5, 0,
+                                   destination=SUB)
+    pub.do_work(0)
+    sm(pub, 0, 4096, now_ns=0)
+    pub.do_work(MS)
+    assert isinstance(pub.flow_control, MinFlowControl) and pub.flow_control.receiver_count == 1
+    pub.do_work(12_000 * MS)
+    assert pub.flow_control.receiver_count == 1 and pub.is_connected
+
+
+def test_offer_many_keeps_a_claim_made_under_a_higher_limit() -> None:
+    """A claim checked against the limit holds when the limit drops before the append (nobody connected:
+    the limit falls to the sender position), as Aeron's tryClaim does."""
+    pub = make()
+    pub.do_work(0)
+    sm(pub, 0, 4096, now_ns=0)
+    pub.do_work(MS)
+    claimed = pub.publication_limit
+    sm(pub, 0, 4096, receiver_id=1, flags=SM_EOS_FLAG, now_ns=2 * MS)  # the receiver's image goes
+    assert not pub.is_connected and pub.publication_limit == pub.sender_position
+    assert pub.offer_many([b"a"], b"\x00") == 0
+    assert pub.offer_many([b"a"], b"\x00", claimed) == 64
+
+
+def test_rejoin_at_consumed_sends_a_new_image_what_the_dead_one_did_not_consume() -> None:
+    """A receiver whose image died (the sender stopped past its 10 s liveness) asks for SETUP: with
+    rejoin_at_consumed the SETUP and the data start at what it last reported consumed; without it (Aeron),
+    at the sender position, skipping what was sent into the dead image (a tester: 1,000 messages lost)."""
+    for rejoin in (True, False):
+        pub = Publication(PublicationConfig(5, 10, term_length=TERM, initial_term_id=100), 0, destination=SUB,
+                          rejoin_at_consumed=rejoin)
+        pub.do_work(0)
+        sm(pub, 0, 4096, now_ns=0)
+        for _ in range(20):
+            assert pub.offer(b"m" * 100) > 0
+        pub.do_work(MS)
+        sm(pub, 640, 4096, now_ns=2 * MS)  # consumed 4 of the 20 messages sent
+        pub.do_work(3 * MS)
+        assert pub.sender_position == 20 * 160
+        sm(pub, 1280, 4096, flags=SM_EOS_FLAG, now_ns=4 * MS)  # its image drains, having consumed 8
+        sm(pub, 0, 0, flags=SM_SETUP_FLAG, now_ns=5 * MS)  # and it has none any more
+        out = frames(pub.do_work(6 * MS))
+        setup = [f for f in out if isinstance(f, Setup)]
+        assert len(setup) == 1 and not [f for f in out if isinstance(f, DataFrame) and f.frame_length > 0]
+        if not rejoin:
+            assert setup[0].term_offset == 20 * 160
+            continue
+        assert setup[0].term_offset == 1280 and pub.sender_position == 1280
+        sm(pub, 1280, 4096, now_ns=7 * MS)  # the new image's first status message
+        data = [f for f in frames(pub.do_work(8 * MS)) if isinstance(f, DataFrame)]
+        assert [f.term_offset for f in data][:2] == [1280, 1440] and pub.sender_position == 20 * 160
 
 
 def test_a_receiver_silent_past_the_timeout_keeps_what_it_reported_consumed_and_never_opens_the_window() -> None:

@@ -1,0 +1,101 @@
+"""A UDP producer whose process stops (SIGSTOP, a debugger) past its publication's receiver timeout and the
+broker's image liveness timeout, then resumes: every message routed exactly once, in order, no error.
+
+A tester's producer (10,000 messages at 1,500/s) stopped 7-14 s died on resume 4 runs of 5 with
+`ConnectionClosed(INTERNAL_ERROR): ... the batch claimed up to position 418816 could not be appended
+(offer_many 0)`, 1,000 messages unconfirmed and the rest never sent: its first duty cycle counted the stop
+as the broker's silence (5 s), found nobody connected and dropped the publication limit under the batch it
+had claimed. Past 10 s, the broker's image of it timed out too, and the new image started at the
+producer's sender position: the 1,000 messages sent into the dead one were lost, and counted complete.
+
+The producer runs in a thread of its own with its own trio loop, stopped whole by a `time.sleep` run in
+that loop (as tests/e2e/test_e2e_udp_pause.py stops a consumer), while the broker (this test's loop) goes
+on. Timeouts scaled down: the producer's receiver timeout to 0.4 s (5 s), the broker's image liveness to
+1 s (10 s); the pause, 2 s, is past both.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import trio
+
+import flowbroker.client as fc
+from flowbroker.broker.udp import ingress
+from flowbroker.client import udpproducer
+from flowbroker.transport.image import ImageTimers
+from flowbroker.transport.publication import PublicationConfig
+from flowbroker.transport.subscription import ReceiverConfig
+from tests.conftest import RunningBroker
+
+Start = Callable[..., Awaitable[RunningBroker]]
+
+LIVENESS_NS = 1_000_000_000
+RECEIVER_TIMEOUT_NS = 400_000_000
+PAUSE_S = 2.0
+COUNT = 3000
+
+
+async def test_a_udp_producer_paused_past_the_timeouts_resumes_and_every_message_is_routed_once_in_order(
+    start_flowbroker: Start, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(udpproducer, "PublicationConfig",
+                        functools.partial(PublicationConfig, connection_timeout_ns=RECEIVER_TIMEOUT_NS))
+    monkeypatch.setattr(ingress, "ReceiverConfig",
+                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=LIVENESS_NS)))
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("prodpaused")
+    failure: list[BaseException] = []
+    token: list[trio.lowlevel.TrioToken] = []
+    resumed = threading.Event()
+
+    async def produce() -> None:
+        async with await fc.connect(broker.url) as conn:
+            async with conn.producer(routing_key="prodpaused", transport="udp") as producer:
+                for i in range(COUNT):
+                    await producer.send(struct.pack(">q", i) + b"p" * 92, timeout=30)
+                    if i == COUNT // 3:
+                        token.append(trio.lowlevel.current_trio_token())
+                    if i % 20 == 0:
+                        await trio.sleep(0.005)  # a paced producer: its loop runs its other tasks
+                    if i == COUNT // 3 + 10:
+                        while not resumed.is_set():  # the stop comes while sending
+                            await trio.sleep(0.001)
+                await producer.flush(timeout=30)
+
+    def run() -> None:
+        try:
+            trio.run(produce)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    while not token:
+        await trio.sleep(0.001)
+
+    def pause() -> None:
+        trio.from_thread.run_sync(time.sleep, PAUSE_S, trio_token=token[0])  # the producer's loop stops whole
+        resumed.set()
+    threading.Thread(target=pause, daemon=True).start()
+    with trio.fail_after(60):
+        while thread.is_alive():
+            await trio.sleep(0.05)
+    thread.join()
+    assert not failure, failure
+    got: list[int] = []
+    async with await fc.connect(broker.url) as conn:
+        async with conn.consumer("prodpaused", prefetch=1000) as consumer:
+            while len(got) < COUNT:
+                try:
+                    msg = await consumer.receive(timeout=2)
+                except fc.ReceiveTimeout:
+                    break
+                got.append(struct.unpack(">q", msg.body[:8])[0])
+                await msg.ack()
+    assert got == list(range(COUNT))
