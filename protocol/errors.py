@@ -20,7 +20,11 @@ __all__ = [
 
 
 class ErrorCode(enum.IntEnum):
-    """Codes in ERROR and CLOSE frames. Stable: clients match on them."""
+    """Codes in ERROR and CLOSE frames. Stable: clients match on them. Compared and encoded as integers;
+    printed by name (`print(error.code)` printed 15 where the docs say UNAUTHORIZED, a tester)."""
+
+    def __str__(self) -> str:
+        return self.name
 
     NORMAL = 0  # CLOSE only: an orderly close
     MALFORMED_FRAME = 1  # not msgpack, wrong shape or wrong field type

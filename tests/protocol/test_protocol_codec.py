@@ -296,3 +296,14 @@ def test_a_malformed_frame_whose_msgpack_error_has_no_text_still_says_why(body: 
     decoder.feed(struct.pack(">I", len(body)) + body)
     with pytest.raises(RemoteProtocolError, match=reason):
         decoder.next_frame()
+
+
+def test_an_error_code_prints_by_name_and_is_encoded_as_its_number() -> None:
+    """client.md names codes (`RequestError` code `ALREADY_EXISTS`); print(error.code) printed 15 (a tester)."""
+    import json
+
+    from flowbroker.protocol.errors import ErrorCode
+
+    code = ErrorCode.UNAUTHORIZED
+    assert (str(code), f"{code}", "%s" % code) == ("UNAUTHORIZED",) * 3
+    assert code == int(code) and json.dumps({"code": code}) == f'{{"code": {int(code)}}}' and "%d" % code == str(int(code))
