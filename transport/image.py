@@ -279,6 +279,31 @@ class Image:
         if sub is not None:
             sub.hold = max(0, sub.hold - nbytes)
 
+    def subscriber_whole_position(self, subscriber_id: int) -> int:
+        """The subscriber's position less the fragments it read of a message not yet whole (or of one
+        being dropped for its length): where the first message it has not handed up starts, a frame
+        boundary. Such fragments are full frames (only a message's last may be shorter)."""
+        sub = self._subscribers[subscriber_id]
+        _, buffered, skipped = sub.assembler.checkpoint()
+        payload = buffered or max(skipped, 0)
+        return sub.position - (payload // (self.mtu - DATA_HEADER_LENGTH) * self.mtu if payload else 0)
+
+    def resume_subscriber(self, subscriber_id: int, position: int, hold: int) -> None:
+        """Start a subscriber of this image at ``position`` instead of the join position, ``hold`` bytes
+        before it still held: the image is a new one of a publication whose previous image timed out, the
+        publication sent the stream again from below where this subscriber had read the old one to
+        (``Publication(rejoin_at_consumed=True)``: from what it was told consumed), and what lies below
+        ``position`` was already handed up (the broker routed it). ``position`` is a message boundary of the
+        same stream (``subscriber_whole_position`` of the old image) at or after the join position and
+        within the window the image accepts (half a term past it); the consumption position the status
+        messages report is ``position - hold``, never below the join position."""
+        sub = self._subscribers[subscriber_id]
+        if not self.join_position <= position <= self.join_position + self.term_length // 2:
+            raise ValueError(f"cannot resume at {position}: the image joined at {self.join_position}")
+        sub.position = position
+        sub.hold = min(hold, position - self.join_position)
+        sub.assembler = sub.new_assembler()
+
     def subscriber_hold(self, subscriber_id: int) -> int:
         return self._subscribers[subscriber_id].hold
 

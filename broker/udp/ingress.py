@@ -85,7 +85,13 @@ class UdpPublication:
     """(transfer id, term bytes) of each message polled and not yet released, in transfer-id order (id 0:
     a message that was never routed, a bad envelope or one over term_length / 8, released with the ones
     before it). A PUBLISH_BATCH is one entry, its last message's transfer id: its bytes are released when
-    all its messages complete, so the consumption position only ever moves to the end of a term frame."""
+    all its messages complete, so the consumption position only ever moves to the end of a term frame.
+    Kept across images (`_image_available`): what an image that timed out held stays held."""
+    routed_position: int = 0
+    """Where the first message of the stream not yet polled (routed, or dropped) starts: what the image has
+    been read to, less the fragments of a message not yet whole. A new image of the same publication that
+    joins below it (the producer sends again what it was told was not consumed) is read from here."""
+    resent_skipped: int = 0  # term bytes a new image was sent again that were routed already, not again
     woken: bool = True  # the publication session's outbox or completions changed: drain it
     caught_up: bool = False  # completed all it received while more datagrams waited: report when they stop
     more_to_route: bool = False  # the last poll stopped at a bound (the cycle's messages, the grant)
@@ -182,18 +188,44 @@ class Ingress:
                 "publish_batch": True}
 
     def _image_available(self, pub: UdpPublication | None, image: Image) -> None:
+        """A new image of the publication: its first, or one after an image that timed out (the producer's
+        process was stopped past the image liveness timeout, 10 s) or drained.
+
+        The SDK's producer (``Publication(rejoin_at_consumed=True)``) starts the new image at the position
+        the old one's status messages last reported consumed: the completion point, so it sends again what
+        the broker had routed and not completed (held by a saturated queue, or completed after that status
+        message). Those messages are enqueued already: routed again they were enqueued twice (600 messages
+        to a queue saturated while the producer was stopped gave 1,159). The new image is read from where
+        the old one was (`routed_position`, a message boundary of the same stream), so every message is
+        routed once. Its consumption position starts at the old completion point: the old image's holds
+        (`pending`) are held in the new one and released as their transfers complete, in transfer-id
+        order with the new image's messages. An image that joins at or past where the old one was read
+        to (a producer that does not go back) starts afresh, as before: what was held is released with
+        nothing (its bytes are not in this image)."""
         if pub is None:  # (closed: its channel's images were dropped)
             return
         pub.image = image
-        pub.pending.clear()
+        sub_id = pub.subscription.subscription_id
+        routed, join = pub.routed_position, image.join_position
+        pending = pub.pending
+        if join < routed <= join + image.term_length // 2 and image.has_subscriber(sub_id):
+            held = sum(space for _, space in pending)
+            while pending and held > routed - join:  # (held bytes below the join: not this image's)
+                held -= pending.popleft()[1]
+            image.resume_subscriber(sub_id, routed, held)
+            pub.resent_skipped += routed - join
+            self._release(pub)  # what completed while there was no image
+        else:
+            pending.clear()
+            pub.routed_position = join
         self._apply_window(pub)
 
     def _image_gone(self, pub: UdpPublication | None, image: Image) -> None:
-        """The image drained after end of stream or timed out: its holds go with it (what was routed stays
-        routed). A new SETUP from the same publication makes a new image."""
+        """The image drained after end of stream or timed out. What was routed stays routed, and what it
+        held stays in `pending` until a new image of the publication says whether it is sent again
+        (`_image_available`)."""
         if pub is not None and pub.image is image:
             self._retire_image(pub)
-            pub.pending.clear()
 
     def _retire_image(self, pub: UdpPublication) -> None:
         """The publication's image goes: keep its loss figures in the totals (metrics count them)."""
@@ -369,6 +401,7 @@ class Ingress:
         while (image.poll(sub_id, take, _POLL_FRAGMENTS, oversized) and count < MAX_MESSAGES_PER_CYCLE
                and charged < room):
             pass
+        pub.routed_position = image.subscriber_whole_position(sub_id)  # (what was polled is routed below)
         if not messages:
             return False
         if count >= MAX_MESSAGES_PER_CYCLE or charged >= room:

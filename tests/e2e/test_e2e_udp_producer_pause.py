@@ -99,3 +99,72 @@ async def test_a_udp_producer_paused_past_the_timeouts_resumes_and_every_message
                 got.append(struct.unpack(">q", msg.body[:8])[0])
                 await msg.ack()
     assert got == list(range(COUNT))
+
+
+HELD_COUNT = 600
+
+
+async def test_messages_a_saturated_queue_held_when_the_producer_paused_are_routed_once_after_it_resumes(
+    start_flowbroker: Start, monkeypatch: Any
+) -> None:
+    """The producer's new image starts at the position the broker last reported consumed, its completion
+    point: the messages a saturated queue holds (routed, enqueued, not completed) are sent again, and the
+    broker routes from where it had polled, not twice. Without it the queue got them twice (the held ones
+    again after the last, out of order)."""
+    monkeypatch.setattr(udpproducer, "PublicationConfig",
+                        functools.partial(PublicationConfig, connection_timeout_ns=RECEIVER_TIMEOUT_NS))
+    monkeypatch.setattr(ingress, "ReceiverConfig",
+                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=LIVENESS_NS)))
+    broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("held", flow_stop_count=50, flow_resume_count=10)
+    failure: list[BaseException] = []
+    token: list[trio.lowlevel.TrioToken] = []
+
+    async def produce() -> None:
+        async with await fc.connect(broker.url) as conn:
+            async with conn.producer(routing_key="held", transport="udp") as producer:
+                token.append(trio.lowlevel.current_trio_token())
+                for i in range(HELD_COUNT):
+                    await producer.send(struct.pack(">q", i) + b"h" * 92, timeout=30)
+                    if i % 20 == 0:
+                        await trio.sleep(0.001)
+                await producer.flush(timeout=30)
+
+    def run() -> None:
+        try:
+            trio.run(produce)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    queue = None
+    with trio.fail_after(20):
+        while queue is None or len(queue.store) < 50 or broker.core.udp is None:
+            await trio.sleep(0.01)
+            queue = broker.core.queues.get("held")
+        await trio.sleep(0.3)  # the window closes: the producer waits, the queue holds what it routed
+    ingress_ = broker.core.udp.ingress
+    (pub,) = ingress_.publications.values()
+    assert pub.pending, "the saturated queue holds none of the producer's messages"
+    await trio.to_thread.run_sync(functools.partial(
+        trio.from_thread.run_sync, time.sleep, PAUSE_S, trio_token=token[0]))  # the producer's loop stops
+    got: list[int] = []
+    async with await fc.connect(broker.url) as conn:
+        async with conn.consumer("held", prefetch=100) as consumer:
+            with trio.fail_after(60):
+                while True:
+                    try:
+                        msg = await consumer.receive(timeout=3)
+                    except fc.ReceiveTimeout:
+                        break
+                    got.append(struct.unpack(">q", msg.body[:8])[0])
+                    await msg.ack()
+    with trio.fail_after(10):
+        while thread.is_alive():
+            await trio.sleep(0.05)
+    thread.join()
+    assert not failure, failure
+    assert got == list(range(HELD_COUNT))
+    assert pub.resent_skipped > 0  # the producer did send again what the queue held
