@@ -91,6 +91,7 @@ class UdpConsumer(Consumer):
         self._release_step = max(self.window // 16, 1)
         self._max_payload = 0  # the image's largest unfragmented payload (mtu - header)
         self._image_subscriber = 0  # the id the image knows our subscription by
+        self._read_to = -1  # where the image was read to (a message boundary); -1: no image yet
         self._unheld = False  # a poll took messages it did not hold (dropped, or after the end)
         self._dirty = trio.Event()
         self._scope = trio.CancelScope()
@@ -131,14 +132,33 @@ class UdpConsumer(Consumer):
                               session_id=session_id, so_rcvbuf=max(window, 1 << 20), max_images=1)
 
     def _image_available(self, image: Image) -> None:
+        """The broker's publication's image: the first, or a new one after the last timed out (the broker's
+        process stopped past the image liveness timeout, 10 s). The broker (``rejoin_at_consumed``) starts
+        a new one at what this consumer last reported consumed, its *processed* position, so it sends
+        again what was handed out and not processed, or processed since that status message: the image is
+        read on from where the old one was (`_read_to`, a message boundary of the same stream), what the
+        old one held stays held (`Image.resume_subscriber`), and nothing is handed out twice. Else the
+        deliveries sent into the dead image were lost: 1,000 of 20,000 for a broker stopped 12-16 s,
+        counted delivered and unsettled by the broker until the consumer closed (a tester)."""
         image.window_cap = self.window
         image.hold_partial = True  # (the broker sends a message over the window whole: Egress.do_work)
         self._image = image
         self._term_length = image.term_length
-        self._held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
-        self._release_at = RELEASE_NEVER
         self._max_payload = image.mtu - DATA_HEADER_LENGTH
         self._image_subscriber = self._subscription_id_in_image()
+        read_to, join = self._read_to, image.join_position
+        held = self._held
+        if join < read_to <= join + image.term_length // 2:
+            space = sum(entry[1] for entry in held)
+            while held and space > read_to - join:  # (held bytes below the join: not this image's)
+                space -= held.popleft()[1]
+            image.resume_subscriber(self._image_subscriber, read_to, space)
+            self._release_at = held[0][0] if held else RELEASE_NEVER
+            self._release()  # what was processed while there was no image
+            return
+        self._read_to = join
+        held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
+        self._release_at = RELEASE_NEVER
 
     # -------------------------------------------------------------- the image
 
@@ -286,6 +306,9 @@ class UdpConsumer(Consumer):
                     self._polled = []
                     self._on_deliver(polled)
                     polled = self._polled
+            image = self._image
+            if image is not None and image.has_subscriber(self._image_subscriber):
+                self._read_to = image.subscriber_whole_position(self._image_subscriber)
             if self._unheld:  # messages polled and not held moved the consumption position: report it
                 self._unheld = False
                 self._send(channel.do_work(now))

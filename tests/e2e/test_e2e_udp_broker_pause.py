@@ -1,0 +1,98 @@
+"""The broker's process stops (SIGSTOP, a debugger) past a UDP consumer's image liveness timeout while it
+delivers to it, then resumes: the consumer gets every message once, in order.
+
+A tester stopped the broker 12-16 s while a queue was read by a UDP consumer: the consumer got 19,000 of
+20,000 in order, 1,000 in a row missing, then ReceiveTimeout; the broker counted them delivered and
+unsettled, requeued only when the consumer closed. The consumer's image timed out (10 s without data),
+and its new image started at the broker's sender position: what was sent into the dead one was lost.
+
+The broker runs in this test's trio loop, stopped whole by a `time.sleep` in it; the consumer runs in a
+thread of its own with its own loop. Timeouts scaled down: the consumer's image liveness to 1 s (10 s), the
+broker's receiver timeout to 0.4 s (5 s); the pause, 2 s, is past both.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import pytest
+import trio
+
+import flowbroker.client as fc
+from flowbroker.broker.udp import egress
+from flowbroker.client import udpconsumer
+from flowbroker.transport.image import ImageTimers
+from flowbroker.transport.publication import PublicationConfig
+from flowbroker.transport.subscription import ReceiverConfig
+from tests.conftest import RunningBroker
+
+Start = Callable[..., Awaitable[RunningBroker]]
+
+LIVENESS_NS = 1_000_000_000
+RECEIVER_TIMEOUT_NS = 400_000_000
+PAUSE_S = 2.0
+COUNT = 2000
+
+
+@pytest.mark.parametrize("consumer_waits", [False, True])
+async def test_a_udp_consumer_gets_every_message_once_in_order_when_the_broker_stops_past_its_timeouts(
+    start_flowbroker: Start, monkeypatch: Any, consumer_waits: bool
+) -> None:
+    """`consumer_waits`: the application does not process what it was handed out meanwhile either, so
+    the broker sends again, from what was processed, deliveries the consumer has: not handed out twice."""
+    monkeypatch.setattr(egress, "PublicationConfig",
+                        functools.partial(PublicationConfig, connection_timeout_ns=RECEIVER_TIMEOUT_NS))
+    monkeypatch.setattr(udpconsumer, "ReceiverConfig",
+                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=LIVENESS_NS)))
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("brokerpaused")
+        async with conn.producer(routing_key="brokerpaused") as producer:
+            for i in range(COUNT):
+                await producer.send(struct.pack(">q", i) + b"b" * 92)
+            await producer.flush(timeout=30)
+    got: list[int] = []
+    failure: list[BaseException] = []
+    halfway = threading.Event()
+
+    async def consume() -> None:
+        async with await fc.connect(broker.url) as conn:
+            async with conn.consumer("brokerpaused", transport="udp", prefetch=500,
+                                     buffer_size=64 * 1024) as consumer:
+                while len(got) < COUNT:
+                    try:
+                        msg = await consumer.receive(timeout=4)
+                    except fc.ReceiveTimeout:
+                        break
+                    got.append(struct.unpack(">q", msg.body[:8])[0])
+                    await msg.ack()
+                    if len(got) == COUNT // 3:
+                        halfway.set()
+                        if consumer_waits:  # (its loop runs: the image times out holding what it handed out)
+                            await trio.sleep(PAUSE_S + 0.5)
+                    if len(got) % 20 == 0:
+                        await trio.sleep(0.002)  # a paced consumer: the broker has deliveries in flight
+
+    def run() -> None:
+        try:
+            trio.run(consume)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    with trio.fail_after(30):
+        while not halfway.is_set():
+            await trio.sleep(0.001)
+    time.sleep(PAUSE_S)  # the broker (this loop) stops whole while the consumer's loop runs on
+    with trio.fail_after(60):
+        while thread.is_alive():
+            await trio.sleep(0.05)
+    thread.join()
+    assert not failure, failure
+    missing = sorted(set(range(COUNT)) - set(got))
+    assert got == list(range(COUNT)), (len(got), missing[:3], len(missing))
