@@ -26,8 +26,10 @@ What one connection can cost the others is bounded here (docs/architecture.md, "
   writer, the timer or the handshake; a broker bug such as a RecursionError) ends that connection
   alone, with ERROR INTERNAL_ERROR and a logged traceback. Nothing reaches the accept loop.
 - A reader hands frames to the core for at most READER_TURN_SECONDS before it yields, so a burst of
-  frames from one peer holds the event loop for a few milliseconds, not for as long as it lasts; and
-  UNREAD_TURN_FRAMES frames only while its client leaves its answers unread (UNREAD_ANSWERS_BYTES).
+  frames from one peer holds the event loop for a few milliseconds, not for as long as it lasts; the
+  readers busy at once share ROUND_BUDGET_SECONDS a scheduler round (down to READER_TURN_FLOOR_SECONDS
+  each), so bursts from many peers together hold it about that plus their turns' fixed costs; and a reader
+  hands UNREAD_TURN_FRAMES frames only while its client leaves its answers unread (UNREAD_ANSWERS_BYTES).
 - Every accepted socket counts toward max_connections, HELLO or not, and sockets over it are refused
   at accept (broker/accept.py accepts, with backoff when out of descriptors).
 - A frame must complete within frame_timeout, and the bytes held for partial frames are bounded
@@ -111,7 +113,15 @@ CLOSE_PIECE_BYTES = 64 * 1024
 """Closing: what is still due is encoded this much at a time (about 1 ms of ERRORs), each piece sent before
 the next is encoded (`_send_and_close`)."""
 UDP_STATUS_GRACE_SECONDS = 0.05  # at shutdown, between UDP producers' last status messages and the CLOSE
-READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long
+READER_TURN_SECONDS = 0.002  # a reader yields after handing frames to the core for this long...
+ROUND_BUDGET_SECONDS = 0.010
+"""...or for this shared among the readers busy at once (`BrokerServer.busy_readers`), if that is less. trio runs
+every ready task once before it looks at the sockets again, so a connection that sends one request waits a turn
+of every busy reader for its answer: 100 readers with frames to spare (pipelined requests, a fresh connection's
+first answers) at 2 ms each held it 200-300 ms a round; their turns now add up to about this much."""
+READER_TURN_FLOOR_SECONDS = 0.0002
+"""The shortest turn however many readers are busy (and a turn hands at least one frame to the core): below it
+the turn's fixed costs (the step, the flush's write, the read) would outweigh its frames."""
 UNREAD_ANSWERS_BYTES = 64 * 1024
 """Answers (control frames: ERRORs, OKs, completions, by `control_cost`) waiting in a connection's outbox while
 its socket takes nothing more (its writer is waiting to write, or holds bytes the kernel refused): past this the
@@ -191,6 +201,9 @@ class BrokerServer:
         self.journal: Journal | None = None  # durable queues' journal ([storage] enabled), opened by serve()
         self._woken: dict[ConnectionHandler, None] = {}  # to flush at the end of the current reader chunk
         self.in_chunk = False  # a reader is handing frames to the core; it flushes what they wake
+        self.busy_readers = 0
+        """Readers that ended their turn with frames still to hand to the core, waiting for their next turn: they
+        share ROUND_BUDGET_SECONDS a scheduler round (`ConnectionHandler._handle_buffered`)."""
         self.open_sockets = 0  # accepted and not closed yet, HELLO or not: what max_connections counts
         self.peak_sockets = 0
         self.refused = 0  # sockets refused at accept: open_sockets at max_connections, or the shutdown begun
@@ -1070,54 +1083,69 @@ class ConnectionHandler:
 
     async def _handle_buffered(self, session: Session) -> bool:
         """Hand every complete frame buffered to the core, yielding to other tasks whenever this has
-        taken READER_TURN_SECONDS (checked on a clock that costs no system call); False when the
-        connection must end. Flushes what the frames made due at every yield and at the end."""
+        taken its turn (checked on a clock that costs no system call); False when the connection must
+        end. Flushes what the frames made due at every yield and at the end.
+
+        A turn is READER_TURN_SECONDS, or ROUND_BUDGET_SECONDS shared among the readers busy at once if that
+        is less (never under READER_TURN_FLOOR_SECONDS): a reader counts among them (`server.busy_readers`)
+        from the first time it yields with frames still to handle until it has handled all it has."""
         conn, core, server, outbox = self.conn, self.core, self.server, session.outbox
         frames_before = conn.frames_received
         session.heard_ns = core.clock_ns()
-        while True:
-            turn_ends = time.perf_counter() + READER_TURN_SECONDS
-            handled = 0  # frames this turn: a few only while the client leaves its answers unread
-            more = False
-            server.in_chunk = True
-            try:
-                while True:
-                    if session.routing_rest is not None:  # a fan-out's rest: routed before the next frame
-                        # (its socket is not read meanwhile: what it sends waits there, so it is not idle)
-                        self.last_received = trio.current_time()
-                        core.route_rest(session)
-                        if time.perf_counter() >= turn_ends:
+        busy = False  # this reader is counted in server.busy_readers
+        try:
+            while True:
+                readers = server.busy_readers
+                turn_ends = time.perf_counter() + (
+                    READER_TURN_SECONDS if readers * READER_TURN_SECONDS <= ROUND_BUDGET_SECONDS
+                    else max(ROUND_BUDGET_SECONDS / readers, READER_TURN_FLOOR_SECONDS))
+                handled = 0  # frames this turn: a few only while the client leaves its answers unread
+                more = False
+                server.in_chunk = True
+                try:
+                    while True:
+                        if session.routing_rest is not None:  # a fan-out's rest: routed before the next frame
+                            # (its socket is not read meanwhile: what it sends waits there, so it is not idle)
+                            self.last_received = trio.current_time()
+                            core.route_rest(session)
+                            if time.perf_counter() >= turn_ends:
+                                more = True
+                                break
+                            continue
+                        if (frame := conn.next_frame()) is None:
+                            break
+                        if isinstance(frame, Close):
+                            self.close(_Closing(ErrorCode.NORMAL, "closed by client", error=False))
+                            return False
+                        session.frame_seq = conn.frames_received  # (decoded one at a time: this frame's)
+                        core.handle(session, frame)
+                        handled += 1
+                        if time.perf_counter() >= turn_ends or (
+                                handled >= UNREAD_TURN_FRAMES and (self._writing or self._unsent)
+                                and outbox.control_bytes >= UNREAD_ANSWERS_BYTES):
                             more = True
                             break
-                        continue
-                    if (frame := conn.next_frame()) is None:
-                        break
-                    if isinstance(frame, Close):
-                        self.close(_Closing(ErrorCode.NORMAL, "closed by client", error=False))
-                        return False
-                    session.frame_seq = conn.frames_received  # (decoded one at a time: this frame's)
-                    core.handle(session, frame)
-                    handled += 1
-                    if time.perf_counter() >= turn_ends or (
-                            handled >= UNREAD_TURN_FRAMES and (self._writing or self._unsent)
-                            and outbox.control_bytes >= UNREAD_ANSWERS_BYTES):
-                        more = True
-                        break
-            except RemoteProtocolError as exc:
-                self.close(_Closing(exc.code, str(exc), exc.frame_seq))
-                return False
-            except SessionFault as exc:
-                self.close(_Closing(exc.code, str(exc), conn.frames_received))
-                return False
-            except Exception as exc:  # a broker bug (or a RecursionError) while handling this frame
-                self._internal_error(exc, f"handling frame {conn.frames_received}", conn.frames_received)
-                return False
-            finally:
-                server.in_chunk = False
-                server.flush_woken()
-            if not more:
-                break
-            await trio.lowlevel.checkpoint()
+                except RemoteProtocolError as exc:
+                    self.close(_Closing(exc.code, str(exc), exc.frame_seq))
+                    return False
+                except SessionFault as exc:
+                    self.close(_Closing(exc.code, str(exc), conn.frames_received))
+                    return False
+                except Exception as exc:  # a broker bug (or a RecursionError) while handling this frame
+                    self._internal_error(exc, f"handling frame {conn.frames_received}", conn.frames_received)
+                    return False
+                finally:
+                    server.in_chunk = False
+                    server.flush_woken()
+                if not more:
+                    break
+                if not busy:
+                    busy = True
+                    server.busy_readers += 1
+                await trio.lowlevel.checkpoint()
+        finally:
+            if busy:  # (also when it ends, or is cancelled while it waits for its next turn)
+                server.busy_readers -= 1
         self._held(frames_before)
         return True
 
