@@ -29,6 +29,7 @@ from flowbroker.transport.image import ImageTimers
 from flowbroker.transport.publication import PublicationConfig
 from flowbroker.transport.subscription import ReceiverConfig
 from tests.conftest import RunningBroker
+from tests.e2e.loopthread import LoopThread
 
 Start = Callable[..., Awaitable[RunningBroker]]
 
@@ -56,7 +57,6 @@ async def test_a_udp_consumer_gets_every_message_once_in_order_when_the_broker_s
                 await producer.send(struct.pack(">q", i) + b"b" * 92)
             await producer.flush(timeout=30)
     got: list[int] = []
-    failure: list[BaseException] = []
     halfway = threading.Event()
 
     async def consume() -> None:
@@ -77,22 +77,12 @@ async def test_a_udp_consumer_gets_every_message_once_in_order_when_the_broker_s
                     if len(got) % 20 == 0:
                         await trio.sleep(0.002)  # a paced consumer: the broker has deliveries in flight
 
-    def run() -> None:
-        try:
-            trio.run(consume)
-        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    client = LoopThread(consume)
+    client.start()
     with trio.fail_after(30):
         while not halfway.is_set():
             await trio.sleep(0.001)
     time.sleep(PAUSE_S)  # the broker (this loop) stops whole while the consumer's loop runs on
-    with trio.fail_after(60):
-        while thread.is_alive():
-            await trio.sleep(0.05)
-    thread.join()
-    assert not failure, failure
+    await client.join()
     missing = sorted(set(range(COUNT)) - set(got))
     assert got == list(range(COUNT)), (len(got), missing[:3], len(missing))

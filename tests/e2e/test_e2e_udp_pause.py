@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import threading
-import time
 from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
@@ -33,6 +31,7 @@ from flowbroker.client.udpconsumer import UdpConsumer
 from flowbroker.transport.image import ImageTimers
 from flowbroker.transport.publication import PublicationConfig
 from tests.conftest import RunningBroker
+from tests.e2e.loopthread import LoopThread
 
 Start = Callable[..., Awaitable[RunningBroker]]
 
@@ -72,11 +71,8 @@ async def test_a_udp_consumer_paused_past_the_timeouts_resumes_with_every_messag
                 await producer.send(struct.pack(">q", i) + b"z" * 300, timeout=30)
     got: list[int] = []
     setups: list[int] = []
-    failure: list[BaseException] = []
     unacked_while_paused: list[int] = []
     connected_while_paused: list[bool] = []
-    resumed = threading.Event()
-    token: list[trio.lowlevel.TrioToken] = []
 
     async def consume() -> None:
         async with await fc.connect(broker.url) as conn:
@@ -87,31 +83,20 @@ async def test_a_udp_consumer_paused_past_the_timeouts_resumes_with_every_messag
                     got.append(struct.unpack(">q", msg.body[:8])[0])
                     await msg.ack()
                     if len(got) == 5:
-                        token.append(trio.lowlevel.current_trio_token())
+                        client.mark()
                 assert isinstance(consumer, UdpConsumer) and consumer._channel is not None
                 setups.append(consumer._channel.dispositions["setup"])
 
-    def run() -> None:
-        try:
-            trio.run(consume)
-        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
-            failure.append(exc)
-
     datapath = broker.core.udp
     assert datapath is not None
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    while not token:
-        await trio.sleep(0.001)
+    client = LoopThread(consume)
+    client.start()
+    await client.marked()
     await trio.sleep(pause_after)
-
-    def pause() -> None:
-        trio.from_thread.run_sync(time.sleep, PAUSE_S, trio_token=token[0])  # the consumer's loop stops whole
-        resumed.set()
-    threading.Thread(target=pause, daemon=True).start()
+    client.pause_soon(PAUSE_S)  # the consumer's loop stops whole
     with trio.fail_after(60):
-        while thread.is_alive():
-            if not resumed.is_set() and len(got) >= 5:
+        while client.alive:
+            if not client.resumed.is_set() and len(got) >= 5:
                 subscriptions = views.queue_view(broker.core.queues["paused"], broker.core.clock_ns())["subscriptions"]
                 if subscriptions:
                     unacked_while_paused.append(subscriptions[0]["buffer"]["unacked"])
@@ -119,8 +104,7 @@ async def test_a_udp_consumer_paused_past_the_timeouts_resumes_with_every_messag
                 if streams:
                     connected_while_paused.append(streams[0].publication.is_connected)
             await trio.sleep(0.05)
-    thread.join()
-    assert not failure, failure
+    await client.join()
     assert False in connected_while_paused  # the broker's receiver timeout passed
     assert got == list(range(COUNT))
     assert setups == [1]  # one image throughout: not drained on resume and made again further on

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import threading
-import time
 from typing import Any, Awaitable, Callable
 
 import trio
@@ -31,6 +29,7 @@ from flowbroker.transport.image import ImageTimers
 from flowbroker.transport.publication import PublicationConfig
 from flowbroker.transport.subscription import ReceiverConfig
 from tests.conftest import RunningBroker
+from tests.e2e.loopthread import LoopThread
 
 Start = Callable[..., Awaitable[RunningBroker]]
 
@@ -50,9 +49,6 @@ async def test_a_udp_producer_paused_past_the_timeouts_resumes_and_every_message
     broker = await start_flowbroker()
     async with await fc.connect(broker.url) as conn:
         await conn.declare_queue("prodpaused")
-    failure: list[BaseException] = []
-    token: list[trio.lowlevel.TrioToken] = []
-    resumed = threading.Event()
 
     async def produce() -> None:
         async with await fc.connect(broker.url) as conn:
@@ -60,34 +56,19 @@ async def test_a_udp_producer_paused_past_the_timeouts_resumes_and_every_message
                 for i in range(COUNT):
                     await producer.send(struct.pack(">q", i) + b"p" * 92, timeout=30)
                     if i == COUNT // 3:
-                        token.append(trio.lowlevel.current_trio_token())
+                        client.mark()
                     if i % 20 == 0:
                         await trio.sleep(0.005)  # a paced producer: its loop runs its other tasks
                     if i == COUNT // 3 + 10:
-                        while not resumed.is_set():  # the stop comes while sending
+                        while not client.resumed.is_set():  # the stop comes while sending
                             await trio.sleep(0.001)
                 await producer.flush(timeout=30)
 
-    def run() -> None:
-        try:
-            trio.run(produce)
-        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    while not token:
-        await trio.sleep(0.001)
-
-    def pause() -> None:
-        trio.from_thread.run_sync(time.sleep, PAUSE_S, trio_token=token[0])  # the producer's loop stops whole
-        resumed.set()
-    threading.Thread(target=pause, daemon=True).start()
-    with trio.fail_after(60):
-        while thread.is_alive():
-            await trio.sleep(0.05)
-    thread.join()
-    assert not failure, failure
+    client = LoopThread(produce)
+    client.start()
+    await client.marked()
+    client.pause_soon(PAUSE_S)  # the producer's loop stops whole
+    await client.join()
     got: list[int] = []
     async with await fc.connect(broker.url) as conn:
         async with conn.consumer("prodpaused", prefetch=1000) as consumer:
@@ -118,27 +99,19 @@ async def test_messages_a_saturated_queue_held_when_the_producer_paused_are_rout
     broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
     async with await fc.connect(broker.url) as conn:
         await conn.declare_queue("held", flow_stop_count=50, flow_resume_count=10)
-    failure: list[BaseException] = []
-    token: list[trio.lowlevel.TrioToken] = []
 
     async def produce() -> None:
         async with await fc.connect(broker.url) as conn:
             async with conn.producer(routing_key="held", transport="udp") as producer:
-                token.append(trio.lowlevel.current_trio_token())
+                client.mark()
                 for i in range(HELD_COUNT):
                     await producer.send(struct.pack(">q", i) + b"h" * 92, timeout=30)
                     if i % 20 == 0:
                         await trio.sleep(0.001)
                 await producer.flush(timeout=30)
 
-    def run() -> None:
-        try:
-            trio.run(produce)
-        except BaseException as exc:  # noqa: BLE001 (reported by the test below)
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    client = LoopThread(produce)
+    client.start()
     queue = None
     with trio.fail_after(20):
         while queue is None or len(queue.store) < 50 or broker.core.udp is None:
@@ -148,8 +121,7 @@ async def test_messages_a_saturated_queue_held_when_the_producer_paused_are_rout
     ingress_ = broker.core.udp.ingress
     (pub,) = ingress_.publications.values()
     assert pub.pending, "the saturated queue holds none of the producer's messages"
-    await trio.to_thread.run_sync(functools.partial(
-        trio.from_thread.run_sync, time.sleep, PAUSE_S, trio_token=token[0]))  # the producer's loop stops
+    await client.pause(PAUSE_S)  # the producer's loop stops whole
     got: list[int] = []
     async with await fc.connect(broker.url) as conn:
         async with conn.consumer("held", prefetch=100) as consumer:
@@ -161,10 +133,6 @@ async def test_messages_a_saturated_queue_held_when_the_producer_paused_are_rout
                         break
                     got.append(struct.unpack(">q", msg.body[:8])[0])
                     await msg.ack()
-    with trio.fail_after(10):
-        while thread.is_alive():
-            await trio.sleep(0.05)
-    thread.join()
-    assert not failure, failure
+    await client.join(10)
     assert got == list(range(HELD_COUNT))
     assert pub.resent_skipped > 0  # the producer did send again what the queue held
