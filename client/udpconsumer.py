@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flowbroker.client.errors import check_timeout
+from flowbroker.client.errors import PublishError, check_timeout
 from flowbroker.client.consumer import RELEASE_NEVER, Consumer, ConsumerStatistics
-from flowbroker.protocol import Frame
+from flowbroker.protocol import ErrorCode, Frame
 from flowbroker.protocol.credit import MESSAGE_OVERHEAD, message_size
 from flowbroker.protocol.envelope import DELIVER_BATCH, EnvelopeError, decode_delivery, decode_delivery_batch
 from flowbroker.protocol.frames import SubscribeUdp
@@ -156,9 +156,26 @@ class UdpConsumer(Consumer):
             self._release_at = held[0][0] if held else RELEASE_NEVER
             self._release()  # what was processed while there was no image
             return
+        if 0 <= read_to < join:
+            self._stream_lost(join - read_to)
         self._read_to = join
         held.clear()  # (_charged_end goes on: what the old image handed out still counts as processed)
         self._release_at = RELEASE_NEVER
+
+    def _stream_lost(self, gap: int) -> None:
+        """A new image starts past where the old one was read to: the broker could not send again what went
+        into the dead one (it went on for another receiver, or its log no longer held it), so those
+        deliveries never arrive, and the broker counts them delivered and unsettled. Not carried on past
+        them in silence: the subscription is cancelled (the broker requeues every unsettled delivery,
+        flagged redelivered), what is buffered is not handed out, and the next receive raises."""
+        log.warning("UDP subscription %s of %r: the broker's stream went on %d bytes past what arrived: "
+                    "cancelled, its unsettled deliveries requeued", self.subscription_id, self.queue, gap)
+        self._on_revoked(PublishError(
+            ErrorCode.IDLE_TIMEOUT, f"the broker's UDP stream to this consumer went on {gap} bytes past what "
+            "arrived (an image lost for 10 s): the subscription was cancelled and the broker requeues every "
+            "unsettled delivery, redelivered; make a new consumer", self.queue),
+            "lost part of the broker's UDP stream")
+        self._conn._cancel_nowait(self)
 
     # -------------------------------------------------------------- the image
 

@@ -86,3 +86,44 @@ async def test_a_udp_consumer_gets_every_message_once_in_order_when_the_broker_s
     await client.join()
     missing = sorted(set(range(COUNT)) - set(got))
     assert got == list(range(COUNT)), (len(got), missing[:3], len(missing))
+
+
+async def test_a_udp_consumer_whose_stream_went_on_without_it_is_cancelled_and_nothing_stays_unsettled(
+    start_flowbroker: Start,
+) -> None:
+    """The safety net: a new image that starts past where the old one was read to (the broker could not
+    send again what went into the dead one) ended nothing: the consumer read on past the gap and those
+    deliveries stayed unsettled on the broker until it closed (a tester). The consumer cancels instead,
+    the broker requeues every unsettled delivery, and the next receive raises naming what happened."""
+    broker = await start_flowbroker()
+    async with await fc.connect(broker.url) as conn:
+        await conn.declare_queue("gap")
+        async with conn.producer(routing_key="gap") as producer:
+            for i in range(50):
+                await producer.send(b"%d" % i)
+            await producer.flush(timeout=30)
+        consumer = conn.consumer("gap", transport="udp", prefetch=100)
+        async with consumer:
+            first = await consumer.receive(timeout=10)
+            assert isinstance(consumer, udpconsumer.UdpConsumer)
+            read_to = consumer._read_to
+            assert read_to > 0
+
+            class Later:  # what `_image_available` reads of a new image that joins past `read_to`
+                join_position = read_to + 4096
+                term_length = 1 << 21
+                mtu = 1408
+                window_cap = 0
+                hold_partial = False
+
+            consumer._subscription_id_in_image = lambda: 0  # type: ignore[method-assign]
+            consumer._image_available(Later())  # type: ignore[arg-type]
+            with pytest.raises(fc.PublishError, match="stream to this consumer went on 4096 bytes"):
+                await consumer.receive(timeout=5)
+            with pytest.raises(fc.AlreadySettled, match="lost part of the broker's UDP stream"):
+                await first.ack()
+        queue = broker.core.queues["gap"]
+        with trio.fail_after(10):
+            while queue.statistics().unsettled_messages or not queue.subscriptions == {}:
+                await trio.sleep(0.01)
+        assert queue.statistics().ready_messages == 50  # all back, none unsettled
