@@ -8,13 +8,20 @@ and its socket fills as a stopped process's would.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from types import ModuleType
 
+import pytest
 import trio
 
-__all__ = ["LoopThread"]
+from flowbroker.transport.image import ImageTimers
+from flowbroker.transport.publication import PublicationConfig
+from flowbroker.transport.subscription import ReceiverConfig
+
+__all__ = ["LoopThread", "scale_udp_timeouts"]
 
 
 class LoopThread:
@@ -71,3 +78,14 @@ class LoopThread:
         self._thread.join()
         if self._failure:
             raise self._failure[0]
+
+
+def scale_udp_timeouts(monkeypatch: pytest.MonkeyPatch, sender: ModuleType, receiver: ModuleType, *,
+                       receiver_timeout_ns: int, liveness_ns: int) -> None:
+    """Scale down the timeouts a pause must outlast: the publications `sender` makes (its
+    `PublicationConfig`: the receiver timeout) and the images `receiver` makes (its `ReceiverConfig`: the
+    image liveness), so a pause of a few seconds is past both."""
+    monkeypatch.setattr(sender, "PublicationConfig",
+                        functools.partial(PublicationConfig, connection_timeout_ns=receiver_timeout_ns))
+    monkeypatch.setattr(receiver, "ReceiverConfig",
+                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=liveness_ns)))

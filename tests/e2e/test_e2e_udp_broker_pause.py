@@ -13,7 +13,6 @@ broker's receiver timeout to 0.4 s (5 s); the pause, 2 s, is past both.
 
 from __future__ import annotations
 
-import functools
 import struct
 import threading
 import time
@@ -25,11 +24,8 @@ import trio
 import flowbroker.client as fc
 from flowbroker.broker.udp import egress
 from flowbroker.client import udpconsumer
-from flowbroker.transport.image import ImageTimers
-from flowbroker.transport.publication import PublicationConfig
-from flowbroker.transport.subscription import ReceiverConfig
 from tests.conftest import RunningBroker
-from tests.e2e.loopthread import LoopThread
+from tests.e2e.loopthread import LoopThread, scale_udp_timeouts
 
 Start = Callable[..., Awaitable[RunningBroker]]
 
@@ -45,10 +41,7 @@ async def test_a_udp_consumer_gets_every_message_once_in_order_when_the_broker_s
 ) -> None:
     """`consumer_waits`: the application does not process what it was handed out meanwhile either, so
     the broker sends again, from what was processed, deliveries the consumer has: not handed out twice."""
-    monkeypatch.setattr(egress, "PublicationConfig",
-                        functools.partial(PublicationConfig, connection_timeout_ns=RECEIVER_TIMEOUT_NS))
-    monkeypatch.setattr(udpconsumer, "ReceiverConfig",
-                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=LIVENESS_NS)))
+    scale_udp_timeouts(monkeypatch, egress, udpconsumer, receiver_timeout_ns=RECEIVER_TIMEOUT_NS, liveness_ns=LIVENESS_NS)
     broker = await start_flowbroker()
     async with await fc.connect(broker.url) as conn:
         await conn.declare_queue("brokerpaused")

@@ -16,7 +16,6 @@ on. Timeouts scaled down: the producer's receiver timeout to 0.4 s (5 s), the br
 
 from __future__ import annotations
 
-import functools
 import struct
 from typing import Any, Awaitable, Callable
 
@@ -26,11 +25,8 @@ import trio
 import flowbroker.client as fc
 from flowbroker.broker.udp import ingress
 from flowbroker.client import udpproducer
-from flowbroker.transport.image import ImageTimers
-from flowbroker.transport.publication import PublicationConfig
-from flowbroker.transport.subscription import ReceiverConfig
 from tests.conftest import RunningBroker
-from tests.e2e.loopthread import LoopThread
+from tests.e2e.loopthread import LoopThread, scale_udp_timeouts
 
 Start = Callable[..., Awaitable[RunningBroker]]
 
@@ -43,10 +39,7 @@ COUNT = 3000
 async def test_a_udp_producer_paused_past_the_timeouts_resumes_and_every_message_is_routed_once_in_order(
     start_flowbroker: Start, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(udpproducer, "PublicationConfig",
-                        functools.partial(PublicationConfig, connection_timeout_ns=RECEIVER_TIMEOUT_NS))
-    monkeypatch.setattr(ingress, "ReceiverConfig",
-                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=LIVENESS_NS)))
+    scale_udp_timeouts(monkeypatch, udpproducer, ingress, receiver_timeout_ns=RECEIVER_TIMEOUT_NS, liveness_ns=LIVENESS_NS)
     broker = await start_flowbroker()
     async with await fc.connect(broker.url) as conn:
         await conn.declare_queue("prodpaused")
@@ -93,10 +86,7 @@ async def test_messages_a_saturated_queue_held_when_the_producer_paused_are_rout
     point: the messages a saturated queue holds (routed, enqueued, not completed) are sent again, and the
     broker routes from where it had polled, not twice. Without it the queue got them twice (the held ones
     again after the last, out of order)."""
-    monkeypatch.setattr(udpproducer, "PublicationConfig",
-                        functools.partial(PublicationConfig, connection_timeout_ns=RECEIVER_TIMEOUT_NS))
-    monkeypatch.setattr(ingress, "ReceiverConfig",
-                        functools.partial(ReceiverConfig, timers=ImageTimers(image_liveness_timeout_ns=LIVENESS_NS)))
+    scale_udp_timeouts(monkeypatch, udpproducer, ingress, receiver_timeout_ns=RECEIVER_TIMEOUT_NS, liveness_ns=LIVENESS_NS)
     broker = await start_flowbroker(credit={"policy": "static", "static_size": 64 * 1024})
     async with await fc.connect(broker.url) as conn:
         await conn.declare_queue("held", flow_stop_count=50, flow_resume_count=10)
